@@ -1,0 +1,1 @@
+//! ferryd, the ferry agent.

@@ -1,0 +1,1 @@
+//! ferry's eBPF data plane (placeholder until the loader lands).

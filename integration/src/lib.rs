@@ -1,0 +1,1 @@
+//! Network-namespace cluster harness (placeholder until it lands).

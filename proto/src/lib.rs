@@ -1,0 +1,39 @@
+//! The `ferry.v1` gRPC API: `Control` for the CLI and external schedulers,
+//! `Peer` between agents.
+
+/// Generated types and services of package `ferry.v1`.
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("ferry.v1");
+
+    /// Encoded file descriptor set, for gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ferry_v1_descriptor");
+}
+
+/// Peer protocol versions this build speaks, oldest first. A migration uses
+/// the highest version both agents list in `Hello`.
+pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[1];
+
+/// The newest peer protocol version this build speaks.
+pub const PEER_PROTOCOL_VERSION: u32 = 1;
+
+/// Picks the highest version both sides speak.
+pub fn negotiate_peer_version(theirs: &[u32]) -> Option<u32> {
+    PEER_PROTOCOL_VERSIONS
+        .iter()
+        .rev()
+        .find(|v| theirs.contains(v))
+        .copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negotiation_picks_highest_common_version() {
+        assert_eq!(negotiate_peer_version(&[1, 7]), Some(1));
+        assert_eq!(negotiate_peer_version(&[2, 3]), None);
+        assert_eq!(negotiate_peer_version(&[]), None);
+    }
+}
