@@ -1,1 +1,13 @@
-//! ferryd, the ferry agent.
+//! ferryd, the ferry agent: manages processes, drives their migration
+//! (CRIU, image transfer, rollback) and keeps the node's eBPF port
+//! ownership in step with them. `ferry` is its CLI.
+
+pub mod agent;
+pub mod api;
+pub mod config;
+pub mod criu;
+pub mod engine;
+pub mod managed;
+pub mod ownership;
+pub mod process;
+mod reaper;

@@ -7,7 +7,8 @@ pub mod v1 {
     tonic::include_proto!("ferry.v1");
 
     /// Encoded file descriptor set, for gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ferry_v1_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("ferry_v1_descriptor");
 }
 
 /// Peer protocol versions this build speaks, oldest first. A migration uses

@@ -1,1 +1,322 @@
-fn main() {}
+//! ferry: the command line of a ferry cluster, over the local agent's
+//! Control API.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{
+    self as pb, GetMigrationRequest, ListNodesRequest, ListProcessesRequest, MigrateRequest,
+    MigrationReport, RunProcessRequest, migration_event,
+};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Live-migrate processes with their connections across a ferry cluster"
+)]
+struct Args {
+    /// The local agent's control socket.
+    #[arg(long, env = "FERRY_SOCKET", default_value = ferry_agent::config::DEFAULT_CONTROL_SOCKET, global = true)]
+    socket: PathBuf,
+    /// Machine-readable output (JSON).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The cluster's nodes and whether they answer.
+    Nodes,
+    /// Processes managed by this node, with their ports and connections.
+    Ps,
+    /// Start a command under ferry's management on this node.
+    Run {
+        #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
+        argv: Vec<String>,
+    },
+    /// Migrate a managed process to another node.
+    Migrate {
+        pid: i32,
+        /// Destination node.
+        #[arg(long)]
+        to: String,
+    },
+    /// The report of a migration that ran from this node.
+    Report { migration_id: String },
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ferry: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main_exec(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferry: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn connect(socket: PathBuf) -> Result<ControlClient<Channel>> {
+    let path = socket.clone();
+    // The URI is required by the API but unused: the connector dials the
+    // Unix socket.
+    let channel = Endpoint::try_from("http://ferryd.local")?
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                tokio::net::UnixStream::connect(path)
+                    .await
+                    .map(TokioIo::new)
+            }
+        }))
+        .await
+        .with_context(|| {
+            format!(
+                "connecting to ferryd at {} (is it running? is this root?)",
+                socket.display()
+            )
+        })?;
+    Ok(ControlClient::new(channel))
+}
+
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+async fn main_exec(args: Args) -> Result<()> {
+    let mut client = connect(args.socket).await?;
+    match args.command {
+        Command::Nodes => {
+            let nodes = client
+                .list_nodes(ListNodesRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner()
+                .nodes;
+            if args.json {
+                let v: Vec<_> = nodes.iter().map(|n| json!({
+                    "name": n.name, "peer_address": n.peer_address, "self": n.is_self,
+                    "reachable": n.reachable, "peer_protocol_version": n.peer_protocol_version,
+                    "managed_processes": n.managed_processes, "error": n.error,
+                })).collect();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!(
+                    "{:<16} {:<22} {:<10} {:>9} {:>9}  NOTE",
+                    "NODE", "PEER ADDRESS", "STATE", "PROTOCOL", "MANAGED"
+                );
+                for n in nodes {
+                    let state = if n.reachable { "up" } else { "down" };
+                    let note = if n.is_self {
+                        "this node".to_owned()
+                    } else {
+                        n.error
+                    };
+                    println!(
+                        "{:<16} {:<22} {:<10} {:>9} {:>9}  {}",
+                        n.name,
+                        n.peer_address,
+                        state,
+                        n.peer_protocol_version,
+                        n.managed_processes,
+                        note
+                    );
+                }
+            }
+        }
+        Command::Ps => {
+            let r = client
+                .list_processes(ListProcessesRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if args.json {
+                let v: Vec<_> = r.processes.iter().map(|p| json!({
+                    "pid": p.pid, "argv": p.argv, "ports": p.ports.iter().map(port_str).collect::<Vec<_>>(),
+                    "tcp_listening": p.tcp_listening, "tcp_established": p.tcp_established,
+                    "udp_sockets": p.udp_sockets, "state": p.state, "origin": p.origin,
+                })).collect();
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({"node": r.node, "processes": v}))?
+                );
+            } else {
+                println!(
+                    "{:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  COMMAND",
+                    "PID", "STATE", "ORIGIN", "PORTS", "LISTEN", "ESTAB", "UDP"
+                );
+                for p in r.processes {
+                    let ports = p.ports.iter().map(port_str).collect::<Vec<_>>().join(",");
+                    println!(
+                        "{:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  {}",
+                        p.pid,
+                        p.state,
+                        p.origin,
+                        ports,
+                        p.tcp_listening,
+                        p.tcp_established,
+                        p.udp_sockets,
+                        p.argv.join(" ")
+                    );
+                }
+            }
+        }
+        Command::Run { argv } => {
+            let pid = client
+                .run_process(RunProcessRequest { argv })
+                .await
+                .map_err(status_error)?
+                .into_inner()
+                .pid;
+            if args.json {
+                println!("{}", json!({ "pid": pid }));
+            } else {
+                println!("{pid}");
+            }
+        }
+        Command::Migrate { pid, to } => {
+            let mut stream = client
+                .migrate(MigrateRequest {
+                    pid,
+                    destination_node: to,
+                    strategy: pb::Strategy::TotalCopy as i32,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            let mut report = None;
+            loop {
+                match stream.message().await {
+                    Ok(Some(ev)) => match ev.event {
+                        Some(migration_event::Event::Started(s)) => {
+                            if !args.json {
+                                eprintln!(
+                                    "migration {} of PID {}: {} -> {}",
+                                    s.migration_id, s.pid, s.source_node, s.destination_node
+                                );
+                            }
+                        }
+                        Some(migration_event::Event::Progress(p)) => {
+                            if !args.json {
+                                eprintln!(
+                                    "  {:>9.1} ms  {:<10} {:>12} bytes sent",
+                                    p.elapsed_us as f64 / 1000.0,
+                                    p.phase,
+                                    p.bytes_transferred
+                                );
+                            }
+                        }
+                        Some(migration_event::Event::Report(r)) => report = Some(r),
+                        None => {}
+                    },
+                    Ok(None) => break,
+                    Err(s) => {
+                        if let Some(r) = &report {
+                            print_report(r, args.json)?;
+                        }
+                        return Err(status_error(s));
+                    }
+                }
+            }
+            match report {
+                Some(r) => print_report(&r, args.json)?,
+                None => bail!("the agent ended the migration stream without a report"),
+            }
+        }
+        Command::Report { migration_id } => {
+            let r = client
+                .get_migration(GetMigrationRequest { migration_id })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            print_report(&r, args.json)?;
+        }
+    }
+    Ok(())
+}
+
+fn port_str(p: &pb::Port) -> String {
+    let proto = match pb::Protocol::try_from(p.protocol) {
+        Ok(pb::Protocol::Tcp) => "tcp",
+        Ok(pb::Protocol::Udp) => "udp",
+        _ => "?",
+    };
+    format!("{}/{}", p.port, proto)
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
+    let outcome = match pb::MigrationOutcome::try_from(r.outcome) {
+        Ok(pb::MigrationOutcome::Committed) => "committed",
+        Ok(pb::MigrationOutcome::Aborted) => "aborted",
+        _ => "unknown",
+    };
+    if as_json {
+        let v = json!({
+            "migration_id": r.migration_id, "outcome": outcome, "error": r.error,
+            "strategy": "total-copy", "source_node": r.source_node, "destination_node": r.destination_node,
+            "source_pid": r.source_pid, "destination_pid": r.destination_pid,
+            "preparation_time_ms": ms(r.preparation_time_us), "freeze_time_ms": ms(r.freeze_time_us),
+            "post_processing_time_ms": ms(r.post_processing_time_us), "total_time_ms": ms(r.total_time_us),
+            "image_bytes": r.image_bytes, "image_files": r.image_files, "bytes_transferred": r.bytes_transferred,
+            "tcp_established": r.tcp_established, "tcp_listening": r.tcp_listening, "udp_sockets": r.udp_sockets,
+            "ports": r.ports.iter().map(port_str).collect::<Vec<_>>(),
+            "phases": r.phases.iter().map(|p| json!({"phase": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
+            "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("migration {}  {}", r.migration_id, outcome);
+    println!(
+        "  {} PID {} -> {} PID {}",
+        r.source_node, r.source_pid, r.destination_node, r.destination_pid
+    );
+    println!("  strategy            total-copy");
+    println!("  freeze time         {:>10.1} ms", ms(r.freeze_time_us));
+    println!("  total time          {:>10.1} ms", ms(r.total_time_us));
+    println!(
+        "  bytes transferred   {:>10}  ({} image files)",
+        r.bytes_transferred, r.image_files
+    );
+    println!(
+        "  sockets             {} established, {} listening, {} UDP; ports {}",
+        r.tcp_established,
+        r.tcp_listening,
+        r.udp_sockets,
+        r.ports.iter().map(port_str).collect::<Vec<_>>().join(",")
+    );
+    println!("  phases:");
+    for p in &r.phases {
+        println!("    {:<10} {:>10.1} ms", p.phase, ms(p.duration_us));
+    }
+    if !r.error.is_empty() {
+        println!("  error: {}", r.error);
+        if r.resumed_on_source {
+            println!("  the process was resumed on {}", r.source_node);
+        }
+    }
+    Ok(())
+}

@@ -1,1 +1,211 @@
-fn main() {}
+//! ferryd: the ferry agent of one node.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use ferry_agent::agent::Agent;
+use ferry_agent::api::{ControlService, PeerService};
+use ferry_agent::config::Config;
+use ferry_agent::ownership::EbpfPortFilter;
+use ferry_proto::v1::control_server::ControlServer;
+use ferry_proto::v1::peer_server::PeerServer;
+use tokio::sync::watch;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferryd",
+    version,
+    about = "The ferry agent: live migration of processes with their connections"
+)]
+struct Args {
+    /// Configuration file (TOML).
+    #[arg(long, short, default_value = "/etc/ferry/ferryd.toml")]
+    config: PathBuf,
+    /// Check the configuration and the CRIU it names, then exit.
+    #[arg(long)]
+    check_config: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match main_exec() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("ferryd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn main_exec() -> Result<()> {
+    let args = Args::parse();
+    let config = Config::load(&args.config)?;
+    if args.check_config {
+        let v = ferry_agent::criu::probe_version(&config.criu_path)?;
+        println!(
+            "{}: configuration of node {} is valid; CRIU {v} at {}",
+            args.config.display(),
+            config.node,
+            config.criu_path.display()
+        );
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(serve(config))
+}
+
+async fn serve(config: Config) -> Result<()> {
+    match ferry_agent::criu::probe_version(&config.criu_path) {
+        Ok(v) => tracing::info!(version = %v, path = %config.criu_path.display(), "CRIU found"),
+        // Not fatal: the agent still answers; migrations report the reason.
+        Err(e) => tracing::warn!(error = %e, "CRIU unusable; migrations will be refused"),
+    }
+    std::fs::create_dir_all(&config.work_dir)
+        .with_context(|| format!("creating work_dir {}", config.work_dir.display()))?;
+    warn_if_not_tmpfs(&config.work_dir);
+
+    let iface = config.public.interface.clone();
+    let filter = tokio::task::spawn_blocking(move || ferry_ebpf::OwnershipFilter::attach(&iface))
+        .await?
+        .with_context(|| {
+            format!(
+                "attaching the ownership filter to {}",
+                config.public.interface
+            )
+        })?;
+    tracing::info!(interface = %config.public.interface, "ownership filter attached");
+
+    let agent = Agent::new(config.clone(), Box::new(EbpfPortFilter(filter)));
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+
+    // Keep ownership in step with what the processes hold.
+    let reconciler = {
+        let agent = agent.clone();
+        let mut stop = shutdown_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        if let Err(e) = agent.reconcile().await {
+                            tracing::warn!(error = %e, "reconciling port ownership");
+                        }
+                    }
+                    _ = stop.changed() => break,
+                }
+            }
+        })
+    };
+
+    let peer_listener = tokio::net::TcpListener::bind(config.cluster.peer_listen)
+        .await
+        .with_context(|| format!("binding the peer port {}", config.cluster.peer_listen))?;
+    let control_listener = bind_control_socket(&config.control_socket)?;
+    tracing::info!(
+        node = %config.node,
+        peer = %config.cluster.peer_listen,
+        control = %config.control_socket.display(),
+        "ferryd serving"
+    );
+
+    let peer_srv = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(
+            PeerServer::new(PeerService::new(agent.clone()))
+                .max_decoding_message_size(16 << 20)
+                .max_encoding_message_size(16 << 20),
+        )
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
+            wait_for(shutdown_rx.clone()),
+        );
+    let control_srv = tonic::transport::Server::builder()
+        .add_service(ControlServer::new(ControlService::new(agent.clone())))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(control_listener),
+            wait_for(shutdown_rx.clone()),
+        );
+    let control_tcp = {
+        let agent = agent.clone();
+        let rx = shutdown_rx.clone();
+        let addr = config.control_listen;
+        async move {
+            let Some(addr) = addr else { return Ok(()) };
+            tonic::transport::Server::builder()
+                .add_service(ControlServer::new(ControlService::new(agent)))
+                .serve_with_shutdown(addr, wait_for(rx))
+                .await
+        }
+    };
+
+    let signals = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+        let _ = shutdown_tx.send(true);
+        Ok::<_, std::io::Error>(())
+    };
+    let (p, c, t, s) = tokio::join!(peer_srv, control_srv, control_tcp, signals);
+    p.context("peer service")?;
+    c.context("control service")?;
+    t.context("control service (TCP)")?;
+    s.context("signal handling")?;
+    let _ = reconciler.await;
+    if let Err(e) = std::fs::remove_file(&config.control_socket) {
+        tracing::warn!(error = %e, "removing the control socket");
+    }
+    // Dropping the last reference to the agent detaches the eBPF programs.
+    drop(agent);
+    tracing::info!("ferryd stopped");
+    Ok(())
+}
+
+async fn wait_for(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// The control socket is the local root-only door to the agent.
+fn bind_control_socket(path: &Path) -> Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::info!(path = %path.display(), "removed a stale control socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("binding the control socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("restricting {}", path.display()))?;
+    Ok(listener)
+}
+
+fn warn_if_not_tmpfs(dir: &Path) {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    match nix::sys::statfs::statfs(dir) {
+        Ok(s) if s.filesystem_type().0 as i64 == TMPFS_MAGIC => {}
+        Ok(_) => tracing::warn!(
+            work_dir = %dir.display(),
+            "work_dir is not on tmpfs: writing images to disk lengthens the freeze"
+        ),
+        Err(e) => tracing::warn!(error = %e, "statfs on work_dir"),
+    }
+}

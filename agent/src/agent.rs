@@ -1,0 +1,232 @@
+//! The agent's shared state: managed processes, port ownership, the
+//! destination slot and finished migration reports.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use ferry_proto::v1::MigrationReport;
+use ferry_proto::v1::peer_client::PeerClient;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::{Config, PeerConfig};
+use crate::engine::EngineError;
+use crate::engine::destination::Incoming;
+use crate::managed::{Lifecycle, ManagedProcess, Origin, Registry};
+use crate::ownership::{Ownership, PortFilter};
+
+pub struct Agent {
+    pub config: Config,
+    registry: Mutex<Registry>,
+    ownership: Mutex<Ownership>,
+    /// Ports of an incoming migration: held frozen (dropped both ways) from
+    /// Prepare until the commit, so that a restored copy that has to be
+    /// killed on abort cannot reach the peers (its sockets are live: CRIU
+    /// takes them out of repair mode at the end of the restore).
+    reserved: Mutex<std::collections::BTreeSet<crate::process::PortKey>>,
+    /// The one incoming migration this node may be receiving.
+    pub incoming: tokio::sync::Mutex<Option<Incoming>>,
+    reports: Mutex<HashMap<String, MigrationReport>>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("node", &self.config.node)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind
+    // (maps of processes and ports), still consistent enough to go on.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Agent {
+    pub fn new(config: Config, filter: Box<dyn PortFilter>) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            registry: Mutex::new(Registry::default()),
+            ownership: Mutex::new(Ownership::new(filter)),
+            reserved: Mutex::new(Default::default()),
+            incoming: tokio::sync::Mutex::new(None),
+            reports: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn node(&self) -> &str {
+        &self.config.node
+    }
+
+    pub fn registry(&self) -> MutexGuard<'_, Registry> {
+        lock(&self.registry)
+    }
+
+    pub fn ownership(&self) -> MutexGuard<'_, Ownership> {
+        lock(&self.ownership)
+    }
+
+    /// Re-reads the managed processes' sockets and brings the eBPF filter in
+    /// line. procfs reads and BPF map updates block, so this runs on the
+    /// blocking pool.
+    pub async fn reconcile(self: &Arc<Self>) -> Result<(), EngineError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.reconcile_blocking())
+            .await
+            .map_err(|e| EngineError::Internal(format!("reconcile task: {e}")))?
+    }
+
+    pub fn reconcile_blocking(&self) -> Result<(), EngineError> {
+        // The ownership lock is held from computing the desired state to
+        // writing it, so passes apply in the order they read the registry:
+        // a periodic pass that read "owned" cannot land after the engine's
+        // pass that froze the ports. Lock order: ownership, then registry.
+        let mut ownership = self.ownership();
+        let mut desired = {
+            let mut reg = self.registry();
+            reg.refresh();
+            reg.desired_ports()
+        };
+        for port in lock(&self.reserved).iter() {
+            desired
+                .entry(*port)
+                .or_insert(crate::ownership::PortState::Frozen);
+        }
+        ownership.apply(&desired)?;
+        Ok(())
+    }
+
+    /// Puts a process under management and reaps it when it exits.
+    pub fn adopt(self: &Arc<Self>, p: ManagedProcess) {
+        let pid = p.pid;
+        self.registry().insert(p);
+        tracing::info!(pid, "process under management");
+    }
+
+    /// Forgets a process (it exited or moved away).
+    pub fn forget(&self, pid: i32) -> Option<ManagedProcess> {
+        self.registry().remove(pid)
+    }
+
+    pub fn reserve_ports(&self, ports: &[crate::process::PortKey]) {
+        lock(&self.reserved).extend(ports.iter().copied());
+    }
+
+    pub fn release_ports(&self, ports: &[crate::process::PortKey]) {
+        let mut r = lock(&self.reserved);
+        for p in ports {
+            r.remove(p);
+        }
+    }
+
+    pub fn set_lifecycle(&self, pid: i32, lifecycle: Lifecycle) {
+        if let Some(p) = self.registry().get_mut(pid) {
+            p.lifecycle = lifecycle;
+        }
+    }
+
+    pub fn store_report(&self, report: MigrationReport) {
+        lock(&self.reports).insert(report.migration_id.clone(), report);
+    }
+
+    pub fn report(&self, id: &str) -> Option<MigrationReport> {
+        lock(&self.reports).get(id).cloned()
+    }
+
+    /// Starts `argv` under management (`ferry run`).
+    pub async fn run_process(
+        self: &Arc<Self>,
+        argv: Vec<String>,
+    ) -> Result<i32, crate::managed::SpawnError> {
+        let (pid, mut wrapper) = crate::managed::spawn(&argv).await?;
+        self.adopt(ManagedProcess {
+            pid,
+            argv,
+            origin: Origin::Run,
+            lifecycle: Lifecycle::Running,
+            sockets: Default::default(),
+        });
+        let me = self.clone();
+        tokio::spawn(async move {
+            let status = wrapper.wait().await;
+            tracing::info!(pid, ?status, "managed process ended");
+            let removed = {
+                let mut reg = me.registry();
+                match reg.get(pid) {
+                    Some(p) if p.origin == Origin::Run && p.lifecycle == Lifecycle::Running => {
+                        reg.remove(pid)
+                    }
+                    _ => None,
+                }
+            };
+            if removed.is_some() {
+                if let Err(e) = me.reconcile().await {
+                    tracing::warn!(error = %e, "releasing ports of an exited process");
+                }
+            }
+        });
+        Ok(pid)
+    }
+
+    /// Reaps a process that is this agent's child but not a tokio child
+    /// (CRIU restored it as our child with `rst_sibling`), and forgets it
+    /// when it exits.
+    pub fn reap_restored(self: &Arc<Self>, pid: i32) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = crate::reaper::wait_exit(pid).await {
+                tracing::warn!(pid, error = %e, "watching restored process");
+                return;
+            }
+            tracing::info!(pid, "restored process ended");
+            let removed = {
+                let mut reg = me.registry();
+                match reg.get(pid) {
+                    Some(p) if p.lifecycle == Lifecycle::Running => reg.remove(pid),
+                    _ => None,
+                }
+            };
+            if removed.is_some() {
+                if let Err(e) = me.reconcile().await {
+                    tracing::warn!(error = %e, "releasing ports of an exited process");
+                }
+            }
+        });
+    }
+
+    /// A Peer client for `peer`, connected with a short timeout.
+    pub async fn peer_client(&self, peer: &PeerConfig) -> Result<PeerClient<Channel>, EngineError> {
+        let unavailable = |reason: String| EngineError::PeerUnavailable {
+            node: peer.name.clone(),
+            address: peer.address.to_string(),
+            reason,
+        };
+        let endpoint = Endpoint::from_shared(format!("http://{}", peer.address))
+            .map_err(|e| unavailable(e.to_string()))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| unavailable(error_chain(&e)))?;
+        Ok(PeerClient::new(channel)
+            .max_decoding_message_size(16 << 20)
+            .max_encoding_message_size(16 << 20))
+    }
+}
+
+/// An error and its sources on one line ("transport error: connection refused").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}

@@ -1,0 +1,197 @@
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_proto::v1::control_server::Control;
+use ferry_proto::v1::{
+    self as pb, GetMigrationRequest, HelloRequest, ListNodesRequest, ListNodesResponse,
+    ListProcessesRequest, ListProcessesResponse, ManagedProcess, MigrateRequest, MigrationEvent,
+    MigrationReport, Node, RunProcessRequest, RunProcessResponse, migration_event,
+};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::agent::{Agent, error_chain};
+use crate::engine::source::{self, port_to_pb};
+use crate::managed::{Lifecycle, Origin};
+
+#[derive(Debug, Clone)]
+pub struct ControlService {
+    agent: Arc<Agent>,
+}
+
+impl ControlService {
+    pub fn new(agent: Arc<Agent>) -> Self {
+        Self { agent }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<MigrationEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn list_nodes(
+        &self,
+        _: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        let agent = &self.agent;
+        let mut nodes = vec![Node {
+            name: agent.node().to_owned(),
+            peer_address: agent.config.cluster.peer_listen.to_string(),
+            is_self: true,
+            reachable: true,
+            peer_protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
+            error: String::new(),
+            managed_processes: agent.registry().len() as u32,
+        }];
+        let probes = agent.config.peers.iter().map(|peer| async move {
+            let mut node = Node {
+                name: peer.name.clone(),
+                peer_address: peer.address.to_string(),
+                ..Default::default()
+            };
+            let hello = async {
+                let mut client = agent.peer_client(peer).await.map_err(|e| e.to_string())?;
+                client
+                    .hello(HelloRequest {
+                        node: agent.node().to_owned(),
+                        protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+                    })
+                    .await
+                    .map(|r| r.into_inner())
+                    .map_err(|s| s.message().to_owned())
+            };
+            match tokio::time::timeout(Duration::from_secs(2), hello).await {
+                Ok(Ok(h)) => {
+                    node.reachable = true;
+                    node.peer_protocol_version = h.protocol_version;
+                    node.managed_processes = h.managed_processes;
+                }
+                Ok(Err(e)) => node.error = e,
+                Err(_) => node.error = "no answer within 2 s".into(),
+            }
+            node
+        });
+        nodes.extend(futures::future::join_all(probes).await);
+        Ok(Response::new(ListNodesResponse { nodes }))
+    }
+
+    async fn list_processes(
+        &self,
+        _: Request<ListProcessesRequest>,
+    ) -> Result<Response<ListProcessesResponse>, Status> {
+        // Refresh first, so that a port the caller sees listed is one the
+        // filter already passes.
+        self.agent.reconcile().await?;
+        let processes = self
+            .agent
+            .registry()
+            .iter()
+            .map(|p| ManagedProcess {
+                pid: p.pid,
+                argv: p.argv.clone(),
+                ports: p.sockets.ports.iter().map(port_to_pb).collect(),
+                tcp_listening: p.sockets.tcp_listening,
+                tcp_established: p.sockets.tcp_established,
+                udp_sockets: p.sockets.udp,
+                state: match p.lifecycle {
+                    Lifecycle::Running => "running",
+                    Lifecycle::MigratingOut { .. } => "migrating",
+                }
+                .into(),
+                origin: match p.origin {
+                    Origin::Run => "run",
+                    Origin::MigratedIn { .. } => "migrated-in",
+                }
+                .into(),
+            })
+            .collect();
+        Ok(Response::new(ListProcessesResponse {
+            node: self.agent.node().to_owned(),
+            processes,
+        }))
+    }
+
+    async fn run_process(
+        &self,
+        request: Request<RunProcessRequest>,
+    ) -> Result<Response<RunProcessResponse>, Status> {
+        let argv = request.into_inner().argv;
+        if argv.first().map(|a| a.is_empty()).unwrap_or(true) {
+            return Err(Status::invalid_argument(
+                "argv: give the program to run (argv[0] is empty)",
+            ));
+        }
+        let pid = self.agent.run_process(argv).await.map_err(|e| match e {
+            crate::managed::SpawnError::EmptyArgv => Status::invalid_argument(format!("argv: {e}")),
+            e => Status::failed_precondition(error_chain(&e)),
+        })?;
+        Ok(Response::new(RunProcessResponse { pid }))
+    }
+
+    type MigrateStream = EventStream;
+
+    async fn migrate(
+        &self,
+        request: Request<MigrateRequest>,
+    ) -> Result<Response<Self::MigrateStream>, Status> {
+        let req = request.into_inner();
+        if req.pid <= 0 {
+            return Err(Status::invalid_argument(format!(
+                "pid: {} is not a process ID",
+                req.pid
+            )));
+        }
+        if req.destination_node.is_empty() {
+            return Err(Status::invalid_argument(
+                "destination_node: name the node to migrate to",
+            ));
+        }
+        match pb::Strategy::try_from(req.strategy) {
+            Ok(pb::Strategy::Unspecified | pb::Strategy::TotalCopy) => {}
+            _ => {
+                return Err(Status::invalid_argument(format!(
+                    "strategy: {} is not a strategy this agent implements (total-copy)",
+                    req.strategy
+                )));
+            }
+        }
+        let prepared = source::prepare(&self.agent, req.pid, &req.destination_node).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(32);
+        let agent = self.agent.clone();
+        // Spawned: the migration finishes, or rolls back, whether or not the
+        // caller keeps listening.
+        tokio::spawn(async move {
+            let report = source::run(agent, prepared, tx.clone()).await;
+            let failed = report.outcome != pb::MigrationOutcome::Committed as i32;
+            let reason = report.error.clone();
+            let _ = tx
+                .send(Ok(MigrationEvent {
+                    event: Some(migration_event::Event::Report(report)),
+                }))
+                .await;
+            if failed {
+                let _ = tx
+                    .send(Err(Status::aborted(format!(
+                        "migration aborted, the process still runs on the source: {reason}"
+                    ))))
+                    .await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn get_migration(
+        &self,
+        request: Request<GetMigrationRequest>,
+    ) -> Result<Response<MigrationReport>, Status> {
+        let id = request.into_inner().migration_id;
+        self.agent.report(&id).map(Response::new).ok_or_else(|| {
+            Status::not_found(format!(
+                "migration_id: no migration {id:?} ran from this node"
+            ))
+        })
+    }
+}

@@ -1,0 +1,91 @@
+use std::sync::Arc;
+
+use ferry_proto::v1::peer_server::Peer;
+use ferry_proto::v1::{
+    AbortRequest, AbortResponse, CommitRequest, CommitResponse, HelloRequest, HelloResponse,
+    ImageChunk, PrepareRequest, PrepareResponse, RestoreRequest, RestoreResponse,
+    TransferImagesResponse,
+};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::agent::Agent;
+use crate::engine::destination;
+
+#[derive(Debug, Clone)]
+pub struct PeerService {
+    agent: Arc<Agent>,
+}
+
+impl PeerService {
+    pub fn new(agent: Arc<Agent>) -> Self {
+        Self { agent }
+    }
+}
+
+#[tonic::async_trait]
+impl Peer for PeerService {
+    async fn hello(
+        &self,
+        request: Request<HelloRequest>,
+    ) -> Result<Response<HelloResponse>, Status> {
+        let req = request.into_inner();
+        let version =
+            ferry_proto::negotiate_peer_version(&req.protocol_versions).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "protocol_versions: {} offers {:?}, {} speaks {:?}",
+                    req.node,
+                    req.protocol_versions,
+                    self.agent.node(),
+                    ferry_proto::PEER_PROTOCOL_VERSIONS
+                ))
+            })?;
+        Ok(Response::new(HelloResponse {
+            node: self.agent.node().to_owned(),
+            protocol_version: version,
+            managed_processes: self.agent.registry().len() as u32,
+        }))
+    }
+
+    async fn prepare(
+        &self,
+        request: Request<PrepareRequest>,
+    ) -> Result<Response<PrepareResponse>, Status> {
+        destination::prepare(&self.agent, request.into_inner()).await?;
+        Ok(Response::new(PrepareResponse {}))
+    }
+
+    async fn transfer_images(
+        &self,
+        request: Request<Streaming<ImageChunk>>,
+    ) -> Result<Response<TransferImagesResponse>, Status> {
+        Ok(Response::new(
+            destination::transfer_images(&self.agent, request.into_inner()).await?,
+        ))
+    }
+
+    async fn restore(
+        &self,
+        request: Request<RestoreRequest>,
+    ) -> Result<Response<RestoreResponse>, Status> {
+        Ok(Response::new(
+            destination::restore(&self.agent, request.into_inner()).await?,
+        ))
+    }
+
+    async fn commit(
+        &self,
+        request: Request<CommitRequest>,
+    ) -> Result<Response<CommitResponse>, Status> {
+        Ok(Response::new(
+            destination::commit(&self.agent, request.into_inner()).await?,
+        ))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<AbortRequest>,
+    ) -> Result<Response<AbortResponse>, Status> {
+        destination::abort(&self.agent, request.into_inner()).await?;
+        Ok(Response::new(AbortResponse {}))
+    }
+}

@@ -1,0 +1,235 @@
+//! ferryd's TOML configuration.
+//!
+//! ```toml
+//! node = "node1"
+//! work_dir = "/run/ferry/work"            # checkpoint images: put it on tmpfs
+//! criu_path = "/opt/ferry/criu/bin/criu"
+//! control_socket = "/run/ferry/control.sock"
+//!
+//! [public]                                # the shared, single-IP side
+//! interface = "pub0"
+//! address = "198.18.0.100"
+//!
+//! [cluster]                               # this node's own address
+//! interface = "clu0"
+//! address = "198.19.0.1"
+//! peer_listen = "198.19.0.1:7100"
+//!
+//! [[peers]]
+//! name = "node2"
+//! address = "198.19.0.2:7100"
+//! ```
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Where `cargo xtask setup` installs CRIU.
+pub const DEFAULT_CRIU_PATH: &str = "/opt/ferry/criu/bin/criu";
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/ferry/control.sock";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This node's name, unique in the cluster.
+    pub node: String,
+    /// Checkpoint images and CRIU logs. tmpfs keeps disk I/O out of the freeze.
+    pub work_dir: PathBuf,
+    #[serde(default = "default_criu_path")]
+    pub criu_path: PathBuf,
+    /// CRIU log verbosity (0-4); 4 is useful when a dump or restore fails.
+    #[serde(default = "default_criu_log_level")]
+    pub criu_log_level: i32,
+    /// Control API for the local CLI: a Unix socket, root only.
+    #[serde(default = "default_control_socket")]
+    pub control_socket: PathBuf,
+    /// Control API on TCP as well (for remote schedulers), if set.
+    #[serde(default)]
+    pub control_listen: Option<SocketAddr>,
+    pub public: PublicConfig,
+    pub cluster: ClusterConfig,
+    #[serde(default)]
+    pub peers: Vec<PeerConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublicConfig {
+    /// Interface that carries the cluster's shared address; ferry's
+    /// ownership filter is attached to it.
+    pub interface: String,
+    pub address: Ipv4Addr,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    pub interface: String,
+    pub address: Ipv4Addr,
+    /// Where the Peer service listens (agent to agent).
+    pub peer_listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    pub name: String,
+    pub address: SocketAddr,
+}
+
+fn default_criu_path() -> PathBuf {
+    PathBuf::from(DEFAULT_CRIU_PATH)
+}
+fn default_criu_log_level() -> i32 {
+    2
+}
+fn default_control_socket() -> PathBuf {
+    PathBuf::from(DEFAULT_CONTROL_SOCKET)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    #[error("{path}: {field}: {reason}")]
+    Invalid {
+        path: PathBuf,
+        field: String,
+        reason: String,
+    },
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |field: &str, reason: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            field: field.to_owned(),
+            reason,
+        };
+        if !valid_node_name(&self.node) {
+            return Err(invalid(
+                "node",
+                format!(
+                    "{:?} is not a node name (1-64 characters of a-z, A-Z, 0-9, '-', '_', '.')",
+                    self.node
+                ),
+            ));
+        }
+        if !self.work_dir.is_absolute() {
+            return Err(invalid("work_dir", "must be an absolute path".into()));
+        }
+        if !(0..=4).contains(&self.criu_log_level) {
+            return Err(invalid("criu_log_level", "must be 0 to 4".into()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in self.peers.iter().enumerate() {
+            if !valid_node_name(&p.name) {
+                return Err(invalid(
+                    &format!("peers[{i}].name"),
+                    format!("{:?} is not a node name", p.name),
+                ));
+            }
+            if p.name == self.node {
+                return Err(invalid(
+                    &format!("peers[{i}].name"),
+                    format!("{:?} is this node's own name", p.name),
+                ));
+            }
+            if !seen.insert(&p.name) {
+                return Err(invalid(
+                    &format!("peers[{i}].name"),
+                    format!("{:?} is listed twice", p.name),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn peer(&self, name: &str) -> Option<&PeerConfig> {
+        self.peers.iter().find(|p| p.name == name)
+    }
+}
+
+fn valid_node_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+node = "node1"
+work_dir = "/run/ferry/work"
+[public]
+interface = "pub0"
+address = "198.18.0.100"
+[cluster]
+interface = "clu0"
+address = "198.19.0.1"
+peer_listen = "198.19.0.1:7100"
+[[peers]]
+name = "node2"
+address = "198.19.0.2:7100"
+"#;
+
+    #[test]
+    fn parses_a_full_config_with_defaults() {
+        let c = Config::parse(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.node, "node1");
+        assert_eq!(c.criu_path, PathBuf::from(DEFAULT_CRIU_PATH));
+        assert_eq!(c.peer("node2").unwrap().address.port(), 7100);
+        assert!(c.peer("node3").is_none());
+    }
+
+    #[test]
+    fn names_the_bad_field() {
+        let bad = GOOD.replace("name = \"node2\"", "name = \"node1\"");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("peers[0].name"), "{err}");
+        let bad = GOOD.replace("address = \"198.18.0.100\"", "address = \"nope\"");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("address"), "{err}");
+        let bad = GOOD.replace("node = \"node1\"", "node = \"no de\"");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("node"), "{err}");
+        let bad = format!("{GOOD}\nbogus = 1\n");
+        assert!(Config::parse(&bad, Path::new("x.toml")).is_err());
+    }
+}

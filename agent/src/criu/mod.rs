@@ -1,0 +1,14 @@
+//! CRIU, driven through its `swrk` RPC mode.
+//!
+//! rust-criu's `Criu` wrapper has no calls for `--network-lock skip`,
+//! `--leave-stopped` or notifications, so ferry speaks the RPC itself on the
+//! protobuf types rust-criu exports (`swrk.rs`). Every call here blocks; the
+//! engine runs them on tokio's blocking pool.
+
+mod error;
+mod swrk;
+mod version;
+
+pub use error::CriuError;
+pub use swrk::{DumpRequest, RestoreOutcome, RestoreRequest, dump, restore};
+pub use version::{CriuVersion, MIN_CRIU_VERSION, probe_version};

@@ -1,0 +1,291 @@
+//! A minimal client of CRIU's `swrk` mode: one CRIU child per request,
+//! talking protobuf over a SOCK_SEQPACKET socket pair.
+//!
+//! Why not the CLI: `rst_sibling` (the restored process becomes a child of
+//! ferryd, which can then reap it) exists only in swrk mode, and the RPC
+//! lets ferry time CRIU's phases through its notifications.
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, recv, send, socketpair};
+use protobuf::{Enum, Message};
+use rust_criu::rust_criu_protobuf::rpc::{
+    Criu_network_lock_method, Criu_opts, Criu_req, Criu_req_type, Criu_resp,
+};
+
+use super::CriuError;
+
+/// Descriptor number of the RPC socket in the CRIU child.
+const CHILD_SOCKET_FD: RawFd = 3;
+
+/// A dump of a running process tree, leaving it stopped so that it can be
+/// resumed if the migration aborts.
+#[derive(Debug, Clone)]
+pub struct DumpRequest {
+    pub criu: PathBuf,
+    pub pid: i32,
+    /// Where the images go (tmpfs).
+    pub images_dir: PathBuf,
+    /// Where CRIU's log goes (kept out of the image directory so that it is
+    /// not shipped to the destination).
+    pub log_dir: PathBuf,
+    pub log_level: i32,
+}
+
+/// A restore of the images in `images_dir` into the caller's network
+/// namespace, as a child of the caller, left stopped until the commit.
+#[derive(Debug, Clone)]
+pub struct RestoreRequest {
+    pub criu: PathBuf,
+    pub images_dir: PathBuf,
+    pub log_dir: PathBuf,
+    pub log_level: i32,
+}
+
+#[derive(Debug, Clone)]
+pub struct RestoreOutcome {
+    /// PID of the restored root task in the caller's PID namespace.
+    pub pid: i32,
+}
+
+/// Timings CRIU's notifications let us take, in order.
+pub type Notifications = Vec<(String, Duration)>;
+
+/// Dumps `req.pid` with its established TCP connections.
+///
+/// `--network-lock skip`: ferry's own eBPF filter is the lock (it drops the
+/// process's packets in both directions before this is called), so CRIU
+/// must not touch iptables/nftables. `leave_stopped`: the process stays
+/// frozen on the source until the destination confirms; its TCP sockets
+/// stay in repair mode, so they send nothing, not even an RST when killed.
+pub fn dump(req: &DumpRequest) -> Result<Notifications, CriuError> {
+    let mut opts = Criu_opts::new();
+    opts.set_pid(req.pid);
+    opts.set_tcp_established(true);
+    opts.set_network_lock(Criu_network_lock_method::SKIP);
+    opts.set_leave_stopped(true);
+    opts.set_log_level(req.log_level);
+    opts.set_log_file("dump.log".to_owned());
+    let (resp, notes) = run(
+        &req.criu,
+        Criu_req_type::DUMP,
+        opts,
+        &req.images_dir,
+        &req.log_dir,
+    )?;
+    check(&resp, "dump", &req.log_dir.join("dump.log"))?;
+    Ok(notes)
+}
+
+/// Restores the images; the restored tree is a child of this process
+/// (`rst_sibling`) and is left stopped.
+pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), CriuError> {
+    let mut opts = Criu_opts::new();
+    opts.set_tcp_established(true);
+    opts.set_rst_sibling(true);
+    opts.set_leave_stopped(true);
+    opts.set_log_level(req.log_level);
+    opts.set_log_file("restore.log".to_owned());
+    let (resp, notes) = run(
+        &req.criu,
+        Criu_req_type::RESTORE,
+        opts,
+        &req.images_dir,
+        &req.log_dir,
+    )?;
+    check(&resp, "restore", &req.log_dir.join("restore.log"))?;
+    let pid = resp.restore.as_ref().map(|r| r.pid()).unwrap_or(0);
+    if pid <= 0 {
+        return Err(CriuError::Failed {
+            operation: "restore",
+            reason: "CRIU reported success but no PID".to_owned(),
+        });
+    }
+    Ok((RestoreOutcome { pid }, notes))
+}
+
+fn check(resp: &Criu_resp, operation: &'static str, log: &Path) -> Result<(), CriuError> {
+    if resp.success() {
+        return Ok(());
+    }
+    let mut reason = resp.cr_errmsg().to_owned();
+    let errors = log_errors(log);
+    if !errors.is_empty() {
+        if !reason.is_empty() {
+            reason.push_str("; ");
+        }
+        reason.push_str(&errors);
+    }
+    if reason.is_empty() {
+        reason = format!(
+            "errno {} (the CRIU log is kept under work_dir/logs/)",
+            resp.cr_errno()
+        );
+    }
+    Err(CriuError::Failed { operation, reason })
+}
+
+/// The `Error (...)` lines of a CRIU log, which say what went wrong in
+/// CRIU's words, minus the ones that are harmless here.
+fn log_errors(log: &Path) -> String {
+    let Ok(text) = std::fs::read_to_string(log) else {
+        return String::new();
+    };
+    text.lines()
+        .filter(|l| l.contains("Error ("))
+        // ferryd lacks CAP_SYS_RESOURCE on these machines: CRIU cannot raise
+        // its own RLIMIT_NOFILE, which it only wants for huge fd tables.
+        .filter(|l| !l.contains("RLIMIT_NOFILE"))
+        .map(|l| match l.find("Error (") {
+            Some(i) => l[i..].trim(),
+            None => l.trim(),
+        })
+        .take(6)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn open_dir(path: &Path) -> Result<OwnedFd, CriuError> {
+    let f = File::open(path).map_err(|source| CriuError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(OwnedFd::from(f))
+}
+
+/// Duplicates `fd` above the child's fixed descriptor number, so that the
+/// dup2() in the child cannot be a no-op on an inherited CLOEXEC copy.
+fn dup_high(fd: &OwnedFd) -> Result<OwnedFd, CriuError> {
+    // SAFETY: F_DUPFD_CLOEXEC on a valid descriptor returns a new descriptor
+    // we own, or -1.
+    let new = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 64) };
+    if new < 0 {
+        return Err(CriuError::Rpc(format!(
+            "fcntl(F_DUPFD_CLOEXEC): {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: `new` is a fresh descriptor returned to us above.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+fn run(
+    criu: &Path,
+    kind: Criu_req_type,
+    mut opts: Criu_opts,
+    images_dir: &Path,
+    log_dir: &Path,
+) -> Result<(Criu_resp, Notifications), CriuError> {
+    let (ours, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| CriuError::Rpc(format!("socketpair: {e}")))?;
+    let theirs = dup_high(&theirs)?;
+    let s = theirs.as_raw_fd();
+    // CRIU opens images_dir_fd and work_dir_fd as /proc/<requester>/fd/N,
+    // the requester being the socket's peer: these are OUR descriptor
+    // numbers, and they must stay open until CRIU answers.
+    let images = open_dir(images_dir)?;
+    let work = open_dir(log_dir)?;
+    opts.set_images_dir_fd(images.as_raw_fd());
+    opts.set_work_dir_fd(work.as_raw_fd());
+    // Notifications (pre-dump, post-dump, post-restore, ...) give ferry the
+    // phase boundaries inside CRIU.
+    opts.set_notify_scripts(true);
+
+    let mut cmd = Command::new(criu);
+    cmd.arg("swrk")
+        .arg(CHILD_SOCKET_FD.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: the closure runs in the forked child before exec and only
+    // calls dup2(), which is async-signal-safe; the source is above the
+    // target number (dup_high), and dup2 clears FD_CLOEXEC on the target so
+    // CRIU inherits it.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(s, CHILD_SOCKET_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|source| CriuError::Spawn {
+        path: criu.to_owned(),
+        source,
+    })?;
+    drop(theirs);
+
+    let result = converse(&ours, kind, opts);
+    // Closing our end ends the swrk session; CRIU then exits.
+    drop(ours);
+    drop((images, work));
+    let status = child.wait();
+    let (resp, notes) = result?;
+    if let Err(e) = status {
+        tracing::warn!(error = %e, "waiting for CRIU");
+    }
+    Ok((resp, notes))
+}
+
+fn converse(
+    sock: &OwnedFd,
+    kind: Criu_req_type,
+    opts: Criu_opts,
+) -> Result<(Criu_resp, Notifications), CriuError> {
+    let start = Instant::now();
+    let mut req = Criu_req::new();
+    req.set_type(kind);
+    req.opts = protobuf::MessageField::some(opts);
+    send_msg(sock, &req)?;
+    let mut notes = Vec::new();
+    loop {
+        let resp = recv_msg(sock)?;
+        if resp.type_.map(|t| t.value()) == Some(Criu_req_type::NOTIFY.value()) {
+            let script = resp
+                .notify
+                .as_ref()
+                .map(|n| n.script().to_owned())
+                .unwrap_or_default();
+            tracing::trace!(script, "CRIU notification");
+            notes.push((script, start.elapsed()));
+            let mut ack = Criu_req::new();
+            ack.set_type(Criu_req_type::NOTIFY);
+            ack.set_notify_success(true);
+            send_msg(sock, &ack)?;
+            continue;
+        }
+        return Ok((resp, notes));
+    }
+}
+
+fn send_msg(sock: &OwnedFd, req: &Criu_req) -> Result<(), CriuError> {
+    let bytes = req
+        .write_to_bytes()
+        .map_err(|e| CriuError::Rpc(format!("encoding request: {e}")))?;
+    send(sock.as_fd().as_raw_fd(), &bytes, MsgFlags::empty())
+        .map_err(|e| CriuError::Rpc(format!("sending request: {e}")))?;
+    Ok(())
+}
+
+fn recv_msg(sock: &OwnedFd) -> Result<Criu_resp, CriuError> {
+    let mut buf = vec![0u8; 1 << 20];
+    let n = recv(sock.as_fd().as_raw_fd(), &mut buf, MsgFlags::empty())
+        .map_err(|e| CriuError::Rpc(format!("receiving response: {e}")))?;
+    if n == 0 {
+        return Err(CriuError::Rpc(
+            "CRIU closed the RPC socket without answering (it crashed or was killed)".to_owned(),
+        ));
+    }
+    Criu_resp::parse_from_bytes(&buf[..n])
+        .map_err(|e| CriuError::Rpc(format!("decoding response: {e}")))
+}

@@ -1,0 +1,353 @@
+//! The destination side of a migration, behind `Peer`.
+//!
+//! States of the one incoming slot:
+//! `Reserved` (Prepare) ─> `Received` (TransferImages) ─> `Restored`
+//! (Restore: process rebuilt, stopped) ─> gone (Commit: process resumed and
+//! managed here; or Abort: every trace removed).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::{
+    self as pb, AbortRequest, CommitRequest, CommitResponse, ImageChunk, PrepareRequest,
+    RestoreRequest, RestoreResponse, TransferImagesResponse,
+};
+use futures::StreamExt;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::agent::Agent;
+use crate::criu;
+use crate::managed::{Lifecycle, ManagedProcess, Origin};
+use crate::process::{self, PortKey, Transport};
+
+use super::{EngineError, images::ImageWriter, source::set_private};
+
+/// A reservation left without news this long is taken to be abandoned by a
+/// source that died, and a new Prepare may replace it.
+const STALE_RESERVATION: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IncomingState {
+    Reserved,
+    Received,
+    Restored { pid: i32 },
+}
+
+impl IncomingState {
+    fn name(&self) -> &'static str {
+        match self {
+            IncomingState::Reserved => "reserved",
+            IncomingState::Received => "received",
+            IncomingState::Restored { .. } => "restored",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Incoming {
+    pub migration_id: String,
+    pub from: String,
+    pub protocol_version: u32,
+    pub argv: Vec<String>,
+    pub ports: Vec<PortKey>,
+    dir: PathBuf,
+    state: IncomingState,
+    last_activity: Instant,
+}
+
+impl Incoming {
+    fn images(&self) -> PathBuf {
+        self.dir.join("images")
+    }
+}
+
+fn port_from_pb(p: &pb::Port) -> Result<PortKey, EngineError> {
+    let transport = match pb::Protocol::try_from(p.protocol) {
+        Ok(pb::Protocol::Tcp) => Transport::Tcp,
+        Ok(pb::Protocol::Udp) => Transport::Udp,
+        _ => {
+            return Err(EngineError::BadImage(format!(
+                "ports: protocol {} is neither TCP nor UDP",
+                p.protocol
+            )));
+        }
+    };
+    let port = u16::try_from(p.port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| EngineError::BadImage(format!("ports: {} is not a port number", p.port)))?;
+    Ok(PortKey { transport, port })
+}
+
+/// Removes a slot's traces: a restored copy (killed; it never ran) and the
+/// image directory, then releases the reserved ports. The ports stay frozen
+/// until the copy is dead, so its closing sockets cannot reach the peers.
+async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
+    if let IncomingState::Restored { pid } = incoming.state {
+        if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
+            tracing::warn!(pid, error = %e, "killing the restored copy");
+        }
+        wait_dead(pid).await;
+    }
+    super::keep_logs(
+        &agent.config.work_dir,
+        &incoming.dir,
+        &incoming.migration_id,
+    );
+    if let Err(e) = std::fs::remove_dir_all(&incoming.dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
+        }
+    }
+    agent.release_ports(&incoming.ports);
+    if let Err(e) = agent.reconcile().await {
+        tracing::warn!(error = %e, "releasing reserved ports");
+    }
+}
+
+/// Waits (bounded) until `pid` has exited: gone, or a zombie, whose sockets
+/// are already closed.
+async fn wait_dead(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        match process::inspect(pid) {
+            Ok(i) if i.state != 'Z' && i.state != 'X' => {}
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    tracing::warn!(pid, "restored copy still alive 5 s after SIGKILL");
+}
+
+pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), EngineError> {
+    if !ferry_proto::PEER_PROTOCOL_VERSIONS.contains(&req.protocol_version) {
+        return Err(EngineError::NoCommonVersion {
+            node: req.source_node.clone(),
+            theirs: vec![req.protocol_version],
+            ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+        });
+    }
+    if req.migration_id.is_empty() || !super::valid_image_name(&req.migration_id) {
+        return Err(EngineError::BadImage(format!(
+            "migration_id {:?} is not a valid id",
+            req.migration_id
+        )));
+    }
+    let ports = req
+        .ports
+        .iter()
+        .map(port_from_pb)
+        .collect::<Result<Vec<_>, _>>()?;
+    let criu_path = agent.config.criu_path.clone();
+    tokio::task::spawn_blocking(move || criu::probe_version(&criu_path))
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))??;
+
+    let mut slot = agent.incoming.lock().await;
+    if let Some(cur) = slot.as_ref() {
+        let stale = cur.last_activity.elapsed() > STALE_RESERVATION
+            && !matches!(cur.state, IncomingState::Restored { .. });
+        if !stale {
+            return Err(EngineError::DestinationBusy {
+                node: agent.node().to_owned(),
+                migration_id: cur.migration_id.clone(),
+                from: cur.from.clone(),
+            });
+        }
+        tracing::warn!(migration = %cur.migration_id, "dropping an abandoned reservation");
+        discard(agent, cur).await;
+        *slot = None;
+    }
+    {
+        let owned = agent.ownership().current().clone();
+        let reg = agent.registry();
+        for port in &ports {
+            if owned.contains_key(port) {
+                let pid = reg
+                    .iter()
+                    .find(|p| p.sockets.ports.contains(port))
+                    .map(|p| p.pid)
+                    .unwrap_or(0);
+                return Err(EngineError::PortTaken {
+                    port: port.to_string(),
+                    node: agent.node().to_owned(),
+                    pid,
+                });
+            }
+        }
+    }
+    let dir = agent
+        .config
+        .work_dir
+        .join("incoming")
+        .join(&req.migration_id);
+    std::fs::create_dir_all(dir.join("images"))
+        .map_err(EngineError::io(format!("creating {}", dir.display())))?;
+    set_private(&dir);
+    agent.reserve_ports(&ports);
+    if let Err(e) = agent.reconcile().await {
+        agent.release_ports(&ports);
+        return Err(e);
+    }
+    tracing::info!(migration = %req.migration_id, from = %req.source_node, pid = req.source_pid, "incoming migration reserved");
+    *slot = Some(Incoming {
+        migration_id: req.migration_id,
+        from: req.source_node,
+        protocol_version: req.protocol_version,
+        argv: req.argv,
+        ports,
+        dir,
+        state: IncomingState::Reserved,
+        last_activity: Instant::now(),
+    });
+    Ok(())
+}
+
+fn expect<'a>(
+    slot: &'a mut Option<Incoming>,
+    migration_id: &str,
+    want: &[&'static str],
+    step: &'static str,
+) -> Result<&'a mut Incoming, EngineError> {
+    let Some(inc) = slot.as_mut().filter(|i| i.migration_id == migration_id) else {
+        return Err(EngineError::UnknownMigration {
+            migration_id: migration_id.to_owned(),
+        });
+    };
+    if !want.contains(&inc.state.name()) {
+        return Err(EngineError::WrongState {
+            migration_id: migration_id.to_owned(),
+            state: inc.state.name(),
+            step,
+        });
+    }
+    inc.last_activity = Instant::now();
+    Ok(inc)
+}
+
+pub async fn transfer_images(
+    agent: &Arc<Agent>,
+    mut stream: tonic::Streaming<ImageChunk>,
+) -> Result<TransferImagesResponse, EngineError> {
+    let mut slot = agent.incoming.lock().await;
+    let mut writer: Option<ImageWriter> = None;
+    let mut id = String::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk =
+            chunk.map_err(|s| EngineError::BadImage(format!("stream broke: {}", s.message())))?;
+        if writer.is_none() {
+            let inc = expect(
+                &mut slot,
+                &chunk.migration_id,
+                &["reserved"],
+                "image transfer",
+            )?;
+            id = chunk.migration_id.clone();
+            writer = Some(ImageWriter::new(&inc.images()));
+        } else if chunk.migration_id != id {
+            return Err(EngineError::BadImage(format!(
+                "migration_id changed from {id} to {} mid-stream",
+                chunk.migration_id
+            )));
+        }
+        if let Some(w) = writer.as_mut() {
+            w.write(&chunk).await?;
+        }
+    }
+    let Some(mut w) = writer else {
+        return Err(EngineError::BadImage("no image chunk received".into()));
+    };
+    w.finish_file().await?;
+    let inc = expect(&mut slot, &id, &["reserved"], "image transfer")?;
+    inc.state = IncomingState::Received;
+    tracing::info!(migration = %id, files = w.files, bytes = w.bytes, "images received");
+    Ok(TransferImagesResponse {
+        files: w.files,
+        bytes: w.bytes,
+    })
+}
+
+pub async fn restore(
+    agent: &Arc<Agent>,
+    req: RestoreRequest,
+) -> Result<RestoreResponse, EngineError> {
+    let mut slot = agent.incoming.lock().await;
+    let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
+    let creq = criu::RestoreRequest {
+        criu: agent.config.criu_path.clone(),
+        images_dir: inc.images(),
+        log_dir: inc.dir.clone(),
+        log_level: agent.config.criu_log_level,
+    };
+    let started = Instant::now();
+    let (outcome, notes) = tokio::task::spawn_blocking(move || criu::restore(&creq))
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))??;
+    let restore_time = started.elapsed();
+    tracing::info!(
+        pid = outcome.pid,
+        ?notes,
+        ms = restore_time.as_secs_f64() * 1000.0,
+        "restored (stopped)"
+    );
+    // CRIU made it our child (rst_sibling): reap it whenever it ends.
+    agent.reap_restored(outcome.pid);
+    inc.state = IncomingState::Restored { pid: outcome.pid };
+    Ok(RestoreResponse {
+        pid: outcome.pid,
+        restore_time_us: restore_time.as_micros() as u64,
+    })
+}
+
+pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResponse, EngineError> {
+    let mut slot = agent.incoming.lock().await;
+    let inc = expect(&mut slot, &req.migration_id, &["restored"], "commit")?;
+    let IncomingState::Restored { pid } = inc.state else {
+        return Err(EngineError::Internal("restored slot without a PID".into()));
+    };
+    let sockets = process::sockets_of_tree(&process::process_tree(pid))?;
+    agent.adopt(ManagedProcess {
+        pid,
+        argv: inc.argv.clone(),
+        origin: Origin::MigratedIn {
+            migration_id: inc.migration_id.clone(),
+            from: inc.from.clone(),
+        },
+        lifecycle: Lifecycle::Running,
+        sockets,
+    });
+    // Own the ports first, then let the process run: its first packets
+    // (window probes, retransmissions) must find the filter open.
+    agent.release_ports(&inc.ports);
+    agent.reconcile().await?;
+    for p in process::process_tree(pid) {
+        if let Err(e) = kill(Pid::from_raw(p), Signal::SIGCONT) {
+            tracing::warn!(pid = p, error = %e, "SIGCONT");
+        }
+    }
+    let done = slot.take();
+    if let Some(inc) = done {
+        if let Err(e) = std::fs::remove_dir_all(&inc.dir) {
+            tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
+        }
+    }
+    tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here");
+    Ok(CommitResponse { pid })
+}
+
+pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineError> {
+    let mut slot = agent.incoming.lock().await;
+    match slot.as_ref() {
+        Some(inc) if inc.migration_id == req.migration_id => {
+            tracing::warn!(migration = %req.migration_id, reason = %req.reason, state = inc.state.name(), "migration aborted by the source");
+            discard(agent, inc).await;
+            *slot = None;
+        }
+        // Idempotent: an abort for something we do not hold (never reached
+        // us, or already aborted) has nothing to undo.
+        _ => tracing::info!(migration = %req.migration_id, "abort for a migration not held here"),
+    }
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! The migration engine (the seed's `migd`), protocol version 1.
+//!
+//! # The migration as a state machine
+//!
+//! Source (`source.rs`), driven by `Control.Migrate`:
+//!
+//! ```text
+//! Validate ─> Prepare ─> Freeze ─> Dump ─> Transfer ─> Restore ─> Discard ─> Commit ─> Committed
+//!    │           │          │        │         │          │
+//!    └─ error    └──────────┴────────┴─────────┴──────────┴──> Abort ─> Aborted (process runs on source)
+//! ```
+//!
+//! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
+//!   or a kernel thread; the destination is a known other node; CRIU is
+//!   present and new enough. Nothing has been touched yet.
+//! - **Prepare**: `Peer.Hello` picks the protocol version, `Peer.Prepare`
+//!   reserves the destination (one incoming migration at a time).
+//! - **Freeze**: the process's ports are frozen in the eBPF filter (every
+//!   packet dropped both ways, no RST possible), then CRIU dumps it with
+//!   `--tcp-established --network-lock skip` and leaves it stopped, its TCP
+//!   sockets in repair mode.
+//! - **Transfer**: the images stream to the destination (`TransferImages`).
+//! - **Restore**: the destination restores the process, left stopped, as a
+//!   child of its agent. Its success is the destination's confirmation.
+//! - **Discard**: the source kills its stopped copy (sockets in repair mode
+//!   close silently) and releases the ports. This is the commit point.
+//! - **Commit**: the destination takes the ports and resumes the process.
+//! - **Abort**, from any step before Discard: the destination drops images
+//!   and any restored copy, the source takes its sockets out of repair
+//!   mode, thaws the ports and resumes the process. Nothing is lost.
+//!
+//! The destination's side is in `destination.rs`; its states are
+//! `Reserved ─> Receiving ─> Restored ─> (Committed | Aborted)`.
+
+pub mod destination;
+mod images;
+mod rollback;
+pub mod source;
+
+use crate::criu::CriuError;
+use crate::ownership::DataPlaneError;
+use crate::process::ProcessError;
+
+pub use images::{IMAGE_CHUNK_BYTES, valid_image_name};
+
+/// Why a migration could not start or did not commit.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("no node named {name:?} (known: {known})")]
+    UnknownNode { name: String, known: String },
+    #[error("{node:?} is this node: name another node as the destination")]
+    DestinationIsSelf { node: String },
+    #[error("no process with PID {pid} on {node}")]
+    NoSuchProcess { pid: i32, node: String },
+    #[error("PID {pid} cannot be migrated: {reason}")]
+    NotMigratable { pid: i32, reason: String },
+    #[error("PID {pid} is already being migrated (migration {migration_id})")]
+    AlreadyMigrating { pid: i32, migration_id: String },
+    #[error("{node} is already receiving migration {migration_id} from {from}; one at a time")]
+    DestinationBusy {
+        node: String,
+        migration_id: String,
+        from: String,
+    },
+    #[error("port {port} is already owned on {node} by PID {pid}")]
+    PortTaken {
+        port: String,
+        node: String,
+        pid: i32,
+    },
+    #[error(
+        "{node} speaks peer protocol versions {theirs:?}, this agent {ours:?}: no common version"
+    )]
+    NoCommonVersion {
+        node: String,
+        theirs: Vec<u32>,
+        ours: Vec<u32>,
+    },
+    #[error("no migration {migration_id:?} here")]
+    UnknownMigration { migration_id: String },
+    #[error("migration {migration_id} is {state}, not ready for {step}")]
+    WrongState {
+        migration_id: String,
+        state: &'static str,
+        step: &'static str,
+    },
+    #[error("bad image stream: {0}")]
+    BadImage(String),
+    #[error("{node} unreachable at {address}: {reason}")]
+    PeerUnavailable {
+        node: String,
+        address: String,
+        reason: String,
+    },
+    #[error("{node}: {message}")]
+    Peer {
+        node: String,
+        code: tonic::Code,
+        message: String,
+    },
+    #[error(transparent)]
+    Criu(#[from] CriuError),
+    #[error(transparent)]
+    Process(#[from] ProcessError),
+    #[error(transparent)]
+    DataPlane(#[from] DataPlaneError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl EngineError {
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let what = what.into();
+        move |source| EngineError::Io { what, source }
+    }
+
+    /// The gRPC status code a caller should see.
+    pub fn code(&self) -> tonic::Code {
+        use tonic::Code;
+        match self {
+            EngineError::UnknownNode { .. }
+            | EngineError::NoSuchProcess { .. }
+            | EngineError::UnknownMigration { .. } => Code::NotFound,
+            EngineError::DestinationIsSelf { .. } | EngineError::BadImage(_) => {
+                Code::InvalidArgument
+            }
+            EngineError::NotMigratable { .. }
+            | EngineError::AlreadyMigrating { .. }
+            | EngineError::PortTaken { .. }
+            | EngineError::NoCommonVersion { .. }
+            | EngineError::WrongState { .. } => Code::FailedPrecondition,
+            EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
+            EngineError::PeerUnavailable { .. } => Code::Unavailable,
+            EngineError::Peer { code, .. } => *code,
+            EngineError::Criu(CriuError::NotFound { .. } | CriuError::TooOld { .. }) => {
+                Code::FailedPrecondition
+            }
+            EngineError::Criu(CriuError::Failed { .. }) => Code::Aborted,
+            EngineError::Process(ProcessError::NotFound { .. }) => Code::NotFound,
+            EngineError::Criu(_)
+            | EngineError::Process(_)
+            | EngineError::DataPlane(_)
+            | EngineError::Io { .. }
+            | EngineError::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<EngineError> for tonic::Status {
+    fn from(e: EngineError) -> Self {
+        tonic::Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Moves the CRIU logs of a migration that did not commit out of its
+/// directory (about to be removed) into `<work_dir>/logs/`, so that the
+/// reason stays readable after the images are gone.
+pub fn keep_logs(work_dir: &std::path::Path, dir: &std::path::Path, migration_id: &str) {
+    let logs = work_dir.join("logs");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.ends_with(".log") {
+            continue;
+        }
+        let _ = std::fs::create_dir_all(&logs);
+        let to = logs.join(format!("{migration_id}-{name}"));
+        if let Err(err) = std::fs::rename(e.path(), &to) {
+            tracing::warn!(from = %e.path().display(), error = %err, "keeping a CRIU log");
+        } else {
+            tracing::info!(log = %to.display(), "CRIU log kept");
+        }
+    }
+}
+
+/// A fresh migration id: 64 random bits in hex.
+pub fn new_migration_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}

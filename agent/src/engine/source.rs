@@ -1,0 +1,525 @@
+//! The source side of a migration: validate, prepare, freeze, dump,
+//! transfer, restore remotely, discard, commit, or abort and resume.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ferry_proto::v1::peer_client::PeerClient;
+use ferry_proto::v1::{
+    self as pb, AbortRequest, CommitRequest, HelloRequest, MigrationEvent, MigrationOutcome,
+    MigrationProgress, MigrationReport, MigrationStarted, PhaseTiming, PrepareRequest,
+    RestoreRequest, migration_event,
+};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+use tracing::Instrument;
+
+use crate::agent::Agent;
+use crate::config::PeerConfig;
+use crate::criu;
+use crate::managed::Lifecycle;
+use crate::process::{self, PortKey, SocketSummary, Transport};
+
+use super::{EngineError, images, new_migration_id, rollback};
+
+/// A migration that passed validation and holds the destination's
+/// reservation.
+pub struct Prepared {
+    pub migration_id: String,
+    pub pid: i32,
+    pub destination: PeerConfig,
+    peer: PeerClient<Channel>,
+    sockets: SocketSummary,
+    started: Instant,
+    started_wall: SystemTime,
+    prepare_time: Duration,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("migration_id", &self.migration_id)
+            .field("pid", &self.pid)
+            .finish()
+    }
+}
+
+pub fn port_to_pb(p: &PortKey) -> pb::Port {
+    pb::Port {
+        protocol: match p.transport {
+            Transport::Tcp => pb::Protocol::Tcp as i32,
+            Transport::Udp => pb::Protocol::Udp as i32,
+        },
+        port: u32::from(p.port),
+    }
+}
+
+/// Checks everything that can be checked before touching the process, and
+/// reserves the destination. Errors here leave no trace anywhere.
+pub async fn prepare(
+    agent: &Arc<Agent>,
+    pid: i32,
+    destination: &str,
+) -> Result<Prepared, EngineError> {
+    let started = Instant::now();
+    let started_wall = SystemTime::now();
+    let node = agent.node().to_owned();
+    if destination == node {
+        return Err(EngineError::DestinationIsSelf { node });
+    }
+    let peer_cfg = agent.config.peer(destination).cloned().ok_or_else(|| {
+        let mut known: Vec<&str> = vec![agent.node()];
+        known.extend(agent.config.peers.iter().map(|p| p.name.as_str()));
+        EngineError::UnknownNode {
+            name: destination.to_owned(),
+            known: known.join(", "),
+        }
+    })?;
+    check_migratable(agent, pid)?;
+    let criu_path = agent.config.criu_path.clone();
+    tokio::task::spawn_blocking(move || criu::probe_version(&criu_path))
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))??;
+
+    // Claim the process so that no second migration of it can start.
+    let migration_id = new_migration_id();
+    let (argv, sockets) = {
+        let mut reg = agent.registry();
+        let p = reg
+            .get_mut(pid)
+            .ok_or_else(|| not_managed(pid, agent.node()))?;
+        if let Lifecycle::MigratingOut { migration_id, .. } = &p.lifecycle {
+            return Err(EngineError::AlreadyMigrating {
+                pid,
+                migration_id: migration_id.clone(),
+            });
+        }
+        p.lifecycle = Lifecycle::MigratingOut {
+            migration_id: migration_id.clone(),
+            frozen: false,
+        };
+        (p.argv.clone(), p.sockets.clone())
+    };
+    let release = |agent: &Arc<Agent>| agent.set_lifecycle(pid, Lifecycle::Running);
+
+    let result = async {
+        // Fresh socket list: ports opened since the last refresh move too.
+        let tree = process::process_tree(pid);
+        let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
+        let mut peer = agent.peer_client(&peer_cfg).await?;
+        let hello = peer
+            .hello(HelloRequest {
+                node: agent.node().to_owned(),
+                protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+            })
+            .await
+            .map_err(|s| peer_error(&peer_cfg.name, s))?
+            .into_inner();
+        if !ferry_proto::PEER_PROTOCOL_VERSIONS.contains(&hello.protocol_version) {
+            return Err(EngineError::NoCommonVersion {
+                node: peer_cfg.name.clone(),
+                theirs: vec![hello.protocol_version],
+                ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+            });
+        }
+        peer.prepare(PrepareRequest {
+            protocol_version: hello.protocol_version,
+            migration_id: migration_id.clone(),
+            source_node: agent.node().to_owned(),
+            source_pid: pid,
+            argv: argv.clone(),
+            ports: sockets.ports.iter().map(port_to_pb).collect(),
+        })
+        .await
+        .map_err(|s| peer_error(&peer_cfg.name, s))?;
+        if let Some(p) = agent.registry().get_mut(pid) {
+            p.sockets = sockets.clone();
+        }
+        Ok::<_, EngineError>((peer, sockets))
+    }
+    .await;
+    match result {
+        Ok((peer, sockets)) => Ok(Prepared {
+            migration_id,
+            pid,
+            destination: peer_cfg,
+            peer,
+            sockets,
+            started,
+            started_wall,
+            prepare_time: started.elapsed(),
+        }),
+        Err(e) => {
+            release(agent);
+            Err(e)
+        }
+    }
+}
+
+fn not_managed(pid: i32, node: &str) -> EngineError {
+    EngineError::NotMigratable {
+        pid,
+        reason: format!(
+            "it is not managed by ferry on {node} (start it with `ferry run -- CMD`; `ferry ps` lists managed processes)"
+        ),
+    }
+}
+
+fn check_migratable(agent: &Agent, pid: i32) -> Result<(), EngineError> {
+    let node = agent.node();
+    if pid == std::process::id() as i32 {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: format!("it is the ferry agent of {node} itself"),
+        });
+    }
+    if pid == 1 {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: "PID 1 is the node's init".into(),
+        });
+    }
+    let info = match process::inspect(pid) {
+        Ok(i) => i,
+        Err(process::ProcessError::NotFound { .. }) => {
+            return Err(EngineError::NoSuchProcess {
+                pid,
+                node: node.to_owned(),
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if info.kernel_thread {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: "it is a kernel thread".into(),
+        });
+    }
+    if info.state == 'Z' {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: "it has exited (zombie)".into(),
+        });
+    }
+    if agent.registry().get(pid).is_none() {
+        return Err(not_managed(pid, node));
+    }
+    Ok(())
+}
+
+fn peer_error(node: &str, s: tonic::Status) -> EngineError {
+    match s.code() {
+        tonic::Code::Unavailable => EngineError::PeerUnavailable {
+            node: node.to_owned(),
+            address: String::new(),
+            reason: s.message().to_owned(),
+        },
+        code => EngineError::Peer {
+            node: node.to_owned(),
+            code,
+            message: s.message().to_owned(),
+        },
+    }
+}
+
+type Events = mpsc::Sender<Result<MigrationEvent, tonic::Status>>;
+
+struct Run {
+    agent: Arc<Agent>,
+    p: Prepared,
+    events: Events,
+    report: MigrationReport,
+    last_phase: Instant,
+}
+
+impl Run {
+    async fn phase(&mut self, name: &str) {
+        let now = Instant::now();
+        if let Some(last) = self.report.phases.last_mut() {
+            last.duration_us = (now - self.last_phase).as_micros() as u64;
+        }
+        self.last_phase = now;
+        self.report.phases.push(PhaseTiming {
+            phase: name.to_owned(),
+            duration_us: 0,
+        });
+        tracing::info!(phase = name, "migration phase");
+        let ev = MigrationEvent {
+            event: Some(migration_event::Event::Progress(MigrationProgress {
+                phase: name.to_owned(),
+                elapsed_us: self.p.started.elapsed().as_micros() as u64,
+                bytes_transferred: self.report.bytes_transferred,
+            })),
+        };
+        // The migration goes on if the caller stopped listening.
+        let _ = self.events.send(Ok(ev)).await;
+    }
+
+    fn close_phases(&mut self) {
+        if let Some(last) = self.report.phases.last_mut() {
+            last.duration_us = self.last_phase.elapsed().as_micros() as u64;
+        }
+    }
+}
+
+/// Runs a prepared migration to its end and returns its report. Meant to be
+/// spawned: it must finish (commit or roll back) even if the caller goes.
+pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationReport {
+    let span = tracing::info_span!("migration", id = %p.migration_id, pid = p.pid, to = %p.destination.name);
+    async move {
+        let report = MigrationReport {
+            migration_id: p.migration_id.clone(),
+            strategy: pb::Strategy::TotalCopy as i32,
+            outcome: MigrationOutcome::Unspecified as i32,
+            source_node: agent.node().to_owned(),
+            destination_node: p.destination.name.clone(),
+            source_pid: p.pid,
+            tcp_established: p.sockets.tcp_established,
+            tcp_listening: p.sockets.tcp_listening,
+            udp_sockets: p.sockets.udp,
+            ports: p.sockets.ports.iter().map(port_to_pb).collect(),
+            started_at_unix_ms: p
+                .started_wall
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            phases: vec![PhaseTiming {
+                phase: "prepare".into(),
+                duration_us: p.prepare_time.as_micros() as u64,
+            }],
+            ..Default::default()
+        };
+        let _ = events
+            .send(Ok(MigrationEvent {
+                event: Some(migration_event::Event::Started(MigrationStarted {
+                    migration_id: p.migration_id.clone(),
+                    source_node: agent.node().to_owned(),
+                    destination_node: p.destination.name.clone(),
+                    pid: p.pid,
+                })),
+            }))
+            .await;
+        let mut run = Run {
+            agent: agent.clone(),
+            last_phase: Instant::now(),
+            p,
+            events,
+            report,
+        };
+        let dir = agent
+            .config
+            .work_dir
+            .join("outgoing")
+            .join(&run.p.migration_id);
+        let outcome = drive(&mut run, &dir).await;
+        finish(&mut run, outcome).await;
+        if run.report.outcome != MigrationOutcome::Committed as i32 {
+            super::keep_logs(&agent.config.work_dir, &dir, &run.p.migration_id);
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %dir.display(), error = %e, "removing images");
+            }
+        }
+        run.report.total_time_us = run.p.started.elapsed().as_micros() as u64;
+        run.close_phases();
+        agent.store_report(run.report.clone());
+        tracing::info!(
+            outcome = run.report.outcome,
+            freeze_ms = run.report.freeze_time_us as f64 / 1000.0,
+            total_ms = run.report.total_time_us as f64 / 1000.0,
+            bytes = run.report.bytes_transferred,
+            error = %run.report.error,
+            "migration finished"
+        );
+        run.report
+    }
+    .instrument(span)
+    .await
+}
+
+/// Where a migration stopped.
+enum Stop {
+    /// Failed before the commit point: roll back.
+    BeforeCommit(EngineError),
+    /// Committed (the source copy is gone); maybe the destination's
+    /// confirmation of the resume failed.
+    Committed(Option<EngineError>),
+}
+
+async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
+    let images = dir.join("images");
+    if let Err(e) = std::fs::create_dir_all(&images)
+        .map_err(EngineError::io(format!("creating {}", images.display())))
+    {
+        return Stop::BeforeCommit(e);
+    }
+    set_private(dir);
+
+    // Freeze: cut the process off in the data plane, then dump it.
+    run.phase("freeze").await;
+    let pid = run.p.pid;
+    let freeze_start = Instant::now();
+    run.agent.set_lifecycle(
+        pid,
+        Lifecycle::MigratingOut {
+            migration_id: run.p.migration_id.clone(),
+            frozen: true,
+        },
+    );
+    if let Err(e) = run.agent.reconcile().await {
+        return Stop::BeforeCommit(e);
+    }
+    run.phase("dump").await;
+    let req = criu::DumpRequest {
+        criu: run.agent.config.criu_path.clone(),
+        pid,
+        images_dir: images.clone(),
+        log_dir: dir.to_owned(),
+        log_level: run.agent.config.criu_log_level,
+    };
+    match tokio::task::spawn_blocking(move || criu::dump(&req)).await {
+        Ok(Ok(notes)) => tracing::debug!(?notes, "dump done"),
+        Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
+        Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+    }
+
+    run.phase("transfer").await;
+    let (tx, rx) = mpsc::channel(8);
+    let reader = tokio::task::spawn_blocking({
+        let images = images.clone();
+        let id = run.p.migration_id.clone();
+        move || images::read_images(images, id, tx)
+    });
+    let sent = run
+        .p
+        .peer
+        .transfer_images(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await;
+    let read = reader.await;
+    let (files, bytes) = match (read, sent) {
+        (Ok(Ok(counts)), Ok(_)) => counts,
+        (Ok(Err(e)), _) => return Stop::BeforeCommit(e),
+        (Err(e), _) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+        (_, Err(s)) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
+    };
+    run.report.image_files = files;
+    run.report.image_bytes = bytes;
+    run.report.bytes_transferred = bytes;
+
+    run.phase("restore").await;
+    let restored = match run
+        .p
+        .peer
+        .restore(RestoreRequest {
+            migration_id: run.p.migration_id.clone(),
+        })
+        .await
+    {
+        Ok(r) => r.into_inner(),
+        Err(s) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
+    };
+    run.report.destination_pid = restored.pid;
+
+    // Commit point: the destination holds a restored, stopped copy. Discard
+    // ours; its sockets are in repair mode and close without a word.
+    run.phase("discard").await;
+    discard_source_copy(&run.agent, pid).await;
+
+    run.phase("commit").await;
+    let mut last_err = None;
+    for attempt in 0..5 {
+        match run
+            .p
+            .peer
+            .commit(CommitRequest {
+                migration_id: run.p.migration_id.clone(),
+            })
+            .await
+        {
+            Ok(r) => {
+                run.report.destination_pid = r.into_inner().pid;
+                last_err = None;
+                break;
+            }
+            Err(s) => {
+                tracing::warn!(attempt, status = %s, "commit not confirmed; retrying");
+                last_err = Some(peer_error(&run.p.destination.name, s));
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        }
+    }
+    run.report.freeze_time_us = freeze_start.elapsed().as_micros() as u64;
+    Stop::Committed(last_err)
+}
+
+/// Kills the stopped source copy and forgets it, releasing its ports.
+async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
+    // The root is the init of its PID namespace: killing it takes the whole
+    // tree with it.
+    if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
+        tracing::warn!(pid, error = %e, "killing the source copy");
+    }
+    agent.forget(pid);
+    if let Err(e) = agent.reconcile().await {
+        tracing::error!(error = %e, "releasing the ports of the migrated process");
+    }
+}
+
+async fn finish(run: &mut Run, stop: Stop) {
+    match stop {
+        Stop::Committed(err) => {
+            run.report.outcome = MigrationOutcome::Committed as i32;
+            if let Some(e) = err {
+                run.report.error = format!(
+                    "the process moved, but {} did not confirm it resumed it: {e}",
+                    run.p.destination.name
+                );
+            }
+        }
+        Stop::BeforeCommit(err) => {
+            tracing::warn!(error = %err, "migration failed; rolling back");
+            run.phase("abort").await;
+            run.report.outcome = MigrationOutcome::Aborted as i32;
+            run.report.error = err.to_string();
+            let _ = run
+                .p
+                .peer
+                .abort(AbortRequest {
+                    migration_id: run.p.migration_id.clone(),
+                    reason: err.to_string(),
+                })
+                .await
+                .map_err(
+                    |s| tracing::warn!(status = %s, "destination did not acknowledge the abort"),
+                );
+            let pid = run.p.pid;
+            let resumed =
+                tokio::task::spawn_blocking(move || rollback::resume_on_source(pid)).await;
+            run.agent.set_lifecycle(pid, Lifecycle::Running);
+            if let Err(e) = run.agent.reconcile().await {
+                tracing::error!(error = %e, "thawing the ports of the resumed process");
+            }
+            match resumed {
+                Ok(Ok(())) => run.report.resumed_on_source = true,
+                Ok(Err(e)) => {
+                    tracing::error!(error = %e, "could not resume the process on the source");
+                    run.report
+                        .error
+                        .push_str(&format!("; resuming on the source failed: {e}"));
+                }
+                Err(e) => run.report.error.push_str(&format!("; resume task: {e}")),
+            }
+        }
+    }
+}
+
+/// Images and logs hold process memory: root only.
+pub fn set_private(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+        tracing::warn!(dir = %dir.display(), error = %e, "restricting permissions");
+    }
+}

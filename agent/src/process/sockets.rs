@@ -1,0 +1,181 @@
+//! The sockets of a process tree, from /proc/PID/fd and the protocol tables
+//! in /proc/PID/net (which show the process's own network namespace).
+
+use std::collections::{BTreeSet, HashSet};
+
+use super::{ProcessError, read_proc};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Transport {
+    Tcp,
+    Udp,
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Transport::Tcp => "tcp",
+            Transport::Udp => "udp",
+        })
+    }
+}
+
+/// A port on the node's public address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortKey {
+    pub transport: Transport,
+    pub port: u16,
+}
+
+impl std::fmt::Display for PortKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.port, self.transport)
+    }
+}
+
+/// What sockets a process tree holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SocketSummary {
+    pub tcp_listening: u32,
+    pub tcp_established: u32,
+    /// TCP sockets in other states (SYN_SENT, FIN_WAIT, CLOSE_WAIT, ...).
+    pub tcp_other: u32,
+    pub udp: u32,
+    /// Local ports of all of them: the ports this node must own for the
+    /// process to receive its traffic.
+    pub ports: BTreeSet<PortKey>,
+}
+
+const TCP_ESTABLISHED: u8 = 0x01;
+const TCP_LISTEN: u8 = 0x0A;
+
+/// Summarises the TCP and UDP sockets held by any process in `tree`.
+pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
+    let Some(&root) = tree.first() else {
+        return Ok(SocketSummary::default());
+    };
+    let mut inodes = HashSet::new();
+    for &pid in tree {
+        let dir = format!("/proc/{pid}/fd");
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            // A descendant may exit while we look; the root may not.
+            Err(_) if pid != root => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ProcessError::NotFound { pid });
+            }
+            Err(source) => return Err(ProcessError::Io { path: dir, source }),
+        };
+        for entry in entries.flatten() {
+            if let Ok(target) = std::fs::read_link(entry.path()) {
+                let t = target.to_string_lossy();
+                if let Some(ino) = t.strip_prefix("socket:[").and_then(|s| s.strip_suffix(']')) {
+                    if let Ok(ino) = ino.parse::<u64>() {
+                        inodes.insert(ino);
+                    }
+                }
+            }
+        }
+    }
+    let mut summary = SocketSummary::default();
+    for (table, transport) in [
+        ("tcp", Transport::Tcp),
+        ("tcp6", Transport::Tcp),
+        ("udp", Transport::Udp),
+        ("udp6", Transport::Udp),
+    ] {
+        let path = format!("/proc/{root}/net/{table}");
+        let text = match read_proc(&path, root) {
+            Ok(t) => t,
+            // IPv6 may be disabled in a namespace.
+            Err(ProcessError::NotFound { .. }) if table.ends_with('6') => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in parse_table(&text) {
+            if !inodes.contains(&entry.inode) {
+                continue;
+            }
+            match transport {
+                Transport::Tcp => match entry.state {
+                    TCP_LISTEN => summary.tcp_listening += 1,
+                    TCP_ESTABLISHED => summary.tcp_established += 1,
+                    _ => summary.tcp_other += 1,
+                },
+                Transport::Udp => summary.udp += 1,
+            }
+            if entry.local_port != 0 {
+                summary.ports.insert(PortKey {
+                    transport,
+                    port: entry.local_port,
+                });
+            }
+        }
+    }
+    Ok(summary)
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct TableEntry {
+    local_port: u16,
+    state: u8,
+    inode: u64,
+}
+
+/// Parses /proc/net/{tcp,tcp6,udp,udp6}: after a header line, one socket a
+/// line: `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...`,
+/// addresses as HEXADDR:HEXPORT.
+fn parse_table(text: &str) -> Vec<TableEntry> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local = f.get(1)?;
+            let port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
+            let state = u8::from_str_radix(f.get(3)?, 16).ok()?;
+            let inode = f.get(9)?.parse().ok()?;
+            Some(TableEntry {
+                local_port: port,
+                state,
+                inode,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_proc_net_tcp_lines() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000:1B58 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 14376 1 0000000000000000 100 0 0 10 0\n   1: 640012C6:1B58 010012C6:D5FA 01 00000000:00000000 00:00000000 00000000     0        0 14380 1 0000000000000000 20 4 30 10 -1\n";
+        let e = parse_table(text);
+        assert_eq!(
+            e,
+            vec![
+                TableEntry {
+                    local_port: 7000,
+                    state: TCP_LISTEN,
+                    inode: 14376
+                },
+                TableEntry {
+                    local_port: 7000,
+                    state: TCP_ESTABLISHED,
+                    inode: 14380
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn finds_a_listening_socket_of_this_process() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let s = sockets_of_tree(&[std::process::id() as i32]).unwrap();
+        assert!(s.tcp_listening >= 1);
+        assert!(s.ports.contains(&PortKey {
+            transport: Transport::Tcp,
+            port
+        }));
+    }
+}

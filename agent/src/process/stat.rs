@@ -1,0 +1,110 @@
+use super::{ProcessError, read_proc};
+
+/// Flag in /proc/PID/stat marking a kernel thread (include/linux/sched.h).
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// The facts about a process that decide whether ferry may move it.
+#[derive(Debug, Clone)]
+pub struct ProcessInfo {
+    pub pid: i32,
+    pub ppid: i32,
+    /// Single-letter state from /proc/PID/stat ('R', 'S', 'T', 'Z', ...).
+    pub state: char,
+    pub kernel_thread: bool,
+    pub argv: Vec<String>,
+}
+
+impl ProcessInfo {
+    /// Stopped by a signal (what a migration's freeze leaves behind).
+    pub fn is_stopped(&self) -> bool {
+        self.state == 'T'
+    }
+}
+
+/// Reads /proc/PID/stat and /proc/PID/cmdline.
+pub fn inspect(pid: i32) -> Result<ProcessInfo, ProcessError> {
+    if pid <= 0 {
+        return Err(ProcessError::NotFound { pid });
+    }
+    let path = format!("/proc/{pid}/stat");
+    let stat = read_proc(&path, pid)?;
+    let (state, ppid, flags) = parse_stat(&stat).ok_or_else(|| ProcessError::Parse {
+        path: path.clone(),
+        reason: format!("unexpected content {stat:?}"),
+    })?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let argv = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    Ok(ProcessInfo {
+        pid,
+        ppid,
+        state,
+        kernel_thread: flags & PF_KTHREAD != 0,
+        argv,
+    })
+}
+
+/// Parses state, ppid and flags out of a /proc/PID/stat line. The command
+/// name is in parentheses and may itself contain spaces and parentheses, so
+/// fields are counted from the last ')'.
+fn parse_stat(stat: &str) -> Option<(char, i32, u64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest: state(3) ppid(4) pgrp(5) session(6) tty_nr(7) tpgid(8) flags(9)
+    let state = fields.first()?.chars().next()?;
+    let ppid = fields.get(1)?.parse().ok()?;
+    let flags = fields.get(6)?.parse().ok()?;
+    Some((state, ppid, flags))
+}
+
+/// `pid` and all its descendants (threads are not processes and are not
+/// listed), in breadth-first order.
+pub fn process_tree(pid: i32) -> Vec<i32> {
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
+            for task in tasks.flatten() {
+                let children = task.path().join("children");
+                if let Ok(list) = std::fs::read_to_string(children) {
+                    out.extend(
+                        list.split_whitespace()
+                            .filter_map(|c| c.parse::<i32>().ok()),
+                    );
+                }
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_odd_command_names() {
+        let line = "1234 (we(ird) name) S 1 1234 1234 0 -1 4194560 100 0 0 0";
+        assert_eq!(parse_stat(line), Some(('S', 1, 4194560)));
+        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0";
+        let (_, _, flags) = parse_stat(kthread).unwrap();
+        assert!(flags & PF_KTHREAD != 0);
+    }
+
+    #[test]
+    fn inspects_this_process_and_finds_kernel_threads() {
+        let me = inspect(std::process::id() as i32).unwrap();
+        assert!(!me.kernel_thread);
+        assert!(!me.argv.is_empty());
+        // PID 2 is kthreadd on Linux in the initial PID namespace.
+        if let Ok(k) = inspect(2) {
+            assert!(k.kernel_thread, "{k:?}");
+        }
+        assert!(matches!(inspect(-5), Err(ProcessError::NotFound { .. })));
+    }
+}

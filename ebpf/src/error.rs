@@ -1,0 +1,23 @@
+/// Errors loading, attaching or updating the eBPF programs.
+#[derive(Debug, thiserror::Error)]
+pub enum DataPlaneError {
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("the eBPF object lacks {0}")]
+    Missing(&'static str),
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        source: aya::maps::MapError,
+    },
+    #[error("adding the clsact qdisc to {iface}: {source}")]
+    Qdisc {
+        iface: String,
+        source: aya::programs::tc::TcError,
+    },
+}

@@ -1,0 +1,87 @@
+//! `ferry-echo-server --port 7000`: echoes every byte of every TCP
+//! connection back, exactly, one thread per connection.
+//!
+//! Built to be checkpointed and restored by CRIU mid-stream: plain blocking
+//! std I/O (nothing CRIU cannot restore), EINTR retried everywhere (a
+//! restored thread's interrupted syscall may come back with it), a failing
+//! connection only ends its own thread, and nothing is written to stdout or
+//! stderr after start (they are /dev/null under the agent, and may be gone).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry-echo-server",
+    about = "TCP echo server for ferry's tests"
+)]
+struct Args {
+    /// TCP port to listen on.
+    #[arg(long, default_value_t = 7000)]
+    port: u16,
+    /// Address to bind.
+    #[arg(long, default_value_t = Ipv4Addr::UNSPECIFIED)]
+    bind: Ipv4Addr,
+}
+
+/// Small stacks: the process's memory is what a migration copies.
+const THREAD_STACK: usize = 128 * 1024;
+const BUFFER: usize = 16 * 1024;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    // std's bind sets SO_REUSEADDR, so a restart right after a crash works.
+    let listener = match TcpListener::bind(SocketAddrV4::new(args.bind, args.port)) {
+        Ok(l) => l,
+        Err(e) => {
+            // The only message this program ever prints: before serving.
+            eprintln!(
+                "ferry-echo-server: binding {}:{}: {e}",
+                args.bind, args.port
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                // If no thread can be made, dropping the stream closes it;
+                // the server goes on.
+                let _ = std::thread::Builder::new()
+                    .stack_size(THREAD_STACK)
+                    .spawn(move || echo(stream));
+            }
+            Err(e) => match e.kind() {
+                // Retried at once: an interrupted or aborted handshake.
+                ErrorKind::Interrupted | ErrorKind::ConnectionAborted => {}
+                // Out of fds or memory: back off instead of spinning.
+                _ => std::thread::sleep(Duration::from_millis(10)),
+            },
+        }
+    }
+}
+
+/// Echoes until EOF or an error on this connection.
+fn echo(mut stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let mut buf = vec![0u8; BUFFER];
+    loop {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return,
+        };
+        // write_all retries EINTR itself.
+        if stream.write_all(&buf[..n]).is_err() {
+            return;
+        }
+    }
+    // The peer closed its sending side: finish ours, so it sees EOF after
+    // the last echo.
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+}

@@ -1,0 +1,102 @@
+//! Looking at sockets inside a namespace, to tell which node holds a
+//! connection.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::Path;
+
+use crate::netns::{self, NetNsError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error(transparent)]
+    NetNs(#[from] NetNsError),
+    #[error("reading /proc/thread-self/net/tcp: {0}")]
+    Read(std::io::Error),
+    #[error("unparsable line in /proc/net/tcp: {0:?}")]
+    Parse(String),
+}
+
+/// TCP states as numbered in `include/net/tcp_states.h`.
+pub const TCP_ESTABLISHED: u8 = 1;
+pub const TCP_LISTEN: u8 = 10;
+
+/// One row of `/proc/net/tcp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpEntry {
+    pub local: SocketAddrV4,
+    pub remote: SocketAddrV4,
+    pub state: u8,
+    pub inode: u64,
+}
+
+/// All IPv4 TCP sockets of the namespace at `netns_path`. Read on a thread
+/// inside the namespace: `/proc/thread-self/net` shows the reading thread's
+/// namespace.
+pub fn tcp_sockets(netns_path: &Path) -> Result<Vec<TcpEntry>, InspectError> {
+    let text = netns::run_in(netns_path, || {
+        std::fs::read_to_string("/proc/thread-self/net/tcp")
+    })?
+    .map_err(InspectError::Read)?;
+    parse_proc_net_tcp(&text)
+}
+
+/// Peers of the ESTABLISHED sockets whose local port is `local_port`.
+pub fn established_peers(
+    netns_path: &Path,
+    local_port: u16,
+) -> Result<Vec<SocketAddrV4>, InspectError> {
+    Ok(tcp_sockets(netns_path)?
+        .into_iter()
+        .filter(|e| e.state == TCP_ESTABLISHED && e.local.port() == local_port)
+        .map(|e| e.remote)
+        .collect())
+}
+
+pub fn parse_proc_net_tcp(text: &str) -> Result<Vec<TcpEntry>, InspectError> {
+    text.lines()
+        .skip(1)
+        .filter(|l| !l.trim().is_empty())
+        .map(|line| parse_line(line).ok_or_else(|| InspectError::Parse(line.to_owned())))
+        .collect()
+}
+
+// "  0: 0100007F:1B58 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 12345 ..."
+fn parse_line(line: &str) -> Option<TcpEntry> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    Some(TcpEntry {
+        local: parse_addr(f.get(1)?)?,
+        remote: parse_addr(f.get(2)?)?,
+        state: u8::from_str_radix(f.get(3)?, 16).ok()?,
+        inode: f.get(9)?.parse().ok()?,
+    })
+}
+
+/// The kernel prints the address as the `__be32` read as a host integer
+/// (`%08X`), and the port in host order.
+fn parse_addr(s: &str) -> Option<SocketAddrV4> {
+    let (ip, port) = s.split_once(':')?;
+    let ip = u32::from_str_radix(ip, 16).ok()?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    Some(SocketAddrV4::new(Ipv4Addr::from(ip.to_ne_bytes()), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_endian = "little")]
+    fn parses_proc_net_tcp() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 00000000:1B58 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0\n\
+   1: 640012C6:1B58 0B0012C6:A3F2 01 00000000:00000000 00:00000000 00000000     0        0 4243 1 0000000000000000 20 4 30 10 -1\n";
+        let v = parse_proc_net_tcp(text).unwrap();
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[0].state, TCP_LISTEN);
+        assert_eq!(v[0].local, "0.0.0.0:7000".parse().unwrap());
+        assert_eq!(v[1].state, TCP_ESTABLISHED);
+        assert_eq!(v[1].local, "198.18.0.100:7000".parse().unwrap());
+        assert_eq!(v[1].remote, "198.18.0.11:41970".parse().unwrap());
+        assert_eq!(v[1].inode, 4243);
+    }
+}

@@ -1,0 +1,131 @@
+//! The single-IP cluster's addressing plan and the `ip` scripts that wire it.
+//!
+//! ```text
+//!            client1 eth0 198.18.0.11   client2 eth0 198.18.0.12 ...
+//!                   |                         |
+//!   router:  [ bridge "pub" ] ------------------------------ floods frames for
+//!                   |                         |              ff:ff:ff:ff:ff:ff
+//!            node1 pub0 198.18.0.100    node2 pub0 198.18.0.100 ...
+//!            node1 clu0 198.19.0.1      node2 clu0 198.19.0.2
+//!                   |                         |
+//!   router:  [ bridge "clu" ] ---------------------------------
+//! ```
+//!
+//! Clients hold a permanent neighbour entry mapping the shared address to
+//! the broadcast MAC, so the bridge floods every frame for it to every node:
+//! the seed's broadcasting router. Only the owner's ownership filter lets a
+//! frame through as PACKET_HOST; without it TCP on the nodes drops them.
+
+use std::net::Ipv4Addr;
+
+/// The address every node carries on its public interface.
+pub const PUBLIC_ADDR: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
+/// Where ferryd's Peer service listens on each node's cluster address.
+pub const PEER_PORT: u16 = 7100;
+/// Interface names inside the namespaces (the router side gets `n<i>p`,
+/// `n<i>c`, `c<j>e`).
+pub const PUBLIC_IFACE: &str = "pub0";
+pub const CLUSTER_IFACE: &str = "clu0";
+pub const CLIENT_IFACE: &str = "eth0";
+/// Bridge names inside the router namespace.
+pub const PUBLIC_BRIDGE: &str = "pub";
+pub const CLUSTER_BRIDGE: &str = "clu";
+
+/// Client addresses are 198.18.0.(10+j) and must stay below the shared .100.
+pub const MAX_CLIENTS: usize = 89;
+/// Nodes are 198.19.0.i; any more than this is no longer a test of ferry.
+pub const MAX_NODES: usize = 64;
+
+/// Node `i` (1-based) on the cluster network.
+pub fn node_cluster_addr(i: usize) -> Ipv4Addr {
+    assert!((1..=MAX_NODES).contains(&i), "node index {i} out of range");
+    Ipv4Addr::new(198, 19, 0, i as u8)
+}
+
+/// Client `j` (1-based) on the public network.
+pub fn client_addr(j: usize) -> Ipv4Addr {
+    assert!(
+        (1..=MAX_CLIENTS).contains(&j),
+        "client index {j} out of range"
+    );
+    Ipv4Addr::new(198, 18, 0, 10 + j as u8)
+}
+
+/// Bridges and every veth pair, run inside the router namespace. Each veth
+/// is created with its far end directly in the endpoint's namespace, so no
+/// interface ever appears in the host namespace (where concurrent clusters
+/// would clash on names).
+pub fn router_script(nodes: &[&str], clients: &[&str]) -> Vec<String> {
+    let mut s = vec!["link set lo up".to_owned()];
+    for br in [PUBLIC_BRIDGE, CLUSTER_BRIDGE] {
+        s.push(format!("link add {br} type bridge"));
+        s.push(format!("link set {br} up"));
+    }
+    for (i, ns) in nodes.iter().enumerate() {
+        let i = i + 1;
+        for (side, iface, br) in [
+            ('p', PUBLIC_IFACE, PUBLIC_BRIDGE),
+            ('c', CLUSTER_IFACE, CLUSTER_BRIDGE),
+        ] {
+            let port = format!("n{i}{side}");
+            s.push(format!(
+                "link add {port} type veth peer name {iface} netns {ns}"
+            ));
+            s.push(format!("link set {port} master {br} up"));
+        }
+    }
+    for (j, ns) in clients.iter().enumerate() {
+        let port = format!("c{}e", j + 1);
+        s.push(format!(
+            "link add {port} type veth peer name {CLIENT_IFACE} netns {ns}"
+        ));
+        s.push(format!("link set {port} master {PUBLIC_BRIDGE} up"));
+    }
+    s
+}
+
+/// Addresses of node `i` (1-based), run inside its namespace.
+pub fn node_script(i: usize) -> Vec<String> {
+    vec![
+        "link set lo up".to_owned(),
+        format!("addr add {PUBLIC_ADDR}/24 dev {PUBLIC_IFACE}"),
+        format!("link set {PUBLIC_IFACE} up"),
+        format!("addr add {}/24 dev {CLUSTER_IFACE}", node_cluster_addr(i)),
+        format!("link set {CLUSTER_IFACE} up"),
+    ]
+}
+
+/// Address and the flooding neighbour entry of client `j` (1-based).
+pub fn client_script(j: usize) -> Vec<String> {
+    vec![
+        "link set lo up".to_owned(),
+        format!("addr add {}/24 dev {CLIENT_IFACE}", client_addr(j)),
+        format!("link set {CLIENT_IFACE} up"),
+        format!(
+            "neigh replace {PUBLIC_ADDR} lladdr ff:ff:ff:ff:ff:ff dev {CLIENT_IFACE} nud permanent"
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_stay_in_the_benchmark_range() {
+        let bench = |a: Ipv4Addr| a.octets()[0] == 198 && (a.octets()[1] & 0xfe) == 18;
+        assert!(bench(PUBLIC_ADDR));
+        assert!(bench(node_cluster_addr(1)) && bench(node_cluster_addr(MAX_NODES)));
+        assert!(bench(client_addr(1)) && bench(client_addr(MAX_CLIENTS)));
+        assert!(client_addr(MAX_CLIENTS) < PUBLIC_ADDR);
+    }
+
+    #[test]
+    fn router_ports_fit_interface_names() {
+        let s = router_script(&["fy1-0-n64"; MAX_NODES], &["fy1-0-c89"; MAX_CLIENTS]);
+        for line in s.iter().filter(|l| l.starts_with("link add")) {
+            let name = line.split_whitespace().nth(2).unwrap();
+            assert!(name.len() <= 15, "{name}");
+        }
+    }
+}

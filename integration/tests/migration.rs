@@ -1,0 +1,377 @@
+//! End-to-end migrations in the namespace cluster, through the Control API,
+//! with real CRIU and the real eBPF filter. Root only; run by
+//! `cargo xtask test` (or `cargo xtask integration`).
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::{Duration, Instant};
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::workload::SeqClient;
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{
+    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationOutcome, MigrationReport,
+    RunProcessRequest, Strategy, migration_event,
+};
+use tonic::transport::Channel;
+
+const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
+const ECHO_PORT: u16 = 7000;
+
+fn echo_server_bin() -> String {
+    env!("CARGO_BIN_EXE_ferry-echo-server").to_owned()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Starts the echo server under management on `node` and waits (bounded)
+/// until the agent lists its listening port, which means the node's filter
+/// owns it.
+async fn start_echo_server(control: &mut ControlClient<Channel>, port: u16) -> i32 {
+    let pid = control
+        .run_process(RunProcessRequest {
+            argv: vec![echo_server_bin(), "--port".into(), port.to_string()],
+        })
+        .await
+        .expect("RunProcess")
+        .into_inner()
+        .pid;
+    wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
+    pid
+}
+
+async fn list(control: &mut ControlClient<Channel>) -> Vec<ManagedProcess> {
+    control
+        .list_processes(ListProcessesRequest {})
+        .await
+        .expect("ListProcesses")
+        .into_inner()
+        .processes
+}
+
+async fn wait_for_process(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    ok: impl Fn(&ManagedProcess) -> bool,
+) -> ManagedProcess {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let procs = list(control).await;
+        if let Some(p) = procs.iter().find(|p| p.pid == pid && ok(p)) {
+            return p.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "PID {pid} never reached the expected state: {procs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs a migration and returns (final report, final status error if any).
+async fn migrate(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    to: &str,
+) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
+    let mut stream = control
+        .migrate(MigrateRequest {
+            pid,
+            destination_node: to.into(),
+            strategy: Strategy::TotalCopy as i32,
+        })
+        .await?
+        .into_inner();
+    let mut report = None;
+    loop {
+        match stream.message().await {
+            Ok(Some(ev)) => {
+                if let Some(migration_event::Event::Report(r)) = ev.event {
+                    report = Some(r);
+                }
+            }
+            Ok(None) => return Ok((report.expect("stream ended without a report"), None)),
+            Err(s) => return Ok((report.expect("stream failed without a report"), Some(s))),
+        }
+    }
+}
+
+fn process_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .next()?
+        .chars()
+        .next()
+}
+
+#[test]
+fn echo_server_with_its_connections_migrates_to_another_node() {
+    if !ferry_integration::is_root() {
+        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = start_echo_server(&mut node1, ECHO_PORT).await;
+
+        let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
+        let client = SeqClient::start(
+            cluster.netns_path("client1"),
+            target,
+            16,
+            Duration::from_millis(50),
+            256,
+        )
+        .expect("clients");
+        client
+            .wait_until_flowing(Duration::from_secs(10))
+            .expect("traffic flowing");
+        let before = wait_for_process(&mut node1, pid, |p| p.tcp_established == 16).await;
+        assert_eq!(before.state, "running");
+        let verified_before = client.verified_per_connection();
+
+        let (report, status) = migrate(&mut node1, pid, "node2")
+            .await
+            .expect("migration starts");
+        assert!(
+            status.is_none(),
+            "migration failed: {status:?}\n{report:#?}"
+        );
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        assert_eq!(report.tcp_established, 16, "{report:#?}");
+        assert_eq!(report.tcp_listening, 1, "{report:#?}");
+        assert!(
+            report.bytes_transferred > 0 && report.freeze_time_us > 0,
+            "{report:#?}"
+        );
+        eprintln!(
+            "freeze {:.1} ms, total {:.1} ms, {} bytes",
+            report.freeze_time_us as f64 / 1e3,
+            report.total_time_us as f64 / 1e3,
+            report.bytes_transferred
+        );
+
+        // The process runs on node2, with all 16 connections, and is gone
+        // from node1.
+        let moved = wait_for_process(&mut node2, report.destination_pid, |p| {
+            p.tcp_established == 16 && p.state == "running"
+        })
+        .await;
+        assert_eq!(moved.origin, "migrated-in");
+        assert!(
+            list(&mut node1).await.is_empty(),
+            "node1 still manages a process"
+        );
+        assert_eq!(
+            process_state(pid),
+            None,
+            "source copy (PID {pid}) still exists"
+        );
+        assert!(!cluster.pids_in("node1").contains(&pid));
+        assert!(cluster.pids_in("node2").contains(&report.destination_pid));
+        assert_eq!(cluster.established_tcp("node1", ECHO_PORT).len(), 0);
+        assert_eq!(cluster.established_tcp("node2", ECHO_PORT).len(), 16);
+
+        // Every connection keeps flowing after the migration...
+        client
+            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
+            .expect("every connection exchanges messages after the migration");
+
+        // ...and a new connection is served by node2.
+        let probe = ferry_integration::workload::ProbeConnection::open(
+            &cluster.netns_path("client1"),
+            target,
+        )
+        .expect("new connection after migration");
+        let served = cluster.established_tcp("node2", ECHO_PORT);
+        assert!(
+            served.contains(&probe.local_addr()),
+            "new connection {} not on node2 ({served:?})",
+            probe.local_addr()
+        );
+        assert!(
+            !cluster
+                .established_tcp("node1", ECHO_PORT)
+                .contains(&probe.local_addr())
+        );
+        drop(probe);
+
+        // Every byte each client sent came back once and in order.
+        let seq = client.stop();
+        eprintln!("{seq}");
+        seq.assert_clean();
+        assert_eq!(seq.connections.len(), 16);
+    });
+}
+
+#[test]
+fn failed_restore_leaves_the_process_running_on_the_source() {
+    if !ferry_integration::is_root() {
+        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = start_echo_server(&mut node1, ECHO_PORT).await;
+        let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
+        let client = SeqClient::start(
+            cluster.netns_path("client1"),
+            target,
+            4,
+            Duration::from_millis(50),
+            256,
+        )
+        .expect("clients");
+        client
+            .wait_until_flowing(Duration::from_secs(10))
+            .expect("traffic flowing");
+
+        // A process node2's agent does not manage holds the port there:
+        // CRIU's restore of the listening socket fails on bind().
+        let _squatter = cluster
+            .spawn_in_node(
+                "node2",
+                &echo_server_bin(),
+                &["--port", &ECHO_PORT.to_string()],
+            )
+            .expect("port squatter on node2");
+        cluster
+            .wait_listening("node2", ECHO_PORT, Duration::from_secs(10))
+            .expect("squatter listening");
+
+        let verified_before = client.verified_per_connection();
+        let (report, status) = migrate(&mut node1, pid, "node2")
+            .await
+            .expect("migration starts");
+        let status = status.expect("a failed migration ends the stream with an error status");
+        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert!(
+            report.error.contains("restore"),
+            "reason should name the restore: {}",
+            report.error
+        );
+        assert!(report.resumed_on_source, "{report:#?}");
+        eprintln!("abort reason: {}", report.error);
+
+        // Still on node1, running, all connections alive and flowing.
+        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        assert_eq!(p.tcp_established, 4);
+        assert!(
+            matches!(process_state(pid), Some('S' | 'R')),
+            "state {:?}",
+            process_state(pid)
+        );
+        assert!(list(&mut node2).await.is_empty(), "node2 kept a process");
+        client
+            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
+            .expect("connections flow again after the abort");
+        let seq = client.stop();
+        seq.assert_clean();
+        assert!(
+            cluster.incoming_dir_is_empty("node2"),
+            "node2 kept images of the aborted migration"
+        );
+    });
+}
+
+#[test]
+fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
+    if !ferry_integration::is_root() {
+        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 0)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = start_echo_server(&mut node1, ECHO_PORT).await;
+        let code = |r: Result<(MigrationReport, Option<tonic::Status>), tonic::Status>| match r {
+            Err(s) => (s.code(), s.message().to_owned()),
+            Ok((rep, st)) => panic!("expected a refusal, got {rep:?} {st:?}"),
+        };
+        let (c, m) = code(migrate(&mut node1, pid, "node9").await);
+        assert_eq!(c, tonic::Code::NotFound, "{m}");
+        assert!(m.contains("node9") && m.contains("node2"), "{m}");
+        let (c, m) = code(migrate(&mut node1, pid, "node1").await);
+        assert_eq!(c, tonic::Code::InvalidArgument, "{m}");
+        let (c, m) = code(migrate(&mut node1, 999_999_999, "node2").await);
+        assert_eq!(c, tonic::Code::NotFound, "{m}");
+        let (c, m) = code(migrate(&mut node1, 0, "node2").await);
+        assert_eq!(c, tonic::Code::InvalidArgument, "{m}");
+        let (c, m) = code(migrate(&mut node1, 1, "node2").await);
+        assert_eq!(c, tonic::Code::FailedPrecondition, "{m}");
+        assert!(m.contains("init"), "{m}");
+        let (c, m) = code(migrate(&mut node1, 2, "node2").await);
+        assert_eq!(c, tonic::Code::FailedPrecondition, "{m}");
+        assert!(m.contains("kernel thread"), "{m}");
+        let agent_pid = cluster.agent_pid("node1");
+        let (c, m) = code(migrate(&mut node1, agent_pid, "node2").await);
+        assert_eq!(c, tonic::Code::FailedPrecondition, "{m}");
+        assert!(m.contains("agent"), "{m}");
+        let me = std::process::id() as i32;
+        let (c, m) = code(migrate(&mut node1, me, "node2").await);
+        assert_eq!(c, tonic::Code::FailedPrecondition, "{m}");
+        assert!(m.contains("not managed"), "{m}");
+
+        // The destination is busy with another incoming migration.
+        let reservation = cluster
+            .reserve_destination("node1", "node2", "feedfacefeedface")
+            .expect("reserving node2 through its Peer API");
+        let (c, m) = code(migrate(&mut node1, pid, "node2").await);
+        assert_eq!(c, tonic::Code::ResourceExhausted, "{m}");
+        assert!(m.contains("feedfacefeedface"), "{m}");
+        drop(reservation);
+
+        // None of this touched the process.
+        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        assert_eq!(p.tcp_listening, 1);
+        assert!(matches!(process_state(pid), Some('S' | 'R')));
+    });
+}
+
+#[test]
+fn missing_criu_is_refused_before_the_process_is_touched() {
+    if !ferry_integration::is_root() {
+        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+        return;
+    }
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 0);
+    spec.criu_path = Some("/nonexistent/criu".into());
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = start_echo_server(&mut node1, ECHO_PORT).await;
+        let err = migrate(&mut node1, pid, "node2")
+            .await
+            .expect_err("must be refused");
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+        assert!(
+            err.message().contains("CRIU not found"),
+            "{}",
+            err.message()
+        );
+        assert!(matches!(process_state(pid), Some('S' | 'R')));
+    });
+}
