@@ -160,10 +160,10 @@ impl Agent {
                     _ => None,
                 }
             };
-            if removed.is_some() {
-                if let Err(e) = me.reconcile().await {
-                    tracing::warn!(error = %e, "releasing ports of an exited process");
-                }
+            if removed.is_some()
+                && let Err(e) = me.reconcile().await
+            {
+                tracing::warn!(error = %e, "releasing ports of an exited process");
             }
         });
         Ok(pid)
@@ -187,10 +187,10 @@ impl Agent {
                     _ => None,
                 }
             };
-            if removed.is_some() {
-                if let Err(e) = me.reconcile().await {
-                    tracing::warn!(error = %e, "releasing ports of an exited process");
-                }
+            if removed.is_some()
+                && let Err(e) = me.reconcile().await
+            {
+                tracing::warn!(error = %e, "releasing ports of an exited process");
             }
         });
     }

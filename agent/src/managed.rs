@@ -162,10 +162,10 @@ pub async fn spawn(argv: &[String]) -> Result<(i32, tokio::process::Child), Spaw
     let waited = Duration::from_secs(5);
     let deadline = Instant::now() + waited;
     loop {
-        if let Ok(list) = std::fs::read_to_string(&children) {
-            if let Some(pid) = list.split_whitespace().find_map(|c| c.parse::<i32>().ok()) {
-                return Ok((pid, wrapper));
-            }
+        if let Ok(list) = std::fs::read_to_string(&children)
+            && let Some(pid) = list.split_whitespace().find_map(|c| c.parse::<i32>().ok())
+        {
+            return Ok((pid, wrapper));
         }
         if let Ok(Some(status)) = wrapper.try_wait() {
             return Err(SpawnError::ExitedAtOnce {

@@ -207,26 +207,22 @@ async fn main_exec(args: Args) -> Result<()> {
             loop {
                 match stream.message().await {
                     Ok(Some(ev)) => match ev.event {
-                        Some(migration_event::Event::Started(s)) => {
-                            if !args.json {
-                                eprintln!(
-                                    "migration {} of PID {}: {} -> {}",
-                                    s.migration_id, s.pid, s.source_node, s.destination_node
-                                );
-                            }
+                        Some(migration_event::Event::Started(s)) if !args.json => {
+                            eprintln!(
+                                "migration {} of PID {}: {} -> {}",
+                                s.migration_id, s.pid, s.source_node, s.destination_node
+                            );
                         }
-                        Some(migration_event::Event::Progress(p)) => {
-                            if !args.json {
-                                eprintln!(
-                                    "  {:>9.1} ms  {:<10} {:>12} bytes sent",
-                                    p.elapsed_us as f64 / 1000.0,
-                                    p.phase,
-                                    p.bytes_transferred
-                                );
-                            }
+                        Some(migration_event::Event::Progress(p)) if !args.json => {
+                            eprintln!(
+                                "  {:>9.1} ms  {:<10} {:>12} bytes sent",
+                                p.elapsed_us as f64 / 1000.0,
+                                p.phase,
+                                p.bytes_transferred
+                            );
                         }
                         Some(migration_event::Event::Report(r)) => report = Some(r),
-                        None => {}
+                        _ => {}
                     },
                     Ok(None) => break,
                     Err(s) => {

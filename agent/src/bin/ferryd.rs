@@ -201,7 +201,7 @@ fn bind_control_socket(path: &Path) -> Result<tokio::net::UnixListener> {
 fn warn_if_not_tmpfs(dir: &Path) {
     const TMPFS_MAGIC: i64 = 0x0102_1994;
     match nix::sys::statfs::statfs(dir) {
-        Ok(s) if s.filesystem_type().0 as i64 == TMPFS_MAGIC => {}
+        Ok(s) if s.filesystem_type().0 == TMPFS_MAGIC => {}
         Ok(_) => tracing::warn!(
             work_dir = %dir.display(),
             "work_dir is not on tmpfs: writing images to disk lengthens the freeze"

@@ -113,7 +113,13 @@ fn check(resp: &Criu_resp, operation: &'static str, log: &Path) -> Result<(), Cr
     if resp.success() {
         return Ok(());
     }
-    let mut reason = resp.cr_errmsg().to_owned();
+    let mut reason = resp
+        .cr_errmsg()
+        .lines()
+        .filter(|l| !is_harmless(l))
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join("; ");
     let errors = log_errors(log);
     if !errors.is_empty() {
         if !reason.is_empty() {
@@ -137,10 +143,7 @@ fn log_errors(log: &Path) -> String {
         return String::new();
     };
     text.lines()
-        .filter(|l| l.contains("Error ("))
-        // ferryd lacks CAP_SYS_RESOURCE on these machines: CRIU cannot raise
-        // its own RLIMIT_NOFILE, which it only wants for huge fd tables.
-        .filter(|l| !l.contains("RLIMIT_NOFILE"))
+        .filter(|l| l.contains("Error (") && !is_harmless(l))
         .map(|l| match l.find("Error (") {
             Some(i) => l[i..].trim(),
             None => l.trim(),
@@ -148,6 +151,13 @@ fn log_errors(log: &Path) -> String {
         .take(6)
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// ferryd lacks CAP_SYS_RESOURCE on these machines: CRIU cannot raise its
+/// own RLIMIT_NOFILE, which it only wants for huge fd tables, and says so
+/// as an error on every run.
+fn is_harmless(line: &str) -> bool {
+    line.contains("RLIMIT_NOFILE")
 }
 
 fn open_dir(path: &Path) -> Result<OwnedFd, CriuError> {

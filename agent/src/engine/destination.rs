@@ -96,10 +96,10 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
         &incoming.dir,
         &incoming.migration_id,
     );
-    if let Err(e) = std::fs::remove_dir_all(&incoming.dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
-        }
+    if let Err(e) = std::fs::remove_dir_all(&incoming.dir)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
     }
     agent.release_ports(&incoming.ports);
     if let Err(e) = agent.reconcile().await {
@@ -328,10 +328,10 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         }
     }
     let done = slot.take();
-    if let Some(inc) = done {
-        if let Err(e) = std::fs::remove_dir_all(&inc.dir) {
-            tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
-        }
+    if let Some(inc) = done
+        && let Err(e) = std::fs::remove_dir_all(&inc.dir)
+    {
+        tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
     }
     tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here");
     Ok(CommitResponse { pid })

@@ -34,7 +34,6 @@ pub struct Prepared {
     sockets: SocketSummary,
     started: Instant,
     started_wall: SystemTime,
-    prepare_time: Duration,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -149,7 +148,6 @@ pub async fn prepare(
             sockets,
             started,
             started_wall,
-            prepare_time: started.elapsed(),
         }),
         Err(e) => {
             release(agent);
@@ -287,7 +285,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
                 .unwrap_or(0),
             phases: vec![PhaseTiming {
                 phase: "prepare".into(),
-                duration_us: p.prepare_time.as_micros() as u64,
+                duration_us: 0,
             }],
             ..Default::default()
         };
@@ -303,7 +301,8 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             .await;
         let mut run = Run {
             agent: agent.clone(),
-            last_phase: Instant::now(),
+            // "prepare" runs from the request to the freeze.
+            last_phase: p.started,
             p,
             events,
             report,
@@ -318,10 +317,10 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
         if run.report.outcome != MigrationOutcome::Committed as i32 {
             super::keep_logs(&agent.config.work_dir, &dir, &run.p.migration_id);
         }
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(dir = %dir.display(), error = %e, "removing images");
-            }
+        if let Err(e) = std::fs::remove_dir_all(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %dir.display(), error = %e, "removing images");
         }
         run.report.total_time_us = run.p.started.elapsed().as_micros() as u64;
         run.close_phases();

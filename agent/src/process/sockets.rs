@@ -69,10 +69,10 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
         for entry in entries.flatten() {
             if let Ok(target) = std::fs::read_link(entry.path()) {
                 let t = target.to_string_lossy();
-                if let Some(ino) = t.strip_prefix("socket:[").and_then(|s| s.strip_suffix(']')) {
-                    if let Ok(ino) = ino.parse::<u64>() {
-                        inodes.insert(ino);
-                    }
+                if let Some(ino) = t.strip_prefix("socket:[").and_then(|s| s.strip_suffix(']'))
+                    && let Ok(ino) = ino.parse::<u64>()
+                {
+                    inodes.insert(ino);
                 }
             }
         }
