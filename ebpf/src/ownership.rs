@@ -88,14 +88,21 @@ impl OwnershipFilter {
     pub fn attach(iface: &str) -> Result<Self, DataPlaneError> {
         let mut ebpf = Ebpf::load(OBJECT)?;
         // Kernels before 6.6 attach tc programs through the clsact qdisc;
-        // newer ones use tcx links, which need none.
-        match tc::qdisc_add_clsact(iface) {
-            Ok(()) | Err(tc::TcError::AlreadyAttached) => {}
-            Err(source) => {
-                return Err(DataPlaneError::Qdisc {
-                    iface: iface.to_owned(),
-                    source,
-                });
+        // from 6.6 aya uses tcx links, which need none (and adding one again
+        // after a restart fails with EEXIST).
+        let tcx = aya::util::KernelVersion::current()
+            .map(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
+            .unwrap_or(false);
+        if !tcx {
+            match tc::qdisc_add_clsact(iface) {
+                Ok(()) | Err(tc::TcError::AlreadyAttached) => {}
+                Err(tc::TcError::NetlinkError(e)) if e.to_string().contains("File exists") => {}
+                Err(source) => {
+                    return Err(DataPlaneError::Qdisc {
+                        iface: iface.to_owned(),
+                        source,
+                    });
+                }
             }
         }
         for (name, direction) in [

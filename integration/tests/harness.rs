@@ -505,14 +505,12 @@ fn seq_client_reports_corruption_eof_and_reset_precisely() {
 }
 
 #[test]
-fn agent_plumbing_works_with_a_stand_in_agent() {
-    if !ferry_integration::can_run("agent_plumbing_works_with_a_stand_in_agent") {
+fn agent_plumbing_works_with_the_real_agent() {
+    if !ferry_integration::can_run("agent_plumbing_works_with_the_real_agent") {
         return;
     }
     use ferry_proto::v1::ListNodesRequest;
-    let mut spec = ClusterSpec::new(3, 0);
-    spec.ferryd = Some(env!("CARGO_BIN_EXE_ferry-fake-agent").into());
-    let mut cluster = Cluster::start(spec).expect("cluster with stand-in agents");
+    let mut cluster = Cluster::start(ClusterSpec::new(3, 0)).expect("cluster");
     let footprint = Footprint::of(&cluster);
 
     // Each agent runs in its node's network namespace (and nowhere else).
@@ -531,7 +529,7 @@ fn agent_plumbing_works_with_a_stand_in_agent() {
         .build()
         .unwrap();
     let lazy = rt.block_on(async {
-        // The stand-in asks every peer's Hello over the cluster network.
+        // The agent asks every peer's Hello over the cluster network.
         let mut node1 = cluster.control("node1").await.unwrap();
         let nodes = node1
             .list_nodes(ListNodesRequest {})
