@@ -77,7 +77,22 @@ impl Agent {
             .map_err(|e| EngineError::Internal(format!("reconcile task: {e}")))?
     }
 
+    /// Brings the filter in line with the registry as it is, without
+    /// re-reading sockets from procfs: for the migration's freeze window,
+    /// where every millisecond counts (each /proc/PID/net/tcp read walks
+    /// the kernel's whole established-connection hash table, ~2 ms here).
+    pub async fn apply_ownership(self: &Arc<Self>) -> Result<(), EngineError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.sync_ownership(false))
+            .await
+            .map_err(|e| EngineError::Internal(format!("ownership task: {e}")))?
+    }
+
     pub fn reconcile_blocking(&self) -> Result<(), EngineError> {
+        self.sync_ownership(true)
+    }
+
+    fn sync_ownership(&self, refresh: bool) -> Result<(), EngineError> {
         // The ownership lock is held from computing the desired state to
         // writing it, so passes apply in the order they read the registry:
         // a periodic pass that read "owned" cannot land after the engine's
@@ -85,7 +100,9 @@ impl Agent {
         let mut ownership = self.ownership();
         let mut desired = {
             let mut reg = self.registry();
-            reg.refresh();
+            if refresh {
+                reg.refresh();
+            }
             reg.desired_ports()
         };
         for port in lock(&self.reserved).iter() {

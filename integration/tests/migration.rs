@@ -272,6 +272,10 @@ fn failed_restore_leaves_the_process_running_on_the_source() {
             report.error
         );
         assert!(report.resumed_on_source, "{report:#?}");
+        assert!(
+            report.freeze_time_us > 0,
+            "the process was frozen, then resumed: {report:#?}"
+        );
         eprintln!("abort reason: {}", report.error);
 
         // Still on node1, running, all connections alive and flowing.

@@ -20,7 +20,7 @@ use nix::unistd::Pid;
 use crate::agent::Agent;
 use crate::criu;
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
-use crate::process::{self, PortKey, Transport};
+use crate::process::{self, PortKey, SocketSummary, Transport};
 
 use super::{EngineError, images::ImageWriter, source::set_private};
 
@@ -307,7 +307,13 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     let IncomingState::Restored { pid } = inc.state else {
         return Err(EngineError::Internal("restored slot without a PID".into()));
     };
-    let sockets = process::sockets_of_tree(&process::process_tree(pid))?;
+    // The ports are the ones announced in Prepare (read on the source
+    // before the freeze); the socket counts follow at the next refresh.
+    // Reading them from procfs here would cost milliseconds of freeze.
+    let sockets = SocketSummary {
+        ports: inc.ports.iter().copied().collect(),
+        ..Default::default()
+    };
     agent.adopt(ManagedProcess {
         pid,
         argv: inc.argv.clone(),
@@ -321,7 +327,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // Own the ports first, then let the process run: its first packets
     // (window probes, retransmissions) must find the filter open.
     agent.release_ports(&inc.ports);
-    agent.reconcile().await?;
+    agent.apply_ownership().await?;
     for p in process::process_tree(pid) {
         if let Err(e) = kill(Pid::from_raw(p), Signal::SIGCONT) {
             tracing::warn!(pid = p, error = %e, "SIGCONT");

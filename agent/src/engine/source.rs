@@ -230,6 +230,8 @@ struct Run {
     events: Events,
     report: MigrationReport,
     last_phase: Instant,
+    /// When the process's ports were frozen, if they were.
+    freeze_start: Option<Instant>,
 }
 
 impl Run {
@@ -303,6 +305,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             agent: agent.clone(),
             // "prepare" runs from the request to the freeze.
             last_phase: p.started,
+            freeze_start: None,
             p,
             events,
             report,
@@ -361,6 +364,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     run.phase("freeze").await;
     let pid = run.p.pid;
     let freeze_start = Instant::now();
+    run.freeze_start = Some(freeze_start);
     run.agent.set_lifecycle(
         pid,
         Lifecycle::MigratingOut {
@@ -368,7 +372,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             frozen: true,
         },
     );
-    if let Err(e) = run.agent.reconcile().await {
+    if let Err(e) = run.agent.apply_ownership().await {
         return Stop::BeforeCommit(e);
     }
     run.phase("dump").await;
@@ -462,7 +466,7 @@ async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
         tracing::warn!(pid, error = %e, "killing the source copy");
     }
     agent.forget(pid);
-    if let Err(e) = agent.reconcile().await {
+    if let Err(e) = agent.apply_ownership().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
     }
 }
@@ -500,6 +504,10 @@ async fn finish(run: &mut Run, stop: Stop) {
             run.agent.set_lifecycle(pid, Lifecycle::Running);
             if let Err(e) = run.agent.reconcile().await {
                 tracing::error!(error = %e, "thawing the ports of the resumed process");
+            }
+            // The process was out of service from the freeze until now.
+            if let Some(t) = run.freeze_start {
+                run.report.freeze_time_us = t.elapsed().as_micros() as u64;
             }
             match resumed {
                 Ok(Ok(())) => run.report.resumed_on_source = true,
