@@ -35,6 +35,9 @@ pub const PACKAGES: &[&str] = &[
     "python3-protobuf",
     "uuid-dev",
     "libaio-dev",
+    // 32-bit compel support: CRIU then also checkpoints ia32 processes
+    // (CONFIG_COMPAT), as the CRIU verified on these machines does.
+    "gcc-multilib",
 ];
 
 pub fn is_installed(pkg: &str) -> bool {
