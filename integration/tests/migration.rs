@@ -110,6 +110,41 @@ fn process_state(pid: i32) -> Option<char> {
         .next()
 }
 
+/// Two agents, the echo server managed by node1, and `connections`
+/// clients from client1 exchanging 256-byte messages every 50 ms.
+struct EchoSetup {
+    node1: ControlClient<Channel>,
+    node2: ControlClient<Channel>,
+    pid: i32,
+    target: SocketAddrV4,
+    client: SeqClient,
+}
+
+async fn echo_setup(cluster: &Cluster, connections: usize) -> EchoSetup {
+    let mut node1 = cluster.control("node1").await.expect("control node1");
+    let node2 = cluster.control("node2").await.expect("control node2");
+    let pid = start_echo_server(&mut node1, ECHO_PORT).await;
+    let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
+    let client = SeqClient::start(
+        cluster.netns_path("client1"),
+        target,
+        connections,
+        Duration::from_millis(50),
+        256,
+    )
+    .expect("clients");
+    client
+        .wait_until_flowing(Duration::from_secs(10))
+        .expect("traffic flowing");
+    EchoSetup {
+        node1,
+        node2,
+        pid,
+        target,
+        client,
+    }
+}
+
 #[test]
 fn echo_server_with_its_connections_migrates_to_another_node() {
     if !ferry_integration::is_root() {
@@ -119,22 +154,13 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
-        let mut node1 = cluster.control("node1").await.expect("control node1");
-        let mut node2 = cluster.control("node2").await.expect("control node2");
-        let pid = start_echo_server(&mut node1, ECHO_PORT).await;
-
-        let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
-        let client = SeqClient::start(
-            cluster.netns_path("client1"),
+        let EchoSetup {
+            mut node1,
+            mut node2,
+            pid,
             target,
-            16,
-            Duration::from_millis(50),
-            256,
-        )
-        .expect("clients");
-        client
-            .wait_until_flowing(Duration::from_secs(10))
-            .expect("traffic flowing");
+            client,
+        } = echo_setup(&cluster, 16).await;
         let before = wait_for_process(&mut node1, pid, |p| p.tcp_established == 16).await;
         assert_eq!(before.state, "running");
         let verified_before = client.verified_per_connection();
@@ -226,21 +252,13 @@ fn failed_restore_leaves_the_process_running_on_the_source() {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
-        let mut node1 = cluster.control("node1").await.expect("control node1");
-        let mut node2 = cluster.control("node2").await.expect("control node2");
-        let pid = start_echo_server(&mut node1, ECHO_PORT).await;
-        let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
-        let client = SeqClient::start(
-            cluster.netns_path("client1"),
-            target,
-            4,
-            Duration::from_millis(50),
-            256,
-        )
-        .expect("clients");
-        client
-            .wait_until_flowing(Duration::from_secs(10))
-            .expect("traffic flowing");
+        let EchoSetup {
+            mut node1,
+            mut node2,
+            pid,
+            target: _,
+            client,
+        } = echo_setup(&cluster, 4).await;
 
         // A process node2's agent does not manage holds the port there:
         // CRIU's restore of the listening socket fails on bind().
