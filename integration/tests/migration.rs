@@ -397,3 +397,82 @@ fn missing_criu_is_refused_before_the_process_is_touched() {
         assert!(matches!(process_state(pid), Some('S' | 'R')));
     });
 }
+
+/// The `ferry` CLI, as a script would use it: `--json` output, exit codes.
+#[test]
+fn cli_runs_lists_and_migrates_with_json_output() {
+    if !ferry_integration::is_root() {
+        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+        return;
+    }
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let ferry = |node: &str, args: &[&str]| {
+        let out = std::process::Command::new(ferry_integration::bin_path("ferry"))
+            .args(args)
+            .env("FERRY_SOCKET", cluster.control_socket(node))
+            .output()
+            .expect("running ferry");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let json = |s: &str| -> serde_json::Value { serde_json::from_str(s).expect(s) };
+
+    let (ok, out, err) = ferry("node1", &["--json", "nodes"]);
+    assert!(ok, "{err}");
+    let nodes = json(&out);
+    assert_eq!(nodes[0]["name"], "node1");
+    assert_eq!(nodes[1]["name"], "node2");
+    assert_eq!(nodes[1]["reachable"], true, "{out}");
+
+    let (ok, out, err) = ferry(
+        "node1",
+        &["--json", "run", "--", &echo_server_bin(), "--port", "7000"],
+    );
+    assert!(ok, "{err}");
+    let pid = json(&out)["pid"].as_i64().unwrap();
+    cluster
+        .wait_listening("node1", ECHO_PORT, Duration::from_secs(10))
+        .expect("listening");
+    let mut probe = ferry_integration::workload::ProbeConnection::open(
+        &cluster.netns_path("client1"),
+        SocketAddrV4::new(SHARED_IP, ECHO_PORT),
+    )
+    .expect("a connection to migrate with the process");
+    let (ok, out, err) = ferry("node1", &["--json", "ps"]);
+    assert!(ok, "{err}");
+    let ps = json(&out);
+    assert_eq!(ps["processes"][0]["pid"].as_i64(), Some(pid), "{out}");
+    assert_eq!(ps["processes"][0]["ports"][0], "7000/tcp", "{out}");
+    assert_eq!(ps["processes"][0]["tcp_established"], 1, "{out}");
+
+    let (ok, out, err) = ferry(
+        "node1",
+        &["--json", "migrate", &pid.to_string(), "--to", "node2"],
+    );
+    assert!(ok, "{err}");
+    let report = json(&out);
+    assert_eq!(report["outcome"], "committed", "{out}");
+    assert_eq!(report["tcp_established"], 1, "{out}");
+    assert!(report["freeze_time_ms"].as_f64().unwrap() > 0.0, "{out}");
+    let id = report["migration_id"].as_str().unwrap().to_owned();
+    let (ok, out, _) = ferry("node1", &["--json", "report", &id]);
+    assert!(ok);
+    assert_eq!(json(&out)["destination_pid"], report["destination_pid"]);
+    probe
+        .round_trip()
+        .expect("the connection works after the migration");
+
+    // Refusals exit non-zero and say why.
+    let (ok, _, err) = ferry("node1", &["migrate", "999999999", "--to", "node2"]);
+    assert!(!ok);
+    assert!(
+        err.contains("NotFound") && err.contains("999999999"),
+        "{err}"
+    );
+    let (ok, _, err) = ferry("node1", &["report", "nope"]);
+    assert!(!ok);
+    assert!(err.contains("NotFound"), "{err}");
+}

@@ -68,16 +68,19 @@ fn port_from_pb(p: &pb::Port) -> Result<PortKey, EngineError> {
         Ok(pb::Protocol::Tcp) => Transport::Tcp,
         Ok(pb::Protocol::Udp) => Transport::Udp,
         _ => {
-            return Err(EngineError::BadImage(format!(
-                "ports: protocol {} is neither TCP nor UDP",
-                p.protocol
-            )));
+            return Err(EngineError::InvalidField {
+                field: "ports",
+                reason: format!("protocol {} is neither TCP nor UDP", p.protocol),
+            });
         }
     };
     let port = u16::try_from(p.port)
         .ok()
         .filter(|p| *p != 0)
-        .ok_or_else(|| EngineError::BadImage(format!("ports: {} is not a port number", p.port)))?;
+        .ok_or_else(|| EngineError::InvalidField {
+            field: "ports",
+            reason: format!("{} is not a port number", p.port),
+        })?;
     Ok(PortKey { transport, port })
 }
 
@@ -130,10 +133,10 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         });
     }
     if req.migration_id.is_empty() || !super::valid_image_name(&req.migration_id) {
-        return Err(EngineError::BadImage(format!(
-            "migration_id {:?} is not a valid id",
-            req.migration_id
-        )));
+        return Err(EngineError::InvalidField {
+            field: "migration_id",
+            reason: format!("{:?} is not a valid id", req.migration_id),
+        });
     }
     let ports = req
         .ports
@@ -356,4 +359,185 @@ pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineEr
         _ => tracing::info!(migration = %req.migration_id, "abort for a migration not held here"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::ownership::fake::FakeFilter;
+
+    struct Fixture {
+        agent: Arc<Agent>,
+        filter: FakeFilter,
+        _dir: tempfile::TempDir,
+    }
+
+    /// An agent whose filter is a recording fake and whose "CRIU" only
+    /// answers `--version` (Prepare checks it; nothing here restores).
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let criu = dir.path().join("criu");
+        std::fs::write(&criu, "#!/bin/sh\necho 'Version: 4.2.1'\n").unwrap();
+        std::fs::set_permissions(&criu, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let toml = format!(
+            r#"node = "node2"
+work_dir = "{}"
+criu_path = "{}"
+[public]
+interface = "pub0"
+address = "198.18.0.100"
+[cluster]
+interface = "clu0"
+address = "198.19.0.2"
+peer_listen = "198.19.0.2:7100"
+"#,
+            dir.path().join("work").display(),
+            criu.display()
+        );
+        let config = Config::parse(&toml, std::path::Path::new("test.toml")).unwrap();
+        let filter = FakeFilter::default();
+        Fixture {
+            agent: Agent::new(config, Box::new(filter.clone())),
+            filter,
+            _dir: dir,
+        }
+    }
+
+    fn prepare_req(id: &str, port: u32) -> PrepareRequest {
+        PrepareRequest {
+            protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
+            migration_id: id.into(),
+            source_node: "node1".into(),
+            source_pid: 42,
+            argv: vec!["server".into()],
+            ports: vec![pb::Port {
+                protocol: pb::Protocol::Tcp as i32,
+                port,
+            }],
+        }
+    }
+
+    #[tokio::test]
+    async fn one_incoming_migration_at_a_time_with_its_ports_frozen() {
+        let f = fixture();
+        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        assert_eq!(*f.filter.0.lock().unwrap(), vec!["set 7000/tcp Frozen"]);
+        let err = prepare(&f.agent, prepare_req("bbbb", 7001))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+        assert!(err.to_string().contains("aaaa"), "{err}");
+        let dir = f.agent.config.work_dir.join("incoming/aaaa");
+        assert!(dir.is_dir());
+
+        abort(
+            &f.agent,
+            AbortRequest {
+                migration_id: "aaaa".into(),
+                reason: "test".into(),
+            },
+        )
+        .await
+        .unwrap();
+        assert!(!dir.exists(), "images directory left behind");
+        assert_eq!(
+            f.filter.0.lock().unwrap().last().unwrap(),
+            "remove 7000/tcp"
+        );
+        // Idempotent, and the slot is free again.
+        abort(
+            &f.agent,
+            AbortRequest {
+                migration_id: "aaaa".into(),
+                reason: "again".into(),
+            },
+        )
+        .await
+        .unwrap();
+        prepare(&f.agent, prepare_req("bbbb", 7001)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn steps_out_of_order_are_refused() {
+        let f = fixture();
+        let err = restore(
+            &f.agent,
+            RestoreRequest {
+                migration_id: "nope".into(),
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        let err = restore(
+            &f.agent,
+            RestoreRequest {
+                migration_id: "aaaa".into(),
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        assert!(err.to_string().contains("reserved"), "{err}");
+        let err = commit(
+            &f.agent,
+            CommitRequest {
+                migration_id: "aaaa".into(),
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    }
+
+    #[tokio::test]
+    async fn bad_prepare_requests_name_the_field() {
+        let f = fixture();
+        let mut r = prepare_req("aaaa", 7000);
+        r.protocol_version = 99;
+        let err = prepare(&f.agent, r).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        let err = prepare(&f.agent, prepare_req("../etc", 7000))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("migration_id"), "{err}");
+        let err = prepare(&f.agent, prepare_req("aaaa", 70000))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("ports"), "{err}");
+        // None of these reserved anything.
+        assert!(f.agent.incoming.lock().await.is_none());
+        assert!(f.filter.0.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_port_owned_here_is_not_taken_by_an_incoming_process() {
+        let f = fixture();
+        let port = PortKey {
+            transport: Transport::Tcp,
+            port: 7000,
+        };
+        f.agent.adopt(ManagedProcess {
+            pid: 4242,
+            argv: vec!["local".into()],
+            origin: Origin::Run,
+            lifecycle: Lifecycle::Running,
+            sockets: SocketSummary {
+                ports: [port].into(),
+                ..Default::default()
+            },
+        });
+        f.agent.apply_ownership().await.unwrap();
+        let err = prepare(&f.agent, prepare_req("aaaa", 7000))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        assert!(err.to_string().contains("4242"), "{err}");
+    }
 }

@@ -86,6 +86,8 @@ pub enum EngineError {
     },
     #[error("bad image stream: {0}")]
     BadImage(String),
+    #[error("{field}: {reason}")]
+    InvalidField { field: &'static str, reason: String },
     #[error("{node} unreachable at {address}: {reason}")]
     PeerUnavailable {
         node: String,
@@ -126,9 +128,9 @@ impl EngineError {
             EngineError::UnknownNode { .. }
             | EngineError::NoSuchProcess { .. }
             | EngineError::UnknownMigration { .. } => Code::NotFound,
-            EngineError::DestinationIsSelf { .. } | EngineError::BadImage(_) => {
-                Code::InvalidArgument
-            }
+            EngineError::DestinationIsSelf { .. }
+            | EngineError::BadImage(_)
+            | EngineError::InvalidField { .. } => Code::InvalidArgument,
             EngineError::NotMigratable { .. }
             | EngineError::AlreadyMigrating { .. }
             | EngineError::PortTaken { .. }
