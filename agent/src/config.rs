@@ -41,6 +41,11 @@ pub struct Config {
     /// CRIU log verbosity (0-4); 4 is useful when a dump or restore fails.
     #[serde(default = "default_criu_log_level")]
     pub criu_log_level: i32,
+    /// How long the source waits for the destination's answer to each step
+    /// taken while the process is frozen (image transfer, restore) before
+    /// it gives up, aborts and resumes the process.
+    #[serde(default = "default_peer_timeout_secs")]
+    pub peer_timeout_secs: u64,
     /// Control API for the local CLI: a Unix socket, root only.
     #[serde(default = "default_control_socket")]
     pub control_socket: PathBuf,
@@ -83,6 +88,9 @@ fn default_criu_path() -> PathBuf {
 }
 fn default_criu_log_level() -> i32 {
     2
+}
+fn default_peer_timeout_secs() -> u64 {
+    60
 }
 fn default_control_socket() -> PathBuf {
     PathBuf::from(DEFAULT_CONTROL_SOCKET)
@@ -143,6 +151,9 @@ impl Config {
         }
         if !self.work_dir.is_absolute() {
             return Err(invalid("work_dir", "must be an absolute path".into()));
+        }
+        if self.peer_timeout_secs == 0 {
+            return Err(invalid("peer_timeout_secs", "must be at least 1".into()));
         }
         if !(0..=4).contains(&self.criu_log_level) {
             return Err(invalid("criu_log_level", "must be 0 to 4".into()));

@@ -476,3 +476,96 @@ fn cli_runs_lists_and_migrates_with_json_output() {
     assert!(!ok);
     assert!(err.contains("NotFound"), "{err}");
 }
+
+/// The destination's agent stops answering in the middle of a migration:
+/// the source gives up after `peer_timeout_secs`, resumes the process, and
+/// every connection carries on.
+#[test]
+fn a_destination_that_stops_answering_is_given_up_and_the_process_resumes() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    if !ferry_integration::is_root() {
+        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+        return;
+    }
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.extra_config = "peer_timeout_secs = 2\n".into();
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let EchoSetup {
+            mut node1,
+            mut node2,
+            pid,
+            target: _,
+            client,
+        } = echo_setup(&cluster, 4).await;
+        let before = client.verified_per_connection();
+        let node2_agent = Pid::from_raw(cluster.agent_pid("node2"));
+        let mut stream = node1
+            .migrate(MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                strategy: Strategy::TotalCopy as i32,
+            })
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let (mut stopped_at, mut report, mut status) = (None, None, None);
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    // The process is frozen and its images are about to
+                    // leave: now the destination goes silent.
+                    Some(migration_event::Event::Progress(p)) if p.phase == "transfer" => {
+                        kill(node2_agent, Signal::SIGSTOP).expect("SIGSTOP node2's agent");
+                        stopped_at = Some(Instant::now());
+                    }
+                    Some(migration_event::Event::Report(r)) => report = Some(r),
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    status = Some(s);
+                    break;
+                }
+            }
+        }
+        kill(node2_agent, Signal::SIGCONT).expect("SIGCONT node2's agent");
+        let stopped_at = stopped_at.expect("the migration reached the transfer");
+        let report = report.expect("a report");
+        assert_eq!(
+            status.expect("an error status").code(),
+            tonic::Code::Aborted
+        );
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert!(report.error.contains("no answer"), "{}", report.error);
+        assert!(report.resumed_on_source, "{report:#?}");
+        assert!(
+            stopped_at.elapsed() >= Duration::from_secs(2),
+            "gave up before the 2 s deadline"
+        );
+
+        // The process runs on node1 and every connection carries on.
+        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        assert_eq!(p.tcp_established, 4);
+        client
+            .wait_until_each_passes(&before, 20, Duration::from_secs(20))
+            .expect("connections flow again after the abort");
+        client.stop().assert_clean();
+
+        // Awake again, node2 drops whatever it had of the migration.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(cluster.incoming_dir_is_empty("node2") && list(&mut node2).await.is_empty()) {
+            assert!(
+                Instant::now() < deadline,
+                "node2 kept traces of the aborted migration"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}

@@ -11,6 +11,15 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::agent::Agent;
 use crate::engine::destination;
 
+async fn finish<T>(
+    task: tokio::task::JoinHandle<Result<T, crate::engine::EngineError>>,
+) -> Result<T, Status> {
+    match task.await {
+        Ok(r) => r.map_err(Status::from),
+        Err(e) => Err(Status::internal(format!("peer step task failed: {e}"))),
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct PeerService {
     agent: Arc<Agent>,
@@ -67,8 +76,16 @@ impl Peer for PeerService {
         &self,
         request: Request<RestoreRequest>,
     ) -> Result<Response<RestoreResponse>, Status> {
+        // Spawned, here and below: if the source gives up and cancels the
+        // call, a step that started (a CRIU restore, a resume, a discard)
+        // still runs to its end and records what it did.
+        let agent = self.agent.clone();
+        let req = request.into_inner();
         Ok(Response::new(
-            destination::restore(&self.agent, request.into_inner()).await?,
+            finish(tokio::spawn(async move {
+                destination::restore(&agent, req).await
+            }))
+            .await?,
         ))
     }
 
@@ -76,8 +93,13 @@ impl Peer for PeerService {
         &self,
         request: Request<CommitRequest>,
     ) -> Result<Response<CommitResponse>, Status> {
+        let agent = self.agent.clone();
+        let req = request.into_inner();
         Ok(Response::new(
-            destination::commit(&self.agent, request.into_inner()).await?,
+            finish(tokio::spawn(async move {
+                destination::commit(&agent, req).await
+            }))
+            .await?,
         ))
     }
 
@@ -85,7 +107,12 @@ impl Peer for PeerService {
         &self,
         request: Request<AbortRequest>,
     ) -> Result<Response<AbortResponse>, Status> {
-        destination::abort(&self.agent, request.into_inner()).await?;
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        finish(tokio::spawn(async move {
+            destination::abort(&agent, req).await
+        }))
+        .await?;
         Ok(Response::new(AbortResponse {}))
     }
 }

@@ -222,6 +222,21 @@ fn peer_error(node: &str, s: tonic::Status) -> EngineError {
     }
 }
 
+/// How many more times the source tells an unresponsive destination that a
+/// migration is aborted (once a second, each bounded by peer_timeout_secs).
+const ABORT_RETRIES: u32 = 300;
+
+fn silent(peer: &PeerConfig, step: &str, waited: Duration) -> EngineError {
+    EngineError::PeerUnavailable {
+        node: peer.name.clone(),
+        address: peer.address.to_string(),
+        reason: format!(
+            "no answer to {step} within {} s (peer_timeout_secs)",
+            waited.as_secs()
+        ),
+    }
+}
+
 type Events = mpsc::Sender<Result<MigrationEvent, tonic::Status>>;
 
 struct Run {
@@ -396,11 +411,20 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let id = run.p.migration_id.clone();
         move || images::read_images(images, id, tx)
     });
-    let sent = run
-        .p
-        .peer
-        .transfer_images(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await;
+    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    let sent = match tokio::time::timeout(
+        deadline,
+        run.p
+            .peer
+            .transfer_images(tokio_stream::wrappers::ReceiverStream::new(rx)),
+    )
+    .await
+    {
+        Ok(sent) => sent,
+        Err(_) => {
+            return Stop::BeforeCommit(silent(&run.p.destination, "the image transfer", deadline));
+        }
+    };
     let read = reader.await;
     let (files, bytes) = match (read, sent) {
         (Ok(Ok(counts)), Ok(_)) => counts,
@@ -413,16 +437,16 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     run.report.bytes_transferred = bytes;
 
     run.phase("restore").await;
-    let restored = match run
-        .p
-        .peer
-        .restore(RestoreRequest {
-            migration_id: run.p.migration_id.clone(),
-        })
-        .await
-    {
-        Ok(r) => r.into_inner(),
-        Err(s) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
+    let restore = run.p.peer.restore(RestoreRequest {
+        migration_id: run.p.migration_id.clone(),
+    });
+    let restored = match tokio::time::timeout(deadline, restore).await {
+        Ok(Ok(r)) => r.into_inner(),
+        Ok(Err(s)) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
+        // The destination may still finish the restore; the abort that
+        // follows makes it discard that copy (its ports stay frozen there
+        // until the copy is dead).
+        Err(_) => return Stop::BeforeCommit(silent(&run.p.destination, "the restore", deadline)),
     };
     run.report.destination_pid = restored.pid;
 
@@ -487,22 +511,13 @@ async fn finish(run: &mut Run, stop: Stop) {
             run.phase("abort").await;
             run.report.outcome = MigrationOutcome::Aborted as i32;
             run.report.error = err.to_string();
-            let _ = run
-                .p
-                .peer
-                .abort(AbortRequest {
-                    migration_id: run.p.migration_id.clone(),
-                    reason: err.to_string(),
-                })
-                .await
-                .map_err(
-                    |s| tracing::warn!(status = %s, "destination did not acknowledge the abort"),
-                );
+            // Resume first: the destination may be the part that failed, and
+            // it runs nothing of this migration without a Commit.
             let pid = run.p.pid;
             let resumed =
                 tokio::task::spawn_blocking(move || rollback::resume_on_source(pid)).await;
             run.agent.set_lifecycle(pid, Lifecycle::Running);
-            if let Err(e) = run.agent.reconcile().await {
+            if let Err(e) = run.agent.apply_ownership().await {
                 tracing::error!(error = %e, "thawing the ports of the resumed process");
             }
             // The process was out of service from the freeze until now.
@@ -518,6 +533,35 @@ async fn finish(run: &mut Run, stop: Stop) {
                         .push_str(&format!("; resuming on the source failed: {e}"));
                 }
                 Err(e) => run.report.error.push_str(&format!("; resume task: {e}")),
+            }
+            let abort = AbortRequest {
+                migration_id: run.p.migration_id.clone(),
+                reason: err.to_string(),
+            };
+            let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+            let first = tokio::time::timeout(deadline, run.p.peer.abort(abort.clone())).await;
+            if !matches!(first, Ok(Ok(_))) {
+                // The destination must hear it eventually, or it keeps the
+                // images and the ports frozen: keep telling it, in the
+                // background, without holding up the report.
+                tracing::warn!(
+                    ?first,
+                    "destination did not acknowledge the abort; retrying in the background"
+                );
+                let mut peer = run.p.peer.clone();
+                tokio::spawn(async move {
+                    for attempt in 1..=ABORT_RETRIES {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        match tokio::time::timeout(deadline, peer.abort(abort.clone())).await {
+                            Ok(Ok(_)) => {
+                                tracing::info!(attempt, migration = %abort.migration_id, "abort acknowledged");
+                                return;
+                            }
+                            other => tracing::debug!(attempt, ?other, "abort not acknowledged yet"),
+                        }
+                    }
+                    tracing::error!(migration = %abort.migration_id, "destination never acknowledged the abort");
+                });
             }
         }
     }
