@@ -147,8 +147,7 @@ async fn echo_setup(cluster: &Cluster, connections: usize) -> EchoSetup {
 
 #[test]
 fn echo_server_with_its_connections_migrates_to_another_node() {
-    if !ferry_integration::is_root() {
-        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+    if !ferry_integration::can_run("echo_server_with_its_connections_migrates_to_another_node") {
         return;
     }
     let rt = runtime();
@@ -245,8 +244,7 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
 
 #[test]
 fn failed_restore_leaves_the_process_running_on_the_source() {
-    if !ferry_integration::is_root() {
-        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+    if !ferry_integration::can_run("failed_restore_leaves_the_process_running_on_the_source") {
         return;
     }
     let rt = runtime();
@@ -319,8 +317,7 @@ fn failed_restore_leaves_the_process_running_on_the_source() {
 
 #[test]
 fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
-    if !ferry_integration::is_root() {
-        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+    if !ferry_integration::can_run("bad_requests_get_precise_errors_and_leave_the_process_alone") {
         return;
     }
     let rt = runtime();
@@ -374,8 +371,7 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
 
 #[test]
 fn missing_criu_is_refused_before_the_process_is_touched() {
-    if !ferry_integration::is_root() {
-        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+    if !ferry_integration::can_run("missing_criu_is_refused_before_the_process_is_touched") {
         return;
     }
     let rt = runtime();
@@ -401,8 +397,7 @@ fn missing_criu_is_refused_before_the_process_is_touched() {
 /// The `ferry` CLI, as a script would use it: `--json` output, exit codes.
 #[test]
 fn cli_runs_lists_and_migrates_with_json_output() {
-    if !ferry_integration::is_root() {
-        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+    if !ferry_integration::can_run("cli_runs_lists_and_migrates_with_json_output") {
         return;
     }
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
@@ -484,8 +479,9 @@ fn cli_runs_lists_and_migrates_with_json_output() {
 fn a_destination_that_stops_answering_is_given_up_and_the_process_resumes() {
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
-    if !ferry_integration::is_root() {
-        eprintln!("skipped: needs root (network namespaces, CRIU, eBPF)");
+    if !ferry_integration::can_run(
+        "a_destination_that_stops_answering_is_given_up_and_the_process_resumes",
+    ) {
         return;
     }
     let rt = runtime();
