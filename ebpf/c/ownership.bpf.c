@@ -2,19 +2,30 @@
 /*
  * Port ownership on a node's public interface in ferry's single-IP cluster.
  *
- * The router floods every frame for the shared address to all nodes, so
- * each node must keep exactly the packets of the ports it owns and drop the
- * rest before its stack sees them: a node that does not own a port must
- * not answer with an RST or an ICMP unreachable. The frames arrive with a
- * broadcast destination MAC, and TCP drops any skb whose pkt_type is not
- * PACKET_HOST (UDP does not check, which is why non-owned UDP must be
- * dropped here too), so owned packets are turned into PACKET_HOST.
+ * Every node carries the same public address and the router floods every
+ * frame for it to all nodes, so each node must keep exactly the packets of
+ * the ports it owns and drop the rest before its stack sees them: a node
+ * that does not own a port must not answer with an RST or an ICMP port
+ * unreachable. The frames arrive with the broadcast destination MAC, so
+ * the skb is PACKET_BROADCAST: TCP silently discards those (tcp_v4_rcv), so
+ * owned packets are turned into PACKET_HOST; UDP does not look, which is
+ * why non-owned UDP must be dropped here too.
  *
- * Why tc and not XDP: bpf_skb_change_type() exists only for skb programs;
- * driver-mode XDP on veth builds the skb after the program and sets
- * pkt_type from the (broadcast) MAC, so XDP would have to rewrite h_dest to
- * the interface's MAC instead, which needs the MAC in a map. tc ingress runs
- * before ip_rcv() and is enough for the foundation.
+ * Why tc and not XDP (checked on Linux 6.18, veth as in the tests):
+ *  - XDP cannot set pkt_type, it can only rewrite h_dest to the device's
+ *    MAC. In driver mode on veth that does not help: veth_forward_skb()
+ *    already ran eth_type_trans() (pkt_type = PACKET_BROADCAST) before the
+ *    program, and the eth_type_trans() after it never sets PACKET_HOST, it
+ *    only leaves pkt_type alone for our own MAC. A tc program behind a
+ *    driver-mode XDP program that rewrote h_dest saw our MAC with
+ *    PACKET_BROADCAST, and the TCP connect timed out. Generic (skb) XDP
+ *    with the same rewrite did connect: that path resets pkt_type when the
+ *    program changed the destination's class. On a physical NIC the skb is
+ *    built after the program, so driver-mode XDP plus a rewrite would work
+ *    there, but it needs the MAC passed in and a second program anyway:
+ *  - XDP has no egress hook, and the egress guard below must be tc.
+ * bpf_skb_change_type() at tc ingress is simple, runs before ip_rcv(), and
+ * works the same on veth and real NICs.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -22,19 +33,16 @@
 #include <linux/in.h>
 #include <linux/ip.h>
 #include <linux/pkt_cls.h>
-#include <linux/tcp.h>
-#include <linux/udp.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
 #include "ferry_dataplane.h"
 
-#define IP_MF 0x2000
-#define IP_OFFSET 0x1FFF
+#define IP_OFFSET 0x1FFF /* fragment offset field of iphdr.frag_off */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, 65536); /* far more ports than a node serves */
 	__type(key, struct ferry_port_key);
 	__type(value, __u32);
 } FERRY_PORTS SEC(".maps");
@@ -49,47 +57,55 @@ struct {
 static __always_inline void count(__u32 idx)
 {
 	__u64 *v = bpf_map_lookup_elem(&FERRY_COUNTERS, &idx);
+
+	/* Per-CPU slot: no other CPU writes it, a plain add is enough. */
 	if (v)
 		*v += 1;
 }
 
-enum l4_parse {
-	L4_NONE,     /* not TCP/UDP over IPv4 */
-	L4_FRAGMENT, /* a non-first fragment: no transport header */
+enum l4_kind {
+	L4_OTHER,     /* not TCP or UDP over IPv4 */
+	L4_FRAGMENT,  /* TCP or UDP, but a later fragment: no ports in it */
+	L4_TRUNCATED, /* TCP or UDP whose ports cannot be read */
 	L4_PORTS,
 };
 
-/* Finds the transport ports of an IPv4 TCP or UDP packet. */
-static __always_inline enum l4_parse parse_ports(struct __sk_buff *skb, __u8 *proto, __u16 *sport,
-						 __u16 *dport)
+struct l4 {
+	__u8 proto;
+	__u16 sport; /* host byte order */
+	__u16 dport; /* host byte order */
+};
+
+/* Finds protocol and ports of an IPv4 TCP or UDP packet. */
+static __always_inline enum l4_kind parse(struct __sk_buff *skb, struct l4 *l4)
 {
-	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	struct iphdr *ip;
+	struct iphdr ip;
+	__be16 ports[2];
 	__u32 ihl;
 
-	if ((void *)(eth + 1) > data_end)
-		return L4_NONE;
-	if (eth->h_proto != bpf_htons(ETH_P_IP))
-		return L4_NONE;
-	ip = (void *)(eth + 1);
-	if ((void *)(ip + 1) > data_end)
-		return L4_NONE;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP)
-		return L4_NONE;
-	*proto = ip->protocol;
-	if (ip->frag_off & bpf_htons(IP_OFFSET))
+	/* At tc ingress and egress of an Ethernet device the packet starts
+	 * at the MAC header and skb->protocol holds the EtherType. */
+	if (skb->protocol != bpf_htons(ETH_P_IP))
+		return L4_OTHER;
+	/* bpf_skb_load_bytes() also reads paged data: a header beyond the
+	 * linear part must not let a packet past the ownership check. A
+	 * header that cannot be read at all is dropped by ip_rcv(). */
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
+		return L4_OTHER;
+	if (ip.version != 4 || (ip.protocol != IPPROTO_TCP && ip.protocol != IPPROTO_UDP))
+		return L4_OTHER;
+	l4->proto = ip.protocol;
+	if (ip.frag_off & bpf_htons(IP_OFFSET))
 		return L4_FRAGMENT;
-	ihl = ip->ihl * 4;
-	if (ihl < sizeof(*ip))
-		return L4_NONE;
-	/* TCP and UDP both start with source and destination port. */
-	__u16 *ports = (void *)ip + ihl;
-	if ((void *)(ports + 2) > data_end)
-		return L4_NONE;
-	*sport = bpf_ntohs(ports[0]);
-	*dport = bpf_ntohs(ports[1]);
+	/* The transport header follows the options: IHL, not sizeof(ip). */
+	ihl = ip.ihl * 4;
+	if (ihl < sizeof(ip))
+		return L4_TRUNCATED;
+	/* TCP and UDP both start with the source and destination port. */
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + ihl, ports, sizeof(ports)) < 0)
+		return L4_TRUNCATED;
+	l4->sport = bpf_ntohs(ports[0]);
+	l4->dport = bpf_ntohs(ports[1]);
 	return L4_PORTS;
 }
 
@@ -97,35 +113,49 @@ static __always_inline __u32 port_flags(__u8 proto, __u16 port)
 {
 	struct ferry_port_key key = {.proto = proto, .pad = 0, .port = port};
 	__u32 *flags = bpf_map_lookup_elem(&FERRY_PORTS, &key);
+
 	return flags ? *flags : 0;
 }
 
 SEC("classifier")
 int ferry_ingress(struct __sk_buff *skb)
 {
-	__u8 proto = 0;
-	__u16 sport = 0, dport = 0;
+	struct l4 l4 = {};
+	__u32 flags;
 
-	switch (parse_ports(skb, &proto, &sport, &dport)) {
-	case L4_NONE:
+	switch (parse(skb, &l4)) {
+	case L4_OTHER:
+		/* ARP, ICMP, IPv6: untouched. ICMP errors about our own
+		 * connections (fragmentation needed, ...) must get through. */
 		count(FERRY_CNT_PASSED_OTHER);
 		return TC_ACT_OK;
 	case L4_FRAGMENT:
-		/* No port to decide on. Hand it to the stack: only the owner
-		 * also got the first fragment, elsewhere reassembly times out
-		 * silently (no ICMP without fragment zero). */
+		/* No port to decide on, so let the stack have it. Only the
+		 * owner also accepted fragment zero and can reassemble; on
+		 * every other node the queue expires silently, because
+		 * ip_expire() sends "time exceeded" only when fragment zero
+		 * arrived. The reassembled packet takes fragment zero's
+		 * PACKET_HOST; setting it here too keeps every piece alike. */
 		bpf_skb_change_type(skb, PACKET_HOST);
 		count(FERRY_CNT_PASSED_OTHER);
 		return TC_ACT_OK;
+	case L4_TRUNCATED:
+		/* No port, so not one we own; the stack would drop it too. */
+		count(FERRY_CNT_DROPPED_NOT_OWNED);
+		return TC_ACT_SHOT;
 	case L4_PORTS:
 		break;
 	}
-	__u32 flags = port_flags(proto, dport);
+	flags = port_flags(l4.proto, l4.dport);
 	if (flags & FERRY_PORT_FROZEN) {
+		/* The process is being dumped: its stack must not see, ack
+		 * or reset anything. The peer retransmits after the thaw or
+		 * to the destination node once it owns the port. */
 		count(FERRY_CNT_DROPPED_FROZEN);
 		return TC_ACT_SHOT;
 	}
 	if (!(flags & FERRY_PORT_OWNED)) {
+		/* Another node's port: it answers, we stay silent. */
 		count(FERRY_CNT_DROPPED_NOT_OWNED);
 		return TC_ACT_SHOT;
 	}
@@ -135,17 +165,19 @@ int ferry_ingress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
-/* A frozen process's sockets must send nothing, above all no RST: CRIU
- * leaves them in repair mode, and this is the guard if anything slips. */
+/* A frozen process's sockets must send nothing, above all no RST (CRIU
+ * closing them, a timer firing): this is the guard if anything slips.
+ * Later fragments of a frozen UDP datagram pass; without fragment zero the
+ * peer cannot reassemble them and sends nothing back. TCP does not
+ * fragment (DF and MSS). */
 SEC("classifier")
 int ferry_egress(struct __sk_buff *skb)
 {
-	__u8 proto = 0;
-	__u16 sport = 0, dport = 0;
+	struct l4 l4 = {};
 
-	if (parse_ports(skb, &proto, &sport, &dport) != L4_PORTS)
+	if (parse(skb, &l4) != L4_PORTS)
 		return TC_ACT_OK;
-	if (port_flags(proto, sport) & FERRY_PORT_FROZEN) {
+	if (port_flags(l4.proto, l4.sport) & FERRY_PORT_FROZEN) {
 		count(FERRY_CNT_EGRESS_BLOCKED);
 		return TC_ACT_SHOT;
 	}

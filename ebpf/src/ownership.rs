@@ -1,5 +1,10 @@
-use aya::maps::{HashMap, MapData, PerCpuArray};
+//! The port ownership filter: `ferry_ingress` and `ferry_egress` from
+//! c/ownership.bpf.c on the node's public interface, and the map that says
+//! which ports this node owns.
+
+use aya::maps::{HashMap, MapData, MapError, PerCpuArray};
 use aya::programs::{SchedClassifier, TcAttachType, tc};
+use aya::util::KernelVersion;
 use aya::{Ebpf, include_bytes_aligned};
 
 use crate::DataPlaneError;
@@ -9,7 +14,10 @@ static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ownersh
 
 const PORTS_MAP: &str = "FERRY_PORTS";
 const COUNTERS_MAP: &str = "FERRY_COUNTERS";
+const INGRESS: &str = "ferry_ingress";
+const EGRESS: &str = "ferry_egress";
 
+/// Transport protocol of a port on the public address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Protocol {
     Tcp,
@@ -33,30 +41,35 @@ impl Protocol {
     }
 }
 
+/// State of a port in the filter. Ports not listed belong to other nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PortState {
+    /// Delivered to this node's stack.
     Owned,
-    /// Owned, but every packet is dropped in both directions.
+    /// Every packet to or from the port is dropped (a migration is dumping
+    /// the process); it stays owned, or becomes nothing, when thawed.
     Frozen,
 }
 
-/// Packet counts of the filter, summed over CPUs.
+/// Packet counts of the filter, summed over CPUs, since attach.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
-    /// Packets to owned ports, delivered to this node's stack.
+    /// Ingress to owned ports, delivered to this node's stack.
     pub passed: u64,
-    /// Packets to ports this node does not own, dropped.
+    /// Ingress to ports this node does not own (or without readable
+    /// ports), dropped.
     pub dropped_not_owned: u64,
-    /// Packets to frozen ports, dropped.
+    /// Ingress to frozen ports, dropped.
     pub dropped_frozen: u64,
-    /// Other traffic (ARP, ICMP, non-IPv4), passed untouched.
+    /// Ingress without ports (ARP, ICMP, IPv6, later IPv4 fragments),
+    /// passed.
     pub passed_other: u64,
-    /// Packets leaving frozen ports, dropped.
+    /// Egress from frozen ports (RSTs or data), dropped.
     pub egress_blocked: u64,
 }
 
-/// The ownership filter attached to one interface. Dropping it detaches the
-/// programs.
+/// The ownership filter attached to one interface. Nothing is owned after
+/// [`attach`](Self::attach); dropping the filter detaches both programs.
 pub struct OwnershipFilter {
     // Owns the programs and their links: dropping it detaches them.
     _ebpf: Ebpf,
@@ -65,11 +78,17 @@ pub struct OwnershipFilter {
     iface: String,
 }
 
+// The agent keeps the filter in a Mutex shared by its blocking tasks.
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<OwnershipFilter>();
+};
+
 impl std::fmt::Debug for OwnershipFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OwnershipFilter")
             .field("iface", &self.iface)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -81,22 +100,41 @@ fn key(proto: Protocol, port: u16) -> PortKey {
     }
 }
 
+fn ports_err(source: MapError) -> DataPlaneError {
+    DataPlaneError::Map {
+        name: PORTS_MAP,
+        source,
+    }
+}
+
+fn counters_err(source: MapError) -> DataPlaneError {
+    DataPlaneError::Map {
+        name: COUNTERS_MAP,
+        source,
+    }
+}
+
 impl OwnershipFilter {
     /// Loads the programs and attaches them at tc ingress and egress of
-    /// `iface` in the calling thread's network namespace. Nothing is owned
-    /// yet: from here on the node drops all TCP and UDP on `iface`.
+    /// `iface`, looked up in the calling thread's network namespace. From
+    /// here on the node drops all TCP and UDP on `iface` until it
+    /// [`own`](Self::own)s ports.
+    ///
+    /// From Linux 6.6 the programs are tcx links, which need no qdisc and
+    /// go away with the file descriptors, so a crashed agent leaves nothing
+    /// behind. Older kernels attach through the clsact qdisc, added here if
+    /// missing and left in place on drop (empty, harmless; aya has no call
+    /// to delete a qdisc).
     pub fn attach(iface: &str) -> Result<Self, DataPlaneError> {
         let mut ebpf = Ebpf::load(OBJECT)?;
-        // Kernels before 6.6 attach tc programs through the clsact qdisc;
-        // from 6.6 aya uses tcx links, which need none (and adding one again
-        // after a restart fails with EEXIST).
-        let tcx = aya::util::KernelVersion::current()
-            .map(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
-            .unwrap_or(false);
+        // The same test aya makes to choose tcx (an unknown version means
+        // netlink there too).
+        let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         if !tcx {
             match tc::qdisc_add_clsact(iface) {
-                Ok(()) | Err(tc::TcError::AlreadyAttached) => {}
-                Err(tc::TcError::NetlinkError(e)) if e.to_string().contains("File exists") => {}
+                Ok(()) => tracing::debug!(iface, "clsact qdisc added"),
+                Err(tc::TcError::AlreadyAttached) => {}
+                Err(tc::TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
                 Err(source) => {
                     return Err(DataPlaneError::Qdisc {
                         iface: iface.to_owned(),
@@ -105,9 +143,11 @@ impl OwnershipFilter {
                 }
             }
         }
+        // The map starts empty, so from the ingress attach on every TCP and
+        // UDP packet is dropped until the agent owns ports.
         for (name, direction) in [
-            ("ferry_egress", TcAttachType::Egress),
-            ("ferry_ingress", TcAttachType::Ingress),
+            (EGRESS, TcAttachType::Egress),
+            (INGRESS, TcAttachType::Ingress),
         ] {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
@@ -119,23 +159,15 @@ impl OwnershipFilter {
             prog.attach(iface, direction)
                 .map_err(|source| DataPlaneError::Program { name, source })?;
         }
-        let ports = HashMap::try_from(
-            ebpf.take_map(PORTS_MAP)
-                .ok_or(DataPlaneError::Missing(PORTS_MAP))?,
-        )
-        .map_err(|source| DataPlaneError::Map {
-            name: PORTS_MAP,
-            source,
-        })?;
-        let counters = PerCpuArray::try_from(
-            ebpf.take_map(COUNTERS_MAP)
-                .ok_or(DataPlaneError::Missing(COUNTERS_MAP))?,
-        )
-        .map_err(|source| DataPlaneError::Map {
-            name: COUNTERS_MAP,
-            source,
-        })?;
-        tracing::debug!(iface, "ownership filter attached");
+        let ports = ebpf
+            .take_map(PORTS_MAP)
+            .ok_or(DataPlaneError::Missing(PORTS_MAP))?;
+        let ports = HashMap::try_from(ports).map_err(ports_err)?;
+        let counters = ebpf
+            .take_map(COUNTERS_MAP)
+            .ok_or(DataPlaneError::Missing(COUNTERS_MAP))?;
+        let counters = PerCpuArray::try_from(counters).map_err(counters_err)?;
+        tracing::info!(iface, "ownership filter attached");
         Ok(Self {
             _ebpf: ebpf,
             ports,
@@ -144,65 +176,77 @@ impl OwnershipFilter {
         })
     }
 
-    fn map_err(source: aya::maps::MapError) -> DataPlaneError {
-        DataPlaneError::Map {
-            name: PORTS_MAP,
-            source,
-        }
+    /// The interface the filter is attached to.
+    pub fn iface(&self) -> &str {
+        &self.iface
     }
 
     fn flags(&self, k: &PortKey) -> Result<u32, DataPlaneError> {
         match self.ports.get(k, 0) {
             Ok(f) => Ok(f),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(0),
-            Err(e) => Err(Self::map_err(e)),
+            Err(MapError::KeyNotFound) => Ok(0),
+            Err(e) => Err(ports_err(e)),
         }
     }
 
-    /// Starts delivering packets for the port to this node (keeps a freeze).
+    fn set_flags(&mut self, k: PortKey, flags: u32) -> Result<(), DataPlaneError> {
+        if flags == 0 {
+            match self.ports.remove(&k) {
+                Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+                Err(e) => Err(ports_err(e)),
+            }
+        } else {
+            self.ports.insert(k, flags, 0).map_err(ports_err)
+        }
+    }
+
+    /// Starts delivering the port's packets to this node. A freeze stays.
     pub fn own(&mut self, proto: Protocol, port: u16) -> Result<(), DataPlaneError> {
         let k = key(proto, port);
         let flags = self.flags(&k)? | maps::PORT_OWNED;
-        self.ports.insert(k, flags, 0).map_err(Self::map_err)
+        self.set_flags(k, flags)?;
+        tracing::debug!(iface = %self.iface, ?proto, port, "port owned");
+        Ok(())
     }
 
-    /// Stops delivering packets for the port: another node owns it now.
+    /// Stops delivering the port's packets: another node owns it now.
+    /// Clears a freeze too. Not owning the port is no error.
     pub fn disown(&mut self, proto: Protocol, port: u16) -> Result<(), DataPlaneError> {
-        match self.ports.remove(&key(proto, port)) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(Self::map_err(e)),
-        }
+        self.set_flags(key(proto, port), 0)?;
+        tracing::debug!(iface = %self.iface, ?proto, port, "port disowned");
+        Ok(())
     }
 
-    /// Drops every packet to or from these ports until [`thaw`](Self::thaw).
+    /// Drops every packet to or from these ports until
+    /// [`thaw`](Self::thaw); owned ports stay owned.
     pub fn freeze(&mut self, ports: &[(Protocol, u16)]) -> Result<(), DataPlaneError> {
         for &(proto, port) in ports {
             let k = key(proto, port);
             let flags = self.flags(&k)? | maps::PORT_FROZEN;
-            self.ports.insert(k, flags, 0).map_err(Self::map_err)?;
+            self.set_flags(k, flags)?;
         }
+        tracing::debug!(iface = %self.iface, ?ports, "ports frozen");
         Ok(())
     }
 
-    /// Lifts a freeze; owned ports deliver again.
+    /// Lifts a freeze: owned ports deliver again, the others are dropped as
+    /// before.
     pub fn thaw(&mut self, ports: &[(Protocol, u16)]) -> Result<(), DataPlaneError> {
         for &(proto, port) in ports {
             let k = key(proto, port);
             let flags = self.flags(&k)? & !maps::PORT_FROZEN;
-            if flags == 0 {
-                self.disown(proto, port)?;
-            } else {
-                self.ports.insert(k, flags, 0).map_err(Self::map_err)?;
-            }
+            self.set_flags(k, flags)?;
         }
+        tracing::debug!(iface = %self.iface, ?ports, "ports thawed");
         Ok(())
     }
 
-    /// Every port in the map with its state.
+    /// Every port this node owns or has frozen, sorted.
     pub fn ports(&self) -> Result<Vec<(Protocol, u16, PortState)>, DataPlaneError> {
         let mut out = Vec::new();
         for item in self.ports.iter() {
-            let (k, flags) = item.map_err(Self::map_err)?;
+            let (k, flags) = item.map_err(ports_err)?;
+            // Only this crate writes the map, always with TCP or UDP.
             let Some(proto) = Protocol::from_ip_proto(k.proto) else {
                 continue;
             };
@@ -213,20 +257,15 @@ impl OwnershipFilter {
             };
             out.push((proto, k.port, state));
         }
-        out.sort_by_key(|(p, port, _)| (*p, *port));
+        out.sort_by_key(|&(proto, port, _)| (proto, port));
         Ok(out)
     }
 
+    /// The packet counters, summed over CPUs.
     pub fn counters(&self) -> Result<Counters, DataPlaneError> {
         let get = |i: u32| -> Result<u64, DataPlaneError> {
-            let v = self
-                .counters
-                .get(&i, 0)
-                .map_err(|source| DataPlaneError::Map {
-                    name: COUNTERS_MAP,
-                    source,
-                })?;
-            Ok(v.iter().sum())
+            let per_cpu = self.counters.get(&i, 0).map_err(counters_err)?;
+            Ok(per_cpu.iter().sum())
         };
         Ok(Counters {
             passed: get(maps::CNT_PASSED)?,
@@ -235,5 +274,13 @@ impl OwnershipFilter {
             passed_other: get(maps::CNT_PASSED_OTHER)?,
             egress_blocked: get(maps::CNT_EGRESS_BLOCKED)?,
         })
+    }
+}
+
+impl Drop for OwnershipFilter {
+    fn drop(&mut self) {
+        // `_ebpf` drops right after this and closes the links, which
+        // detaches both programs: from then on this node filters nothing.
+        tracing::info!(iface = %self.iface, "ownership filter detached");
     }
 }
