@@ -1,168 +1,274 @@
-//! CRIU >= 4.2 at /opt/ferry/criu/bin/criu, built from Debian's source
-//! package.
+//! CRIU >= 4.2 at <prefix>/bin/criu (default /opt/ferry/criu, the agent's
+//! default `criu_path`), built from Debian's source package.
 //!
 //! Why: Debian 12's criu 3.17 fails on current kernels (vDSO layout), and
 //! 4.1 fails to dump TCP sockets (SO_PASSCRED on a TCP socket now returns
 //! EOPNOTSUPP). sid carries 4.2.x. `apt-get source --download-only` fetches
 //! the .dsc and the upstream tarball and then fails on the Debian patch
 //! tarball (404 on the mirror); neither the patches nor the packaging are
-//! needed to build the binary.
+//! needed to build the binary, and the .dsc's checksum still pins the
+//! tarball we build.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
 use crate::cmd;
+use crate::setup::Step;
 
-pub const PREFIX: &str = "/opt/ferry/criu";
+pub const DEFAULT_PREFIX: &str = "/opt/ferry/criu";
 const SOURCES_FILE: &str = "/etc/apt/sources.list.d/ferry-criu-src.sources";
+const SOURCES: &str = "# Written by ferry's `cargo xtask setup`: CRIU >= 4.2 is built from sid's source package.\n\
+Types: deb-src\n\
+URIs: http://deb.debian.org/debian\n\
+Suites: sid\n\
+Components: main\n\
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n";
 const MIN: (u32, u32) = (4, 2);
 
-pub fn binary() -> PathBuf {
-    Path::new(PREFIX).join("bin/criu")
+pub fn binary(prefix: &Path) -> PathBuf {
+    prefix.join("bin/criu")
+}
+
+/// The version `criu --version` reports, if the binary runs at all.
+fn installed_version(prefix: &Path) -> Option<String> {
+    let out = cmd::output(Command::new(binary(prefix)).arg("--version")).ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Version:"))
+        .map(|v| v.trim().to_owned())
 }
 
 /// The installed CRIU's version, if it is there and new enough.
-pub fn installed_ok() -> Option<String> {
-    let out = cmd::output(Command::new(binary()).arg("--version")).ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Version:"))?
-        .trim()
-        .to_owned();
-    (parse_version(&v)? >= MIN).then_some(v)
+pub fn installed_ok(prefix: &Path) -> Option<String> {
+    installed_version(prefix).filter(|v| new_enough(v))
 }
 
+/// Major and minor of an upstream or Debian version ("4.2.1", "4.2.1-1",
+/// "1:4.2~rc1-2").
 fn parse_version(v: &str) -> Option<(u32, u32)> {
-    let mut it = v.split(['.', '-']);
+    let v = match v.split_once(':') {
+        Some((epoch, rest)) if epoch.bytes().all(|b| b.is_ascii_digit()) => rest,
+        _ => v,
+    };
+    let mut it = v.split(['.', '-', '~', '+']);
     Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
-/// Returns what it did, for the summary.
-pub fn ensure() -> Result<String> {
-    if let Some(v) = installed_ok() {
-        return Ok(format!(
-            "skipped: CRIU {v} already at {}",
-            binary().display()
-        ));
-    }
-    build_and_install()?;
-    let v = installed_ok().context("the CRIU just installed does not report a version >= 4.2")?;
-    let check = cmd::output(Command::new(binary()).arg("check"))?;
-    let verdict = String::from_utf8_lossy(&check.stdout).trim().to_owned()
-        + String::from_utf8_lossy(&check.stderr)
-            .lines()
-            .last()
-            .unwrap_or("");
-    if !check.status.success() {
-        bail!("`criu check` failed: {verdict}");
-    }
-    Ok(format!(
-        "built CRIU {v} into {} (criu check: {})",
-        binary().display(),
-        verdict.trim()
-    ))
+fn new_enough(v: &str) -> bool {
+    parse_version(v).is_some_and(|v| v >= MIN)
 }
 
-fn build_and_install() -> Result<()> {
-    if !Path::new(SOURCES_FILE).exists() {
-        std::fs::write(
-            SOURCES_FILE,
-            "# Added by ferry's `cargo xtask setup`: CRIU >= 4.2 is built from sid's source package.\n\
-             Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: sid\nComponents: main\n\
-             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n",
-        )
-        .with_context(|| format!("writing {SOURCES_FILE}"))?;
+pub fn ensure(prefix: &Path) -> Result<Step> {
+    let bin = binary(prefix);
+    match installed_version(prefix) {
+        Some(v) if new_enough(&v) => {
+            let msg = format!("CRIU {v} already at {}", bin.display());
+            eprintln!("{msg}");
+            return Ok(Step::Skipped(msg));
+        }
+        Some(v) => eprintln!("CRIU {v} at {} is too old (need >= 4.2)", bin.display()),
+        None => eprintln!("no working CRIU at {}", bin.display()),
     }
-    cmd::run(Command::new("apt-get").args(["update", "-q"]))?;
-    let tmp = TempDir::new("/tmp/ferry-criu-build")?;
-    // Exits non-zero on the 404 for the .debian.tar.xz; judged by the files.
-    let fetch = cmd::output(
-        Command::new("apt-get")
-            .args(["source", "--download-only", "criu"])
-            .current_dir(&tmp.0),
-    )?;
-    let dsc = find(&tmp.0, |n| n.starts_with("criu_") && n.ends_with(".dsc"));
-    let orig = find(&tmp.0, |n| {
+    let version = build_and_install(prefix)?;
+    let reported = installed_ok(prefix).with_context(|| {
+        format!(
+            "the CRIU just installed at {} does not report a version >= 4.2",
+            bin.display()
+        )
+    })?;
+    eprintln!("+ {} check", bin.display());
+    let check = cmd::output(Command::new(&bin).arg("check"))?;
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    if !check.status.success() {
+        bail!(
+            "CRIU {version} installed at {}, but `criu check` failed ({}):\n{}{}",
+            bin.display(),
+            check.status,
+            stdout,
+            tail(&stderr, 20)
+        );
+    }
+    // "Looks good." goes to stdout; CRIU logs harmless complaints (such as
+    // the missing CAP_SYS_RESOURCE) to stderr.
+    let verdict = last_line(&stdout)
+        .or_else(|| last_line(&stderr))
+        .unwrap_or("(no output)");
+    eprintln!("criu check: {verdict}");
+    Ok(Step::Done(format!(
+        "CRIU {reported} built from {version} into {}; criu check: {verdict}",
+        bin.display()
+    )))
+}
+
+fn last_line(s: &str) -> Option<&str> {
+    s.lines().map(str::trim).rfind(|l| !l.is_empty())
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Fetches, checks, builds and installs; returns the Debian version built.
+fn build_and_install(prefix: &Path) -> Result<String> {
+    // Rewritten only when different, so repeated setups leave it alone.
+    if std::fs::read_to_string(SOURCES_FILE).ok().as_deref() != Some(SOURCES) {
+        eprintln!("writing {SOURCES_FILE} (deb-src for sid)");
+        std::fs::write(SOURCES_FILE, SOURCES).with_context(|| format!("writing {SOURCES_FILE}"))?;
+    }
+    cmd::run(Command::new("apt-get").args(["update", "-q"]))
+        .context("apt-get update (for sid's criu source package)")?;
+
+    let tmp = TempDir::new("ferry-criu-build")?;
+    let mut fetch = Command::new("apt-get");
+    fetch
+        .args(["source", "--download-only", "criu"])
+        .current_dir(tmp.path());
+    eprintln!(
+        "+ {}   (in {})",
+        cmd::describe(&fetch),
+        tmp.path().display()
+    );
+    let fetched = cmd::output(&mut fetch)?;
+    // It exits non-zero on the 404 for the .debian.tar.xz: judged by the
+    // files it leaves, not by its exit status.
+    let dsc = find(tmp.path(), |n| {
+        n.starts_with("criu_") && n.ends_with(".dsc")
+    });
+    let orig = find(tmp.path(), |n| {
         n.starts_with("criu_") && n.ends_with(".orig.tar.xz")
     });
     let (Some(dsc), Some(orig)) = (dsc, orig) else {
         bail!(
-            "apt-get source criu did not fetch the .dsc and .orig.tar.xz:\n{}{}",
-            String::from_utf8_lossy(&fetch.stdout),
-            String::from_utf8_lossy(&fetch.stderr)
+            "`apt-get source --download-only criu` did not fetch both the .dsc and the .orig.tar.xz ({}):\n{}{}",
+            fetched.status,
+            String::from_utf8_lossy(&fetched.stdout),
+            tail(&String::from_utf8_lossy(&fetched.stderr), 20)
         );
     };
-    let dsc_text = std::fs::read_to_string(&dsc)?;
+    if !fetched.status.success() {
+        eprintln!(
+            "apt-get source exited with {} (expected: the .debian.tar.xz is not on the mirror and is not needed)",
+            fetched.status
+        );
+    }
+
+    let dsc_text =
+        std::fs::read_to_string(&dsc).with_context(|| format!("reading {}", dsc.display()))?;
     let version = dsc_text
         .lines()
         .find_map(|l| l.strip_prefix("Version:"))
         .map(|v| v.trim().to_owned())
         .context("the .dsc has no Version field")?;
-    if parse_version(&version).is_none_or(|v| v < MIN) {
+    if !new_enough(&version) {
         bail!("Debian's source package has CRIU {version}; ferry needs >= 4.2");
     }
-    let orig_name = orig.file_name().unwrap().to_string_lossy().into_owned();
+    let orig_name = file_name(&orig);
     let expected = sha256_in_dsc(&dsc_text, &orig_name)
         .with_context(|| format!("{orig_name} is not listed in the .dsc's Checksums-Sha256"))?;
-    let out = cmd::output(Command::new("sha256sum").arg(&orig))?;
-    let actual = String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or("")
-        .to_owned();
+    let actual = sha256(&orig)?;
     if actual != expected {
-        bail!("{orig_name}: SHA-256 {actual} does not match the .dsc's {expected}");
+        bail!(
+            "{orig_name}: SHA-256 mismatch: the file has {actual}, {} says {expected}; not building it",
+            file_name(&dsc)
+        );
     }
-    eprintln!("CRIU {version}: {orig_name} matches the .dsc (sha256 {actual})");
-    cmd::run(Command::new("tar").arg("xf").arg(&orig).current_dir(&tmp.0))?;
-    let src = std::fs::read_dir(&tmp.0)?
+    eprintln!("CRIU {version}: {orig_name} matches the .dsc's SHA-256 ({actual})");
+
+    cmd::run(
+        Command::new("tar")
+            .arg("xf")
+            .arg(&orig)
+            .current_dir(tmp.path()),
+    )?;
+    let src = std::fs::read_dir(tmp.path())?
         .flatten()
         .map(|e| e.path())
-        .find(|p| {
-            p.is_dir()
-                && p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("criu-"))
-        })
+        .find(|p| p.is_dir() && file_name(p).starts_with("criu-"))
         .context("the tarball did not unpack into criu-*")?;
+    make(&src, tmp.path())?;
+
+    let bin_dir = prefix.join("bin");
+    std::fs::create_dir_all(&bin_dir).with_context(|| format!("creating {}", bin_dir.display()))?;
+    // Install under a temporary name and rename: an interrupted copy never
+    // leaves a half-written binary at the path the fast check trusts.
+    let staged = bin_dir.join(".criu.new");
+    std::fs::copy(src.join("criu/criu"), &staged)
+        .with_context(|| format!("copying criu/criu to {}", staged.display()))?;
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::rename(&staged, binary(prefix))?;
+    std::fs::write(
+        prefix.join("SOURCE"),
+        format!("criu {version} built from Debian's source package\n{orig_name} sha256 {actual}\n"),
+    )?;
+    eprintln!(
+        "installed {} (provenance in {})",
+        binary(prefix).display(),
+        prefix.join("SOURCE").display()
+    );
+    Ok(version)
+}
+
+/// `make -j$(nproc) criu`, logged to a file whose tail is shown on failure
+/// (and kept, since the build directory goes away).
+fn make(src: &Path, tmp: &Path) -> Result<()> {
     let jobs = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2);
-    let log = tmp.0.join("build.log");
+    let log = tmp.join("build.log");
     let log_file = std::fs::File::create(&log)?;
     eprintln!(
-        "+ make -j{jobs} criu   (in {}, log in {})",
+        "+ make -j{jobs} criu   (in {}, log in {}; about 30 s)",
         src.display(),
         log.display()
     );
     let status = Command::new("make")
         .arg(format!("-j{jobs}"))
         .arg("criu")
-        .current_dir(&src)
+        .current_dir(src)
+        .stdin(std::process::Stdio::null())
         .stdout(log_file.try_clone()?)
         .stderr(log_file)
         .status()
         .context("starting make")?;
     if !status.success() {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(30).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        bail!("building CRIU failed ({status}):\n{}", tail.join("\n"));
+        let kept = std::env::temp_dir().join("ferry-criu-build.log");
+        let kept_note = match std::fs::copy(&log, &kept) {
+            Ok(_) => format!("full log: {}", kept.display()),
+            Err(_) => "the full log could not be kept".to_owned(),
+        };
+        bail!(
+            "building CRIU failed ({status}); last lines of the build log ({kept_note}):\n{}",
+            tail(&text, 40)
+        );
     }
-    let bin_dir = Path::new(PREFIX).join("bin");
-    std::fs::create_dir_all(&bin_dir)?;
-    // Install under a temporary name and rename: an interrupted copy never
-    // leaves a half-written binary at the final path.
-    let staged = bin_dir.join(".criu.new");
-    std::fs::copy(src.join("criu/criu"), &staged)?;
-    std::fs::rename(&staged, binary())?;
-    std::fs::write(
-        Path::new(PREFIX).join("SOURCE"),
-        format!("criu {version} built from Debian's source package\n{orig_name} sha256 {actual}\n"),
-    )?;
     Ok(())
+}
+
+fn sha256(path: &Path) -> Result<String> {
+    let out = cmd::output(Command::new("sha256sum").arg(path))?;
+    if !out.status.success() {
+        bail!("sha256sum {} failed ({})", path.display(), out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_owned())
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 fn find(dir: &Path, pred: impl Fn(&str) -> bool) -> Option<PathBuf> {
@@ -170,11 +276,11 @@ fn find(dir: &Path, pred: impl Fn(&str) -> bool) -> Option<PathBuf> {
         .ok()?
         .flatten()
         .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| pred(&n.to_string_lossy())))
+        .find(|p| pred(&file_name(p)))
 }
 
 /// The SHA-256 of `file` in a .dsc's `Checksums-Sha256:` field (lines of
-/// "<sha256> <size> <name>").
+/// " <sha256> <size> <name>").
 fn sha256_in_dsc(dsc: &str, file: &str) -> Option<String> {
     let mut in_field = false;
     for line in dsc.lines() {
@@ -188,22 +294,30 @@ fn sha256_in_dsc(dsc: &str, file: &str) -> Option<String> {
             }
             let f: Vec<&str> = line.split_whitespace().collect();
             if f.len() == 3 && f[2] == file {
-                return Some(f[0].to_owned());
+                return Some(f[0].to_ascii_lowercase());
             }
         }
     }
     None
 }
 
-/// A scratch directory removed on drop.
+/// A fresh scratch directory, removed on drop (also when the build fails).
 struct TempDir(PathBuf);
 
 impl TempDir {
-    fn new(base: &str) -> Result<Self> {
-        let p = PathBuf::from(format!("{base}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
+    fn new(name: &str) -> Result<Self> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let p = std::env::temp_dir().join(format!("{name}.{}.{nanos}", std::process::id()));
+        // create_dir, not create_dir_all: the directory must be new.
+        std::fs::create_dir(&p).with_context(|| format!("creating {}", p.display()))?;
         Ok(Self(p))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
     }
 }
 
@@ -218,14 +332,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_checksums_and_versions() {
-        let dsc = "Format: 3.0 (quilt)\nVersion: 4.2.1-1\nChecksums-Sha256:\n 29ec abc 1038700 criu_4.2.1.orig.tar.xz\n 29ec0e 1038700 criu_4.2.1.orig.tar.xz\n e9f7 12964 criu_4.2.1-1.debian.tar.xz\nFiles:\n x\n";
+    fn reads_checksums() {
+        let dsc = "Format: 3.0 (quilt)\nVersion: 4.2.1-1\nChecksums-Sha1:\n aaaa 1038700 criu_4.2.1.orig.tar.xz\nChecksums-Sha256:\n 29EC0E 1038700 criu_4.2.1.orig.tar.xz\n e9f7 12964 criu_4.2.1-1.debian.tar.xz\nFiles:\n x 1 criu_4.2.1.orig.tar.xz\n";
         assert_eq!(
             sha256_in_dsc(dsc, "criu_4.2.1.orig.tar.xz").as_deref(),
             Some("29ec0e")
         );
+        assert_eq!(
+            sha256_in_dsc(dsc, "criu_4.2.1-1.debian.tar.xz").as_deref(),
+            Some("e9f7")
+        );
         assert_eq!(sha256_in_dsc(dsc, "nope"), None);
+    }
+
+    #[test]
+    fn compares_versions() {
         assert_eq!(parse_version("4.2.1-1"), Some((4, 2)));
-        assert!(parse_version("3.17").unwrap() < MIN);
+        assert_eq!(parse_version("1:4.10~rc1-2"), Some((4, 10)));
+        assert!(new_enough("4.2"));
+        assert!(new_enough("4.2.1"));
+        assert!(new_enough("5.0"));
+        assert!(!new_enough("4.1.1-3"));
+        assert!(!new_enough("3.17.1"));
+        assert!(!new_enough("garbage"));
     }
 }

@@ -2,37 +2,57 @@
 //!
 //! - `setup`: install what the project needs on a Debian 12 machine (idempotent)
 //! - `test`: set up if needed, build, run unit and integration tests
-//! - `integration [-- ARGS]`: only the root-only integration tests
-//! - `demo`: set up if needed, run the 3-node migration demo
+//! - `integration [-- ARGS]`: build, then only the root-only integration tests
+//! - `demo [-- ARGS]`: set up if needed, build, run the 3-node migration demo
 
 mod cmd;
 mod criu;
+mod demo;
 mod packages;
 mod setup;
 mod test;
 
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "cargo xtask")]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "ferry's project automation"
+)]
 struct Args {
+    /// Where CRIU is (or gets) installed: <DIR>/bin/criu. Another directory
+    /// than the agent's default lets the CRIU build be exercised without
+    /// touching /opt/ferry.
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CRIU_PREFIX",
+        default_value = criu::DEFAULT_PREFIX,
+        value_name = "DIR"
+    )]
+    criu_prefix: PathBuf,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Install the Debian packages ferry needs and build CRIU into /opt/ferry/criu.
+    /// Install the Debian packages ferry needs and build CRIU >= 4.2 (idempotent; root).
     Setup,
-    /// Set up if needed, then build everything and run unit and integration tests.
+    /// Set up if needed, build all binaries, run unit then integration tests.
     Test,
-    /// Build, then run only the integration tests (root, namespaces, CRIU); extra
-    /// arguments go to the test binary (`cargo xtask integration -- migrate`).
+    /// Set up if needed, build, then run only the integration tests (root,
+    /// namespaces, CRIU); extra arguments go to the test harness
+    /// (`cargo xtask integration -- migrate`).
     Integration {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Set up if needed, build, and run the demo: a 3-node cluster, a live migration.
+    /// Set up if needed, build, and run the demo (a 3-node cluster, live
+    /// migrations); extra arguments go to `ferry-demo`.
     Demo {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -41,11 +61,14 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    // Absolute, since it is handed to tests and the demo as FERRY_CRIU and
+    // they run from other directories.
+    let prefix = &std::path::absolute(&args.criu_prefix).unwrap_or(args.criu_prefix.clone());
     let result = match args.command {
-        Command::Setup => setup::run().map(|_| ()),
-        Command::Test => test::run_all(),
-        Command::Integration { args } => test::build().and_then(|_| test::integration(&args)),
-        Command::Demo { args } => test::demo(&args),
+        Command::Setup => setup::run(prefix),
+        Command::Test => test::run_all(prefix),
+        Command::Integration { args } => test::run_integration(prefix, &args),
+        Command::Demo { args } => demo::run(prefix, &args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -53,5 +76,29 @@ fn main() -> std::process::ExitCode {
             eprintln!("xtask: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("xtask").chain(argv.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn passes_extra_args_through() {
+        // `cargo xtask integration -- migrate --nocapture`: the `--` is
+        // clap's, everything after it goes to the test harness untouched.
+        let a = parse(&["integration", "--", "migrate", "--nocapture"]);
+        assert!(
+            matches!(a.command, Command::Integration { ref args } if args == &["migrate", "--nocapture"])
+        );
+        let a = parse(&["demo", "--", "--keep"]);
+        assert!(matches!(a.command, Command::Demo { ref args } if args == &["--keep"]));
+        let a = parse(&["--criu-prefix", "/tmp/x", "setup"]);
+        assert_eq!(a.criu_prefix, PathBuf::from("/tmp/x"));
+        assert!(matches!(a.command, Command::Setup));
     }
 }

@@ -8,20 +8,23 @@ use crate::cmd;
 
 /// Build and test tools, and CRIU's build dependencies for `make criu`
 /// (the subset of its source package's Build-Depends that the binary
-/// needs; the documentation and Python tooling are left out).
+/// needs; the documentation tools are left out).
 pub const PACKAGES: &[&str] = &[
-    // eBPF programs, protobuf code generation, namespaces
+    // eBPF programs (C, clang + libbpf headers), protobuf code generation
     "clang",
     "llvm",
     "libbpf-dev",
-    "iproute2",
     "protobuf-compiler",
     "pkgconf",
     "build-essential",
+    // namespaces and links for the test cluster (ip, unshare, nsenter)
+    "iproute2",
     "util-linux",
     // fetching and checking CRIU's source package
     "dpkg-dev",
     "xz-utils",
+    // watching the demo's nodes side by side
+    "tmux",
     // CRIU's build dependencies
     "libbsd-dev",
     "libcap-dev",
@@ -40,50 +43,103 @@ pub const PACKAGES: &[&str] = &[
     "gcc-multilib",
 ];
 
-pub fn is_installed(pkg: &str) -> bool {
-    cmd::output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))
-        .map(|o| {
-            o.status.success()
-                && String::from_utf8_lossy(&o.stdout).contains("install ok installed")
-        })
-        .unwrap_or(false)
+/// Splits `pkgs` into (installed, missing) with a single dpkg-query call, so
+/// the "is setup needed?" check before every test run stays fast.
+pub fn status<'a>(pkgs: &[&'a str]) -> (Vec<&'a str>, Vec<&'a str>) {
+    // dpkg-query exits non-zero when some name is unknown but still prints
+    // the known ones, so its exit status is not looked at.
+    let out = cmd::output(
+        Command::new("dpkg-query")
+            .args(["-W", "-f=${Package} ${Status}\n"])
+            .args(pkgs),
+    );
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    pkgs.iter().partition(|p| installed_in(&text, p))
+}
+
+/// Whether a `${Package} ${Status}` listing shows `pkg` installed (a
+/// multi-arch package may have several lines; any installed one counts).
+fn installed_in(listing: &str, pkg: &str) -> bool {
+    listing.lines().any(|l| {
+        l.split_once(' ')
+            .is_some_and(|(name, status)| name == pkg && status.trim() == "install ok installed")
+    })
 }
 
 pub fn missing() -> Vec<&'static str> {
-    PACKAGES
-        .iter()
-        .copied()
-        .filter(|p| !is_installed(p))
-        .collect()
+    status(PACKAGES).1
 }
 
-/// Installs the missing packages; returns (installed, already there).
-pub fn ensure() -> Result<(Vec<&'static str>, usize)> {
-    let missing = missing();
-    let present = PACKAGES.len() - missing.len();
+/// What `ensure` did.
+#[derive(Debug)]
+pub struct Outcome {
+    pub installed: Vec<&'static str>,
+    pub present: Vec<&'static str>,
+}
+
+/// Installs the missing packages; `apt-get update` runs only when something
+/// is missing, so a set-up machine needs no network here.
+pub fn ensure() -> Result<Outcome> {
+    let (present, missing) = status(PACKAGES);
+    eprintln!(
+        "Debian packages already installed ({}): {}",
+        present.len(),
+        present.join(" ")
+    );
     if missing.is_empty() {
-        return Ok((missing, present));
+        return Ok(Outcome {
+            installed: missing,
+            present,
+        });
     }
     eprintln!(
-        "installing {} Debian package(s): {}",
+        "Debian packages to install ({}): {}",
         missing.len(),
         missing.join(" ")
     );
-    cmd::run(Command::new("apt-get").args(["update", "-q"]))?;
-    let mut install = Command::new("apt-get");
-    install
-        .args(["install", "-y", "-q", "--no-install-recommends"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive");
-    if let Err(e) = cmd::run(&mut install) {
-        bail!("could not install {}: {e:#}", missing.join(" "));
-    }
-    let still = crate::packages::missing();
-    if !still.is_empty() {
+    if let Err(e) = cmd::run(Command::new("apt-get").args(["update", "-q"])) {
         bail!(
-            "apt-get reported success but these are still missing: {}",
-            still.join(" ")
+            "apt-get update failed, so could not install {}: {e:#}",
+            missing.join(" ")
         );
     }
-    Ok((missing, present))
+    let mut install = Command::new("apt-get");
+    install
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-q"])
+        .args(&missing);
+    let result = cmd::run(&mut install);
+    // Name exactly what is still absent, whatever apt-get said.
+    let still = status(&missing).1;
+    match result {
+        Err(e) => bail!("could not install {}: {e:#}", still.join(" ")),
+        Ok(()) if !still.is_empty() => bail!(
+            "apt-get reported success but these are still not installed: {}",
+            still.join(" ")
+        ),
+        Ok(()) => Ok(Outcome {
+            installed: missing,
+            present,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_dpkg_query_listing() {
+        let listing = "clang install ok installed\n\
+                       libbsd-dev deinstall ok config-files\n\
+                       libaio-dev install ok installed\n\
+                       libaio-dev install ok installed\n";
+        assert!(installed_in(listing, "clang"));
+        assert!(!installed_in(listing, "libbsd-dev"));
+        assert!(installed_in(listing, "libaio-dev"));
+        assert!(!installed_in(listing, "tmux"));
+        assert!(!installed_in(listing, "clan"));
+    }
 }

@@ -1,54 +1,69 @@
-//! `cargo xtask test`, `integration` and `demo`.
+//! `cargo xtask test` and `cargo xtask integration`, and the setup-if-needed
+//! and build steps `demo` shares.
+
+use std::path::Path;
+use std::process::Command;
 
 use anyhow::{Context, Result};
 
 use crate::{cmd, criu, setup};
 
-fn header(s: &str) {
+pub fn header(s: &str) {
     eprintln!("\n==== {s} ====");
 }
 
-fn ensure_setup() -> Result<()> {
-    if setup::needed() {
+/// Full setup only when the fast check finds something missing.
+pub fn ensure_setup(criu_prefix: &Path) -> Result<()> {
+    if setup::needed(criu_prefix) {
         header("setup (something is missing)");
-        setup::run().context("setup")?;
+        setup::run(criu_prefix).context("step `setup` failed")?;
     }
     Ok(())
 }
 
+/// Builds every binary, the root-only integration crate's included (it is
+/// not a default member, hence --workspace).
 pub fn build() -> Result<()> {
-    ensure_setup()?;
-    header("build (all binaries, including the integration crate's)");
-    cmd::run(cmd::cargo().args(["build", "--workspace", "--bins"])).context("build")
+    header("build: cargo build --workspace --bins");
+    cmd::run(cmd::cargo().args(["build", "--workspace", "--bins"])).context("step `build` failed")
 }
 
-fn integration_env(c: &mut std::process::Command) {
-    c.env("FERRY_BIN_DIR", cmd::workspace_root().join("target/debug"))
-        .env("FERRY_CRIU", criu::binary());
+/// Where the integration tests and the demo find ferry's binaries and CRIU.
+pub fn ferry_env(c: &mut Command, criu_prefix: &Path) {
+    c.env("FERRY_BIN_DIR", cmd::debug_dir())
+        .env("FERRY_CRIU", criu::binary(criu_prefix));
 }
 
-pub fn integration(args: &[String]) -> Result<()> {
-    header("integration tests (root, network namespaces, CRIU, eBPF; one at a time)");
+pub fn unit() -> Result<()> {
+    header("unit tests: cargo test");
+    cmd::run(cmd::cargo().arg("test")).context("step `unit tests` failed")
+}
+
+/// The integration tests need root, network namespaces and CRIU, and share
+/// host-wide state (namespace names, /run), so they run one at a time.
+pub fn integration(criu_prefix: &Path, args: &[String]) -> Result<()> {
+    header("integration tests: cargo test -p ferry-integration (one at a time)");
     let mut c = cmd::cargo();
     c.args(["test", "-p", "ferry-integration", "--"])
         .arg("--test-threads=1")
         .args(args);
-    integration_env(&mut c);
-    cmd::run(&mut c).context("integration tests")
+    ferry_env(&mut c, criu_prefix);
+    cmd::run(&mut c).context("step `integration tests` failed")
 }
 
-pub fn run_all() -> Result<()> {
+/// `cargo xtask test`.
+pub fn run_all(criu_prefix: &Path) -> Result<()> {
+    ensure_setup(criu_prefix)?;
     build()?;
-    header("unit tests");
-    cmd::run(cmd::cargo().arg("test")).context("unit tests")?;
-    integration(&[])
+    unit()?;
+    integration(criu_prefix, &[])?;
+    header("all tests passed");
+    Ok(())
 }
 
-pub fn demo(args: &[String]) -> Result<()> {
+/// `cargo xtask integration [-- ARGS]`.
+pub fn run_integration(criu_prefix: &Path, args: &[String]) -> Result<()> {
+    ensure_setup(criu_prefix)?;
     build()?;
-    header("demo");
-    let mut c = std::process::Command::new(cmd::workspace_root().join("target/debug/ferry-demo"));
-    c.args(args);
-    integration_env(&mut c);
-    cmd::run(&mut c).context("demo")
+    integration(criu_prefix, args)
 }
