@@ -1,32 +1,49 @@
 //! The agent's shared state: managed processes, port ownership, the
 //! destination slot and finished migration reports.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+use std::time::Instant;
 
 use ferry_proto::v1::MigrationReport;
 use ferry_proto::v1::peer_client::PeerClient;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::capture::{CaptureStore, PacketReplayer, digest, overlap};
 use crate::config::{Config, PeerConfig};
 use crate::engine::EngineError;
 use crate::engine::destination::Incoming;
 use crate::managed::{Lifecycle, ManagedProcess, Origin, Registry};
-use crate::ownership::{Ownership, PortFilter};
+use crate::ownership::{Counters, Ownership, PortFilter, PortState};
+use crate::process::PortKey;
 
 pub struct Agent {
     pub config: Config,
     registry: Mutex<Registry>,
     ownership: Mutex<Ownership>,
-    /// Ports of an incoming migration: held frozen (dropped both ways) from
-    /// Prepare until the commit, so that a restored copy that has to be
-    /// killed on abort cannot reach the peers (its sockets are live: CRIU
-    /// takes them out of repair mode at the end of the restore).
-    reserved: Mutex<std::collections::BTreeSet<crate::process::PortKey>>,
+    /// Ports of an incoming migration, in the state the migration needs
+    /// (overriding the registry's): frozen from Prepare, capturing from Arm,
+    /// releasing during the replay at Commit. Until the commit no packet
+    /// leaves them, so a restored copy that has to be killed on abort
+    /// cannot reach the peers (its sockets are live: CRIU takes them out of
+    /// repair mode at the end of the restore).
+    reserved: Mutex<BTreeMap<PortKey, PortState>>,
+    /// Packets kept for migrations under way, by migration.
+    pub capture: CaptureStore,
+    replayer: Mutex<Box<dyn PacketReplayer>>,
+    replay_totals: Mutex<ReplayTotals>,
     /// The one incoming migration this node may be receiving.
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
     reports: Mutex<HashMap<String, MigrationReport>>,
+}
+
+/// Captured packets replayed by this agent since it started.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReplayTotals {
+    pub replayed: u64,
+    pub skipped_delivered: u64,
+    pub failed: u64,
 }
 
 impl std::fmt::Debug for Agent {
@@ -44,12 +61,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Agent {
-    pub fn new(config: Config, filter: Box<dyn PortFilter>) -> Arc<Self> {
+    pub fn new(
+        config: Config,
+        filter: Box<dyn PortFilter>,
+        replayer: Box<dyn PacketReplayer>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             config,
             registry: Mutex::new(Registry::default()),
             ownership: Mutex::new(Ownership::new(filter)),
             reserved: Mutex::new(Default::default()),
+            capture: CaptureStore::default(),
+            replayer: Mutex::new(replayer),
+            replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
             reports: Mutex::new(HashMap::new()),
         })
@@ -92,6 +116,11 @@ impl Agent {
         self.sync_ownership(true)
     }
 
+    /// [`apply_ownership`](Self::apply_ownership) for blocking code.
+    pub fn reconcile_ownership(&self) -> Result<(), EngineError> {
+        self.sync_ownership(false)
+    }
+
     fn sync_ownership(&self, refresh: bool) -> Result<(), EngineError> {
         // The ownership lock is held from computing the desired state to
         // writing it, so passes apply in the order they read the registry:
@@ -105,13 +134,100 @@ impl Agent {
             }
             reg.desired_ports()
         };
-        for port in lock(&self.reserved).iter() {
-            desired
-                .entry(*port)
-                .or_insert(crate::ownership::PortState::Frozen);
+        // An incoming migration's state wins: at Commit the adopted
+        // process's ports stay releasing until the replay is done.
+        for (port, state) in lock(&self.reserved).iter() {
+            desired.insert(*port, *state);
         }
         ownership.apply(&desired)?;
         Ok(())
+    }
+
+    /// Moves everything in the capture ring into the capture sessions.
+    pub fn drain_capture(&self) {
+        let mut packets = Vec::new();
+        self.ownership().drain(&mut |p| packets.push(p));
+        if packets.is_empty() {
+            return;
+        }
+        let stray = self.capture.route(packets);
+        if stray > 0 {
+            tracing::debug!(stray, "captured packets of no migration dropped");
+        }
+    }
+
+    /// Replays what is captured for migration `id` until nothing new comes
+    /// in (the ports must be releasing: capturing, egress open), then runs
+    /// `open` (which must make the ports pass packets again) and replays
+    /// what arrived in between. Packets are replayed in arrival order; the
+    /// first ones that match the end of `delivered` (digests of what the
+    /// source delivered, see [`overlap`]) are skipped. Blocking.
+    pub fn replay_and_open(
+        &self,
+        id: &str,
+        delivered: &[u64],
+        open: impl FnOnce() -> Result<(), EngineError>,
+    ) -> Result<ferry_proto::v1::ReplayStats, EngineError> {
+        let mut stats = ferry_proto::v1::ReplayStats::default();
+        let started = Instant::now();
+        let mut first = true;
+        loop {
+            self.drain_capture();
+            let batch = self.capture.take_captured(id);
+            if batch.is_empty() {
+                break;
+            }
+            let skip = if std::mem::take(&mut first) {
+                let digests: Vec<u64> = batch.iter().map(|p| digest(&p.data)).collect();
+                overlap(delivered, &digests)
+            } else {
+                0
+            };
+            self.replay_batch(&batch, skip, &mut stats);
+        }
+        open()?;
+        self.drain_capture();
+        let rest = self.capture.take_captured(id);
+        let skip = if first {
+            let digests: Vec<u64> = rest.iter().map(|p| digest(&p.data)).collect();
+            overlap(delivered, &digests)
+        } else {
+            0
+        };
+        self.replay_batch(&rest, skip, &mut stats);
+        self.capture.close(id);
+        stats.replay_time_us = started.elapsed().as_micros() as u64;
+        let mut totals = lock(&self.replay_totals);
+        totals.replayed += stats.replayed;
+        totals.skipped_delivered += stats.skipped_delivered;
+        totals.failed += stats.failed;
+        Ok(stats)
+    }
+
+    fn replay_batch(
+        &self,
+        batch: &[crate::ownership::CapturedPacket],
+        skip: usize,
+        stats: &mut ferry_proto::v1::ReplayStats,
+    ) {
+        stats.captured += batch.len() as u64;
+        stats.skipped_delivered += skip as u64;
+        let mut replayer = lock(&self.replayer);
+        for p in &batch[skip..] {
+            match replayer.replay(&p.data) {
+                Ok(()) => stats.replayed += 1,
+                Err(e) => {
+                    stats.failed += 1;
+                    tracing::warn!(port = p.port, error = %e, "replaying a captured packet");
+                }
+            }
+        }
+    }
+
+    /// The data plane's counters, with the agent's replay totals.
+    pub fn data_plane_counters(&self) -> Result<(Counters, ReplayTotals), EngineError> {
+        let c = self.ownership().counters()?;
+        Ok((c, *lock(&self.replay_totals)))
     }
 
     /// Puts a process under management and reaps it when it exits.
@@ -126,8 +242,12 @@ impl Agent {
         self.registry().remove(pid)
     }
 
-    pub fn reserve_ports(&self, ports: &[crate::process::PortKey]) {
-        lock(&self.reserved).extend(ports.iter().copied());
+    /// Puts an incoming migration's ports in `state` (see `reserved`).
+    pub fn reserve_ports(&self, ports: &[PortKey], state: PortState) {
+        let mut r = lock(&self.reserved);
+        for p in ports {
+            r.insert(*p, state);
+        }
     }
 
     pub fn release_ports(&self, ports: &[crate::process::PortKey]) {

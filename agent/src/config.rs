@@ -55,7 +55,30 @@ pub struct Config {
     pub public: PublicConfig,
     pub cluster: ClusterConfig,
     #[serde(default)]
+    pub dataplane: DataPlaneConfig,
+    #[serde(default)]
     pub peers: Vec<PeerConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataPlaneConfig {
+    /// Capture the packets that arrive while a process is frozen and replay
+    /// them where it resumes (the default). `false` drops them and leaves
+    /// recovery to TCP retransmission, as plain CRIU does: the baseline of
+    /// `cargo xtask bench gap`.
+    #[serde(default = "default_true")]
+    pub capture: bool,
+}
+
+impl Default for DataPlaneConfig {
+    fn default() -> Self {
+        Self { capture: true }
+    }
+}
+
+fn default_true() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -4,6 +4,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod capture;
 pub mod config;
 pub mod criu;
 pub mod engine;

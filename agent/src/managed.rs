@@ -25,12 +25,28 @@ pub enum Origin {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lifecycle {
     Running,
-    /// Stopped (or about to be) by an outgoing migration; its ports are
-    /// frozen until the migration commits or aborts.
+    /// Claimed by an outgoing migration; `stage` says what its ports do.
     MigratingOut {
         migration_id: String,
-        frozen: bool,
+        stage: OutStage,
     },
+}
+
+/// Where an outgoing migration is, as far as the process's ports go (see
+/// the hand-over table in `ownership`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutStage {
+    /// Prepared, still running and served as usual.
+    Live,
+    /// Running; what it receives is logged, since the destination is about
+    /// to capture too.
+    Recording,
+    /// Stopped for the dump: nothing in or out; incoming packets kept
+    /// (`capture`) or dropped.
+    Frozen { capture: bool },
+    /// Resuming after an abort: outgoing packets pass, incoming ones are
+    /// still kept while the captured ones are replayed.
+    Resuming,
 }
 
 #[derive(Debug, Clone)]
@@ -106,8 +122,13 @@ impl Registry {
         for p in self.procs.values() {
             let state = match p.lifecycle {
                 Lifecycle::Running => PortState::Owned,
-                Lifecycle::MigratingOut { frozen: false, .. } => PortState::Owned,
-                Lifecycle::MigratingOut { frozen: true, .. } => PortState::Frozen,
+                Lifecycle::MigratingOut { stage, .. } => match stage {
+                    OutStage::Live => PortState::Owned,
+                    OutStage::Recording => PortState::Recording,
+                    OutStage::Frozen { capture: true } => PortState::Capturing,
+                    OutStage::Frozen { capture: false } => PortState::Frozen,
+                    OutStage::Resuming => PortState::Releasing,
+                },
             };
             for port in &p.sockets.ports {
                 out.insert(*port, state);

@@ -1,35 +1,48 @@
 //! Port ownership: which of the cluster's ports this node accepts packets
 //! for. The eBPF filter on the public interface enforces it; this module
-//! decides it, from the processes the node manages, and applies only the
-//! difference to the kernel.
+//! decides it, from the processes the node manages and the migrations under
+//! way, and applies only the difference to the kernel.
 //!
-//! Hand-over during a migration (exactly one node owns a port at a time):
-//! the source marks the process's ports frozen (still its own, but every
-//! packet dropped in both directions) before the dump; the destination
-//! starts owning them only at commit, after the source has discarded its
-//! copy; the source stops owning them at the same point. Between the two,
-//! packets are dropped on both nodes and TCP's retransmission recovers them.
+//! Hand-over during a migration (exactly one node owns a port at a time,
+//! and every packet is either delivered once or kept):
+//!
+//! | step                         | source      | destination |
+//! |------------------------------|-------------|-------------|
+//! | before                       | Owned       | -           |
+//! | Prepare                      | Owned       | Frozen      |
+//! | record (before Arm)          | Recording   | Frozen      |
+//! | Arm                          | Recording   | Capturing   |
+//! | freeze                       | Capturing   | Capturing   |
+//! | discard (commit point)       | -           | Capturing   |
+//! | Commit: replay               | -           | Releasing   |
+//! | Commit: done                 | -           | Owned       |
+//!
+//! From Arm to the freeze both nodes see the process's packets: the source
+//! delivers and logs them (Recording), the destination keeps them. The log
+//! tells the destination which of its first captured packets to skip. On
+//! abort the source replays what it captured while frozen (Releasing) and
+//! owns the ports again.
 
 use std::collections::BTreeMap;
 
-use crate::process::{PortKey, Transport};
+pub use ferry_ebpf::{CapturedPacket, Counters, PortState};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PortState {
-    /// Packets pass to the local stack.
-    Owned,
-    /// Still ours, but a migration is freezing the process: drop everything.
-    Frozen,
-}
+use crate::process::{PortKey, Transport};
 
 #[derive(Debug, thiserror::Error)]
 #[error("data plane: {0}")]
 pub struct DataPlaneError(pub String);
 
-/// The privileged side: BPF map updates. Faked in unit tests.
+/// The privileged side: BPF map updates and the capture ring. Faked in unit
+/// tests.
 pub trait PortFilter: Send {
     fn set(&mut self, port: PortKey, state: PortState) -> Result<(), DataPlaneError>;
     fn remove(&mut self, port: PortKey) -> Result<(), DataPlaneError>;
+    /// Takes every record out of the capture ring, oldest first.
+    fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket));
+    fn counters(&self) -> Result<Counters, DataPlaneError>;
+    /// The interface the filter guards.
+    fn interface(&self) -> &str;
 }
 
 /// The ports this node owns, as last written to the filter.
@@ -58,6 +71,18 @@ impl Ownership {
         &self.current
     }
 
+    pub fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
+        self.filter.drain(sink)
+    }
+
+    pub fn counters(&self) -> Result<Counters, DataPlaneError> {
+        self.filter.counters()
+    }
+
+    pub fn interface(&self) -> &str {
+        self.filter.interface()
+    }
+
     /// Brings the filter to `desired`, touching only ports whose state
     /// changes. Freezes are written before anything else, so a process
     /// about to be dumped is cut off first.
@@ -73,10 +98,14 @@ impl Ownership {
                 order.push((*port, None));
             }
         }
+        // Cut-offs first (a process about to be dumped is isolated before
+        // anything else changes), then releases, then what opens up.
         order.sort_by_key(|(_, s)| match s {
-            Some(PortState::Frozen) => 0,
+            Some(PortState::Capturing | PortState::Frozen) => 0,
             None => 1,
-            Some(PortState::Owned) => 2,
+            Some(PortState::Recording) => 2,
+            Some(PortState::Releasing) => 3,
+            Some(PortState::Owned) => 4,
         });
         for (port, state) in order {
             match state {
@@ -108,19 +137,32 @@ fn proto(t: Transport) -> ferry_ebpf::Protocol {
 
 impl PortFilter for EbpfPortFilter {
     fn set(&mut self, port: PortKey, state: PortState) -> Result<(), DataPlaneError> {
-        let p = proto(port.transport);
-        let e = |e: ferry_ebpf::DataPlaneError| DataPlaneError(format!("port {port}: {e}"));
-        self.0.own(p, port.port).map_err(e)?;
-        match state {
-            PortState::Frozen => self.0.freeze(&[(p, port.port)]).map_err(e),
-            PortState::Owned => self.0.thaw(&[(p, port.port)]).map_err(e),
-        }
+        self.0
+            .set(proto(port.transport), port.port, state)
+            .map_err(|e| DataPlaneError(format!("port {port}: {e}")))
     }
 
     fn remove(&mut self, port: PortKey) -> Result<(), DataPlaneError> {
         self.0
-            .disown(proto(port.transport), port.port)
+            .remove(proto(port.transport), port.port)
             .map_err(|e| DataPlaneError(format!("port {port}: {e}")))
+    }
+
+    fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
+        let (_, bad) = self.0.drain_captured(sink);
+        if bad > 0 {
+            tracing::warn!(bad, "undecodable records in the capture ring");
+        }
+    }
+
+    fn counters(&self) -> Result<Counters, DataPlaneError> {
+        self.0
+            .counters()
+            .map_err(|e| DataPlaneError(format!("counters: {e}")))
+    }
+
+    fn interface(&self) -> &str {
+        self.0.iface()
     }
 }
 
@@ -129,9 +171,13 @@ pub mod fake {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    /// Records every call, in order.
+    /// Records every call, in order; `drain` hands out what a test put in
+    /// `ring`.
     #[derive(Default, Clone)]
-    pub struct FakeFilter(pub Arc<Mutex<Vec<String>>>);
+    pub struct FakeFilter(
+        pub Arc<Mutex<Vec<String>>>,
+        pub Arc<Mutex<Vec<CapturedPacket>>>,
+    );
 
     impl PortFilter for FakeFilter {
         fn set(&mut self, port: PortKey, state: PortState) -> Result<(), DataPlaneError> {
@@ -141,6 +187,17 @@ pub mod fake {
         fn remove(&mut self, port: PortKey) -> Result<(), DataPlaneError> {
             self.0.lock().unwrap().push(format!("remove {port}"));
             Ok(())
+        }
+        fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
+            for p in self.1.lock().unwrap().drain(..) {
+                sink(p);
+            }
+        }
+        fn counters(&self) -> Result<Counters, DataPlaneError> {
+            Ok(Counters::default())
+        }
+        fn interface(&self) -> &str {
+            "fake0"
         }
     }
 }

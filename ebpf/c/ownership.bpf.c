@@ -38,6 +38,7 @@
 
 #include "ferry_dataplane.h"
 
+#define IP_MF 0x2000     /* more fragments flag of iphdr.frag_off */
 #define IP_OFFSET 0x1FFF /* fragment offset field of iphdr.frag_off */
 
 struct {
@@ -53,6 +54,35 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } FERRY_COUNTERS SEC(".maps");
+
+/* Packets kept while a migration moves a process: captured ones (dropped
+ * here, replayed into the stack later) and, on the source, a log of the
+ * ones it delivered while the destination already captured. One ring for
+ * all CPUs, so records come out in the order the programs reserved them,
+ * which is the order the packets arrived in. 32 MiB holds a freeze's worth
+ * of traffic: TCP senders stop after a window without acknowledgements. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 32 << 20);
+} FERRY_CAPTURE SEC(".maps");
+
+/* Later fragments carry no ports. When fragment zero of a datagram is
+ * captured, its identity goes here, so that the rest of the datagram is
+ * captured with it and the replay can reassemble it. */
+struct ferry_frag_key {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 id;
+	__u8 proto;
+	__u8 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct ferry_frag_key);
+	__type(value, __u16); /* the datagram's destination port */
+} FERRY_FRAGS SEC(".maps");
 
 static __always_inline void count(__u32 idx)
 {
@@ -72,8 +102,10 @@ enum l4_kind {
 
 struct l4 {
 	__u8 proto;
-	__u16 sport; /* host byte order */
-	__u16 dport; /* host byte order */
+	__u8 first_fragment; /* offset 0 with more fragments to come */
+	__u16 sport;         /* host byte order */
+	__u16 dport;         /* host byte order */
+	struct ferry_frag_key frag;
 };
 
 /* Finds protocol and ports of an IPv4 TCP or UDP packet. */
@@ -95,8 +127,13 @@ static __always_inline enum l4_kind parse(struct __sk_buff *skb, struct l4 *l4)
 	if (ip.version != 4 || (ip.protocol != IPPROTO_TCP && ip.protocol != IPPROTO_UDP))
 		return L4_OTHER;
 	l4->proto = ip.protocol;
+	l4->frag.saddr = ip.saddr;
+	l4->frag.daddr = ip.daddr;
+	l4->frag.id = ip.id;
+	l4->frag.proto = ip.protocol;
 	if (ip.frag_off & bpf_htons(IP_OFFSET))
 		return L4_FRAGMENT;
+	l4->first_fragment = !!(ip.frag_off & bpf_htons(IP_MF));
 	/* The transport header follows the options: IHL, not sizeof(ip). */
 	ihl = ip.ihl * 4;
 	if (ihl < sizeof(ip))
@@ -117,6 +154,77 @@ static __always_inline __u32 port_flags(__u8 proto, __u16 port)
 	return flags ? *flags : 0;
 }
 
+/* One ring record: the header and room for `N` bytes of packet. The ring
+ * only reserves constant sizes, so packets go into the smallest of a few
+ * size classes instead of always taking 64 KiB. */
+#define CAPTURE_CLASS(N)                                                             \
+	struct capture_##N {                                                         \
+		struct ferry_capture_hdr hdr;                                        \
+		__u8 data[N];                                                        \
+	};                                                                           \
+	static __always_inline int capture_##N(struct __sk_buff *skb, __u64 len,     \
+					       __u16 port, __u8 proto, __u8 kind)    \
+	{                                                                            \
+		struct capture_##N *r = bpf_ringbuf_reserve(&FERRY_CAPTURE, sizeof(*r), 0); \
+		if (!r)                                                              \
+			return -1;                                                   \
+		r->hdr.ktime_ns = bpf_ktime_get_ns();                                \
+		r->hdr.pkt_len = (__u32)len;                                         \
+		r->hdr.cap_len = (__u32)len;                                         \
+		r->hdr.port = port;                                                  \
+		r->hdr.proto = proto;                                                \
+		r->hdr.kind = kind;                                                  \
+		r->hdr.pad = 0;                                                      \
+		/* Hide len's range from clang, which knows the caller checked \
+		 * it and would drop the test the verifier needs to see on the \
+		 * very register passed to bpf_skb_load_bytes(); 64 bits, so it \
+		 * tests no zero-extended copy instead. */                           \
+		asm volatile("" : "+r"(len));                                        \
+		if (len == 0 || len > N ||                                           \
+		    bpf_skb_load_bytes(skb, ETH_HLEN, r->data, len) < 0) {          \
+			bpf_ringbuf_discard(r, 0);                                   \
+			return -1;                                                   \
+		}                                                                    \
+		bpf_ringbuf_submit(r, 0);                                            \
+		return 0;                                                            \
+	}
+
+CAPTURE_CLASS(256)   /* ACKs, small datagrams: most of what a freeze catches */
+CAPTURE_CLASS(2048)  /* up to a full 1500-byte frame */
+CAPTURE_CLASS(16384) /* jumbo frames, small GRO batches */
+CAPTURE_CLASS(65536) /* the largest IPv4 packet (GRO batches on real NICs) */
+
+/* Copies the packet, from its IP header on, into the capture ring. */
+static __always_inline int capture(struct __sk_buff *skb, __u16 port, __u8 proto, __u8 kind)
+{
+	__u32 len = skb->len;
+
+	if (len <= ETH_HLEN)
+		return -1;
+	len -= ETH_HLEN;
+	if (len <= 256)
+		return capture_256(skb, len, port, proto, kind);
+	if (len <= 2048)
+		return capture_2048(skb, len, port, proto, kind);
+	if (len <= 16384)
+		return capture_16384(skb, len, port, proto, kind);
+	if (len <= 65536)
+		return capture_65536(skb, len, port, proto, kind);
+	return -1;
+}
+
+/* Keeps a packet the node must not deliver yet. A packet that does not fit
+ * in the ring is dropped all the same (TCP will retransmit it). */
+static __always_inline int keep(struct __sk_buff *skb, struct l4 *l4, __u16 port)
+{
+	if (capture(skb, port, l4->proto, FERRY_CAPTURED) < 0) {
+		count(FERRY_CNT_CAPTURE_LOST);
+		return TC_ACT_SHOT;
+	}
+	count(FERRY_CNT_CAPTURED);
+	return TC_ACT_SHOT;
+}
+
 SEC("classifier")
 int ferry_ingress(struct __sk_buff *skb)
 {
@@ -129,7 +237,12 @@ int ferry_ingress(struct __sk_buff *skb)
 		 * connections (fragmentation needed, ...) must get through. */
 		count(FERRY_CNT_PASSED_OTHER);
 		return TC_ACT_OK;
-	case L4_FRAGMENT:
+	case L4_FRAGMENT: {
+		__u16 *port = bpf_map_lookup_elem(&FERRY_FRAGS, &l4.frag);
+
+		/* The rest of a datagram whose fragment zero was captured. */
+		if (port)
+			return keep(skb, &l4, *port);
 		/* No port to decide on, so let the stack have it. Only the
 		 * owner also accepted fragment zero and can reassemble; on
 		 * every other node the queue expires silently, because
@@ -139,6 +252,7 @@ int ferry_ingress(struct __sk_buff *skb)
 		bpf_skb_change_type(skb, PACKET_HOST);
 		count(FERRY_CNT_PASSED_OTHER);
 		return TC_ACT_OK;
+	}
 	case L4_TRUNCATED:
 		/* No port, so not one we own; the stack would drop it too. */
 		count(FERRY_CNT_DROPPED_NOT_OWNED);
@@ -147,6 +261,13 @@ int ferry_ingress(struct __sk_buff *skb)
 		break;
 	}
 	flags = port_flags(l4.proto, l4.dport);
+	if (flags & FERRY_PORT_CAPTURE) {
+		/* A migration moves the port's process: nobody may handle
+		 * the packet now, and nothing of it may be lost. */
+		if (l4.first_fragment)
+			bpf_map_update_elem(&FERRY_FRAGS, &l4.frag, &l4.dport, BPF_ANY);
+		return keep(skb, &l4, l4.dport);
+	}
 	if (flags & FERRY_PORT_FROZEN) {
 		/* The process is being dumped: its stack must not see, ack
 		 * or reset anything. The peer retransmits after the thaw or
@@ -158,6 +279,12 @@ int ferry_ingress(struct __sk_buff *skb)
 		/* Another node's port: it answers, we stay silent. */
 		count(FERRY_CNT_DROPPED_NOT_OWNED);
 		return TC_ACT_SHOT;
+	}
+	if (flags & FERRY_PORT_RECORD) {
+		/* Best effort: a missing log entry can only make the
+		 * destination replay a packet twice, never lose one. */
+		if (capture(skb, l4.dport, l4.proto, FERRY_DELIVERED) == 0)
+			count(FERRY_CNT_RECORDED);
 	}
 	if (skb->pkt_type != PACKET_HOST)
 		bpf_skb_change_type(skb, PACKET_HOST);

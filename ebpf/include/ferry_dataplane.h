@@ -14,24 +14,65 @@ struct ferry_port_key {
 };
 
 /* Value of FERRY_PORTS (__u32): flags. A port absent from the map is
- * another node's. */
-#define FERRY_PORT_OWNED 1u  /* deliver to this node's stack */
-#define FERRY_PORT_FROZEN 2u /* a migration is dumping the process: drop both ways */
+ * another node's. The combinations the agent uses, along a migration:
+ *   OWNED             a process here serves the port
+ *   OWNED|RECORD      source, just before the freeze: deliver, and log a
+ *                     copy of what was delivered (the destination is
+ *                     already capturing: the log tells which of its
+ *                     captured packets the source has handled)
+ *   FROZEN            destination, reserved: nothing in, nothing out
+ *   FROZEN|CAPTURE    source while frozen, destination while armed: keep
+ *                     every incoming packet in the capture ring, send
+ *                     nothing
+ *   OWNED|CAPTURE     the node resuming the process: egress open, ingress
+ *                     still captured while the captured packets are
+ *                     replayed, so none is overtaken */
+#define FERRY_PORT_OWNED 1u   /* deliver to this node's stack */
+#define FERRY_PORT_FROZEN 2u  /* drop both ways (no RST can leave) */
+#define FERRY_PORT_CAPTURE 4u /* ingress: copy into FERRY_CAPTURE, drop */
+#define FERRY_PORT_RECORD 8u  /* ingress: copy into FERRY_CAPTURE, deliver */
 
 /* Indices of FERRY_COUNTERS (per-CPU __u64). */
 enum ferry_counter {
 	FERRY_CNT_PASSED = 0,            /* ingress to an owned port, delivered */
 	FERRY_CNT_DROPPED_NOT_OWNED = 1, /* ingress to another node's port */
-	FERRY_CNT_DROPPED_FROZEN = 2,    /* ingress to a frozen port */
+	FERRY_CNT_DROPPED_FROZEN = 2,    /* ingress to a frozen port, not captured */
 	FERRY_CNT_PASSED_OTHER = 3,      /* ingress without ports: ARP, ICMP, IPv6, later fragments */
 	FERRY_CNT_EGRESS_BLOCKED = 4,    /* egress from a frozen port (RST or data) */
-	FERRY_CNT_MAX = 5,
+	FERRY_CNT_CAPTURED = 5,          /* ingress kept in the capture ring */
+	FERRY_CNT_CAPTURE_LOST = 6,      /* to capture, but the ring was full: dropped */
+	FERRY_CNT_RECORDED = 7,          /* delivered and logged (RECORD) */
+	FERRY_CNT_MAX = 8,
+};
+
+/* A record of FERRY_CAPTURE: this header, then cap_len bytes of the packet
+ * from its IPv4 header on (the Ethernet header is not kept: the agent
+ * re-injects at the IP layer). */
+struct ferry_capture_hdr {
+	__u64 ktime_ns; /* bpf_ktime_get_ns() at ingress */
+	__u32 pkt_len;  /* length of the IPv4 packet */
+	__u32 cap_len;  /* bytes of it in this record (< pkt_len: truncated) */
+	__u16 port;     /* the port the packet is for, host byte order */
+	__u8 proto;     /* IPPROTO_TCP or IPPROTO_UDP */
+	__u8 kind;      /* enum ferry_capture_kind */
+	__u32 pad;
+};
+
+enum ferry_capture_kind {
+	FERRY_CAPTURED = 0,  /* dropped here, to be replayed */
+	FERRY_DELIVERED = 1, /* delivered here (RECORD) */
 };
 
 _Static_assert(sizeof(struct ferry_port_key) == 4, "ferry_port_key is 4 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_port_key, proto) == 0, "proto at 0");
 _Static_assert(__builtin_offsetof(struct ferry_port_key, pad) == 1, "pad at 1");
 _Static_assert(__builtin_offsetof(struct ferry_port_key, port) == 2, "port at 2");
-_Static_assert(FERRY_CNT_MAX == 5, "src/maps.rs knows five counters");
+_Static_assert(sizeof(struct ferry_capture_hdr) == 24, "ferry_capture_hdr is 24 bytes");
+_Static_assert(__builtin_offsetof(struct ferry_capture_hdr, pkt_len) == 8, "pkt_len at 8");
+_Static_assert(__builtin_offsetof(struct ferry_capture_hdr, cap_len) == 12, "cap_len at 12");
+_Static_assert(__builtin_offsetof(struct ferry_capture_hdr, port) == 16, "port at 16");
+_Static_assert(__builtin_offsetof(struct ferry_capture_hdr, proto) == 18, "proto at 18");
+_Static_assert(__builtin_offsetof(struct ferry_capture_hdr, kind) == 19, "kind at 19");
+_Static_assert(FERRY_CNT_MAX == 8, "src/maps.rs knows eight counters");
 
 #endif

@@ -9,6 +9,8 @@
 mod error;
 mod maps;
 mod ownership;
+mod replay;
 
 pub use error::DataPlaneError;
-pub use ownership::{Counters, OwnershipFilter, PortState, Protocol};
+pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
+pub use replay::{ReplayError, Replayer};

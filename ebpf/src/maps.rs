@@ -35,3 +35,52 @@ pub(crate) const CNT_DROPPED_NOT_OWNED: u32 = 1;
 pub(crate) const CNT_DROPPED_FROZEN: u32 = 2;
 pub(crate) const CNT_PASSED_OTHER: u32 = 3;
 pub(crate) const CNT_EGRESS_BLOCKED: u32 = 4;
+
+pub(crate) const PORT_CAPTURE: u32 = 4;
+pub(crate) const PORT_RECORD: u32 = 8;
+
+pub(crate) const CNT_CAPTURED: u32 = 5;
+pub(crate) const CNT_CAPTURE_LOST: u32 = 6;
+pub(crate) const CNT_RECORDED: u32 = 7;
+
+/// `struct ferry_capture_hdr`, the head of every FERRY_CAPTURE record.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CaptureHdr {
+    pub ktime_ns: u64,
+    pub pkt_len: u32,
+    pub cap_len: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub kind: u8,
+    pub pad: u32,
+}
+
+const _: () = assert!(size_of::<CaptureHdr>() == 24);
+const _: () = assert!(offset_of!(CaptureHdr, pkt_len) == 8);
+const _: () = assert!(offset_of!(CaptureHdr, cap_len) == 12);
+const _: () = assert!(offset_of!(CaptureHdr, port) == 16);
+const _: () = assert!(offset_of!(CaptureHdr, proto) == 18);
+const _: () = assert!(offset_of!(CaptureHdr, kind) == 19);
+
+/// `enum ferry_capture_kind`.
+pub(crate) const KIND_CAPTURED: u8 = 0;
+pub(crate) const KIND_DELIVERED: u8 = 1;
+
+impl CaptureHdr {
+    /// Reads the header at the start of a ring record (native byte order,
+    /// as the program wrote it), or None if the record is too short.
+    pub fn parse(rec: &[u8]) -> Option<Self> {
+        let b = rec.get(..size_of::<Self>())?;
+        let u32_at = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+        Some(Self {
+            ktime_ns: u64::from_ne_bytes(b[0..8].try_into().unwrap()),
+            pkt_len: u32_at(8),
+            cap_len: u32_at(12),
+            port: u16::from_ne_bytes(b[16..18].try_into().unwrap()),
+            proto: b[18],
+            kind: b[19],
+            pad: u32_at(20),
+        })
+    }
+}

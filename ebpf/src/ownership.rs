@@ -2,7 +2,7 @@
 //! c/ownership.bpf.c on the node's public interface, and the map that says
 //! which ports this node owns.
 
-use aya::maps::{HashMap, MapData, MapError, PerCpuArray};
+use aya::maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf};
 use aya::programs::{SchedClassifier, TcAttachType, tc};
 use aya::util::KernelVersion;
 use aya::{Ebpf, include_bytes_aligned};
@@ -14,6 +14,7 @@ static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ownersh
 
 const PORTS_MAP: &str = "FERRY_PORTS";
 const COUNTERS_MAP: &str = "FERRY_COUNTERS";
+const CAPTURE_MAP: &str = "FERRY_CAPTURE";
 const INGRESS: &str = "ferry_ingress";
 const EGRESS: &str = "ferry_egress";
 
@@ -42,13 +43,47 @@ impl Protocol {
 }
 
 /// State of a port in the filter. Ports not listed belong to other nodes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Along a migration the source goes `Owned -> Recording -> Capturing ->`
+/// (gone, or on abort `Releasing -> Owned`) and the destination
+/// `Frozen -> Capturing -> Releasing -> Owned`; see
+/// include/ferry_dataplane.h for what each does to packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PortState {
     /// Delivered to this node's stack.
     Owned,
-    /// Every packet to or from the port is dropped (a migration is dumping
-    /// the process); it stays owned, or becomes nothing, when thawed.
+    /// Delivered, and a copy logged in the capture ring as delivered.
+    Recording,
+    /// Every packet to or from the port is dropped.
     Frozen,
+    /// Incoming packets are kept in the capture ring (and dropped);
+    /// nothing goes out.
+    Capturing,
+    /// Incoming packets are kept in the capture ring; outgoing ones pass.
+    Releasing,
+}
+
+impl PortState {
+    fn flags(self) -> u32 {
+        match self {
+            PortState::Owned => maps::PORT_OWNED,
+            PortState::Recording => maps::PORT_OWNED | maps::PORT_RECORD,
+            PortState::Frozen => maps::PORT_FROZEN,
+            PortState::Capturing => maps::PORT_FROZEN | maps::PORT_CAPTURE,
+            PortState::Releasing => maps::PORT_OWNED | maps::PORT_CAPTURE,
+        }
+    }
+
+    fn from_flags(flags: u32) -> Option<Self> {
+        [
+            PortState::Owned,
+            PortState::Recording,
+            PortState::Frozen,
+            PortState::Capturing,
+            PortState::Releasing,
+        ]
+        .into_iter()
+        .find(|s| s.flags() == flags)
+    }
 }
 
 /// Packet counts of the filter, summed over CPUs, since attach.
@@ -59,13 +94,74 @@ pub struct Counters {
     /// Ingress to ports this node does not own (or without readable
     /// ports), dropped.
     pub dropped_not_owned: u64,
-    /// Ingress to frozen ports, dropped.
+    /// Ingress to frozen ports, dropped without capture.
     pub dropped_frozen: u64,
     /// Ingress without ports (ARP, ICMP, IPv6, later IPv4 fragments),
     /// passed.
     pub passed_other: u64,
     /// Egress from frozen ports (RSTs or data), dropped.
     pub egress_blocked: u64,
+    /// Ingress kept in the capture ring for a replay.
+    pub captured: u64,
+    /// Ingress to capture that did not fit in the ring, dropped.
+    pub capture_lost: u64,
+    /// Ingress delivered and logged as delivered.
+    pub recorded: u64,
+}
+
+/// Why a packet is in the capture ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CaptureKind {
+    /// Dropped on ingress; to be replayed into a stack.
+    Captured,
+    /// Delivered to this node's stack, logged (a `Recording` port).
+    Delivered,
+}
+
+/// One packet out of the capture ring.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CapturedPacket {
+    pub kind: CaptureKind,
+    pub protocol: Protocol,
+    /// The local port the packet was for.
+    pub port: u16,
+    /// CLOCK_MONOTONIC at ingress.
+    pub ktime_ns: u64,
+    /// The IPv4 packet, header included.
+    pub data: Vec<u8>,
+}
+
+impl std::fmt::Debug for CapturedPacket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedPacket")
+            .field("kind", &self.kind)
+            .field("protocol", &self.protocol)
+            .field("port", &self.port)
+            .field("len", &self.data.len())
+            .finish()
+    }
+}
+
+impl CapturedPacket {
+    /// Decodes one ring record; None for a record this crate's program
+    /// cannot have written (too short, unknown kind or protocol).
+    fn from_record(rec: &[u8]) -> Option<Self> {
+        let hdr = maps::CaptureHdr::parse(rec)?;
+        let kind = match hdr.kind {
+            maps::KIND_CAPTURED => CaptureKind::Captured,
+            maps::KIND_DELIVERED => CaptureKind::Delivered,
+            _ => return None,
+        };
+        let start = std::mem::size_of::<maps::CaptureHdr>();
+        let data = rec.get(start..start + hdr.cap_len as usize)?.to_vec();
+        Some(Self {
+            kind,
+            protocol: Protocol::from_ip_proto(hdr.proto)?,
+            port: hdr.port,
+            ktime_ns: hdr.ktime_ns,
+            data,
+        })
+    }
 }
 
 /// The ownership filter attached to one interface. Nothing is owned after
@@ -75,6 +171,7 @@ pub struct OwnershipFilter {
     _ebpf: Ebpf,
     ports: HashMap<MapData, PortKey, u32>,
     counters: PerCpuArray<MapData, u64>,
+    capture: RingBuf<MapData>,
     iface: String,
 }
 
@@ -167,11 +264,19 @@ impl OwnershipFilter {
             .take_map(COUNTERS_MAP)
             .ok_or(DataPlaneError::Missing(COUNTERS_MAP))?;
         let counters = PerCpuArray::try_from(counters).map_err(counters_err)?;
+        let capture = ebpf
+            .take_map(CAPTURE_MAP)
+            .ok_or(DataPlaneError::Missing(CAPTURE_MAP))?;
+        let capture = RingBuf::try_from(capture).map_err(|source| DataPlaneError::Map {
+            name: CAPTURE_MAP,
+            source,
+        })?;
         tracing::info!(iface, "ownership filter attached");
         Ok(Self {
             _ebpf: ebpf,
             ports,
             counters,
+            capture,
             iface: iface.to_owned(),
         })
     }
@@ -179,14 +284,6 @@ impl OwnershipFilter {
     /// The interface the filter is attached to.
     pub fn iface(&self) -> &str {
         &self.iface
-    }
-
-    fn flags(&self, k: &PortKey) -> Result<u32, DataPlaneError> {
-        match self.ports.get(k, 0) {
-            Ok(f) => Ok(f),
-            Err(MapError::KeyNotFound) => Ok(0),
-            Err(e) => Err(ports_err(e)),
-        }
     }
 
     fn set_flags(&mut self, k: PortKey, flags: u32) -> Result<(), DataPlaneError> {
@@ -200,65 +297,59 @@ impl OwnershipFilter {
         }
     }
 
-    /// Starts delivering the port's packets to this node. A freeze stays.
-    pub fn own(&mut self, proto: Protocol, port: u16) -> Result<(), DataPlaneError> {
-        let k = key(proto, port);
-        let flags = self.flags(&k)? | maps::PORT_OWNED;
-        self.set_flags(k, flags)?;
-        tracing::debug!(iface = %self.iface, ?proto, port, "port owned");
+    /// Puts the port in `state` (see [`PortState`]).
+    pub fn set(
+        &mut self,
+        proto: Protocol,
+        port: u16,
+        state: PortState,
+    ) -> Result<(), DataPlaneError> {
+        self.set_flags(key(proto, port), state.flags())?;
+        tracing::debug!(iface = %self.iface, ?proto, port, ?state, "port state");
         Ok(())
     }
 
-    /// Stops delivering the port's packets: another node owns it now.
-    /// Clears a freeze too. Not owning the port is no error.
-    pub fn disown(&mut self, proto: Protocol, port: u16) -> Result<(), DataPlaneError> {
+    /// Forgets the port: another node owns it. Not knowing it is no error.
+    pub fn remove(&mut self, proto: Protocol, port: u16) -> Result<(), DataPlaneError> {
         self.set_flags(key(proto, port), 0)?;
-        tracing::debug!(iface = %self.iface, ?proto, port, "port disowned");
+        tracing::debug!(iface = %self.iface, ?proto, port, "port removed");
         Ok(())
     }
 
-    /// Drops every packet to or from these ports until
-    /// [`thaw`](Self::thaw); owned ports stay owned.
-    pub fn freeze(&mut self, ports: &[(Protocol, u16)]) -> Result<(), DataPlaneError> {
-        for &(proto, port) in ports {
-            let k = key(proto, port);
-            let flags = self.flags(&k)? | maps::PORT_FROZEN;
-            self.set_flags(k, flags)?;
-        }
-        tracing::debug!(iface = %self.iface, ?ports, "ports frozen");
-        Ok(())
-    }
-
-    /// Lifts a freeze: owned ports deliver again, the others are dropped as
-    /// before.
-    pub fn thaw(&mut self, ports: &[(Protocol, u16)]) -> Result<(), DataPlaneError> {
-        for &(proto, port) in ports {
-            let k = key(proto, port);
-            let flags = self.flags(&k)? & !maps::PORT_FROZEN;
-            self.set_flags(k, flags)?;
-        }
-        tracing::debug!(iface = %self.iface, ?ports, "ports thawed");
-        Ok(())
-    }
-
-    /// Every port this node owns or has frozen, sorted.
+    /// Every port this node knows, sorted.
     pub fn ports(&self) -> Result<Vec<(Protocol, u16, PortState)>, DataPlaneError> {
         let mut out = Vec::new();
         for item in self.ports.iter() {
             let (k, flags) = item.map_err(ports_err)?;
-            // Only this crate writes the map, always with TCP or UDP.
-            let Some(proto) = Protocol::from_ip_proto(k.proto) else {
+            // Only this crate writes the map, always with TCP or UDP and
+            // one of the states' flag sets.
+            let (Some(proto), Some(state)) = (
+                Protocol::from_ip_proto(k.proto),
+                PortState::from_flags(flags),
+            ) else {
                 continue;
-            };
-            let state = if flags & maps::PORT_FROZEN != 0 {
-                PortState::Frozen
-            } else {
-                PortState::Owned
             };
             out.push((proto, k.port, state));
         }
         out.sort_by_key(|&(proto, port, _)| (proto, port));
         Ok(out)
+    }
+
+    /// Takes every record out of the capture ring, oldest first, and
+    /// hands it to `f`. Never blocks; records this program cannot have
+    /// written are skipped (and counted in the return value's second half).
+    pub fn drain_captured(&mut self, mut f: impl FnMut(CapturedPacket)) -> (usize, usize) {
+        let (mut taken, mut bad) = (0, 0);
+        while let Some(item) = self.capture.next() {
+            match CapturedPacket::from_record(&item) {
+                Some(p) => {
+                    taken += 1;
+                    f(p)
+                }
+                None => bad += 1,
+            }
+        }
+        (taken, bad)
     }
 
     /// The packet counters, summed over CPUs.
@@ -273,6 +364,9 @@ impl OwnershipFilter {
             dropped_frozen: get(maps::CNT_DROPPED_FROZEN)?,
             passed_other: get(maps::CNT_PASSED_OTHER)?,
             egress_blocked: get(maps::CNT_EGRESS_BLOCKED)?,
+            captured: get(maps::CNT_CAPTURED)?,
+            capture_lost: get(maps::CNT_CAPTURE_LOST)?,
+            recorded: get(maps::CNT_RECORDED)?,
         })
     }
 }

@@ -183,10 +183,26 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
             "{report:#?}"
         );
         eprintln!(
-            "freeze {:.1} ms, total {:.1} ms, {} bytes",
+            "freeze {:.1} ms, total {:.1} ms, {} bytes; phases {:?}; replay {:?}",
             report.freeze_time_us as f64 / 1e3,
             report.total_time_us as f64 / 1e3,
-            report.bytes_transferred
+            report.bytes_transferred,
+            report
+                .phases
+                .iter()
+                .map(|p| format!("{} {:.1}", p.phase, p.duration_us as f64 / 1e3))
+                .collect::<Vec<_>>(),
+            report.replay
+        );
+        // What arrived while the process was frozen was kept and handed to
+        // it on node2 (the clients send all the time, so something did).
+        let replay = report.replay.expect("replay stats of the commit");
+        assert!(report.capture && replay.captured > 0, "{replay:?}");
+        assert_eq!(replay.failed, 0, "{replay:?}");
+        assert_eq!(
+            replay.replayed + replay.skipped_delivered,
+            replay.captured,
+            "{replay:?}"
         );
 
         // The process runs on node2, with all 16 connections, and is gone

@@ -12,11 +12,13 @@ pub mod v1 {
 }
 
 /// Peer protocol versions this build speaks, oldest first. A migration uses
-/// the highest version both agents list in `Hello`.
-pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[1];
+/// the highest version both agents list in `Hello`. Version 1 (no `Arm`,
+/// no capture) is no longer spoken: a v1 destination would drop the packets
+/// that v2 promises to keep.
+pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2];
 
 /// The newest peer protocol version this build speaks.
-pub const PEER_PROTOCOL_VERSION: u32 = 1;
+pub const PEER_PROTOCOL_VERSION: u32 = 2;
 
 /// Picks the highest version both sides speak.
 pub fn negotiate_peer_version(theirs: &[u32]) -> Option<u32> {
@@ -33,8 +35,8 @@ mod tests {
 
     #[test]
     fn negotiation_picks_highest_common_version() {
-        assert_eq!(negotiate_peer_version(&[1, 7]), Some(1));
-        assert_eq!(negotiate_peer_version(&[2, 3]), None);
+        assert_eq!(negotiate_peer_version(&[2, 7]), Some(2));
+        assert_eq!(negotiate_peer_version(&[1, 3]), None);
         assert_eq!(negotiate_peer_version(&[]), None);
     }
 }

@@ -4,9 +4,10 @@ use std::time::Duration;
 
 use ferry_proto::v1::control_server::Control;
 use ferry_proto::v1::{
-    self as pb, GetMigrationRequest, HelloRequest, ListNodesRequest, ListNodesResponse,
-    ListProcessesRequest, ListProcessesResponse, ManagedProcess, MigrateRequest, MigrationEvent,
-    MigrationReport, Node, RunProcessRequest, RunProcessResponse, migration_event,
+    self as pb, DataPlane, DataPlaneCounters, GetDataPlaneRequest, GetMigrationRequest,
+    HelloRequest, ListNodesRequest, ListNodesResponse, ListProcessesRequest, ListProcessesResponse,
+    ManagedProcess, MigrateRequest, MigrationEvent, MigrationReport, Node, RunProcessRequest,
+    RunProcessResponse, migration_event,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -193,5 +194,57 @@ impl Control for ControlService {
                 "migration_id: no migration {id:?} ran from this node"
             ))
         })
+    }
+
+    async fn get_data_plane(
+        &self,
+        _: Request<GetDataPlaneRequest>,
+    ) -> Result<Response<DataPlane>, Status> {
+        let agent = self.agent.clone();
+        // BPF map reads block: off the runtime.
+        let (counters, totals, ports, iface) = tokio::task::spawn_blocking(move || {
+            let (c, t) = agent.data_plane_counters()?;
+            let own = agent.ownership();
+            let ports: Vec<_> = own.current().iter().map(|(k, s)| (*k, *s)).collect();
+            Ok::<_, crate::engine::EngineError>((c, t, ports, own.interface().to_owned()))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("data plane task: {e}")))??;
+        Ok(Response::new(DataPlane {
+            node: self.agent.node().to_owned(),
+            interface: iface,
+            counters: Some(DataPlaneCounters {
+                passed: counters.passed,
+                dropped_not_owned: counters.dropped_not_owned,
+                dropped_frozen: counters.dropped_frozen,
+                passed_other: counters.passed_other,
+                egress_blocked: counters.egress_blocked,
+                captured: counters.captured,
+                capture_lost: counters.capture_lost,
+                recorded: counters.recorded,
+                replayed: totals.replayed,
+                skipped_delivered: totals.skipped_delivered,
+                replay_failed: totals.failed,
+                translated: 0,
+            }),
+            ports: ports
+                .iter()
+                .map(|(k, s)| pb::PortState {
+                    port: Some(port_to_pb(k)),
+                    state: port_state_name(*s).to_owned(),
+                })
+                .collect(),
+        }))
+    }
+}
+
+fn port_state_name(s: crate::ownership::PortState) -> &'static str {
+    use crate::ownership::PortState;
+    match s {
+        PortState::Owned => "owned",
+        PortState::Recording => "recording",
+        PortState::Frozen => "frozen",
+        PortState::Capturing => "capturing",
+        PortState::Releasing => "releasing",
     }
 }

@@ -2,9 +2,9 @@ use std::sync::Arc;
 
 use ferry_proto::v1::peer_server::Peer;
 use ferry_proto::v1::{
-    AbortRequest, AbortResponse, CommitRequest, CommitResponse, HelloRequest, HelloResponse,
-    ImageChunk, PrepareRequest, PrepareResponse, RestoreRequest, RestoreResponse,
-    TransferImagesResponse,
+    AbortRequest, AbortResponse, ArmRequest, ArmResponse, CommitRequest, CommitResponse,
+    HelloRequest, HelloResponse, ImageChunk, PrepareRequest, PrepareResponse, RestoreRequest,
+    RestoreResponse, TransferImagesResponse,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -61,6 +61,18 @@ impl Peer for PeerService {
     ) -> Result<Response<PrepareResponse>, Status> {
         destination::prepare(&self.agent, request.into_inner()).await?;
         Ok(Response::new(PrepareResponse {}))
+    }
+
+    async fn arm(&self, request: Request<ArmRequest>) -> Result<Response<ArmResponse>, Status> {
+        // Spawned: once started, the capture is either fully armed and
+        // recorded in the slot, or not at all.
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        finish(tokio::spawn(
+            async move { destination::arm(&agent, req).await },
+        ))
+        .await?;
+        Ok(Response::new(ArmResponse {}))
     }
 
     async fn transfer_images(

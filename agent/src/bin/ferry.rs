@@ -8,8 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    self as pb, GetMigrationRequest, ListNodesRequest, ListProcessesRequest, MigrateRequest,
-    MigrationReport, RunProcessRequest, migration_event,
+    self as pb, GetDataPlaneRequest, GetMigrationRequest, ListNodesRequest, ListProcessesRequest,
+    MigrateRequest, MigrationReport, RunProcessRequest, migration_event,
 };
 use hyper_util::rt::TokioIo;
 use serde_json::json;
@@ -52,6 +52,9 @@ enum Command {
     },
     /// The report of a migration that ran from this node.
     Report { migration_id: String },
+    /// This node's data plane: packet counters and port states.
+    #[command(visible_alias = "dp")]
+    Dataplane,
 }
 
 fn main() -> ExitCode {
@@ -238,6 +241,14 @@ async fn main_exec(args: Args) -> Result<()> {
                 None => bail!("the agent ended the migration stream without a report"),
             }
         }
+        Command::Dataplane => {
+            let d = client
+                .get_data_plane(GetDataPlaneRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            print_data_plane(&d, args.json)?;
+        }
         Command::Report { migration_id } => {
             let r = client
                 .get_migration(GetMigrationRequest { migration_id })
@@ -281,6 +292,12 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             "ports": r.ports.iter().map(port_str).collect::<Vec<_>>(),
             "phases": r.phases.iter().map(|p| json!({"phase": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
             "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
+            "capture": r.capture,
+            "replay": r.replay.as_ref().map(|s| json!({
+                "captured": s.captured, "replayed": s.replayed,
+                "skipped_delivered": s.skipped_delivered, "failed": s.failed,
+                "replay_time_ms": ms(s.replay_time_us),
+            })),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -304,6 +321,18 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         r.udp_sockets,
         r.ports.iter().map(port_str).collect::<Vec<_>>().join(",")
     );
+    match (&r.replay, r.capture) {
+        (Some(s), _) => println!(
+            "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms)",
+            s.captured,
+            s.replayed,
+            s.skipped_delivered,
+            s.failed,
+            ms(s.replay_time_us)
+        ),
+        (None, false) => println!("  packets in freeze   dropped (capture off)"),
+        (None, true) => {}
+    }
     println!("  phases:");
     for p in &r.phases {
         println!("    {:<10} {:>10.1} ms", p.phase, ms(p.duration_us));
@@ -313,6 +342,78 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         if r.resumed_on_source {
             println!("  the process was resumed on {}", r.source_node);
         }
+    }
+    Ok(())
+}
+
+fn print_data_plane(d: &pb::DataPlane, as_json: bool) -> Result<()> {
+    let c = d.counters.unwrap_or_default();
+    let rows = [
+        ("passed", c.passed, "to owned ports, delivered"),
+        (
+            "dropped_not_owned",
+            c.dropped_not_owned,
+            "to other nodes' ports",
+        ),
+        (
+            "dropped_frozen",
+            c.dropped_frozen,
+            "to frozen ports, not captured",
+        ),
+        (
+            "passed_other",
+            c.passed_other,
+            "ARP, ICMP, IPv6, later fragments",
+        ),
+        ("egress_blocked", c.egress_blocked, "from frozen ports"),
+        ("captured", c.captured, "kept while a process moved"),
+        ("capture_lost", c.capture_lost, "capture ring full"),
+        (
+            "recorded",
+            c.recorded,
+            "delivered and logged before a freeze",
+        ),
+        ("replayed", c.replayed, "captured, then replayed here"),
+        (
+            "skipped_delivered",
+            c.skipped_delivered,
+            "captured, delivered on the source",
+        ),
+        ("replay_failed", c.replay_failed, "captured, replay failed"),
+        ("translated", c.translated, "in-cluster packets rewritten"),
+    ];
+    let ports: Vec<(String, &str)> = d
+        .ports
+        .iter()
+        .map(|p| {
+            (
+                p.port.as_ref().map(port_str).unwrap_or_default(),
+                p.state.as_str(),
+            )
+        })
+        .collect();
+    if as_json {
+        let mut counters = serde_json::Map::new();
+        for (name, v, _) in rows {
+            counters.insert(name.to_owned(), json!(v));
+        }
+        let v = json!({
+            "node": d.node, "interface": d.interface, "counters": counters,
+            "ports": ports.iter().map(|(p, s)| json!({"port": p, "state": s})).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("data plane of {} on {}", d.node, d.interface);
+    for (name, v, what) in rows {
+        println!("  {name:<18} {v:>12}  {what}");
+    }
+    println!("ports:");
+    if ports.is_empty() {
+        println!("  (none)");
+    }
+    for (p, s) in ports {
+        println!("  {p:<12} {s}");
     }
     Ok(())
 }

@@ -87,7 +87,13 @@ async fn serve(config: Config) -> Result<()> {
         })?;
     tracing::info!(interface = %config.public.interface, "ownership filter attached");
 
-    let agent = Agent::new(config.clone(), Box::new(EbpfPortFilter(filter)));
+    // In this (the node's) network namespace: replayed packets enter here.
+    let replayer = ferry_ebpf::Replayer::new().context("opening the packet replay socket")?;
+    let agent = Agent::new(
+        config.clone(),
+        Box::new(EbpfPortFilter(filter)),
+        Box::new(replayer),
+    );
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Keep ownership in step with what the processes hold.

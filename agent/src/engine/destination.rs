@@ -1,8 +1,9 @@
 //! The destination side of a migration, behind `Peer`.
 //!
 //! States of the one incoming slot:
-//! `Reserved` (Prepare) ─> `Received` (TransferImages) ─> `Restored`
-//! (Restore: process rebuilt, stopped) ─> gone (Commit: process resumed and
+//! `Reserved` (Prepare; Arm keeps it there and starts the capture) ─>
+//! `Received` (TransferImages) ─> `Restored` (Restore: process rebuilt,
+//! stopped) ─> gone (Commit: process resumed, captured packets replayed,
 //! managed here; or Abort: every trace removed).
 
 use std::path::PathBuf;
@@ -10,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{
-    self as pb, AbortRequest, CommitRequest, CommitResponse, ImageChunk, PrepareRequest,
-    RestoreRequest, RestoreResponse, TransferImagesResponse,
+    self as pb, AbortRequest, ArmRequest, CommitRequest, CommitResponse, ImageChunk,
+    PrepareRequest, RestoreRequest, RestoreResponse, TransferImagesResponse,
 };
 use futures::StreamExt;
 use nix::sys::signal::{Signal, kill};
@@ -20,6 +21,7 @@ use nix::unistd::Pid;
 use crate::agent::Agent;
 use crate::criu;
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
+use crate::ownership::PortState;
 use crate::process::{self, PortKey, SocketSummary, Transport};
 
 use super::{EngineError, images::ImageWriter, source::set_private};
@@ -52,6 +54,8 @@ pub struct Incoming {
     pub protocol_version: u32,
     pub argv: Vec<String>,
     pub ports: Vec<PortKey>,
+    /// Whether Arm started a capture for the ports.
+    armed: bool,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -104,6 +108,7 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
     {
         tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
     }
+    agent.capture.close(&incoming.migration_id);
     agent.release_ports(&incoming.ports);
     if let Err(e) = agent.reconcile().await {
         tracing::warn!(error = %e, "releasing reserved ports");
@@ -163,24 +168,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         discard(agent, cur).await;
         *slot = None;
     }
-    {
-        let owned = agent.ownership().current().clone();
-        let reg = agent.registry();
-        for port in &ports {
-            if owned.contains_key(port) {
-                let pid = reg
-                    .iter()
-                    .find(|p| p.sockets.ports.contains(port))
-                    .map(|p| p.pid)
-                    .unwrap_or(0);
-                return Err(EngineError::PortTaken {
-                    port: port.to_string(),
-                    node: agent.node().to_owned(),
-                    pid,
-                });
-            }
-        }
-    }
+    refuse_owned_ports(agent, &ports, &[])?;
     let dir = agent
         .config
         .work_dir
@@ -189,7 +177,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
     std::fs::create_dir_all(dir.join("images"))
         .map_err(EngineError::io(format!("creating {}", dir.display())))?;
     set_private(&dir);
-    agent.reserve_ports(&ports);
+    agent.reserve_ports(&ports, PortState::Frozen);
     if let Err(e) = agent.reconcile().await {
         agent.release_ports(&ports);
         return Err(e);
@@ -201,10 +189,64 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         protocol_version: req.protocol_version,
         argv: req.argv,
         ports,
+        armed: false,
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
     });
+    Ok(())
+}
+
+/// Refuses ports that this node serves already (other than `ours`, the
+/// migration's own reservation): two nodes must never own one port.
+fn refuse_owned_ports(
+    agent: &Agent,
+    ports: &[PortKey],
+    ours: &[PortKey],
+) -> Result<(), EngineError> {
+    let owned = agent.ownership().current().clone();
+    let reg = agent.registry();
+    for port in ports {
+        if owned.contains_key(port) && !ours.contains(port) {
+            let pid = reg
+                .iter()
+                .find(|p| p.sockets.ports.contains(port))
+                .map(|p| p.pid)
+                .unwrap_or(0);
+            return Err(EngineError::PortTaken {
+                port: port.to_string(),
+                node: agent.node().to_owned(),
+                pid,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Starts capturing every packet to the migrating process's ports, all in
+/// this one call, just before the source freezes the process.
+pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<(), EngineError> {
+    let ports = req
+        .ports
+        .iter()
+        .map(port_from_pb)
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut slot = agent.incoming.lock().await;
+    let inc = expect(&mut slot, &req.migration_id, &["reserved"], "arm")?;
+    refuse_owned_ports(agent, &ports, &inc.ports)?;
+    for p in &ports {
+        if !inc.ports.contains(p) {
+            inc.ports.push(*p);
+        }
+    }
+    agent
+        .capture
+        .open(&inc.migration_id, inc.ports.iter().copied());
+    agent.reserve_ports(&inc.ports, PortState::Capturing);
+    inc.armed = true;
+    // No procfs read here: this is on the path to the freeze.
+    agent.apply_ownership().await?;
+    tracing::info!(migration = %req.migration_id, ports = inc.ports.len(), "capture armed");
     Ok(())
 }
 
@@ -327,15 +369,39 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         lifecycle: Lifecycle::Running,
         sockets,
     });
-    // Own the ports first, then let the process run: its first packets
-    // (window probes, retransmissions) must find the filter open.
-    agent.release_ports(&inc.ports);
-    agent.apply_ownership().await?;
-    for p in process::process_tree(pid) {
-        if let Err(e) = kill(Pid::from_raw(p), Signal::SIGCONT) {
-            tracing::warn!(pid = p, error = %e, "SIGCONT");
-        }
-    }
+    // Open egress first, then let the process run: its first packets
+    // (window probes, retransmissions) must get out. Ingress stays
+    // captured while the packets captured so far are replayed, so none is
+    // overtaken; then the ports pass packets like any owned port.
+    let replay = if inc.armed {
+        agent.reserve_ports(&inc.ports, PortState::Releasing);
+        agent.apply_ownership().await?;
+        resume(pid);
+        let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
+        let delivered = req.delivered_digests;
+        let stats = tokio::task::spawn_blocking(move || {
+            a.replay_and_open(&id, &delivered, || {
+                a.release_ports(&ports);
+                a.reconcile_ownership()
+            })
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("replay task: {e}")))??;
+        tracing::info!(
+            captured = stats.captured,
+            replayed = stats.replayed,
+            skipped = stats.skipped_delivered,
+            failed = stats.failed,
+            us = stats.replay_time_us,
+            "captured packets replayed"
+        );
+        Some(stats)
+    } else {
+        agent.release_ports(&inc.ports);
+        agent.apply_ownership().await?;
+        resume(pid);
+        None
+    };
     let done = slot.take();
     if let Some(inc) = done
         && let Err(e) = std::fs::remove_dir_all(&inc.dir)
@@ -343,7 +409,16 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
     }
     tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here");
-    Ok(CommitResponse { pid })
+    Ok(CommitResponse { pid, replay })
+}
+
+/// SIGCONT to every process of the restored tree.
+fn resume(pid: i32) {
+    for p in process::process_tree(pid) {
+        if let Err(e) = kill(Pid::from_raw(p), Signal::SIGCONT) {
+            tracing::warn!(pid = p, error = %e, "SIGCONT");
+        }
+    }
 }
 
 pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineError> {
@@ -366,12 +441,15 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::capture::{digest, fake::FakeReplayer};
     use crate::config::Config;
     use crate::ownership::fake::FakeFilter;
+    use ferry_ebpf::{CaptureKind, CapturedPacket, Protocol};
 
     struct Fixture {
         agent: Arc<Agent>,
         filter: FakeFilter,
+        replayed: FakeReplayer,
         _dir: tempfile::TempDir,
     }
 
@@ -400,9 +478,11 @@ peer_listen = "198.19.0.2:7100"
         );
         let config = Config::parse(&toml, std::path::Path::new("test.toml")).unwrap();
         let filter = FakeFilter::default();
+        let replayed = FakeReplayer::default();
         Fixture {
-            agent: Agent::new(config, Box::new(filter.clone())),
+            agent: Agent::new(config, Box::new(filter.clone()), Box::new(replayed.clone())),
             filter,
+            replayed,
             _dir: dir,
         }
     }
@@ -488,6 +568,7 @@ peer_listen = "198.19.0.2:7100"
             &f.agent,
             CommitRequest {
                 migration_id: "aaaa".into(),
+                delivered_digests: vec![],
             },
         )
         .await
@@ -539,5 +620,118 @@ peer_listen = "198.19.0.2:7100"
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
         assert!(err.to_string().contains("4242"), "{err}");
+    }
+
+    fn captured(port: u16, data: &[u8]) -> CapturedPacket {
+        CapturedPacket {
+            kind: CaptureKind::Captured,
+            protocol: Protocol::Tcp,
+            port,
+            ktime_ns: 0,
+            data: data.to_vec(),
+        }
+    }
+
+    #[tokio::test]
+    async fn arm_captures_every_port_in_one_call_and_abort_drops_the_capture() {
+        let f = fixture();
+        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        f.filter.0.lock().unwrap().clear();
+        // Ports opened since Prepare are armed too.
+        arm(
+            &f.agent,
+            ArmRequest {
+                migration_id: "aaaa".into(),
+                ports: vec![
+                    pb::Port {
+                        protocol: pb::Protocol::Tcp as i32,
+                        port: 7000,
+                    },
+                    pb::Port {
+                        protocol: pb::Protocol::Udp as i32,
+                        port: 7001,
+                    },
+                ],
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            *f.filter.0.lock().unwrap(),
+            vec!["set 7000/tcp Capturing", "set 7001/udp Capturing"]
+        );
+        // Arm twice, or out of order, is refused.
+        let err = arm(
+            &f.agent,
+            ArmRequest {
+                migration_id: "bbbb".into(),
+                ports: vec![],
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+
+        f.filter.1.lock().unwrap().push(captured(7000, b"kept"));
+        abort(
+            &f.agent,
+            AbortRequest {
+                migration_id: "aaaa".into(),
+                reason: "test".into(),
+            },
+        )
+        .await
+        .unwrap();
+        let calls = f.filter.0.lock().unwrap().clone();
+        assert!(
+            calls.ends_with(&["remove 7000/tcp".into(), "remove 7001/udp".into()]),
+            "{calls:?}"
+        );
+        f.agent.drain_capture();
+        assert!(f.agent.capture.take_captured("aaaa").is_empty());
+        assert!(
+            f.replayed.0.lock().unwrap().is_empty(),
+            "nothing replayed on abort"
+        );
+    }
+
+    #[test]
+    fn replay_skips_what_the_source_delivered_and_opens_between_batches() {
+        let f = fixture();
+        let port = PortKey {
+            transport: Transport::Tcp,
+            port: 7000,
+        };
+        f.agent.capture.open("m", [port]);
+        f.filter.1.lock().unwrap().extend([
+            captured(7000, b"p1"),
+            captured(7000, b"p2"),
+            captured(7000, b"p3"),
+            captured(9999, b"not ours"),
+        ]);
+        // The source delivered p0..p2 after the destination armed at p1.
+        let delivered = [digest(b"p0"), digest(b"p1"), digest(b"p2")];
+        let ring = f.filter.1.clone();
+        let replayed = f.replayed.clone();
+        let stats = f
+            .agent
+            .replay_and_open("m", &delivered, || {
+                // By the time the ports open, the backlog is replayed; a
+                // packet that arrives now is replayed after it.
+                assert_eq!(replayed.0.lock().unwrap().len(), 1);
+                ring.lock().unwrap().push(captured(7000, b"p4"));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(
+            *f.replayed.0.lock().unwrap(),
+            vec![b"p3".to_vec(), b"p4".to_vec()]
+        );
+        assert_eq!(stats.captured, 4);
+        assert_eq!(stats.skipped_delivered, 2);
+        assert_eq!(stats.replayed, 2);
+        assert_eq!(stats.failed, 0);
+        // The session is closed: later packets for the port are strays.
+        assert_eq!(f.agent.capture.route(vec![captured(7000, b"late")]), 1);
     }
 }

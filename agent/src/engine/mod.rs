@@ -1,13 +1,13 @@
-//! The migration engine (the seed's `migd`), protocol version 1.
+//! The migration engine (the seed's `migd`), peer protocol version 2.
 //!
 //! # The migration as a state machine
 //!
 //! Source (`source.rs`), driven by `Control.Migrate`:
 //!
 //! ```text
-//! Validate ─> Prepare ─> Freeze ─> Dump ─> Transfer ─> Restore ─> Discard ─> Commit ─> Committed
-//!    │           │          │        │         │          │
-//!    └─ error    └──────────┴────────┴─────────┴──────────┴──> Abort ─> Aborted (process runs on source)
+//! Validate ─> Prepare ─> Arm ─> Freeze ─> Dump ─> Transfer ─> Restore ─> Discard ─> Commit ─> Committed
+//!    │           │        │       │        │         │          │
+//!    └─ error    └────────┴───────┴────────┴─────────┴──────────┴──> Abort ─> Aborted (process runs on source)
 //! ```
 //!
 //! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
@@ -15,19 +15,36 @@
 //!   present and new enough. Nothing has been touched yet.
 //! - **Prepare**: `Peer.Hello` picks the protocol version, `Peer.Prepare`
 //!   reserves the destination (one incoming migration at a time).
-//! - **Freeze**: the process's ports are frozen in the eBPF filter (every
-//!   packet dropped both ways, no RST possible), then CRIU dumps it with
-//!   `--tcp-established --network-lock skip` and leaves it stopped, its TCP
-//!   sockets in repair mode.
+//! - **Arm** (skipped with `[dataplane] capture = false`): the source starts
+//!   logging what it delivers to the process's ports (`Recording`), then
+//!   `Peer.Arm` makes the destination capture every packet to all of them
+//!   in one call. From here no packet for the process is lost: the
+//!   broadcast cluster brings each one to both nodes.
+//! - **Freeze**: the process's ports are cut off in the eBPF filter on the
+//!   source (nothing out, so no RST; what comes in is captured there too,
+//!   for a resume on abort), the log of what was delivered since Arm is
+//!   taken, then CRIU dumps the process with `--tcp-established
+//!   --network-lock skip` and leaves it stopped, its TCP sockets in repair
+//!   mode.
 //! - **Transfer**: the images stream to the destination (`TransferImages`).
 //! - **Restore**: the destination restores the process, left stopped, as a
 //!   child of its agent. Its success is the destination's confirmation.
 //! - **Discard**: the source kills its stopped copy (sockets in repair mode
 //!   close silently) and releases the ports. This is the commit point.
-//! - **Commit**: the destination takes the ports and resumes the process.
-//! - **Abort**, from any step before Discard: the destination drops images
-//!   and any restored copy, the source takes its sockets out of repair
-//!   mode, thaws the ports and resumes the process. Nothing is lost.
+//! - **Commit**: carries the source's delivered log. The destination opens
+//!   egress, resumes the process, replays the captured packets into its
+//!   stack in arrival order, skipping those the log says the source
+//!   handled (the longest prefix of the capture matching the log's end),
+//!   then lets the ports pass packets and replays the last few captured
+//!   meanwhile.
+//! - **Abort**, from any step before Discard: the destination drops images,
+//!   captured packets and any restored copy; the source takes its sockets
+//!   out of repair mode, resumes the process, replays what it captured
+//!   while frozen and owns the ports again. Nothing is lost.
+//!
+//! Version 1 of the protocol (the foundation's) had no Arm: packets that
+//! arrived during the freeze were dropped and TCP retransmitted them after
+//! at least its 200 ms minimum retransmission timeout.
 //!
 //! The destination's side is in `destination.rs`; its states are
 //! `Reserved ─> Receiving ─> Restored ─> (Committed | Aborted)`.

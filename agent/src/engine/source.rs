@@ -6,9 +6,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_proto::v1::peer_client::PeerClient;
 use ferry_proto::v1::{
-    self as pb, AbortRequest, CommitRequest, HelloRequest, MigrationEvent, MigrationOutcome,
-    MigrationProgress, MigrationReport, MigrationStarted, PhaseTiming, PrepareRequest,
-    RestoreRequest, migration_event,
+    self as pb, AbortRequest, ArmRequest, CommitRequest, HelloRequest, MigrationEvent,
+    MigrationOutcome, MigrationProgress, MigrationReport, MigrationStarted, PhaseTiming,
+    PrepareRequest, RestoreRequest, migration_event,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -19,7 +19,7 @@ use tracing::Instrument;
 use crate::agent::Agent;
 use crate::config::PeerConfig;
 use crate::criu;
-use crate::managed::Lifecycle;
+use crate::managed::{Lifecycle, OutStage};
 use crate::process::{self, PortKey, SocketSummary, Transport};
 
 use super::{EngineError, images, new_migration_id, rollback};
@@ -97,7 +97,7 @@ pub async fn prepare(
         }
         p.lifecycle = Lifecycle::MigratingOut {
             migration_id: migration_id.clone(),
-            frozen: false,
+            stage: OutStage::Live,
         };
         (p.argv.clone(), p.sockets.clone())
     };
@@ -247,6 +247,13 @@ struct Run {
     last_phase: Instant,
     /// When the process's ports were frozen, if they were.
     freeze_start: Option<Instant>,
+    /// Whether packets are captured (here while frozen, and on the
+    /// destination from Arm) rather than dropped.
+    capture: bool,
+    /// Whether a capture session is open here for the migration.
+    capturing_here: bool,
+    /// Digests of what this node delivered between Arm and the freeze.
+    delivered: Vec<u64>,
 }
 
 impl Run {
@@ -295,6 +302,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             tcp_listening: p.sockets.tcp_listening,
             udp_sockets: p.sockets.udp,
             ports: p.sockets.ports.iter().map(port_to_pb).collect(),
+            capture: agent.config.dataplane.capture,
             started_at_unix_ms: p
                 .started_wall
                 .duration_since(UNIX_EPOCH)
@@ -321,6 +329,9 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             // "prepare" runs from the request to the freeze.
             last_phase: p.started,
             freeze_start: None,
+            capture: agent.config.dataplane.capture,
+            capturing_here: false,
+            delivered: Vec::new(),
             p,
             events,
             report,
@@ -375,20 +386,57 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     }
     set_private(dir);
 
-    // Freeze: cut the process off in the data plane, then dump it.
-    run.phase("freeze").await;
+    // Arm: from here on the destination keeps every packet for the
+    // process's ports. Until the freeze this node still serves them, and
+    // logs what it delivers, so the destination can skip those.
     let pid = run.p.pid;
+    let id = run.p.migration_id.clone();
+    let ports: Vec<PortKey> = run.p.sockets.ports.iter().copied().collect();
+    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    if run.capture {
+        run.phase("arm").await;
+        run.agent.capture.open(&id, ports.iter().copied());
+        run.capturing_here = true;
+        run.agent
+            .set_lifecycle(pid, out_stage(&id, OutStage::Recording));
+        if let Err(e) = run.agent.apply_ownership().await {
+            return Stop::BeforeCommit(e);
+        }
+        let arm = run.p.peer.arm(ArmRequest {
+            migration_id: id.clone(),
+            ports: ports.iter().map(port_to_pb).collect(),
+        });
+        match tokio::time::timeout(deadline, arm).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(s)) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
+            Err(_) => return Stop::BeforeCommit(silent(&run.p.destination, "arm", deadline)),
+        }
+    }
+
+    // Freeze: cut the process off in the data plane (what arrives is kept
+    // here too, for a resume on abort), then dump it.
+    run.phase("freeze").await;
     let freeze_start = Instant::now();
     run.freeze_start = Some(freeze_start);
     run.agent.set_lifecycle(
         pid,
-        Lifecycle::MigratingOut {
-            migration_id: run.p.migration_id.clone(),
-            frozen: true,
-        },
+        out_stage(
+            &id,
+            OutStage::Frozen {
+                capture: run.capture,
+            },
+        ),
     );
     if let Err(e) = run.agent.apply_ownership().await {
         return Stop::BeforeCommit(e);
+    }
+    if run.capture {
+        let agent = run.agent.clone();
+        let drained = tokio::task::spawn_blocking(move || agent.drain_capture()).await;
+        if let Err(e) = drained {
+            return Stop::BeforeCommit(EngineError::Internal(e.to_string()));
+        }
+        run.delivered = run.agent.capture.take_delivered(&id);
     }
     run.phase("dump").await;
     let req = criu::DumpRequest {
@@ -411,7 +459,6 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let id = run.p.migration_id.clone();
         move || images::read_images(images, id, tx)
     });
-    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
     let sent = match tokio::time::timeout(
         deadline,
         run.p
@@ -454,6 +501,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // ours; its sockets are in repair mode and close without a word.
     run.phase("discard").await;
     discard_source_copy(&run.agent, pid).await;
+    if run.capturing_here {
+        run.agent.capture.close(&id);
+        run.capturing_here = false;
+    }
 
     run.phase("commit").await;
     let mut last_err = None;
@@ -463,11 +514,14 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             .peer
             .commit(CommitRequest {
                 migration_id: run.p.migration_id.clone(),
+                delivered_digests: run.delivered.clone(),
             })
             .await
         {
             Ok(r) => {
-                run.report.destination_pid = r.into_inner().pid;
+                let r = r.into_inner();
+                run.report.destination_pid = r.pid;
+                run.report.replay = r.replay;
                 last_err = None;
                 break;
             }
@@ -480,6 +534,13 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     }
     run.report.freeze_time_us = freeze_start.elapsed().as_micros() as u64;
     Stop::Committed(last_err)
+}
+
+fn out_stage(migration_id: &str, stage: OutStage) -> Lifecycle {
+    Lifecycle::MigratingOut {
+        migration_id: migration_id.to_owned(),
+        stage,
+    }
 }
 
 /// Kills the stopped source copy and forgets it, releasing its ports.
@@ -514,12 +575,47 @@ async fn finish(run: &mut Run, stop: Stop) {
             // Resume first: the destination may be the part that failed, and
             // it runs nothing of this migration without a Commit.
             let pid = run.p.pid;
-            let resumed =
-                tokio::task::spawn_blocking(move || rollback::resume_on_source(pid)).await;
+            let id = run.p.migration_id.clone();
+            let resumed = if run.capturing_here {
+                // Egress opens, ingress is still kept; the process runs and
+                // gets what arrived while it was frozen, in order, before
+                // its ports pass packets again.
+                run.agent
+                    .set_lifecycle(pid, out_stage(&id, OutStage::Resuming));
+                if let Err(e) = run.agent.apply_ownership().await {
+                    tracing::error!(error = %e, "opening the ports of the resumed process");
+                }
+                let agent = run.agent.clone();
+                let r = tokio::task::spawn_blocking(move || {
+                    let resumed = rollback::resume_on_source(pid);
+                    let replay = agent.replay_and_open(&id, &[], || {
+                        agent.set_lifecycle(pid, Lifecycle::Running);
+                        agent.reconcile_ownership()
+                    });
+                    (resumed, replay)
+                })
+                .await;
+                match r {
+                    Ok((resumed, replay)) => {
+                        match replay {
+                            Ok(stats) => run.report.replay = Some(stats),
+                            Err(e) => {
+                                tracing::error!(error = %e, "replaying on the source")
+                            }
+                        }
+                        Ok(resumed)
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                tokio::task::spawn_blocking(move || rollback::resume_on_source(pid)).await
+            };
+            // Whatever happened above, the process is ours and running.
             run.agent.set_lifecycle(pid, Lifecycle::Running);
             if let Err(e) = run.agent.apply_ownership().await {
                 tracing::error!(error = %e, "thawing the ports of the resumed process");
             }
+            run.agent.capture.close(&run.p.migration_id);
             // The process was out of service from the freeze until now.
             if let Some(t) = run.freeze_start {
                 run.report.freeze_time_us = t.elapsed().as_micros() as u64;
