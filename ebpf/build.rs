@@ -10,7 +10,7 @@ fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     // The directory itself, so that a new program is picked up.
     println!("cargo:rerun-if-changed=c");
-    println!("cargo:rerun-if-changed=include/ferry_dataplane.h");
+    println!("cargo:rerun-if-changed=include");
     let mut sources: Vec<PathBuf> = std::fs::read_dir("c")
         .expect("reading ebpf/c")
         .map(|e| e.expect("reading ebpf/c").path())

@@ -20,4 +20,17 @@ pub enum DataPlaneError {
         iface: String,
         source: aya::programs::tc::TcError,
     },
+    #[error("pinned objects: {0}")]
+    Pin(#[from] crate::pin::PinError),
+    #[error("link of program {name}: {source}")]
+    Link {
+        name: &'static str,
+        source: aya::programs::links::LinkError,
+    },
+    #[error("translation rule {rule}: {reason}")]
+    InvalidRule { rule: String, reason: &'static str },
+    #[error(
+        "translation rule {rule} conflicts with {existing}: both would claim the same incoming packets"
+    )]
+    RuleConflict { rule: String, existing: String },
 }

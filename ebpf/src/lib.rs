@@ -5,12 +5,22 @@
 //! address: tc programs on the public interface that pass only the ports
 //! this node owns (as packets for this host) and drop everything else, and
 //! that cut a migrating process's ports off in both directions.
+//!
+//! [`Translator`] keeps a migrated process's in-cluster connections alive
+//! from its peers' side: tc programs on the peer node's cluster interface
+//! that rewrite the old node's address to the new one and back. Its maps
+//! and links can be pinned ([`pin`]) so that the agent restarts without
+//! disturbing them.
 
 mod error;
 mod maps;
 mod ownership;
+pub mod pin;
 mod replay;
+mod translate;
+mod translate_maps;
 
 pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
 pub use replay::{ReplayError, Replayer};
+pub use translate::{RuleState, TranslationCounters, TranslationRule, Translator};

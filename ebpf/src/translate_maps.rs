@@ -1,0 +1,82 @@
+//! Rust mirrors of the layouts in include/ferry_translate.h (same sizes and
+//! offsets, asserted on both sides).
+
+use std::mem::{offset_of, size_of};
+
+/// `struct ferry_xlate_key`. Addresses and ports are in network byte
+/// order, as the programs read them from the packet.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct XlateKey {
+    pub local_addr: [u8; 4],
+    /// The old address in `FERRY_XL_RULES`, the new one in `FERRY_XL_REV`.
+    pub remote_addr: [u8; 4],
+    pub local_port: [u8; 2],
+    pub remote_port: [u8; 2],
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub proto: u8,
+    /// Always 0: the kernel hashes every key byte.
+    pub pad: [u8; 3],
+}
+
+// SAFETY: XlateKey is repr(C) and made only of byte arrays and a u8 (16
+// bytes, alignment 1, no padding: asserted below), so every bit pattern is
+// valid and it may be copied to and from the kernel as plain bytes.
+unsafe impl aya::Pod for XlateKey {}
+
+const _: () = assert!(size_of::<XlateKey>() == 16);
+const _: () = assert!(offset_of!(XlateKey, local_addr) == 0);
+const _: () = assert!(offset_of!(XlateKey, remote_addr) == 4);
+const _: () = assert!(offset_of!(XlateKey, local_port) == 8);
+const _: () = assert!(offset_of!(XlateKey, remote_port) == 10);
+const _: () = assert!(offset_of!(XlateKey, proto) == 12);
+const _: () = assert!(offset_of!(XlateKey, pad) == 13);
+
+/// `struct ferry_xlate_rule`, the value of `FERRY_XL_RULES`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct XlateRule {
+    /// Network byte order.
+    pub new_addr: [u8; 4],
+    pub pad: u32,
+    pub packets_egress: u64,
+    pub packets_ingress: u64,
+    pub last_seen_ns: u64,
+    pub fin_egress: u32,
+    pub fin_ingress: u32,
+    pub rst_egress: u32,
+    pub rst_ingress: u32,
+}
+
+// SAFETY: XlateRule is repr(C) and made only of integers and a byte array
+// laid out without padding (4 + 4 + 3 * 8 + 4 * 4 = 48 bytes, asserted
+// below), so every bit pattern is valid and it may be copied to and from
+// the kernel as plain bytes.
+unsafe impl aya::Pod for XlateRule {}
+
+const _: () = assert!(size_of::<XlateRule>() == 48);
+const _: () = assert!(offset_of!(XlateRule, new_addr) == 0);
+const _: () = assert!(offset_of!(XlateRule, packets_egress) == 8);
+const _: () = assert!(offset_of!(XlateRule, packets_ingress) == 16);
+const _: () = assert!(offset_of!(XlateRule, last_seen_ns) == 24);
+const _: () = assert!(offset_of!(XlateRule, fin_egress) == 32);
+const _: () = assert!(offset_of!(XlateRule, fin_ingress) == 36);
+const _: () = assert!(offset_of!(XlateRule, rst_egress) == 40);
+const _: () = assert!(offset_of!(XlateRule, rst_ingress) == 44);
+
+/// Size of `struct ferry_xlate_frag_key`, which only the programs use;
+/// known here to check a pinned `FERRY_XL_FRAGS`.
+pub(crate) const FRAG_KEY_SIZE: u32 = 12;
+
+/// `max_entries` of the maps in c/translate.bpf.c, to check pinned maps.
+pub(crate) const RULES_MAX: u32 = 65536;
+pub(crate) const FRAGS_MAX: u32 = 4096;
+
+/// Indices of `FERRY_XL_COUNT` (`enum ferry_xlate_counter`).
+pub(crate) const CNT_EGRESS: u32 = 0;
+pub(crate) const CNT_INGRESS: u32 = 1;
+pub(crate) const CNT_PASSED: u32 = 2;
+pub(crate) const CNT_MALFORMED: u32 = 3;
+pub(crate) const CNT_REDIRECT_NEIGH: u32 = 4;
+pub(crate) const CNT_DROPPED: u32 = 5;
+pub(crate) const CNT_MAX: u32 = 6;
