@@ -10,7 +10,7 @@ use ferry_proto::v1::MigrationReport;
 use ferry_proto::v1::peer_client::PeerClient;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::capture::{CaptureStore, PacketReplayer, digest, overlap};
+use crate::capture::{CaptureStore, DeliveredLog, PacketReplayer, digest};
 use crate::config::{Config, PeerConfig};
 use crate::engine::EngineError;
 use crate::engine::destination::Incoming;
@@ -37,6 +37,11 @@ pub struct Agent {
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
     reports: Mutex<HashMap<String, MigrationReport>>,
 }
+
+/// At most this many drain-and-replay passes before the ports open.
+const REPLAY_PASSES: usize = 3;
+/// A pass that found fewer packets than this was the last before opening.
+const REPLAY_TRICKLE: usize = 64;
 
 /// Captured packets replayed by this agent since it started.
 #[derive(Debug, Clone, Copy, Default)]
@@ -156,12 +161,20 @@ impl Agent {
         }
     }
 
-    /// Replays what is captured for migration `id` until nothing new comes
-    /// in (the ports must be releasing: capturing, egress open), then runs
-    /// `open` (which must make the ports pass packets again) and replays
-    /// what arrived in between. Packets are replayed in arrival order; the
-    /// first ones that match the end of `delivered` (digests of what the
-    /// source delivered, see [`overlap`]) are skipped. Blocking.
+    /// Replays what is captured for migration `id` (the ports must be
+    /// releasing: capturing, egress open), then runs `open` (which must make
+    /// the ports pass packets again) and replays what arrived in between.
+    /// Packets are replayed in arrival order, except those found in
+    /// `delivered` (digests of what the source delivered, see
+    /// [`DeliveredLog`]), which are skipped. Blocking.
+    ///
+    /// The replay makes the restored sockets acknowledge, and busy peers
+    /// answer with more data, which is captured in turn: chasing that until
+    /// the ring is empty can go on for seconds under load. So the backlog
+    /// is replayed in at most [`REPLAY_PASSES`] passes, fewer once a pass
+    /// finds only a trickle, and the ports open after that: the last
+    /// packets captured may then be overtaken by a few live ones, which TCP
+    /// reorders and UDP allows.
     pub fn replay_and_open(
         &self,
         id: &str,
@@ -170,31 +183,20 @@ impl Agent {
     ) -> Result<ferry_proto::v1::ReplayStats, EngineError> {
         let mut stats = ferry_proto::v1::ReplayStats::default();
         let started = Instant::now();
-        let mut first = true;
-        loop {
+        let mut delivered = DeliveredLog::new(delivered);
+        for _ in 0..REPLAY_PASSES {
             self.drain_capture();
             let batch = self.capture.take_captured(id);
-            if batch.is_empty() {
+            let trickle = batch.len() < REPLAY_TRICKLE;
+            self.replay_pass(&batch, &mut delivered, &mut stats);
+            if trickle {
                 break;
             }
-            let skip = if std::mem::take(&mut first) {
-                let digests: Vec<u64> = batch.iter().map(|p| digest(&p.data)).collect();
-                overlap(delivered, &digests)
-            } else {
-                0
-            };
-            self.replay_batch(&batch, skip, &mut stats);
         }
         open()?;
         self.drain_capture();
         let rest = self.capture.take_captured(id);
-        let skip = if first {
-            let digests: Vec<u64> = rest.iter().map(|p| digest(&p.data)).collect();
-            overlap(delivered, &digests)
-        } else {
-            0
-        };
-        self.replay_batch(&rest, skip, &mut stats);
+        self.replay_pass(&rest, &mut delivered, &mut stats);
         self.capture.close(id);
         stats.replay_time_us = started.elapsed().as_micros() as u64;
         let mut totals = lock(&self.replay_totals);
@@ -204,16 +206,20 @@ impl Agent {
         Ok(stats)
     }
 
-    fn replay_batch(
+    /// Replays one batch, skipping what the source delivered.
+    fn replay_pass(
         &self,
         batch: &[crate::ownership::CapturedPacket],
-        skip: usize,
+        delivered: &mut DeliveredLog,
         stats: &mut ferry_proto::v1::ReplayStats,
     ) {
         stats.captured += batch.len() as u64;
-        stats.skipped_delivered += skip as u64;
         let mut replayer = lock(&self.replayer);
-        for p in &batch[skip..] {
+        for p in batch {
+            if !delivered.is_empty() && delivered.take(digest(&p.data)) {
+                stats.skipped_delivered += 1;
+                continue;
+            }
             match replayer.replay(&p.data) {
                 Ok(()) => stats.replayed += 1,
                 Err(e) => {

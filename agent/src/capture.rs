@@ -94,39 +94,66 @@ impl CaptureStore {
     }
 }
 
-/// 64-bit FNV-1a of a packet: how source and destination name the same
-/// packet (both copies are the same broadcast frame, byte for byte).
+/// The XXH3 64-bit digest of a packet (seed 0): how source and destination
+/// name the same packet (both copies are the same broadcast frame, byte for
+/// byte). XXH3 has a published specification, so every agent computes the
+/// same value, and it mixes every input bit into every output bit: packets
+/// of one flow differ in a few scattered fields (IP ID and checksum, TCP
+/// sequence and checksum), and a hash whose bits only carry upwards (FNV
+/// over words) makes such pairs collide often, which would skip, and lose,
+/// a packet. Part of peer protocol version 2: changing it changes the
+/// protocol.
 pub fn digest(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in data {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    xxhash_rust::xxh3::xxh3_64(data)
 }
 
-/// How many of the first `captured` packets the source delivered already:
-/// the length of the longest prefix of `captured` that equals a suffix of
-/// `delivered`.
+/// What the source delivered between Arm and the freeze, as a multiset of
+/// digests: a captured packet found here was handled by the source already
+/// and is not replayed.
 ///
-/// Both nodes get the same frames in the same order (the router floods
-/// each frame to every node), so the packets the source delivered after the
-/// destination started capturing are the end of its log and the start of
-/// the destination's capture. The longest match is taken: a shorter one
-/// would replay packets twice. A frame one node missed (a full queue)
-/// breaks the match early, which errs towards a duplicate, never a loss.
-pub fn overlap(delivered: &[u64], captured: &[u64]) -> usize {
-    let Some(&first) = captured.first() else {
-        return 0;
-    };
-    let max = delivered.len().min(captured.len());
-    // Candidate lengths are where the capture's first packet appears in
-    // the log; checking only those keeps this linear in practice.
-    (1..=max)
-        .rev()
-        .filter(|&k| delivered[delivered.len() - k] == first)
-        .find(|&k| delivered[delivered.len() - k..] == captured[..k])
-        .unwrap_or(0)
+/// Both nodes get every frame (the router floods it), but not in the same
+/// order: frames reach each node's ingress on whichever CPU forwarded them,
+/// so two flows interleave differently in the two rings, and a sequence
+/// match between the source's log and the destination's capture breaks at
+/// the first inversion. Membership does not care about order. It relies on
+/// packets being unique byte for byte, which the IP ID (a per-socket
+/// counter for TCP and connected UDP) and the TCP sequence numbers make
+/// them; two equal frames each count once, so a duplicate the source saw
+/// once is replayed once.
+#[derive(Debug, Default)]
+pub struct DeliveredLog {
+    counts: HashMap<u64, u32>,
+    left: usize,
+}
+
+impl DeliveredLog {
+    pub fn new(digests: &[u64]) -> Self {
+        let mut counts = HashMap::with_capacity(digests.len());
+        for d in digests {
+            *counts.entry(*d).or_insert(0) += 1;
+        }
+        Self {
+            counts,
+            left: digests.len(),
+        }
+    }
+
+    /// Whether nothing of the log is left to match.
+    pub fn is_empty(&self) -> bool {
+        self.left == 0
+    }
+
+    /// Takes one occurrence of `digest` out of the log, if it is there.
+    pub fn take(&mut self, digest: u64) -> bool {
+        match self.counts.get_mut(&digest) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                self.left -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -144,19 +171,22 @@ mod tests {
     }
 
     #[test]
-    fn overlap_is_the_longest_prefix_matching_a_suffix() {
-        assert_eq!(overlap(&[1, 2, 3, 4], &[3, 4, 5, 6]), 2);
-        assert_eq!(overlap(&[1, 2, 3, 4], &[5, 6]), 0);
-        assert_eq!(overlap(&[], &[5, 6]), 0);
-        assert_eq!(overlap(&[1, 2], &[]), 0);
-        // Everything the destination captured had been delivered.
-        assert_eq!(overlap(&[1, 2, 3], &[2, 3]), 2);
-        // Identical packets (same digest): the longest match wins, so the
-        // second 7 the source never saw is replayed once.
-        assert_eq!(overlap(&[9, 7, 7], &[7, 7, 7, 8]), 2);
-        assert_eq!(overlap(&[7], &[7, 7]), 1);
-        // A frame the destination missed ends the match: no loss.
-        assert_eq!(overlap(&[1, 2, 3, 4], &[2, 4, 5]), 0);
+    fn delivered_log_matches_in_any_order_and_each_packet_once() {
+        let mut log = DeliveredLog::new(&[1, 2, 7, 7, 3]);
+        // The destination's ring interleaves flows differently.
+        assert!(log.take(3));
+        assert!(log.take(1));
+        // Missing from the log: replayed.
+        assert!(!log.take(9));
+        assert!(log.take(7));
+        assert!(log.take(7));
+        // A third 7 the source never saw is replayed.
+        assert!(!log.take(7));
+        assert!(!log.is_empty());
+        assert!(log.take(2));
+        assert!(log.is_empty());
+        assert!(!log.take(2));
+        assert!(DeliveredLog::new(&[]).is_empty());
     }
 
     #[test]
@@ -192,10 +222,25 @@ mod tests {
     }
 
     #[test]
-    fn digest_is_fnv1a() {
-        // Published FNV-1a 64 test vectors.
-        assert_eq!(digest(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(digest(b"a"), 0xaf63_dc4c_8601_ec8c);
+    fn digest_is_xxh3_and_tells_apart_packets_of_one_flow() {
+        // Published XXH3-64 value of the empty input: agents of any build
+        // agree.
+        assert_eq!(digest(b""), 0x2d06_8005_38d3_94c2);
+        // 100,000 segments of one TCP flow, as a busy migration captures
+        // them: consecutive IP IDs, sequence numbers and checksums, and
+        // payloads differing in a few bytes. No two may share a digest.
+        let mut seen = std::collections::HashSet::new();
+        let mut packet = vec![0u8; 296];
+        packet[0] = 0x45;
+        for i in 0u32..100_000 {
+            packet[4..6].copy_from_slice(&(i as u16).to_be_bytes());
+            packet[10..12].copy_from_slice(&((i * 7) as u16).to_be_bytes());
+            packet[24..28].copy_from_slice(&(i * 256).to_be_bytes());
+            packet[36..38].copy_from_slice(&((i * 13) as u16).to_be_bytes());
+            packet[40..44].copy_from_slice(&i.to_le_bytes());
+            assert!(seen.insert(digest(&packet)), "collision at {i}");
+        }
+        assert_ne!(digest(&[0; 8]), digest(&[0; 9]));
     }
 }
 

@@ -19,12 +19,15 @@
 //! ```
 
 pub mod agent;
+pub mod answer_watch;
 pub mod agent_config;
 pub mod cluster;
 pub mod cmd;
 pub mod control;
 pub mod inspect;
+pub mod managed;
 pub mod netns;
+pub mod nstat;
 pub mod paths;
 pub mod peer;
 pub mod privilege;

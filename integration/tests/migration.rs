@@ -6,11 +6,11 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{list, migrate, process_state, run, wait_for_process};
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationOutcome, MigrationReport,
-    RunProcessRequest, Strategy, migration_event,
+    MigrateRequest, MigrationOutcome, MigrationReport, Strategy, migration_event,
 };
 use tonic::transport::Channel;
 
@@ -33,81 +33,13 @@ fn runtime() -> tokio::runtime::Runtime {
 /// until the agent lists its listening port, which means the node's filter
 /// owns it.
 async fn start_echo_server(control: &mut ControlClient<Channel>, port: u16) -> i32 {
-    let pid = control
-        .run_process(RunProcessRequest {
-            argv: vec![echo_server_bin(), "--port".into(), port.to_string()],
-        })
-        .await
-        .expect("RunProcess")
-        .into_inner()
-        .pid;
+    let pid = run(
+        control,
+        vec![echo_server_bin(), "--port".into(), port.to_string()],
+    )
+    .await;
     wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
     pid
-}
-
-async fn list(control: &mut ControlClient<Channel>) -> Vec<ManagedProcess> {
-    control
-        .list_processes(ListProcessesRequest {})
-        .await
-        .expect("ListProcesses")
-        .into_inner()
-        .processes
-}
-
-async fn wait_for_process(
-    control: &mut ControlClient<Channel>,
-    pid: i32,
-    ok: impl Fn(&ManagedProcess) -> bool,
-) -> ManagedProcess {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let procs = list(control).await;
-        if let Some(p) = procs.iter().find(|p| p.pid == pid && ok(p)) {
-            return p.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "PID {pid} never reached the expected state: {procs:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Runs a migration and returns (final report, final status error if any).
-async fn migrate(
-    control: &mut ControlClient<Channel>,
-    pid: i32,
-    to: &str,
-) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
-    let mut stream = control
-        .migrate(MigrateRequest {
-            pid,
-            destination_node: to.into(),
-            strategy: Strategy::TotalCopy as i32,
-        })
-        .await?
-        .into_inner();
-    let mut report = None;
-    loop {
-        match stream.message().await {
-            Ok(Some(ev)) => {
-                if let Some(migration_event::Event::Report(r)) = ev.event {
-                    report = Some(r);
-                }
-            }
-            Ok(None) => return Ok((report.expect("stream ended without a report"), None)),
-            Err(s) => return Ok((report.expect("stream failed without a report"), Some(s))),
-        }
-    }
-}
-
-fn process_state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .next()?
-        .chars()
-        .next()
 }
 
 /// Two agents, the echo server managed by node1, and `connections`

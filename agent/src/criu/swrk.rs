@@ -56,14 +56,21 @@ pub struct RestoreOutcome {
 /// Timings CRIU's notifications let us take, in order.
 pub type Notifications = Vec<(String, Duration)>;
 
+/// What CRIU says at a phase boundary (its action-script names:
+/// "pre-dump", "post-dump", "pre-restore", "post-restore", ...). The hook
+/// runs while CRIU waits; an error makes CRIU abort the operation.
+pub type NotifyHook<'a> = &'a mut dyn FnMut(&str) -> Result<(), String>;
+
 /// Dumps `req.pid` with its established TCP connections.
 ///
-/// `--network-lock skip`: ferry's own eBPF filter is the lock (it drops the
-/// process's packets in both directions before this is called), so CRIU
-/// must not touch iptables/nftables. `leave_stopped`: the process stays
+/// `--network-lock skip`: ferry's own eBPF filter is the lock, so CRIU
+/// must not touch iptables/nftables. The caller locks in `on_notify` at
+/// "pre-dump", which CRIU sends after its start-up (tens of milliseconds)
+/// and before it stops the process and reads any socket: the process's
+/// packets are held only for the part of the dump that needs it. `leave_stopped`: the process stays
 /// frozen on the source until the destination confirms; its TCP sockets
 /// stay in repair mode, so they send nothing, not even an RST when killed.
-pub fn dump(req: &DumpRequest) -> Result<Notifications, CriuError> {
+pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notifications, CriuError> {
     let mut opts = Criu_opts::new();
     opts.set_pid(req.pid);
     opts.set_tcp_established(true);
@@ -77,6 +84,7 @@ pub fn dump(req: &DumpRequest) -> Result<Notifications, CriuError> {
         opts,
         &req.images_dir,
         &req.log_dir,
+        on_notify,
     )?;
     check(&resp, "dump", &req.log_dir.join("dump.log"))?;
     Ok(notes)
@@ -97,6 +105,7 @@ pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), 
         opts,
         &req.images_dir,
         &req.log_dir,
+        &mut |_| Ok(()),
     )?;
     check(&resp, "restore", &req.log_dir.join("restore.log"))?;
     let pid = resp.restore.as_ref().map(|r| r.pid()).unwrap_or(0);
@@ -190,6 +199,7 @@ fn run(
     mut opts: Criu_opts,
     images_dir: &Path,
     log_dir: &Path,
+    on_notify: NotifyHook<'_>,
 ) -> Result<(Criu_resp, Notifications), CriuError> {
     let (ours, theirs) = socketpair(
         AddressFamily::Unix,
@@ -235,7 +245,7 @@ fn run(
     })?;
     drop(theirs);
 
-    let result = converse(&ours, kind, opts);
+    let result = converse(&ours, kind, opts, on_notify);
     // Closing our end ends the swrk session; CRIU then exits.
     drop(ours);
     drop((images, work));
@@ -251,6 +261,7 @@ fn converse(
     sock: &OwnedFd,
     kind: Criu_req_type,
     opts: Criu_opts,
+    on_notify: NotifyHook<'_>,
 ) -> Result<(Criu_resp, Notifications), CriuError> {
     let start = Instant::now();
     let mut req = Criu_req::new();
@@ -267,10 +278,14 @@ fn converse(
                 .map(|n| n.script().to_owned())
                 .unwrap_or_default();
             tracing::trace!(script, "CRIU notification");
-            notes.push((script, start.elapsed()));
+            notes.push((script.clone(), start.elapsed()));
+            let hook = on_notify(&script);
+            if let Err(e) = &hook {
+                tracing::warn!(script, error = %e, "CRIU notification hook failed; CRIU aborts");
+            }
             let mut ack = Criu_req::new();
             ack.set_type(Criu_req_type::NOTIFY);
-            ack.set_notify_success(true);
+            ack.set_notify_success(hook.is_ok());
             send_msg(sock, &ack)?;
             continue;
         }

@@ -272,12 +272,21 @@ fn expect<'a>(
     Ok(inc)
 }
 
+/// The blocking thread writing received images, and the channel feeding it.
+type ImageWriterTask = (
+    tokio::sync::mpsc::Sender<ImageChunk>,
+    tokio::task::JoinHandle<Result<ImageWriter, EngineError>>,
+);
+
 pub async fn transfer_images(
     agent: &Arc<Agent>,
     mut stream: tonic::Streaming<ImageChunk>,
 ) -> Result<TransferImagesResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
-    let mut writer: Option<ImageWriter> = None;
+    // The files are written by a blocking thread, fed through a channel:
+    // a thousand small images would otherwise cost a thread-pool round trip
+    // per open, write and close.
+    let mut writer: Option<ImageWriterTask> = None;
     let mut id = String::new();
     while let Some(chunk) = stream.next().await {
         let chunk =
@@ -290,21 +299,37 @@ pub async fn transfer_images(
                 "image transfer",
             )?;
             id = chunk.migration_id.clone();
-            writer = Some(ImageWriter::new(&inc.images()));
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<ImageChunk>(64);
+            let dir = inc.images();
+            let task = tokio::task::spawn_blocking(move || {
+                let mut w = ImageWriter::new(&dir);
+                while let Some(c) = rx.blocking_recv() {
+                    w.write(&c)?;
+                }
+                w.finish_file()?;
+                Ok(w)
+            });
+            writer = Some((tx, task));
         } else if chunk.migration_id != id {
             return Err(EngineError::BadImage(format!(
                 "migration_id changed from {id} to {} mid-stream",
                 chunk.migration_id
             )));
         }
-        if let Some(w) = writer.as_mut() {
-            w.write(&chunk).await?;
+        if let Some((tx, _)) = writer.as_ref()
+            && tx.send(chunk).await.is_err()
+        {
+            // The writer stopped on an error: its result says which.
+            break;
         }
     }
-    let Some(mut w) = writer else {
+    let Some((tx, task)) = writer else {
         return Err(EngineError::BadImage("no image chunk received".into()));
     };
-    w.finish_file().await?;
+    drop(tx);
+    let w = task
+        .await
+        .map_err(|e| EngineError::Internal(format!("image writer: {e}")))??;
     let inc = expect(&mut slot, &id, &["reserved"], "image transfer")?;
     inc.state = IncomingState::Received;
     tracing::info!(migration = %id, files = w.files, bytes = w.bytes, "images received");
@@ -369,24 +394,31 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         lifecycle: Lifecycle::Running,
         sockets,
     });
-    // Open egress first, then let the process run: its first packets
-    // (window probes, retransmissions) must get out. Ingress stays
-    // captured while the packets captured so far are replayed, so none is
-    // overtaken; then the ports pass packets like any owned port.
+    // Open egress first: the ACKs (and window updates) the stack sends for
+    // replayed segments must get out. Ingress stays captured while the
+    // packets captured so far are replayed, so none is overtaken; then the
+    // ports pass packets like any owned port. The process resumes only
+    // after the replay: while it is stopped, each replayed segment costs
+    // only the kernel's receive path (queued, ACKed at once), instead of
+    // also waking the process to handle it before the next one goes in;
+    // clients get their ACKs sooner, which is what keeps their
+    // retransmission timers from firing.
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
         agent.apply_ownership().await?;
-        resume(pid);
         let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
         let delivered = req.delivered_digests;
-        let stats = tokio::task::spawn_blocking(move || {
+        let replayed = tokio::task::spawn_blocking(move || {
             a.replay_and_open(&id, &delivered, || {
                 a.release_ports(&ports);
                 a.reconcile_ownership()
             })
         })
-        .await
-        .map_err(|e| EngineError::Internal(format!("replay task: {e}")))??;
+        .await;
+        // Whatever the replay did, the process was restored and is ours:
+        // it must run.
+        resume(pid);
+        let stats = replayed.map_err(|e| EngineError::Internal(format!("replay task: {e}")))??;
         tracing::info!(
             captured = stats.captured,
             replayed = stats.replayed,

@@ -5,9 +5,9 @@
 //! Source (`source.rs`), driven by `Control.Migrate`:
 //!
 //! ```text
-//! Validate ─> Prepare ─> Arm ─> Freeze ─> Dump ─> Transfer ─> Restore ─> Discard ─> Commit ─> Committed
-//!    │           │        │       │        │         │          │
-//!    └─ error    └────────┴───────┴────────┴─────────┴──────────┴──> Abort ─> Aborted (process runs on source)
+//! Validate ─> Prepare ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Discard ─> Commit ─> Committed
+//!    │           │        │       │                      │          │
+//!    └─ error    └────────┴───────┴──────────────────────┴──────────┴──> Abort ─> Aborted (process runs on source)
 //! ```
 //!
 //! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
@@ -20,23 +20,26 @@
 //!   `Peer.Arm` makes the destination capture every packet to all of them
 //!   in one call. From here no packet for the process is lost: the
 //!   broadcast cluster brings each one to both nodes.
-//! - **Freeze**: the process's ports are cut off in the eBPF filter on the
-//!   source (nothing out, so no RST; what comes in is captured there too,
-//!   for a resume on abort), the log of what was delivered since Arm is
-//!   taken, then CRIU dumps the process with `--tcp-established
-//!   --network-lock skip` and leaves it stopped, its TCP sockets in repair
-//!   mode.
+//! - **Dump**, with the **Freeze** inside it: CRIU (`--tcp-established
+//!   --network-lock skip`) starts while the process still serves; at its
+//!   `pre-dump` notification, just before it seizes the process, the
+//!   process's ports are cut off in the eBPF filter on the source (nothing
+//!   out, so no RST; what comes in is captured there too, for a resume on
+//!   abort). CRIU leaves the process stopped, its TCP sockets in repair
+//!   mode; then the log of what the source delivered since Arm is taken.
+//!   A CRIU that never sends `pre-dump` aborts the migration: the ports
+//!   would not have been frozen.
 //! - **Transfer**: the images stream to the destination (`TransferImages`).
 //! - **Restore**: the destination restores the process, left stopped, as a
 //!   child of its agent. Its success is the destination's confirmation.
 //! - **Discard**: the source kills its stopped copy (sockets in repair mode
 //!   close silently) and releases the ports. This is the commit point.
 //! - **Commit**: carries the source's delivered log. The destination opens
-//!   egress, resumes the process, replays the captured packets into its
-//!   stack in arrival order, skipping those the log says the source
-//!   handled (the longest prefix of the capture matching the log's end),
-//!   then lets the ports pass packets and replays the last few captured
-//!   meanwhile.
+//!   egress, replays the captured packets into its stack in arrival order
+//!   while the process is still stopped (the kernel queues and ACKs them),
+//!   skipping those the log says the source handled (the longest prefix of
+//!   the capture matching the log's end), lets the ports pass packets,
+//!   replays the last few captured meanwhile, then resumes the process.
 //! - **Abort**, from any step before Discard: the destination drops images,
 //!   captured packets and any restored copy; the source takes its sockets
 //!   out of repair mode, resumes the process, replays what it captured

@@ -254,9 +254,23 @@ struct Run {
     capturing_here: bool,
     /// Digests of what this node delivered between Arm and the freeze.
     delivered: Vec<u64>,
+    /// The drain of this node's capture ring, running during the transfer:
+    /// whoever needs the delivered log or the captured packets next waits
+    /// for it first (the ring has one reader at a time).
+    draining: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Run {
+    /// Waits for the capture drain started after the dump, if any.
+    async fn finish_drain(&mut self) -> Result<(), EngineError> {
+        match self.draining.take() {
+            Some(task) => task
+                .await
+                .map_err(|e| EngineError::Internal(format!("capture drain: {e}"))),
+            None => Ok(()),
+        }
+    }
+
     async fn phase(&mut self, name: &str) {
         let now = Instant::now();
         if let Some(last) = self.report.phases.last_mut() {
@@ -332,6 +346,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             capture: agent.config.dataplane.capture,
             capturing_here: false,
             delivered: Vec::new(),
+            draining: None,
             p,
             events,
             report,
@@ -413,31 +428,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     }
 
-    // Freeze: cut the process off in the data plane (what arrives is kept
-    // here too, for a resume on abort), then dump it.
-    run.phase("freeze").await;
-    let freeze_start = Instant::now();
-    run.freeze_start = Some(freeze_start);
-    run.agent.set_lifecycle(
-        pid,
-        out_stage(
-            &id,
-            OutStage::Frozen {
-                capture: run.capture,
-            },
-        ),
-    );
-    if let Err(e) = run.agent.apply_ownership().await {
-        return Stop::BeforeCommit(e);
-    }
-    if run.capture {
-        let agent = run.agent.clone();
-        let drained = tokio::task::spawn_blocking(move || agent.drain_capture()).await;
-        if let Err(e) = drained {
-            return Stop::BeforeCommit(EngineError::Internal(e.to_string()));
-        }
-        run.delivered = run.agent.capture.take_delivered(&id);
-    }
+    // Dump, with the freeze inside it: once CRIU has started and is about
+    // to stop the process ("pre-dump"), the process's ports are cut off in
+    // the data plane (nothing out, so no RST; what arrives is kept here
+    // too, for a resume on abort). CRIU's start-up thus runs while the
+    // process still serves its clients.
     run.phase("dump").await;
     let req = criu::DumpRequest {
         criu: run.agent.config.criu_path.clone(),
@@ -446,10 +441,43 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         log_dir: dir.to_owned(),
         log_level: run.agent.config.criu_log_level,
     };
-    match tokio::task::spawn_blocking(move || criu::dump(&req)).await {
+    let frozen_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let dumped = tokio::task::spawn_blocking({
+        let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
+        let capture = run.capture;
+        move || {
+            criu::dump(&req, &mut |script| {
+                if script != "pre-dump" {
+                    return Ok(());
+                }
+                agent.set_lifecycle(pid, out_stage(&id, OutStage::Frozen { capture }));
+                // Set before the filter changes: if that fails half-way,
+                // the abort still reports the time the process was cut off.
+                *frozen_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                agent.reconcile_ownership().map_err(|e| e.to_string())?;
+                tracing::info!("ports frozen");
+                Ok(())
+            })
+        }
+    })
+    .await;
+    run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
+    match dumped {
         Ok(Ok(notes)) => tracing::debug!(?notes, "dump done"),
         Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
         Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+    }
+    let Some(freeze_start) = run.freeze_start else {
+        return Stop::BeforeCommit(EngineError::Internal(
+            "CRIU dumped without its pre-dump notification: the ports were never frozen".into(),
+        ));
+    };
+    if run.capture {
+        // Everything delivered while recording is in the ring by now. Under
+        // load that is megabytes of packets to digest: it runs beside the
+        // transfer rather than in front of it (the freeze is on).
+        let agent = run.agent.clone();
+        run.draining = Some(tokio::task::spawn_blocking(move || agent.drain_capture()));
     }
 
     run.phase("transfer").await;
@@ -496,6 +524,15 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         Err(_) => return Stop::BeforeCommit(silent(&run.p.destination, "the restore", deadline)),
     };
     run.report.destination_pid = restored.pid;
+
+    if let Err(e) = run.finish_drain().await {
+        // The destination holds a restored copy: go on without the log;
+        // the replay then also feeds what the source delivered, and TCP
+        // drops those duplicates (a UDP datagram could be doubled).
+        tracing::error!(error = %e, "draining the delivered log");
+    }
+    run.delivered = run.agent.capture.take_delivered(&id);
+    tracing::debug!(packets = run.delivered.len(), "delivered while recording");
 
     // Commit point: the destination holds a restored, stopped copy. Discard
     // ours; its sockets are in repair mode and close without a word.
@@ -576,6 +613,9 @@ async fn finish(run: &mut Run, stop: Stop) {
             // it runs nothing of this migration without a Commit.
             let pid = run.p.pid;
             let id = run.p.migration_id.clone();
+            if let Err(e) = run.finish_drain().await {
+                tracing::error!(error = %e, "draining the capture ring");
+            }
             let resumed = if run.capturing_here {
                 // Egress opens, ingress is still kept; the process runs and
                 // gets what arrived while it was frozen, in order, before

@@ -1,0 +1,96 @@
+//! Driving an agent's managed processes through its Control API, as tests
+//! do: start a command, wait until the agent lists it in some state,
+//! migrate it and collect the report.
+
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{
+    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationReport, RunProcessRequest,
+    Strategy, migration_event,
+};
+use tonic::transport::Channel;
+
+/// How long [`wait_for_process`] waits.
+pub const PROCESS_WAIT: Duration = Duration::from_secs(10);
+
+/// `RunProcess`: starts `argv` under the agent's management.
+pub async fn run(control: &mut ControlClient<Channel>, argv: Vec<String>) -> i32 {
+    control
+        .run_process(RunProcessRequest { argv })
+        .await
+        .expect("RunProcess")
+        .into_inner()
+        .pid
+}
+
+/// The agent's managed processes.
+pub async fn list(control: &mut ControlClient<Channel>) -> Vec<ManagedProcess> {
+    control
+        .list_processes(ListProcessesRequest {})
+        .await
+        .expect("ListProcesses")
+        .into_inner()
+        .processes
+}
+
+/// Waits (up to [`PROCESS_WAIT`]) until the agent lists `pid` in a state
+/// `ok` accepts, and returns that listing; panics with what it saw
+/// otherwise.
+pub async fn wait_for_process(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    ok: impl Fn(&ManagedProcess) -> bool,
+) -> ManagedProcess {
+    let deadline = Instant::now() + PROCESS_WAIT;
+    loop {
+        let procs = list(control).await;
+        if let Some(p) = procs.iter().find(|p| p.pid == pid && ok(p)) {
+            return p.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "PID {pid} never reached the expected state: {procs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs a migration to its end: (final report, the stream's final error
+/// status if the migration did not commit).
+pub async fn migrate(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    to: &str,
+) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
+    let mut stream = control
+        .migrate(MigrateRequest {
+            pid,
+            destination_node: to.into(),
+            strategy: Strategy::TotalCopy as i32,
+        })
+        .await?
+        .into_inner();
+    let mut report = None;
+    loop {
+        match stream.message().await {
+            Ok(Some(ev)) => {
+                if let Some(migration_event::Event::Report(r)) = ev.event {
+                    report = Some(r);
+                }
+            }
+            Ok(None) => return Ok((report.expect("stream ended without a report"), None)),
+            Err(s) => return Ok((report.expect("stream failed without a report"), Some(s))),
+        }
+    }
+}
+
+/// `/proc/PID/stat`'s state letter, None if there is no such process.
+pub fn process_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .next()?
+        .chars()
+        .next()
+}

@@ -1,0 +1,342 @@
+//! The data plane end to end, in the namespace cluster with real agents,
+//! CRIU and eBPF: nothing a client sends while its server is frozen is
+//! lost, and no node answers for a port it does not own. Root only; run
+//! by `cargo xtask test` (or `cargo xtask integration`).
+
+use std::io::ErrorKind;
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket};
+use std::time::Duration;
+
+use ferry_integration::answer_watch::AnswerWatch;
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{migrate, process_state, run, wait_for_process};
+use ferry_integration::netns::run_in;
+use ferry_integration::nstat::Nstat;
+use ferry_integration::workload::{SeqClient, UdpClients};
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{DataPlane, GetDataPlaneRequest, MigrationOutcome, MigrationReport};
+use tonic::transport::Channel;
+
+const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
+const PORT: u16 = 7000;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn dve_server() -> Vec<String> {
+    vec![
+        env!("CARGO_BIN_EXE_ferry-dve-server").to_owned(),
+        "--port".into(),
+        PORT.to_string(),
+    ]
+}
+
+async fn data_plane(control: &mut ControlClient<Channel>) -> DataPlane {
+    control
+        .get_data_plane(GetDataPlaneRequest {})
+        .await
+        .expect("GetDataPlane")
+        .into_inner()
+}
+
+/// Migrates `pid` and checks that it committed; prints the figures.
+async fn migrate_committed(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    to: &str,
+) -> MigrationReport {
+    let (report, status) = migrate(control, pid, to).await.expect("migration starts");
+    assert!(
+        status.is_none(),
+        "migration failed: {status:?}\n{report:#?}"
+    );
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Committed as i32,
+        "{report:#?}"
+    );
+    eprintln!(
+        "freeze {:.1} ms, total {:.1} ms; phases {:?}; replay {:?}",
+        report.freeze_time_us as f64 / 1e3,
+        report.total_time_us as f64 / 1e3,
+        report
+            .phases
+            .iter()
+            .map(|p| format!("{} {:.1}", p.phase, p.duration_us as f64 / 1e3))
+            .collect::<Vec<_>>(),
+        report.replay
+    );
+    let replay = report.replay.expect("replay stats");
+    assert_eq!(replay.failed, 0, "{replay:?}");
+    assert_eq!(replay.replayed + replay.skipped_delivered, replay.captured);
+    report
+}
+
+/// The seed's DVE load: 1024 clients sending 256 bytes 20 times a second,
+/// plus one bulk stream, to a single-threaded server that migrates. Every
+/// byte comes back once and in order, no connection is reset or aborted,
+/// and every client goes on exchanging messages with the destination.
+///
+/// The clients' retransmission timeouts are printed, not asserted: capture
+/// and replay remove the drops, but a client whose segment waits longer
+/// than TCP's 200 ms minimum RTO for its ACK still times out, and at 1024
+/// connections the freeze is around that long on this machine (CRIU's
+/// per-socket work, issue 6). `cargo xtask bench gap` measures them
+/// against plain CRIU.
+#[test]
+fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
+    if !ferry_integration::can_run(
+        "a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 2)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = run(&mut node1, dve_server()).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let target = SocketAddrV4::new(SHARED_IP, PORT);
+        let dve = SeqClient::start(
+            cluster.netns_path("client1"),
+            target,
+            1024,
+            Duration::from_millis(50),
+            256,
+        )
+        .expect("1024 clients");
+        let bulk = SeqClient::start(
+            cluster.netns_path("client2"),
+            target,
+            1,
+            Duration::ZERO,
+            16384,
+        )
+        .expect("bulk client");
+        dve.wait_until_flowing(Duration::from_secs(20))
+            .expect("DVE traffic");
+        bulk.wait_until_flowing(Duration::from_secs(20))
+            .expect("bulk traffic");
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 1025).await;
+        let before = [
+            Nstat::read(&cluster.netns_path("client1")).unwrap(),
+            Nstat::read(&cluster.netns_path("client2")).unwrap(),
+        ];
+        let dve_before = dve.verified_per_connection();
+        let bulk_before = bulk.verified_per_connection();
+
+        let report = migrate_committed(&mut node1, pid, "node2").await;
+        assert_eq!(report.tcp_established, 1025, "{report:#?}");
+        assert!(report.replay.unwrap().captured > 0);
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+        assert_eq!(process_state(pid), None, "the source copy still exists");
+
+        dve.wait_until_each_passes(&dve_before, 20, Duration::from_secs(30))
+            .expect("every DVE client exchanges messages after the migration");
+        bulk.wait_until_each_passes(&bulk_before, 200, Duration::from_secs(30))
+            .expect("the bulk stream goes on");
+        let after = [
+            Nstat::read(&cluster.netns_path("client1")).unwrap(),
+            Nstat::read(&cluster.netns_path("client2")).unwrap(),
+        ];
+        let dve_report = dve.stop();
+        let bulk_report = bulk.stop();
+        eprintln!("{dve_report}\n{bulk_report}");
+        for (name, (a, b)) in ["client1", "client2"].iter().zip(after.iter().zip(&before)) {
+            let d = a.since(b);
+            eprintln!("{name} counters during the migration:\n{d}");
+            eprintln!(
+                "{name}: {} retransmission timeouts over {} connections, freeze {:.1} ms",
+                d.get("TcpExtTCPTimeouts"),
+                if *name == "client1" { 1024 } else { 1 },
+                report.freeze_time_us as f64 / 1000.0
+            );
+            assert_eq!(d.get("TcpEstabResets"), 0, "{name}: connections reset\n{d}");
+            assert_eq!(d.get("TcpExtTCPAbortOnData"), 0, "{name}\n{d}");
+        }
+        dve_report.assert_clean();
+        bulk_report.assert_clean();
+        assert_eq!(dve_report.connections.len(), 1024);
+    });
+}
+
+/// The seed's OpenArena setup: 24 players sending sequence-numbered
+/// datagrams at 20 Hz. Every datagram sent while the server migrates is
+/// echoed, exactly once.
+#[test]
+fn udp_clients_lose_no_datagram_across_a_migration() {
+    if !ferry_integration::can_run("udp_clients_lose_no_datagram_across_a_migration") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = run(&mut node1, dve_server()).await;
+        wait_for_process(&mut node1, pid, |p| p.udp_sockets == 1).await;
+        let players = UdpClients::start(
+            cluster.netns_path("client1"),
+            SocketAddrV4::new(SHARED_IP, PORT),
+            24,
+            Duration::from_millis(50),
+            96,
+        )
+        .expect("24 UDP clients");
+        players
+            .wait_for_echoes(24 * 10, Duration::from_secs(10))
+            .expect("echoes before");
+
+        let report = migrate_committed(&mut node1, pid, "node2").await;
+        assert_eq!(report.udp_sockets, 1, "{report:#?}");
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+
+        let seen = players.echoed();
+        players
+            .wait_for_echoes(seen + 24 * 10, Duration::from_secs(10))
+            .expect("echoes from node2");
+        let udp = players.stop().expect("UDP report");
+        eprintln!("{udp}");
+        assert_eq!(udp.lost(), 0, "{udp}");
+        assert_eq!(udp.duplicates(), 0, "{udp}");
+        assert_eq!(udp.corrupt(), 0, "{udp}");
+        assert!(udp.received() > 24 * 20, "{udp}");
+    });
+}
+
+/// Sends a SYN and a datagram to a port nobody owns, from `client`: no node
+/// may answer (no SYN-ACK, no RST, no ICMP port unreachable).
+fn assert_nobody_answers(cluster: &Cluster, client: &str, port: u16) {
+    run_in(&cluster.netns_path(client), move || {
+        let target = SocketAddrV4::new(SHARED_IP, port);
+        match TcpStream::connect_timeout(&target.into(), Duration::from_millis(1500)) {
+            Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock) => {}
+            other => panic!("a SYN to unowned port {port} got an answer: {other:?}"),
+        }
+        let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+        udp.connect(target).unwrap();
+        udp.set_read_timeout(Some(Duration::from_millis(700)))
+            .unwrap();
+        udp.send(b"anyone?").unwrap();
+        let mut buf = [0u8; 16];
+        // An ICMP port unreachable would surface as ECONNREFUSED here.
+        match udp.recv(&mut buf) {
+            Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock) => {}
+            other => panic!("a datagram to unowned port {port} got an answer: {other:?}"),
+        }
+    })
+    .expect("client namespace");
+}
+
+/// Only the owner of a port ever answers for it, before and after a
+/// migration moves the port; a port nobody owns gets no answer at all.
+#[test]
+fn a_node_never_answers_for_a_port_it_does_not_own() {
+    if !ferry_integration::can_run("a_node_never_answers_for_a_port_it_does_not_own") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(3, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let mut node3 = cluster.control("node3").await.expect("control node3");
+        let nodes = ["node1", "node2", "node3"];
+        let read = |c: &Cluster| {
+            nodes
+                .iter()
+                .map(|n| Nstat::read(&c.netns_path(n)).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let before = read(&cluster);
+        let answers = AnswerWatch::start(cluster.netns_path("client1")).expect("packet socket");
+        let pid = run(&mut node1, dve_server()).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let target = SocketAddrV4::new(SHARED_IP, PORT);
+        let tcp = SeqClient::start(
+            cluster.netns_path("client1"),
+            target,
+            16,
+            Duration::from_millis(20),
+            256,
+        )
+        .expect("TCP clients");
+        let udp = UdpClients::start(
+            cluster.netns_path("client1"),
+            target,
+            4,
+            Duration::from_millis(20),
+            64,
+        )
+        .expect("UDP clients");
+        tcp.wait_until_flowing(Duration::from_secs(10)).unwrap();
+        udp.wait_for_echoes(40, Duration::from_secs(10)).unwrap();
+        assert_nobody_answers(&cluster, "client1", 7999);
+
+        let report = migrate_committed(&mut node1, pid, "node2").await;
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+        let seen = udp.echoed();
+        udp.wait_for_echoes(seen + 40, Duration::from_secs(10))
+            .unwrap();
+        assert_nobody_answers(&cluster, "client1", 7999);
+        let tcp_report = tcp.stop();
+        let udp_report = udp.stop().unwrap();
+        tcp_report.assert_clean();
+        assert_eq!(udp_report.lost(), 0, "{udp_report}");
+        assert_eq!(udp_report.duplicates(), 0, "{udp_report}");
+
+        // No RST and no ICMP unreachable reached the client, from any node,
+        // for any port (the agents' own connections on the cluster network
+        // are not the client's business, so node counters cannot tell).
+        let watched = answers.stop().expect("answer watch");
+        assert!(watched.packets > 1000, "the watch saw nothing: {watched:?}");
+        assert!(
+            watched.answers.is_empty(),
+            "the client got answers: {:?}",
+            watched.answers
+        );
+        // node3 never owned the port: it dropped the clients' packets and
+        // sent nothing for them. No node sent an ICMP unreachable or took a
+        // datagram for a port without a socket.
+        for (i, d) in read(&cluster)
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| a.since(b))
+            .enumerate()
+        {
+            eprintln!("{} during the test:\n{d}", nodes[i]);
+            assert_eq!(
+                d.get("IcmpOutDestUnreachs"),
+                0,
+                "{}: ICMP unreachable sent\n{d}",
+                nodes[i]
+            );
+            assert_eq!(d.get("UdpNoPorts"), 0, "{}\n{d}", nodes[i]);
+            assert_eq!(d.get("TcpExtListenDrops"), 0, "{}\n{d}", nodes[i]);
+        }
+        let dp3 = data_plane(&mut node3).await;
+        let c3 = dp3.counters.unwrap();
+        assert!(c3.dropped_not_owned > 100, "{c3:?}");
+        assert_eq!(
+            c3.passed, 0,
+            "node3 delivered a packet for a port it does not own: {c3:?}"
+        );
+        assert!(dp3.ports.is_empty(), "{:?}", dp3.ports);
+        let dp2 = data_plane(&mut node2).await;
+        assert!(
+            dp2.ports.iter().all(|p| p.state == "owned"),
+            "{:?}",
+            dp2.ports
+        );
+        let c2 = dp2.counters.unwrap();
+        assert!(c2.passed > 0 && c2.replayed > 0, "{c2:?}");
+        let dp1 = data_plane(&mut node1).await;
+        assert!(dp1.ports.is_empty(), "node1 kept ports: {:?}", dp1.ports);
+    });
+}
