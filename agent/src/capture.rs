@@ -19,6 +19,24 @@ struct Session {
     captured: Vec<CapturedPacket>,
     /// Digests of packets delivered here while recording.
     delivered: Vec<u64>,
+    /// When the session opened (CLOCK_MONOTONIC, the clock of
+    /// `bpf_ktime_get_ns`): older packets are another migration's.
+    since_ns: u64,
+}
+
+/// Now on CLOCK_MONOTONIC, the clock the capture records' times are on.
+fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid, writable timespec for the duration of the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) } != 0 {
+        // Cannot fail for CLOCK_MONOTONIC; keeping everything is the safe
+        // side (a stale packet replayed, never a fresh one dropped).
+        return 0;
+    }
+    (t.tv_sec as u64) * 1_000_000_000 + t.tv_nsec as u64
 }
 
 /// Capture sessions by migration id.
@@ -44,12 +62,24 @@ impl CaptureStore {
 
     /// Starts (or widens) the session of `id`: from now on packets for
     /// `ports` are kept for it.
+    ///
+    /// Only packets taken into the ring from now on: the ring may still
+    /// hold packets for the same ports from an earlier migration (what a
+    /// source captured after its last drain), and replaying those here
+    /// would hand the stack segments of connections that are long gone,
+    /// which it answers with RSTs.
     pub fn open(&self, id: &str, ports: impl IntoIterator<Item = PortKey>) {
-        self.lock()
-            .entry(id.to_owned())
-            .or_default()
-            .ports
-            .extend(ports);
+        self.open_since(id, ports, monotonic_ns());
+    }
+
+    /// [`Self::open`] with an explicit start (CLOCK_MONOTONIC nanoseconds).
+    pub fn open_since(&self, id: &str, ports: impl IntoIterator<Item = PortKey>, since_ns: u64) {
+        let mut sessions = self.lock();
+        let session = sessions.entry(id.to_owned()).or_insert_with(|| Session {
+            since_ns,
+            ..Session::default()
+        });
+        session.ports.extend(ports);
     }
 
     /// Ends the session of `id`, dropping whatever it still holds; returns
@@ -66,7 +96,10 @@ impl CaptureStore {
         let mut stray = 0;
         for p in packets {
             let port = port_of(&p);
-            match sessions.values_mut().find(|s| s.ports.contains(&port)) {
+            match sessions
+                .values_mut()
+                .find(|s| s.ports.contains(&port) && p.ktime_ns >= s.since_ns)
+            {
                 Some(s) => match p.kind {
                     CaptureKind::Captured => s.captured.push(p),
                     CaptureKind::Delivered => s.delivered.push(digest(&p.data)),
@@ -190,14 +223,37 @@ mod tests {
     }
 
     #[test]
+    fn packets_older_than_the_session_belong_to_an_earlier_migration() {
+        let store = CaptureStore::default();
+        let tcp = PortKey {
+            transport: Transport::Tcp,
+            port: 7000,
+        };
+        store.open_since("now", [tcp], 1_000);
+        let mut old = pkt(CaptureKind::Captured, 7000, b"left from the last migration");
+        old.protocol = Protocol::Tcp;
+        old.ktime_ns = 999;
+        let mut new = old.clone();
+        new.ktime_ns = 1_000;
+        new.data = b"this one".to_vec();
+        assert_eq!(store.route(vec![old, new]), 1);
+        let kept: Vec<_> = store
+            .take_captured("now")
+            .into_iter()
+            .map(|p| p.data)
+            .collect();
+        assert_eq!(kept, vec![b"this one".to_vec()]);
+    }
+
+    #[test]
     fn routes_by_port_and_keeps_order() {
         let store = CaptureStore::default();
         let udp = |port| PortKey {
             transport: Transport::Udp,
             port,
         };
-        store.open("a", [udp(7000)]);
-        store.open("b", [udp(8000)]);
+        store.open_since("a", [udp(7000)], 0);
+        store.open_since("b", [udp(8000)], 0);
         let stray = store.route(vec![
             pkt(CaptureKind::Captured, 7000, b"a1"),
             pkt(CaptureKind::Delivered, 8000, b"b0"),

@@ -22,8 +22,14 @@ const ETH_P_IP: u16 = 0x0800;
 /// One unwanted answer seen by the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
-    /// A TCP segment with RST set, from `from:port`.
-    TcpRst { from: Ipv4Addr, port: u16 },
+    /// A TCP segment with RST set, from `from:port` to the client's
+    /// `to_port`, with its sequence number.
+    TcpRst {
+        from: Ipv4Addr,
+        port: u16,
+        to_port: u16,
+        seq: u32,
+    },
     /// ICMP type 3 (destination unreachable) with its code.
     IcmpUnreachable { from: Ipv4Addr, code: u8 },
 }
@@ -159,6 +165,8 @@ pub fn classify(ip: &[u8]) -> Option<Answer> {
         6 if l4.len() >= 14 && l4[13] & 0x04 != 0 => Some(Answer::TcpRst {
             from,
             port: u16::from_be_bytes([l4[0], l4[1]]),
+            to_port: u16::from_be_bytes([l4[2], l4[3]]),
+            seq: u32::from_be_bytes([l4[4], l4[5], l4[6], l4[7]]),
         }),
         1 if l4.len() >= 2 && l4[0] == 3 => Some(Answer::IcmpUnreachable { from, code: l4[1] }),
         _ => None,
@@ -180,12 +188,16 @@ mod tests {
     fn finds_rsts_and_unreachables_only() {
         let mut tcp = vec![0u8; 20];
         tcp[0..2].copy_from_slice(&7000u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&40000u16.to_be_bytes());
+        tcp[4..8].copy_from_slice(&7u32.to_be_bytes());
         tcp[13] = 0x14; // RST + ACK
         assert_eq!(
             classify(&ip(6, &tcp)),
             Some(Answer::TcpRst {
                 from: Ipv4Addr::new(198, 18, 0, 100),
-                port: 7000
+                port: 7000,
+                to_port: 40000,
+                seq: 7
             })
         );
         tcp[13] = 0x12; // SYN + ACK

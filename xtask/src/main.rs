@@ -4,7 +4,9 @@
 //! - `test`: set up if needed, build, run unit and integration tests
 //! - `integration [-- ARGS]`: build, then only the root-only integration tests
 //! - `demo [-- ARGS]`: set up if needed, build, run the 3-node migration demo
+//! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark (`gap`)
 
+mod bench;
 mod cmd;
 mod criu;
 mod demo;
@@ -57,6 +59,14 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Set up if needed, build, and run a benchmark (root): `gap` (capture
+    /// and replay against drop and retransmit); extra arguments go to it
+    /// (`cargo xtask bench gap -- --runs 20`).
+    Bench {
+        name: String,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -69,6 +79,7 @@ fn main() -> std::process::ExitCode {
         Command::Test => test::run_all(prefix),
         Command::Integration { args } => test::run_integration(prefix, &args),
         Command::Demo { args } => demo::run(prefix, &args),
+        Command::Bench { name, args } => bench::run(prefix, &name, &args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

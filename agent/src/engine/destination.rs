@@ -659,7 +659,8 @@ peer_listen = "198.19.0.2:7100"
             kind: CaptureKind::Captured,
             protocol: Protocol::Tcp,
             port,
-            ktime_ns: 0,
+            // Taken after any session of the test opened.
+            ktime_ns: u64::MAX,
             data: data.to_vec(),
         }
     }

@@ -1,0 +1,35 @@
+//! `cargo xtask bench <name> [-- ARGS]`: benchmarks that print tables (and
+//! write them under `target/bench/`), never pass/fail timers. Each one is a
+//! binary of the integration crate, run as root with the built agent.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cmd, test};
+
+/// The benchmarks and the integration binary behind each.
+pub const BENCHES: [(&str, &str, &str); 1] = [(
+    "gap",
+    "ferry-bench-gap",
+    "client-perceived gap, loss, RSTs, retransmissions: capture/replay vs drop",
+)];
+
+pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
+    let Some((_, bin, _)) = BENCHES.iter().find(|(n, _, _)| *n == name) else {
+        let known: Vec<String> = BENCHES
+            .iter()
+            .map(|(n, _, what)| format!("{n} ({what})"))
+            .collect();
+        bail!("no benchmark `{name}`; known: {}", known.join(", "));
+    };
+    test::ensure_setup(criu_prefix)?;
+    test::build()?;
+    test::header(&format!("bench {name}"));
+    let path = cmd::debug_dir().join(bin);
+    let mut c = Command::new(&path);
+    c.args(args);
+    test::ferry_env(&mut c, criu_prefix);
+    cmd::run(&mut c).with_context(|| format!("step `bench {name}` failed"))
+}
