@@ -13,6 +13,13 @@
  * header covers both addresses. Nothing else changes: ports, sequence
  * numbers and options are the same on both sides.
  *
+ * A hold rule, on the migrated process's NEW node A2 during the migration,
+ * drops its exact flow (local A2:port <-> remote A3:port) both ways
+ * instead: the restored socket's window probe must not reach A3
+ * untranslated, and A3's packets must not reach A2's stack before the
+ * socket exists; either would cost an RST (see ferry_translate.h). Other
+ * flows, also between the same two hosts, pass.
+ *
  * Headers are read with bpf_skb_load_bytes(), which also reads paged data
  * (GRO'd and TSO skbs are non-linear), and written with the store and
  * checksum helpers, which make the bytes writable first. Anything that is
@@ -57,8 +64,9 @@ struct {
 } FERRY_XL_RULES SEC(".maps");
 
 /* The same rules indexed as incoming packets carry them (remote_addr is
- * the new address), giving the old address. Written by the agent with
- * FERRY_XL_RULES: added after the rule, removed before it. */
+ * the new address; for a hold rule the remote's own), giving the
+ * remote_addr of the rule's key. Written by the agent with FERRY_XL_RULES:
+ * added after the rule, removed before it. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
@@ -67,13 +75,14 @@ struct {
 } FERRY_XL_REV SEC(".maps");
 
 /* Later fragments carry no ports: the datagrams whose first fragment was
- * translated, so that the rest follows it (see ferry_xlate_frag_key). LRU:
- * an entry whose last fragment never came ages out. */
+ * translated or held, so that the rest follows it (see
+ * ferry_xlate_frag_key). LRU: an entry whose last fragment never came ages
+ * out. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
 	__type(key, struct ferry_xlate_frag_key);
-	__type(value, __be32);
+	__type(value, struct ferry_xlate_frag);
 } FERRY_XL_FRAGS SEC(".maps");
 
 struct {
@@ -227,38 +236,52 @@ static __always_inline void note(struct ferry_xlate_rule *r, const struct pkt *p
 		__sync_fetch_and_add(egress ? &r->rst_egress : &r->rst_ingress, 1);
 }
 
-/* A fragmented datagram was translated: its later fragments follow. Any
- * other first fragment with the same identity starts a new datagram that
- * must not inherit a stale entry (IP ids wrap, and are shared by all flows
- * between two addresses). */
-static __always_inline void frag_start(const struct pkt *p, __u8 dir, const __be32 *to)
+/* A fragmented datagram was translated or held: its later fragments
+ * follow (f). Any other first fragment with the same identity (f NULL)
+ * starts a new datagram that must not inherit a stale entry (IP ids wrap,
+ * and are shared by all flows between two addresses). */
+static __always_inline void frag_start(const struct pkt *p, __u8 dir,
+				       const struct ferry_xlate_frag *f)
 {
 	struct ferry_xlate_frag_key fk = {
 		.saddr = p->saddr, .daddr = p->daddr, .id = p->id, .proto = p->proto, .dir = dir,
 	};
 
-	if (to)
-		bpf_map_update_elem(&FERRY_XL_FRAGS, &fk, to, BPF_ANY);
+	if (f)
+		bpf_map_update_elem(&FERRY_XL_FRAGS, &fk, f, BPF_ANY);
 	else
 		bpf_map_delete_elem(&FERRY_XL_FRAGS, &fk);
 }
 
-/* The replacement address for a later fragment, or 0 if its datagram is
- * not translated. The entry goes with the last fragment. */
-static __always_inline __be32 frag_lookup(const struct pkt *p, __u8 dir)
+/* What was done to the first fragment of a later fragment's datagram, in
+ * *f; 0 if nothing (no entry). The entry goes with the last fragment. */
+static __always_inline int frag_lookup(const struct pkt *p, __u8 dir, struct ferry_xlate_frag *f)
 {
 	struct ferry_xlate_frag_key fk = {
 		.saddr = p->saddr, .daddr = p->daddr, .id = p->id, .proto = p->proto, .dir = dir,
 	};
-	__be32 *to = bpf_map_lookup_elem(&FERRY_XL_FRAGS, &fk);
-	__be32 addr;
+	struct ferry_xlate_frag *v = bpf_map_lookup_elem(&FERRY_XL_FRAGS, &fk);
 
-	if (!to)
+	if (!v)
 		return 0;
-	addr = *to;
+	*f = *v;
 	if (p->last_fragment)
 		bpf_map_delete_elem(&FERRY_XL_FRAGS, &fk);
-	return addr;
+	return 1;
+}
+
+/* A packet of a held flow: counted on the rule and dropped, and so are
+ * its later fragments. */
+static __always_inline int hold(struct ferry_xlate_rule *r, const struct pkt *p, __u8 dir)
+{
+	if (p->more_fragments) {
+		struct ferry_xlate_frag f = { .action = FERRY_XL_HOLD };
+
+		frag_start(p, dir, &f);
+	}
+	note(r, p, dir == FERRY_XL_EGRESS);
+	count(FERRY_XL_CNT_HELD);
+	return TC_ACT_SHOT;
 }
 
 /* The route and the neighbour (the destination MAC in the frame) were
@@ -322,11 +345,12 @@ static __always_inline int next_hop(struct __sk_buff *skb, const struct pkt *p, 
 }
 
 /* Peer -> process: the destination is the old address; send it to the new
- * one. */
+ * one. A held flow's packets (this node sending) are dropped. */
 SEC("classifier")
 int ferry_xlate_out(struct __sk_buff *skb)
 {
 	struct ferry_xlate_key key = {};
+	struct ferry_xlate_frag f = {};
 	struct ferry_xlate_rule *rule;
 	struct pkt p = {};
 	__be32 to;
@@ -339,16 +363,19 @@ int ferry_xlate_out(struct __sk_buff *skb)
 		count(FERRY_XL_CNT_MALFORMED);
 		return TC_ACT_UNSPEC;
 	case PKT_FRAGMENT:
-		to = frag_lookup(&p, FERRY_XL_EGRESS);
-		if (!to) {
+		if (!frag_lookup(&p, FERRY_XL_EGRESS, &f)) {
 			count(FERRY_XL_CNT_PASSED);
 			return TC_ACT_UNSPEC;
 		}
-		if (rewrite(skb, &p, IP_DADDR_OFF, p.daddr, to, 0) < 0) {
+		if (f.action == FERRY_XL_HOLD) {
+			count(FERRY_XL_CNT_HELD);
+			return TC_ACT_SHOT;
+		}
+		if (rewrite(skb, &p, IP_DADDR_OFF, p.daddr, f.addr, 0) < 0) {
 			count(FERRY_XL_CNT_DROPPED);
 			return TC_ACT_SHOT;
 		}
-		return next_hop(skb, &p, to);
+		return next_hop(skb, &p, f.addr);
 	case PKT_L4:
 		break;
 	}
@@ -364,23 +391,30 @@ int ferry_xlate_out(struct __sk_buff *skb)
 		count(FERRY_XL_CNT_PASSED);
 		return TC_ACT_UNSPEC;
 	}
+	if (rule->action == FERRY_XL_HOLD)
+		return hold(rule, &p, FERRY_XL_EGRESS);
 	to = rule->new_addr;
 	if (rewrite(skb, &p, IP_DADDR_OFF, p.daddr, to, 1) < 0) {
 		count(FERRY_XL_CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}
 	note(rule, &p, 1);
-	if (p.more_fragments)
-		frag_start(&p, FERRY_XL_EGRESS, &to);
+	if (p.more_fragments) {
+		f.addr = to;
+		f.action = FERRY_XL_TRANSLATE;
+		frag_start(&p, FERRY_XL_EGRESS, &f);
+	}
 	return next_hop(skb, &p, to);
 }
 
 /* Process -> peer: the source is the new address; the peer's socket must
- * see the old one. The packet is for this host, so no routing to redo. */
+ * see the old one. The packet is for this host, so no routing to redo. A
+ * held flow's packets (the remote sending) are dropped. */
 SEC("classifier")
 int ferry_xlate_in(struct __sk_buff *skb)
 {
 	struct ferry_xlate_key key = {};
+	struct ferry_xlate_frag f = {};
 	struct ferry_xlate_rule *rule;
 	struct pkt p = {};
 	__be32 *old, to;
@@ -393,12 +427,15 @@ int ferry_xlate_in(struct __sk_buff *skb)
 		count(FERRY_XL_CNT_MALFORMED);
 		return TC_ACT_UNSPEC;
 	case PKT_FRAGMENT:
-		to = frag_lookup(&p, FERRY_XL_INGRESS);
-		if (!to) {
+		if (!frag_lookup(&p, FERRY_XL_INGRESS, &f)) {
 			count(FERRY_XL_CNT_PASSED);
 			return TC_ACT_UNSPEC;
 		}
-		if (rewrite(skb, &p, IP_SADDR_OFF, p.saddr, to, 0) < 0) {
+		if (f.action == FERRY_XL_HOLD) {
+			count(FERRY_XL_CNT_HELD);
+			return TC_ACT_SHOT;
+		}
+		if (rewrite(skb, &p, IP_SADDR_OFF, p.saddr, f.addr, 0) < 0) {
 			count(FERRY_XL_CNT_DROPPED);
 			return TC_ACT_SHOT;
 		}
@@ -419,16 +456,22 @@ int ferry_xlate_in(struct __sk_buff *skb)
 	key.remote_addr = to;
 	rule = bpf_map_lookup_elem(&FERRY_XL_RULES, &key);
 	/* Both maps agree except while the agent changes a rule: then the
-	 * rule decides. */
+	 * rule decides. (A hold rule's new_addr is its remote address, the
+	 * source of the flow's incoming packets.) */
 	if (!rule || rule->new_addr != p.saddr)
 		goto pass;
+	if (rule->action == FERRY_XL_HOLD)
+		return hold(rule, &p, FERRY_XL_INGRESS);
 	if (rewrite(skb, &p, IP_SADDR_OFF, p.saddr, to, 1) < 0) {
 		count(FERRY_XL_CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}
 	note(rule, &p, 0);
-	if (p.more_fragments)
-		frag_start(&p, FERRY_XL_INGRESS, &to);
+	if (p.more_fragments) {
+		f.addr = to;
+		f.action = FERRY_XL_TRANSLATE;
+		frag_start(&p, FERRY_XL_INGRESS, &f);
+	}
 	count(FERRY_XL_CNT_INGRESS);
 	return TC_ACT_UNSPEC;
 pass:

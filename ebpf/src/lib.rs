@@ -23,4 +23,4 @@ mod translate_maps;
 pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
 pub use replay::{ReplayError, Replayer};
-pub use translate::{RuleState, TranslationCounters, TranslationRule, Translator};
+pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};

@@ -9,9 +9,21 @@
 //! if they came from A1, so the peer's socket never notices the move.
 //! See include/ferry_translate.h for what the programs do per packet.
 //!
+//! The other kind of rule, [`RuleAction::Hold`], is for A2's own
+//! translator during the migration: A2 restores a socket whose local
+//! address is A2's and whose peer is on A3, and until the migration
+//! commits neither may anything of that flow leave A2 (the socket's
+//! window probe, leaving repair mode, would reach A3 untranslated and be
+//! answered with an RST) nor may A2's stack see its incoming packets
+//! (before the socket exists the stack would answer them with an RST). A
+//! hold rule drops the exact flow both ways and counts it until it is
+//! removed; TCP's retransmissions then deliver what it held. Other flows,
+//! also between the same two hosts, pass.
+//!
 //! The rules live in two maps the agent keeps in step: `FERRY_XL_RULES`
-//! (the flow as the peer sees it, for egress, with per-rule state) and
-//! `FERRY_XL_REV` (the flow as incoming packets carry it, for ingress).
+//! (the flow as the local socket sees it, for egress, with the action and
+//! per-rule state) and `FERRY_XL_REV` (the flow as incoming packets carry
+//! it, for ingress).
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -47,7 +59,11 @@ const PROGRAMS: [(&str, TcAttachType); 2] = [
 
 /// Every map of the object, as c/translate.bpf.c defines it: all are
 /// pinned, so that a new program swapped into the links finds the same
-/// rules, state, fragments in flight and counters.
+/// rules, state, fragments in flight and counters. These sizes are the
+/// only layout check a pin gets (there is no version number): a change in
+/// what a map's bytes mean must change one of them. Hold rules did
+/// (`FERRY_XL_FRAGS`' value 4 -> 8 bytes, `FERRY_XL_COUNT` 6 -> 7
+/// entries), so pins of the build before them are refused.
 static MAP_SPECS: [MapSpec; 4] = [
     MapSpec {
         name: RULES_MAP,
@@ -67,7 +83,7 @@ static MAP_SPECS: [MapSpec; 4] = [
         name: FRAGS_MAP,
         map_type: MapType::LruHash,
         key_size: maps::FRAG_KEY_SIZE,
-        value_size: 4,
+        value_size: maps::FRAG_VALUE_SIZE,
         max_entries: maps::FRAGS_MAX,
     },
     MapSpec {
@@ -79,16 +95,32 @@ static MAP_SPECS: [MapSpec; 4] = [
     },
 ];
 
-/// One flow to translate, as the peer's node sees it.
+/// One exact flow, as this node's socket sees it, and what to do with it.
+/// At most one rule per flow (protocol, `local`, `remote`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TranslationRule {
     pub protocol: Protocol,
-    /// The peer socket's own address on this node.
+    /// The local socket's own address on this node: the peer's
+    /// ([`Translate`](RuleAction::Translate)), or the restored socket's
+    /// ([`Hold`](RuleAction::Hold)).
     pub local: SocketAddrV4,
-    /// The migrated socket's address as the peer knows it (its old node).
-    pub remote_old: SocketAddrV4,
-    /// The migrated socket's node now; the port stays `remote_old`'s.
-    pub remote_new: Ipv4Addr,
+    /// The remote end as the local socket knows it: the migrated socket's
+    /// old address (translate), or the peer's address (hold).
+    pub remote: SocketAddrV4,
+    pub action: RuleAction,
+}
+
+/// What a [`TranslationRule`] does with its flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RuleAction {
+    /// On the peer's node: the migrated socket is now at `remote_new` (its
+    /// port stays the rule's `remote`'s). Egress destination `remote` ->
+    /// `remote_new`, ingress source `remote_new` -> `remote`.
+    Translate { remote_new: Ipv4Addr },
+    /// On the migrated process's new node, while the migration is under
+    /// way: drop the flow's packets both ways, and count them, until the
+    /// rule is removed (see the module documentation).
+    Hold,
 }
 
 impl fmt::Display for TranslationRule {
@@ -97,11 +129,14 @@ impl fmt::Display for TranslationRule {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
         };
-        write!(
-            f,
-            "{proto} {} -> {} (now at {})",
-            self.local, self.remote_old, self.remote_new
-        )
+        match self.action {
+            RuleAction::Translate { remote_new } => write!(
+                f,
+                "{proto} {} -> {} (now at {remote_new})",
+                self.local, self.remote
+            ),
+            RuleAction::Hold => write!(f, "{proto} {} <-> {} (held)", self.local, self.remote),
+        }
     }
 }
 
@@ -121,44 +156,100 @@ fn from_ip_proto(p: u8) -> Option<Protocol> {
 }
 
 impl TranslationRule {
-    /// The key of `FERRY_XL_RULES`: the flow as the peer sends it.
+    /// On a peer's node: `protocol` traffic between `local` and the
+    /// migrated socket that was at `remote_old` goes to `remote_new`.
+    pub fn translate(
+        protocol: Protocol,
+        local: SocketAddrV4,
+        remote_old: SocketAddrV4,
+        remote_new: Ipv4Addr,
+    ) -> Self {
+        Self {
+            protocol,
+            local,
+            remote: remote_old,
+            action: RuleAction::Translate { remote_new },
+        }
+    }
+
+    /// On a migrated process's new node: hold (drop both ways) the
+    /// `protocol` flow between the restored socket at `local` and its peer
+    /// at `remote`.
+    pub fn hold(protocol: Protocol, local: SocketAddrV4, remote: SocketAddrV4) -> Self {
+        Self {
+            protocol,
+            local,
+            remote,
+            action: RuleAction::Hold,
+        }
+    }
+
+    /// The key of `FERRY_XL_RULES`: the flow as the local socket sends it.
     fn key(&self) -> XlateKey {
         XlateKey {
             local_addr: self.local.ip().octets(),
-            remote_addr: self.remote_old.ip().octets(),
+            remote_addr: self.remote.ip().octets(),
             local_port: self.local.port().to_be_bytes(),
-            remote_port: self.remote_old.port().to_be_bytes(),
+            remote_port: self.remote.port().to_be_bytes(),
             proto: ip_proto(self.protocol),
             pad: [0; 3],
         }
     }
 
-    /// The key of `FERRY_XL_REV`: the flow as the answers arrive.
+    /// The source address of the flow's incoming packets: the new address
+    /// of a translate rule, the remote one of a hold rule. `new_addr` of
+    /// the rule's value.
+    fn incoming_addr(&self) -> Ipv4Addr {
+        match self.action {
+            RuleAction::Translate { remote_new } => remote_new,
+            RuleAction::Hold => *self.remote.ip(),
+        }
+    }
+
+    fn action_code(&self) -> u32 {
+        match self.action {
+            RuleAction::Translate { .. } => maps::ACTION_TRANSLATE,
+            RuleAction::Hold => maps::ACTION_HOLD,
+        }
+    }
+
+    /// The key of `FERRY_XL_REV`: the flow as incoming packets carry it.
     fn rev_key(&self) -> XlateKey {
         XlateKey {
-            remote_addr: self.remote_new.octets(),
+            remote_addr: self.incoming_addr().octets(),
             ..self.key()
         }
     }
 
     fn from_entry(k: &XlateKey, v: &XlateRule) -> Option<Self> {
+        let action = match v.action {
+            maps::ACTION_TRANSLATE => RuleAction::Translate {
+                remote_new: v.new_addr.into(),
+            },
+            maps::ACTION_HOLD => RuleAction::Hold,
+            _ => return None,
+        };
         Some(Self {
             protocol: from_ip_proto(k.proto)?,
             local: SocketAddrV4::new(k.local_addr.into(), u16::from_be_bytes(k.local_port)),
-            remote_old: SocketAddrV4::new(k.remote_addr.into(), u16::from_be_bytes(k.remote_port)),
-            remote_new: v.new_addr.into(),
+            remote: SocketAddrV4::new(k.remote_addr.into(), u16::from_be_bytes(k.remote_port)),
+            action,
         })
     }
 
     fn check(&self) -> Result<(), DataPlaneError> {
-        let reason = if self.remote_new == *self.remote_old.ip() {
+        let moved_nowhere = matches!(
+            self.action,
+            RuleAction::Translate { remote_new } if remote_new == *self.remote.ip()
+        );
+        let reason = if moved_nowhere {
             "the new address is the old one"
-        } else if [self.remote_new, *self.remote_old.ip(), *self.local.ip()]
+        } else if [self.incoming_addr(), *self.remote.ip(), *self.local.ip()]
             .iter()
             .any(|a| a.is_unspecified() || a.is_broadcast() || a.is_multicast())
         {
             "addresses must be unicast"
-        } else if self.local.port() == 0 || self.remote_old.port() == 0 {
+        } else if self.local.port() == 0 || self.remote.port() == 0 {
             "ports must not be 0"
         } else {
             return Ok(());
@@ -170,14 +261,16 @@ impl TranslationRule {
     }
 }
 
-/// What the programs saw of a rule's flow.
+/// What the programs saw of a rule's flow. For a hold rule: of the packets
+/// it dropped, egress those this node sent, ingress those that arrived
+/// (datagrams, not their later fragments).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RuleState {
     /// Packets translated from the peer to the migrated process.
     pub packets_egress: u64,
     /// Packets translated from the migrated process to the peer.
     pub packets_ingress: u64,
-    /// CLOCK_MONOTONIC of the last translated packet, 0 if none yet.
+    /// CLOCK_MONOTONIC of the last translated (held) packet, 0 if none yet.
     pub last_seen_ns: u64,
     /// TCP segments with FIN the peer sent.
     pub fin_egress: u32,
@@ -252,6 +345,9 @@ pub struct TranslationCounters {
     /// Matched a rule but dropped: no route to the new node, or a rewrite
     /// failed (TCP retransmits).
     pub dropped: u64,
+    /// Packets (and later fragments) of held flows, both ways: dropped on
+    /// purpose, not in `dropped`.
+    pub held: u64,
 }
 
 /// The translation programs on one interface; see the module documentation.
@@ -450,33 +546,53 @@ impl Translator {
         }
     }
 
-    /// Starts translating `rule`'s flow. Adding a rule that is there is a
-    /// no-op (its state stays); adding one for a known flow with another
-    /// new address re-targets it (a process that moved again) and keeps
-    /// its state. Fails on a rule whose answers would be indistinguishable
-    /// from another rule's (same local socket, same new address and port).
+    /// The rule stored under `key` of `FERRY_XL_RULES`, for messages.
+    fn describe(&self, key: &XlateKey) -> Result<String, DataPlaneError> {
+        Ok(self
+            .get_rule(key)?
+            .and_then(|v| TranslationRule::from_entry(key, &v))
+            .map_or_else(|| "a rule being changed".to_owned(), |r| r.to_string()))
+    }
+
+    /// Starts translating or holding `rule`'s flow. Adding a rule that is
+    /// there is a no-op (its state stays); adding a translate rule for a
+    /// translated flow with another new address re-targets it (a process
+    /// that moved again) and keeps its state. Fails with
+    /// [`DataPlaneError::RuleConflict`] on a rule for a flow that has a
+    /// rule of the other kind, and on one whose incoming packets would be
+    /// indistinguishable from another rule's (same local socket, same
+    /// source address and port).
     pub fn add(&mut self, rule: TranslationRule) -> Result<(), DataPlaneError> {
         rule.check()?;
         let key = rule.key();
         let rev = rule.rev_key();
-        let old_addr = rule.remote_old.ip().octets();
+        let remote_addr = rule.remote.ip().octets();
+        let conflict = |existing: String| DataPlaneError::RuleConflict {
+            rule: rule.to_string(),
+            existing,
+        };
         match self.reverse.get(&rev, 0) {
-            Ok(a) if a != old_addr => {
-                let existing = TranslationRule {
-                    remote_old: SocketAddrV4::new(a.into(), rule.remote_old.port()),
-                    ..rule
-                };
-                return Err(DataPlaneError::RuleConflict {
-                    rule: rule.to_string(),
-                    existing: existing.to_string(),
-                });
+            Ok(a) if a != remote_addr => {
+                let existing = self.describe(&XlateKey {
+                    remote_addr: a,
+                    ..key
+                })?;
+                return Err(conflict(existing));
             }
             Ok(_) | Err(MapError::KeyNotFound) => {}
             Err(e) => return Err(map_err(REV_MAP)(e)),
         }
         let existing = self.get_rule(&key)?;
+        if let Some(e) = existing.filter(|e| e.action != rule.action_code()) {
+            let existing = TranslationRule::from_entry(&key, &e).map_or_else(
+                || format!("a rule with action {}", e.action),
+                |r| r.to_string(),
+            );
+            return Err(conflict(existing));
+        }
         let value = XlateRule {
-            new_addr: rule.remote_new.octets(),
+            new_addr: rule.incoming_addr().octets(),
+            action: rule.action_code(),
             ..existing.unwrap_or_default()
         };
         if existing != Some(value) {
@@ -487,9 +603,9 @@ impl Translator {
                 .insert(key, value, 0)
                 .map_err(map_err(RULES_MAP))?;
         }
-        // Egress translates from the rule on; ingress from here on.
+        // Egress translates (holds) from the rule on; ingress from here on.
         self.reverse
-            .insert(rev, old_addr, 0)
+            .insert(rev, remote_addr, 0)
             .map_err(map_err(REV_MAP))?;
         if let Some(prev) = existing.filter(|e| e.new_addr != value.new_addr) {
             self.remove_rev(&XlateKey {
@@ -501,12 +617,16 @@ impl Translator {
         Ok(())
     }
 
-    /// Stops translating the flow of `rule` (found by protocol, local and
-    /// old remote address; its `remote_new` does not matter). False if
-    /// there was no such rule.
+    /// Stops translating or holding the flow of `rule` (found by
+    /// protocol, local and remote address and the kind of action; a
+    /// translate rule's `remote_new` does not matter). False if there was
+    /// no such rule.
     pub fn remove(&mut self, rule: &TranslationRule) -> Result<bool, DataPlaneError> {
         let key = rule.key();
-        let Some(value) = self.get_rule(&key)? else {
+        let Some(value) = self
+            .get_rule(&key)?
+            .filter(|v| v.action == rule.action_code())
+        else {
             return Ok(false);
         };
         // Ingress first, so that no answer is translated for a flow whose
@@ -524,10 +644,12 @@ impl Translator {
         Ok(true)
     }
 
-    /// The state of `rule`'s flow, None if there is no such rule.
+    /// The state of `rule`'s flow, None if there is no such rule (found as
+    /// by [`remove`](Self::remove)).
     pub fn state(&self, rule: &TranslationRule) -> Result<Option<RuleState>, DataPlaneError> {
         Ok(self
             .get_rule(&rule.key())?
+            .filter(|v| v.action == rule.action_code())
             .map(|v| RuleState::from_value(&v)))
     }
 
@@ -545,11 +667,13 @@ impl Translator {
         Ok(out)
     }
 
-    /// Removes the rules of closed TCP connections ([`RuleState::closed`])
-    /// that have been idle for at least `linger`, and returns them. The
-    /// linger covers what may still follow the FINs: the last ACK, a
-    /// retransmitted FIN (a few RTTs; TIME_WAIT's 60 s covers everything).
-    /// UDP has no close: remove its rules by [`RuleState::idle`].
+    /// Removes the translate rules of closed TCP connections
+    /// ([`RuleState::closed`]) that have been idle for at least `linger`,
+    /// and returns them. The linger covers what may still follow the FINs:
+    /// the last ACK, a retransmitted FIN (a few RTTs; TIME_WAIT's 60 s
+    /// covers everything). UDP has no close: remove its rules by
+    /// [`RuleState::idle`]. Hold rules stay whatever they dropped: the
+    /// migration removes them.
     pub fn remove_closed(
         &mut self,
         linger: Duration,
@@ -557,7 +681,11 @@ impl Translator {
         let done: Vec<TranslationRule> = self
             .rules()?
             .into_iter()
-            .filter(|(_, s)| s.closed() && s.idle().is_none_or(|idle| idle >= linger))
+            .filter(|(rule, s)| {
+                matches!(rule.action, RuleAction::Translate { .. })
+                    && s.closed()
+                    && s.idle().is_none_or(|idle| idle >= linger)
+            })
             .map(|(rule, _)| rule)
             .collect();
         for rule in &done {
@@ -579,6 +707,7 @@ impl Translator {
             malformed: get(maps::CNT_MALFORMED)?,
             neigh_redirects: get(maps::CNT_REDIRECT_NEIGH)?,
             dropped: get(maps::CNT_DROPPED)?,
+            held: get(maps::CNT_HELD)?,
         })
     }
 }

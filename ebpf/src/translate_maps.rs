@@ -9,7 +9,8 @@ use std::mem::{offset_of, size_of};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct XlateKey {
     pub local_addr: [u8; 4],
-    /// The old address in `FERRY_XL_RULES`, the new one in `FERRY_XL_REV`.
+    /// The old address in `FERRY_XL_RULES`, the new one in `FERRY_XL_REV`
+    /// (a hold rule's remote address in both).
     pub remote_addr: [u8; 4],
     pub local_port: [u8; 2],
     pub remote_port: [u8; 2],
@@ -36,9 +37,10 @@ const _: () = assert!(offset_of!(XlateKey, pad) == 13);
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct XlateRule {
-    /// Network byte order.
+    /// Network byte order. A hold rule's remote address.
     pub new_addr: [u8; 4],
-    pub pad: u32,
+    /// `enum ferry_xlate_action`: [`ACTION_TRANSLATE`] or [`ACTION_HOLD`].
+    pub action: u32,
     pub packets_egress: u64,
     pub packets_ingress: u64,
     pub last_seen_ns: u64,
@@ -56,6 +58,7 @@ unsafe impl aya::Pod for XlateRule {}
 
 const _: () = assert!(size_of::<XlateRule>() == 48);
 const _: () = assert!(offset_of!(XlateRule, new_addr) == 0);
+const _: () = assert!(offset_of!(XlateRule, action) == 4);
 const _: () = assert!(offset_of!(XlateRule, packets_egress) == 8);
 const _: () = assert!(offset_of!(XlateRule, packets_ingress) == 16);
 const _: () = assert!(offset_of!(XlateRule, last_seen_ns) == 24);
@@ -64,9 +67,15 @@ const _: () = assert!(offset_of!(XlateRule, fin_ingress) == 36);
 const _: () = assert!(offset_of!(XlateRule, rst_egress) == 40);
 const _: () = assert!(offset_of!(XlateRule, rst_ingress) == 44);
 
-/// Size of `struct ferry_xlate_frag_key`, which only the programs use;
-/// known here to check a pinned `FERRY_XL_FRAGS`.
+/// `enum ferry_xlate_action`.
+pub(crate) const ACTION_TRANSLATE: u32 = 0;
+pub(crate) const ACTION_HOLD: u32 = 1;
+
+/// Sizes of `struct ferry_xlate_frag_key` and `struct ferry_xlate_frag`,
+/// which only the programs use; known here to check a pinned
+/// `FERRY_XL_FRAGS`.
 pub(crate) const FRAG_KEY_SIZE: u32 = 12;
+pub(crate) const FRAG_VALUE_SIZE: u32 = 8;
 
 /// `max_entries` of the maps in c/translate.bpf.c, to check pinned maps.
 pub(crate) const RULES_MAX: u32 = 65536;
@@ -79,4 +88,5 @@ pub(crate) const CNT_PASSED: u32 = 2;
 pub(crate) const CNT_MALFORMED: u32 = 3;
 pub(crate) const CNT_REDIRECT_NEIGH: u32 = 4;
 pub(crate) const CNT_DROPPED: u32 = 5;
-pub(crate) const CNT_MAX: u32 = 6;
+pub(crate) const CNT_HELD: u32 = 6;
+pub(crate) const CNT_MAX: u32 = 7;

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use aya::programs::{SchedClassifier, TcAttachType};
 use ferry_ebpf::pin::{self, PinDir, PinError};
-use ferry_ebpf::{DataPlaneError, Protocol, TranslationRule, Translator};
+use ferry_ebpf::{DataPlaneError, Protocol, RuleAction, TranslationRule, Translator};
 
 const PEER_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 7, 3);
 const OLD_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 7, 1);
@@ -345,16 +345,9 @@ fn connect_from(local: SocketAddrV4, remote: SocketAddrV4) -> std::io::Result<Tc
     Ok(stream)
 }
 
-/// Connects through the translator: the peer dials the OLD address from
-/// `rule.local`, the new node's listener answers.
-fn connect_translated(
-    net: &Net,
-    listener: &TcpListener,
-    rule: TranslationRule,
-) -> (TcpStream, TcpStream) {
-    let client = net
-        .peer(move || connect_from(rule.local, rule.remote_old))
-        .expect("connect to the old address");
+/// The next connection on `listener` (of the new node), with the tests'
+/// timeouts; fails after `TIMEOUT`.
+fn accept(listener: &TcpListener) -> (TcpStream, SocketAddr) {
     listener.set_nonblocking(true).unwrap();
     let deadline = Instant::now() + TIMEOUT;
     let (server, from) = loop {
@@ -370,14 +363,28 @@ fn connect_translated(
     server.set_nonblocking(false).unwrap();
     server.set_read_timeout(Some(TIMEOUT)).unwrap();
     server.set_write_timeout(Some(TIMEOUT)).unwrap();
+    (server, from)
+}
+
+/// Connects through the translator: the peer dials the OLD address from
+/// `rule.local`, the new node's listener answers.
+fn connect_translated(
+    net: &Net,
+    listener: &TcpListener,
+    rule: TranslationRule,
+) -> (TcpStream, TcpStream) {
+    let client = net
+        .peer(move || connect_from(rule.local, rule.remote))
+        .expect("connect to the old address");
+    let (server, from) = accept(listener);
     // Both ends see what they expect: the peer the old node, the process
     // the peer's socket.
-    assert_eq!(client.peer_addr().unwrap(), SocketAddr::V4(rule.remote_old));
+    assert_eq!(client.peer_addr().unwrap(), SocketAddr::V4(rule.remote));
     assert_eq!(client.local_addr().unwrap(), SocketAddr::V4(rule.local));
     assert_eq!(from, SocketAddr::V4(rule.local));
     assert_eq!(
         server.local_addr().unwrap(),
-        SocketAddr::V4(v4(rule.remote_new, rule.remote_old.port()))
+        SocketAddr::V4(v4(remote_new(&rule), rule.remote.port()))
     );
     (client, server)
 }
@@ -414,18 +421,26 @@ fn assert_reset(s: &mut TcpStream, what: &str) {
 }
 
 fn tcp_rule(local_port: u16, port: u16) -> TranslationRule {
-    TranslationRule {
-        protocol: Protocol::Tcp,
-        local: v4(PEER_IP, local_port),
-        remote_old: v4(OLD_IP, port),
-        remote_new: NEW_IP,
-    }
+    TranslationRule::translate(
+        Protocol::Tcp,
+        v4(PEER_IP, local_port),
+        v4(OLD_IP, port),
+        NEW_IP,
+    )
 }
 
 fn udp_rule(local_port: u16, port: u16) -> TranslationRule {
     TranslationRule {
         protocol: Protocol::Udp,
         ..tcp_rule(local_port, port)
+    }
+}
+
+/// A translate rule's new address.
+fn remote_new(rule: &TranslationRule) -> Ipv4Addr {
+    match rule.action {
+        RuleAction::Translate { remote_new } => remote_new,
+        RuleAction::Hold => panic!("{rule} is a hold rule"),
     }
 }
 
@@ -545,7 +560,7 @@ fn udp_datagrams_both_ways(checksums: Checksums) {
         let reply = pattern(!(len as u32), len);
         server.send_to(&reply, rule.local).unwrap();
         let (n, from) = client.recv_from(&mut buf).expect(what);
-        assert_eq!(from, SocketAddr::V4(rule.remote_old), "{what}");
+        assert_eq!(from, SocketAddr::V4(rule.remote), "{what}");
         assert!(buf[..n] == reply[..], "{what}: datagram from the new node");
     };
     exchange("small datagram", 100);
@@ -749,13 +764,13 @@ fn conflicting_and_invalid_rules_are_refused() {
     // Another old address moved to the same new one, for the same local
     // socket and port: its answers would look the same.
     let other = TranslationRule {
-        remote_old: v4(Ipv4Addr::new(198, 19, 7, 9), 5000),
+        remote: v4(Ipv4Addr::new(198, 19, 7, 9), 5000),
         ..rule
     };
     let err = xl.add(other).unwrap_err();
     assert!(matches!(err, DataPlaneError::RuleConflict { .. }), "{err}");
     let same = TranslationRule {
-        remote_new: OLD_IP,
+        action: RuleAction::Translate { remote_new: OLD_IP },
         ..rule
     };
     let err = xl.add(same).unwrap_err();
@@ -764,7 +779,9 @@ fn conflicting_and_invalid_rules_are_refused() {
     // Moving the process again re-targets the rule: the old reverse entry
     // goes, the state stays.
     let moved = TranslationRule {
-        remote_new: Ipv4Addr::new(198, 19, 7, 4),
+        action: RuleAction::Translate {
+            remote_new: Ipv4Addr::new(198, 19, 7, 4),
+        },
         ..rule
     };
     xl.add(moved).unwrap();
@@ -918,6 +935,22 @@ fn pins_of_another_layout_are_refused_and_stale_links_replaced() {
     let (egress, ingress) = Net::tcx_programs(&net.peer);
     assert_eq!((egress.len(), ingress.len()), (1, 1));
     Translator::unpin(&bad).unwrap();
+
+    // The counters of the build before hold rules, which had six: refused
+    // (as its 4-byte fragment entries would be).
+    let previous = fs.pins("previous");
+    previous.create().unwrap();
+    aya::maps::PerCpuArray::<aya::maps::MapData, u64>::create(6, 0)
+        .unwrap()
+        .pin(previous.map_path("FERRY_XL_COUNT"))
+        .unwrap();
+    let err = net.attach_pinned(&previous).unwrap_err();
+    assert!(
+        matches!(&err, DataPlaneError::Pin(PinError::Mismatch { found, .. }) if found.contains("max_entries 6")),
+        "{err}"
+    );
+    assert_eq!(Net::tcx_programs(&net.peer), (egress, ingress));
+    Translator::unpin(&previous).unwrap();
     drop(xl);
 
     // The same pins used for another interface (here the old node's cl0,
@@ -933,6 +966,400 @@ fn pins_of_another_layout_are_refused_and_stale_links_replaced() {
     drop(moved);
     Translator::unpin(&good).unwrap();
     assert_eq!(Net::tcx_programs(&net.old), (vec![], vec![]));
+}
+
+// ---- Hold rules ------------------------------------------------------------
+//
+// On the new node of a migrating process (here `new`, A2), whose restored
+// socket's peer is the `peer` node (A3): the translator runs on A2 and
+// holds the exact flow A2:port <-> A3:port until the migration commits.
+
+impl Net {
+    /// The translator on the new node's cluster interface, where hold
+    /// rules go.
+    fn attach_new(&self) -> Translator {
+        self.new_node(|| Translator::attach(IFACE).expect("attach on the new node"))
+    }
+}
+
+/// `tcpi_state` of TCP_INFO (1: ESTABLISHED).
+fn tcp_state(s: &TcpStream) -> u8 {
+    // SAFETY: an all-zero tcp_info is valid for getsockopt to fill.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes into `info`, a live
+    // local, and the new length into `len`; the fd is the live socket `s`.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    info.tcpi_state
+}
+
+const TCP_ESTABLISHED: u8 = 1;
+
+/// Nothing to read on a non-blocking socket.
+#[track_caller]
+fn assert_nothing<T: std::fmt::Debug>(r: std::io::Result<T>, what: &str) {
+    match r {
+        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+        other => panic!("{what}: expected nothing, got {other:?}"),
+    }
+}
+
+/// TCP segments with RST sent from namespace `ns` (/proc/net/snmp).
+fn out_rsts(ns: &str) -> u64 {
+    Net::snmp(ns, "Tcp", "OutRsts")
+}
+
+#[test]
+fn hold_drops_a_tcp_flow_both_ways_without_rst_and_release_resumes_it() {
+    require_root!();
+    let net = Net::new(Checksums::Offloaded);
+    let mut xl = net.attach_new();
+    let listener = net.new_node(|| TcpListener::bind(v4(NEW_IP, 5000)).unwrap());
+    let dial = |port: u16| {
+        let client = net
+            .peer(move || connect_from(v4(PEER_IP, port), v4(NEW_IP, 5000)))
+            .expect("connect to the new node");
+        let (server, from) = accept(&listener);
+        assert_eq!(from, SocketAddr::V4(v4(PEER_IP, port)));
+        (client, server)
+    };
+    let (mut client, mut server) = dial(40000);
+    stream_check(&client, &mut server, 1, 64 << 10);
+    stream_check(&server, &mut client, 2, 64 << 10);
+    let rsts = (out_rsts(&net.peer), out_rsts(&net.new));
+
+    let hold = TranslationRule::hold(Protocol::Tcp, v4(NEW_IP, 5000), v4(PEER_IP, 40000));
+    xl.add(hold).unwrap();
+    assert_eq!(
+        hold.to_string(),
+        "tcp 198.19.7.2:5000 <-> 198.19.7.3:40000 (held)"
+    );
+    let rules = xl.rules().unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0], (hold, Default::default()));
+
+    // Data both ways: the peer's is dropped at the new node's ingress (its
+    // stack never sees it), the new node's at its egress (it never leaves).
+    client.write_all(b"to-server").unwrap();
+    server.write_all(b"to-client").unwrap();
+
+    // Another flow between the same two addresses and the same listening
+    // port, opened during the hold, passes both ways.
+    let (mut c2, mut s2) = dial(40001);
+    stream_check(&c2, &mut s2, 3, 256 << 10);
+    stream_check(&s2, &mut c2, 4, 256 << 10);
+
+    // Long enough for retransmissions both ways (the peer's RTO, the new
+    // node's retries of a locally dropped segment every 500 ms): each is
+    // dropped again.
+    std::thread::sleep(Duration::from_millis(1200));
+    let mut buf = [0u8; 16];
+    for s in [&server, &client] {
+        s.set_nonblocking(true).unwrap();
+    }
+    assert_nothing(
+        server.read(&mut buf),
+        "the peer's data reached the held socket",
+    );
+    assert_nothing(
+        client.read(&mut buf),
+        "the held socket's data reached the peer",
+    );
+    for s in [&server, &client] {
+        s.set_nonblocking(false).unwrap();
+        assert_eq!(tcp_state(s), TCP_ESTABLISHED);
+    }
+    assert_eq!(
+        (out_rsts(&net.peer), out_rsts(&net.new)),
+        rsts,
+        "no RST on either side"
+    );
+    let before = xl.state(&hold).unwrap().expect("hold state");
+    let c = xl.counters().unwrap();
+    let after = xl.state(&hold).unwrap().unwrap();
+    assert!(
+        before.packets_egress >= 1 && before.packets_ingress >= 2,
+        "the data and the peer's retransmissions: {before:?}"
+    );
+    assert_eq!(
+        (
+            before.fin_egress,
+            before.fin_ingress,
+            before.rst_egress,
+            before.rst_ingress
+        ),
+        (0, 0, 0, 0)
+    );
+    assert!(before.idle().is_some() && !before.closed(), "{before:?}");
+    let held = |s: &ferry_ebpf::RuleState| s.packets_egress + s.packets_ingress;
+    assert!(
+        held(&before) <= c.held && c.held <= held(&after),
+        "the global count is the rule's: {c:?} {after:?}"
+    );
+    assert_eq!(
+        (
+            c.translated_egress,
+            c.translated_ingress,
+            c.dropped,
+            c.malformed
+        ),
+        (0, 0, 0, 0),
+        "{c:?}"
+    );
+    assert!(c.passed > 0, "the other flow: {c:?}");
+    // Closed-connection cleanup never lifts a hold.
+    assert!(xl.remove_closed(Duration::ZERO).unwrap().is_empty());
+
+    // The migration commits: TCP's retransmissions deliver both ways.
+    assert!(xl.remove(&hold).unwrap());
+    assert!(xl.rules().unwrap().is_empty());
+    assert_eq!(xl.state(&hold).unwrap(), None);
+    let held_total = xl.counters().unwrap().held;
+    let mut got = [0u8; 9];
+    server
+        .read_exact(&mut got)
+        .expect("the peer's data, retransmitted after the hold");
+    assert_eq!(&got, b"to-server");
+    client
+        .read_exact(&mut got)
+        .expect("the held socket's data, retransmitted after the hold");
+    assert_eq!(&got, b"to-client");
+    stream_check(&client, &mut server, 5, 1 << 20);
+    stream_check(&server, &mut client, 6, 1 << 20);
+    stream_check(&c2, &mut s2, 7, 1000);
+    assert_eq!((out_rsts(&net.peer), out_rsts(&net.new)), rsts);
+    assert_eq!(
+        xl.counters().unwrap().held,
+        held_total,
+        "nothing held after"
+    );
+    net.assert_no_checksum_errors();
+}
+
+#[test]
+fn hold_rules_conflicting_with_other_rules_are_refused() {
+    require_root!();
+    let net = Net::new(Checksums::Offloaded);
+    let mut xl = net.attach();
+    let conflict = |xl: &mut Translator, r: TranslationRule| match xl.add(r) {
+        Err(DataPlaneError::RuleConflict { rule, existing }) => {
+            assert_eq!(rule, r.to_string());
+            existing
+        }
+        other => panic!("{r}: expected a conflict, got {other:?}"),
+    };
+    let translate = tcp_rule(40000, 5000);
+    xl.add(translate).unwrap();
+    // A hold of the translated flow.
+    let held_translated = TranslationRule::hold(Protocol::Tcp, translate.local, translate.remote);
+    assert_eq!(conflict(&mut xl, held_translated), translate.to_string());
+    // A hold of the flow as the translated answers arrive (from the new
+    // address): both would claim them.
+    let held_answers = TranslationRule::hold(Protocol::Tcp, translate.local, v4(NEW_IP, 5000));
+    assert_eq!(conflict(&mut xl, held_answers), translate.to_string());
+
+    let hold = TranslationRule::hold(Protocol::Tcp, v4(PEER_IP, 40001), v4(NEW_IP, 5001));
+    xl.add(hold).unwrap();
+    // Again: nothing changes.
+    xl.add(hold).unwrap();
+    // A translate rule for the held flow.
+    let translate_held = TranslationRule::translate(Protocol::Tcp, hold.local, hold.remote, OLD_IP);
+    assert_eq!(conflict(&mut xl, translate_held), hold.to_string());
+    // One whose answers would come from the held remote.
+    let into_held = TranslationRule::translate(Protocol::Tcp, hold.local, v4(OLD_IP, 5001), NEW_IP);
+    assert_eq!(conflict(&mut xl, into_held), hold.to_string());
+    // The same ports over UDP are another flow.
+    let hold_udp = TranslationRule {
+        protocol: Protocol::Udp,
+        ..hold
+    };
+    xl.add(hold_udp).unwrap();
+    for invalid in [
+        TranslationRule::hold(Protocol::Tcp, v4(PEER_IP, 0), v4(NEW_IP, 5001)),
+        TranslationRule::hold(Protocol::Tcp, v4(PEER_IP, 40001), v4(NEW_IP, 0)),
+        TranslationRule::hold(
+            Protocol::Udp,
+            v4(PEER_IP, 40001),
+            v4(Ipv4Addr::new(224, 0, 0, 9), 5001),
+        ),
+        TranslationRule::hold(
+            Protocol::Udp,
+            v4(Ipv4Addr::UNSPECIFIED, 40001),
+            v4(NEW_IP, 5001),
+        ),
+    ] {
+        let err = xl.add(invalid).unwrap_err();
+        assert!(
+            matches!(err, DataPlaneError::InvalidRule { .. }),
+            "{invalid}: {err}"
+        );
+    }
+
+    // The refusals changed nothing; both kinds are listed.
+    let mut want = vec![translate, hold, hold_udp];
+    want.sort();
+    let rules = xl.rules().unwrap();
+    assert_eq!(rules.iter().map(|r| r.0).collect::<Vec<_>>(), want);
+    assert!(rules.iter().all(|(_, s)| *s == Default::default()));
+    // A rule is found by its flow and its kind.
+    assert_eq!(xl.state(&translate_held).unwrap(), None);
+    assert!(!xl.remove(&translate_held).unwrap());
+    assert!(!xl.remove(&held_translated).unwrap());
+    assert!(xl.state(&hold).unwrap().is_some());
+
+    // The migration is over: the flow may be translated now.
+    assert!(xl.remove(&hold).unwrap());
+    assert!(!xl.remove(&hold).unwrap(), "removed twice");
+    xl.add(translate_held).unwrap();
+    // And the translated one held, once its rule is gone.
+    assert!(xl.remove(&translate).unwrap());
+    xl.add(held_translated).unwrap();
+    let mut want = vec![held_translated, translate_held, hold_udp];
+    want.sort();
+    assert_eq!(
+        xl.rules().unwrap().iter().map(|r| r.0).collect::<Vec<_>>(),
+        want
+    );
+}
+
+#[test]
+fn hold_drops_udp_datagrams_both_ways_with_their_fragments() {
+    require_root!();
+    let net = Net::new(Checksums::Software);
+    let mut xl = net.attach_new();
+    let server = net.new_node(|| UdpSocket::bind(v4(NEW_IP, 6000)).unwrap());
+    let client = net.peer(|| UdpSocket::bind(v4(PEER_IP, 41000)).unwrap());
+    // Another flow between the same addresses, to the same server port.
+    let other = net.peer(|| UdpSocket::bind(v4(PEER_IP, 41001)).unwrap());
+    client.connect(v4(NEW_IP, 6000)).unwrap();
+    other.connect(v4(NEW_IP, 6000)).unwrap();
+    for s in [&server, &client, &other] {
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    }
+    let mut buf = vec![0u8; 65536];
+    let small = pattern(1, 100);
+    let big = pattern(2, 3000); // three fragments on a 1500-byte MTU
+    #[track_caller]
+    fn recv_from(s: &UdpSocket, buf: &mut [u8], want: &[u8], from: SocketAddrV4, what: &str) {
+        let (n, f) = s.recv_from(buf).expect(what);
+        assert_eq!(f, SocketAddr::V4(from), "{what}");
+        assert!(buf[..n] == *want, "{what}");
+    }
+    let exchange = |buf: &mut Vec<u8>, what: &str| {
+        for data in [&small, &big] {
+            client.send(data).unwrap();
+            recv_from(&server, buf, data, v4(PEER_IP, 41000), what);
+            server.send_to(data, v4(PEER_IP, 41000)).unwrap();
+            recv_from(&client, buf, data, v4(NEW_IP, 6000), what);
+        }
+    };
+    exchange(&mut buf, "before the hold");
+
+    let hold = TranslationRule::hold(Protocol::Udp, v4(NEW_IP, 6000), v4(PEER_IP, 41000));
+    xl.add(hold).unwrap();
+    // In: a datagram and a fragmented one, every fragment dropped at
+    // ingress (the later ones follow the first).
+    client.send(&small).unwrap();
+    client.send(&big).unwrap();
+    // Out: the same; the kernel may not even try the later fragments once
+    // the first one is dropped.
+    server.send_to(&small, v4(PEER_IP, 41000)).unwrap();
+    server.send_to(&big, v4(PEER_IP, 41000)).unwrap();
+    // The other flow passes both ways, and is what the sockets get first:
+    // nothing of the held flow came before it.
+    other.send(b"other").unwrap();
+    recv_from(
+        &server,
+        &mut buf,
+        b"other",
+        v4(PEER_IP, 41001),
+        "other flow in",
+    );
+    server.send_to(b"other back", v4(PEER_IP, 41001)).unwrap();
+    recv_from(
+        &other,
+        &mut buf,
+        b"other back",
+        v4(NEW_IP, 6000),
+        "other flow out",
+    );
+    wait_for("the held datagrams", || {
+        let s = xl.state(&hold).unwrap().unwrap();
+        (s.packets_egress, s.packets_ingress) == (2, 2)
+    });
+    let c = xl.counters().unwrap();
+    // Per rule datagrams; globally fragments too: 1 + 3 in, 1 + 1..=3 out.
+    assert!((6..=8).contains(&c.held), "{c:?}");
+    assert_eq!(
+        (c.translated_egress, c.translated_ingress, c.dropped),
+        (0, 0, 0),
+        "{c:?}"
+    );
+    for s in [&server, &client] {
+        s.set_nonblocking(true).unwrap();
+    }
+    assert_nothing(server.recv_from(&mut buf), "held datagram delivered in");
+    assert_nothing(client.recv_from(&mut buf), "held datagram delivered out");
+
+    // Out, a fragmented datagram sent fragment by fragment (the stack's
+    // own stops at the first drop): the later fragments follow the first.
+    let send_new = net.new_node(|| packet_socket(false));
+    let whole = udp(v4(NEW_IP, 6000), v4(PEER_IP, 41000), &big);
+    for (off, part) in [
+        (0x2000u16, &whole[..1480]),
+        (0x2000 | 185, &whole[1480..2960]),
+        (370, &whole[2960..]),
+    ] {
+        let ip = ipv4(
+            NEW_IP,
+            PEER_IP,
+            libc::IPPROTO_UDP as u8,
+            &[],
+            off,
+            0x4242,
+            part,
+        );
+        // The drop at tc egress is reported to the sender.
+        let err = try_inject(&send_new, &frame(PEER_MAC, NEW_MAC, &ip)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOBUFS), "{err}");
+    }
+    wait_for("the injected fragments held", || {
+        xl.counters().unwrap().held == c.held + 3
+    });
+    assert_eq!(xl.state(&hold).unwrap().unwrap().packets_egress, 3);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_nothing(
+        client.recv_from(&mut buf),
+        "injected datagram delivered out",
+    );
+    // No held fragment reached either stack: each got the three of the
+    // fragmented datagram before the hold, no more.
+    for ns in [&net.peer, &net.new] {
+        assert_eq!(Net::snmp(ns, "Ip", "ReasmReqds"), 3, "fragments in {ns}");
+    }
+    assert_eq!(
+        Net::snmp(&net.peer, "Udp", "InDatagrams"),
+        3,
+        "before the hold, and the other flow"
+    );
+
+    // Released: datagrams pass again (UDP retransmits nothing).
+    assert!(xl.remove(&hold).unwrap());
+    for s in [&server, &client] {
+        s.set_nonblocking(false).unwrap();
+    }
+    exchange(&mut buf, "after the hold");
+    assert_eq!(xl.counters().unwrap().held, c.held + 3);
+    net.assert_no_checksum_errors();
 }
 
 // ---- Hand-made frames ----------------------------------------------------
@@ -1063,6 +1490,12 @@ fn packet_socket(capture: bool) -> (OwnedFd, i32) {
 /// as an IPv4 frame (skb->protocol ETH_P_IP, as the stack's own): through
 /// tc egress like any packet the node sends.
 fn inject(sock: &(OwnedFd, i32), frame: &[u8]) {
+    try_inject(sock, frame).expect("inject");
+}
+
+/// [`inject`], returning the error: a frame dropped at tc egress fails
+/// with ENOBUFS (NET_XMIT_DROP).
+fn try_inject(sock: &(OwnedFd, i32), frame: &[u8]) -> std::io::Result<()> {
     // SAFETY: an all-zero sockaddr_ll is valid; the fields that matter are
     // set below.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
@@ -1083,12 +1516,11 @@ fn inject(sock: &(OwnedFd, i32), frame: &[u8]) {
             std::mem::size_of::<libc::sockaddr_ll>() as u32,
         )
     };
-    assert_eq!(
-        rc,
-        frame.len() as isize,
-        "inject: {}",
-        std::io::Error::last_os_error()
-    );
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    assert_eq!(rc, frame.len() as isize, "inject: sent in part");
+    Ok(())
 }
 
 /// Receives frames on the capture socket until one equals `want`; fails
