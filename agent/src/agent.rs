@@ -17,6 +17,7 @@ use crate::engine::destination::Incoming;
 use crate::managed::{Lifecycle, ManagedProcess, Origin, Registry};
 use crate::ownership::{Counters, Ownership, PortFilter, PortState};
 use crate::process::PortKey;
+use crate::translation::FlowRules;
 
 pub struct Agent {
     pub config: Config,
@@ -31,6 +32,11 @@ pub struct Agent {
     reserved: Mutex<BTreeMap<PortKey, PortState>>,
     /// Packets kept for migrations under way, by migration.
     pub capture: CaptureStore,
+    /// Translation and hold rules for in-cluster connections, on the
+    /// cluster interface.
+    flows: Mutex<Box<dyn FlowRules>>,
+    /// What this node's translations changed per migration, for aborts.
+    pub translation_log: crate::engine::translations::TranslationLog,
     replayer: Mutex<Box<dyn PacketReplayer>>,
     replay_totals: Mutex<ReplayTotals>,
     /// The one incoming migration this node may be receiving.
@@ -70,6 +76,7 @@ impl Agent {
         config: Config,
         filter: Box<dyn PortFilter>,
         replayer: Box<dyn PacketReplayer>,
+        flows: Box<dyn FlowRules>,
     ) -> Arc<Self> {
         Arc::new(Self {
             config,
@@ -77,6 +84,8 @@ impl Agent {
             ownership: Mutex::new(Ownership::new(filter)),
             reserved: Mutex::new(Default::default()),
             capture: CaptureStore::default(),
+            flows: Mutex::new(flows),
+            translation_log: Default::default(),
             replayer: Mutex::new(replayer),
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
@@ -94,6 +103,30 @@ impl Agent {
 
     pub fn ownership(&self) -> MutexGuard<'_, Ownership> {
         lock(&self.ownership)
+    }
+
+    /// The in-cluster translation and hold rules (blocking: BPF maps).
+    pub fn flows(&self) -> MutexGuard<'_, Box<dyn FlowRules>> {
+        lock(&self.flows)
+    }
+
+    /// The cluster address of node `name` (this node's own included).
+    pub fn cluster_address_of(&self, name: &str) -> Option<std::net::Ipv4Addr> {
+        if name == self.config.node {
+            return Some(self.config.cluster.address);
+        }
+        match self.config.peer(name)?.address.ip() {
+            std::net::IpAddr::V4(a) => Some(a),
+            std::net::IpAddr::V6(_) => None,
+        }
+    }
+
+    /// The peer whose cluster address is `ip`.
+    pub fn peer_at(&self, ip: std::net::Ipv4Addr) -> Option<&crate::config::PeerConfig> {
+        self.config
+            .peers
+            .iter()
+            .find(|p| p.address.ip() == std::net::IpAddr::V4(ip))
     }
 
     /// Re-reads the managed processes' sockets and brings the eBPF filter in

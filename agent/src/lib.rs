@@ -12,3 +12,4 @@ pub mod managed;
 pub mod ownership;
 pub mod process;
 mod reaper;
+pub mod translation;

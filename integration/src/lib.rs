@@ -30,6 +30,7 @@ pub mod netns;
 pub mod nstat;
 pub mod paths;
 pub mod peer;
+pub mod postgres;
 pub mod privilege;
 pub mod reap;
 pub mod tmpfs;

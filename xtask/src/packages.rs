@@ -25,6 +25,12 @@ pub const PACKAGES: &[&str] = &[
     "xz-utils",
     // watching the demo's nodes side by side
     "tmux",
+    // the PostgreSQL server and psql for the test that migrates a process
+    // holding a database session (integration/src/postgres.rs,
+    // integration/tests/postgres_session.rs). The tests start their own
+    // server in a namespace; the package's own cluster is not needed.
+    "postgresql",
+    "postgresql-client",
     // CRIU's build dependencies
     "libbsd-dev",
     "libcap-dev",

@@ -202,11 +202,22 @@ impl Control for ControlService {
     ) -> Result<Response<DataPlane>, Status> {
         let agent = self.agent.clone();
         // BPF map reads block: off the runtime.
-        let (counters, totals, ports, iface) = tokio::task::spawn_blocking(move || {
+        let (counters, totals, ports, iface, xlate) = tokio::task::spawn_blocking(move || {
             let (c, t) = agent.data_plane_counters()?;
-            let own = agent.ownership();
-            let ports: Vec<_> = own.current().iter().map(|(k, s)| (*k, *s)).collect();
-            Ok::<_, crate::engine::EngineError>((c, t, ports, own.interface().to_owned()))
+            let ports: Vec<_>;
+            let iface;
+            {
+                let own = agent.ownership();
+                ports = own.current().iter().map(|(k, s)| (*k, *s)).collect();
+                iface = own.interface().to_owned();
+            }
+            let flows = agent.flows();
+            let xlate = (
+                flows.counters()?,
+                flows.rules()?,
+                flows.interface().to_owned(),
+            );
+            Ok::<_, crate::engine::EngineError>((c, t, ports, iface, xlate))
         })
         .await
         .map_err(|e| Status::internal(format!("data plane task: {e}")))??;
@@ -225,7 +236,8 @@ impl Control for ControlService {
                 replayed: totals.replayed,
                 skipped_delivered: totals.skipped_delivered,
                 replay_failed: totals.failed,
-                translated: 0,
+                translated: xlate.0.translated_egress + xlate.0.translated_ingress,
+                held: xlate.0.held,
             }),
             ports: ports
                 .iter()
@@ -234,6 +246,8 @@ impl Control for ControlService {
                     state: port_state_name(*s).to_owned(),
                 })
                 .collect(),
+            cluster_interface: xlate.2,
+            translations: xlate.1.iter().map(|r| r.to_string()).collect(),
         }))
     }
 }

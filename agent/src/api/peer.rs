@@ -4,7 +4,7 @@ use ferry_proto::v1::peer_server::Peer;
 use ferry_proto::v1::{
     AbortRequest, AbortResponse, ArmRequest, ArmResponse, CommitRequest, CommitResponse,
     HelloRequest, HelloResponse, ImageChunk, PrepareRequest, PrepareResponse, RestoreRequest,
-    RestoreResponse, TransferImagesResponse,
+    RestoreResponse, TransferImagesResponse, TranslationsRequest, TranslationsResponse,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -126,5 +126,31 @@ impl Peer for PeerService {
         }))
         .await?;
         Ok(Response::new(AbortResponse {}))
+    }
+
+    async fn add_translations(
+        &self,
+        request: Request<TranslationsRequest>,
+    ) -> Result<Response<TranslationsResponse>, Status> {
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        let rules = finish(tokio::task::spawn_blocking(move || {
+            crate::engine::translations::add(&agent, &req)
+        }))
+        .await?;
+        Ok(Response::new(TranslationsResponse { rules }))
+    }
+
+    async fn remove_translations(
+        &self,
+        request: Request<TranslationsRequest>,
+    ) -> Result<Response<TranslationsResponse>, Status> {
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        let rules = finish(tokio::task::spawn_blocking(move || {
+            crate::engine::translations::remove(&agent, &req)
+        }))
+        .await?;
+        Ok(Response::new(TranslationsResponse { rules }))
     }
 }

@@ -381,6 +381,7 @@ fn print_data_plane(d: &pb::DataPlane, as_json: bool) -> Result<()> {
         ),
         ("replay_failed", c.replay_failed, "captured, replay failed"),
         ("translated", c.translated, "in-cluster packets rewritten"),
+        ("held", c.held, "in-cluster packets held until a commit"),
     ];
     let ports: Vec<(String, &str)> = d
         .ports
@@ -400,6 +401,7 @@ fn print_data_plane(d: &pb::DataPlane, as_json: bool) -> Result<()> {
         let v = json!({
             "node": d.node, "interface": d.interface, "counters": counters,
             "ports": ports.iter().map(|(p, s)| json!({"port": p, "state": s})).collect::<Vec<_>>(),
+            "cluster_interface": d.cluster_interface, "translations": d.translations,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -414,6 +416,13 @@ fn print_data_plane(d: &pb::DataPlane, as_json: bool) -> Result<()> {
     }
     for (p, s) in ports {
         println!("  {p:<12} {s}");
+    }
+    println!("in-cluster rules on {}:", d.cluster_interface);
+    if d.translations.is_empty() {
+        println!("  (none)");
+    }
+    for t in &d.translations {
+        println!("  {t}");
     }
     Ok(())
 }

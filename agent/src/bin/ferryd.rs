@@ -87,12 +87,27 @@ async fn serve(config: Config) -> Result<()> {
         })?;
     tracing::info!(interface = %config.public.interface, "ownership filter attached");
 
+    // In-cluster connections of migrated processes are rewritten (peer's
+    // node) or held (destination) on the cluster interface.
+    let cluster_iface = config.cluster.interface.clone();
+    let translator =
+        tokio::task::spawn_blocking(move || ferry_ebpf::Translator::attach(&cluster_iface))
+            .await?
+            .with_context(|| {
+                format!(
+                    "attaching the in-cluster translator to {}",
+                    config.cluster.interface
+                )
+            })?;
+    tracing::info!(interface = %config.cluster.interface, "in-cluster translator attached");
+
     // In this (the node's) network namespace: replayed packets enter here.
     let replayer = ferry_ebpf::Replayer::new().context("opening the packet replay socket")?;
     let agent = Agent::new(
         config.clone(),
         Box::new(EbpfPortFilter(filter)),
         Box::new(replayer),
+        Box::new(ferry_agent::translation::EbpfFlowRules(translator)),
     );
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
@@ -102,11 +117,16 @@ async fn serve(config: Config) -> Result<()> {
         let mut stop = shutdown_rx.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
+            let mut ticks = 0u64;
             loop {
                 tokio::select! {
                     _ = tick.tick() => {
                         if let Err(e) = agent.reconcile().await {
                             tracing::warn!(error = %e, "reconciling port ownership");
+                        }
+                        ticks += 1;
+                        if ticks.is_multiple_of(10) {
+                            remove_closed_translations(&agent).await;
                         }
                     }
                     _ = stop.changed() => break,
@@ -213,5 +233,21 @@ fn warn_if_not_tmpfs(dir: &Path) {
             "work_dir is not on tmpfs: writing images to disk lengthens the freeze"
         ),
         Err(e) => tracing::warn!(error = %e, "statfs on work_dir"),
+    }
+}
+
+/// Translations of in-cluster connections that closed: gone after a linger
+/// that covers TIME_WAIT's last segments.
+async fn remove_closed_translations(agent: &std::sync::Arc<Agent>) {
+    const LINGER: Duration = Duration::from_secs(60);
+    let agent = agent.clone();
+    match tokio::task::spawn_blocking(move || agent.flows().remove_closed(LINGER)).await {
+        Ok(Ok(removed)) => {
+            for rule in removed {
+                tracing::info!(%rule, "translation of a closed connection removed");
+            }
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "removing closed translations"),
+        Err(e) => tracing::warn!(error = %e, "translation cleanup task"),
     }
 }

@@ -23,6 +23,7 @@ use crate::criu;
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
 use crate::ownership::PortState;
 use crate::process::{self, PortKey, SocketSummary, Transport};
+use crate::translation::{self, InClusterFlow};
 
 use super::{EngineError, images::ImageWriter, source::set_private};
 
@@ -56,6 +57,9 @@ pub struct Incoming {
     pub ports: Vec<PortKey>,
     /// Whether Arm started a capture for the ports.
     armed: bool,
+    /// In-cluster connections found in the images, and held here (nothing
+    /// in or out) from before the restore to Commit or abort.
+    in_cluster: Vec<InClusterFlow>,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -109,10 +113,74 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
         tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
     }
     agent.capture.close(&incoming.migration_id);
+    release_holds(agent, &incoming.in_cluster).await;
     agent.release_ports(&incoming.ports);
     if let Err(e) = agent.reconcile().await {
         tracing::warn!(error = %e, "releasing reserved ports");
     }
+}
+
+/// Removes the holds on a migration's in-cluster connections.
+async fn release_holds(agent: &Arc<Agent>, flows: &[InClusterFlow]) {
+    if flows.is_empty() {
+        return;
+    }
+    let (agent, flows) = (agent.clone(), flows.to_vec());
+    let removed = tokio::task::spawn_blocking(move || {
+        let mut rules = agent.flows();
+        for f in &flows {
+            if let Err(e) = rules.remove(&f.hold()) {
+                tracing::error!(rule = %f.hold(), error = %e, "removing a hold");
+            }
+        }
+    })
+    .await;
+    if let Err(e) = removed {
+        tracing::error!(error = %e, "hold removal task");
+    }
+}
+
+/// Finds the process's connections to other cluster nodes in its images,
+/// gives them this node's cluster address and holds them (blocking). All
+/// holds or none.
+fn take_in_cluster(
+    agent: &Agent,
+    images: &std::path::Path,
+    from: &str,
+) -> Result<Vec<InClusterFlow>, EngineError> {
+    let here = agent.config.cluster.address;
+    let source = agent
+        .cluster_address_of(from)
+        .ok_or_else(|| EngineError::UnknownNode {
+            name: from.to_owned(),
+            known: agent
+                .config
+                .peers
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+    // Peers on the source node itself count: that node translates too.
+    let nodes: Vec<_> = agent
+        .config
+        .peers
+        .iter()
+        .filter_map(|p| agent.cluster_address_of(&p.name))
+        .filter(|ip| *ip != here)
+        .collect();
+    let flows = translation::rewrite_in_cluster(images, source, here, &nodes)?;
+    let mut rules = agent.flows();
+    for (i, f) in flows.iter().enumerate() {
+        if let Err(e) = rules.add(f.hold()) {
+            for done in &flows[..i] {
+                let _ = rules.remove(&done.hold());
+            }
+            return Err(e.into());
+        }
+        tracing::info!(rule = %f.hold(), "in-cluster connection held until commit");
+    }
+    Ok(flows)
 }
 
 /// Waits (bounded) until `pid` has exited: gone, or a zombie, whose sockets
@@ -190,6 +258,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         argv: req.argv,
         ports,
         armed: false,
+        in_cluster: Vec::new(),
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
@@ -345,6 +414,12 @@ pub async fn restore(
 ) -> Result<RestoreResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
+    if inc.in_cluster.is_empty() {
+        let (a, images, from) = (agent.clone(), inc.images(), inc.from.clone());
+        inc.in_cluster = tokio::task::spawn_blocking(move || take_in_cluster(&a, &images, &from))
+            .await
+            .map_err(|e| EngineError::Internal(e.to_string()))??;
+    }
     let creq = criu::RestoreRequest {
         criu: agent.config.criu_path.clone(),
         images_dir: inc.images(),
@@ -368,6 +443,7 @@ pub async fn restore(
     Ok(RestoreResponse {
         pid: outcome.pid,
         restore_time_us: restore_time.as_micros() as u64,
+        in_cluster: inc.in_cluster.iter().map(|f| f.to_pb()).collect(),
     })
 }
 
@@ -403,6 +479,9 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // also waking the process to handle it before the next one goes in;
     // clients get their ACKs sooner, which is what keeps their
     // retransmission timers from firing.
+    // The source had the peers' nodes translate before it sent Commit: the
+    // in-cluster connections may flow from here on.
+    release_holds(agent, &inc.in_cluster).await;
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
         agent.apply_ownership().await?;
@@ -512,7 +591,12 @@ peer_listen = "198.19.0.2:7100"
         let filter = FakeFilter::default();
         let replayed = FakeReplayer::default();
         Fixture {
-            agent: Agent::new(config, Box::new(filter.clone()), Box::new(replayed.clone())),
+            agent: Agent::new(
+                config,
+                Box::new(filter.clone()),
+                Box::new(replayed.clone()),
+                Box::new(crate::translation::fake::FakeFlowRules::default()),
+            ),
             filter,
             replayed,
             _dir: dir,

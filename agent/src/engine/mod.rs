@@ -5,9 +5,9 @@
 //! Source (`source.rs`), driven by `Control.Migrate`:
 //!
 //! ```text
-//! Validate ─> Prepare ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Discard ─> Commit ─> Committed
-//!    │           │        │       │                      │          │
-//!    └─ error    └────────┴───────┴──────────────────────┴──────────┴──> Abort ─> Aborted (process runs on source)
+//! Validate ─> Prepare ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Discard ─> Commit ─> Committed
+//!    │           │        │       │                      │          │            │
+//!    └─ error    └────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
 //! ```
 //!
 //! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
@@ -32,9 +32,17 @@
 //! - **Transfer**: the images stream to the destination (`TransferImages`).
 //! - **Restore**: the destination restores the process, left stopped, as a
 //!   child of its agent. Its success is the destination's confirmation.
+//!   Before that it rewrites the process's connections to other cluster
+//!   nodes to its own cluster address and holds them (nothing in or out);
+//!   the response lists them (see [`crate::translation`]).
+//! - **Translate** (only with such connections): the source has each
+//!   peer's node rewrite those flows (`Peer.AddTranslations`); an abort
+//!   from here on undoes it (`RemoveTranslations`) before the process
+//!   resumes on the source.
 //! - **Discard**: the source kills its stopped copy (sockets in repair mode
 //!   close silently) and releases the ports. This is the commit point.
-//! - **Commit**: carries the source's delivered log. The destination opens
+//! - **Commit**: carries the source's delivered log. The destination drops
+//!   its holds on in-cluster connections, opens
 //!   egress, replays the captured packets into its stack in arrival order
 //!   while the process is still stopped (the kernel queues and ACKs them),
 //!   skipping those the log says the source handled (the longest prefix of
@@ -56,6 +64,7 @@ pub mod destination;
 mod images;
 mod rollback;
 pub mod source;
+pub mod translations;
 
 use crate::criu::CriuError;
 use crate::ownership::DataPlaneError;
@@ -126,6 +135,8 @@ pub enum EngineError {
     Process(#[from] ProcessError),
     #[error(transparent)]
     DataPlane(#[from] DataPlaneError),
+    #[error("in-cluster connections: {0}")]
+    InCluster(#[from] crate::translation::FlowError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -157,6 +168,13 @@ impl EngineError {
             | EngineError::NoCommonVersion { .. }
             | EngineError::WrongState { .. } => Code::FailedPrecondition,
             EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
+            EngineError::InCluster(crate::translation::FlowError::BadFlow { .. }) => {
+                Code::InvalidArgument
+            }
+            EngineError::InCluster(crate::translation::FlowError::PeerOnDestination { .. }) => {
+                Code::FailedPrecondition
+            }
+            EngineError::InCluster(crate::translation::FlowError::Images(_)) => Code::Internal,
             EngineError::PeerUnavailable { .. } => Code::Unavailable,
             EngineError::Peer { code, .. } => *code,
             EngineError::Criu(CriuError::NotFound { .. } | CriuError::TooOld { .. }) => {

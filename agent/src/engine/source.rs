@@ -8,7 +8,7 @@ use ferry_proto::v1::peer_client::PeerClient;
 use ferry_proto::v1::{
     self as pb, AbortRequest, ArmRequest, CommitRequest, HelloRequest, MigrationEvent,
     MigrationOutcome, MigrationProgress, MigrationReport, MigrationStarted, PhaseTiming,
-    PrepareRequest, RestoreRequest, migration_event,
+    PrepareRequest, RestoreRequest, TranslationsRequest, migration_event,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -254,6 +254,9 @@ struct Run {
     capturing_here: bool,
     /// Digests of what this node delivered between Arm and the freeze.
     delivered: Vec<u64>,
+    /// In-cluster connections the peers' nodes translate for this
+    /// migration, by node: undone on abort.
+    translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
     /// The drain of this node's capture ring, running during the transfer:
     /// whoever needs the delivered log or the captured packets next waits
     /// for it first (the ring has one reader at a time).
@@ -347,6 +350,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             capturing_here: false,
             delivered: Vec::new(),
             draining: None,
+            translated: Vec::new(),
             p,
             events,
             report,
@@ -525,6 +529,16 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     };
     run.report.destination_pid = restored.pid;
 
+    // The destination restored the in-cluster connections on its own
+    // cluster address and holds them: their peers' nodes translate from
+    // now on, before this copy goes.
+    if !restored.in_cluster.is_empty() {
+        run.phase("translate").await;
+        if let Err(e) = translate_in_cluster(run, restored.in_cluster, deadline).await {
+            return Stop::BeforeCommit(e);
+        }
+    }
+
     if let Err(e) = run.finish_drain().await {
         // The destination holds a restored copy: go on without the log;
         // the replay then also feeds what the source delivered, and TCP
@@ -581,6 +595,99 @@ fn out_stage(migration_id: &str, stage: OutStage) -> Lifecycle {
 }
 
 /// Kills the stopped source copy and forgets it, releasing its ports.
+/// Has the node of each in-cluster peer translate its flows; records what
+/// was done in `run.translated` for an abort to undo.
+async fn translate_in_cluster(
+    run: &mut Run,
+    flows: Vec<ferry_proto::v1::InClusterFlow>,
+    deadline: Duration,
+) -> Result<(), EngineError> {
+    let mut by_node: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)> = Vec::new();
+    for f in flows {
+        let flow = crate::translation::InClusterFlow::from_pb(&f)?;
+        let ip = *flow.remote.ip();
+        let node = if ip == run.agent.config.cluster.address {
+            run.agent.node().to_owned()
+        } else {
+            match run.agent.peer_at(ip) {
+                Some(p) => p.name.clone(),
+                None => {
+                    return Err(EngineError::Internal(format!(
+                        "the destination reported a peer at {ip}, which is no node of this cluster"
+                    )));
+                }
+            }
+        };
+        match by_node.iter_mut().find(|(n, _)| *n == node) {
+            Some((_, v)) => v.push(f),
+            None => by_node.push((node, vec![f])),
+        }
+    }
+    for (node, flows) in by_node {
+        let req = TranslationsRequest {
+            migration_id: run.p.migration_id.clone(),
+            flows: flows.clone(),
+        };
+        // Recorded first: a call that times out may still have landed.
+        run.translated.push((node.clone(), flows));
+        if node == run.agent.node() {
+            let agent = run.agent.clone();
+            tokio::task::spawn_blocking(move || super::translations::add(&agent, &req))
+                .await
+                .map_err(|e| EngineError::Internal(e.to_string()))??;
+            continue;
+        }
+        let peer = run
+            .agent
+            .config
+            .peer(&node)
+            .cloned()
+            .ok_or_else(|| EngineError::Internal(format!("no peer config for {node}")))?;
+        let mut client = run.agent.peer_client(&peer).await?;
+        match tokio::time::timeout(deadline, client.add_translations(req)).await {
+            Ok(Ok(r)) => {
+                tracing::info!(node = %node, rules = r.into_inner().rules, "in-cluster peers translate")
+            }
+            Ok(Err(s)) => return Err(peer_error(&node, s)),
+            Err(_) => return Err(silent(&peer, "adding translations", deadline)),
+        }
+    }
+    Ok(())
+}
+
+/// Undoes [`translate_in_cluster`] (an abort): best effort, logged.
+async fn untranslate_in_cluster(run: &mut Run) {
+    for (node, flows) in std::mem::take(&mut run.translated) {
+        let req = TranslationsRequest {
+            migration_id: run.p.migration_id.clone(),
+            flows,
+        };
+        let result = if node == run.agent.node() {
+            let agent = run.agent.clone();
+            tokio::task::spawn_blocking(move || super::translations::remove(&agent, &req))
+                .await
+                .map_err(|e| EngineError::Internal(e.to_string()))
+                .and_then(|r| r)
+                .map(|_| ())
+        } else {
+            match run.agent.config.peer(&node).cloned() {
+                Some(peer) => match run.agent.peer_client(&peer).await {
+                    Ok(mut c) => c
+                        .remove_translations(req)
+                        .await
+                        .map(|_| ())
+                        .map_err(|s| peer_error(&node, s)),
+                    Err(e) => Err(e),
+                },
+                None => Err(EngineError::Internal(format!("no peer config for {node}"))),
+            }
+        };
+        if let Err(e) = result {
+            tracing::error!(node = %node, error = %e, "removing the translations of an aborted migration");
+        }
+    }
+}
+
 async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
     // The root is the init of its PID namespace: killing it takes the whole
     // tree with it.
@@ -616,6 +723,9 @@ async fn finish(run: &mut Run, stop: Stop) {
             if let Err(e) = run.finish_drain().await {
                 tracing::error!(error = %e, "draining the capture ring");
             }
+            // The in-cluster peers' packets must come here again before
+            // the process runs.
+            untranslate_in_cluster(run).await;
             let resumed = if run.capturing_here {
                 // Egress opens, ingress is still kept; the process runs and
                 // gets what arrived while it was frozen, in order, before

@@ -1,0 +1,218 @@
+//! In-cluster connections: a migrating process holding a session to a real
+//! PostgreSQL server (Debian's) on a third node keeps using that very
+//! session after each migration, with no reconnect. Root only; skipped with
+//! a reason otherwise.
+
+use std::io::Read;
+use std::net::{SocketAddrV4, TcpStream};
+use std::time::{Duration, Instant};
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{migrate, process_state, run, wait_for_process};
+use ferry_integration::netns::run_in;
+use ferry_integration::postgres::{PG_PORT, PostgresServer};
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{DataPlane, GetDataPlaneRequest, MigrationOutcome};
+use tonic::transport::Channel;
+
+const STATUS_PORT: u16 = 7300;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The session's status line, read from a client through the shared
+/// public address (whichever node owns the port answers).
+#[derive(Debug, Clone, PartialEq)]
+struct Status {
+    backend_pid: i64,
+    client_addr: String,
+    client_port: i64,
+    queries_ok: u64,
+    queries_failed: u64,
+    last_counter: i64,
+    last_error: Option<String>,
+}
+
+fn status(cluster: &Cluster) -> Result<Status, String> {
+    let target = SocketAddrV4::new(cluster.public_addr(), STATUS_PORT);
+    let line = run_in(&cluster.netns_path("client1"), move || {
+        let mut s = TcpStream::connect_timeout(&target.into(), Duration::from_secs(2))
+            .map_err(|e| format!("connect {target}: {e}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut line = String::new();
+        s.read_to_string(&mut line)
+            .map_err(|e| format!("read {target}: {e}"))?;
+        Ok::<_, String>(line)
+    })
+    .map_err(|e| e.to_string())??;
+    let v: serde_json::Value =
+        serde_json::from_str(line.trim()).map_err(|e| format!("{line:?}: {e}"))?;
+    let num = |k: &str| {
+        v[k].as_i64()
+            .ok_or_else(|| format!("{k} missing in {line}"))
+    };
+    Ok(Status {
+        backend_pid: num("backend_pid")?,
+        client_addr: v["client_addr"].as_str().unwrap_or_default().to_owned(),
+        client_port: num("client_port")?,
+        queries_ok: num("queries_ok")? as u64,
+        queries_failed: num("queries_failed")? as u64,
+        last_counter: num("last_counter")?,
+        last_error: v["last_error"].as_str().map(str::to_owned),
+    })
+}
+
+/// Waits until the session has answered `n` more queries than `since`.
+fn wait_for_queries(cluster: &Cluster, since: u64, n: u64) -> Status {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last = Err("no status yet".to_owned());
+    while Instant::now() < deadline {
+        last = status(cluster);
+        if let Ok(s) = &last
+            && s.queries_ok >= since + n
+        {
+            return s.clone();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the session did not answer {n} more queries than {since}: {last:?}");
+}
+
+async fn data_plane(control: &mut ControlClient<Channel>) -> DataPlane {
+    control
+        .get_data_plane(GetDataPlaneRequest {})
+        .await
+        .expect("GetDataPlane")
+        .into_inner()
+}
+
+#[test]
+fn a_postgresql_session_on_another_node_survives_migrations() {
+    if !ferry_integration::can_run("a_postgresql_session_on_another_node_survives_migrations") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(3, 1)).expect("cluster");
+    let node_ip = |n: &str| cluster.node_cluster_addr(n);
+    let pg_addr = SocketAddrV4::new(node_ip("node3"), PG_PORT);
+    let pg = PostgresServer::start(&cluster.netns_path("node3"), pg_addr).expect("PostgreSQL");
+    let sessions = || {
+        pg.query(
+            "SELECT pid, host(client_addr), client_port FROM pg_stat_activity \
+             WHERE application_name = 'ferry-pg-session'",
+        )
+        .expect("pg_stat_activity")
+    };
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node3 = cluster.control("node3").await.expect("control node3");
+        let argv = vec![
+            env!("CARGO_BIN_EXE_ferry-pg-session").to_owned(),
+            "--pg".into(),
+            pg_addr.to_string(),
+            "--user".into(),
+            "postgres".into(),
+            "--database".into(),
+            "postgres".into(),
+            "--serve".into(),
+            format!("{}:{STATUS_PORT}", cluster.public_addr()),
+            "--interval-ms".into(),
+            "50".into(),
+        ];
+        let mut pid = run(&mut node1, argv).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let first = wait_for_queries(&cluster, 0, 5);
+        assert_eq!(first.client_addr, node_ip("node1").to_string(), "{first:?}");
+        let seen_by_pg = sessions();
+        assert_eq!(
+            seen_by_pg,
+            format!(
+                "{}|{}|{}",
+                first.backend_pid,
+                node_ip("node1"),
+                first.client_port
+            ),
+            "PostgreSQL's view of the session"
+        );
+
+        // node1 -> node2 -> node1: away from where the connection was
+        // opened, then home again (the translation goes away).
+        let mut here = node1;
+        let mut last = first.clone();
+        for (from, to) in [("node1", "node2"), ("node2", "node1")] {
+            let (report, err) = migrate(&mut here, pid, to).await.expect("migration starts");
+            assert!(err.is_none(), "{from} -> {to}: {err:?}\n{report:#?}");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Committed as i32,
+                "{report:#?}"
+            );
+            eprintln!(
+                "{from} -> {to}: freeze {:.1} ms; phases {:?}",
+                report.freeze_time_us as f64 / 1e3,
+                report
+                    .phases
+                    .iter()
+                    .map(|p| format!("{} {:.1}", p.phase, p.duration_us as f64 / 1e3))
+                    .collect::<Vec<_>>()
+            );
+            assert!(
+                report.phases.iter().any(|p| p.phase == "translate"),
+                "no translate phase: {report:#?}"
+            );
+            assert_eq!(process_state(pid), None, "the source copy still exists");
+            pid = report.destination_pid;
+            here = cluster.control(to).await.expect("control");
+            wait_for_process(&mut here, pid, |p| p.state == "running").await;
+
+            // The same session goes on: same backend, the counter keeps
+            // counting, not one query failed, PostgreSQL still sees node1.
+            let now = wait_for_queries(&cluster, last.queries_ok, 10);
+            assert_eq!(now.backend_pid, first.backend_pid, "{now:?}");
+            assert_eq!(now.client_addr, first.client_addr, "{now:?}");
+            assert_eq!(now.client_port, first.client_port, "{now:?}");
+            assert!(
+                now.last_counter > last.last_counter,
+                "{now:?} after {last:?}"
+            );
+            assert_eq!(now.queries_failed, 0, "{now:?}");
+            assert_eq!(now.last_error, None, "{now:?}");
+            assert_eq!(sessions(), seen_by_pg, "PostgreSQL's view changed");
+
+            // The process's end of the connection lives on `to`, on its
+            // cluster address; node3 rewrites the flow only while the
+            // process is away from node1.
+            let local = SocketAddrV4::new(node_ip(to), first.client_port as u16);
+            assert_eq!(
+                cluster.established_tcp(to, local.port()),
+                vec![pg_addr],
+                "the session's socket on {to}"
+            );
+            let dp3 = data_plane(&mut node3).await;
+            let away = to != "node1";
+            assert_eq!(
+                dp3.translations.len(),
+                usize::from(away),
+                "node3's rules: {:?}",
+                dp3.translations
+            );
+            if away {
+                let c = dp3.counters.unwrap();
+                assert!(c.translated > 0, "{c:?}");
+            }
+            let dp_here = data_plane(&mut here).await;
+            assert!(
+                dp_here.translations.is_empty(),
+                "a hold survived the commit on {to}: {:?}",
+                dp_here.translations
+            );
+            last = now;
+        }
+    });
+    drop(pg);
+}
