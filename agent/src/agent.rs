@@ -1,7 +1,7 @@
 //! The agent's shared state: managed processes, port ownership, the
 //! destination slot and finished migration reports.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use std::time::Instant;
@@ -35,6 +35,9 @@ pub struct Agent {
     /// Translation and hold rules for in-cluster connections, on the
     /// cluster interface.
     flows: Mutex<Box<dyn FlowRules>>,
+    /// The peers' verdict on ports this node's processes opened: free to
+    /// own, or owned by another node (refused here).
+    claims: Mutex<BTreeMap<PortKey, Claim>>,
     /// What this node's translations changed per migration, for aborts.
     pub translation_log: crate::engine::translations::TranslationLog,
     replayer: Mutex<Box<dyn PacketReplayer>>,
@@ -42,6 +45,13 @@ pub struct Agent {
     /// The one incoming migration this node may be receiving.
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
     reports: Mutex<HashMap<String, MigrationReport>>,
+}
+
+/// What the peers said of a port a managed process opened here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Claim {
+    Free,
+    OwnedBy(String),
 }
 
 /// At most this many drain-and-replay passes before the ports open.
@@ -86,6 +96,7 @@ impl Agent {
             capture: CaptureStore::default(),
             flows: Mutex::new(flows),
             translation_log: Default::default(),
+            claims: Mutex::new(BTreeMap::new()),
             replayer: Mutex::new(replayer),
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
@@ -130,13 +141,125 @@ impl Agent {
     }
 
     /// Re-reads the managed processes' sockets and brings the eBPF filter in
-    /// line. procfs reads and BPF map updates block, so this runs on the
-    /// blocking pool.
+    /// line. procfs reads and BPF map updates block, so they run on the
+    /// blocking pool. A port a process opened since is owned only once no
+    /// peer says it owns it ([`Self::check_claims`]).
     pub async fn reconcile(self: &Arc<Self>) -> Result<(), EngineError> {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.reconcile_blocking())
+        let unclaimed = tokio::task::spawn_blocking(move || {
+            me.registry().refresh();
+            me.unclaimed_ports()
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("reconcile task: {e}")))?;
+        if !unclaimed.is_empty() {
+            self.check_claims(unclaimed).await;
+        }
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.sync_ownership(false))
             .await
             .map_err(|e| EngineError::Internal(format!("reconcile task: {e}")))?
+    }
+
+    /// Ports managed processes hold that this node does not own yet (nor
+    /// holds for an incoming migration), and ports refused earlier that a
+    /// process still holds: those need the peers' word first.
+    fn unclaimed_ports(&self) -> Vec<PortKey> {
+        let wanted = self.registry().desired_ports();
+        let owned: BTreeSet<PortKey> = self.ownership().current().keys().copied().collect();
+        let reserved = lock(&self.reserved);
+        // Forget verdicts on ports no process holds any more.
+        lock(&self.claims).retain(|p, _| wanted.contains_key(p));
+        wanted
+            .iter()
+            .filter(|(p, s)| **s == PortState::Owned && !reserved.contains_key(p))
+            .map(|(p, _)| *p)
+            .filter(|p| !owned.contains(p))
+            .collect()
+    }
+
+    /// Asks every peer (concurrently, briefly) which of `ports` it owns and
+    /// records the verdicts: a port another node owns is refused here (an
+    /// error in the log and in `ListProcesses`), the others may be owned.
+    /// A peer that does not answer in time is taken as owning none of
+    /// them: refusing would leave a port nobody serves whenever any node
+    /// is down. Two nodes claiming the same new port within one such round
+    /// trip can both win; membership with leases (load-balancing issue)
+    /// closes that window.
+    pub async fn check_claims(self: &Arc<Self>, ports: Vec<PortKey>) {
+        const ASK_TIMEOUT: Duration = Duration::from_millis(500);
+        let req = ferry_proto::v1::PortOwnershipRequest {
+            ports: ports
+                .iter()
+                .map(crate::engine::source::port_to_pb)
+                .collect(),
+        };
+        let asks = self.config.peers.iter().map(|peer| {
+            let req = req.clone();
+            async move {
+                let answer = tokio::time::timeout(ASK_TIMEOUT, async {
+                    let mut c = self.peer_client(peer).await?;
+                    c.port_ownership(req)
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| EngineError::Internal(s.message().to_owned()))
+                })
+                .await;
+                (peer.name.clone(), answer)
+            }
+        });
+        let answers = futures::future::join_all(asks).await;
+        let mut owners: BTreeMap<PortKey, String> = BTreeMap::new();
+        for (peer, answer) in answers {
+            match answer {
+                Ok(Ok(r)) => {
+                    for p in &r.owned {
+                        if let Ok(k) = crate::engine::destination::port_from_pb(p) {
+                            owners.entry(k).or_insert_with(|| peer.clone());
+                        }
+                    }
+                }
+                Ok(Err(e)) => tracing::warn!(peer = %peer, error = %e, "asking who owns new ports"),
+                Err(_) => tracing::warn!(peer = %peer, "no answer on port ownership in time"),
+            }
+        }
+        let mut claims = lock(&self.claims);
+        for port in ports {
+            let verdict = match owners.remove(&port) {
+                Some(node) => Claim::OwnedBy(node),
+                None => Claim::Free,
+            };
+            let before = claims.insert(port, verdict.clone());
+            match (&before, &verdict) {
+                (Some(Claim::OwnedBy(_)), Claim::Free) => {
+                    tracing::info!(%port, "port no longer owned elsewhere: owned here now")
+                }
+                (b, Claim::OwnedBy(node)) if b.as_ref() != Some(&verdict) => tracing::error!(
+                    %port,
+                    owner = %node,
+                    "a managed process opened a port another node owns: refused, packets stay with {node}"
+                ),
+                _ => {}
+            }
+        }
+    }
+
+    /// The nodes that own ports this node's processes hold, by port.
+    pub fn port_conflicts(&self) -> BTreeMap<PortKey, String> {
+        lock(&self.claims)
+            .iter()
+            .filter_map(|(p, c)| match c {
+                Claim::OwnedBy(n) => Some((*p, n.clone())),
+                Claim::Free => None,
+            })
+            .collect()
+    }
+
+    /// The ports this node owns in any state (for a peer's question).
+    pub fn owned_ports(&self) -> BTreeSet<PortKey> {
+        let mut all: BTreeSet<PortKey> = self.ownership().current().keys().copied().collect();
+        all.extend(lock(&self.reserved).keys().copied());
+        all
     }
 
     /// Brings the filter in line with the registry as it is, without
@@ -172,6 +295,14 @@ impl Agent {
             }
             reg.desired_ports()
         };
+        // A port is newly owned only once the peers said nobody owns it;
+        // ports already owned stay (a migration moved them here, or they
+        // were checked before).
+        {
+            let claims = lock(&self.claims);
+            let current = ownership.current();
+            desired.retain(|p, _| current.contains_key(p) || claims.get(p) == Some(&Claim::Free));
+        }
         // An incoming migration's state wins: at Commit the adopted
         // process's ports stay releasing until the replay is done.
         for (port, state) in lock(&self.reserved).iter() {

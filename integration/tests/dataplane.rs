@@ -340,3 +340,64 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
         assert!(dp1.ports.is_empty(), "node1 kept ports: {:?}", dp1.ports);
     });
 }
+
+/// One port, one owner: a process that opens a port another node owns does
+/// not get it (the node refuses, says why in `ListProcesses`, and every
+/// packet keeps going to the owner); once the owner lets go, it does.
+#[test]
+fn a_port_another_node_owns_is_refused_until_it_lets_go() {
+    if !ferry_integration::can_run("a_port_another_node_owns_is_refused_until_it_lets_go") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let target = SocketAddrV4::new(SHARED_IP, PORT);
+    let client = cluster.netns_path("client1");
+    let served_by = |c: &Cluster| {
+        let mut probe = SeqClient::probe_once(&client, target).expect("connection");
+        probe.round_trip().expect("echo");
+        c.nodes_holding(probe.local_addr(), PORT)
+    };
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let first = run(&mut node1, dve_server()).await;
+        wait_for_process(&mut node1, first, |p| p.tcp_listening == 1).await;
+        assert_eq!(served_by(&cluster), vec!["node1".to_owned()]);
+
+        // The same port on node2: its socket binds (every node has the
+        // shared address), but node2 must not take the port.
+        let second = run(&mut node2, dve_server()).await;
+        let p = wait_for_process(&mut node2, second, |p| {
+            p.tcp_listening == 1 && !p.port_conflicts.is_empty()
+        })
+        .await;
+        assert!(
+            p.port_conflicts
+                .iter()
+                .any(|c| c.contains("7000/tcp") && c.contains("node1")),
+            "{:?}",
+            p.port_conflicts
+        );
+        let dp2 = data_plane(&mut node2).await;
+        assert!(
+            dp2.ports
+                .iter()
+                .all(|s| s.port.as_ref().is_none_or(|p| p.port != u32::from(PORT))),
+            "node2 owns the port: {:?}",
+            dp2.ports
+        );
+        for _ in 0..5 {
+            assert_eq!(served_by(&cluster), vec!["node1".to_owned()]);
+        }
+
+        // The owner lets go: node2 takes the port.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(first),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("kill node1's server");
+        wait_for_process(&mut node2, second, |p| p.port_conflicts.is_empty()).await;
+        assert_eq!(served_by(&cluster), vec!["node2".to_owned()]);
+    });
+}

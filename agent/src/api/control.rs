@@ -84,6 +84,7 @@ impl Control for ControlService {
         // Refresh first, so that a port the caller sees listed is one the
         // filter already passes.
         self.agent.reconcile().await?;
+        let conflicts = self.agent.port_conflicts();
         let processes = self
             .agent
             .registry()
@@ -105,6 +106,16 @@ impl Control for ControlService {
                     Origin::MigratedIn { .. } => "migrated-in",
                 }
                 .into(),
+                port_conflicts: p
+                    .sockets
+                    .ports
+                    .iter()
+                    .filter_map(|port| {
+                        conflicts
+                            .get(port)
+                            .map(|node| format!("{port} is owned by {node}"))
+                    })
+                    .collect(),
             })
             .collect();
         Ok(Response::new(ListProcessesResponse {

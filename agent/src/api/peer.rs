@@ -3,8 +3,9 @@ use std::sync::Arc;
 use ferry_proto::v1::peer_server::Peer;
 use ferry_proto::v1::{
     AbortRequest, AbortResponse, ArmRequest, ArmResponse, CommitRequest, CommitResponse,
-    HelloRequest, HelloResponse, ImageChunk, PrepareRequest, PrepareResponse, RestoreRequest,
-    RestoreResponse, TransferImagesResponse, TranslationsRequest, TranslationsResponse,
+    HelloRequest, HelloResponse, ImageChunk, PortOwnershipRequest, PortOwnershipResponse,
+    PrepareRequest, PrepareResponse, RestoreRequest, RestoreResponse, TransferImagesResponse,
+    TranslationsRequest, TranslationsResponse,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -152,5 +153,26 @@ impl Peer for PeerService {
         }))
         .await?;
         Ok(Response::new(TranslationsResponse { rules }))
+    }
+
+    async fn port_ownership(
+        &self,
+        request: Request<PortOwnershipRequest>,
+    ) -> Result<Response<PortOwnershipResponse>, Status> {
+        let req = request.into_inner();
+        let asked = req
+            .ports
+            .iter()
+            .map(crate::engine::destination::port_from_pb)
+            .collect::<Result<Vec<_>, _>>()?;
+        let owned = self.agent.owned_ports();
+        Ok(Response::new(PortOwnershipResponse {
+            node: self.agent.node().to_owned(),
+            owned: asked
+                .iter()
+                .filter(|p| owned.contains(p))
+                .map(crate::engine::source::port_to_pb)
+                .collect(),
+        }))
     }
 }

@@ -157,6 +157,7 @@ async fn main_exec(args: Args) -> Result<()> {
                     "pid": p.pid, "argv": p.argv, "ports": p.ports.iter().map(port_str).collect::<Vec<_>>(),
                     "tcp_listening": p.tcp_listening, "tcp_established": p.tcp_established,
                     "udp_sockets": p.udp_sockets, "state": p.state, "origin": p.origin,
+                    "port_conflicts": p.port_conflicts,
                 })).collect();
                 println!(
                     "{}",
@@ -180,6 +181,9 @@ async fn main_exec(args: Args) -> Result<()> {
                         p.udp_sockets,
                         p.argv.join(" ")
                     );
+                    for c in &p.port_conflicts {
+                        println!("{:>8} refused: {c}; its packets go there", "");
+                    }
                 }
             }
         }

@@ -71,7 +71,7 @@ impl Incoming {
     }
 }
 
-fn port_from_pb(p: &pb::Port) -> Result<PortKey, EngineError> {
+pub fn port_from_pb(p: &pb::Port) -> Result<PortKey, EngineError> {
     let transport = match pb::Protocol::try_from(p.protocol) {
         Ok(pb::Protocol::Tcp) => Transport::Tcp,
         Ok(pb::Protocol::Udp) => Transport::Udp,
@@ -730,7 +730,10 @@ peer_listen = "198.19.0.2:7100"
                 ..Default::default()
             },
         });
+        // No peer owns it (none answers here): owned.
+        f.agent.check_claims(vec![port]).await;
         f.agent.apply_ownership().await.unwrap();
+        assert_eq!(f.agent.owned_ports(), [port].into());
         let err = prepare(&f.agent, prepare_req("aaaa", 7000))
             .await
             .unwrap_err();
