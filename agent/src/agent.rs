@@ -405,11 +405,117 @@ impl Agent {
         let pid = p.pid;
         self.registry().insert(p);
         tracing::info!(pid, "process under management");
+        self.persist();
     }
 
     /// Forgets a process (it exited or moved away).
     pub fn forget(&self, pid: i32) -> Option<ManagedProcess> {
-        self.registry().remove(pid)
+        let gone = self.registry().remove(pid);
+        self.persist();
+        gone
+    }
+
+    /// Writes the managed processes to `<work_dir>/managed.json`, for a
+    /// restarted agent ([`Self::readopt`]). A failure is logged: the
+    /// processes run on, only a restart would not find them.
+    pub fn persist(&self) {
+        let remembered: Vec<crate::state::Remembered> = self
+            .registry()
+            .iter()
+            .filter_map(|p| {
+                let start_ticks = crate::process::inspect(p.pid).ok()?.start_ticks;
+                Some(crate::state::Remembered {
+                    pid: p.pid,
+                    start_ticks,
+                    argv: p.argv.clone(),
+                    migrated_in: match &p.origin {
+                        Origin::Run => None,
+                        Origin::MigratedIn { migration_id, from } => {
+                            Some(crate::state::MigratedIn {
+                                migration_id: migration_id.clone(),
+                                from: from.clone(),
+                            })
+                        }
+                    },
+                })
+            })
+            .collect();
+        let path = crate::state::path(&self.config.work_dir);
+        if let Err(e) = crate::state::save(&path, &remembered) {
+            tracing::error!(error = %e, "remembering the managed processes");
+        }
+    }
+
+    /// At start-up: adopts again the processes an earlier agent managed
+    /// that still run (same PID, same start time), watches them exit, and
+    /// drops holds no migration will release (none survives a restart).
+    /// Their ports stay owned throughout when the data-plane maps are
+    /// pinned: the filter already holds them ([`Ownership::new`]).
+    pub fn readopt(self: &Arc<Self>) -> usize {
+        let path = crate::state::path(&self.config.work_dir);
+        let remembered = crate::state::load(&path).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "reading the managed processes of an earlier agent");
+            Vec::new()
+        });
+        let mut adopted = 0;
+        for r in remembered {
+            match crate::process::inspect(r.pid) {
+                Ok(info) if info.start_ticks == r.start_ticks && info.state != 'Z' => {
+                    self.registry().insert(ManagedProcess {
+                        pid: r.pid,
+                        argv: r.argv.clone(),
+                        origin: r.origin(),
+                        lifecycle: Lifecycle::Running,
+                        sockets: Default::default(),
+                    });
+                    tracing::info!(pid = r.pid, argv = ?r.argv, "managed process adopted again");
+                    self.watch_exit(r.pid);
+                    adopted += 1;
+                }
+                _ => tracing::info!(pid = r.pid, "a process of the earlier agent is gone"),
+            }
+        }
+        self.persist();
+        let mut flows = self.flows();
+        match flows.rules() {
+            Ok(rules) => {
+                for r in rules
+                    .into_iter()
+                    .filter(|r| r.action == ferry_ebpf::RuleAction::Hold)
+                {
+                    if let Err(e) = flows.remove(&r) {
+                        tracing::warn!(rule = %r, error = %e, "removing a stale hold");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reading translation rules"),
+        }
+        adopted
+    }
+
+    /// Forgets a process that is not this agent's child when it exits.
+    fn watch_exit(self: &Arc<Self>, pid: i32) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = crate::reaper::wait_exit(pid).await {
+                tracing::warn!(pid, error = %e, "watching an adopted process");
+                return;
+            }
+            tracing::info!(pid, "adopted process ended");
+            let removed = {
+                let mut reg = me.registry();
+                match reg.get(pid) {
+                    Some(p) if p.lifecycle == Lifecycle::Running => reg.remove(pid),
+                    _ => None,
+                }
+            };
+            if removed.is_some() {
+                me.persist();
+                if let Err(e) = me.reconcile().await {
+                    tracing::warn!(error = %e, "releasing ports of an exited process");
+                }
+            }
+        });
     }
 
     /// Puts an incoming migration's ports in `state` (see `reserved`).
@@ -467,10 +573,11 @@ impl Agent {
                     _ => None,
                 }
             };
-            if removed.is_some()
-                && let Err(e) = me.reconcile().await
-            {
-                tracing::warn!(error = %e, "releasing ports of an exited process");
+            if removed.is_some() {
+                me.persist();
+                if let Err(e) = me.reconcile().await {
+                    tracing::warn!(error = %e, "releasing ports of an exited process");
+                }
             }
         });
         Ok(pid)
@@ -494,10 +601,11 @@ impl Agent {
                     _ => None,
                 }
             };
-            if removed.is_some()
-                && let Err(e) = me.reconcile().await
-            {
-                tracing::warn!(error = %e, "releasing ports of an exited process");
+            if removed.is_some() {
+                me.persist();
+                if let Err(e) = me.reconcile().await {
+                    tracing::warn!(error = %e, "releasing ports of an exited process");
+                }
             }
         });
     }

@@ -69,11 +69,30 @@ pub struct DataPlaneConfig {
     /// `cargo xtask bench gap`.
     #[serde(default = "default_true")]
     pub capture: bool,
+    /// Where the eBPF maps and links are pinned (a directory on a bpffs,
+    /// mounted there if needed), so that restarting `ferryd` neither opens
+    /// nor closes a port nor drops a translation. Default
+    /// `/sys/fs/bpf/ferry/<node>`. Names must not contain '.'.
+    #[serde(default)]
+    pub pin_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for DataPlaneConfig {
     fn default() -> Self {
-        Self { capture: true }
+        Self {
+            capture: true,
+            pin_dir: None,
+        }
+    }
+}
+
+impl Config {
+    /// The pin directory of the data plane (see [`DataPlaneConfig::pin_dir`]).
+    pub fn pin_dir(&self) -> std::path::PathBuf {
+        self.dataplane
+            .pin_dir
+            .clone()
+            .unwrap_or_else(|| std::path::PathBuf::from("/sys/fs/bpf/ferry").join(&self.node))
     }
 }
 

@@ -12,4 +12,5 @@ pub mod managed;
 pub mod ownership;
 pub mod process;
 mod reaper;
+pub mod state;
 pub mod translation;

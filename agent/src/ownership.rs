@@ -43,6 +43,9 @@ pub trait PortFilter: Send {
     fn counters(&self) -> Result<Counters, DataPlaneError>;
     /// The interface the filter guards.
     fn interface(&self) -> &str;
+    /// The ports as the filter holds them now: with pinned maps, what an
+    /// earlier agent left (its processes may still run).
+    fn ports(&self) -> Result<BTreeMap<PortKey, PortState>, DataPlaneError>;
 }
 
 /// The ports this node owns, as last written to the filter.
@@ -60,11 +63,21 @@ impl std::fmt::Debug for Ownership {
 }
 
 impl Ownership {
+    /// Starts from what the filter holds: after an agent restart with
+    /// pinned maps the ports are still owned, and the first reconcile
+    /// releases those no process holds any more, and only those.
     pub fn new(filter: Box<dyn PortFilter>) -> Self {
-        Self {
-            filter,
-            current: BTreeMap::new(),
+        let current = filter.ports().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "reading the filter's ports; starting from none");
+            BTreeMap::new()
+        });
+        if !current.is_empty() {
+            tracing::info!(
+                ports = current.len(),
+                "ports owned before this agent started"
+            );
         }
+        Self { filter, current }
     }
 
     pub fn current(&self) -> &BTreeMap<PortKey, PortState> {
@@ -164,6 +177,23 @@ impl PortFilter for EbpfPortFilter {
     fn interface(&self) -> &str {
         self.0.iface()
     }
+
+    fn ports(&self) -> Result<BTreeMap<PortKey, PortState>, DataPlaneError> {
+        let ports = self
+            .0
+            .ports()
+            .map_err(|e| DataPlaneError(format!("reading ports: {e}")))?;
+        Ok(ports
+            .into_iter()
+            .map(|(p, port, state)| {
+                let transport = match p {
+                    ferry_ebpf::Protocol::Tcp => Transport::Tcp,
+                    ferry_ebpf::Protocol::Udp => Transport::Udp,
+                };
+                (PortKey { transport, port }, state)
+            })
+            .collect())
+    }
 }
 
 #[cfg(test)]
@@ -198,6 +228,9 @@ pub mod fake {
         }
         fn interface(&self) -> &str {
             "fake0"
+        }
+        fn ports(&self) -> Result<BTreeMap<PortKey, PortState>, DataPlaneError> {
+            Ok(BTreeMap::new())
         }
     }
 }

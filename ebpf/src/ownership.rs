@@ -1,22 +1,94 @@
 //! The port ownership filter: `ferry_ingress` and `ferry_egress` from
 //! c/ownership.bpf.c on the node's public interface, and the map that says
 //! which ports this node owns.
+//!
+//! Attached with [`OwnershipFilter::attach`] it lives as long as the
+//! object. With [`OwnershipFilter::attach_pinned`] its maps and links are
+//! pinned (see [`crate::pin`]) and outlive the agent: a restarted ferryd
+//! finds the same port states, unread capture records and counters, and
+//! swaps its programs into the attached links without a moment in which
+//! the interface is unfiltered.
 
-use aya::maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf};
+use std::path::{Path, PathBuf};
+
+use aya::maps::{HashMap, MapData, MapError, MapType, PerCpuArray, RingBuf};
+use aya::programs::links::FdLink;
+use aya::programs::tc::SchedClassifierLink;
 use aya::programs::{SchedClassifier, TcAttachType, tc};
 use aya::util::KernelVersion;
 use aya::{Ebpf, include_bytes_aligned};
 
 use crate::DataPlaneError;
 use crate::maps::{self, PortKey};
+use crate::pin::{MapSpec, PinDir};
 
 static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ownership.bpf.o"));
 
 const PORTS_MAP: &str = "FERRY_PORTS";
 const COUNTERS_MAP: &str = "FERRY_COUNTERS";
 const CAPTURE_MAP: &str = "FERRY_CAPTURE";
+const FRAGS_MAP: &str = "FERRY_FRAGS";
 const INGRESS: &str = "ferry_ingress";
 const EGRESS: &str = "ferry_egress";
+
+/// The programs and where they attach. Egress first: the guard that keeps
+/// a frozen port silent is in place before anything is let in.
+const PROGRAMS: [(&str, TcAttachType); 2] = [
+    (EGRESS, TcAttachType::Egress),
+    (INGRESS, TcAttachType::Ingress),
+];
+
+// The sizes of c/ownership.bpf.c's map definitions.
+/// `FERRY_PORTS`' max_entries.
+const PORTS_MAX: u32 = 65536;
+/// `FERRY_COUNTERS`' max_entries, `FERRY_CNT_MAX`.
+const CNT_MAX: u32 = 8;
+const _: () = assert!(CNT_MAX == maps::CNT_RECORDED + 1);
+/// `FERRY_CAPTURE`'s size in bytes (its max_entries).
+const CAPTURE_BYTES: u32 = 32 << 20;
+/// `struct ferry_frag_key`: saddr, daddr, id, proto, pad.
+const FRAG_KEY_SIZE: u32 = 4 + 4 + 2 + 1 + 1;
+/// `FERRY_FRAGS`' value, the datagram's port (`__u16`).
+const FRAG_VALUE_SIZE: u32 = 2;
+/// `FERRY_FRAGS`' max_entries.
+const FRAGS_MAX: u32 = 4096;
+
+/// Every map of the object, as c/ownership.bpf.c defines it: all are
+/// pinned, so that programs swapped into the links find the same port
+/// states, capture records (the ring keeps its producer and consumer
+/// positions), fragments in flight and counters. These sizes are the only
+/// layout check a pin gets: a change in what a map's bytes mean must
+/// change one of them.
+static MAP_SPECS: [MapSpec; 4] = [
+    MapSpec {
+        name: PORTS_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<PortKey>() as u32,
+        value_size: 4,
+        max_entries: PORTS_MAX,
+    },
+    MapSpec {
+        name: COUNTERS_MAP,
+        map_type: MapType::PerCpuArray,
+        key_size: 4,
+        value_size: 8,
+        max_entries: CNT_MAX,
+    },
+    MapSpec {
+        name: CAPTURE_MAP,
+        map_type: MapType::RingBuf,
+        key_size: 0,
+        value_size: 0,
+        max_entries: CAPTURE_BYTES,
+    },
+    MapSpec {
+        name: FRAGS_MAP,
+        map_type: MapType::LruHash,
+        key_size: FRAG_KEY_SIZE,
+        value_size: FRAG_VALUE_SIZE,
+        max_entries: FRAGS_MAX,
+    },
+];
 
 /// Transport protocol of a port on the public address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,7 +158,8 @@ impl PortState {
     }
 }
 
-/// Packet counts of the filter, summed over CPUs, since attach.
+/// Packet counts of the filter, summed over CPUs, since attach (pinned:
+/// since the counters map was created, across agent restarts).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
     /// Ingress to owned ports, delivered to this node's stack.
@@ -165,14 +238,17 @@ impl CapturedPacket {
 }
 
 /// The ownership filter attached to one interface. Nothing is owned after
-/// [`attach`](Self::attach); dropping the filter detaches both programs.
+/// [`attach`](Self::attach); dropping the filter detaches both programs,
+/// unless it was attached with [`attach_pinned`](Self::attach_pinned).
 pub struct OwnershipFilter {
-    // Owns the programs and their links: dropping it detaches them.
+    // Unpinned: owns the programs and their links, and dropping it detaches
+    // them. Pinned: only descriptors; the pins keep everything attached.
     _ebpf: Ebpf,
     ports: HashMap<MapData, PortKey, u32>,
     counters: PerCpuArray<MapData, u64>,
     capture: RingBuf<MapData>,
     iface: String,
+    pins: Option<PathBuf>,
 }
 
 // The agent keeps the filter in a Mutex shared by its blocking tasks.
@@ -185,6 +261,7 @@ impl std::fmt::Debug for OwnershipFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OwnershipFilter")
             .field("iface", &self.iface)
+            .field("pins", &self.pins)
             .finish_non_exhaustive()
     }
 }
@@ -209,6 +286,43 @@ fn counters_err(source: MapError) -> DataPlaneError {
         name: COUNTERS_MAP,
         source,
     }
+}
+
+fn prog_err(name: &'static str) -> impl Fn(aya::programs::ProgramError) -> DataPlaneError {
+    move |source| DataPlaneError::Program { name, source }
+}
+
+fn link_err(name: &'static str) -> impl Fn(aya::programs::links::LinkError) -> DataPlaneError {
+    move |source| DataPlaneError::Link { name, source }
+}
+
+/// Loads (verifies) program `name` of `ebpf` into the kernel.
+fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), DataPlaneError> {
+    program(ebpf, name)?.load().map_err(prog_err(name))
+}
+
+fn program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, DataPlaneError> {
+    ebpf.program_mut(name)
+        .ok_or(DataPlaneError::Missing(name))?
+        .try_into()
+        .map_err(prog_err(name))
+}
+
+/// Whether `link` still attaches a program at `direction` of `iface` (in
+/// the calling thread's network namespace). A link whose device went away
+/// is defunct, and one pinned for another interface is not ours to reuse.
+fn link_attached(
+    link: &FdLink,
+    name: &'static str,
+    iface: &str,
+    direction: TcAttachType,
+) -> Result<bool, DataPlaneError> {
+    let info = link.info().map_err(link_err(name))?;
+    let (_, progs) = SchedClassifier::query_tcx(iface, direction).map_err(prog_err(name))?;
+    Ok(progs.iter().any(|p| p.id() == info.program_id()))
 }
 
 impl OwnershipFilter {
@@ -242,48 +356,121 @@ impl OwnershipFilter {
         }
         // The map starts empty, so from the ingress attach on every TCP and
         // UDP packet is dropped until the agent owns ports.
-        for (name, direction) in [
-            (EGRESS, TcAttachType::Egress),
-            (INGRESS, TcAttachType::Ingress),
-        ] {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or(DataPlaneError::Missing(name))?
-                .try_into()
-                .map_err(|source| DataPlaneError::Program { name, source })?;
-            prog.load()
-                .map_err(|source| DataPlaneError::Program { name, source })?;
-            prog.attach(iface, direction)
-                .map_err(|source| DataPlaneError::Program { name, source })?;
+        for (name, direction) in PROGRAMS {
+            load_program(&mut ebpf, name)?;
+            program(&mut ebpf, name)?
+                .attach(iface, direction)
+                .map_err(prog_err(name))?;
         }
-        let ports = ebpf
-            .take_map(PORTS_MAP)
-            .ok_or(DataPlaneError::Missing(PORTS_MAP))?;
-        let ports = HashMap::try_from(ports).map_err(ports_err)?;
-        let counters = ebpf
-            .take_map(COUNTERS_MAP)
-            .ok_or(DataPlaneError::Missing(COUNTERS_MAP))?;
-        let counters = PerCpuArray::try_from(counters).map_err(counters_err)?;
-        let capture = ebpf
-            .take_map(CAPTURE_MAP)
-            .ok_or(DataPlaneError::Missing(CAPTURE_MAP))?;
-        let capture = RingBuf::try_from(capture).map_err(|source| DataPlaneError::Map {
-            name: CAPTURE_MAP,
-            source,
-        })?;
         tracing::info!(iface, "ownership filter attached");
+        Self::new(ebpf, iface, None)
+    }
+
+    /// Like [`attach`](Self::attach), but the maps and links are pinned in
+    /// `pins` and outlive this object: dropping it (ferryd exiting,
+    /// crashing) leaves the filter attached, with its port states, and it
+    /// goes on filtering and capturing.
+    ///
+    /// When the same call finds the pins (ferryd restarting), it reuses
+    /// them: the maps are reopened as they are (ports, unread capture
+    /// records, fragments in flight, counters), this build's programs are
+    /// loaded, and each is swapped into its pinned link atomically
+    /// (BPF_LINK_UPDATE): the old program runs until the new one replaces
+    /// it in the same slot, so no packet passes unfiltered and the
+    /// interface is never without the filter. Missing pieces (a first
+    /// start; a link whose interface was recreated, or that was pinned for
+    /// another interface) are created and pinned; a first start owns
+    /// nothing, as [`attach`](Self::attach). A map pinned with another
+    /// layout than this build's is refused
+    /// ([`PinError::Mismatch`](crate::pin::PinError::Mismatch), naming the
+    /// map and both layouts) before anything is loaded or attached.
+    ///
+    /// [`unpin`](Self::unpin) detaches and removes it all. Needs tcx links
+    /// (Linux 6.6+): the clsact filters of older kernels cannot be pinned.
+    pub fn attach_pinned(iface: &str, pins: &PinDir) -> Result<Self, DataPlaneError> {
+        let mut ebpf = pins.loader(&MAP_SPECS)?.load(OBJECT)?;
+        // Both programs pass the verifier before either link changes: a
+        // build whose programs do not load leaves the running ones alone.
+        for (name, _) in PROGRAMS {
+            load_program(&mut ebpf, name)?;
+        }
+        for (name, direction) in PROGRAMS {
+            let prog = program(&mut ebpf, name)?;
+            let old = match pins.open_link(name)? {
+                Some(link) if link_attached(&link, name, iface, direction)? => Some(link),
+                Some(_) => {
+                    tracing::info!(iface, program = name, "pinned link is stale, replacing it");
+                    pins.remove_link(name)?;
+                    None
+                }
+                None => None,
+            };
+            if let Some(link) = old {
+                let link = SchedClassifierLink::try_from(link).map_err(link_err(name))?;
+                // BPF_LINK_UPDATE: the link, its pin and its place among
+                // the interface's programs stay; only the program changes,
+                // in one step.
+                let id = prog.attach_to_link(link).map_err(prog_err(name))?;
+                // Our descriptor of it is not needed: the pin holds the
+                // link (closing a descriptor detaches nothing pinned).
+                drop(prog.take_link(id).map_err(prog_err(name))?);
+                tracing::debug!(iface, program = name, "pinned link reused");
+            } else {
+                let id = prog.attach(iface, direction).map_err(prog_err(name))?;
+                let link: FdLink = prog
+                    .take_link(id)
+                    .map_err(prog_err(name))?
+                    .try_into()
+                    .map_err(link_err(name))?;
+                pins.pin_link(name, link)?;
+                tracing::debug!(iface, program = name, "link attached and pinned");
+            }
+        }
+        tracing::info!(iface, pins = %pins.path().display(), "ownership filter attached (pinned)");
+        Self::new(ebpf, iface, Some(pins.path().to_owned()))
+    }
+
+    /// Detaches the programs pinned in `pins` and removes every pin: from
+    /// then on the interface is unfiltered, and the port states, unread
+    /// capture records and counters are gone. A filter object still open
+    /// on them keeps readable maps but filters nothing. No pins is no
+    /// error.
+    pub fn unpin(pins: &PinDir) -> Result<(), DataPlaneError> {
+        pins.remove()?;
+        Ok(())
+    }
+
+    fn new(mut ebpf: Ebpf, iface: &str, pins: Option<PathBuf>) -> Result<Self, DataPlaneError> {
+        let mut take =
+            |name: &'static str| ebpf.take_map(name).ok_or(DataPlaneError::Missing(name));
+        let ports = HashMap::try_from(take(PORTS_MAP)?).map_err(ports_err)?;
+        let counters = PerCpuArray::try_from(take(COUNTERS_MAP)?).map_err(counters_err)?;
+        // A reopened ring is mapped afresh: its consumer position lives in
+        // the kernel's consumer page, so this reader starts at the first
+        // record no earlier one consumed.
+        let capture =
+            RingBuf::try_from(take(CAPTURE_MAP)?).map_err(|source| DataPlaneError::Map {
+                name: CAPTURE_MAP,
+                source,
+            })?;
         Ok(Self {
             _ebpf: ebpf,
             ports,
             counters,
             capture,
             iface: iface.to_owned(),
+            pins,
         })
     }
 
     /// The interface the filter is attached to.
     pub fn iface(&self) -> &str {
         &self.iface
+    }
+
+    /// The pin directory, if attached with [`attach_pinned`](Self::attach_pinned).
+    pub fn pin_dir(&self) -> Option<&Path> {
+        self.pins.as_deref()
     }
 
     fn set_flags(&mut self, k: PortKey, flags: u32) -> Result<(), DataPlaneError> {
@@ -338,6 +525,8 @@ impl OwnershipFilter {
     /// Takes every record out of the capture ring, oldest first, and
     /// hands it to `f`. Never blocks; records this program cannot have
     /// written are skipped (and counted in the return value's second half).
+    /// On a pinned filter this includes what was captured while no agent
+    /// ran, and what an earlier agent left undrained.
     pub fn drain_captured(&mut self, mut f: impl FnMut(CapturedPacket)) -> (usize, usize) {
         let (mut taken, mut bad) = (0, 0);
         while let Some(item) = self.capture.next() {
@@ -373,8 +562,16 @@ impl OwnershipFilter {
 
 impl Drop for OwnershipFilter {
     fn drop(&mut self) {
-        // `_ebpf` drops right after this and closes the links, which
-        // detaches both programs: from then on this node filters nothing.
-        tracing::info!(iface = %self.iface, "ownership filter detached");
+        match &self.pins {
+            Some(p) => tracing::info!(
+                iface = %self.iface,
+                pins = %p.display(),
+                "ownership filter closed, stays attached"
+            ),
+            // `_ebpf` drops right after this and closes the links, which
+            // detaches both programs: from then on this node filters
+            // nothing.
+            None => tracing::info!(iface = %self.iface, "ownership filter detached"),
+        }
     }
 }

@@ -1,18 +1,24 @@
 //! The ownership filter in the real kernel. Each test builds a client
 //! namespace (198.18.1.1) and a node namespace (198.18.1.100) joined by a
 //! veth; the client sends every frame for the node to the broadcast MAC, as
-//! the cluster's router does. Needs root; skipped with a reason otherwise.
+//! the cluster's router does. The pinned filter's tests mount a bpffs of
+//! their own. Needs root; skipped with a reason otherwise.
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
+use aya::maps::{MapData, MapType};
 use aya::programs::{SchedClassifier, TcAttachType};
-use ferry_ebpf::{CaptureKind, OwnershipFilter, PortState, Protocol, Replayer};
+use ferry_ebpf::pin::{self, PinDir, PinError};
+use ferry_ebpf::{CaptureKind, DataPlaneError, OwnershipFilter, PortState, Protocol, Replayer};
 
 const NODE_IP: &str = "198.18.1.100";
 const NODE_IFACE: &str = "pub0";
@@ -579,4 +585,611 @@ fn recording_port_delivers_and_logs() {
     assert_eq!(logged[0].port, 7003);
     assert!(logged[0].data.ends_with(b"seen"));
     assert_eq!(filter.counters().unwrap().recorded, 1);
+}
+
+// ---- Pinned filter ---------------------------------------------------------
+//
+// ferryd restarting: the maps and links pinned on bpffs keep the filter
+// attached and its state while no agent runs, and the next agent takes
+// them over.
+
+/// Every map and link pin of the filter.
+const PINS: [&str; 6] = [
+    "FERRY_PORTS",
+    "FERRY_COUNTERS",
+    "FERRY_CAPTURE",
+    "FERRY_FRAGS",
+    "link-ferry_ingress",
+    "link-ferry_egress",
+];
+
+/// A bpffs instance of the test's own (this machine need not have one at
+/// /sys/fs/bpf): the pins it holds are removed and the instance unmounted
+/// on drop, also when the test fails.
+struct Bpffs {
+    path: PathBuf,
+}
+
+impl Bpffs {
+    fn new() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        // No '.' anywhere below it: bpffs refuses such names.
+        let fs = Bpffs {
+            path: std::env::temp_dir().join(format!(
+                "ferry-own-bpffs-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            )),
+        };
+        assert!(pin::mount_bpffs(&fs.path).expect("mount bpffs"));
+        fs
+    }
+
+    fn pins(&self, name: &str) -> PinDir {
+        PinDir::new(self.path.join("ferry").join(name))
+    }
+}
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        // Detach what the test left pinned before the instance goes (its
+        // pins would go with it anyway).
+        if let Ok(dirs) = std::fs::read_dir(self.path.join("ferry")) {
+            for dir in dirs.flatten() {
+                let _ = OwnershipFilter::unpin(&PinDir::new(dir.path()));
+            }
+        }
+        let _ = std::fs::remove_dir(self.path.join("ferry"));
+        let _ = nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
+
+impl Net {
+    /// The pinned filter on the node's public interface.
+    fn attach_pinned(&self, pins: &PinDir) -> Result<OwnershipFilter, DataPlaneError> {
+        let pins = pins.clone();
+        self.node(move || OwnershipFilter::attach_pinned(NODE_IFACE, &pins))
+    }
+
+    /// IDs of the tcx programs on `pub0` of namespace `ns`, egress and
+    /// ingress.
+    fn tcx_ids(ns: &str) -> (Vec<u32>, Vec<u32>) {
+        Self::within(ns, || {
+            let ids = |direction| {
+                let (_, progs) =
+                    SchedClassifier::query_tcx(NODE_IFACE, direction).expect("query_tcx");
+                progs.iter().map(|p| p.id()).collect::<Vec<_>>()
+            };
+            (ids(TcAttachType::Egress), ids(TcAttachType::Ingress))
+        })
+    }
+
+    /// Neither tcx programs nor cls_bpf filters on the node's interface.
+    #[track_caller]
+    fn assert_unfiltered(&self) {
+        assert_eq!(Self::tcx_ids(&self.node), (vec![], vec![]));
+        for direction in ["ingress", "egress"] {
+            let out = Command::new("ip")
+                .args([
+                    "netns", "exec", &self.node, "tc", "filter", "show", "dev", NODE_IFACE,
+                    direction,
+                ])
+                .output()
+                .expect("tc filter show");
+            assert!(out.status.success());
+            assert!(
+                out.stdout.is_empty(),
+                "{direction}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+    }
+
+    /// A counter of the node's /proc/net/snmp (e.g. "Tcp", "OutRsts").
+    fn node_snmp(&self, proto: &'static str, field: &'static str) -> u64 {
+        self.node(move || {
+            // thread-self: /proc/self/net is the main thread's namespace.
+            let text = std::fs::read_to_string("/proc/thread-self/net/snmp").expect("snmp");
+            let prefix = format!("{proto}:");
+            let mut lines = text.lines().filter(|l| l.starts_with(&prefix));
+            let (names, values) = (lines.next().unwrap(), lines.next().unwrap());
+            let i = names
+                .split_whitespace()
+                .position(|n| n == field)
+                .unwrap_or_else(|| panic!("no {field} in {names}"));
+            values.split_whitespace().nth(i).unwrap().parse().unwrap()
+        })
+    }
+}
+
+/// The pinned counters, read straight from the pin as any other process
+/// could (no filter object open), summed over CPUs, in the order of
+/// `enum ferry_counter`.
+fn pinned_counters(pins: &PinDir) -> [u64; 8] {
+    let map = MapData::from_pin(pins.map_path("FERRY_COUNTERS")).expect("counters pin");
+    let map = aya::maps::Map::from_map_data(map).unwrap();
+    let counters = aya::maps::PerCpuArray::<_, u64>::try_from(map).unwrap();
+    std::array::from_fn(|i| counters.get(&(i as u32), 0).unwrap().iter().sum())
+}
+
+const CNT_PASSED: usize = 0;
+const CNT_DROPPED_NOT_OWNED: usize = 1;
+const CNT_CAPTURED: usize = 5;
+
+/// Polls `cond` until it holds, failing the test after five seconds.
+#[track_caller]
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Bytes no two offsets of which repeat in a short period, so that a
+/// lost, duplicated or reordered segment shows.
+fn pattern(seed: u32, len: usize) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).to_le_bytes()[1])
+        .collect()
+}
+
+/// Sends `len` bytes from `from` to `to` and checks every one of them.
+#[track_caller]
+fn stream_check(from: &TcpStream, to: &mut TcpStream, seed: u32, len: usize) {
+    let data = pattern(seed, len);
+    let mut writer = from.try_clone().unwrap();
+    let sent = data.clone();
+    let w = std::thread::spawn(move || writer.write_all(&sent));
+    let mut got = vec![0u8; len];
+    to.read_exact(&mut got).expect("reading the stream");
+    w.join().unwrap().expect("writing the stream");
+    assert!(got == data, "stream corrupted");
+}
+
+/// `tcpi_total_retrans` of TCP_INFO: segments `s` retransmitted.
+fn total_retrans(s: &TcpStream) -> u32 {
+    // SAFETY: an all-zero tcp_info is valid for getsockopt to fill.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes into `info`, a live
+    // local, and the new length into `len`; the fd is the live socket `s`.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    info.tcpi_total_retrans
+}
+
+const CHUNK: usize = 16 << 10;
+
+/// Streams numbered chunks from `from` to `to` until 32 chunks after
+/// `done` is set, the last one flagged; the reader checks every byte.
+/// Both threads return the number of chunks.
+fn stream_until(
+    from: &TcpStream,
+    to: &TcpStream,
+    seed: u32,
+    done: &Arc<AtomicBool>,
+) -> (
+    JoinHandle<std::io::Result<u32>>,
+    JoinHandle<std::io::Result<u32>>,
+) {
+    let writer = std::thread::spawn({
+        let mut from = from.try_clone().unwrap();
+        let done = done.clone();
+        move || {
+            let mut extra = 0;
+            for i in 0u32.. {
+                let last = extra == 32;
+                let mut chunk = vec![u8::from(last)];
+                chunk.extend_from_slice(&pattern(seed ^ i, CHUNK));
+                from.write_all(&chunk)?;
+                if last {
+                    return Ok(i + 1);
+                }
+                if done.load(Ordering::Relaxed) {
+                    extra += 1;
+                }
+                // Paced, so that the stream spans the restart without
+                // taking every CPU.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            unreachable!()
+        }
+    });
+    let reader = std::thread::spawn({
+        let mut to = to.try_clone().unwrap();
+        move || {
+            let mut chunk = vec![0u8; 1 + CHUNK];
+            for i in 0u32.. {
+                to.read_exact(&mut chunk)?;
+                assert!(
+                    chunk[1..] == pattern(seed ^ i, CHUNK)[..],
+                    "chunk {i} corrupted"
+                );
+                if chunk[0] == 1 {
+                    return Ok(i + 1);
+                }
+            }
+            unreachable!()
+        }
+    });
+    (writer, reader)
+}
+
+#[test]
+fn pinned_filter_survives_its_owner_and_unpin_removes_everything() {
+    require_root!();
+    let net = Net::new();
+    let fs = Bpffs::new();
+    let pins = fs.pins("ownership");
+    let (listener, _unowned_tcp, unowned_udp) = net.node(|| {
+        (
+            TcpListener::bind("0.0.0.0:7001").unwrap(),
+            // Listeners on ports another node owns: the filter alone
+            // keeps them from answering.
+            TcpListener::bind("0.0.0.0:7002").unwrap(),
+            UdpSocket::bind("0.0.0.0:7004").unwrap(),
+        )
+    });
+    unowned_udp
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+
+    let mut filter = net.attach_pinned(&pins).expect("attach_pinned");
+    assert_eq!(filter.pin_dir(), Some(pins.path()));
+    filter.set(Protocol::Tcp, 7001, PortState::Owned).unwrap();
+    let mut client = net
+        .client(|| TcpStream::connect_timeout(&addr(7001), Duration::from_secs(3)))
+        .expect("connect to the owned port");
+    let (mut server, _) = listener.accept().unwrap();
+    for s in [&client, &server] {
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    }
+    stream_check(&client, &mut server, 1, 64 << 10);
+    stream_check(&server, &mut client, 2, 64 << 10);
+    let first = filter.counters().unwrap();
+    assert!(first.passed > 0, "{first:?}");
+
+    // ferryd exits: the pins hold everything.
+    drop(filter);
+    for name in PINS {
+        assert!(pins.path().join(name).exists(), "{name} pinned");
+    }
+    assert_eq!(net.tcx_programs(TcAttachType::Ingress), ["ferry_ingress"]);
+    assert_eq!(net.tcx_programs(TcAttachType::Egress), ["ferry_egress"]);
+    let ids = Net::tcx_ids(&net.node);
+    stream_check(&client, &mut server, 3, 64 << 10);
+    stream_check(&server, &mut client, 4, 64 << 10);
+    // And it still filters: no answer from an unowned port, not even an
+    // RST, and no datagram delivered to one.
+    let rsts = net.node_snmp("Tcp", "OutRsts");
+    let err = net
+        .client(|| TcpStream::connect_timeout(&addr(7002), Duration::from_millis(1500)))
+        .expect_err("a non-owned port must not answer");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+    let spammer = net.client(|| UdpSocket::bind("0.0.0.0:0").unwrap());
+    spammer.send_to(b"unowned", addr(7004)).unwrap();
+    assert_silent(unowned_udp.recv(&mut buf), "datagram to a non-owned port");
+    assert_eq!(
+        net.node_snmp("Tcp", "OutRsts"),
+        rsts,
+        "an RST left the node"
+    );
+    let before = pinned_counters(&pins);
+    assert!(before[CNT_PASSED] > first.passed, "{before:?} {first:?}");
+
+    // ferryd restarts while both ends stream and a client keeps sending
+    // datagrams to the unowned port: not one chunk may be lost (the
+    // reader checks every byte), not one segment dropped (the filter's
+    // drop counters) and not one datagram delivered (the filter never
+    // left the interface).
+    let retrans = (total_retrans(&client), total_retrans(&server));
+    let done = Arc::new(AtomicBool::new(false));
+    let up = stream_until(&client, &server, 0x1000, &done);
+    let down = stream_until(&server, &client, 0x2000, &done);
+    let spam_stop = Arc::new(AtomicBool::new(false));
+    let spam = std::thread::spawn({
+        let stop = spam_stop.clone();
+        move || {
+            let mut sent = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if spammer.send_to(b"spam", addr(7004)).is_ok() {
+                    sent += 1;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            sent
+        }
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let reattached = net.attach_pinned(&pins);
+    done.store(true, Ordering::Relaxed);
+    let filter = reattached.expect("attach_pinned again");
+    for (w, r) in [up, down] {
+        let sent = w.join().unwrap().expect("writing across the restart");
+        let got = r.join().unwrap().expect("reading across the restart");
+        assert_eq!(sent, got);
+    }
+    // A segment lost anywhere (by the filter, or by the stack in a
+    // moment without it) would have been retransmitted.
+    assert_eq!(
+        (total_retrans(&client), total_retrans(&server)),
+        retrans,
+        "segments were retransmitted across the restart"
+    );
+    spam_stop.store(true, Ordering::Relaxed);
+    let spammed = spam.join().unwrap();
+    assert!(spammed > 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_silent(unowned_udp.recv(&mut buf), "spam reached a non-owned port");
+
+    // This build's programs were swapped into the same links.
+    assert_eq!(net.tcx_programs(TcAttachType::Ingress), ["ferry_ingress"]);
+    assert_eq!(net.tcx_programs(TcAttachType::Egress), ["ferry_egress"]);
+    let (egress, ingress) = Net::tcx_ids(&net.node);
+    assert!(
+        egress != ids.0 && ingress != ids.1,
+        "new programs swapped in"
+    );
+    // The port, and the counters, lived through it: every drop is spam.
+    assert_eq!(
+        filter.ports().unwrap(),
+        vec![(Protocol::Tcp, 7001, PortState::Owned)]
+    );
+    let c = filter.counters().unwrap();
+    assert!(c.passed > before[CNT_PASSED], "{c:?} {before:?}");
+    assert_eq!(
+        c.dropped_not_owned - before[CNT_DROPPED_NOT_OWNED],
+        spammed,
+        "only the spam was dropped: {c:?} {before:?}"
+    );
+    assert_eq!((c.dropped_frozen, c.egress_blocked), (0, 0), "{c:?}");
+    assert_eq!(
+        net.node_snmp("Tcp", "OutRsts"),
+        rsts,
+        "an RST left the node"
+    );
+    stream_check(&server, &mut client, 5, 64 << 10);
+
+    OwnershipFilter::unpin(&pins).unwrap();
+    assert!(!pins.path().exists(), "pins left behind");
+    net.assert_unfiltered();
+    // The open object's maps are still readable, but nothing filters:
+    // UDP (which ignores pkt_type) reaches any bound port again.
+    assert_eq!(filter.ports().unwrap().len(), 1);
+    let client_udp = net.client(|| UdpSocket::bind("0.0.0.0:0").unwrap());
+    client_udp.send_to(b"free", addr(7004)).unwrap();
+    unowned_udp
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let n = unowned_udp.recv(&mut buf).expect("no filter after unpin");
+    assert_eq!(&buf[..n], b"free");
+    drop(filter);
+    // Unpinning twice is fine.
+    OwnershipFilter::unpin(&pins).unwrap();
+}
+
+/// What the migration's source does when ferryd restarts during a freeze:
+/// the packets captured meanwhile (also while no agent runs) wait in the
+/// pinned ring, and the next agent drains exactly those not yet drained.
+#[test]
+fn captured_records_survive_a_restart_and_are_drained_after_it() {
+    require_root!();
+    let net = Net::new();
+    let fs = Bpffs::new();
+    let pins = fs.pins("capture");
+    let server = net.node(|| UdpSocket::bind("0.0.0.0:7003").unwrap());
+    let client = net.client(|| UdpSocket::bind("0.0.0.0:0").unwrap());
+    let captured = |pins: &PinDir| pinned_counters(pins)[CNT_CAPTURED];
+
+    let mut filter = net.attach_pinned(&pins).expect("attach_pinned");
+    filter
+        .set(Protocol::Udp, 7003, PortState::Capturing)
+        .unwrap();
+    client.send_to(b"record 0", addr(7003)).unwrap();
+    wait_for("the first capture", || captured(&pins) == 1);
+    let mut drained = Vec::new();
+    assert_eq!(filter.drain_captured(|p| drained.push(p)), (1, 0));
+    assert!(drained[0].data.ends_with(b"record 0"));
+    for i in 1..3 {
+        client
+            .send_to(format!("record {i}").as_bytes(), addr(7003))
+            .unwrap();
+    }
+    wait_for("two more captures", || captured(&pins) == 3);
+
+    // ferryd exits undrained; the filter goes on capturing.
+    drop(filter);
+    client.send_to(b"record 3", addr(7003)).unwrap();
+    wait_for("a capture without an agent", || captured(&pins) == 4);
+
+    let mut filter = net.attach_pinned(&pins).expect("attach_pinned again");
+    assert_eq!(
+        filter.ports().unwrap(),
+        vec![(Protocol::Udp, 7003, PortState::Capturing)]
+    );
+    let mut records = Vec::new();
+    assert_eq!(filter.drain_captured(|p| records.push(p)), (3, 0));
+    for (i, p) in records.iter().enumerate() {
+        assert_eq!(
+            (p.kind, p.protocol, p.port),
+            (CaptureKind::Captured, Protocol::Udp, 7003)
+        );
+        let want = format!("record {}", i + 1);
+        assert!(p.data.ends_with(want.as_bytes()), "{p:?} is not {want}");
+    }
+    assert!(records.windows(2).all(|w| w[0].ktime_ns <= w[1].ktime_ns));
+    assert_eq!(filter.drain_captured(|_| {}), (0, 0), "drained twice");
+    let c = filter.counters().unwrap();
+    assert_eq!((c.captured, c.capture_lost), (4, 0), "{c:?}");
+    // Captured, never delivered.
+    server
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    assert_silent(server.recv(&mut [0u8; 64]), "a captured datagram");
+    drop(filter);
+    OwnershipFilter::unpin(&pins).unwrap();
+    net.assert_unfiltered();
+}
+
+/// A ring buffer map of `bytes` bytes (aya creates none standalone).
+fn ringbuf(bytes: u32) -> MapData {
+    /// `union bpf_attr` as BPF_MAP_CREATE reads it (the rest zero).
+    #[repr(C)]
+    struct MapCreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    let attr = MapCreateAttr {
+        map_type: MapType::RingBuf as u32,
+        key_size: 0,
+        value_size: 0,
+        max_entries: bytes,
+        map_flags: 0,
+    };
+    // SAFETY: bpf(2) reads size_of::<MapCreateAttr>() bytes of `attr`, a
+    // live repr(C) value laid out as the head of the kernel's bpf_attr for
+    // BPF_MAP_CREATE (the fields it does not get read as zero).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_CREATE,
+            &attr as *const MapCreateAttr,
+            std::mem::size_of::<MapCreateAttr>(),
+        )
+    };
+    assert!(
+        rc >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: on success BPF_MAP_CREATE returns a new descriptor that
+    // nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(rc as i32) };
+    MapData::from_fd(fd).unwrap()
+}
+
+/// Names in a pin directory, sorted.
+fn pinned(pins: &PinDir) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(pins.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn pins_of_another_layout_are_refused_and_stale_links_replaced() {
+    require_root!();
+    let net = Net::new();
+    let fs = Bpffs::new();
+    let good = fs.pins("good");
+    let filter = net.attach_pinned(&good).unwrap();
+    let ids = Net::tcx_ids(&net.node);
+
+    // As an incompatible build would have left them: port flags of 8
+    // bytes, a ring of 1 MiB, counters that are not per CPU.
+    type Case = (&'static str, fn(PathBuf), &'static str, &'static str);
+    let cases: [Case; 3] = [
+        (
+            "FERRY_PORTS",
+            |at| {
+                aya::maps::HashMap::<MapData, u32, u64>::create(65536, 0)
+                    .unwrap()
+                    .pin(at)
+                    .unwrap()
+            },
+            "Hash key 4 value 8 max_entries 65536",
+            "Hash key 4 value 4 max_entries 65536",
+        ),
+        (
+            "FERRY_CAPTURE",
+            |at| ringbuf(1 << 20).pin(at).unwrap(),
+            "RingBuf key 0 value 0 max_entries 1048576",
+            "RingBuf key 0 value 0 max_entries 33554432",
+        ),
+        (
+            "FERRY_COUNTERS",
+            |at| {
+                aya::maps::Array::<MapData, u64>::create(8, 0)
+                    .unwrap()
+                    .pin(at)
+                    .unwrap()
+            },
+            "Array key 4 value 8 max_entries 8",
+            "PerCpuArray key 4 value 8 max_entries 8",
+        ),
+    ];
+    for (name, make, found_want, expected_want) in cases {
+        let bad = fs.pins(&format!("bad{name}"));
+        bad.create().unwrap();
+        make(bad.map_path(name));
+        let err = net.attach_pinned(&bad).unwrap_err();
+        match &err {
+            DataPlaneError::Pin(PinError::Mismatch {
+                path,
+                found,
+                expected,
+            }) => {
+                assert_eq!(path, &bad.map_path(name));
+                assert_eq!(found, found_want);
+                assert_eq!(expected, expected_want);
+            }
+            other => panic!("{name}: expected a mismatch, got {other}"),
+        }
+        let msg = err.to_string();
+        assert!(msg.contains(name) && msg.contains(found_want), "{msg}");
+        // Refused before anything was created or attached.
+        assert_eq!(pinned(&bad), [name]);
+        assert_eq!(Net::tcx_ids(&net.node), ids);
+        OwnershipFilter::unpin(&bad).unwrap();
+        assert!(!bad.path().exists());
+    }
+    drop(filter);
+
+    // The same pins used for another interface (a pub0 in the client's
+    // namespace): the links pinned for the node's are not attached there,
+    // so they are detached and replaced.
+    // (A veth pair: this kernel has no dummy devices.)
+    ip(&[
+        "-n",
+        &net.client,
+        "link",
+        "add",
+        NODE_IFACE,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "pub0peer",
+    ]);
+    ip(&["-n", &net.client, "link", "set", NODE_IFACE, "up"]);
+    let pins = good.clone();
+    let moved = Net::within(&net.client, move || {
+        OwnershipFilter::attach_pinned(NODE_IFACE, &pins)
+    })
+    .expect("attach_pinned elsewhere");
+    net.assert_unfiltered();
+    let (egress, ingress) = Net::tcx_ids(&net.client);
+    assert_eq!((egress.len(), ingress.len()), (1, 1));
+    drop(moved);
+    assert_eq!(pinned(&good).len(), PINS.len());
+    OwnershipFilter::unpin(&good).unwrap();
+    assert_eq!(Net::tcx_ids(&net.client), (vec![], vec![]));
 }

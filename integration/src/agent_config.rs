@@ -18,6 +18,10 @@ pub struct AgentConfig {
     pub peer_listen: SocketAddrV4,
     /// (name, peer address) of every other node.
     pub peers: Vec<(String, SocketAddrV4)>,
+    /// `[dataplane] capture`.
+    pub capture: bool,
+    /// `[dataplane] pin_dir`: on the node's own bpffs mount.
+    pub pin_dir: PathBuf,
     /// Extra top-level `key = value` lines, verbatim (e.g. `criu_log_level = 4`).
     pub extra: String,
 }
@@ -43,6 +47,9 @@ impl AgentConfig {
         if !self.extra.trim().is_empty() {
             let _ = writeln!(t, "{}", self.extra.trim_end());
         }
+        let _ = writeln!(t, "\n[dataplane]");
+        let _ = writeln!(t, "capture = {}", self.capture);
+        let _ = writeln!(t, "pin_dir = {}", quote_path(&self.pin_dir));
         let _ = writeln!(t, "\n[public]");
         let _ = writeln!(t, "interface = {}", quote(&self.public_interface));
         let _ = writeln!(t, "address = {}", quote(&self.public_address.to_string()));
@@ -77,12 +84,18 @@ mod tests {
             peer_listen: "198.19.0.1:7100".parse().unwrap(),
             peers: vec![("node2".into(), "198.19.0.2:7100".parse().unwrap())],
             extra: "criu_log_level = 4\n".into(),
+            capture: true,
+            pin_dir: "/tmp/x/node1/bpf/pins".into(),
         };
         let expected = r#"node = "node1"
 work_dir = "/tmp/x/node1/work"
 criu_path = "/opt/ferry/criu/bin/criu"
 control_socket = "/tmp/x/node1/control.sock"
 criu_log_level = 4
+
+[dataplane]
+capture = true
+pin_dir = "/tmp/x/node1/bpf/pins"
 
 [public]
 interface = "pub0"

@@ -90,6 +90,9 @@ pub struct ClusterSpec {
     pub ready_timeout: Duration,
     /// Extra top-level lines for every `ferryd.toml` (`criu_log_level = 4`).
     pub extra_config: String,
+    /// `[dataplane] capture` of every agent (false: the drop-and-retransmit
+    /// baseline).
+    pub capture: bool,
 }
 
 impl Default for ClusterSpec {
@@ -102,6 +105,7 @@ impl Default for ClusterSpec {
             criu_path: None,
             ready_timeout: Duration::from_secs(20),
             extra_config: String::new(),
+            capture: true,
         }
     }
 }
@@ -148,6 +152,8 @@ struct Node {
     cluster_addr: Ipv4Addr,
     dir: PathBuf,
     work: Option<Tmpfs>,
+    /// The node's own bpffs, for its agent's pins.
+    bpf: Option<Tmpfs>,
     config: PathBuf,
     control_socket: PathBuf,
     log: PathBuf,
@@ -248,6 +254,7 @@ impl Cluster {
                 control_socket: dir.join("control.sock"),
                 log: dir.join("ferryd.log"),
                 work: None,
+                bpf: None,
                 agent: None,
                 name,
                 netns,
@@ -287,6 +294,7 @@ impl Cluster {
             std::fs::create_dir_all(&node.dir)
                 .map_err(io_err(format!("creating {}", node.dir.display())))?;
             let work = Tmpfs::mount(&node.dir.join("work"))?;
+            let bpf = Tmpfs::mount_bpffs(&node.dir.join("bpf"))?;
             let config = AgentConfig {
                 node: node.name.clone(),
                 work_dir: work.path().to_owned(),
@@ -303,8 +311,11 @@ impl Cluster {
                     .cloned()
                     .collect(),
                 extra: self.spec.extra_config.clone(),
+                capture: self.spec.capture,
+                pin_dir: bpf.path().join("pins"),
             };
             node.work = Some(work);
+            node.bpf = Some(bpf);
             std::fs::write(&node.config, config.render())
                 .map_err(io_err(format!("writing {}", node.config.display())))?;
         }
@@ -695,12 +706,13 @@ impl Cluster {
         // 3. Logs out of the tmpfs before it goes.
         self.save_logs();
 
-        // 4. Mounts.
+        // 4. Mounts; the bpffs last: it holds the pinned programs that
+        //    filter the node's interfaces (gone with the namespaces anyway).
         for n in &mut self.nodes {
-            if let Some(mut work) = n.work.take()
-                && let Err(e) = work.unmount()
-            {
-                eprintln!("ferry-integration: {e}");
+            for mut m in [n.work.take(), n.bpf.take()].into_iter().flatten() {
+                if let Err(e) = m.unmount() {
+                    eprintln!("ferry-integration: {e}");
+                }
             }
         }
 

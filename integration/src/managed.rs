@@ -94,3 +94,16 @@ pub fn process_state(pid: i32) -> Option<char> {
         .chars()
         .next()
 }
+
+/// Waits until `pid` no longer exists (killed and reaped by its parent,
+/// which may take a moment after the kill); panics after 5 s.
+pub fn wait_until_gone(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Some(state) = process_state(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "PID {pid} still exists (state {state}) 5 s on"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

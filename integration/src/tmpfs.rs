@@ -13,7 +13,7 @@ pub enum MountError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("mounting a tmpfs on {path}: {source}")]
+    #[error("mounting a tmpfs or bpffs on {path}: {source}")]
     Mount { path: PathBuf, source: nix::Error },
     #[error("unmounting {path}: {source}")]
     Unmount { path: PathBuf, source: nix::Error },
@@ -32,16 +32,27 @@ pub struct Tmpfs {
 impl Tmpfs {
     /// Creates `path` if needed and mounts a fresh tmpfs on it.
     pub fn mount(path: &Path) -> Result<Self, MountError> {
+        Self::mount_fs(path, "tmpfs", Some("mode=0755"))
+    }
+
+    /// A fresh bpffs instance at `path`, for one node's pinned eBPF maps
+    /// and links: unmounting it drops the pins (and detaches the links),
+    /// and nothing of a test lands in the host's /sys/fs/bpf.
+    pub fn mount_bpffs(path: &Path) -> Result<Self, MountError> {
+        Self::mount_fs(path, "bpf", None)
+    }
+
+    fn mount_fs(path: &Path, fstype: &str, data: Option<&str>) -> Result<Self, MountError> {
         std::fs::create_dir_all(path).map_err(|source| MountError::Create {
             path: path.to_owned(),
             source,
         })?;
         mount(
-            Some("tmpfs"),
+            Some(fstype),
             path,
-            Some("tmpfs"),
+            Some(fstype),
             MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some("mode=0755"),
+            data,
         )
         .map_err(|source| MountError::Mount {
             path: path.to_owned(),

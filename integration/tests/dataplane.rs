@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ferry_integration::answer_watch::AnswerWatch;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{migrate, process_state, run, wait_for_process};
+use ferry_integration::managed::{migrate, process_state, run, wait_for_process, wait_until_gone};
 use ferry_integration::netns::run_in;
 use ferry_integration::nstat::Nstat;
 use ferry_integration::workload::{SeqClient, UdpClients};
@@ -135,7 +135,8 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         assert_eq!(report.tcp_established, 1025, "{report:#?}");
         assert!(report.replay.unwrap().captured > 0);
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
-        assert_eq!(process_state(pid), None, "the source copy still exists");
+        // The source copy is dead (the commit waited for that) and reaped.
+        wait_until_gone(pid);
 
         dve.wait_until_each_passes(&dve_before, 20, Duration::from_secs(30))
             .expect("every DVE client exchanges messages after the migration");
@@ -400,4 +401,89 @@ fn a_port_another_node_owns_is_refused_until_it_lets_go() {
         wait_for_process(&mut node2, second, |p| p.port_conflicts.is_empty()).await;
         assert_eq!(served_by(&cluster), vec!["node2".to_owned()]);
     });
+}
+
+/// The data plane outlives its agent: with ferryd stopped, the managed
+/// process's port stays owned and its connections flow, a port nobody owns
+/// stays silent; the restarted agent adopts the process again without
+/// touching the filter (its counters go on), and can migrate it.
+#[test]
+fn restarting_an_agent_opens_and_closes_nothing() {
+    if !ferry_integration::can_run("restarting_an_agent_opens_and_closes_nothing") {
+        return;
+    }
+    let rt = runtime();
+    let mut cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let target = SocketAddrV4::new(SHARED_IP, PORT);
+    let (pid, clients, passed_before) = rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = run(&mut node1, dve_server()).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let clients = SeqClient::start(
+            cluster.netns_path("client1"),
+            target,
+            8,
+            Duration::from_millis(20),
+            256,
+        )
+        .expect("clients");
+        clients.wait_until_flowing(Duration::from_secs(10)).unwrap();
+        let passed = data_plane(&mut node1).await.counters.unwrap().passed;
+        (pid, clients, passed)
+    });
+
+    let status = cluster.stop_agent("node1").expect("stopping node1's agent");
+    assert!(status.is_some(), "node1's agent was not running");
+    // No agent on node1: its pinned filter still passes the process's
+    // traffic and keeps everyone else's out.
+    let before = clients.verified_per_connection();
+    clients
+        .wait_until_each_passes(&before, 20, Duration::from_secs(10))
+        .expect("traffic while node1 has no agent");
+    assert_nobody_answers(&cluster, "client1", 7999);
+    assert_eq!(process_state(pid).map(|s| s != 'Z'), Some(true));
+
+    cluster
+        .start_agent("node1")
+        .expect("restarting node1's agent");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let p = wait_for_process(&mut node1, pid, |p| {
+            p.state == "running" && p.tcp_established == 8
+        })
+        .await;
+        assert_eq!(p.origin, "run", "{p:?}");
+        let dp = data_plane(&mut node1).await;
+        let c = dp.counters.unwrap();
+        assert!(
+            c.passed > passed_before,
+            "the filter's counters restarted: {} then {}",
+            passed_before,
+            c.passed
+        );
+        assert!(
+            dp.ports.iter().any(
+                |s| s.port.as_ref().is_some_and(|p| p.port == u32::from(PORT))
+                    && s.state == "owned"
+            ),
+            "{:?}",
+            dp.ports
+        );
+        let before = clients.verified_per_connection();
+        clients
+            .wait_until_each_passes(&before, 20, Duration::from_secs(10))
+            .expect("traffic after the restart");
+
+        // The adopted process migrates like any other.
+        let report = migrate_committed(&mut node1, pid, "node2").await;
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+        // The source copy is dead (the commit waited for that) and reaped.
+        wait_until_gone(pid);
+        let before = clients.verified_per_connection();
+        clients
+            .wait_until_each_passes(&before, 20, Duration::from_secs(10))
+            .expect("traffic after the migration");
+    });
+    clients.stop().assert_clean();
 }

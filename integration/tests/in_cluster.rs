@@ -8,7 +8,7 @@ use std::net::{SocketAddrV4, TcpStream};
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{migrate, process_state, run, wait_for_process};
+use ferry_integration::managed::{migrate, run, wait_for_process, wait_until_gone};
 use ferry_integration::netns::run_in;
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
 use ferry_proto::v1::control_client::ControlClient;
@@ -165,7 +165,8 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
                 report.phases.iter().any(|p| p.phase == "translate"),
                 "no translate phase: {report:#?}"
             );
-            assert_eq!(process_state(pid), None, "the source copy still exists");
+            // The source copy is dead (the commit waited for that) and reaped.
+            wait_until_gone(pid);
             pid = report.destination_pid;
             here = cluster.control(to).await.expect("control");
             wait_for_process(&mut here, pid, |p| p.state == "running").await;

@@ -10,11 +10,18 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the integration binary behind each.
-pub const BENCHES: [(&str, &str, &str); 1] = [(
-    "gap",
-    "ferry-bench-gap",
-    "client-perceived gap, loss, RSTs, retransmissions: capture/replay vs drop",
-)];
+pub const BENCHES: [(&str, &str, &str); 2] = [
+    (
+        "gap",
+        "ferry-bench-gap",
+        "client-perceived gap, loss, RSTs, retransmissions: capture/replay vs drop",
+    ),
+    (
+        "replay",
+        "ferry-bench-replay",
+        "replaying captured packets: raw IPPROTO_RAW socket vs TUN vs the wire (µs/packet, delivery, hooks passed)",
+    ),
+];
 
 pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
     let Some((_, bin, _)) = BENCHES.iter().find(|(n, _, _)| *n == name) else {

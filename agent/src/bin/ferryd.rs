@@ -76,29 +76,43 @@ async fn serve(config: Config) -> Result<()> {
         .with_context(|| format!("creating work_dir {}", config.work_dir.display()))?;
     warn_if_not_tmpfs(&config.work_dir);
 
+    // Pinned maps and links: a restarted agent finds the ports still owned
+    // and the translations still in place, and swaps its programs in.
+    let pins = config.pin_dir();
+    let bpffs = std::path::Path::new(ferry_ebpf::pin::BPFFS);
+    if pins.starts_with(bpffs) {
+        // Some systems do not mount it; elsewhere the pin dir must already
+        // lie on a bpffs (the test harness mounts one per node).
+        ferry_ebpf::pin::mount_bpffs(bpffs).context("mounting bpffs")?;
+    }
     let iface = config.public.interface.clone();
-    let filter = tokio::task::spawn_blocking(move || ferry_ebpf::OwnershipFilter::attach(&iface))
-        .await?
-        .with_context(|| {
-            format!(
-                "attaching the ownership filter to {}",
-                config.public.interface
-            )
-        })?;
+    let ownership_pins = ferry_ebpf::pin::PinDir::new(pins.join("ownership"));
+    let filter = tokio::task::spawn_blocking(move || {
+        ferry_ebpf::OwnershipFilter::attach_pinned(&iface, &ownership_pins)
+    })
+    .await?
+    .with_context(|| {
+        format!(
+            "attaching the ownership filter to {}",
+            config.public.interface
+        )
+    })?;
     tracing::info!(interface = %config.public.interface, "ownership filter attached");
 
     // In-cluster connections of migrated processes are rewritten (peer's
     // node) or held (destination) on the cluster interface.
     let cluster_iface = config.cluster.interface.clone();
-    let translator =
-        tokio::task::spawn_blocking(move || ferry_ebpf::Translator::attach(&cluster_iface))
-            .await?
-            .with_context(|| {
-                format!(
-                    "attaching the in-cluster translator to {}",
-                    config.cluster.interface
-                )
-            })?;
+    let translate_pins = ferry_ebpf::pin::PinDir::new(pins.join("translate"));
+    let translator = tokio::task::spawn_blocking(move || {
+        ferry_ebpf::Translator::attach_pinned(&cluster_iface, &translate_pins)
+    })
+    .await?
+    .with_context(|| {
+        format!(
+            "attaching the in-cluster translator to {}",
+            config.cluster.interface
+        )
+    })?;
     tracing::info!(interface = %config.cluster.interface, "in-cluster translator attached");
 
     // In this (the node's) network namespace: replayed packets enter here.
@@ -109,6 +123,10 @@ async fn serve(config: Config) -> Result<()> {
         Box::new(replayer),
         Box::new(ferry_agent::translation::EbpfFlowRules(translator)),
     );
+    let adopted = agent.readopt();
+    if adopted > 0 {
+        tracing::info!(adopted, "processes of the earlier agent managed again");
+    }
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Keep ownership in step with what the processes hold.
@@ -196,7 +214,9 @@ async fn serve(config: Config) -> Result<()> {
     if let Err(e) = std::fs::remove_file(&config.control_socket) {
         tracing::warn!(error = %e, "removing the control socket");
     }
-    // Dropping the last reference to the agent detaches the eBPF programs.
+    // Dropping the last reference closes file descriptors only: the pinned
+    // programs stay attached and keep owning the ports of the managed
+    // processes, which run on; the next agent adopts them again.
     drop(agent);
     tracing::info!("ferryd stopped");
     Ok(())

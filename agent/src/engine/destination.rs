@@ -60,6 +60,12 @@ pub struct Incoming {
     /// In-cluster connections found in the images, and held here (nothing
     /// in or out) from before the restore to Commit or abort.
     in_cluster: Vec<InClusterFlow>,
+    /// Set (under its lock) when the slot is discarded: the image writer
+    /// checks it, under the same lock, before each write. A transfer whose
+    /// handler was dropped (the source cancelled the stream) leaves its
+    /// writer thread draining what it had; it must not write into a
+    /// directory being removed.
+    discarded: Arc<std::sync::Mutex<bool>>,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -107,10 +113,14 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
         &incoming.dir,
         &incoming.migration_id,
     );
-    if let Err(e) = std::fs::remove_dir_all(&incoming.dir)
-        && e.kind() != std::io::ErrorKind::NotFound
     {
-        tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
+        let mut discarded = incoming.discarded.lock().unwrap_or_else(|p| p.into_inner());
+        *discarded = true;
+        if let Err(e) = std::fs::remove_dir_all(&incoming.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
+        }
     }
     agent.capture.close(&incoming.migration_id);
     release_holds(agent, &incoming.in_cluster).await;
@@ -259,6 +269,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         ports,
         armed: false,
         in_cluster: Vec::new(),
+        discarded: Arc::new(std::sync::Mutex::new(false)),
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
@@ -357,48 +368,68 @@ pub async fn transfer_images(
     // per open, write and close.
     let mut writer: Option<ImageWriterTask> = None;
     let mut id = String::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk =
-            chunk.map_err(|s| EngineError::BadImage(format!("stream broke: {}", s.message())))?;
-        if writer.is_none() {
-            let inc = expect(
-                &mut slot,
-                &chunk.migration_id,
-                &["reserved"],
-                "image transfer",
-            )?;
-            id = chunk.migration_id.clone();
-            let (tx, mut rx) = tokio::sync::mpsc::channel::<ImageChunk>(64);
-            let dir = inc.images();
-            let task = tokio::task::spawn_blocking(move || {
-                let mut w = ImageWriter::new(&dir);
-                while let Some(c) = rx.blocking_recv() {
-                    w.write(&c)?;
-                }
-                w.finish_file()?;
-                Ok(w)
-            });
-            writer = Some((tx, task));
-        } else if chunk.migration_id != id {
-            return Err(EngineError::BadImage(format!(
-                "migration_id changed from {id} to {} mid-stream",
-                chunk.migration_id
-            )));
+    let fed: Result<(), EngineError> = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk
+                .map_err(|s| EngineError::BadImage(format!("stream broke: {}", s.message())))?;
+            if writer.is_none() {
+                let inc = expect(
+                    &mut slot,
+                    &chunk.migration_id,
+                    &["reserved"],
+                    "image transfer",
+                )?;
+                id = chunk.migration_id.clone();
+                let (tx, mut rx) = tokio::sync::mpsc::channel::<ImageChunk>(64);
+                let dir = inc.images();
+                let discarded = inc.discarded.clone();
+                let task = tokio::task::spawn_blocking(move || {
+                    let gone = || EngineError::BadImage("the migration was discarded".into());
+                    let mut w = ImageWriter::new(&dir);
+                    while let Some(c) = rx.blocking_recv() {
+                        let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
+                        if *d {
+                            return Err(gone());
+                        }
+                        w.write(&c)?;
+                    }
+                    let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
+                    if *d {
+                        return Err(gone());
+                    }
+                    w.finish_file()?;
+                    Ok(w)
+                });
+                writer = Some((tx, task));
+            } else if chunk.migration_id != id {
+                return Err(EngineError::BadImage(format!(
+                    "migration_id changed from {id} to {} mid-stream",
+                    chunk.migration_id
+                )));
+            }
+            if let Some((tx, _)) = writer.as_ref()
+                && tx.send(chunk).await.is_err()
+            {
+                // The writer stopped on an error: its result says which.
+                break;
+            }
         }
-        if let Some((tx, _)) = writer.as_ref()
-            && tx.send(chunk).await.is_err()
-        {
-            // The writer stopped on an error: its result says which.
-            break;
-        }
+        Ok(())
     }
+    .await;
     let Some((tx, task)) = writer else {
+        fed?;
         return Err(EngineError::BadImage("no image chunk received".into()));
     };
+    // The writer finishes before the slot's lock goes, whatever happened:
+    // an abort waiting for that lock removes the image directory, and must
+    // not race a thread still writing into it.
     drop(tx);
-    let w = task
+    let written = task
         .await
-        .map_err(|e| EngineError::Internal(format!("image writer: {e}")))??;
+        .map_err(|e| EngineError::Internal(format!("image writer: {e}")));
+    fed?;
+    let w = written??;
     let inc = expect(&mut slot, &id, &["reserved"], "image transfer")?;
     inc.state = IncomingState::Received;
     tracing::info!(migration = %id, files = w.files, bytes = w.bytes, "images received");

@@ -12,6 +12,9 @@ pub struct ProcessInfo {
     pub state: char,
     pub kernel_thread: bool,
     pub argv: Vec<String>,
+    /// Start time in clock ticks since boot: with the PID, what names a
+    /// process across PID reuse.
+    pub start_ticks: u64,
 }
 
 impl ProcessInfo {
@@ -28,10 +31,11 @@ pub fn inspect(pid: i32) -> Result<ProcessInfo, ProcessError> {
     }
     let path = format!("/proc/{pid}/stat");
     let stat = read_proc(&path, pid)?;
-    let (state, ppid, flags) = parse_stat(&stat).ok_or_else(|| ProcessError::Parse {
-        path: path.clone(),
-        reason: format!("unexpected content {stat:?}"),
-    })?;
+    let (state, ppid, flags, start_ticks) =
+        parse_stat(&stat).ok_or_else(|| ProcessError::Parse {
+            path: path.clone(),
+            reason: format!("unexpected content {stat:?}"),
+        })?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let argv = cmdline
         .split(|b| *b == 0)
@@ -44,20 +48,23 @@ pub fn inspect(pid: i32) -> Result<ProcessInfo, ProcessError> {
         state,
         kernel_thread: flags & PF_KTHREAD != 0,
         argv,
+        start_ticks,
     })
 }
 
 /// Parses state, ppid and flags out of a /proc/PID/stat line. The command
 /// name is in parentheses and may itself contain spaces and parentheses, so
 /// fields are counted from the last ')'.
-fn parse_stat(stat: &str) -> Option<(char, i32, u64)> {
+fn parse_stat(stat: &str) -> Option<(char, i32, u64, u64)> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // rest: state(3) ppid(4) pgrp(5) session(6) tty_nr(7) tpgid(8) flags(9)
     let state = fields.first()?.chars().next()?;
     let ppid = fields.get(1)?.parse().ok()?;
     let flags = fields.get(6)?.parse().ok()?;
-    Some((state, ppid, flags))
+    // starttime is field 22.
+    let start = fields.get(19)?.parse().ok()?;
+    Some((state, ppid, flags, start))
 }
 
 /// `pid` and all its descendants (threads are not processes and are not
@@ -89,10 +96,12 @@ mod tests {
 
     #[test]
     fn parses_stat_with_odd_command_names() {
-        let line = "1234 (we(ird) name) S 1 1234 1234 0 -1 4194560 100 0 0 0";
-        assert_eq!(parse_stat(line), Some(('S', 1, 4194560)));
-        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0";
-        let (_, _, flags) = parse_stat(kthread).unwrap();
+        let line = "1234 (we(ird) name) S 1 1234 1234 0 -1 4194560 100 0 0 0 \
+                    1 2 3 4 20 0 1 0 987654 1000 10";
+        assert_eq!(parse_stat(line), Some(('S', 1, 4194560, 987654)));
+        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 0 0 1 0 5 0 0";
+        let (_, _, flags, start) = parse_stat(kthread).unwrap();
+        assert_eq!(start, 5);
         assert!(flags & PF_KTHREAD != 0);
     }
 

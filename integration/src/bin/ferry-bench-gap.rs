@@ -156,7 +156,7 @@ fn bench(args: &Args) -> Result<()> {
     for mode in [Mode::Capture, Mode::Drop] {
         let mut spec = ClusterSpec::new(2, 2);
         if mode == Mode::Drop {
-            spec.extra_config = "[dataplane]\ncapture = false".into();
+            spec.capture = false;
         }
         let cluster = Cluster::start(spec).context("cluster")?;
         rt.block_on(migrations(&cluster, mode, args, &mut rows))?;
