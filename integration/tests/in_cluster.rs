@@ -140,6 +140,20 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
             "PostgreSQL's view of the session"
         );
 
+        // Not to node3: the session would have to become a connection
+        // within node3. Refused before anything is touched.
+        let refused = migrate(&mut node1, pid, "node3")
+            .await
+            .expect_err("a migration onto the database's node");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert!(refused.message().contains("node3"), "{refused:?}");
+        let still = wait_for_queries(&cluster, first.queries_ok, 5);
+        assert_eq!(still.backend_pid, first.backend_pid);
+
         // node1 -> node2 -> node1: away from where the connection was
         // opened, then home again (the translation goes away).
         let mut here = node1;

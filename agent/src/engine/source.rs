@@ -107,6 +107,20 @@ pub async fn prepare(
         // Fresh socket list: ports opened since the last refresh move too.
         let tree = process::process_tree(pid);
         let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
+        // A connection to a process on the destination node would have to
+        // become a connection within one host: no rewrite of one end does
+        // that. Refused now, before anything is touched.
+        if let Some(dest_ip) = agent.cluster_address_of(&peer_cfg.name)
+            && sockets.tcp_peers.contains(&dest_ip)
+        {
+            return Err(EngineError::NotMigratable {
+                pid,
+                reason: format!(
+                    "it has a TCP connection to {dest_ip}, {} itself: ferry cannot turn it into a connection within one node",
+                    peer_cfg.name
+                ),
+            });
+        }
         let mut peer = agent.peer_client(&peer_cfg).await?;
         let hello = peer
             .hello(HelloRequest {

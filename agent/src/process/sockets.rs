@@ -44,6 +44,8 @@ pub struct SocketSummary {
     /// Local ports of all of them: the ports this node must own for the
     /// process to receive its traffic.
     pub ports: BTreeSet<PortKey>,
+    /// IPv4 addresses of the peers of its connected TCP sockets.
+    pub tcp_peers: BTreeSet<std::net::Ipv4Addr>,
 }
 
 const TCP_ESTABLISHED: u8 = 0x01;
@@ -103,6 +105,13 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
                 },
                 Transport::Udp => summary.udp += 1,
             }
+            if transport == Transport::Tcp
+                && entry.state != TCP_LISTEN
+                && let Some(ip) = entry.remote_v4
+                && !ip.is_unspecified()
+            {
+                summary.tcp_peers.insert(ip);
+            }
             if entry.local_port != 0 {
                 summary.ports.insert(PortKey {
                     transport,
@@ -117,6 +126,8 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
 #[derive(Debug, PartialEq, Eq)]
 struct TableEntry {
     local_port: u16,
+    /// The peer's address, for the IPv4 tables.
+    remote_v4: Option<std::net::Ipv4Addr>,
     state: u8,
     inode: u64,
 }
@@ -133,8 +144,17 @@ fn parse_table(text: &str) -> Vec<TableEntry> {
             let port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
             let state = u8::from_str_radix(f.get(3)?, 16).ok()?;
             let inode = f.get(9)?.parse().ok()?;
+            // The kernel prints the network-order address as a host-order
+            // 32-bit hex number: its bytes in memory order are the octets.
+            let remote_v4 = f
+                .get(2)
+                .and_then(|r| r.split(':').next())
+                .filter(|h| h.len() == 8)
+                .and_then(|h| u32::from_str_radix(h, 16).ok())
+                .map(|v| std::net::Ipv4Addr::from(v.to_ne_bytes()));
             Some(TableEntry {
                 local_port: port,
+                remote_v4,
                 state,
                 inode,
             })
@@ -155,11 +175,14 @@ mod tests {
             vec![
                 TableEntry {
                     local_port: 7000,
+                    remote_v4: Some(std::net::Ipv4Addr::UNSPECIFIED),
                     state: TCP_LISTEN,
                     inode: 14376
                 },
                 TableEntry {
                     local_port: 7000,
+                    // 010012C6 as printed on a little-endian host.
+                    remote_v4: Some(std::net::Ipv4Addr::new(198, 18, 0, 1)),
                     state: TCP_ESTABLISHED,
                     inode: 14380
                 },
