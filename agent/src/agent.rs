@@ -495,13 +495,19 @@ impl Agent {
 
     /// Forgets a process that is not this agent's child when it exits.
     fn watch_exit(self: &Arc<Self>, pid: i32) {
+        self.forget_on_exit(pid, "adopted");
+    }
+
+    /// Waits (pidfd) for `pid` to exit, reaping it if it is our child, then
+    /// forgets it and releases its ports unless a migration holds it.
+    fn forget_on_exit(self: &Arc<Self>, pid: i32, what: &'static str) {
         let me = self.clone();
         tokio::spawn(async move {
             if let Err(e) = crate::reaper::wait_exit(pid).await {
-                tracing::warn!(pid, error = %e, "watching an adopted process");
+                tracing::warn!(pid, error = %e, "watching the {what} process");
                 return;
             }
-            tracing::info!(pid, "adopted process ended");
+            tracing::info!(pid, "{what} process ended");
             let removed = {
                 let mut reg = me.registry();
                 match reg.get(pid) {
@@ -587,27 +593,7 @@ impl Agent {
     /// (CRIU restored it as our child with `rst_sibling`), and forgets it
     /// when it exits.
     pub fn reap_restored(self: &Arc<Self>, pid: i32) {
-        let me = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = crate::reaper::wait_exit(pid).await {
-                tracing::warn!(pid, error = %e, "watching restored process");
-                return;
-            }
-            tracing::info!(pid, "restored process ended");
-            let removed = {
-                let mut reg = me.registry();
-                match reg.get(pid) {
-                    Some(p) if p.lifecycle == Lifecycle::Running => reg.remove(pid),
-                    _ => None,
-                }
-            };
-            if removed.is_some() {
-                me.persist();
-                if let Err(e) = me.reconcile().await {
-                    tracing::warn!(error = %e, "releasing ports of an exited process");
-                }
-            }
-        });
+        self.forget_on_exit(pid, "restored");
     }
 
     /// A Peer client for `peer`, connected with a short timeout.

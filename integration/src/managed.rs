@@ -107,3 +107,21 @@ pub fn wait_until_gone(pid: i32) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// The runtime the tests drive agents with: two workers, like the machine.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// The node's data plane: counters, port states, in-cluster rules.
+pub async fn data_plane(control: &mut ControlClient<Channel>) -> ferry_proto::v1::DataPlane {
+    control
+        .get_data_plane(ferry_proto::v1::GetDataPlaneRequest {})
+        .await
+        .expect("GetDataPlane")
+        .into_inner()
+}

@@ -9,24 +9,18 @@ use std::time::Duration;
 
 use ferry_integration::answer_watch::AnswerWatch;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{migrate, process_state, run, wait_for_process, wait_until_gone};
+use ferry_integration::managed::{
+    data_plane, migrate, process_state, run, runtime, wait_for_process, wait_until_gone,
+};
 use ferry_integration::netns::run_in;
 use ferry_integration::nstat::Nstat;
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::control_client::ControlClient;
-use ferry_proto::v1::{DataPlane, GetDataPlaneRequest, MigrationOutcome, MigrationReport};
+use ferry_proto::v1::{MigrationOutcome, MigrationReport};
 use tonic::transport::Channel;
 
 const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
 const PORT: u16 = 7000;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 fn dve_server() -> Vec<String> {
     vec![
@@ -34,14 +28,6 @@ fn dve_server() -> Vec<String> {
         "--port".into(),
         PORT.to_string(),
     ]
-}
-
-async fn data_plane(control: &mut ControlClient<Channel>) -> DataPlane {
-    control
-        .get_data_plane(GetDataPlaneRequest {})
-        .await
-        .expect("GetDataPlane")
-        .into_inner()
 }
 
 /// Migrates `pid` and checks that it committed; prints the figures.

@@ -8,22 +8,14 @@ use std::net::{SocketAddrV4, TcpStream};
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{migrate, run, wait_for_process, wait_until_gone};
+use ferry_integration::managed::{
+    data_plane, migrate, run, runtime, wait_for_process, wait_until_gone,
+};
 use ferry_integration::netns::run_in;
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
-use ferry_proto::v1::control_client::ControlClient;
-use ferry_proto::v1::{DataPlane, GetDataPlaneRequest, MigrationOutcome};
-use tonic::transport::Channel;
+use ferry_proto::v1::MigrationOutcome;
 
 const STATUS_PORT: u16 = 7300;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// The session's status line, read from a client through the shared
 /// public address (whichever node owns the port answers).
@@ -81,14 +73,6 @@ fn wait_for_queries(cluster: &Cluster, since: u64, n: u64) -> Status {
         std::thread::sleep(Duration::from_millis(50));
     }
     panic!("the session did not answer {n} more queries than {since}: {last:?}");
-}
-
-async fn data_plane(control: &mut ControlClient<Channel>) -> DataPlane {
-    control
-        .get_data_plane(GetDataPlaneRequest {})
-        .await
-        .expect("GetDataPlane")
-        .into_inner()
 }
 
 #[test]

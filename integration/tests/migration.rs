@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{list, migrate, process_state, run, wait_for_process};
+use ferry_integration::managed::{list, migrate, process_state, run, runtime, wait_for_process};
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
@@ -19,14 +19,6 @@ const ECHO_PORT: u16 = 7000;
 
 fn echo_server_bin() -> String {
     env!("CARGO_BIN_EXE_ferry-echo-server").to_owned()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// Starts the echo server under management on `node` and waits (bounded)

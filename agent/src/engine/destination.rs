@@ -106,7 +106,7 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
         if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
             tracing::warn!(pid, error = %e, "killing the restored copy");
         }
-        wait_dead(pid).await;
+        super::wait_dead(pid).await;
     }
     super::keep_logs(
         &agent.config.work_dir,
@@ -191,20 +191,6 @@ fn take_in_cluster(
         tracing::info!(rule = %f.hold(), "in-cluster connection held until commit");
     }
     Ok(flows)
-}
-
-/// Waits (bounded) until `pid` has exited: gone, or a zombie, whose sockets
-/// are already closed.
-async fn wait_dead(pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        match process::inspect(pid) {
-            Ok(i) if i.state != 'Z' && i.state != 'X' => {}
-            _ => return,
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    tracing::warn!(pid, "restored copy still alive 5 s after SIGKILL");
 }
 
 pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), EngineError> {

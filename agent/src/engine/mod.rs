@@ -220,6 +220,21 @@ pub fn keep_logs(work_dir: &std::path::Path, dir: &std::path::Path, migration_id
     }
 }
 
+/// Waits (bounded) until `pid` has exited: gone, or a zombie, whose sockets
+/// are already closed.
+pub(crate) async fn wait_dead(pid: i32) {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        match crate::process::inspect(pid) {
+            Ok(i) if i.state != 'Z' && i.state != 'X' => {}
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    tracing::warn!(pid, "still alive 5 s after SIGKILL");
+}
+
 /// A fresh migration id: 64 random bits in hex.
 pub fn new_migration_id() -> String {
     format!("{:016x}", rand::random::<u64>())

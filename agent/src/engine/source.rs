@@ -702,19 +702,6 @@ async fn untranslate_in_cluster(run: &mut Run) {
     }
 }
 
-/// Waits (bounded) until `pid` has exited: gone, or a zombie.
-async fn wait_dead(pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        match process::inspect(pid) {
-            Ok(i) if i.state != 'Z' && i.state != 'X' => {}
-            _ => return,
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    tracing::warn!(pid, "source copy still alive 5 s after SIGKILL");
-}
-
 async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
     // The root is the init of its PID namespace: killing it takes the whole
     // tree with it.
@@ -723,7 +710,7 @@ async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
     }
     // Dead (a zombie at least: its sockets are closed) before the commit:
     // from then on the process exists on one node only.
-    wait_dead(pid).await;
+    super::wait_dead(pid).await;
     agent.forget(pid);
     if let Err(e) = agent.apply_ownership().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
