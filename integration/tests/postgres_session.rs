@@ -45,7 +45,14 @@ struct TestNs(NetNs);
 
 impl TestNs {
     fn create() -> Self {
-        let ns = Self(NetNs::create(&format!("ferry-pgt-{}", std::process::id())).unwrap());
+        let ns = Self(
+            NetNs::create(&format!(
+                "{}{}-pgt",
+                ferry_integration::reap::NETNS_PREFIX,
+                std::process::id()
+            ))
+            .unwrap(),
+        );
         cmd::ip_batch(
             Some(ns.0.name()),
             &[

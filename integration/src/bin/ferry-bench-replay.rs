@@ -2,7 +2,7 @@
 //! destination node can hand captured packets back to its own stack
 //! (ebpf/src/replay.rs explains why ferry uses a raw `IPPROTO_RAW` socket).
 //!
-//! Everything happens in one network namespace, `ferry-br-<pid>` (deleted
+//! Everything happens in one network namespace, `fy<pid>-br` (deleted
 //! on exit, failures included):
 //!
 //! - `brpub` (198.18.240.1/24), one end of a veth pair, plays the public
@@ -283,7 +283,11 @@ fn bench(args: &Args) -> Result<()> {
             args.conns
         );
     }
-    let mut ns = NetNs::create(&format!("ferry-br-{}", std::process::id()))?;
+    let mut ns = NetNs::create(&format!(
+        "{}{}-br",
+        ferry_integration::reap::NETNS_PREFIX,
+        std::process::id()
+    ))?;
     setup(&ns).context("setting up the namespace")?;
     let path = ns.path();
     let (samples, hooks) = run_in(&path, || -> Result<(Vec<Sample>, Vec<HookRow>)> {
