@@ -19,8 +19,8 @@
 //! ```
 
 pub mod agent;
-pub mod answer_watch;
 pub mod agent_config;
+pub mod answer_watch;
 pub mod cluster;
 pub mod cmd;
 pub mod control;
