@@ -38,6 +38,8 @@ pub struct Agent {
     /// The peers' verdict on ports this node's processes opened: free to
     /// own, or owned by another node (refused here).
     claims: Mutex<BTreeMap<PortKey, Claim>>,
+    /// Serialises [`Self::persist`].
+    persisting: Mutex<()>,
     /// What this node's translations changed per migration, for aborts.
     pub translation_log: crate::engine::translations::TranslationLog,
     replayer: Mutex<Box<dyn PacketReplayer>>,
@@ -96,6 +98,7 @@ impl Agent {
             capture: CaptureStore::default(),
             flows: Mutex::new(flows),
             translation_log: Default::default(),
+            persisting: Mutex::new(()),
             claims: Mutex::new(BTreeMap::new()),
             replayer: Mutex::new(replayer),
             replay_totals: Mutex::new(ReplayTotals::default()),
@@ -156,7 +159,7 @@ impl Agent {
             self.check_claims(unclaimed).await;
         }
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.sync_ownership(false))
+        tokio::task::spawn_blocking(move || me.sync_ownership())
             .await
             .map_err(|e| EngineError::Internal(format!("reconcile task: {e}")))?
     }
@@ -268,33 +271,23 @@ impl Agent {
     /// the kernel's whole established-connection hash table, ~2 ms here).
     pub async fn apply_ownership(self: &Arc<Self>) -> Result<(), EngineError> {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.sync_ownership(false))
+        tokio::task::spawn_blocking(move || me.sync_ownership())
             .await
             .map_err(|e| EngineError::Internal(format!("ownership task: {e}")))?
     }
 
-    pub fn reconcile_blocking(&self) -> Result<(), EngineError> {
-        self.sync_ownership(true)
-    }
-
     /// [`apply_ownership`](Self::apply_ownership) for blocking code.
     pub fn reconcile_ownership(&self) -> Result<(), EngineError> {
-        self.sync_ownership(false)
+        self.sync_ownership()
     }
 
-    fn sync_ownership(&self, refresh: bool) -> Result<(), EngineError> {
+    fn sync_ownership(&self) -> Result<(), EngineError> {
         // The ownership lock is held from computing the desired state to
         // writing it, so passes apply in the order they read the registry:
         // a periodic pass that read "owned" cannot land after the engine's
         // pass that froze the ports. Lock order: ownership, then registry.
         let mut ownership = self.ownership();
-        let mut desired = {
-            let mut reg = self.registry();
-            if refresh {
-                reg.refresh();
-            }
-            reg.desired_ports()
-        };
+        let mut desired = self.registry().desired_ports();
         // A port is newly owned only once the peers said nobody owns it;
         // ports already owned stay (a migration moved them here, or they
         // were checked before).
@@ -405,20 +398,37 @@ impl Agent {
         let pid = p.pid;
         self.registry().insert(p);
         tracing::info!(pid, "process under management");
-        self.persist();
     }
 
     /// Forgets a process (it exited or moved away).
     pub fn forget(&self, pid: i32) -> Option<ManagedProcess> {
-        let gone = self.registry().remove(pid);
-        self.persist();
-        gone
+        self.registry().remove(pid)
+    }
+
+    /// [`Self::persist`] on the blocking pool, not waited for: callers in a
+    /// migration call it once the freeze is over, and a restart within the
+    /// millisecond it takes is the only thing that could miss the change.
+    pub fn persist_soon(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.persist());
+    }
+
+    /// [`Self::persist`] on the blocking pool, waited for.
+    pub async fn persist_async(self: &Arc<Self>) {
+        let me = self.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || me.persist()).await {
+            tracing::error!(error = %e, "remembering the managed processes");
+        }
     }
 
     /// Writes the managed processes to `<work_dir>/managed.json`, for a
     /// restarted agent ([`Self::readopt`]). A failure is logged: the
-    /// processes run on, only a restart would not find them.
+    /// processes run on, only a restart would not find them. Blocking
+    /// (procfs, a file write).
     pub fn persist(&self) {
+        // One writer at a time, each writing what the registry holds when
+        // it gets the lock: the last write is the newest state.
+        let _one = lock(&self.persisting);
         let remembered: Vec<crate::state::Remembered> = self
             .registry()
             .iter()
@@ -469,7 +479,8 @@ impl Agent {
                         sockets: Default::default(),
                     });
                     tracing::info!(pid = r.pid, argv = ?r.argv, "managed process adopted again");
-                    self.watch_exit(r.pid);
+                    // Not our child any more: watched through a pidfd.
+                    self.forget_on_exit(r.pid, "adopted");
                     adopted += 1;
                 }
                 _ => tracing::info!(pid = r.pid, "a process of the earlier agent is gone"),
@@ -493,11 +504,6 @@ impl Agent {
         adopted
     }
 
-    /// Forgets a process that is not this agent's child when it exits.
-    fn watch_exit(self: &Arc<Self>, pid: i32) {
-        self.forget_on_exit(pid, "adopted");
-    }
-
     /// Waits (pidfd) for `pid` to exit, reaping it if it is our child, then
     /// forgets it and releases its ports unless a migration holds it.
     fn forget_on_exit(self: &Arc<Self>, pid: i32, what: &'static str) {
@@ -516,7 +522,7 @@ impl Agent {
                 }
             };
             if removed.is_some() {
-                me.persist();
+                me.persist_soon();
                 if let Err(e) = me.reconcile().await {
                     tracing::warn!(error = %e, "releasing ports of an exited process");
                 }
@@ -566,6 +572,7 @@ impl Agent {
             lifecycle: Lifecycle::Running,
             sockets: Default::default(),
         });
+        self.persist_async().await;
         let me = self.clone();
         tokio::spawn(async move {
             let status = wrapper.wait().await;
@@ -580,7 +587,7 @@ impl Agent {
                 }
             };
             if removed.is_some() {
-                me.persist();
+                me.persist_soon();
                 if let Err(e) = me.reconcile().await {
                     tracing::warn!(error = %e, "releasing ports of an exited process");
                 }

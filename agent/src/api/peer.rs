@@ -30,6 +30,18 @@ impl PeerService {
     pub fn new(agent: Arc<Agent>) -> Self {
         Self { agent }
     }
+
+    /// Runs a translation change (BPF maps: blocking) off the runtime.
+    async fn translations(
+        &self,
+        request: Request<TranslationsRequest>,
+        change: fn(&Agent, &TranslationsRequest) -> Result<u32, crate::engine::EngineError>,
+    ) -> Result<Response<TranslationsResponse>, Status> {
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        let rules = finish(tokio::task::spawn_blocking(move || change(&agent, &req))).await?;
+        Ok(Response::new(TranslationsResponse { rules }))
+    }
 }
 
 #[tonic::async_trait]
@@ -133,26 +145,16 @@ impl Peer for PeerService {
         &self,
         request: Request<TranslationsRequest>,
     ) -> Result<Response<TranslationsResponse>, Status> {
-        let agent = self.agent.clone();
-        let req = request.into_inner();
-        let rules = finish(tokio::task::spawn_blocking(move || {
-            crate::engine::translations::add(&agent, &req)
-        }))
-        .await?;
-        Ok(Response::new(TranslationsResponse { rules }))
+        self.translations(request, crate::engine::translations::add)
+            .await
     }
 
     async fn remove_translations(
         &self,
         request: Request<TranslationsRequest>,
     ) -> Result<Response<TranslationsResponse>, Status> {
-        let agent = self.agent.clone();
-        let req = request.into_inner();
-        let rules = finish(tokio::task::spawn_blocking(move || {
-            crate::engine::translations::remove(&agent, &req)
-        }))
-        .await?;
-        Ok(Response::new(TranslationsResponse { rules }))
+        self.translations(request, crate::engine::translations::remove)
+            .await
     }
 
     async fn port_ownership(

@@ -123,7 +123,11 @@ async fn serve(config: Config) -> Result<()> {
         Box::new(replayer),
         Box::new(ferry_agent::translation::EbpfFlowRules(translator)),
     );
-    let adopted = agent.readopt();
+    // procfs, a file and BPF maps: off the runtime.
+    let adopted = {
+        let agent = agent.clone();
+        tokio::task::spawn_blocking(move || agent.readopt()).await?
+    };
     if adopted > 0 {
         tracing::info!(adopted, "processes of the earlier agent managed again");
     }

@@ -67,9 +67,10 @@ pub type NotifyHook<'a> = &'a mut dyn FnMut(&str) -> Result<(), String>;
 /// must not touch iptables/nftables. The caller locks in `on_notify` at
 /// "pre-dump", which CRIU sends after its start-up (tens of milliseconds)
 /// and before it stops the process and reads any socket: the process's
-/// packets are held only for the part of the dump that needs it. `leave_stopped`: the process stays
-/// frozen on the source until the destination confirms; its TCP sockets
-/// stay in repair mode, so they send nothing, not even an RST when killed.
+/// packets are held only for the part of the dump that needs it.
+/// `leave_stopped`: the process stays frozen on the source until the
+/// destination confirms; its TCP sockets stay in repair mode, so they send
+/// nothing, not even an RST when killed.
 pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notifications, CriuError> {
     let mut opts = Criu_opts::new();
     opts.set_pid(req.pid);

@@ -487,6 +487,9 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         lifecycle: Lifecycle::Running,
         sockets,
     });
+    // The source had the peers' nodes translate before it sent Commit: the
+    // in-cluster connections may flow from here on.
+    release_holds(agent, &inc.in_cluster).await;
     // Open egress first: the ACKs (and window updates) the stack sends for
     // replayed segments must get out. Ingress stays captured while the
     // packets captured so far are replayed, so none is overtaken; then the
@@ -495,26 +498,28 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // only the kernel's receive path (queued, ACKed at once), instead of
     // also waking the process to handle it before the next one goes in;
     // clients get their ACKs sooner, which is what keeps their
-    // retransmission timers from firing.
-    // The source had the peers' nodes translate before it sent Commit: the
-    // in-cluster connections may flow from here on.
-    release_holds(agent, &inc.in_cluster).await;
+    // retransmission timers from firing. Whatever fails here, the process
+    // was restored and is ours: it runs.
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
-        agent.apply_ownership().await?;
-        let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
-        let delivered = req.delivered_digests;
-        let replayed = tokio::task::spawn_blocking(move || {
-            a.replay_and_open(&id, &delivered, || {
-                a.release_ports(&ports);
-                a.reconcile_ownership()
-            })
-        })
-        .await;
-        // Whatever the replay did, the process was restored and is ours:
-        // it must run.
+        let replayed = match agent.apply_ownership().await {
+            Ok(()) => {
+                let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
+                let delivered = req.delivered_digests;
+                tokio::task::spawn_blocking(move || {
+                    a.replay_and_open(&id, &delivered, || {
+                        a.release_ports(&ports);
+                        a.reconcile_ownership()
+                    })
+                })
+                .await
+                .map_err(|e| EngineError::Internal(format!("replay task: {e}")))
+                .and_then(|r| r)
+            }
+            Err(e) => Err(e),
+        };
         resume(pid);
-        let stats = replayed.map_err(|e| EngineError::Internal(format!("replay task: {e}")))??;
+        let stats = replayed?;
         tracing::info!(
             captured = stats.captured,
             replayed = stats.replayed,
@@ -526,10 +531,13 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         Some(stats)
     } else {
         agent.release_ports(&inc.ports);
-        agent.apply_ownership().await?;
+        let opened = agent.apply_ownership().await;
         resume(pid);
+        opened?;
         None
     };
+    // Remembered for a restart of this agent, now the freeze is over.
+    agent.persist_soon();
     let done = slot.take();
     if let Some(inc) = done
         && let Err(e) = std::fs::remove_dir_all(&inc.dir)

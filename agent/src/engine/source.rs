@@ -608,7 +608,6 @@ fn out_stage(migration_id: &str, stage: OutStage) -> Lifecycle {
     }
 }
 
-/// Kills the stopped source copy and forgets it, releasing its ports.
 /// Has the node of each in-cluster peer translate its flows; records what
 /// was done in `run.translated` for an abort to undo.
 async fn translate_in_cluster(
@@ -702,15 +701,14 @@ async fn untranslate_in_cluster(run: &mut Run) {
     }
 }
 
+/// Kills the stopped source copy and forgets it, releasing its ports.
+/// Inside the freeze: waiting for it to die is left to after the commit.
 async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
     // The root is the init of its PID namespace: killing it takes the whole
     // tree with it.
     if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
         tracing::warn!(pid, error = %e, "killing the source copy");
     }
-    // Dead (a zombie at least: its sockets are closed) before the commit:
-    // from then on the process exists on one node only.
-    super::wait_dead(pid).await;
     agent.forget(pid);
     if let Err(e) = agent.apply_ownership().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
@@ -720,6 +718,11 @@ async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
 async fn finish(run: &mut Run, stop: Stop) {
     match stop {
         Stop::Committed(err) => {
+            // The source copy was killed in the freeze; by the time the
+            // report says "committed" it is dead (a zombie at most, its
+            // sockets closed), and this node no longer remembers it.
+            super::wait_dead(run.p.pid).await;
+            run.agent.persist_soon();
             run.report.outcome = MigrationOutcome::Committed as i32;
             if let Some(e) = err {
                 run.report.error = format!(
