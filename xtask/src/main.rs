@@ -5,6 +5,8 @@
 //! - `integration [-- ARGS]`: build, then only the root-only integration tests
 //! - `demo [-- ARGS]`: set up if needed, build, run the 3-node migration demo
 //! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark (`gap`)
+//! - `sim <openmosix|dve|all> [--runs N] [--seed S] [--out DIR]`: run the
+//!   load-balancing simulator (no root, no setup)
 
 mod bench;
 mod cmd;
@@ -12,6 +14,7 @@ mod criu;
 mod demo;
 mod packages;
 mod setup;
+mod sim;
 mod test;
 
 use std::path::PathBuf;
@@ -67,6 +70,10 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Run the load-balancing simulator (no root, no setup): `openmosix`
+    /// (seed 002's spike experiment), `dve` (seed 000's DVE scenario) or
+    /// `all`; writes tables, CSV and SVG plots to target/sim/<name>/.
+    Sim(sim::SimArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -80,6 +87,7 @@ fn main() -> std::process::ExitCode {
         Command::Integration { args } => test::run_integration(prefix, &args),
         Command::Demo { args } => demo::run(prefix, &args),
         Command::Bench { name, args } => bench::run(prefix, &name, &args),
+        Command::Sim(args) => sim::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -111,5 +119,20 @@ mod tests {
         let a = parse(&["--criu-prefix", "/tmp/x", "setup"]);
         assert_eq!(a.criu_prefix, PathBuf::from("/tmp/x"));
         assert!(matches!(a.command, Command::Setup));
+        let a = parse(&[
+            "sim",
+            "openmosix",
+            "--runs",
+            "2",
+            "--seed",
+            "7",
+            "--out",
+            "/tmp/r",
+        ]);
+        assert!(matches!(
+            a.command,
+            Command::Sim(sim::SimArgs { name: sim::SimName::Openmosix, runs: Some(2), seed: Some(7), ref out })
+                if out.as_deref() == Some(std::path::Path::new("/tmp/r"))
+        ));
     }
 }

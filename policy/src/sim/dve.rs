@@ -1,0 +1,749 @@
+//! Seed 000's DVE scenario (§VI-C, Fig. 5d-f), simulated with this crate's
+//! policies: 5 server nodes, a 10x10 grid of zones, one zone server process
+//! per zone, 20 per node at the start (node i serves rows 2i and 2i+1).
+//! 10,000 clients start uniformly spread; over 15 minutes part of the
+//! clients of the middle rows walk to the up-left and down-right corners.
+//! A zone server's CPU grows in proportion to its clients.
+//!
+//! Balancing uses seed 000's policies end to end ([`Config::default`]):
+//! threshold sender, mirror-of-the-average location, closest-to-excess
+//! selection, broadcast heartbeat, two-phase commit, calm-down. A
+//! migration's cost comes from [`MigrationCostModel`]: the zone keeps
+//! running on the source while pre-copy rounds go out, and serves nobody
+//! while frozen. Comparing a pre-copy mechanism with stop-and-copy shows
+//! what a better mechanism buys: the same balance, far less frozen time.
+
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use super::SimError;
+use super::event::EventQueue;
+use crate::balancer::{Balancer, Plan};
+use crate::config::Config;
+use crate::information::{Destination, InformationPolicy, LoadMessage};
+use crate::load::{LoadConfig, NodeLoad, RecentArrivals};
+use crate::migration_cost::{Mechanism, MigrationCostModel};
+use crate::node::{NodeId, ProcessId};
+use crate::selection::{ProcessLoad, SelectionConfig};
+use crate::time::Instant;
+use crate::transfer::{Answer, MigrationId, Offer, Outcome, TransferConfig};
+
+pub const GRID: usize = 10;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Params {
+    pub nodes: usize,
+    pub cores_per_node: f64,
+    pub clients: usize,
+    pub duration: Duration,
+    /// Rows whose clients may walk to a corner: `[first, last]`.
+    pub middle_rows: (usize, usize),
+    /// Share of the middle rows' clients that walk.
+    pub walker_fraction: f64,
+    /// CPU (cores) one client costs its zone server.
+    pub cores_per_client: f64,
+    /// CPU (cores) of an empty zone server.
+    pub cores_per_zone: f64,
+    pub zone_memory_bytes: u64,
+    pub memory_per_client_bytes: u64,
+    /// Sampling interval of the reported time series.
+    pub report_every: Duration,
+    pub latency: Duration,
+    pub seed: u64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            nodes: 5,
+            // Seed 000 §VI-A: dual-core Opterons.
+            cores_per_node: 2.0,
+            clients: 10_000,
+            duration: Duration::from_secs(15 * 60),
+            middle_rows: (3, 6),
+            walker_fraction: 0.5,
+            // 2,000 clients per node use 70% of it at the start.
+            cores_per_client: 0.0007,
+            cores_per_zone: 0.0,
+            zone_memory_bytes: 64 << 20,
+            memory_per_client_bytes: 16 << 10,
+            report_every: Duration::from_secs(5),
+            latency: Duration::from_millis(1),
+            seed: 0,
+        }
+    }
+}
+
+impl Params {
+    pub fn validate(&self) -> Result<(), SimError> {
+        let bad = |field, reason: &str| {
+            Err(SimError::InvalidParameter {
+                field,
+                reason: reason.into(),
+            })
+        };
+        if self.nodes == 0 || self.nodes > GRID * GRID {
+            return bad("nodes", "need 1 to 100 nodes");
+        }
+        if !self.cores_per_node.is_finite() || self.cores_per_node <= 0.0 {
+            return bad("cores_per_node", "must be > 0");
+        }
+        if !(0.0..=1.0).contains(&self.walker_fraction) {
+            return bad("walker_fraction", "must be in [0, 1]");
+        }
+        if self.middle_rows.0 > self.middle_rows.1 || self.middle_rows.1 >= GRID {
+            return bad("middle_rows", "need first <= last < 10");
+        }
+        if self.report_every.is_zero() {
+            return bad("report_every", "must be > 0");
+        }
+        Ok(())
+    }
+
+    /// The policy configuration: seed 000's policies, in this scenario's
+    /// load units (share of a node's CPUs).
+    pub fn config(&self) -> Config {
+        let defaults = Config::default();
+        Config {
+            load: LoadConfig {
+                decay: 0.5,
+                stabilizer: 0.02,
+                recent_arrival_ms: 10_000,
+                process_table_weight: 0.0,
+                process_table_size: 4096,
+            },
+            transfer: TransferConfig {
+                threshold: 0.9,
+                average_gap: 0.1,
+                calm_down_ms: 20_000,
+                ..defaults.transfer
+            },
+            selection: SelectionConfig {
+                min_residency_ms: 30_000,
+                ..defaults.selection
+            },
+            ..defaults
+        }
+    }
+}
+
+/// A migration mechanism to compare.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct MechanismVariant {
+    pub label: &'static str,
+    pub cost: MigrationCostModel,
+}
+
+/// ferry's target: pre-copy with collective, incremental socket migration
+/// (seed 000 Fig. 5b: under 40 ms freeze at 1,000 connections).
+pub fn precopy_mechanism() -> MechanismVariant {
+    MechanismVariant {
+        label: "pre-copy",
+        cost: MigrationCostModel {
+            bandwidth_bytes_per_sec: 125_000_000.0,
+            freeze_overhead: Duration::from_millis(15),
+            per_connection: Duration::from_micros(10),
+            mechanism: Mechanism::PreCopy {
+                dirty_bytes_per_sec: 20_000_000.0,
+                max_rounds: 8,
+                stop_bytes: 2 << 20,
+            },
+        },
+    }
+}
+
+/// A plain checkpoint/restore: freeze, dump everything, send, restore
+/// (DESIGN.md: CRIU here, 128-251 ms for 16-1024 connections, before the
+/// memory is even sent).
+pub fn stop_and_copy_mechanism() -> MechanismVariant {
+    MechanismVariant {
+        label: "stop-and-copy",
+        cost: MigrationCostModel {
+            bandwidth_bytes_per_sec: 125_000_000.0,
+            freeze_overhead: Duration::from_millis(120),
+            per_connection: Duration::from_micros(120),
+            mechanism: Mechanism::StopAndCopy,
+        },
+    }
+}
+
+/// One point of the time series.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub secs: f64,
+    /// Per node: CPU utilisation (0..1, demand capped at capacity).
+    pub utilisation: Vec<f64>,
+    /// Per node: zone servers it runs (in flight excluded).
+    pub zones: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DveRun {
+    pub label: String,
+    pub balancing: bool,
+    pub samples: Vec<Sample>,
+    pub migrations: u64,
+    pub refused_offers: u64,
+    /// Sum of freeze times.
+    pub frozen_secs: f64,
+    pub max_freeze_ms: f64,
+    /// Sum over migrations of clients x freeze: updates nobody got.
+    pub client_frozen_secs: f64,
+}
+
+impl DveRun {
+    /// Per node, mean utilisation over the samples at or after `from_secs`.
+    pub fn mean_utilisation_from(&self, from_secs: f64) -> Vec<f64> {
+        let tail: Vec<&Sample> = self
+            .samples
+            .iter()
+            .filter(|s| s.secs >= from_secs)
+            .collect();
+        let nodes = self.samples.first().map_or(0, |s| s.utilisation.len());
+        (0..nodes)
+            .map(|n| tail.iter().map(|s| s.utilisation[n]).sum::<f64>() / tail.len().max(1) as f64)
+            .collect()
+    }
+
+    /// Seconds during which some node was above 95% (sampled).
+    pub fn secs_any_node_above(&self, threshold: f64, every: Duration) -> f64 {
+        self.samples
+            .iter()
+            .filter(|s| s.utilisation.iter().any(|&u| u > threshold))
+            .count() as f64
+            * every.as_secs_f64()
+    }
+}
+
+/// Balancing off, then on with each mechanism.
+pub fn run_all(params: &Params, mechanisms: &[MechanismVariant]) -> Result<Vec<DveRun>, SimError> {
+    params.validate()?;
+    let mut out = vec![run(params, None)?];
+    for m in mechanisms {
+        out.push(run(params, Some(m))?);
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Walker {
+    from: (f64, f64),
+    to: (f64, f64),
+    start: f64,
+    travel: f64,
+}
+
+/// Client positions over time: most stand still, walkers move in a line.
+struct Clients {
+    still: Vec<(f64, f64)>,
+    walkers: Vec<Walker>,
+}
+
+impl Clients {
+    fn new(params: &Params, rng: &mut StdRng) -> Self {
+        let size = GRID as f64;
+        let total = params.duration.as_secs_f64();
+        let (first, last) = params.middle_rows;
+        let middle = (first + last + 1) as f64 / 2.0;
+        let mut still = Vec::new();
+        let mut walkers = Vec::new();
+        for _ in 0..params.clients {
+            let p = (rng.random_range(0.0..size), rng.random_range(0.0..size));
+            let row = p.0 as usize;
+            if (first..=last).contains(&row) && rng.random_bool(params.walker_fraction) {
+                // The upper half of the middle heads up-left, the lower
+                // half down-right (seed 000 Fig. 5a), to a spot in the
+                // corner's 2x3 block.
+                let to = if p.0 < middle {
+                    (rng.random_range(0.0..2.0), rng.random_range(0.0..3.0))
+                } else {
+                    (
+                        rng.random_range(size - 2.0..size),
+                        rng.random_range(size - 3.0..size),
+                    )
+                };
+                let travel = rng.random_range(0.15..0.35) * total;
+                let start = rng.random_range(0.0..(total * 0.9 - travel).max(0.0));
+                walkers.push(Walker {
+                    from: p,
+                    to,
+                    start,
+                    travel,
+                });
+            } else {
+                still.push(p);
+            }
+        }
+        Clients { still, walkers }
+    }
+
+    fn per_zone(&self, secs: f64) -> Vec<u32> {
+        let mut counts = vec![0u32; GRID * GRID];
+        let zone = |(r, c): (f64, f64)| {
+            let r = (r.max(0.0) as usize).min(GRID - 1);
+            let c = (c.max(0.0) as usize).min(GRID - 1);
+            r * GRID + c
+        };
+        for &p in &self.still {
+            counts[zone(p)] += 1;
+        }
+        for w in &self.walkers {
+            let f = ((secs - w.start) / w.travel).clamp(0.0, 1.0);
+            counts[zone((
+                w.from.0 + (w.to.0 - w.from.0) * f,
+                w.from.1 + (w.to.1 - w.from.1) * f,
+            ))] += 1;
+        }
+        counts
+    }
+}
+
+struct DveNode {
+    zones: Vec<usize>,
+    /// Zone -> when it arrived (for residency).
+    arrived: Vec<(usize, Instant)>,
+    load: NodeLoad,
+    recent: RecentArrivals,
+    info: Box<dyn InformationPolicy>,
+    balancer: Balancer,
+}
+
+enum Event {
+    Clients,
+    Tick(usize),
+    Observe,
+    Deliver {
+        to: usize,
+        message: LoadMessage,
+    },
+    Offer {
+        to: usize,
+        offer: Offer,
+        zone: usize,
+        rest: Vec<NodeId>,
+    },
+    Answer {
+        to: usize,
+        from: usize,
+        id: MigrationId,
+        answer: Answer,
+        zone: usize,
+        rest: Vec<NodeId>,
+    },
+    Freeze {
+        from: usize,
+        to: usize,
+        id: MigrationId,
+        zone: usize,
+    },
+    Arrive {
+        from: usize,
+        to: usize,
+        id: MigrationId,
+        zone: usize,
+    },
+}
+
+struct World<'p> {
+    params: &'p Params,
+    config: Config,
+    mechanism: Option<MechanismVariant>,
+    nodes: Vec<DveNode>,
+    clients_per_zone: Vec<u32>,
+    queue: EventQueue<Event>,
+    rng: StdRng,
+    next_id: u64,
+    result: DveRun,
+}
+
+fn run(params: &Params, mechanism: Option<&MechanismVariant>) -> Result<DveRun, SimError> {
+    let config = params.config();
+    config.validate()?;
+    // The same clients in every variant: their generator is seeded alone.
+    let clients = Clients::new(params, &mut StdRng::seed_from_u64(params.seed));
+    let members: Vec<NodeId> = (0..params.nodes as u32).map(NodeId).collect();
+    let rows_per_node = GRID as f64 / params.nodes as f64;
+    let nodes = (0..params.nodes)
+        .map(|n| DveNode {
+            zones: (0..GRID * GRID)
+                .filter(|z| ((z / GRID) as f64 / rows_per_node) as usize == n)
+                .collect(),
+            arrived: Vec::new(),
+            load: NodeLoad::new(),
+            recent: RecentArrivals::default(),
+            info: config.information.policy(NodeId(n as u32), &members),
+            balancer: Balancer::new(&config),
+        })
+        .collect();
+    let label = match mechanism {
+        None => "balancing off".to_string(),
+        Some(m) => format!("balancing on, {}", m.label),
+    };
+    let mut world = World {
+        params,
+        config,
+        mechanism: mechanism.copied(),
+        nodes,
+        clients_per_zone: clients.per_zone(0.0),
+        queue: EventQueue::default(),
+        rng: StdRng::seed_from_u64(params.seed ^ 0x5eed),
+        next_id: 0,
+        result: DveRun {
+            label,
+            balancing: mechanism.is_some(),
+            samples: Vec::new(),
+            migrations: 0,
+            refused_offers: 0,
+            frozen_secs: 0.0,
+            max_freeze_ms: 0.0,
+            client_frozen_secs: 0.0,
+        },
+    };
+    world.queue.schedule_at(Instant::ZERO, Event::Clients);
+    world.queue.schedule_at(Instant::ZERO, Event::Observe);
+    for n in 0..params.nodes {
+        let phase = world.rng.random_range(0..1_000);
+        world
+            .queue
+            .schedule_at(Instant::from_millis(phase), Event::Tick(n));
+    }
+    let end = params.duration.as_millis() as u64;
+    while let Some(event) = world.queue.pop() {
+        let now = world.queue.now();
+        if now.as_millis() > end {
+            break;
+        }
+        if let Event::Clients = event {
+            world.clients_per_zone = clients.per_zone(now.as_millis() as f64 / 1000.0);
+            world
+                .queue
+                .schedule_in(Duration::from_secs(1), Event::Clients);
+            continue;
+        }
+        world.handle(event)?;
+    }
+    Ok(world.result)
+}
+
+impl World<'_> {
+    fn zone_cores(&self, zone: usize) -> f64 {
+        self.params.cores_per_zone
+            + self.params.cores_per_client * f64::from(self.clients_per_zone[zone])
+    }
+
+    /// Demand of a node, in its load units (share of its CPUs).
+    fn node_load(&self, n: usize) -> f64 {
+        self.nodes[n]
+            .zones
+            .iter()
+            .map(|&z| self.zone_cores(z))
+            .sum::<f64>()
+            / self.params.cores_per_node
+    }
+
+    fn zone_memory(&self, zone: usize) -> u64 {
+        self.params.zone_memory_bytes
+            + self.params.memory_per_client_bytes * u64::from(self.clients_per_zone[zone])
+    }
+
+    fn handle(&mut self, event: Event) -> Result<(), SimError> {
+        let now = self.queue.now();
+        let latency = self.params.latency;
+        match event {
+            Event::Clients => {}
+            Event::Observe => {
+                let utilisation = (0..self.nodes.len())
+                    .map(|n| self.node_load(n).min(1.0))
+                    .collect();
+                let zones = self.nodes.iter().map(|n| n.zones.len()).collect();
+                self.result.samples.push(Sample {
+                    secs: now.as_millis() as f64 / 1000.0,
+                    utilisation,
+                    zones,
+                });
+                self.queue
+                    .schedule_in(self.params.report_every, Event::Observe);
+            }
+            Event::Tick(n) => {
+                self.queue
+                    .schedule_in(Duration::from_secs(1), Event::Tick(n));
+                if self.mechanism.is_none() {
+                    return Ok(());
+                }
+                let demand = self.node_load(n);
+                let window = Duration::from_millis(self.config.load.recent_arrival_ms);
+                let recent: Vec<ProcessId> = self.nodes[n].recent.recent(now, window).collect();
+                let recent_load: f64 = recent
+                    .iter()
+                    .filter(|pid| self.nodes[n].zones.contains(&(pid.0 as usize)))
+                    .map(|pid| self.zone_cores(pid.0 as usize) / self.params.cores_per_node)
+                    .sum();
+                let mut rng = StdRng::seed_from_u64(self.rng.random());
+                let config = self.config.load.clone();
+                let node = &mut self.nodes[n];
+                node.load.record(now, demand, &config)?;
+                let export = node.load.export(recent_load, node.zones.len(), &config);
+                for o in node.info.tick(now, export, &mut rng) {
+                    if let Destination::Broadcast = o.to {
+                        for to in (0..self.params.nodes).filter(|&to| to != n) {
+                            self.queue.schedule_in(
+                                latency,
+                                Event::Deliver {
+                                    to,
+                                    message: o.message.clone(),
+                                },
+                            );
+                        }
+                    } else if let Destination::Node(to) = o.to {
+                        self.queue.schedule_in(
+                            latency,
+                            Event::Deliver {
+                                to: to.0 as usize,
+                                message: o.message,
+                            },
+                        );
+                    }
+                }
+                self.conduct(n, &mut rng)?;
+            }
+            Event::Deliver { to, message } => self.nodes[to].info.receive(&message, now)?,
+            Event::Offer {
+                to,
+                offer,
+                zone,
+                rest,
+            } => {
+                let own = self.nodes[to].load.internal();
+                let answer = self.nodes[to].balancer.gate.on_offer(&offer, own, now);
+                let from = offer.from.0 as usize;
+                self.queue.schedule_in(
+                    latency,
+                    Event::Answer {
+                        to: from,
+                        from: to,
+                        id: offer.id,
+                        answer,
+                        zone,
+                        rest,
+                    },
+                );
+            }
+            Event::Answer {
+                to,
+                from,
+                id,
+                answer,
+                zone,
+                mut rest,
+            } => {
+                self.nodes[to].balancer.gate.on_answer(id, answer)?;
+                match answer {
+                    Answer::Accept => {
+                        let Some(mechanism) = self.mechanism else {
+                            return Ok(());
+                        };
+                        let times = mechanism
+                            .cost
+                            .estimate(self.zone_memory(zone), self.clients_per_zone[zone]);
+                        // Pre-copy rounds run while the zone keeps serving.
+                        self.queue.schedule_in(
+                            times.preparation,
+                            Event::Freeze {
+                                from: to,
+                                to: from,
+                                id,
+                                zone,
+                            },
+                        );
+                    }
+                    Answer::Refuse(_) => {
+                        self.result.refused_offers += 1;
+                        if !rest.is_empty() {
+                            let next = rest.remove(0);
+                            self.offer(to, next, zone, rest)?;
+                        }
+                    }
+                }
+            }
+            Event::Freeze { from, to, id, zone } => {
+                let Some(mechanism) = self.mechanism else {
+                    return Ok(());
+                };
+                let clients = self.clients_per_zone[zone];
+                let times = mechanism.cost.estimate(self.zone_memory(zone), clients);
+                self.nodes[from].zones.retain(|&z| z != zone);
+                self.nodes[from].arrived.retain(|&(z, _)| z != zone);
+                let downtime = times.downtime.as_secs_f64();
+                self.result.frozen_secs += downtime;
+                self.result.max_freeze_ms = self.result.max_freeze_ms.max(downtime * 1000.0);
+                self.result.client_frozen_secs += downtime * f64::from(clients);
+                self.queue
+                    .schedule_in(times.downtime, Event::Arrive { from, to, id, zone });
+            }
+            Event::Arrive { from, to, id, zone } => {
+                self.result.migrations += 1;
+                self.nodes[from]
+                    .balancer
+                    .gate
+                    .finish_outgoing(id, Outcome::Committed, now)?;
+                let node = &mut self.nodes[to];
+                node.zones.push(zone);
+                node.arrived.push((zone, now));
+                node.recent.note(now, ProcessId(zone as u64));
+                node.balancer
+                    .gate
+                    .finish_incoming(id, Outcome::Committed, now)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Seed 000's conductor step on node `n`.
+    fn conduct(&mut self, n: usize, rng: &mut StdRng) -> Result<(), SimError> {
+        let now = self.queue.now();
+        let start = Instant::ZERO;
+        let processes: Vec<ProcessLoad> = self.nodes[n]
+            .zones
+            .iter()
+            .map(|&z| {
+                let since = self.nodes[n]
+                    .arrived
+                    .iter()
+                    .find(|&&(a, _)| a == z)
+                    .map_or(start, |&(_, at)| at);
+                ProcessLoad {
+                    pid: ProcessId(z as u64),
+                    load: self.zone_cores(z) / self.params.cores_per_node,
+                    // Zones that never moved have run here since before
+                    // the experiment.
+                    resident_for: now.saturating_duration_since(since)
+                        + if since == start {
+                            Duration::from_secs(3600)
+                        } else {
+                            Duration::ZERO
+                        },
+                    migratable: true,
+                }
+            })
+            .collect();
+        let node = &mut self.nodes[n];
+        let peers = node.info.peers(now);
+        let load = node.load.internal();
+        if let Plan::Push {
+            pid,
+            mut candidates,
+            ..
+        } = node.balancer.plan(now, load, &peers, &processes, rng)
+        {
+            let to = candidates.remove(0);
+            self.offer(n, to, pid.0 as usize, candidates)?;
+        }
+        Ok(())
+    }
+
+    fn offer(
+        &mut self,
+        from: usize,
+        to: NodeId,
+        zone: usize,
+        rest: Vec<NodeId>,
+    ) -> Result<(), SimError> {
+        let now = self.queue.now();
+        self.next_id += 1;
+        let id = MigrationId(self.next_id);
+        let process_load = self.zone_cores(zone) / self.params.cores_per_node;
+        let node = &mut self.nodes[from];
+        node.balancer.gate.begin_offer(id, to, now)?;
+        let offer = Offer {
+            id,
+            from: NodeId(from as u32),
+            sender_load: node.load.internal(),
+            process_load,
+        };
+        self.queue.schedule_in(
+            self.params.latency,
+            Event::Offer {
+                to: to.0 as usize,
+                offer,
+                zone,
+                rest,
+            },
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn short() -> Params {
+        Params {
+            duration: Duration::from_secs(300),
+            report_every: Duration::from_secs(10),
+            ..Params::default()
+        }
+    }
+
+    #[test]
+    fn drift_overloads_the_edge_nodes_without_balancing() {
+        let r = run_all(&Params::default(), &[]).unwrap();
+        let off = &r[0];
+        let tail = off.mean_utilisation_from(600.0);
+        // Nodes 0 and 4 hold the corners the clients walk to.
+        assert!(tail[0] > 0.95 && tail[4] > 0.95, "{tail:?}");
+        assert!(tail[2] < 0.65 && tail[3] < 0.65, "{tail:?}");
+        assert_eq!(off.migrations, 0);
+        assert!(
+            off.samples
+                .iter()
+                .all(|s| s.zones.iter().sum::<usize>() == 100)
+        );
+    }
+
+    #[test]
+    fn balancing_narrows_the_spread_and_keeps_every_zone() {
+        let params = Params::default();
+        let r = run_all(&params, &[precopy_mechanism()]).unwrap();
+        let spread = |o: &DveRun| {
+            let tail = o.mean_utilisation_from(600.0);
+            tail.iter().cloned().fold(0.0, f64::max) - tail.iter().cloned().fold(1.0, f64::min)
+        };
+        assert!(r[1].migrations > 0);
+        assert!(
+            spread(&r[1]) < spread(&r[0]) / 2.0,
+            "off {} on {}",
+            spread(&r[0]),
+            spread(&r[1])
+        );
+        let last = r[1].samples.last().unwrap();
+        assert_eq!(
+            last.zones.iter().sum::<usize>(),
+            100,
+            "no zone lost (none in flight at the end)"
+        );
+    }
+
+    #[test]
+    fn a_better_mechanism_freezes_clients_for_less() {
+        let r = run_all(&short(), &[precopy_mechanism(), stop_and_copy_mechanism()]).unwrap();
+        assert!(r[1].migrations > 0 && r[2].migrations > 0);
+        let per_migration = |o: &DveRun| o.client_frozen_secs / o.migrations as f64;
+        assert!(per_migration(&r[1]) * 5.0 < per_migration(&r[2]));
+        assert!(r[1].max_freeze_ms < 100.0, "{}", r[1].max_freeze_ms);
+    }
+
+    #[test]
+    fn deterministic() {
+        let a = run_all(&short(), &[precopy_mechanism()]).unwrap();
+        let b = run_all(&short(), &[precopy_mechanism()]).unwrap();
+        assert_eq!(a[1].migrations, b[1].migrations);
+        assert_eq!(
+            a[1].samples.last().unwrap().zones,
+            b[1].samples.last().unwrap().zones
+        );
+    }
+}
