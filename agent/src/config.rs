@@ -4,6 +4,7 @@
 //! node = "node1"
 //! work_dir = "/run/ferry/work"            # checkpoint images: put it on tmpfs
 //! criu_path = "/opt/ferry/criu/bin/criu"
+//! criu_cache_dir = "/dev/shm/ferry-criu"  # the RUNDIR that CRIU was built with
 //! control_socket = "/run/ferry/control.sock"
 //!
 //! [public]                                # the shared, single-IP side
@@ -38,6 +39,13 @@ pub struct Config {
     pub work_dir: PathBuf,
     #[serde(default = "default_criu_path")]
     pub criu_path: PathBuf,
+    /// Where CRIU keeps its cache of kernel probes: the RUNDIR it was built
+    /// with (`/dev/shm/ferry-criu` for the CRIU `cargo xtask setup` builds,
+    /// `/run` for a distribution's). The agent creates it (root only) and
+    /// warms the cache at start-up; without a cache on tmpfs every restore
+    /// probes the kernel again inside the freeze (see `criu::cache`).
+    #[serde(default = "crate::criu::default_cache_dir")]
+    pub criu_cache_dir: PathBuf,
     /// CRIU log verbosity (0-4); 4 is useful when a dump or restore fails.
     #[serde(default = "default_criu_log_level")]
     pub criu_log_level: i32,
@@ -194,6 +202,9 @@ impl Config {
         if !self.work_dir.is_absolute() {
             return Err(invalid("work_dir", "must be an absolute path".into()));
         }
+        if !self.criu_cache_dir.is_absolute() {
+            return Err(invalid("criu_cache_dir", "must be an absolute path".into()));
+        }
         if self.peer_timeout_secs == 0 {
             return Err(invalid("peer_timeout_secs", "must be at least 1".into()));
         }
@@ -261,6 +272,10 @@ address = "198.19.0.2:7100"
         let c = Config::parse(GOOD, Path::new("x.toml")).unwrap();
         assert_eq!(c.node, "node1");
         assert_eq!(c.criu_path, PathBuf::from(DEFAULT_CRIU_PATH));
+        assert_eq!(
+            c.criu_cache_dir,
+            PathBuf::from(crate::criu::DEFAULT_CACHE_DIR)
+        );
         assert_eq!(c.peer("node2").unwrap().address.port(), 7100);
         assert!(c.peer("node3").is_none());
     }
@@ -282,6 +297,14 @@ address = "198.19.0.2:7100"
             .unwrap_err()
             .to_string();
         assert!(err.contains("node"), "{err}");
+        let bad = GOOD.replace(
+            "work_dir = \"/run/ferry/work\"",
+            "work_dir = \"/run/ferry/work\"\ncriu_cache_dir = \"kdat\"",
+        );
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("criu_cache_dir"), "{err}");
         let bad = format!("{GOOD}\nbogus = 1\n");
         assert!(Config::parse(&bad, Path::new("x.toml")).is_err());
     }

@@ -27,6 +27,11 @@ Suites: sid\n\
 Components: main\n\
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n";
 const MIN: (u32, u32) = (4, 2);
+/// CRIU's RUNDIR, where it caches its kernel probes (`criu.kdat`), and only
+/// on a tmpfs: `/run` is not one on every machine, `/dev/shm` is. Must match
+/// the agent's default `criu_cache_dir` (`agent/src/criu/cache.rs`, which
+/// says why the cache matters: ~85 ms of every restore's freeze).
+pub const RUNDIR: &str = "/dev/shm/ferry-criu";
 
 pub fn binary(prefix: &Path) -> PathBuf {
     prefix.join("bin/criu")
@@ -44,9 +49,21 @@ fn installed_version(prefix: &Path) -> Option<String> {
         .map(|v| v.trim().to_owned())
 }
 
-/// The installed CRIU's version, if it is there and new enough.
+/// The installed CRIU's version, if it is there, new enough, and built
+/// with ferry's RUNDIR.
 pub fn installed_ok(prefix: &Path) -> Option<String> {
-    installed_version(prefix).filter(|v| new_enough(v))
+    installed_version(prefix).filter(|v| new_enough(v) && built_with_rundir(prefix))
+}
+
+/// Whether the binary was built with [`RUNDIR`]: the cache path is a string
+/// constant in it. An older ferry build (RUNDIR /run) is rebuilt.
+fn built_with_rundir(prefix: &Path) -> bool {
+    let needle = format!("{RUNDIR}/criu.kdat");
+    std::fs::read(binary(prefix)).is_ok_and(|bin| contains(&bin, needle.as_bytes()))
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Major and minor of an upstream or Debian version ("4.2.1", "4.2.1-1",
@@ -67,6 +84,10 @@ fn new_enough(v: &str) -> bool {
 pub fn ensure(prefix: &Path) -> Result<Step> {
     let bin = binary(prefix);
     match installed_version(prefix) {
+        Some(v) if new_enough(&v) && !built_with_rundir(prefix) => eprintln!(
+            "CRIU {v} at {} was built without RUNDIR={RUNDIR} (no cache of its kernel probes): rebuilding",
+            bin.display()
+        ),
         Some(v) if new_enough(&v) => {
             let msg = format!("CRIU {v} already at {}", bin.display());
             eprintln!("{msg}");
@@ -225,12 +246,13 @@ fn make(src: &Path, tmp: &Path) -> Result<()> {
     let log = tmp.join("build.log");
     let log_file = std::fs::File::create(&log)?;
     eprintln!(
-        "+ make -j{jobs} criu   (in {}, log in {}; about 30 s)",
+        "+ make -j{jobs} RUNDIR={RUNDIR} criu   (in {}, log in {}; about 30 s)",
         src.display(),
         log.display()
     );
     let status = Command::new("make")
         .arg(format!("-j{jobs}"))
+        .arg(format!("RUNDIR={RUNDIR}"))
         .arg("criu")
         .current_dir(src)
         .stdin(std::process::Stdio::null())
@@ -343,6 +365,19 @@ mod tests {
             Some("e9f7")
         );
         assert_eq!(sha256_in_dsc(dsc, "nope"), None);
+    }
+
+    #[test]
+    fn finds_the_rundir_in_a_binary() {
+        assert!(contains(
+            b"..\0/dev/shm/ferry-criu/criu.kdat\0..",
+            b"/dev/shm/ferry-criu/criu.kdat"
+        ));
+        assert!(!contains(
+            b"..\0/run/criu.kdat\0..",
+            b"/dev/shm/ferry-criu/criu.kdat"
+        ));
+        assert!(!contains(b"", b"x"));
     }
 
     #[test]

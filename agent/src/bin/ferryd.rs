@@ -75,6 +75,7 @@ async fn serve(config: Config) -> Result<()> {
     std::fs::create_dir_all(&config.work_dir)
         .with_context(|| format!("creating work_dir {}", config.work_dir.display()))?;
     warn_if_not_tmpfs(&config.work_dir);
+    prepare_criu_cache(&config);
 
     // Pinned maps and links: a restarted agent finds the ports still owned
     // and the translations still in place, and swaps its programs in.
@@ -246,6 +247,44 @@ fn bind_control_socket(path: &Path) -> Result<tokio::net::UnixListener> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("restricting {}", path.display()))?;
     Ok(listener)
+}
+
+/// Readies CRIU's cache of kernel probes and fills it in the background,
+/// so that no restore probes the kernel inside a freeze (`criu::cache`).
+/// Nothing here is fatal: without the cache migrations only take longer.
+fn prepare_criu_cache(config: &Config) {
+    let dir = &config.criu_cache_dir;
+    match ferry_agent::criu::prepare_cache_dir(dir) {
+        Ok(ferry_agent::criu::CacheDir::Usable) => {}
+        Ok(ferry_agent::criu::CacheDir::NotTmpfs) => {
+            tracing::warn!(
+                criu_cache_dir = %dir.display(),
+                "criu_cache_dir is not on tmpfs, so CRIU keeps no cache of its kernel probes: \
+                 every restore probes the kernel again inside the freeze"
+            );
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "CRIU's cache of kernel probes cannot be kept");
+            return;
+        }
+    }
+    if ferry_agent::criu::cache_present(dir) {
+        return;
+    }
+    let (criu, work) = (config.criu_path.clone(), config.work_dir.clone());
+    let dir = dir.clone();
+    tokio::task::spawn_blocking(move || match ferry_agent::criu::warm(&criu, &work) {
+        Ok(verdict) if ferry_agent::criu::cache_present(&dir) => {
+            tracing::info!(%verdict, criu_cache_dir = %dir.display(), "CRIU's kernel probes cached")
+        }
+        Ok(verdict) => tracing::warn!(
+            %verdict,
+            criu_cache_dir = %dir.display(),
+            "CRIU left no cache in criu_cache_dir: is it the directory CRIU was built with (RUNDIR)?"
+        ),
+        Err(e) => tracing::warn!(error = %e, "warming CRIU's cache"),
+    });
 }
 
 fn warn_if_not_tmpfs(dir: &Path) {

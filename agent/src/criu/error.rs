@@ -28,6 +28,8 @@ pub enum CriuError {
         /// CRIU's own message, or the error lines of its log.
         reason: String,
     },
+    #[error("CRIU's cache directory {path}: {reason}")]
+    CacheDir { path: PathBuf, reason: String },
     #[error("I/O on {path}: {source}")]
     Io {
         path: PathBuf,

@@ -5,10 +5,15 @@
 //! protobuf types rust-criu exports (`swrk.rs`). Every call here blocks; the
 //! engine runs them on tokio's blocking pool.
 
+mod cache;
 mod error;
 mod swrk;
 mod version;
 
+pub use cache::{
+    CACHE_FILE, CacheDir, DEFAULT_CACHE_DIR, cache_present, default_cache_dir, prepare_cache_dir,
+    warm,
+};
 pub use error::CriuError;
 pub use swrk::{DumpRequest, RestoreOutcome, RestoreRequest, dump, restore};
 pub use version::{CriuVersion, MIN_CRIU_VERSION, probe_version};
