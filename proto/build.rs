@@ -3,6 +3,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ferry/v1/common.proto",
         "ferry/v1/control.proto",
         "ferry/v1/peer.proto",
+        "ferry/v1/balance.proto",
     ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

@@ -47,6 +47,10 @@ pub struct Agent {
     /// The one incoming migration this node may be receiving.
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
     reports: Mutex<HashMap<String, MigrationReport>>,
+    /// SWIM membership, when `[membership] enabled`.
+    pub membership: std::sync::OnceLock<Arc<crate::membership::Membership>>,
+    /// The load balancer's conductor, when membership runs.
+    pub conductor: std::sync::OnceLock<Arc<crate::conductor::Conductor>>,
 }
 
 /// What the peers said of a port a managed process opened here.
@@ -104,6 +108,8 @@ impl Agent {
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
             reports: Mutex::new(HashMap::new()),
+            membership: std::sync::OnceLock::new(),
+            conductor: std::sync::OnceLock::new(),
         })
     }
 

@@ -66,6 +66,72 @@ pub struct Config {
     pub dataplane: DataPlaneConfig,
     #[serde(default)]
     pub peers: Vec<PeerConfig>,
+    /// SWIM membership on the cluster network (off by default: then the
+    /// static `[[peers]]` are the cluster).
+    #[serde(default)]
+    pub membership: MembershipConfig,
+    /// The automatic load balancer (the conductor); off by default.
+    #[serde(default)]
+    pub balancer: BalancerConfig,
+    /// The balancer's policies and thresholds (`ferry_policy::Config`:
+    /// `[policy.transfer]`, `[policy.load]`, ...).
+    #[serde(default)]
+    pub policy: ferry_policy::Config,
+}
+
+/// `[membership]`: SWIM (foca) over UDP on the cluster address.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MembershipConfig {
+    pub enabled: bool,
+    /// UDP port on the cluster address, the same on every node.
+    pub port: u16,
+    /// Find the other nodes by a beacon to the cluster network's broadcast
+    /// address (the `[[peers]]` are seeds either way).
+    pub discovery: bool,
+    /// Broadcast address for the beacon; default: the cluster interface's.
+    pub broadcast: Option<Ipv4Addr>,
+    pub beacon_interval_ms: u64,
+    /// SWIM probe period: a failed node is suspected within about one.
+    pub probe_period_ms: u64,
+    /// How long a suspect has to refute before it is declared down.
+    pub suspect_to_down_ms: u64,
+}
+
+impl Default for MembershipConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            port: 7946,
+            discovery: true,
+            broadcast: None,
+            beacon_interval_ms: 2_000,
+            probe_period_ms: 500,
+            suspect_to_down_ms: 2_000,
+        }
+    }
+}
+
+/// `[balancer]`: the conductor. Thresholds live in `[policy]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BalancerConfig {
+    pub enabled: bool,
+    /// How often load is sampled, published and the policies run.
+    pub period_ms: u64,
+    /// How long the sender waits for a receiver's answer to an offer before
+    /// it takes the next candidate.
+    pub offer_timeout_ms: u64,
+}
+
+impl Default for BalancerConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            period_ms: 1_000,
+            offer_timeout_ms: 2_000,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -211,6 +277,34 @@ impl Config {
         if !(0..=4).contains(&self.criu_log_level) {
             return Err(invalid("criu_log_level", "must be 0 to 4".into()));
         }
+        if self.membership.enabled {
+            let m = &self.membership;
+            if m.port == 0 {
+                return Err(invalid("membership.port", "must not be 0".into()));
+            }
+            for (field, v) in [
+                ("membership.beacon_interval_ms", m.beacon_interval_ms),
+                ("membership.probe_period_ms", m.probe_period_ms),
+                ("membership.suspect_to_down_ms", m.suspect_to_down_ms),
+            ] {
+                if v == 0 {
+                    return Err(invalid(field, "must be > 0".into()));
+                }
+            }
+        }
+        if self.balancer.period_ms == 0 {
+            return Err(invalid("balancer.period_ms", "must be > 0".into()));
+        }
+        if self.balancer.offer_timeout_ms == 0 {
+            return Err(invalid("balancer.offer_timeout_ms", "must be > 0".into()));
+        }
+        match self.policy.validate() {
+            Ok(()) => {}
+            Err(ferry_policy::PolicyError::InvalidField { field, reason }) => {
+                return Err(invalid(&format!("policy.{field}"), reason));
+            }
+            Err(e) => return Err(invalid("policy", e.to_string())),
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, p) in self.peers.iter().enumerate() {
             if !valid_node_name(&p.name) {
@@ -278,6 +372,16 @@ address = "198.19.0.2:7100"
         );
         assert_eq!(c.peer("node2").unwrap().address.port(), 7100);
         assert!(c.peer("node3").is_none());
+        assert!(
+            !c.membership.enabled && !c.balancer.enabled,
+            "off by default"
+        );
+        let on = format!(
+            "{GOOD}\n[membership]\nenabled = true\n[balancer]\nenabled = true\n[policy.transfer]\ncalm_down_ms = 5000\n"
+        );
+        let c = Config::parse(&on, Path::new("x.toml")).unwrap();
+        assert!(c.membership.enabled && c.balancer.enabled);
+        assert_eq!(c.policy.transfer.calm_down_ms, 5000);
     }
 
     #[test]
@@ -305,6 +409,16 @@ address = "198.19.0.2:7100"
             .unwrap_err()
             .to_string();
         assert!(err.contains("criu_cache_dir"), "{err}");
+        let bad = format!("{GOOD}\n[policy.transfer]\nthreshold = -1.0\n");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("policy.transfer.threshold"), "{err}");
+        let bad = format!("{GOOD}\n[balancer]\nperiod_ms = 0\n");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("balancer.period_ms"), "{err}");
         let bad = format!("{GOOD}\nbogus = 1\n");
         assert!(Config::parse(&bad, Path::new("x.toml")).is_err());
     }

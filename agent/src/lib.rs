@@ -5,10 +5,12 @@
 pub mod agent;
 pub mod api;
 pub mod capture;
+pub mod conductor;
 pub mod config;
 pub mod criu;
 pub mod engine;
 pub mod managed;
+pub mod membership;
 pub mod ownership;
 pub mod process;
 mod reaper;

@@ -44,6 +44,14 @@ impl Control for ControlService {
             peer_protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
             error: String::new(),
             managed_processes: agent.registry().len() as u32,
+            membership_state: if agent.membership.get().is_some() {
+                "alive".into()
+            } else {
+                "static".into()
+            },
+            has_load: agent.conductor.get().is_some(),
+            load: agent.conductor.get().map_or(0.0, |c| c.local_load()),
+            ..Default::default()
         }];
         let probes = agent.config.peers.iter().map(|peer| async move {
             let mut node = Node {
@@ -74,6 +82,43 @@ impl Control for ControlService {
             node
         });
         nodes.extend(futures::future::join_all(probes).await);
+        for n in nodes.iter_mut().skip(1) {
+            n.membership_state = "static".into();
+        }
+        if let Some(m) = agent.membership.get() {
+            let candidates = agent
+                .conductor
+                .get()
+                .map(|c| c.candidate_names())
+                .unwrap_or_default();
+            for member in m.members() {
+                let i = match nodes.iter().position(|n| n.name == member.ident.name) {
+                    Some(i) => i,
+                    None => {
+                        // Discovered, not configured: no Hello probe, SWIM
+                        // says whether it answers.
+                        nodes.push(Node {
+                            name: member.ident.name.clone(),
+                            peer_address: member.ident.peer.to_string(),
+                            reachable: member.state != crate::membership::MemberState::Down,
+                            ..Default::default()
+                        });
+                        nodes.len() - 1
+                    }
+                };
+                let n = &mut nodes[i];
+                n.membership_state = member.state.as_str().into();
+                if let Some((b, at)) = &member.load {
+                    n.has_load = true;
+                    n.load = b.own_load().unwrap_or(0.0);
+                    n.load_age_ms = at.elapsed().as_millis() as u64;
+                    if !n.reachable {
+                        n.managed_processes = b.managed;
+                    }
+                }
+                n.candidate = candidates.contains(&n.name);
+            }
+        }
         Ok(Response::new(ListNodesResponse { nodes }))
     }
 
@@ -207,6 +252,38 @@ impl Control for ControlService {
         })
     }
 
+    async fn get_balancer(
+        &self,
+        _: Request<pb::GetBalancerRequest>,
+    ) -> Result<Response<pb::Balancer>, Status> {
+        match self.agent.conductor.get() {
+            Some(c) => Ok(Response::new(c.report())),
+            None => Ok(Response::new(pb::Balancer {
+                node: self.agent.node().to_owned(),
+                enabled: false,
+                policy_toml: toml::to_string(&self.agent.config.policy).unwrap_or_default(),
+                last_decision: "membership is off: no balancer".into(),
+                ..Default::default()
+            })),
+        }
+    }
+
+    async fn set_balancer(
+        &self,
+        request: Request<pb::SetBalancerRequest>,
+    ) -> Result<Response<pb::Balancer>, Status> {
+        let req = request.into_inner();
+        let c = self.conductor()?;
+        let policy = apply_settings(&c.settings().policy, &req.settings)?;
+        c.set(req.enabled, policy).map_err(|e| match e {
+            crate::conductor::SetError::Invalid { field, reason } => {
+                Status::invalid_argument(format!("{field}: {reason}"))
+            }
+            e @ crate::conductor::SetError::Busy => Status::failed_precondition(e.to_string()),
+        })?;
+        Ok(Response::new(c.report()))
+    }
+
     async fn get_data_plane(
         &self,
         _: Request<GetDataPlaneRequest>,
@@ -261,6 +338,68 @@ impl Control for ControlService {
             translations: xlate.1.iter().map(|r| r.to_string()).collect(),
         }))
     }
+}
+
+impl ControlService {
+    fn conductor(&self) -> Result<&Arc<crate::conductor::Conductor>, Status> {
+        self.agent.conductor.get().ok_or_else(|| {
+            Status::failed_precondition(
+                "the balancer needs membership: set [membership] enabled = true in ferryd's config",
+            )
+        })
+    }
+}
+
+/// Applies `key = value` settings to a policy configuration; the error
+/// names the key.
+pub fn apply_settings(
+    policy: &ferry_policy::Config,
+    settings: &[pb::PolicySetting],
+) -> Result<ferry_policy::Config, Status> {
+    let mut root = toml::Table::try_from(policy)
+        .map_err(|e| Status::internal(format!("policy as TOML: {e}")))?;
+    for s in settings {
+        let key = s.key.strip_prefix("policy.").unwrap_or(&s.key);
+        let path: Vec<&str> = key.split('.').collect();
+        if path.iter().any(|p| p.is_empty()) {
+            return Err(Status::invalid_argument(format!(
+                "{}: not a dotted policy key such as transfer.threshold",
+                s.key
+            )));
+        }
+        let value = toml::from_str::<toml::Table>(&format!("v = {}", s.value))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .ok_or_else(|| {
+                Status::invalid_argument(format!("{key}: {:?} is not a TOML value", s.value))
+            })?;
+        let mut table = &mut root;
+        for part in &path[..path.len() - 1] {
+            table = table
+                .get_mut(*part)
+                .and_then(|v| v.as_table_mut())
+                .ok_or_else(|| {
+                    Status::invalid_argument(format!("{key}: no such policy section {part:?}"))
+                })?;
+        }
+        let leaf = path[path.len() - 1];
+        if !table.contains_key(leaf) {
+            return Err(Status::invalid_argument(format!(
+                "{key}: no such policy field"
+            )));
+        }
+        table.insert(leaf.to_owned(), value);
+    }
+    root.try_into::<ferry_policy::Config>().map_err(|e| {
+        Status::invalid_argument(format!(
+            "{}: {e}",
+            settings
+                .iter()
+                .map(|s| s.key.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
 }
 
 fn port_state_name(s: crate::ownership::PortState) -> &'static str {

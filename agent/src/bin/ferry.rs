@@ -55,6 +55,25 @@ enum Command {
     /// This node's data plane: packet counters and port states.
     #[command(visible_alias = "dp")]
     Dataplane,
+    /// The automatic load balancer: `show` (default), `on`, `off`, or
+    /// `set KEY=VALUE...` with policy keys such as transfer.threshold=1.2.
+    Balancer {
+        #[command(subcommand)]
+        action: Option<BalancerAction>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BalancerAction {
+    /// Loads, candidates, decisions and migrations as this node sees them.
+    Show,
+    On,
+    Off,
+    /// Change policy values: `ferry balancer set transfer.average_gap=0.3 transfer.calm_down_ms=5000`.
+    Set {
+        #[arg(required = true, value_name = "KEY=VALUE")]
+        settings: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -120,25 +139,36 @@ async fn main_exec(args: Args) -> Result<()> {
                     "name": n.name, "peer_address": n.peer_address, "self": n.is_self,
                     "reachable": n.reachable, "peer_protocol_version": n.peer_protocol_version,
                     "managed_processes": n.managed_processes, "error": n.error,
+                    "membership_state": n.membership_state, "load": if n.has_load { json!(n.load) } else { json!(null) },
+                    "load_age_ms": n.load_age_ms, "candidate": n.candidate,
                 })).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 println!(
-                    "{:<16} {:<22} {:<10} {:>9} {:>9}  NOTE",
-                    "NODE", "PEER ADDRESS", "STATE", "PROTOCOL", "MANAGED"
+                    "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  NOTE",
+                    "NODE", "PEER ADDRESS", "STATE", "SWIM", "LOAD", "PROTOCOL", "MANAGED"
                 );
                 for n in nodes {
                     let state = if n.reachable { "up" } else { "down" };
                     let note = if n.is_self {
                         "this node".to_owned()
+                    } else if n.candidate {
+                        format!("balancer candidate {}", n.error)
                     } else {
                         n.error
                     };
+                    let load = if n.has_load {
+                        format!("{:.2}", n.load)
+                    } else {
+                        "-".into()
+                    };
                     println!(
-                        "{:<16} {:<22} {:<10} {:>9} {:>9}  {}",
+                        "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {}",
                         n.name,
                         n.peer_address,
                         state,
+                        n.membership_state,
+                        load,
                         n.peer_protocol_version,
                         n.managed_processes,
                         note
@@ -253,6 +283,48 @@ async fn main_exec(args: Args) -> Result<()> {
                 .into_inner();
             print_data_plane(&d, args.json)?;
         }
+        Command::Balancer { action } => {
+            let b = match action.unwrap_or(BalancerAction::Show) {
+                BalancerAction::Show => client.get_balancer(pb::GetBalancerRequest {}).await,
+                BalancerAction::On => {
+                    client
+                        .set_balancer(pb::SetBalancerRequest {
+                            enabled: Some(true),
+                            settings: vec![],
+                        })
+                        .await
+                }
+                BalancerAction::Off => {
+                    client
+                        .set_balancer(pb::SetBalancerRequest {
+                            enabled: Some(false),
+                            settings: vec![],
+                        })
+                        .await
+                }
+                BalancerAction::Set { settings } => {
+                    let mut parsed = Vec::new();
+                    for s in settings {
+                        let Some((k, v)) = s.split_once('=') else {
+                            bail!("{s:?}: give KEY=VALUE, e.g. transfer.threshold=1.2");
+                        };
+                        parsed.push(pb::PolicySetting {
+                            key: k.trim().to_owned(),
+                            value: v.trim().to_owned(),
+                        });
+                    }
+                    client
+                        .set_balancer(pb::SetBalancerRequest {
+                            enabled: None,
+                            settings: parsed,
+                        })
+                        .await
+                }
+            }
+            .map_err(status_error)?
+            .into_inner();
+            print_balancer(&b, args.json)?;
+        }
         Command::Report { migration_id } => {
             let r = client
                 .get_migration(GetMigrationRequest { migration_id })
@@ -261,6 +333,95 @@ async fn main_exec(args: Args) -> Result<()> {
                 .into_inner();
             print_report(&r, args.json)?;
         }
+    }
+    Ok(())
+}
+
+fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
+    let stats = b.stats.unwrap_or_default();
+    if as_json {
+        let v = json!({
+            "node": b.node, "enabled": b.enabled, "local_load": b.local_load,
+            "export_load": b.export_load, "cpus": b.cpus, "last_decision": b.last_decision,
+            "calm_down_remaining_ms": b.calm_down_remaining_ms,
+            "peers": b.peers.iter().map(|p| json!({"node": p.node, "load": p.load, "age_ms": p.age_ms})).collect::<Vec<_>>(),
+            "processes": b.processes.iter().map(|p| json!({"pid": p.pid, "load": p.load, "resident_ms": p.resident_ms, "migratable": p.migratable, "argv": p.argv})).collect::<Vec<_>>(),
+            "migrations": b.migrations.iter().map(|m| json!({
+                "migration_id": m.migration_id, "source_pid": m.source_pid, "destination_pid": m.destination_pid,
+                "argv": m.argv, "from": m.from_node, "to": m.to_node, "at_unix_ms": m.at_unix_ms,
+                "committed": m.committed, "error": m.error,
+            })).collect::<Vec<_>>(),
+            "stats": {
+                "ticks": stats.ticks, "offers_sent": stats.offers_sent, "offers_accepted": stats.offers_accepted,
+                "offers_refused": stats.offers_refused, "offers_timed_out": stats.offers_timed_out,
+                "migrations_committed": stats.migrations_committed, "migrations_aborted": stats.migrations_aborted,
+                "incoming_accepted": stats.incoming_accepted, "incoming_refused": stats.incoming_refused,
+                "gossip_received": stats.gossip_received, "gossip_stale_dropped": stats.gossip_stale_dropped,
+                "gossip_future_dated": stats.gossip_future_dated,
+            },
+            "policy_toml": b.policy_toml,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "balancer of {}: {}",
+        b.node,
+        if b.enabled { "on" } else { "off" }
+    );
+    println!(
+        "  load {:.2} (export {:.2}) on {} CPUs; last turn: {}",
+        b.local_load, b.export_load, b.cpus, b.last_decision
+    );
+    if b.calm_down_remaining_ms > 0 {
+        println!("  calming down for {} ms more", b.calm_down_remaining_ms);
+    }
+    println!(
+        "  offers {} sent, {} accepted, {} refused, {} timed out; migrations {} committed, {} aborted; incoming {} accepted, {} refused",
+        stats.offers_sent,
+        stats.offers_accepted,
+        stats.offers_refused,
+        stats.offers_timed_out,
+        stats.migrations_committed,
+        stats.migrations_aborted,
+        stats.incoming_accepted,
+        stats.incoming_refused
+    );
+    println!("peers (export load as believed here):");
+    for p in &b.peers {
+        println!("  {:<16} {:>8.2}  {:>6} ms old", p.node, p.load, p.age_ms);
+    }
+    println!("processes:");
+    for p in &b.processes {
+        println!(
+            "  {:>8} {:>8.2}  resident {:>8} ms{}  {}",
+            p.pid,
+            p.load,
+            p.resident_ms,
+            if p.migratable { "" } else { " (moving)" },
+            p.argv.join(" ")
+        );
+    }
+    if !b.migrations.is_empty() {
+        println!("migrations started here:");
+        for m in &b.migrations {
+            println!(
+                "  PID {} -> {} PID {}  {}{}",
+                m.source_pid,
+                m.to_node,
+                m.destination_pid,
+                if m.committed { "committed" } else { "aborted" },
+                if m.error.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", m.error)
+                }
+            );
+        }
+    }
+    println!("policy:");
+    for line in b.policy_toml.lines() {
+        println!("  {line}");
     }
     Ok(())
 }

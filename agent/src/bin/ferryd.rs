@@ -10,6 +10,7 @@ use ferry_agent::agent::Agent;
 use ferry_agent::api::{ControlService, PeerService};
 use ferry_agent::config::Config;
 use ferry_agent::ownership::EbpfPortFilter;
+use ferry_proto::v1::balance_server::BalanceServer;
 use ferry_proto::v1::control_server::ControlServer;
 use ferry_proto::v1::peer_server::PeerServer;
 use tokio::sync::watch;
@@ -158,6 +159,40 @@ async fn serve(config: Config) -> Result<()> {
         })
     };
 
+    // Membership (SWIM) and the balancer's conductor.
+    let conductor_task = if config.membership.enabled {
+        let membership = ferry_agent::membership::Membership::start(&config, shutdown_rx.clone())
+            .await
+            .context("starting membership")?;
+        let _ = agent.membership.set(membership.clone());
+        use ferry_agent::conductor as cond;
+        let conductor = cond::Conductor::new(
+            &config.node,
+            cond::Settings {
+                enabled: config.balancer.enabled,
+                offer_timeout: Duration::from_millis(config.balancer.offer_timeout_ms),
+                policy: config.policy.clone(),
+            },
+            std::sync::Arc::new(cond::ProcfsSampler::new(agent.clone())),
+            std::sync::Arc::new(cond::EngineStarter::new(agent.clone())),
+            std::sync::Arc::new(cond::GrpcNegotiator::new(agent.clone())),
+            membership,
+            std::sync::Arc::new(cond::WallClock::default()),
+        );
+        let _ = agent.conductor.set(conductor.clone());
+        tracing::info!(enabled = config.balancer.enabled, "conductor started");
+        Some(tokio::spawn(cond::run(
+            conductor,
+            Duration::from_millis(config.balancer.period_ms),
+            shutdown_rx.clone(),
+        )))
+    } else {
+        if config.balancer.enabled {
+            tracing::warn!("[balancer] enabled needs [membership] enabled: the balancer stays off");
+        }
+        None
+    };
+
     let peer_listener = tokio::net::TcpListener::bind(config.cluster.peer_listen)
         .await
         .with_context(|| format!("binding the peer port {}", config.cluster.peer_listen))?;
@@ -176,6 +211,9 @@ async fn serve(config: Config) -> Result<()> {
                 .max_decoding_message_size(16 << 20)
                 .max_encoding_message_size(16 << 20),
         )
+        .add_service(BalanceServer::new(
+            ferry_agent::conductor::BalanceService::new(agent.clone()),
+        ))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
             wait_for(shutdown_rx.clone()),
@@ -216,6 +254,9 @@ async fn serve(config: Config) -> Result<()> {
     t.context("control service (TCP)")?;
     s.context("signal handling")?;
     let _ = reconciler.await;
+    if let Some(t) = conductor_task {
+        let _ = t.await;
+    }
     if let Err(e) = std::fs::remove_file(&config.control_socket) {
         tracing::warn!(error = %e, "removing the control socket");
     }

@@ -1,0 +1,492 @@
+//! Membership: who is in the cluster, who failed, and what load each node
+//! carries (the paper's heartbeat and the information policy's transport).
+//!
+//! SWIM through the `foca` crate over UDP on the cluster interface does the
+//! membership proper: joins (announce), probes, indirect probes, suspicion,
+//! declaring a node down, and the dissemination of those updates by
+//! piggybacking them on the probe traffic. ferry adds two things around it:
+//!
+//! - **Discovery without a static list**: every `beacon_interval_ms` a node
+//!   sends a one-datagram beacon carrying its identity to the cluster
+//!   network's broadcast address; a node that hears the beacon of a node it
+//!   does not count as alive announces itself to it through SWIM. The
+//!   static `[[peers]]` of ferryd's config are announced to at start and
+//!   whenever the node knows no member: they are seeds, not the membership.
+//! - **Load dissemination**: the conductor's load message (the information
+//!   policy's own message, see `ferry_policy::information`) is a foca custom
+//!   broadcast, so load travels with the membership traffic. Each node's
+//!   messages carry an increasing sequence number (its wall clock in ms at
+//!   publication, so it also increases across agent restarts); foca keeps
+//!   disseminating only the newest per node.
+//!
+//! Every datagram starts with one tag byte: [`TAG_SWIM`] for foca's own
+//! packets, [`TAG_BEACON`] for the discovery beacon.
+
+mod wire;
+
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use foca::{AccumulatingRuntime, Foca, OwnedNotification, PostcardCodec, Timer};
+use rand_foca::SeedableRng;
+use tokio::net::UdpSocket;
+use tokio::sync::{mpsc, watch};
+
+use crate::config::{Config, MembershipConfig};
+pub use wire::{LoadBroadcast, NodeIdent, WireEntry};
+use wire::{LoadHandler, decode_beacon, encode_beacon};
+
+pub const TAG_SWIM: u8 = 1;
+pub const TAG_BEACON: u8 = 2;
+
+/// A member's SWIM state, as this node sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberState {
+    Alive,
+    /// Failed a probe; treated as alive until it refutes or is declared down.
+    Suspect,
+    Down,
+}
+
+impl MemberState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemberState::Alive => "alive",
+            MemberState::Suspect => "suspect",
+            MemberState::Down => "down",
+        }
+    }
+}
+
+/// What this node knows of another.
+#[derive(Debug, Clone)]
+pub struct Member {
+    pub ident: NodeIdent,
+    pub state: MemberState,
+    /// The newest load broadcast heard from it, and when (local clock).
+    pub load: Option<(LoadBroadcast, std::time::Instant)>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    members: BTreeMap<String, Member>,
+    /// Load broadcasts not yet taken by the conductor.
+    inbox: Vec<LoadBroadcast>,
+}
+
+#[derive(Debug)]
+enum Command {
+    Publish(Vec<u8>),
+}
+
+/// The running membership of this node.
+#[derive(Debug)]
+pub struct Membership {
+    local: NodeIdent,
+    shared: Arc<Mutex<Shared>>,
+    commands: mpsc::Sender<Command>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    #[error("binding the membership socket {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("membership socket: {0}")]
+    Socket(std::io::Error),
+}
+
+fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The IPv4 broadcast address of `interface`, if it has one.
+fn interface_broadcast(interface: &str) -> Option<Ipv4Addr> {
+    let addrs = nix::ifaddrs::getifaddrs().ok()?;
+    for a in addrs {
+        if a.interface_name != interface {
+            continue;
+        }
+        if let Some(b) = a.broadcast.as_ref().and_then(|b| b.as_sockaddr_in()) {
+            return Some(b.ip());
+        }
+    }
+    None
+}
+
+impl Membership {
+    /// Binds the membership socket on the cluster address and starts SWIM.
+    pub async fn start(
+        config: &Config,
+        shutdown: watch::Receiver<bool>,
+    ) -> Result<Arc<Self>, MembershipError> {
+        let m = &config.membership;
+        let bind = SocketAddr::new(IpAddr::V4(config.cluster.address), m.port);
+        let socket = UdpSocket::bind(bind)
+            .await
+            .map_err(|source| MembershipError::Bind { addr: bind, source })?;
+        socket
+            .set_broadcast(true)
+            .map_err(MembershipError::Socket)?;
+        let local = NodeIdent {
+            name: config.node.clone(),
+            gossip: bind,
+            peer: config.cluster.peer_listen,
+            bump: unix_ms(),
+        };
+        let seeds: Vec<NodeIdent> = config
+            .peers
+            .iter()
+            .map(|p| NodeIdent {
+                name: p.name.clone(),
+                gossip: SocketAddr::new(p.address.ip(), m.port),
+                peer: p.address,
+                bump: 0,
+            })
+            .collect();
+        let beacon_to = if m.discovery {
+            m.broadcast
+                .or_else(|| interface_broadcast(&config.cluster.interface))
+                .map(|ip| SocketAddr::new(IpAddr::V4(ip), m.port))
+        } else {
+            None
+        };
+        if m.discovery && beacon_to.is_none() {
+            tracing::warn!(
+                interface = %config.cluster.interface,
+                "no broadcast address for discovery: set [membership] broadcast; only seeds are announced to"
+            );
+        }
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let (tx, rx) = mpsc::channel(64);
+        let me = Arc::new(Membership {
+            local: local.clone(),
+            shared: shared.clone(),
+            commands: tx,
+        });
+        let swim = Swim::new(local, m, shared, seeds, beacon_to, socket);
+        tokio::spawn(swim.run(rx, shutdown));
+        tracing::info!(gossip = %bind, beacon = ?beacon_to, "membership started (SWIM)");
+        Ok(me)
+    }
+
+    pub fn local(&self) -> &NodeIdent {
+        &self.local
+    }
+
+    /// Every node known, alive or not (never this node).
+    pub fn members(&self) -> Vec<Member> {
+        lock(&self.shared).members.values().cloned().collect()
+    }
+
+    /// Names of the members SWIM counts as alive (suspects included).
+    pub fn alive(&self) -> Vec<String> {
+        lock(&self.shared)
+            .members
+            .values()
+            .filter(|m| m.state != MemberState::Down)
+            .map(|m| m.ident.name.clone())
+            .collect()
+    }
+
+    /// The Peer address of a live member.
+    pub fn peer_address(&self, name: &str) -> Option<SocketAddr> {
+        lock(&self.shared)
+            .members
+            .get(name)
+            .filter(|m| m.state != MemberState::Down)
+            .map(|m| m.ident.peer)
+    }
+
+    /// Load broadcasts heard since the last call.
+    pub fn take_inbox(&self) -> Vec<LoadBroadcast> {
+        std::mem::take(&mut lock(&self.shared).inbox)
+    }
+
+    /// Disseminates this node's load message with the membership traffic.
+    pub fn publish(&self, message: &LoadBroadcast) {
+        match postcard::to_stdvec(message) {
+            Ok(bytes) => {
+                if self.commands.try_send(Command::Publish(bytes)).is_err() {
+                    tracing::debug!("membership busy: load broadcast skipped");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "encoding the load broadcast"),
+        }
+    }
+}
+
+type FocaInstance = Foca<NodeIdent, PostcardCodec, rand_foca::rngs::StdRng, LoadHandler>;
+
+/// The task that owns foca and the socket.
+struct Swim {
+    foca: FocaInstance,
+    runtime: AccumulatingRuntime<NodeIdent>,
+    local: NodeIdent,
+    shared: Arc<Mutex<Shared>>,
+    seeds: Vec<NodeIdent>,
+    beacon_to: Option<SocketAddr>,
+    beacon_interval: Duration,
+    socket: UdpSocket,
+    timers: BinaryHeap<std::cmp::Reverse<(tokio::time::Instant, u64, TimerSlot)>>,
+    timer_seq: u64,
+}
+
+/// Wraps a foca timer so the heap orders by deadline, then by submission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TimerSlot(Timer<NodeIdent>);
+
+impl PartialOrd for TimerSlot {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for TimerSlot {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.cmp(&other.0)
+    }
+}
+
+impl Swim {
+    fn new(
+        local: NodeIdent,
+        m: &MembershipConfig,
+        shared: Arc<Mutex<Shared>>,
+        seeds: Vec<NodeIdent>,
+        beacon_to: Option<SocketAddr>,
+        socket: UdpSocket,
+    ) -> Self {
+        let mut fc = foca::Config::new_lan(std::num::NonZeroU32::new(16).unwrap());
+        fc.probe_period = Duration::from_millis(m.probe_period_ms);
+        fc.probe_rtt = Duration::from_millis((m.probe_period_ms / 2).max(50));
+        fc.suspect_to_down_after = Duration::from_millis(m.suspect_to_down_ms);
+        fc.remove_down_after = Some(Duration::from_secs(60));
+        let rng = rand_foca::rngs::StdRng::seed_from_u64(local.bump ^ 0x0066_6572_7279);
+        let handler = LoadHandler::new(local.name.clone(), shared_inbox(&shared));
+        Swim {
+            foca: Foca::with_custom_broadcast(local.clone(), fc, rng, PostcardCodec, handler),
+            runtime: AccumulatingRuntime::new(),
+            local,
+            shared,
+            seeds,
+            beacon_to,
+            beacon_interval: Duration::from_millis(m.beacon_interval_ms),
+            socket,
+            timers: BinaryHeap::new(),
+            timer_seq: 0,
+        }
+    }
+
+    async fn run(mut self, mut commands: mpsc::Receiver<Command>, mut stop: watch::Receiver<bool>) {
+        for seed in self.seeds.clone() {
+            let _ = self.foca.announce(seed, &mut self.runtime);
+        }
+        self.flush().await;
+        let mut beacon = tokio::time::interval(self.beacon_interval);
+        let mut buf = vec![0u8; 2048];
+        loop {
+            let next_timer = self.timers.peek().map(|t| t.0.0);
+            tokio::select! {
+                r = self.socket.recv_from(&mut buf) => match r {
+                    Ok((n, from)) => self.on_datagram(&buf[..n], from),
+                    Err(e) => tracing::debug!(error = %e, "membership receive"),
+                },
+                _ = sleep_until_opt(next_timer) => {
+                    let now = tokio::time::Instant::now();
+                    while let Some(t) = self.timers.peek() {
+                        if t.0.0 > now {
+                            break;
+                        }
+                        let Some(std::cmp::Reverse((_, _, TimerSlot(timer)))) = self.timers.pop() else { break };
+                        if let Err(e) = self.foca.handle_timer(timer, &mut self.runtime) {
+                            tracing::debug!(error = %e, "membership timer");
+                        }
+                    }
+                }
+                Some(cmd) = commands.recv() => match cmd {
+                    Command::Publish(bytes) => {
+                        if let Err(e) = self.foca.add_broadcast(&bytes) {
+                            tracing::debug!(error = %e, "adding the load broadcast");
+                        }
+                        // Push it out now rather than waiting for the next probe.
+                        let _ = self.foca.broadcast(&mut self.runtime);
+                    }
+                },
+                _ = beacon.tick() => self.beacon().await,
+                _ = stop.changed() => {
+                    // Tell the others now rather than letting them time us out.
+                    let _ = self.foca.leave_cluster(&mut self.runtime);
+                    self.flush().await;
+                    tracing::info!("left the cluster");
+                    return;
+                }
+            }
+            self.flush().await;
+        }
+    }
+
+    fn on_datagram(&mut self, data: &[u8], from: SocketAddr) {
+        match data.split_first() {
+            Some((&TAG_SWIM, rest)) => {
+                if let Err(e) = self.foca.handle_data(rest, &mut self.runtime) {
+                    tracing::trace!(%from, error = %e, "membership packet ignored");
+                }
+            }
+            Some((&TAG_BEACON, rest)) => {
+                let Some(ident) = decode_beacon(rest) else {
+                    tracing::debug!(%from, "malformed discovery beacon");
+                    return;
+                };
+                if ident.name == self.local.name || ident.gossip == self.local.gossip {
+                    return;
+                }
+                let known_alive = self.foca.iter_members().any(|m| m.id() == &ident);
+                if !known_alive {
+                    tracing::debug!(node = %ident.name, "discovered by beacon: announcing");
+                    let _ = self.foca.announce(ident, &mut self.runtime);
+                }
+            }
+            _ => tracing::trace!(%from, "unknown membership datagram"),
+        }
+    }
+
+    async fn beacon(&mut self) {
+        if let Some(to) = self.beacon_to {
+            let mut pkt = vec![TAG_BEACON];
+            pkt.extend(encode_beacon(&self.local));
+            if let Err(e) = self.socket.send_to(&pkt, to).await {
+                tracing::debug!(error = %e, %to, "discovery beacon");
+            }
+        }
+        if self.foca.num_members() == 0 {
+            for seed in self.seeds.clone() {
+                let _ = self.foca.announce(seed, &mut self.runtime);
+            }
+        }
+    }
+
+    /// Sends what foca queued, schedules its timers, and refreshes the
+    /// shared view.
+    async fn flush(&mut self) {
+        while let Some((to, data)) = self.runtime.to_send() {
+            let mut pkt = Vec::with_capacity(data.len() + 1);
+            pkt.push(TAG_SWIM);
+            pkt.extend_from_slice(&data);
+            if let Err(e) = self.socket.send_to(&pkt, to.gossip).await {
+                tracing::trace!(error = %e, to = %to.gossip, "membership send");
+            }
+        }
+        let now = tokio::time::Instant::now();
+        while let Some((after, timer)) = self.runtime.to_schedule() {
+            self.timer_seq += 1;
+            self.timers.push(std::cmp::Reverse((
+                now + after,
+                self.timer_seq,
+                TimerSlot(timer),
+            )));
+        }
+        while let Some(n) = self.runtime.to_notify() {
+            match n {
+                OwnedNotification::MemberUp(id) => {
+                    tracing::info!(node = %id.name, gossip = %id.gossip, "member up")
+                }
+                OwnedNotification::MemberDown(id) => tracing::warn!(node = %id.name, "member down"),
+                OwnedNotification::Rename(old, new) => {
+                    tracing::info!(node = %new.name, old = old.bump, new = new.bump, "member rejoined")
+                }
+                other => tracing::debug!(notification = ?other, "membership"),
+            }
+        }
+        self.refresh_view();
+    }
+
+    fn refresh_view(&self) {
+        let rank = |s: foca::State| match s {
+            foca::State::Alive => 0,
+            foca::State::Suspect => 1,
+            foca::State::Down => 2,
+        };
+        // Several identities of one node (an agent restarted): the liveliest wins.
+        let mut best: HashMap<String, (NodeIdent, foca::State)> = HashMap::new();
+        for m in self.foca.iter_membership_state() {
+            let id = m.id();
+            if id.name == self.local.name {
+                continue;
+            }
+            match best.get(&id.name) {
+                Some((_, s)) if rank(*s) <= rank(m.state()) => {}
+                _ => {
+                    best.insert(id.name.clone(), (id.clone(), m.state()));
+                }
+            }
+        }
+        let mut shared = lock(&self.shared);
+        for (name, (ident, state)) in best {
+            let state = match state {
+                foca::State::Alive => MemberState::Alive,
+                foca::State::Suspect => MemberState::Suspect,
+                foca::State::Down => MemberState::Down,
+            };
+            let entry = shared.members.entry(name).or_insert_with(|| Member {
+                ident: ident.clone(),
+                state,
+                load: None,
+            });
+            entry.ident = ident;
+            entry.state = state;
+        }
+        // Forgotten by foca (removed after being down): still listed, down.
+        let alive: Vec<String> = self
+            .foca
+            .iter_members()
+            .map(|m| m.id().name.clone())
+            .collect();
+        for (name, m) in shared.members.iter_mut() {
+            if !alive.contains(name) && m.state != MemberState::Down {
+                let still = self
+                    .foca
+                    .iter_membership_state()
+                    .any(|x| &x.id().name == name);
+                if !still {
+                    m.state = MemberState::Down;
+                }
+            }
+        }
+    }
+}
+
+/// Where the broadcast handler drops decoded load messages.
+fn shared_inbox(shared: &Arc<Mutex<Shared>>) -> wire::Inbox {
+    let shared = shared.clone();
+    Box::new(move |b: LoadBroadcast| {
+        let mut s = lock(&shared);
+        if let Some(m) = s.members.get_mut(&b.node) {
+            m.load = Some((b.clone(), std::time::Instant::now()));
+        }
+        s.inbox.push(b);
+        // Bound: a conductor that is off must not let the inbox grow.
+        let len = s.inbox.len();
+        if len > 256 {
+            s.inbox.drain(..len - 256);
+        }
+    })
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,248 @@
+//! Automatic load balancing in the namespace cluster: SWIM membership, the
+//! conductors' load exchange and two-phase commit, real migrations. Root
+//! only; run by `cargo xtask integration -- balancing`.
+//!
+//! Load here is what the agents measure: the CPU demand (run + runqueue
+//! wait, schedstat) of the processes each node manages, per CPU of the
+//! machine. The nodes are network namespaces on one 2-core kernel, so
+//! /proc/loadavg is the same on every node and says nothing about one
+//! node; the managed processes' demand does.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{list, run, runtime};
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{Balancer, GetBalancerRequest, ListNodesRequest, SetBalancerRequest};
+use tonic::transport::Channel;
+
+/// Busy loops started on node1.
+const BURNS: usize = 6;
+/// Calm-down after each migration, on both ends (`policy.transfer`), and
+/// the residency a process needs before it may move again.
+const CALM_DOWN_MS: u64 = 8_000;
+/// The spread (max minus min of the nodes' loads as the agents measure
+/// them) must fall to this... One busy loop is 0.5 on 2 CPUs: 0.75 means
+/// the 6 loops sit 2/2/2 (3/2/1 is a spread of 1.0).
+const SPREAD_BOUND: f64 = 0.75;
+/// ...within this long after the loops started (generous: 2 cores run 3
+/// agents, 6 loops, CRIU, and another engineer's benchmarks).
+const SPREAD_WITHIN: Duration = Duration::from_secs(180);
+/// A killed agent must leave the other nodes' candidates within this long
+/// (SWIM: probe period 0.5 s, suspicion 2 s).
+const DETECT_WITHIN: Duration = Duration::from_secs(15);
+
+const CONFIG: &str = r#"
+[membership]
+enabled = true
+probe_period_ms = 500
+suspect_to_down_ms = 2000
+beacon_interval_ms = 1000
+
+[balancer]
+enabled = true
+period_ms = 1000
+offer_timeout_ms = 2000
+
+[policy.load]
+decay = 0.3
+stabilizer = 0.25
+
+[policy.transfer]
+threshold = 100.0
+average_gap = 0.2
+calm_down_ms = 8000
+
+[policy.selection]
+min_residency_ms = 8000
+"#;
+
+fn burn_bin() -> String {
+    env!("CARGO_BIN_EXE_ferry-burn").to_owned()
+}
+
+async fn balancer(c: &mut ControlClient<Channel>) -> Balancer {
+    c.get_balancer(GetBalancerRequest {})
+        .await
+        .expect("GetBalancer")
+        .into_inner()
+}
+
+#[test]
+fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
+    if !ferry_integration::can_run("balancing_spreads_cpu_bound_processes_and_drops_a_dead_node") {
+        return;
+    }
+    let rt = runtime();
+    let spec = ClusterSpec {
+        extra_config: CONFIG.into(),
+        ..ClusterSpec::new(3, 1)
+    };
+    let mut cluster = Cluster::start(spec).expect("cluster");
+    let nodes = ["node1", "node2", "node3"];
+    rt.block_on(async {
+        let mut controls = Vec::new();
+        for n in nodes {
+            controls.push(cluster.control(n).await.expect("control"));
+        }
+
+        // Membership: every node sees the other two alive.
+        let t0 = Instant::now();
+        loop {
+            let r = controls[0]
+                .list_nodes(ListNodesRequest {})
+                .await
+                .expect("ListNodes")
+                .into_inner();
+            let alive = r
+                .nodes
+                .iter()
+                .filter(|n| !n.is_self && n.membership_state == "alive")
+                .count();
+            if alive == 2 {
+                eprintln!("membership: node1 sees 2 alive members after {:?}", t0.elapsed());
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "membership did not form: {:#?}\n{}",
+                r.nodes,
+                cluster.log_tail("node1", 30)
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+
+        // Bad input through Control: the field is named, nothing changes.
+        let err = controls[0]
+            .set_balancer(SetBalancerRequest {
+                enabled: None,
+                settings: vec![ferry_proto::v1::PolicySetting {
+                    key: "transfer.threshold".into(),
+                    value: "-1".into(),
+                }],
+            })
+            .await
+            .expect_err("a negative threshold is refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("transfer.threshold"), "{err:?}");
+
+        for i in 0..BURNS {
+            run(&mut controls[0], vec![burn_bin(), "--id".into(), i.to_string()]).await;
+        }
+        let started = Instant::now();
+        let mut reached: Option<Duration> = None;
+        let mut last_print = Instant::now() - Duration::from_secs(10);
+        let mut spreads = Vec::new();
+        loop {
+            let mut loads = Vec::new();
+            let mut counts = Vec::new();
+            for c in controls.iter_mut() {
+                loads.push(balancer(c).await.local_load);
+                counts.push(list(c).await.len());
+            }
+            let max = loads.iter().cloned().fold(f64::MIN, f64::max);
+            let min = loads.iter().cloned().fold(f64::MAX, f64::min);
+            let spread = max - min;
+            spreads.push((started.elapsed().as_secs_f64(), spread));
+            if last_print.elapsed() >= Duration::from_secs(5) {
+                eprintln!(
+                    "t={:>5.1}s loads {:?} processes {:?} spread {:.2}",
+                    started.elapsed().as_secs_f64(),
+                    loads.iter().map(|l| format!("{l:.2}")).collect::<Vec<_>>(),
+                    counts,
+                    spread
+                );
+                last_print = Instant::now();
+            }
+            if spread <= SPREAD_BOUND && counts.iter().sum::<usize>() == BURNS && counts.iter().all(|&c| c > 0) {
+                reached = Some(started.elapsed());
+                eprintln!(
+                    "spread {spread:.2} <= {SPREAD_BOUND} after {:.1} s: loads {:?}, processes per node {counts:?}",
+                    started.elapsed().as_secs_f64(),
+                    loads.iter().map(|l| format!("{l:.2}")).collect::<Vec<_>>()
+                );
+                break;
+            }
+            if started.elapsed() > SPREAD_WITHIN {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let mut reports = Vec::new();
+        for c in controls.iter_mut() {
+            reports.push(balancer(c).await);
+        }
+        let reached = reached.unwrap_or_else(|| {
+            panic!(
+                "spread did not fall to {SPREAD_BOUND} within {SPREAD_WITHIN:?}: {:#?}\n{}",
+                reports,
+                cluster.log_tail("node1", 40)
+            )
+        });
+
+        // No process moved twice within the calm-down period.
+        let mut by_process: BTreeMap<Vec<String>, Vec<(u64, String, String)>> = BTreeMap::new();
+        let mut committed = 0;
+        for r in &reports {
+            for m in r.migrations.iter().filter(|m| m.committed) {
+                committed += 1;
+                by_process
+                    .entry(m.argv.clone())
+                    .or_default()
+                    .push((m.at_unix_ms, m.from_node.clone(), m.to_node.clone()));
+            }
+        }
+        for (argv, moves) in by_process.iter_mut() {
+            moves.sort();
+            for w in moves.windows(2) {
+                assert!(
+                    w[1].0 - w[0].0 >= CALM_DOWN_MS,
+                    "{argv:?} moved twice within {CALM_DOWN_MS} ms: {moves:?}"
+                );
+            }
+        }
+        let aborted: u64 = reports
+            .iter()
+            .map(|r| r.stats.unwrap_or_default().migrations_aborted)
+            .sum();
+        eprintln!(
+            "balanced in {:.1} s with {committed} committed migrations ({aborted} aborted); moves per process {:?}",
+            reached.as_secs_f64(),
+            by_process.values().map(|v| v.len()).collect::<Vec<_>>()
+        );
+        assert!(committed >= 2, "at least two loops had to leave node1");
+
+        // Kill node3's agent (SIGKILL: no goodbye); node1 must see it down
+        // and drop it from the location candidates.
+        let pid = cluster.agent_pid("node3");
+        // SAFETY: kill(2) on a PID this test's cluster started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let killed = Instant::now();
+        loop {
+            let r = controls[0]
+                .list_nodes(ListNodesRequest {})
+                .await
+                .expect("ListNodes")
+                .into_inner();
+            let n3 = r.nodes.iter().find(|n| n.name == "node3").expect("node3 listed");
+            if n3.membership_state == "down" && !n3.candidate {
+                eprintln!(
+                    "node3's agent killed: node1 saw it down and dropped it from the candidates after {:.2} s",
+                    killed.elapsed().as_secs_f64()
+                );
+                let n2 = r.nodes.iter().find(|n| n.name == "node2").expect("node2 listed");
+                assert_eq!(n2.membership_state, "alive");
+                break;
+            }
+            assert!(
+                killed.elapsed() < DETECT_WITHIN,
+                "node3 still {} / candidate {} after {DETECT_WITHIN:?}",
+                n3.membership_state,
+                n3.candidate
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let _ = cluster.stop_agent("node3");
+}
