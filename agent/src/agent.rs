@@ -377,17 +377,26 @@ impl Agent {
         stats: &mut ferry_proto::v1::ReplayStats,
     ) {
         stats.captured += batch.len() as u64;
-        let mut replayer = lock(&self.replayer);
-        for p in batch {
-            if !delivered.is_empty() && delivered.take(digest(&p.data)) {
+        let fresh = batch.iter().filter(|p| {
+            let handled = !delivered.is_empty() && delivered.take(digest(&p.data));
+            if handled {
                 stats.skipped_delivered += 1;
-                continue;
             }
-            match replayer.replay(&p.data) {
-                Ok(()) => stats.replayed += 1,
+            !handled
+        });
+        // Each connection's consecutive segments enter the stack as one
+        // (ferry_ebpf::coalesce says why): the replay is inside the freeze.
+        let joined = ferry_ebpf::coalesce::coalesce(fresh.map(|p| p.data.as_slice()));
+        let mut replayer = lock(&self.replayer);
+        for j in joined {
+            match replayer.replay(&j.packet) {
+                Ok(()) => {
+                    stats.replayed += j.packets as u64;
+                    stats.replayed_segments += 1;
+                }
                 Err(e) => {
-                    stats.failed += 1;
-                    tracing::warn!(port = p.port, error = %e, "replaying a captured packet");
+                    stats.failed += j.packets as u64;
+                    tracing::warn!(packets = j.packets, error = %e, "replaying captured packets");
                 }
             }
         }

@@ -12,6 +12,7 @@
 //! and links can be pinned ([`pin`]) so that the agent restarts without
 //! disturbing them.
 
+pub mod coalesce;
 mod error;
 mod maps;
 mod ownership;

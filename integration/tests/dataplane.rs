@@ -57,6 +57,22 @@ async fn migrate_committed(
             .collect::<Vec<_>>(),
         report.replay
     );
+    eprintln!(
+        "the freeze, part by part: {:?}",
+        report
+            .freeze_parts
+            .iter()
+            .map(|p| format!("{} {:.1}", p.phase, p.duration_us as f64 / 1e3))
+            .collect::<Vec<_>>()
+    );
+    // The parts account for the whole freeze (each is truncated to a µs).
+    let parts: u64 = report.freeze_parts.iter().map(|p| p.duration_us).sum();
+    assert!(
+        parts.abs_diff(report.freeze_time_us) <= 1000,
+        "freeze parts add up to {parts} µs, the freeze was {} µs: {:#?}",
+        report.freeze_time_us,
+        report.freeze_parts
+    );
     let replay = report.replay.expect("replay stats");
     assert_eq!(replay.failed, 0, "{replay:?}");
     assert_eq!(replay.replayed + replay.skipped_delivered, replay.captured);

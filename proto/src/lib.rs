@@ -15,10 +15,10 @@ pub mod v1 {
 /// the highest version both agents list in `Hello`. Version 1 (no `Arm`,
 /// no capture) is no longer spoken: a v1 destination would drop the packets
 /// that v2 promises to keep.
-pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2];
+pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3];
 
 /// The newest peer protocol version this build speaks.
-pub const PEER_PROTOCOL_VERSION: u32 = 2;
+pub const PEER_PROTOCOL_VERSION: u32 = 3;
 
 /// Picks the highest version both sides speak.
 pub fn negotiate_peer_version(theirs: &[u32]) -> Option<u32> {
@@ -36,7 +36,9 @@ mod tests {
     #[test]
     fn negotiation_picks_highest_common_version() {
         assert_eq!(negotiate_peer_version(&[2, 7]), Some(2));
-        assert_eq!(negotiate_peer_version(&[1, 3]), None);
+        assert_eq!(negotiate_peer_version(&[2, 3]), Some(3));
+        assert_eq!(negotiate_peer_version(&[3]), Some(3));
+        assert_eq!(negotiate_peer_version(&[1, 4]), None);
         assert_eq!(negotiate_peer_version(&[]), None);
     }
 }

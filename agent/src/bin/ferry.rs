@@ -456,6 +456,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             "tcp_established": r.tcp_established, "tcp_listening": r.tcp_listening, "udp_sockets": r.udp_sockets,
             "ports": r.ports.iter().map(port_str).collect::<Vec<_>>(),
             "phases": r.phases.iter().map(|p| json!({"phase": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
+            "freeze_parts": r.freeze_parts.iter().map(|p| json!({"part": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
             "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
             "capture": r.capture,
             "replay": r.replay.as_ref().map(|s| json!({
@@ -501,6 +502,12 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
     println!("  phases:");
     for p in &r.phases {
         println!("    {:<10} {:>10.1} ms", p.phase, ms(p.duration_us));
+    }
+    if !r.freeze_parts.is_empty() {
+        println!("  the freeze, part by part:");
+        for p in &r.freeze_parts {
+            println!("    {:<30} {:>10.1} ms", p.phase, ms(p.duration_us));
+        }
     }
     if !r.error.is_empty() {
         println!("  error: {}", r.error);

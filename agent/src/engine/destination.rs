@@ -431,12 +431,14 @@ pub async fn restore(
 ) -> Result<RestoreResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
+    let scan_started = Instant::now();
     if inc.in_cluster.is_empty() {
         let (a, images, from) = (agent.clone(), inc.images(), inc.from.clone());
         inc.in_cluster = tokio::task::spawn_blocking(move || take_in_cluster(&a, &images, &from))
             .await
             .map_err(|e| EngineError::Internal(e.to_string()))??;
     }
+    let image_scan = scan_started.elapsed();
     let creq = criu::RestoreRequest {
         criu: agent.config.criu_path.clone(),
         images_dir: inc.images(),
@@ -457,10 +459,17 @@ pub async fn restore(
     // CRIU made it our child (rst_sibling): reap it whenever it ends.
     agent.reap_restored(outcome.pid);
     inc.state = IncomingState::Restored { pid: outcome.pid };
+    let criu_startup = notes
+        .iter()
+        .find(|(script, _)| script == "pre-restore")
+        .map(|(_, at)| at.as_micros() as u64)
+        .unwrap_or(0);
     Ok(RestoreResponse {
         pid: outcome.pid,
         restore_time_us: restore_time.as_micros() as u64,
         in_cluster: inc.in_cluster.iter().map(|f| f.to_pb()).collect(),
+        criu_startup_us: criu_startup,
+        image_scan_us: image_scan.as_micros() as u64,
     })
 }
 
@@ -538,11 +547,16 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     };
     // Remembered for a restart of this agent, now the freeze is over.
     agent.persist_soon();
-    let done = slot.take();
-    if let Some(inc) = done
-        && let Err(e) = std::fs::remove_dir_all(&inc.dir)
-    {
-        tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
+    // The images go after the answer: a thousand files to unlink would
+    // otherwise hold up the source's confirmation (the process runs
+    // already). The directory is the migration's own; the next migration
+    // gets another.
+    if let Some(inc) = slot.take() {
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = std::fs::remove_dir_all(&inc.dir) {
+                tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
+            }
+        });
     }
     tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here");
     Ok(CommitResponse { pid, replay })

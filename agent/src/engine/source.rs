@@ -31,6 +31,8 @@ pub struct Prepared {
     pub pid: i32,
     pub destination: PeerConfig,
     peer: PeerClient<Channel>,
+    /// The peer protocol version `Hello` settled on.
+    protocol_version: u32,
     sockets: SocketSummary,
     started: Instant,
     started_wall: SystemTime,
@@ -150,15 +152,16 @@ pub async fn prepare(
         if let Some(p) = agent.registry().get_mut(pid) {
             p.sockets = sockets.clone();
         }
-        Ok::<_, EngineError>((peer, sockets))
+        Ok::<_, EngineError>((peer, hello.protocol_version, sockets))
     }
     .await;
     match result {
-        Ok((peer, sockets)) => Ok(Prepared {
+        Ok((peer, protocol_version, sockets)) => Ok(Prepared {
             migration_id,
             pid,
             destination: peer_cfg,
             peer,
+            protocol_version,
             sockets,
             started,
             started_wall,
@@ -480,6 +483,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     })
     .await;
     run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
+    let dump_end = Instant::now();
     match dumped {
         Ok(Ok(notes)) => tracing::debug!(?notes, "dump done"),
         Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
@@ -503,7 +507,8 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let reader = tokio::task::spawn_blocking({
         let images = images.clone();
         let id = run.p.migration_id.clone();
-        move || images::read_images(images, id, tx)
+        let packing = images::Packing::for_version(run.p.protocol_version);
+        move || images::read_images(images, id, packing, tx)
     });
     let sent = match tokio::time::timeout(
         deadline,
@@ -529,6 +534,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     run.report.image_bytes = bytes;
     run.report.bytes_transferred = bytes;
 
+    let transfer_end = Instant::now();
     run.phase("restore").await;
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
@@ -542,6 +548,12 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         Err(_) => return Stop::BeforeCommit(silent(&run.p.destination, "the restore", deadline)),
     };
     run.report.destination_pid = restored.pid;
+    let restore_end = Instant::now();
+    let (restore_criu_us, criu_startup_us, image_scan_us) = (
+        restored.restore_time_us,
+        restored.criu_startup_us,
+        restored.image_scan_us,
+    );
 
     // The destination restored the in-cluster connections on its own
     // cluster address and holds them: their peers' nodes translate from
@@ -553,6 +565,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     }
 
+    let translate_end = Instant::now();
     if let Err(e) = run.finish_drain().await {
         // The destination holds a restored copy: go on without the log;
         // the replay then also feeds what the source delivered, and TCP
@@ -571,6 +584,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         run.capturing_here = false;
     }
 
+    let discard_end = Instant::now();
     run.phase("commit").await;
     let mut last_err = None;
     for attempt in 0..5 {
@@ -597,7 +611,38 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             }
         }
     }
-    run.report.freeze_time_us = freeze_start.elapsed().as_micros() as u64;
+    let commit_end = Instant::now();
+    run.report.freeze_time_us = (commit_end - freeze_start).as_micros() as u64;
+    let us = |from: Instant, to: Instant| (to - from).as_micros() as u64;
+    let replay_us = run.report.replay.map(|r| r.replay_time_us).unwrap_or(0);
+    let restore_rpc_us = us(transfer_end, restore_end);
+    run.report.freeze_parts = [
+        ("dump (CRIU, process stopped)", us(freeze_start, dump_end)),
+        ("transfer", us(dump_end, transfer_end)),
+        ("restore: image scan", image_scan_us),
+        ("restore: CRIU start-up", criu_startup_us),
+        (
+            "restore: CRIU",
+            restore_criu_us.saturating_sub(criu_startup_us),
+        ),
+        (
+            "restore: other",
+            restore_rpc_us.saturating_sub(restore_criu_us + image_scan_us),
+        ),
+        ("translate", us(restore_end, translate_end)),
+        ("discard", us(translate_end, discard_end)),
+        ("commit: replay", replay_us),
+        (
+            "commit: other",
+            us(discard_end, commit_end).saturating_sub(replay_us),
+        ),
+    ]
+    .into_iter()
+    .map(|(phase, duration_us)| PhaseTiming {
+        phase: phase.to_owned(),
+        duration_us,
+    })
+    .collect();
     Stop::Committed(last_err)
 }
 
