@@ -130,22 +130,55 @@ impl Agent {
         lock(&self.flows)
     }
 
+    /// Every other node this agent knows: the configured `[[peers]]`, then
+    /// the nodes membership found that the configuration does not list
+    /// (alive or suspect, not down). A configured address wins.
+    pub fn known_peers(&self) -> Vec<PeerConfig> {
+        let mut peers = self.config.peers.clone();
+        if let Some(m) = self.membership.get() {
+            for member in m.members() {
+                let name = &member.ident.name;
+                if *name != self.config.node
+                    && member.state != crate::membership::MemberState::Down
+                    && !peers.iter().any(|p| p.name == *name)
+                {
+                    peers.push(PeerConfig {
+                        name: name.clone(),
+                        address: member.ident.peer,
+                    });
+                }
+            }
+        }
+        peers
+    }
+
+    /// The Peer address of node `name`: configured, or found by membership.
+    pub fn peer(&self, name: &str) -> Option<PeerConfig> {
+        if let Some(p) = self.config.peer(name) {
+            return Some(p.clone());
+        }
+        let address = self.membership.get()?.peer_address(name)?;
+        Some(PeerConfig {
+            name: name.to_owned(),
+            address,
+        })
+    }
+
     /// The cluster address of node `name` (this node's own included).
     pub fn cluster_address_of(&self, name: &str) -> Option<std::net::Ipv4Addr> {
         if name == self.config.node {
             return Some(self.config.cluster.address);
         }
-        match self.config.peer(name)?.address.ip() {
+        match self.peer(name)?.address.ip() {
             std::net::IpAddr::V4(a) => Some(a),
             std::net::IpAddr::V6(_) => None,
         }
     }
 
     /// The peer whose cluster address is `ip`.
-    pub fn peer_at(&self, ip: std::net::Ipv4Addr) -> Option<&crate::config::PeerConfig> {
-        self.config
-            .peers
-            .iter()
+    pub fn peer_at(&self, ip: std::net::Ipv4Addr) -> Option<PeerConfig> {
+        self.known_peers()
+            .into_iter()
             .find(|p| p.address.ip() == std::net::IpAddr::V4(ip))
     }
 
@@ -203,7 +236,8 @@ impl Agent {
                 .map(crate::engine::source::port_to_pb)
                 .collect(),
         };
-        let asks = self.config.peers.iter().map(|peer| {
+        let peers = self.known_peers();
+        let asks = peers.iter().map(|peer| {
             let req = req.clone();
             async move {
                 let answer = tokio::time::timeout(ASK_TIMEOUT, async {

@@ -113,9 +113,10 @@ impl EngineStarter {
 
 #[tonic::async_trait]
 impl MigrationStarter for EngineStarter {
-    /// The engine finds destinations among the configured `[[peers]]`.
+    /// The engine finds destinations among the configured `[[peers]]` and
+    /// the members membership found.
     fn can_reach(&self, node: &str) -> bool {
-        self.agent.config.peer(node).is_some()
+        self.agent.peer(node).is_some()
     }
 
     async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, String> {

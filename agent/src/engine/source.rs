@@ -70,9 +70,9 @@ pub async fn prepare(
     if destination == node {
         return Err(EngineError::DestinationIsSelf { node });
     }
-    let peer_cfg = agent.config.peer(destination).cloned().ok_or_else(|| {
-        let mut known: Vec<&str> = vec![agent.node()];
-        known.extend(agent.config.peers.iter().map(|p| p.name.as_str()));
+    let peer_cfg = agent.peer(destination).ok_or_else(|| {
+        let mut known: Vec<String> = vec![agent.node().to_owned()];
+        known.extend(agent.known_peers().into_iter().map(|p| p.name));
         EngineError::UnknownNode {
             name: destination.to_owned(),
             known: known.join(", "),
@@ -697,9 +697,7 @@ async fn translate_in_cluster(
         }
         let peer = run
             .agent
-            .config
             .peer(&node)
-            .cloned()
             .ok_or_else(|| EngineError::Internal(format!("no peer config for {node}")))?;
         let mut client = run.agent.peer_client(&peer).await?;
         match tokio::time::timeout(deadline, client.add_translations(req)).await {
@@ -728,7 +726,7 @@ async fn untranslate_in_cluster(run: &mut Run) {
                 .and_then(|r| r)
                 .map(|_| ())
         } else {
-            match run.agent.config.peer(&node).cloned() {
+            match run.agent.peer(&node) {
                 Some(peer) => match run.agent.peer_client(&peer).await {
                     Ok(mut c) => c
                         .remove_translations(req)
