@@ -83,7 +83,11 @@ fn run_openmosix(args: &SimArgs) -> Result<()> {
     }
     let dir = out_dir(args, "openmosix")?;
     let started = std::time::Instant::now();
-    let results = openmosix::run_all(&params, &openmosix::Variant::SEED_TABLE)?;
+    let variants: Vec<openmosix::Variant> = openmosix::Variant::SEED_TABLE
+        .into_iter()
+        .chain(openmosix::Variant::LOCATION_ALTERNATIVES)
+        .collect();
+    let results = openmosix::run_all(&params, &variants)?;
     let header = [
         "variant",
         "recovery s (sim)",
