@@ -381,8 +381,14 @@ impl Agent {
         let mut stats = ferry_proto::v1::ReplayStats::default();
         let started = Instant::now();
         let mut delivered = DeliveredLog::new(delivered);
+        let mut draining = Duration::ZERO;
+        let mut drain = |me: &Self| {
+            let t = Instant::now();
+            me.drain_capture();
+            draining += t.elapsed();
+        };
         for _ in 0..REPLAY_PASSES {
-            self.drain_capture();
+            drain(self);
             let batch = self.capture.take_captured(id);
             let trickle = batch.len() < REPLAY_TRICKLE;
             self.replay_pass(&batch, &mut delivered, &mut stats);
@@ -390,12 +396,21 @@ impl Agent {
                 break;
             }
         }
+        let opening = Instant::now();
         open()?;
-        self.drain_capture();
+        let opening = opening.elapsed();
+        drain(self);
         let rest = self.capture.take_captured(id);
         self.replay_pass(&rest, &mut delivered, &mut stats);
         self.capture.close(id);
         stats.replay_time_us = started.elapsed().as_micros() as u64;
+        tracing::debug!(
+            total_us = stats.replay_time_us,
+            draining_us = draining.as_micros() as u64,
+            opening_us = opening.as_micros() as u64,
+            segments = stats.replayed_segments,
+            "replay timings"
+        );
         let mut totals = lock(&self.replay_totals);
         totals.replayed += stats.replayed;
         totals.skipped_delivered += stats.skipped_delivered;
