@@ -89,7 +89,8 @@ pub struct MembershipConfig {
     /// Find the other nodes by a beacon to the cluster network's broadcast
     /// address (the `[[peers]]` are seeds either way).
     pub discovery: bool,
-    /// Broadcast address for the beacon; default: the cluster interface's.
+    /// Broadcast address for the beacon; default: the cluster interface's
+    /// broadcast address, or 255.255.255.255 if it has none.
     pub broadcast: Option<Ipv4Addr>,
     pub beacon_interval_ms: u64,
     /// SWIM probe period: a failed node is suspected within about one.

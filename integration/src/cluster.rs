@@ -93,6 +93,9 @@ pub struct ClusterSpec {
     /// `[dataplane] capture` of every agent (false: the drop-and-retransmit
     /// baseline).
     pub capture: bool,
+    /// Whether each agent's config lists the other nodes as `[[peers]]`
+    /// (false: they must find each other through membership).
+    pub static_peers: bool,
 }
 
 impl Default for ClusterSpec {
@@ -106,6 +109,7 @@ impl Default for ClusterSpec {
             ready_timeout: Duration::from_secs(20),
             extra_config: String::new(),
             capture: true,
+            static_peers: true,
         }
     }
 }
@@ -307,7 +311,7 @@ impl Cluster {
                 peer_listen: SocketAddrV4::new(node.cluster_addr, topology::PEER_PORT),
                 peers: peers
                     .iter()
-                    .filter(|(name, _)| *name != node.name)
+                    .filter(|(name, _)| self.spec.static_peers && *name != node.name)
                     .cloned()
                     .collect(),
                 extra: self.spec.extra_config.clone(),

@@ -12,9 +12,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{list, run, runtime};
+use ferry_integration::managed::{list, migrate, run, runtime, wait_for_process};
 use ferry_proto::v1::control_client::ControlClient;
-use ferry_proto::v1::{Balancer, GetBalancerRequest, ListNodesRequest, SetBalancerRequest};
+use ferry_proto::v1::{
+    Balancer, GetBalancerRequest, ListNodesRequest, MigrationOutcome, SetBalancerRequest,
+};
 use tonic::transport::Channel;
 
 /// Busy loops started on node1.
@@ -245,4 +247,69 @@ fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
         }
     });
     let _ = cluster.stop_agent("node3");
+}
+
+/// No `[[peers]]` at all: the agents find each other by membership's
+/// beacon on the cluster network, list each other, and a process migrates
+/// to a node that no configuration names.
+#[test]
+fn nodes_found_by_membership_alone_are_listed_and_migrated_to() {
+    if !ferry_integration::can_run("nodes_found_by_membership_alone_are_listed_and_migrated_to") {
+        return;
+    }
+    let rt = runtime();
+    let spec = ClusterSpec {
+        extra_config: "[membership]\nenabled = true\nbeacon_interval_ms = 500\n".into(),
+        static_peers: false,
+        ..ClusterSpec::new(2, 1)
+    };
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let t0 = Instant::now();
+        loop {
+            let r = node1
+                .list_nodes(ListNodesRequest {})
+                .await
+                .expect("ListNodes")
+                .into_inner();
+            if r.nodes
+                .iter()
+                .any(|n| n.name == "node2" && n.membership_state == "alive")
+            {
+                eprintln!("node1 found node2 by its beacon after {:?}", t0.elapsed());
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "node1 never found node2: {:#?}\n{}",
+                r.nodes,
+                cluster.log_tail("node1", 30)
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let pid = run(&mut node1, vec![burn_bin(), "--id".into(), "0".into()]).await;
+        let (report, status) = migrate(&mut node1, pid, "node2")
+            .await
+            .expect("Migrate to a discovered node");
+        assert!(status.is_none(), "{status:?}\n{report:#?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+        assert!(
+            !list(&mut node1).await.iter().any(|p| p.pid == pid),
+            "the process is still managed on node1"
+        );
+        assert!(
+            matches!(
+                ferry_integration::managed::process_state(pid),
+                None | Some('Z')
+            ),
+            "the source copy still runs"
+        );
+    });
 }

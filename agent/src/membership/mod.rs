@@ -8,7 +8,9 @@
 //!
 //! - **Discovery without a static list**: every `beacon_interval_ms` a node
 //!   sends a one-datagram beacon carrying its identity to the cluster
-//!   network's broadcast address; a node that hears the beacon of a node it
+//!   network's broadcast address (the interface's, or 255.255.255.255 if
+//!   it has none), heard on a socket bound to that address and to the
+//!   cluster interface; a node that hears the beacon of a node it
 //!   does not count as alive announces itself to it through SWIM. The
 //!   static `[[peers]]` of ferryd's config are announced to at start and
 //!   whenever the node knows no member: they are seeds, not the membership.
@@ -111,18 +113,79 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// The IPv4 broadcast address of `interface`, if it has one.
-fn interface_broadcast(interface: &str) -> Option<Ipv4Addr> {
+/// The broadcast address configured on `interface` for `address`, if it
+/// has a real one. An address added without `brd` has none: the kernel
+/// then treats the subnet's top address as a unicast one, and glibc's
+/// `getifaddrs` reports the interface's own address in its place.
+fn interface_broadcast(interface: &str, address: Ipv4Addr) -> Option<Ipv4Addr> {
     let addrs = nix::ifaddrs::getifaddrs().ok()?;
     for a in addrs {
-        if a.interface_name != interface {
+        let own = a
+            .address
+            .as_ref()
+            .and_then(|x| x.as_sockaddr_in())
+            .map(|x| x.ip());
+        if a.interface_name != interface || own != Some(address) {
             continue;
         }
         if let Some(b) = a.broadcast.as_ref().and_then(|b| b.as_sockaddr_in()) {
-            return Some(b.ip());
+            let b = b.ip();
+            if b != address && !b.is_unspecified() {
+                return Some(b);
+            }
         }
     }
     None
+}
+
+/// Where discovery beacons go: the configured address, else the cluster
+/// interface's broadcast address, else the limited broadcast
+/// (255.255.255.255), which the kernel sends out of the interface that owns
+/// the socket's source address (the cluster address) and no router passes.
+fn beacon_address(m: &MembershipConfig, interface: &str, address: Ipv4Addr) -> Ipv4Addr {
+    m.broadcast
+        .or_else(|| interface_broadcast(interface, address))
+        .unwrap_or(Ipv4Addr::BROADCAST)
+}
+
+/// A socket that hears beacons: bound to the broadcast address (a socket
+/// bound to a unicast address is never handed broadcast datagrams) and to
+/// the cluster interface, so beacons from other networks are not heard.
+/// Several agents on one host (the namespace test cluster has one per
+/// namespace, each with its own stack) or a restart may bind it again.
+fn beacon_listener(
+    interface: &str,
+    to: SocketAddr,
+) -> Result<std::net::UdpSocket, MembershipError> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
+    };
+    let err = |e: nix::Error| MembershipError::Bind {
+        addr: to,
+        source: std::io::Error::from(e),
+    };
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .map_err(err)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(err)?;
+    setsockopt(
+        &fd,
+        sockopt::BindToDevice,
+        &std::ffi::OsString::from(interface),
+    )
+    .map_err(err)?;
+    let SocketAddr::V4(v4) = to else {
+        return Err(MembershipError::Bind {
+            addr: to,
+            source: std::io::Error::other("discovery needs an IPv4 broadcast address"),
+        });
+    };
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(v4)).map_err(err)?;
+    Ok(std::net::UdpSocket::from(fd))
 }
 
 impl Membership {
@@ -155,19 +218,17 @@ impl Membership {
                 bump: 0,
             })
             .collect();
-        let beacon_to = if m.discovery {
-            m.broadcast
-                .or_else(|| interface_broadcast(&config.cluster.interface))
-                .map(|ip| SocketAddr::new(IpAddr::V4(ip), m.port))
-        } else {
-            None
+        let beacon_to = m.discovery.then(|| {
+            let ip = beacon_address(m, &config.cluster.interface, config.cluster.address);
+            SocketAddr::new(IpAddr::V4(ip), m.port)
+        });
+        let beacon_rx = match beacon_to {
+            Some(to) => {
+                let std = beacon_listener(&config.cluster.interface, to)?;
+                Some(UdpSocket::from_std(std).map_err(MembershipError::Socket)?)
+            }
+            None => None,
         };
-        if m.discovery && beacon_to.is_none() {
-            tracing::warn!(
-                interface = %config.cluster.interface,
-                "no broadcast address for discovery: set [membership] broadcast; only seeds are announced to"
-            );
-        }
         let shared = Arc::new(Mutex::new(Shared::default()));
         let (tx, rx) = mpsc::channel(64);
         let me = Arc::new(Membership {
@@ -175,7 +236,7 @@ impl Membership {
             shared: shared.clone(),
             commands: tx,
         });
-        let swim = Swim::new(local, m, shared, seeds, beacon_to, socket);
+        let swim = Swim::new(local, m, shared, seeds, beacon_to, socket, beacon_rx);
         tokio::spawn(swim.run(rx, shutdown));
         tracing::info!(gossip = %bind, beacon = ?beacon_to, "membership started (SWIM)");
         Ok(me)
@@ -227,6 +288,17 @@ impl Membership {
     }
 }
 
+/// `recv_from` on the socket if there is one; pending forever otherwise.
+async fn recv_opt(
+    socket: Option<&UdpSocket>,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, SocketAddr)> {
+    match socket {
+        Some(s) => s.recv_from(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
 type FocaInstance = Foca<NodeIdent, PostcardCodec, rand_foca::rngs::StdRng, LoadHandler>;
 
 /// The task that owns foca and the socket.
@@ -239,6 +311,8 @@ struct Swim {
     beacon_to: Option<SocketAddr>,
     beacon_interval: Duration,
     socket: UdpSocket,
+    /// Hears the other nodes' beacons (see [`beacon_listener`]).
+    beacon_rx: Option<UdpSocket>,
     timers: BinaryHeap<std::cmp::Reverse<(tokio::time::Instant, u64, TimerSlot)>>,
     timer_seq: u64,
 }
@@ -267,6 +341,7 @@ impl Swim {
         seeds: Vec<NodeIdent>,
         beacon_to: Option<SocketAddr>,
         socket: UdpSocket,
+        beacon_rx: Option<UdpSocket>,
     ) -> Self {
         let mut fc = foca::Config::new_lan(std::num::NonZeroU32::new(16).unwrap());
         fc.probe_period = Duration::from_millis(m.probe_period_ms);
@@ -284,6 +359,7 @@ impl Swim {
             beacon_to,
             beacon_interval: Duration::from_millis(m.beacon_interval_ms),
             socket,
+            beacon_rx,
             timers: BinaryHeap::new(),
             timer_seq: 0,
         }
@@ -296,12 +372,17 @@ impl Swim {
         self.flush().await;
         let mut beacon = tokio::time::interval(self.beacon_interval);
         let mut buf = vec![0u8; 2048];
+        let mut beacon_buf = vec![0u8; 2048];
         loop {
             let next_timer = self.timers.peek().map(|t| t.0.0);
             tokio::select! {
                 r = self.socket.recv_from(&mut buf) => match r {
                     Ok((n, from)) => self.on_datagram(&buf[..n], from),
                     Err(e) => tracing::debug!(error = %e, "membership receive"),
+                },
+                r = recv_opt(self.beacon_rx.as_ref(), &mut beacon_buf) => match r {
+                    Ok((n, from)) => self.on_datagram(&beacon_buf[..n], from),
+                    Err(e) => tracing::debug!(error = %e, "beacon receive"),
                 },
                 _ = sleep_until_opt(next_timer) => {
                     let now = tokio::time::Instant::now();
@@ -488,5 +569,32 @@ async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn beacons_go_to_the_configured_address_else_a_real_broadcast_else_the_limited_one() {
+        let configured = MembershipConfig {
+            broadcast: Some(Ipv4Addr::new(198, 19, 0, 255)),
+            ..MembershipConfig::default()
+        };
+        assert_eq!(
+            beacon_address(&configured, "no-such-if", Ipv4Addr::new(198, 19, 0, 1)),
+            Ipv4Addr::new(198, 19, 0, 255)
+        );
+        let default = MembershipConfig::default();
+        assert_eq!(
+            beacon_address(&default, "no-such-if", Ipv4Addr::new(198, 19, 0, 1)),
+            Ipv4Addr::BROADCAST
+        );
+        // Loopback has no broadcast address: never its own address back.
+        assert_eq!(
+            beacon_address(&default, "lo", Ipv4Addr::LOCALHOST),
+            Ipv4Addr::BROADCAST
+        );
     }
 }

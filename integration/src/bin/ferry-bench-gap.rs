@@ -82,6 +82,10 @@ struct Row {
     tcp_gap_median_ms: f64,
     gap_max_ms: f64,
     udp_lost: u64,
+    /// Datagrams the destination's stack dropped for a full socket buffer
+    /// (`UdpRcvbufErrors` in its namespace across the migration): where
+    /// the lost ones went, if there.
+    udp_rcvbuf_drops: u64,
     udp_duplicates: u64,
     answers: usize,
     resets: u64,
@@ -90,13 +94,14 @@ struct Row {
     replayed: u64,
 }
 
-const HEADER: [&str; 12] = [
+const HEADER: [&str; 13] = [
     "mode",
     "run",
     "freeze_ms",
     "tcp_gap_median_ms",
     "gap_max_ms",
     "udp_lost",
+    "udp_rcvbuf_drops",
     "udp_dup",
     "rst_icmp_seen",
     "conn_resets",
@@ -114,6 +119,7 @@ impl Row {
             format!("{:.1}", self.tcp_gap_median_ms),
             format!("{:.1}", self.gap_max_ms),
             self.udp_lost.to_string(),
+            self.udp_rcvbuf_drops.to_string(),
             self.udp_duplicates.to_string(),
             self.answers.to_string(),
             self.resets.to_string(),
@@ -201,6 +207,8 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
             AnswerWatch::start(clients[1].clone())?,
         ];
         let before = [Nstat::read(&clients[0])?, Nstat::read(&clients[1])?];
+        let to_netns = cluster.netns_path(nodes[1 - here]);
+        let to_before = Nstat::read(&to_netns)?;
 
         let tcp_before = tcp.verified_per_connection();
 
@@ -225,6 +233,7 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
         udp.wait_for_echoes(seen + args.udp as u64 * 20, Duration::from_secs(30))
             .map_err(anyhow::Error::msg)?;
         let after = [Nstat::read(&clients[0])?, Nstat::read(&clients[1])?];
+        let to_after = Nstat::read(&to_netns)?;
         let tcp_report = tcp.stop();
         let udp_report = udp.stop()?;
         let mut seen_answers = Vec::new();
@@ -258,6 +267,7 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
             tcp_gap_median_ms: median(&gaps),
             gap_max_ms: tcp_max.max(udp_report.max_gap().as_secs_f64() * 1e3),
             udp_lost: udp_report.lost(),
+            udp_rcvbuf_drops: to_after.since(&to_before).get("UdpRcvbufErrors"),
             udp_duplicates: udp_report.duplicates(),
             answers,
             resets: d0.get("TcpEstabResets") + d1.get("TcpEstabResets"),
@@ -302,9 +312,9 @@ fn tables(rows: &[Row], args: &Args) -> String {
     );
     let _ = writeln!(
         t,
-        "| mode | freeze (ms) | TCP gap, median client (ms) | worst gap, any client (ms) | UDP lost | UDP dup | RST/ICMP at clients | conn. resets | TCP retrans. segs | TCP RTOs |"
+        "| mode | freeze (ms) | TCP gap, median client (ms) | worst gap, any client (ms) | UDP lost | of which rcvbuf full | UDP dup | RST/ICMP at clients | conn. resets | TCP retrans. segs | TCP RTOs |"
     );
-    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|");
     for mode in [Mode::Capture, Mode::Drop] {
         let rs: Vec<&Row> = rows.iter().filter(|r| r.mode == mode).collect();
         if rs.is_empty() {
@@ -313,7 +323,7 @@ fn tables(rows: &[Row], args: &Args) -> String {
         let worst = |f: &dyn Fn(&Row) -> f64| rs.iter().map(|r| f(r)).fold(0.0, f64::max);
         let _ = writeln!(
             t,
-            "| {} | {:.1} [{:.1}] | {:.1} [{:.1}] | {:.1} [{:.1}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] |",
+            "| {} | {:.1} [{:.1}] | {:.1} [{:.1}] | {:.1} [{:.1}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] | {} [{}] |",
             mode.name(),
             median_of(&rs, |r| r.freeze_ms),
             worst(&|r| r.freeze_ms),
@@ -323,6 +333,8 @@ fn tables(rows: &[Row], args: &Args) -> String {
             worst(&|r| r.gap_max_ms),
             median_of(&rs, |r| r.udp_lost as f64),
             worst(&|r| r.udp_lost as f64),
+            median_of(&rs, |r| r.udp_rcvbuf_drops as f64),
+            worst(&|r| r.udp_rcvbuf_drops as f64),
             median_of(&rs, |r| r.udp_duplicates as f64),
             worst(&|r| r.udp_duplicates as f64),
             median_of(&rs, |r| r.answers as f64),
