@@ -299,6 +299,9 @@ impl Config {
         if self.balancer.offer_timeout_ms == 0 {
             return Err(invalid("balancer.offer_timeout_ms", "must be > 0".into()));
         }
+        if let Some((field, reason)) = crate::conductor::unsupported(&self.policy) {
+            return Err(invalid(&format!("policy.{field}"), reason));
+        }
         match self.policy.validate() {
             Ok(()) => {}
             Err(ferry_policy::PolicyError::InvalidField { field, reason }) => {
@@ -420,6 +423,11 @@ address = "198.19.0.2:7100"
             .unwrap_err()
             .to_string();
         assert!(err.contains("balancer.period_ms"), "{err}");
+        let bad = format!("{GOOD}\n[policy.transfer]\nmode = \"receiver_initiated\"\n");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("policy.transfer.mode"), "{err}");
         let bad = format!("{GOOD}\nbogus = 1\n");
         assert!(Config::parse(&bad, Path::new("x.toml")).is_err());
     }

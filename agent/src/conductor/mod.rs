@@ -140,6 +140,20 @@ pub struct Settings {
     pub policy: ferry_policy::Config,
 }
 
+/// What ferryd refuses of a policy the crate accepts: modes whose plans
+/// the conductor cannot carry out (field, reason).
+pub fn unsupported(policy: &ferry_policy::Config) -> Option<(&'static str, String)> {
+    if policy.transfer.mode == ferry_policy::transfer::TransferMode::ReceiverInitiated {
+        return Some((
+            "transfer.mode",
+            "receiver_initiated is in the policy crate and its tests only: ferryd cannot pull a \
+             process from another node yet"
+                .into(),
+        ));
+    }
+    None
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SetError {
     #[error("{field}: {reason}")]
@@ -277,6 +291,12 @@ impl Conductor {
     /// which also clears the calm-down; refused while a migration is
     /// negotiated or under way.
     pub fn set(&self, enabled: Option<bool>, policy: ferry_policy::Config) -> Result<(), SetError> {
+        if let Some((field, reason)) = unsupported(&policy) {
+            return Err(SetError::Invalid {
+                field: field.to_owned(),
+                reason,
+            });
+        }
         if let Err(e) = policy.validate() {
             return Err(match e {
                 ferry_policy::PolicyError::InvalidField { field, reason } => SetError::Invalid {
