@@ -234,12 +234,15 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
             .map_err(anyhow::Error::msg)?;
         let after = [Nstat::read(&clients[0])?, Nstat::read(&clients[1])?];
         let to_after = Nstat::read(&to_netns)?;
-        let tcp_report = tcp.stop();
-        let udp_report = udp.stop()?;
+        // The watches end before the clients close their connections: the
+        // server's answers to the clients' own teardown are not the
+        // migration's doing.
         let mut seen_answers = Vec::new();
         for w in watches {
             seen_answers.extend(w.stop()?.answers);
         }
+        let tcp_report = tcp.stop();
+        let udp_report = udp.stop()?;
         if !seen_answers.is_empty() {
             let shown: Vec<_> = seen_answers.iter().take(5).collect();
 
