@@ -214,48 +214,52 @@ fn run_openmosix(args: &SimArgs) -> Result<()> {
             &timeline_rows,
         ),
     )?;
-    // Run 0 of each variant over time: the busiest node's process count.
-    let chart = Chart {
-        title: "openMosix spikes: processes on the busiest node (run 0)".into(),
-        x_label: "seconds since the first spike".into(),
-        y_label: "processes on the busiest node".into(),
-        y_range: None,
-        series: results
-            .iter()
-            .map(|v| Series {
-                name: v.label.clone(),
-                points: v.runs[0]
-                    .timeline
-                    .iter()
-                    .map(|p| (p.secs, p.max_processes as f64))
-                    .collect(),
-            })
-            .collect(),
-    };
-    write(&dir, "busiest_node.svg", &chart.render())?;
-    let chart = Chart {
-        title: "openMosix spikes: migrations so far (run 0)".into(),
-        x_label: "seconds since the first spike".into(),
-        y_label: "migrations".into(),
-        y_range: None,
-        series: results
-            .iter()
-            .map(|v| Series {
-                name: v.label.clone(),
-                points: v.runs[0]
-                    .timeline
-                    .iter()
-                    .map(|p| (p.secs, p.migrations_so_far as f64))
-                    .collect(),
-            })
-            .collect(),
-    };
-    write(&dir, "migrations.svg", &chart.render())?;
+    // Run 0 of each variant over time.
+    let busiest = timeline_chart(
+        &results,
+        "openMosix spikes: processes on the busiest node (run 0)",
+        "processes on the busiest node",
+        |p| p.max_processes as f64,
+    );
+    write(&dir, "busiest_node.svg", &busiest.render())?;
+    let migrations = timeline_chart(
+        &results,
+        "openMosix spikes: migrations so far (run 0)",
+        "migrations",
+        |p| p.migrations_so_far as f64,
+    );
+    write(&dir, "migrations.svg", &migrations.render())?;
     let mut params_text = String::new();
     let _ = writeln!(params_text, "{params:#?}");
     write(&dir, "params.txt", &params_text)?;
     println!("\nreport: {}", dir.display());
     Ok(())
+}
+
+/// One series per variant: `value` of run 0's timeline over time.
+fn timeline_chart(
+    results: &[openmosix::VariantResult],
+    title: &str,
+    y_label: &str,
+    value: impl Fn(&openmosix::TimelinePoint) -> f64,
+) -> Chart {
+    Chart {
+        title: title.into(),
+        x_label: "seconds since the first spike".into(),
+        y_label: y_label.into(),
+        y_range: None,
+        series: results
+            .iter()
+            .map(|v| Series {
+                name: v.label.clone(),
+                points: v.runs[0]
+                    .timeline
+                    .iter()
+                    .map(|p| (p.secs, value(p)))
+                    .collect(),
+            })
+            .collect(),
+    }
 }
 
 fn run_dve(args: &SimArgs) -> Result<()> {
