@@ -376,11 +376,15 @@ impl Agent {
         &self,
         id: &str,
         delivered: &[u64],
+        unread: &[u64],
         open: impl FnOnce() -> Result<(), EngineError>,
     ) -> Result<ferry_proto::v1::ReplayStats, EngineError> {
         let mut stats = ferry_proto::v1::ReplayStats::default();
         let started = Instant::now();
         let mut delivered = DeliveredLog::new(delivered);
+        // The same multiset type, keyed by datagram: delivered on the
+        // source but never read there.
+        let mut unread = DeliveredLog::new(unread);
         let mut draining = Duration::ZERO;
         let mut drain = |me: &Self| {
             let t = Instant::now();
@@ -391,7 +395,7 @@ impl Agent {
             drain(self);
             let batch = self.capture.take_captured(id);
             let trickle = batch.len() < REPLAY_TRICKLE;
-            self.replay_pass(&batch, &mut delivered, &mut stats);
+            self.replay_pass(&batch, &mut delivered, &mut unread, &mut stats);
             if trickle {
                 break;
             }
@@ -401,7 +405,7 @@ impl Agent {
         let opening = opening.elapsed();
         drain(self);
         let rest = self.capture.take_captured(id);
-        self.replay_pass(&rest, &mut delivered, &mut stats);
+        self.replay_pass(&rest, &mut delivered, &mut unread, &mut stats);
         self.capture.close(id);
         stats.replay_time_us = started.elapsed().as_micros() as u64;
         tracing::debug!(
@@ -423,11 +427,20 @@ impl Agent {
         &self,
         batch: &[crate::ownership::CapturedPacket],
         delivered: &mut DeliveredLog,
+        unread: &mut DeliveredLog,
         stats: &mut ferry_proto::v1::ReplayStats,
     ) {
         stats.captured += batch.len() as u64;
         let fresh = batch.iter().filter(|p| {
-            let handled = !delivered.is_empty() && delivered.take(digest(&p.data));
+            let mut handled = !delivered.is_empty() && delivered.take(digest(&p.data));
+            // Delivered, but left unread in a socket CRIU does not carry
+            // the queue of: replayed after all.
+            if handled
+                && !unread.is_empty()
+                && crate::sockstate::key_of_packet(&p.data).is_some_and(|k| unread.take(k))
+            {
+                handled = false;
+            }
             if handled {
                 stats.skipped_delivered += 1;
             }

@@ -77,6 +77,28 @@ pub struct Config {
     /// `[policy.transfer]`, `[policy.load]`, ...).
     #[serde(default)]
     pub policy: ferry_policy::Config,
+    /// `[migration]`: how migrations started here move the process.
+    #[serde(default)]
+    pub migration: MigrationConfig,
+}
+
+/// `[migration]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MigrationConfig {
+    /// How TCP connections move when a request does not say:
+    /// "collective" (ferryd reads and rebuilds all established
+    /// connections in one batch, `sockstate`) or "iterative" (CRIU's own
+    /// path, one connection at a time).
+    pub sockets: crate::sockstate::SocketMigration,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        Self {
+            sockets: crate::sockstate::SocketMigration::Collective,
+        }
+    }
 }
 
 /// `[membership]`: SWIM (foca) over UDP on the cluster address.

@@ -14,5 +14,6 @@ pub mod membership;
 pub mod ownership;
 pub mod process;
 mod reaper;
+pub mod sockstate;
 pub mod state;
 pub mod translation;

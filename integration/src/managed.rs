@@ -63,11 +63,29 @@ pub async fn migrate(
     pid: i32,
     to: &str,
 ) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
+    migrate_with(
+        control,
+        pid,
+        to,
+        ferry_proto::v1::SocketMigration::Unspecified,
+    )
+    .await
+}
+
+/// [`migrate`], moving the TCP connections the way `sockets` says
+/// (Unspecified: the agent's default).
+pub async fn migrate_with(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    to: &str,
+    sockets: ferry_proto::v1::SocketMigration,
+) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
     let mut stream = control
         .migrate(MigrateRequest {
             pid,
             destination_node: to.into(),
             strategy: Strategy::TotalCopy as i32,
+            sockets: sockets as i32,
         })
         .await?
         .into_inner();

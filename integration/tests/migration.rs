@@ -443,6 +443,7 @@ fn a_destination_that_stops_answering_is_given_up_and_the_process_resumes() {
                 pid,
                 destination_node: "node2".into(),
                 strategy: Strategy::TotalCopy as i32,
+                ..Default::default()
             })
             .await
             .expect("migration starts")

@@ -15,10 +15,14 @@ pub mod v1 {
 /// the highest version both agents list in `Hello`. Version 1 (no `Arm`,
 /// no capture) is no longer spoken: a v1 destination would drop the packets
 /// that v2 promises to keep.
-pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3];
+pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3, 4];
 
 /// The newest peer protocol version this build speaks.
-pub const PEER_PROTOCOL_VERSION: u32 = 3;
+pub const PEER_PROTOCOL_VERSION: u32 = 4;
+
+/// The first version whose Restore carries TCP connections migrated
+/// collectively (`RestoreRequest.tcp_connections`).
+pub const PEER_PROTOCOL_COLLECTIVE_SOCKETS: u32 = 4;
 
 /// Picks the highest version both sides speak.
 pub fn negotiate_peer_version(theirs: &[u32]) -> Option<u32> {

@@ -10,11 +10,16 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the integration binary behind each.
-pub const BENCHES: [(&str, &str, &str); 2] = [
+pub const BENCHES: [(&str, &str, &str); 3] = [
     (
         "gap",
         "ferry-bench-gap",
         "client-perceived gap, loss, RSTs, retransmissions: capture/replay vs drop",
+    ),
+    (
+        "freeze",
+        "ferry-bench-freeze",
+        "freeze time and its parts at 16..1024 connections: iterative (CRIU) vs collective socket migration",
     ),
     (
         "replay",

@@ -49,10 +49,53 @@ fn installed_version(prefix: &Path) -> Option<String> {
         .map(|v| v.trim().to_owned())
 }
 
-/// The installed CRIU's version, if it is there, new enough, and built
-/// with ferry's RUNDIR.
+/// The installed CRIU's version, if it is there, new enough, built with
+/// ferry's RUNDIR and with ferry's patch.
 pub fn installed_ok(prefix: &Path) -> Option<String> {
-    installed_version(prefix).filter(|v| new_enough(v) && built_with_rundir(prefix))
+    installed_version(prefix)
+        .filter(|v| new_enough(v) && built_with_rundir(prefix) && built_with_patch(prefix))
+}
+
+/// ferry's one patch to CRIU: a TCP connection that ferryd restored itself
+/// (collective socket migration, `agent/src/sockstate`) is handed to the
+/// restore as `--inherit-fd "socket:[<ino>]"`; CRIU then restores only its
+/// file and socket options. Upstream CRIU takes inherited descriptors for
+/// pipes, files, Unix sockets and ttys, not for TCP connections.
+const PATCH: &str = include_str!("../criu/inherit-tcp-connections.patch");
+/// A string the patch puts in the binary (a log message).
+const PATCH_MARK: &str = "ferry-inherited-tcp";
+
+fn built_with_patch(prefix: &Path) -> bool {
+    std::fs::read(binary(prefix)).is_ok_and(|bin| contains(&bin, PATCH_MARK.as_bytes()))
+}
+
+/// Applies [`PATCH`] to the unpacked source tree.
+fn apply_patch(src: &Path) -> Result<()> {
+    let mut child = Command::new("patch")
+        .args(["-p1", "--forward", "--batch"])
+        .current_dir(src)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("starting patch (Debian package `patch`)")?;
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().context("patch's stdin")?;
+        stdin.write_all(PATCH.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "ferry's CRIU patch does not apply to {} ({}):\n{}{}",
+            src.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    eprintln!("applied ferry's CRIU patch (inherited TCP connections)");
+    Ok(())
 }
 
 /// Whether the binary was built with [`RUNDIR`]: the cache path is a string
@@ -86,6 +129,10 @@ pub fn ensure(prefix: &Path) -> Result<Step> {
     match installed_version(prefix) {
         Some(v) if new_enough(&v) && !built_with_rundir(prefix) => eprintln!(
             "CRIU {v} at {} was built without RUNDIR={RUNDIR} (no cache of its kernel probes): rebuilding",
+            bin.display()
+        ),
+        Some(v) if new_enough(&v) && !built_with_patch(prefix) => eprintln!(
+            "CRIU {v} at {} was built without ferry's patch (inherited TCP connections): rebuilding",
             bin.display()
         ),
         Some(v) if new_enough(&v) => {
@@ -214,6 +261,7 @@ fn build_and_install(prefix: &Path) -> Result<String> {
         .map(|e| e.path())
         .find(|p| p.is_dir() && file_name(p).starts_with("criu-"))
         .context("the tarball did not unpack into criu-*")?;
+    apply_patch(&src)?;
     make(&src, tmp.path())?;
 
     let bin_dir = prefix.join("bin");
@@ -227,7 +275,10 @@ fn build_and_install(prefix: &Path) -> Result<String> {
     std::fs::rename(&staged, binary(prefix))?;
     std::fs::write(
         prefix.join("SOURCE"),
-        format!("criu {version} built from Debian's source package\n{orig_name} sha256 {actual}\n"),
+        format!(
+            "criu {version} built from Debian's source package\n{orig_name} sha256 {actual}\n\
+             with ferry's patch xtask/criu/inherit-tcp-connections.patch\n"
+        ),
     )?;
     eprintln!(
         "installed {} (provenance in {})",

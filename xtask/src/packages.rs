@@ -23,6 +23,8 @@ pub const PACKAGES: &[&str] = &[
     // fetching and checking CRIU's source package
     "dpkg-dev",
     "xz-utils",
+    // applying ferry's patch to CRIU (xtask/criu/)
+    "patch",
     // watching the demo's nodes side by side
     "tmux",
     // the PostgreSQL server and psql for the test that migrates a process

@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use crate::agent::{Agent, error_chain};
 use crate::engine::source::{self, port_to_pb};
 use crate::managed::{Lifecycle, Origin};
+use crate::sockstate::SocketMigration;
 
 #[derive(Debug, Clone)]
 pub struct ControlService {
@@ -213,7 +214,19 @@ impl Control for ControlService {
                 )));
             }
         }
-        let prepared = source::prepare(&self.agent, req.pid, &req.destination_node).await?;
+        let sockets = match pb::SocketMigration::try_from(req.sockets) {
+            Ok(pb::SocketMigration::Unspecified) => None,
+            Ok(pb::SocketMigration::Iterative) => Some(SocketMigration::Iterative),
+            Ok(pb::SocketMigration::Collective) => Some(SocketMigration::Collective),
+            Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "sockets: {} is not a socket migration mode (1 iterative, 2 collective)",
+                    req.sockets
+                )));
+            }
+        };
+        let prepared =
+            source::prepare(&self.agent, req.pid, &req.destination_node, sockets).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(32);
         let agent = self.agent.clone();
         // Spawned: the migration finishes, or rolls back, whether or not the

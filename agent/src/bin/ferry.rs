@@ -49,6 +49,11 @@ enum Command {
         /// Destination node.
         #[arg(long)]
         to: String,
+        /// How TCP connections move: "collective" (all in one batch, by
+        /// ferryd) or "iterative" (CRIU's, one by one); default: the
+        /// agent's `[migration] sockets`.
+        #[arg(long, value_parser = ["collective", "iterative"])]
+        sockets: Option<String>,
     },
     /// The report of a migration that ran from this node.
     Report { migration_id: String },
@@ -230,12 +235,18 @@ async fn main_exec(args: Args) -> Result<()> {
                 println!("{pid}");
             }
         }
-        Command::Migrate { pid, to } => {
+        Command::Migrate { pid, to, sockets } => {
+            let sockets = match sockets.as_deref() {
+                Some("collective") => pb::SocketMigration::Collective,
+                Some("iterative") => pb::SocketMigration::Iterative,
+                _ => pb::SocketMigration::Unspecified,
+            };
             let mut stream = client
                 .migrate(MigrateRequest {
                     pid,
                     destination_node: to,
                     strategy: pb::Strategy::TotalCopy as i32,
+                    sockets: sockets as i32,
                 })
                 .await
                 .map_err(status_error)?
@@ -445,6 +456,11 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         Ok(pb::MigrationOutcome::Aborted) => "aborted",
         _ => "unknown",
     };
+    let sockets = match pb::SocketMigration::try_from(r.sockets) {
+        Ok(pb::SocketMigration::Collective) => "collective",
+        Ok(pb::SocketMigration::Iterative) => "iterative",
+        _ => "unknown",
+    };
     if as_json {
         let v = json!({
             "migration_id": r.migration_id, "outcome": outcome, "error": r.error,
@@ -459,6 +475,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             "freeze_parts": r.freeze_parts.iter().map(|p| json!({"part": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
             "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
             "capture": r.capture,
+            "socket_migration": sockets, "socket_migration_note": r.sockets_note,
             "replay": r.replay.as_ref().map(|s| json!({
                 "captured": s.captured, "replayed": s.replayed,
                 "skipped_delivered": s.skipped_delivered, "failed": s.failed,
@@ -487,6 +504,10 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         r.udp_sockets,
         r.ports.iter().map(port_str).collect::<Vec<_>>().join(",")
     );
+    println!("  socket migration    {sockets}");
+    if !r.sockets_note.is_empty() {
+        println!("                      ({})", r.sockets_note);
+    }
     match (&r.replay, r.capture) {
         (Some(s), _) => println!(
             "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms)",

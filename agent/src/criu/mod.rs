@@ -15,5 +15,5 @@ pub use cache::{
     warm,
 };
 pub use error::CriuError;
-pub use swrk::{DumpRequest, RestoreOutcome, RestoreRequest, dump, restore};
+pub use swrk::{DumpRequest, RestoreOutcome, RestoreRequest, TcpConnections, dump, restore};
 pub use version::{CriuVersion, MIN_CRIU_VERSION, probe_version};

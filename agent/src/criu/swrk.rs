@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, recv, send, socketpair};
 use protobuf::{Enum, Message};
 use rust_criu::rust_criu_protobuf::rpc::{
-    Criu_network_lock_method, Criu_opts, Criu_req, Criu_req_type, Criu_resp,
+    Criu_network_lock_method, Criu_opts, Criu_req, Criu_req_type, Criu_resp, Inherit_fd,
 };
 
 use super::CriuError;
@@ -35,6 +35,18 @@ pub struct DumpRequest {
     /// not shipped to the destination).
     pub log_dir: PathBuf,
     pub log_level: i32,
+    pub tcp_connections: TcpConnections,
+}
+
+/// What CRIU does with established TCP connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcpConnections {
+    /// Dumps their state (`--tcp-established`), one connection at a time.
+    Dump,
+    /// Records only their files and socket options (`--tcp-close`): ferryd
+    /// moves their state itself (`sockstate`) and hands the rebuilt
+    /// sockets to the restore.
+    Skip,
 }
 
 /// A restore of the images in `images_dir` into the caller's network
@@ -45,6 +57,11 @@ pub struct RestoreRequest {
     pub images_dir: PathBuf,
     pub log_dir: PathBuf,
     pub log_level: i32,
+    /// Connections rebuilt by ferryd (images dumped with
+    /// [`TcpConnections::Skip`]), as (inherit-fd key, descriptor):
+    /// `Some` even when empty, since such images need CRIU's
+    /// `--tcp-close` on restore too. Needs ferry's patch to CRIU.
+    pub inherited_tcp: Option<Vec<(String, RawFd)>>,
 }
 
 #[derive(Debug, Clone)]
@@ -74,7 +91,10 @@ pub type NotifyHook<'a> = &'a mut dyn FnMut(&str) -> Result<(), String>;
 pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notifications, CriuError> {
     let mut opts = Criu_opts::new();
     opts.set_pid(req.pid);
-    opts.set_tcp_established(true);
+    match req.tcp_connections {
+        TcpConnections::Dump => opts.set_tcp_established(true),
+        TcpConnections::Skip => opts.set_tcp_close(true),
+    }
     opts.set_network_lock(Criu_network_lock_method::SKIP);
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
@@ -85,6 +105,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         opts,
         &req.images_dir,
         &req.log_dir,
+        &[],
         on_notify,
     )?;
     check(&resp, "dump", &req.log_dir.join("dump.log"))?;
@@ -95,7 +116,20 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
 /// (`rst_sibling`) and is left stopped.
 pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), CriuError> {
     let mut opts = Criu_opts::new();
-    opts.set_tcp_established(true);
+    let mut inherited = Vec::new();
+    match &req.inherited_tcp {
+        None => opts.set_tcp_established(true),
+        Some(fds) => {
+            opts.set_tcp_close(true);
+            for (key, fd) in fds {
+                let mut entry = Inherit_fd::new();
+                entry.set_key(key.clone());
+                entry.set_fd(*fd);
+                opts.inherit_fd.push(entry);
+                inherited.push(*fd);
+            }
+        }
+    }
     opts.set_rst_sibling(true);
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
@@ -106,6 +140,7 @@ pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), 
         opts,
         &req.images_dir,
         &req.log_dir,
+        &inherited,
         &mut |_| Ok(()),
     )?;
     check(&resp, "restore", &req.log_dir.join("restore.log"))?;
@@ -200,6 +235,7 @@ fn run(
     mut opts: Criu_opts,
     images_dir: &Path,
     log_dir: &Path,
+    inherited: &[RawFd],
     on_notify: NotifyHook<'_>,
 ) -> Result<(Criu_resp, Notifications), CriuError> {
     let (ours, theirs) = socketpair(
@@ -228,14 +264,28 @@ fn run(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
+    // Inherited descriptors keep their numbers in the child: clearing
+    // FD_CLOEXEC there is all it takes. Copied before the fork, so the
+    // child allocates nothing.
+    let inherited = inherited.to_vec();
+    if inherited.contains(&CHILD_SOCKET_FD) {
+        return Err(CriuError::Rpc(format!(
+            "an inherited descriptor is {CHILD_SOCKET_FD}, the child's RPC socket"
+        )));
+    }
     // SAFETY: the closure runs in the forked child before exec and only
-    // calls dup2(), which is async-signal-safe; the source is above the
-    // target number (dup_high), and dup2 clears FD_CLOEXEC on the target so
-    // CRIU inherits it.
+    // calls dup2() and fcntl(), which are async-signal-safe; the source is
+    // above the target number (dup_high), and dup2 clears FD_CLOEXEC on the
+    // target so CRIU inherits it.
     unsafe {
         cmd.pre_exec(move || {
             if libc::dup2(s, CHILD_SOCKET_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            for &fd in &inherited {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

@@ -66,6 +66,9 @@ pub struct Incoming {
     /// writer thread draining what it had; it must not write into a
     /// directory being removed.
     discarded: Arc<std::sync::Mutex<bool>>,
+    /// Collective socket migration: the connections ferryd rebuilt, in
+    /// repair mode until the commit resumes them.
+    rebuilt: Option<crate::sockstate::Rebuilt>,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -256,6 +259,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         armed: false,
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
+        rebuilt: None,
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
@@ -439,16 +443,60 @@ pub async fn restore(
             .map_err(|e| EngineError::Internal(e.to_string()))??;
     }
     let image_scan = scan_started.elapsed();
+
+    // Collective sockets: every connection rebuilt here first, on this
+    // node's cluster address where it was an in-cluster one, then handed
+    // to CRIU.
+    let rebuild_started = Instant::now();
+    let inherited_tcp = if req.collective_sockets {
+        let mut states = crate::sockstate::from_pb_batch(req.tcp_connections)?;
+        for c in &mut states {
+            if let Some(f) = inc.in_cluster.iter().find(|f| {
+                std::net::SocketAddr::V4(f.old_local) == c.local
+                    && std::net::SocketAddr::V4(f.remote) == c.remote
+            }) {
+                c.local = std::net::SocketAddr::V4(f.new_local);
+            }
+        }
+        let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
+            .await
+            .map_err(|e| EngineError::Internal(e.to_string()))??;
+        let fds = rebuilt.inherit_fds();
+        tracing::info!(
+            connections = rebuilt.len(),
+            "TCP connections rebuilt in one batch"
+        );
+        inc.rebuilt = Some(rebuilt);
+        Some(fds)
+    } else {
+        if !req.tcp_connections.is_empty() {
+            return Err(EngineError::InvalidField {
+                field: "tcp_connections",
+                reason: "given without collective_sockets".into(),
+            });
+        }
+        None
+    };
+    let sockets_rebuild = rebuild_started.elapsed();
     let creq = criu::RestoreRequest {
         criu: agent.config.criu_path.clone(),
         images_dir: inc.images(),
         log_dir: inc.dir.clone(),
         log_level: agent.config.criu_log_level,
+        inherited_tcp,
     };
     let started = Instant::now();
-    let (outcome, notes) = tokio::task::spawn_blocking(move || criu::restore(&creq))
+    let restored = tokio::task::spawn_blocking(move || criu::restore(&creq))
         .await
-        .map_err(|e| EngineError::Internal(e.to_string()))??;
+        .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let (outcome, notes) = match restored {
+        Ok(r) => r,
+        Err(e) => {
+            // Closed in repair mode: nothing reaches the peers.
+            inc.rebuilt = None;
+            return Err(e.into());
+        }
+    };
     let restore_time = started.elapsed();
     tracing::info!(
         pid = outcome.pid,
@@ -470,6 +518,7 @@ pub async fn restore(
         in_cluster: inc.in_cluster.iter().map(|f| f.to_pb()).collect(),
         criu_startup_us: criu_startup,
         image_scan_us: image_scan.as_micros() as u64,
+        sockets_rebuild_us: sockets_rebuild.as_micros() as u64,
     })
 }
 
@@ -509,14 +558,21 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // clients get their ACKs sooner, which is what keeps their
     // retransmission timers from firing. Whatever fails here, the process
     // was restored and is ours: it runs.
+    // Connections rebuilt by ferryd leave repair mode once egress is open
+    // (their window probes, and bytes the source never sent, must get
+    // out), and before the replay feeds them.
+    let mut rebuilt = inc.rebuilt.take();
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
         let replayed = match agent.apply_ownership().await {
             Ok(()) => {
                 let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
                 let delivered = req.delivered_digests;
+                let unread = req.unread_datagrams;
+                let rebuilt = rebuilt.take();
                 tokio::task::spawn_blocking(move || {
-                    a.replay_and_open(&id, &delivered, || {
+                    resume_rebuilt(rebuilt);
+                    a.replay_and_open(&id, &delivered, &unread, || {
                         a.release_ports(&ports);
                         a.reconcile_ownership()
                     })
@@ -527,6 +583,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
             }
             Err(e) => Err(e),
         };
+        resume_rebuilt(rebuilt.take());
         resume(pid);
         let stats = replayed?;
         tracing::info!(
@@ -541,6 +598,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     } else {
         agent.release_ports(&inc.ports);
         let opened = agent.apply_ownership().await;
+        resume_rebuilt(rebuilt.take());
         resume(pid);
         opened?;
         None
@@ -560,6 +618,16 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     }
     tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here");
     Ok(CommitResponse { pid, replay })
+}
+
+/// Takes ferryd's rebuilt connections out of repair mode (blocking; a
+/// thousand connections take a few milliseconds).
+fn resume_rebuilt(rebuilt: Option<crate::sockstate::Rebuilt>) {
+    if let Some(r) = rebuilt
+        && let Err(e) = r.resume()
+    {
+        tracing::error!(error = %e, "taking the rebuilt connections out of repair mode");
+    }
 }
 
 /// SIGCONT to every process of the restored tree.
@@ -703,6 +771,7 @@ peer_listen = "198.19.0.2:7100"
             &f.agent,
             RestoreRequest {
                 migration_id: "nope".into(),
+                ..Default::default()
             },
         )
         .await
@@ -713,6 +782,7 @@ peer_listen = "198.19.0.2:7100"
             &f.agent,
             RestoreRequest {
                 migration_id: "aaaa".into(),
+                ..Default::default()
             },
         )
         .await
@@ -723,7 +793,7 @@ peer_listen = "198.19.0.2:7100"
             &f.agent,
             CommitRequest {
                 migration_id: "aaaa".into(),
-                delivered_digests: vec![],
+                ..Default::default()
             },
         )
         .await
@@ -874,7 +944,7 @@ peer_listen = "198.19.0.2:7100"
         let replayed = f.replayed.clone();
         let stats = f
             .agent
-            .replay_and_open("m", &delivered, || {
+            .replay_and_open("m", &delivered, &[], || {
                 // By the time the ports open, the backlog is replayed; a
                 // packet that arrives now is replayed after it.
                 assert_eq!(replayed.0.lock().unwrap().len(), 1);

@@ -1,4 +1,4 @@
-//! The migration engine (the seed's `migd`), peer protocol version 3.
+//! The migration engine (the seed's `migd`), peer protocol version 4.
 //!
 //! # The migration as a state machine
 //!
@@ -29,10 +29,19 @@
 //!   mode; then the log of what the source delivered since Arm is taken.
 //!   A CRIU that never sends `pre-dump` aborts the migration: the ports
 //!   would not have been frozen.
+//!   With collective socket migration (the default from protocol 4, see
+//!   [`crate::sockstate`]) CRIU dumps with `--tcp-close` instead: it
+//!   records each connection's file and options but not its TCP state.
 //! - **Transfer**: the images stream to the destination (`TransferImages`);
-//!   from protocol 3 small files are packed into few messages (a
-//!   1024-connection process has ~1,000 images).
-//! - **Restore**: the destination restores the process, left stopped, as a
+//!   from protocol 3 small files are packed into few messages (an
+//!   iteratively dumped 1024-connection process has ~1,000 images).
+//!   Collective: beside the transfer, the source takes every established
+//!   connection of the stopped process into ferryd (`pidfd_getfd`), turns
+//!   repair on and reads all their states into one buffer.
+//! - **Restore**: collective: the request carries every connection's state;
+//!   the destination rebuilds them all in repair mode (on its own cluster
+//!   address for in-cluster ones) and hands them to CRIU as inherited
+//!   descriptors. Then the destination restores the process, left stopped, as a
 //!   child of its agent. Its success is the destination's confirmation.
 //!   Before that it rewrites the process's connections to other cluster
 //!   nodes to its own cluster address and holds them (nothing in or out);
@@ -50,18 +59,24 @@
 //!   each connection's consecutive segments joined into one, see
 //!   `ferry_ebpf::coalesce`),
 //!   skipping those the log says the source handled (the longest prefix of
-//!   the capture matching the log's end), lets the ports pass packets,
+//!   the capture matching the log's end; collectively rebuilt connections
+//!   leave repair mode just before, and only then may send),
+//!   lets the ports pass packets,
 //!   replays the last few captured meanwhile, then resumes the process.
 //! - **Abort**, from any step before Discard: the destination drops images,
 //!   captured packets and any restored copy; the source takes its sockets
-//!   out of repair mode, resumes the process, replays what it captured
+//!   out of repair mode (the collectively read ones with their own
+//!   SO_REUSEADDR), resumes the process, replays what it captured
 //!   while frozen and owns the ports again. Nothing is lost.
 //!
 //! Version 1 of the protocol (the foundation's) had no Arm: packets that
 //! arrived during the freeze were dropped and TCP retransmitted them after
 //! at least its 200 ms minimum retransmission timeout. Version 3 differs
 //! from 2 only in the packing of images; a source sends packed images only
-//! to a destination that chose 3 in `Hello`.
+//! to a destination that chose 3 in `Hello`. Version 4 adds the collective
+//! socket state to `Restore`; a source uses it only with a destination that
+//! chose 4, and otherwise moves connections CRIU's way (the report says
+//! which way they moved, and why).
 //!
 //! Every committed migration's report cuts the freeze into its parts
 //! (`freeze_parts`: CRIU's dump, the transfer, the destination's image
@@ -148,6 +163,8 @@ pub enum EngineError {
     DataPlane(#[from] DataPlaneError),
     #[error("in-cluster connections: {0}")]
     InCluster(#[from] crate::translation::FlowError),
+    #[error("TCP connections: {0}")]
+    Sockets(#[from] crate::sockstate::SockStateError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -186,6 +203,13 @@ impl EngineError {
                 Code::FailedPrecondition
             }
             EngineError::InCluster(crate::translation::FlowError::Images(_)) => Code::Internal,
+            EngineError::Sockets(crate::sockstate::SockStateError::Invalid { .. }) => {
+                Code::InvalidArgument
+            }
+            EngineError::Sockets(crate::sockstate::SockStateError::NotEstablished { .. }) => {
+                Code::Aborted
+            }
+            EngineError::Sockets(_) => Code::Internal,
             EngineError::PeerUnavailable { .. } => Code::Unavailable,
             EngineError::Peer { code, .. } => *code,
             EngineError::Criu(CriuError::NotFound { .. } | CriuError::TooOld { .. }) => {

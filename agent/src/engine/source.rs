@@ -21,6 +21,7 @@ use crate::config::PeerConfig;
 use crate::criu;
 use crate::managed::{Lifecycle, OutStage};
 use crate::process::{self, PortKey, SocketSummary, Transport};
+use crate::sockstate::{self, SocketMigration};
 
 use super::{EngineError, images, new_migration_id, rollback};
 
@@ -34,6 +35,10 @@ pub struct Prepared {
     /// The peer protocol version `Hello` settled on.
     protocol_version: u32,
     sockets: SocketSummary,
+    /// How the TCP connections move, decided before the freeze, and why
+    /// not as asked, if so.
+    socket_migration: SocketMigration,
+    socket_note: Option<String>,
     started: Instant,
     started_wall: SystemTime,
 }
@@ -59,11 +64,15 @@ pub fn port_to_pb(p: &PortKey) -> pb::Port {
 
 /// Checks everything that can be checked before touching the process, and
 /// reserves the destination. Errors here leave no trace anywhere.
+/// `sockets`: how the TCP connections should move (None: the agent's
+/// `[migration] sockets`).
 pub async fn prepare(
     agent: &Arc<Agent>,
     pid: i32,
     destination: &str,
+    sockets: Option<SocketMigration>,
 ) -> Result<Prepared, EngineError> {
+    let wanted_sockets = sockets.unwrap_or(agent.config.migration.sockets);
     let started = Instant::now();
     let started_wall = SystemTime::now();
     let node = agent.node().to_owned();
@@ -156,16 +165,25 @@ pub async fn prepare(
     }
     .await;
     match result {
-        Ok((peer, protocol_version, sockets)) => Ok(Prepared {
-            migration_id,
-            pid,
-            destination: peer_cfg,
-            peer,
-            protocol_version,
-            sockets,
-            started,
-            started_wall,
-        }),
+        Ok((peer, protocol_version, sockets)) => {
+            let (socket_migration, socket_note) =
+                sockstate::choose(wanted_sockets, sockets.tcp_other, protocol_version);
+            if let Some(why) = &socket_note {
+                tracing::info!(pid, reason = %why, "TCP connections move one by one (CRIU)");
+            }
+            Ok(Prepared {
+                migration_id,
+                pid,
+                destination: peer_cfg,
+                peer,
+                protocol_version,
+                sockets,
+                socket_migration,
+                socket_note,
+                started,
+                started_wall,
+            })
+        }
         Err(e) => {
             release(agent);
             Err(e)
@@ -271,6 +289,9 @@ struct Run {
     capturing_here: bool,
     /// Digests of what this node delivered between Arm and the freeze.
     delivered: Vec<u64>,
+    /// Of those, the UDP datagrams still unread in the stopped process's
+    /// sockets (`sockstate::unread_datagrams`).
+    unread_datagrams: Vec<u64>,
     /// In-cluster connections the peers' nodes translate for this
     /// migration, by node: undone on abort.
     translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
@@ -278,6 +299,10 @@ struct Run {
     /// whoever needs the delivered log or the captured packets next waits
     /// for it first (the ring has one reader at a time).
     draining: Option<tokio::task::JoinHandle<()>>,
+    /// Collective socket migration: the process's connections, held by
+    /// ferryd in repair mode from the end of the dump. Turned back on an
+    /// abort; closed (silently) after the commit.
+    held: Option<Arc<sockstate::Held>>,
 }
 
 impl Run {
@@ -337,6 +362,8 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             udp_sockets: p.sockets.udp,
             ports: p.sockets.ports.iter().map(port_to_pb).collect(),
             capture: agent.config.dataplane.capture,
+            sockets: p.socket_migration.to_pb() as i32,
+            sockets_note: p.socket_note.clone().unwrap_or_default(),
             started_at_unix_ms: p
                 .started_wall
                 .duration_since(UNIX_EPOCH)
@@ -366,8 +393,10 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             capture: agent.config.dataplane.capture,
             capturing_here: false,
             delivered: Vec::new(),
+            unread_datagrams: Vec::new(),
             draining: None,
             translated: Vec::new(),
+            held: None,
             p,
             events,
             report,
@@ -461,13 +490,17 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         images_dir: images.clone(),
         log_dir: dir.to_owned(),
         log_level: run.agent.config.criu_log_level,
+        tcp_connections: match run.p.socket_migration {
+            SocketMigration::Iterative => criu::TcpConnections::Dump,
+            SocketMigration::Collective => criu::TcpConnections::Skip,
+        },
     };
     let frozen_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let dumped = tokio::task::spawn_blocking({
         let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
         let capture = run.capture;
         move || {
-            criu::dump(&req, &mut |script| {
+            let dumped = criu::dump(&req, &mut |script| {
                 if script != "pre-dump" {
                     return Ok(());
                 }
@@ -478,14 +511,28 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 agent.reconcile_ownership().map_err(|e| e.to_string())?;
                 tracing::info!("ports frozen");
                 Ok(())
-            })
+            })?;
+            // The process is stopped: what its UDP sockets hold unread
+            // must reach the destination's copy too (CRIU drops it).
+            let unread = if capture {
+                sockstate::unread_datagrams(&process::process_tree(pid)).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "reading the UDP receive queues; their datagrams may be lost");
+                    Vec::new()
+                })
+            } else {
+                Vec::new()
+            };
+            Ok::<_, criu::CriuError>((dumped, unread))
         }
     })
     .await;
     run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
     let dump_end = Instant::now();
     match dumped {
-        Ok(Ok(notes)) => tracing::debug!(?notes, "dump done"),
+        Ok(Ok((notes, unread))) => {
+            tracing::debug!(?notes, unread_datagrams = unread.len(), "dump done");
+            run.unread_datagrams = unread;
+        }
         Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
         Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
     }
@@ -501,6 +548,18 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let agent = run.agent.clone();
         run.draining = Some(tokio::task::spawn_blocking(move || agent.drain_capture()));
     }
+
+    // Collective sockets: with the process stopped, every connection is
+    // taken into ferryd and read in one batch, beside the image transfer.
+    let extracting = (run.p.socket_migration == SocketMigration::Collective).then(|| {
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let held = sockstate::hold(&process::process_tree(pid))?;
+            let held = Arc::new(held);
+            let states = held.extract();
+            Ok::<_, sockstate::SockStateError>((held, states, started.elapsed()))
+        })
+    });
 
     run.phase("transfer").await;
     let (tx, rx) = mpsc::channel(8);
@@ -534,10 +593,44 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     run.report.image_bytes = bytes;
     run.report.bytes_transferred = bytes;
 
+    let mut tcp_connections = Vec::new();
+    if let Some(task) = extracting {
+        match task.await {
+            Ok(Ok((held, states, took))) => {
+                // Held from here: an abort turns repair off again, even
+                // for the ones read before a failure.
+                run.held = Some(held);
+                let states = match states {
+                    Ok(s) => s,
+                    Err(e) => return Stop::BeforeCommit(e.into()),
+                };
+                let queued: usize = states
+                    .iter()
+                    .map(|c| c.send_queue.len() + c.recv_queue.len())
+                    .sum();
+                tracing::info!(
+                    connections = states.len(),
+                    queued_bytes = queued,
+                    ms = took.as_secs_f64() * 1000.0,
+                    "TCP connections read in one batch"
+                );
+                tcp_connections = states.iter().map(|c| c.to_pb()).collect::<Vec<_>>();
+                run.report.bytes_transferred += tcp_connections
+                    .iter()
+                    .map(|c| prost::Message::encoded_len(c) as u64)
+                    .sum::<u64>();
+            }
+            Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
+            Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+        }
+    }
+
     let transfer_end = Instant::now();
     run.phase("restore").await;
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
+        collective_sockets: run.p.socket_migration == SocketMigration::Collective,
+        tcp_connections,
     });
     let restored = match tokio::time::timeout(deadline, restore).await {
         Ok(Ok(r)) => r.into_inner(),
@@ -549,10 +642,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     };
     run.report.destination_pid = restored.pid;
     let restore_end = Instant::now();
-    let (restore_criu_us, criu_startup_us, image_scan_us) = (
+    let (restore_criu_us, criu_startup_us, image_scan_us, rebuild_us) = (
         restored.restore_time_us,
         restored.criu_startup_us,
         restored.image_scan_us,
+        restored.sockets_rebuild_us,
     );
 
     // The destination restored the in-cluster connections on its own
@@ -594,6 +688,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             .commit(CommitRequest {
                 migration_id: run.p.migration_id.clone(),
                 delivered_digests: run.delivered.clone(),
+                unread_datagrams: run.unread_datagrams.clone(),
             })
             .await
         {
@@ -620,6 +715,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         ("dump (CRIU, process stopped)", us(freeze_start, dump_end)),
         ("transfer", us(dump_end, transfer_end)),
         ("restore: image scan", image_scan_us),
+        ("restore: sockets rebuilt", rebuild_us),
         ("restore: CRIU start-up", criu_startup_us),
         (
             "restore: CRIU",
@@ -627,7 +723,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         ),
         (
             "restore: other",
-            restore_rpc_us.saturating_sub(restore_criu_us + image_scan_us),
+            restore_rpc_us.saturating_sub(restore_criu_us + image_scan_us + rebuild_us),
         ),
         ("translate", us(restore_end, translate_end)),
         ("discard", us(translate_end, discard_end)),
@@ -789,6 +885,14 @@ async fn finish(run: &mut Run, stop: Stop) {
             // The in-cluster peers' packets must come here again before
             // the process runs.
             untranslate_in_cluster(run).await;
+            // Connections read for a collective migration leave repair
+            // mode, with their own SO_REUSEADDR, before the process runs
+            // (resume_on_source would clear any left, without that).
+            if let Some(held) = run.held.take()
+                && let Err(e) = held.resume()
+            {
+                tracing::error!(error = %e, "taking the process's connections out of repair mode");
+            }
             let resumed = if run.capturing_here {
                 // Egress opens, ingress is still kept; the process runs and
                 // gets what arrived while it was frozen, in order, before
@@ -801,7 +905,7 @@ async fn finish(run: &mut Run, stop: Stop) {
                 let agent = run.agent.clone();
                 let r = tokio::task::spawn_blocking(move || {
                     let resumed = rollback::resume_on_source(pid);
-                    let replay = agent.replay_and_open(&id, &[], || {
+                    let replay = agent.replay_and_open(&id, &[], &[], || {
                         agent.set_lifecycle(pid, Lifecycle::Running);
                         agent.reconcile_ownership()
                     });

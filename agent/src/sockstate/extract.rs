@@ -1,0 +1,348 @@
+//! Source side: the connections of a stopped process tree, taken into
+//! ferryd and read in one batch.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
+
+use super::sys::{self, RepairWindow};
+use super::{SockStateError, TcpConnectionState, state_name};
+
+/// One connection: ferryd's duplicate of the process's socket.
+struct HeldConnection {
+    inode: u64,
+    fd: OwnedFd,
+    /// Whether repair mode is on (so must be turned off on a resume).
+    repairing: AtomicBool,
+    /// SO_REUSEADDR as the process had it: turning repair off resets it.
+    reuseaddr: AtomicBool,
+}
+
+/// The established TCP connections of a process tree, held by ferryd.
+///
+/// Dropping it closes ferryd's duplicates. After [`Held::extract`] the
+/// sockets are in repair mode, in which a close sends nothing (no FIN, no
+/// RST): that is what happens on the commit, after the source's copy was
+/// killed. On an abort, [`Held::resume`] must run before the process does.
+pub struct Held {
+    conns: Vec<HeldConnection>,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+/// Inodes of the connected TCP sockets (neither listening nor closed) in
+/// the network namespace of `pid`, from /proc/PID/net/tcp and tcp6.
+fn connected_inodes(pid: i32) -> Result<HashSet<u64>, SockStateError> {
+    let mut inodes = HashSet::new();
+    for table in ["tcp", "tcp6"] {
+        let path = format!("/proc/{pid}/net/{table}");
+        let text = std::fs::read_to_string(&path).map_err(|source| SockStateError::Process {
+            op: "reading /proc/PID/net/tcp",
+            pid,
+            source,
+        })?;
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (Some(st), Some(inode)) = (cols.get(3), cols.get(9)) else {
+                continue;
+            };
+            let (Ok(st), Ok(inode)) = (u8::from_str_radix(st, 16), inode.parse::<u64>()) else {
+                continue;
+            };
+            // LISTEN and CLOSE are CRIU's to restore (bind, listen); inode 0
+            // is a TIME_WAIT or request socket no process holds.
+            if inode != 0 && st != 0x0A && st != 0x07 {
+                inodes.insert(inode);
+            }
+        }
+    }
+    Ok(inodes)
+}
+
+/// Takes every connected TCP socket of the process tree `tree` (root
+/// first) into ferryd with `pidfd_getfd`. Call it with the tree stopped:
+/// the descriptor tables must not change under it. A socket shared by
+/// several processes of the tree is taken once.
+pub fn hold(tree: &[i32]) -> Result<Held, SockStateError> {
+    let Some(&root) = tree.first() else {
+        return Ok(Held { conns: Vec::new() });
+    };
+    let wanted = connected_inodes(root)?;
+    let mut conns = Vec::with_capacity(wanted.len());
+    let mut taken = HashSet::with_capacity(wanted.len());
+    for_each_socket(tree, &wanted, |inode, fd| {
+        if taken.insert(inode) {
+            conns.push(HeldConnection {
+                inode,
+                fd,
+                repairing: AtomicBool::new(false),
+                reuseaddr: AtomicBool::new(false),
+            });
+        }
+        Ok(())
+    })?;
+    Ok(Held { conns })
+}
+
+/// Calls `f` with ferryd's duplicate of every descriptor of the tree's
+/// processes that is a socket whose inode is in `wanted` (a socket shared
+/// by several descriptors comes once per descriptor).
+pub(super) fn for_each_socket(
+    tree: &[i32],
+    wanted: &HashSet<u64>,
+    mut f: impl FnMut(u64, OwnedFd) -> Result<(), SockStateError>,
+) -> Result<(), SockStateError> {
+    for &pid in tree {
+        let pidfd = sys::pidfd_open(pid).map_err(|source| SockStateError::Process {
+            op: "pidfd_open",
+            pid,
+            source,
+        })?;
+        let dir = format!("/proc/{pid}/fd");
+        let entries = std::fs::read_dir(&dir).map_err(|source| SockStateError::Process {
+            op: "listing /proc/PID/fd",
+            pid,
+            source,
+        })?;
+        for entry in entries.flatten() {
+            let Ok(target) = std::fs::read_link(entry.path()) else {
+                continue;
+            };
+            let t = target.to_string_lossy();
+            let Some(inode) = t
+                .strip_prefix("socket:[")
+                .and_then(|s| s.strip_suffix(']'))
+                .and_then(|s| s.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if !wanted.contains(&inode) {
+                continue;
+            }
+            let Some(fdnum) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
+                continue;
+            };
+            let fd = sys::pidfd_getfd(pidfd.as_fd(), fdnum).map_err(|source| {
+                SockStateError::Process {
+                    op: "pidfd_getfd",
+                    pid,
+                    source,
+                }
+            })?;
+            f(inode, fd)?;
+        }
+    }
+    Ok(())
+}
+
+fn addr(s: SockaddrStorage) -> Option<SocketAddr> {
+    if let Some(v4) = s.as_sockaddr_in() {
+        return Some(SocketAddr::V4((*v4).into()));
+    }
+    s.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into()))
+}
+
+impl Held {
+    /// Connections ferryd already holds descriptors of, keyed by inode.
+    pub fn from_descriptors(fds: Vec<(u64, OwnedFd)>) -> Self {
+        Self {
+            conns: fds
+                .into_iter()
+                .map(|(inode, fd)| HeldConnection {
+                    inode,
+                    fd,
+                    repairing: AtomicBool::new(false),
+                    reuseaddr: AtomicBool::new(false),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.conns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.conns.is_empty()
+    }
+
+    /// Turns repair on for every connection and reads its state, spread
+    /// over the machine's cores. The process must be stopped and its
+    /// packets held (the data plane's freeze): nothing may change a queue
+    /// between its size and its bytes being read.
+    pub fn extract(&self) -> Result<Vec<TcpConnectionState>, SockStateError> {
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 4);
+        let per = self.conns.len().div_ceil(threads).max(1);
+        let parts: Vec<Result<Vec<TcpConnectionState>, SockStateError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .conns
+                .chunks(per)
+                .map(|chunk| s.spawn(move || chunk.iter().map(extract_one).collect()))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(SockStateError::Sys {
+                            op: "extract",
+                            conn: "?".into(),
+                            source: std::io::Error::other("extraction thread panicked"),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let mut all = Vec::with_capacity(self.conns.len());
+        for part in parts {
+            all.extend(part?);
+        }
+        Ok(all)
+    }
+
+    /// Turns repair off again (an abort: the process resumes on the
+    /// source), and gives each socket its SO_REUSEADDR back. Every socket
+    /// is tried; the first error is returned.
+    pub fn resume(&self) -> Result<(), SockStateError> {
+        let mut first = None;
+        for c in &self.conns {
+            if !c.repairing.swap(false, Ordering::SeqCst) {
+                continue;
+            }
+            let fd = c.fd.as_fd();
+            let r =
+                sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_OFF).and_then(|()| {
+                    sys::set_int(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_REUSEADDR,
+                        i32::from(c.reuseaddr.load(Ordering::SeqCst)),
+                    )
+                });
+            if let Err(source) = r
+                && first.is_none()
+            {
+                first = Some(SockStateError::Sys {
+                    op: "turning repair off",
+                    conn: format!("inode {}", c.inode),
+                    source,
+                });
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+fn extract_one(c: &HeldConnection) -> Result<TcpConnectionState, SockStateError> {
+    let fd = c.fd.as_fd();
+    let local = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+        .ok()
+        .and_then(addr);
+    let remote = getpeername::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+        .ok()
+        .and_then(addr);
+    let conn = match (local, remote) {
+        (Some(l), Some(r)) => format!("{l} -> {r}"),
+        _ => format!("inode {}", c.inode),
+    };
+    let err = |op: &'static str| {
+        let conn = conn.clone();
+        move |source| SockStateError::Sys { op, conn, source }
+    };
+    let (Some(local), Some(remote)) = (local, remote) else {
+        return Err(SockStateError::Sys {
+            op: "getsockname/getpeername",
+            conn,
+            source: std::io::Error::other("not an IPv4/IPv6 connection"),
+        });
+    };
+    let reuseaddr = sys::get_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR)
+        .map_err(err("reading SO_REUSEADDR"))?;
+    c.reuseaddr.store(reuseaddr != 0, Ordering::SeqCst);
+    let sndbuf =
+        sys::get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).map_err(err("reading SO_SNDBUF"))?;
+
+    sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)
+        .map_err(err("turning repair on"))?;
+    c.repairing.store(true, Ordering::SeqCst);
+
+    let head = sys::tcp_info_head(fd).map_err(err("TCP_INFO"))?;
+    if head[0] != sys::TCP_ESTABLISHED {
+        return Err(SockStateError::NotEstablished {
+            conn,
+            state: state_name(head[0]),
+        });
+    }
+    let options = head[5] & (sys::TCPI_OPT_TIMESTAMPS | sys::TCPI_OPT_SACK | sys::TCPI_OPT_WSCALE);
+    let (send_wscale, recv_wscale) = if options & sys::TCPI_OPT_WSCALE != 0 {
+        (head[6] & 0x0f, head[6] >> 4)
+    } else {
+        (0, 0)
+    };
+    let outq = sys::outq(fd).map_err(err("SIOCOUTQ"))?;
+    let unsent = sys::outq_unsent(fd).map_err(err("SIOCOUTQNSD"))?;
+    let inq = sys::inq(fd).map_err(err("SIOCINQ"))?;
+    let mss_clamp =
+        sys::get_int(fd, libc::SOL_TCP, libc::TCP_MAXSEG).map_err(err("TCP_MAXSEG"))? as u32;
+    let timestamp = if options & sys::TCPI_OPT_TIMESTAMPS != 0 {
+        sys::get_int(fd, libc::SOL_TCP, sys::TCP_TIMESTAMP).map_err(err("TCP_TIMESTAMP"))? as u32
+    } else {
+        0
+    };
+    let mut window = RepairWindow::default();
+    sys::get_into(fd, libc::SOL_TCP, sys::TCP_REPAIR_WINDOW, &mut window)
+        .map_err(err("TCP_REPAIR_WINDOW"))?;
+
+    sys::set_int(
+        fd,
+        libc::SOL_TCP,
+        sys::TCP_REPAIR_QUEUE,
+        sys::TCP_RECV_QUEUE,
+    )
+    .map_err(err("selecting the receive queue"))?;
+    let recv_seq =
+        sys::get_int(fd, libc::SOL_TCP, sys::TCP_QUEUE_SEQ).map_err(err("TCP_QUEUE_SEQ"))? as u32;
+    let recv_queue = sys::peek_queue(fd, inq).map_err(err("reading the receive queue"))?;
+    sys::set_int(
+        fd,
+        libc::SOL_TCP,
+        sys::TCP_REPAIR_QUEUE,
+        sys::TCP_SEND_QUEUE,
+    )
+    .map_err(err("selecting the send queue"))?;
+    let send_seq =
+        sys::get_int(fd, libc::SOL_TCP, sys::TCP_QUEUE_SEQ).map_err(err("TCP_QUEUE_SEQ"))? as u32;
+    let send_queue = sys::peek_queue(fd, outq).map_err(err("reading the send queue"))?;
+    sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR_QUEUE, sys::TCP_NO_QUEUE)
+        .map_err(err("deselecting the queues"))?;
+
+    Ok(TcpConnectionState {
+        inode: c.inode,
+        local,
+        remote,
+        send_seq,
+        recv_seq,
+        send_queue,
+        unsent: unsent.min(outq),
+        recv_queue,
+        mss_clamp,
+        options,
+        send_wscale,
+        recv_wscale,
+        timestamp,
+        window,
+        reuseaddr: reuseaddr != 0,
+        sndbuf: sndbuf.max(0) as u32,
+    })
+}

@@ -1,0 +1,311 @@
+//! Collective migration of TCP connections (seed 000 §III-C; issue 6).
+//!
+//! CRIU moves a process's connections one by one: per socket it turns TCP
+//! repair on, reads the queues, writes one image file, and on restore
+//! reads that file and rebuilds the socket, all while the process is
+//! frozen. With a thousand connections that was most of the freeze
+//! (`docs/results.md`). In collective mode ferryd does it instead, for all
+//! connections in one batch:
+//!
+//! 1. the source dumps the process with CRIU's `--tcp-close`, which records
+//!    each connection's file and socket options but not its TCP state;
+//! 2. with the process stopped, the source takes every connection into
+//!    ferryd (`pidfd_getfd`), turns repair on and reads the state of all of
+//!    them into one buffer ([`extract`]), which crosses with the Restore
+//!    request, in one message;
+//! 3. the destination rebuilds all connections in repair mode
+//!    ([`rebuild`]) and hands them to CRIU's restore as inherited
+//!    descriptors ("socket:[<inode>]"; ferry's patch to CRIU,
+//!    `xtask/criu/`), which restores the rest of the descriptor table and
+//!    the options;
+//! 4. at the commit, just before the captured packets are replayed, repair
+//!    goes off and bytes the source had not yet sent are queued
+//!    ([`Rebuilt::resume`]). Until then the rebuilt sockets are inert: no
+//!    retransmission timer runs down while the process is frozen.
+//!
+//! Only ESTABLISHED connections are handled this way; a process holding
+//! others (half-closed, connecting) is migrated with CRIU's own per-socket
+//! path, chosen before the freeze ([`choose`]).
+
+mod extract;
+mod rebuild;
+mod sys;
+mod udp;
+
+use std::net::SocketAddr;
+
+pub use extract::{Held, hold};
+pub use rebuild::{Rebuilt, rebuild};
+pub use sys::RepairWindow;
+pub use udp::{datagram_key, key_of_packet, unread_datagrams};
+
+use ferry_proto::v1 as pb;
+
+/// Errors of collective socket migration. Every one names the connection.
+#[derive(Debug, thiserror::Error)]
+pub enum SockStateError {
+    #[error("{op} on TCP connection {conn}: {source}")]
+    Sys {
+        op: &'static str,
+        conn: String,
+        source: std::io::Error,
+    },
+    #[error("{op} on process {pid}: {source}")]
+    Process {
+        op: &'static str,
+        pid: i32,
+        source: std::io::Error,
+    },
+    #[error(
+        "TCP connection {conn} is in state {state}, not ESTABLISHED: collective socket \
+         migration handles established connections only (retry: the migration then uses \
+         CRIU's per-socket path)"
+    )]
+    NotEstablished { conn: String, state: &'static str },
+    #[error("tcp_connections[{index}].{field}: {reason}")]
+    Invalid {
+        index: usize,
+        field: &'static str,
+        reason: String,
+    },
+}
+
+/// How a migration moves the process's TCP connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SocketMigration {
+    /// CRIU's own path: one connection at a time, one image file each.
+    Iterative,
+    /// ferryd's: all connections in one batch ([module docs](self)).
+    Collective,
+}
+
+impl SocketMigration {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Iterative => "iterative",
+            Self::Collective => "collective",
+        }
+    }
+
+    pub fn to_pb(self) -> pb::SocketMigration {
+        match self {
+            Self::Iterative => pb::SocketMigration::Iterative,
+            Self::Collective => pb::SocketMigration::Collective,
+        }
+    }
+}
+
+/// The socket path a migration takes: the one asked for, unless the
+/// process holds connections collective mode cannot move, or the
+/// destination does not speak it. Decided before the freeze; the reason
+/// for a fallback is returned for the log and the report.
+pub fn choose(
+    wanted: SocketMigration,
+    tcp_other: u32,
+    peer_version: u32,
+) -> (SocketMigration, Option<String>) {
+    if wanted == SocketMigration::Iterative {
+        return (wanted, None);
+    }
+    if peer_version < ferry_proto::PEER_PROTOCOL_COLLECTIVE_SOCKETS {
+        return (
+            SocketMigration::Iterative,
+            Some(format!(
+                "the destination speaks peer protocol {peer_version}; collective sockets need {}",
+                ferry_proto::PEER_PROTOCOL_COLLECTIVE_SOCKETS
+            )),
+        );
+    }
+    if tcp_other > 0 {
+        return (
+            SocketMigration::Iterative,
+            Some(format!(
+                "{tcp_other} TCP socket(s) neither listening nor established (half-closed or \
+                 connecting): left to CRIU's per-socket path"
+            )),
+        );
+    }
+    (wanted, None)
+}
+
+/// The state of one established TCP connection, as TCP repair reads and
+/// writes it (the fields of CRIU's `libsoccr_sk_data` that an established
+/// connection uses).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpConnectionState {
+    /// The socket's inode on the source: the key CRIU's images know it by.
+    pub inode: u64,
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
+    /// Sequence number after the last byte queued for sending (write_seq).
+    pub send_seq: u32,
+    /// Next sequence number expected from the peer (rcv_nxt).
+    pub recv_seq: u32,
+    /// Sent but not yet acknowledged bytes, then the unsent ones.
+    pub send_queue: Vec<u8>,
+    /// How many bytes at the end of `send_queue` were never sent.
+    pub unsent: u32,
+    /// Received bytes the process has not read yet.
+    pub recv_queue: Vec<u8>,
+    pub mss_clamp: u32,
+    /// `tcpi_options` (TCPI_OPT_*): timestamps, SACK, window scaling.
+    pub options: u8,
+    pub send_wscale: u8,
+    pub recv_wscale: u8,
+    /// TCP_TIMESTAMP: the connection's timestamp clock, kept so the peer's
+    /// PAWS check accepts what the destination sends (seed 003 §4.3).
+    pub timestamp: u32,
+    pub window: RepairWindow,
+    /// SO_REUSEADDR as the process set it (turning repair off clears it).
+    pub reuseaddr: bool,
+    /// SO_SNDBUF as getsockopt reports it (twice what setsockopt takes):
+    /// the rebuilt socket gets it, so the bytes never sent fit again.
+    pub sndbuf: u32,
+}
+
+impl TcpConnectionState {
+    pub fn name(&self) -> String {
+        format!("{} -> {}", self.local, self.remote)
+    }
+
+    pub fn to_pb(&self) -> pb::TcpConnectionState {
+        pb::TcpConnectionState {
+            inode: self.inode,
+            local: self.local.to_string(),
+            remote: self.remote.to_string(),
+            send_seq: self.send_seq,
+            recv_seq: self.recv_seq,
+            send_queue: self.send_queue.clone(),
+            unsent: self.unsent,
+            recv_queue: self.recv_queue.clone(),
+            mss_clamp: self.mss_clamp,
+            options: u32::from(self.options),
+            send_wscale: u32::from(self.send_wscale),
+            recv_wscale: u32::from(self.recv_wscale),
+            timestamp: self.timestamp,
+            window: Some(pb::TcpRepairWindow {
+                snd_wl1: self.window.snd_wl1,
+                snd_wnd: self.window.snd_wnd,
+                max_window: self.window.max_window,
+                rcv_wnd: self.window.rcv_wnd,
+                rcv_wup: self.window.rcv_wup,
+            }),
+            reuseaddr: self.reuseaddr,
+            sndbuf: self.sndbuf,
+        }
+    }
+
+    /// Checks what a peer sent; errors name the entry and the field.
+    pub fn from_pb(index: usize, p: pb::TcpConnectionState) -> Result<Self, SockStateError> {
+        let bad = |field: &'static str, reason: String| SockStateError::Invalid {
+            index,
+            field,
+            reason,
+        };
+        let addr = |field: &'static str, s: &str| {
+            s.parse::<SocketAddr>()
+                .map_err(|e| bad(field, format!("{s:?} is not an address:port ({e})")))
+        };
+        let local = addr("local", &p.local)?;
+        let remote = addr("remote", &p.remote)?;
+        if local.is_ipv4() != remote.is_ipv4() {
+            return Err(bad("remote", "local and remote differ in family".into()));
+        }
+        if p.inode == 0 {
+            return Err(bad("inode", "must not be 0".into()));
+        }
+        if p.unsent as usize > p.send_queue.len() {
+            return Err(bad(
+                "unsent",
+                format!(
+                    "{} unsent bytes in a send queue of {}",
+                    p.unsent,
+                    p.send_queue.len()
+                ),
+            ));
+        }
+        let scale = |field: &'static str, v: u32| {
+            u8::try_from(v)
+                .ok()
+                .filter(|v| *v <= 14)
+                .ok_or_else(|| bad(field, format!("{v} is not a window scale (0..=14)")))
+        };
+        let options = u8::try_from(p.options)
+            .ok()
+            .filter(|o| {
+                *o & !(sys::TCPI_OPT_TIMESTAMPS | sys::TCPI_OPT_SACK | sys::TCPI_OPT_WSCALE) == 0
+            })
+            .ok_or_else(|| bad("options", format!("{:#x} has unknown bits", p.options)))?;
+        if p.mss_clamp == 0 || p.mss_clamp > 65535 {
+            return Err(bad("mss_clamp", format!("{} is not an MSS", p.mss_clamp)));
+        }
+        let w = p.window.ok_or_else(|| bad("window", "missing".into()))?;
+        Ok(Self {
+            inode: p.inode,
+            local,
+            remote,
+            send_seq: p.send_seq,
+            recv_seq: p.recv_seq,
+            send_queue: p.send_queue,
+            unsent: p.unsent,
+            recv_queue: p.recv_queue,
+            mss_clamp: p.mss_clamp,
+            options,
+            send_wscale: scale("send_wscale", p.send_wscale)?,
+            recv_wscale: scale("recv_wscale", p.recv_wscale)?,
+            timestamp: p.timestamp,
+            window: RepairWindow {
+                snd_wl1: w.snd_wl1,
+                snd_wnd: w.snd_wnd,
+                max_window: w.max_window,
+                rcv_wnd: w.rcv_wnd,
+                rcv_wup: w.rcv_wup,
+            },
+            reuseaddr: p.reuseaddr,
+            sndbuf: p.sndbuf,
+        })
+    }
+}
+
+/// Checks a whole batch from a peer: every entry, and no inode twice.
+pub fn from_pb_batch(
+    batch: Vec<pb::TcpConnectionState>,
+) -> Result<Vec<TcpConnectionState>, SockStateError> {
+    let mut seen = std::collections::HashSet::with_capacity(batch.len());
+    batch
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let c = TcpConnectionState::from_pb(i, p)?;
+            if !seen.insert(c.inode) {
+                return Err(SockStateError::Invalid {
+                    index: i,
+                    field: "inode",
+                    reason: format!("{} appears twice", c.inode),
+                });
+            }
+            Ok(c)
+        })
+        .collect()
+}
+
+fn state_name(state: u8) -> &'static str {
+    match state {
+        1 => "ESTABLISHED",
+        2 => "SYN_SENT",
+        3 => "SYN_RECV",
+        4 => "FIN_WAIT1",
+        5 => "FIN_WAIT2",
+        6 => "TIME_WAIT",
+        7 => "CLOSE",
+        8 => "CLOSE_WAIT",
+        9 => "LAST_ACK",
+        10 => "LISTEN",
+        11 => "CLOSING",
+        _ => "unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,268 @@
+//! Destination side: every connection rebuilt in repair mode, in one
+//! batch, before CRIU restores the process around them.
+
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{
+    AddressFamily, SockFlag, SockProtocol, SockType, SockaddrIn, SockaddrIn6, bind, connect, socket,
+};
+
+use super::sys::{self, RepairOpt};
+use super::{SockStateError, TcpConnectionState};
+
+struct RebuiltConnection {
+    inode: u64,
+    name: String,
+    fd: OwnedFd,
+    /// Bytes the source never sent: queued, and so sent, once repair is off.
+    unsent: Vec<u8>,
+    reuseaddr: bool,
+}
+
+/// Connections rebuilt in this node's network namespace, still in repair
+/// mode (inert: no timer runs, nothing is sent). ferryd keeps its own
+/// descriptors until [`Rebuilt::resume`]; dropping them earlier closes
+/// nothing the restored process holds, and a socket only ferryd holds
+/// closes silently (repair mode).
+pub struct Rebuilt {
+    conns: Vec<RebuiltConnection>,
+}
+
+impl std::fmt::Debug for Rebuilt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rebuilt")
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+fn bind_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
+    match a {
+        SocketAddr::V4(v4) => bind(fd.as_raw_fd(), &SockaddrIn::from(v4)),
+        SocketAddr::V6(v6) => bind(fd.as_raw_fd(), &SockaddrIn6::from(v6)),
+    }
+}
+
+fn connect_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
+    match a {
+        SocketAddr::V4(v4) => connect(fd.as_raw_fd(), &SockaddrIn::from(v4)),
+        SocketAddr::V6(v6) => connect(fd.as_raw_fd(), &SockaddrIn6::from(v6)),
+    }
+}
+
+/// Rebuilds every connection of `states` in the caller's network
+/// namespace. All or nothing: on an error, the ones already built are
+/// closed (silently, in repair mode).
+pub fn rebuild(states: &[TcpConnectionState]) -> Result<Rebuilt, SockStateError> {
+    let conns = states
+        .iter()
+        .map(rebuild_one)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Rebuilt { conns })
+}
+
+fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateError> {
+    let name = c.name();
+    let err = |op: &'static str| {
+        let conn = name.clone();
+        move |source: std::io::Error| SockStateError::Sys { op, conn, source }
+    };
+    let nix_err = |op: &'static str| {
+        let conn = name.clone();
+        move |e: nix::Error| SockStateError::Sys {
+            op,
+            conn,
+            source: std::io::Error::from(e),
+        }
+    };
+    let family = if c.local.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::Tcp,
+    )
+    .map_err(nix_err("socket"))?;
+    let sock = fd.as_fd();
+    sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)
+        .map_err(err("turning repair on"))?;
+    // The source's send buffer size, so that what it held (sent or not)
+    // fits here again; CRIU's restore sets the same value afterwards (it
+    // restores every socket's buffer sizes).
+    if c.sndbuf > 0 {
+        sys::set_int(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUFFORCE,
+            (c.sndbuf / 2).min(i32::MAX as u32) as i32,
+        )
+        .map_err(err("SO_SNDBUFFORCE"))?;
+    }
+    // Repair mode binds even to an address:port in use (SK_FORCE_REUSE).
+    bind_to(&fd, c.local).map_err(nix_err("bind"))?;
+
+    // The sequence numbers before the queued bytes: writing the queues
+    // below advances them to where they were on the source.
+    let recv_start = c.recv_seq.wrapping_sub(c.recv_queue.len() as u32);
+    let send_start = c.send_seq.wrapping_sub(c.send_queue.len() as u32);
+    sys::set_int(
+        sock,
+        libc::SOL_TCP,
+        sys::TCP_REPAIR_QUEUE,
+        sys::TCP_RECV_QUEUE,
+    )
+    .map_err(err("selecting the receive queue"))?;
+    sys::set_int(sock, libc::SOL_TCP, sys::TCP_QUEUE_SEQ, recv_start as i32)
+        .map_err(err("setting the receive sequence"))?;
+    sys::set_int(
+        sock,
+        libc::SOL_TCP,
+        sys::TCP_REPAIR_QUEUE,
+        sys::TCP_SEND_QUEUE,
+    )
+    .map_err(err("selecting the send queue"))?;
+    sys::set_int(sock, libc::SOL_TCP, sys::TCP_QUEUE_SEQ, send_start as i32)
+        .map_err(err("setting the send sequence"))?;
+
+    // In repair mode connect() sends no SYN: the socket is ESTABLISHED.
+    connect_to(&fd, c.remote).map_err(nix_err("connect"))?;
+
+    let mut opts = Vec::with_capacity(4);
+    if c.options & sys::TCPI_OPT_SACK != 0 {
+        opts.push(RepairOpt {
+            code: sys::TCPOPT_SACK_PERM,
+            value: 0,
+        });
+    }
+    if c.options & sys::TCPI_OPT_WSCALE != 0 {
+        opts.push(RepairOpt {
+            code: sys::TCPOPT_WINDOW,
+            value: u32::from(c.send_wscale) | (u32::from(c.recv_wscale) << 16),
+        });
+    }
+    if c.options & sys::TCPI_OPT_TIMESTAMPS != 0 {
+        opts.push(RepairOpt {
+            code: sys::TCPOPT_TIMESTAMP,
+            value: 0,
+        });
+    }
+    opts.push(RepairOpt {
+        code: sys::TCPOPT_MAXSEG,
+        value: c.mss_clamp,
+    });
+    sys::set_slice(sock, libc::SOL_TCP, sys::TCP_REPAIR_OPTIONS, &opts)
+        .map_err(err("TCP_REPAIR_OPTIONS"))?;
+    if c.options & sys::TCPI_OPT_TIMESTAMPS != 0 {
+        sys::set_int(sock, libc::SOL_TCP, sys::TCP_TIMESTAMP, c.timestamp as i32)
+            .map_err(err("TCP_TIMESTAMP"))?;
+    }
+
+    if !c.recv_queue.is_empty() {
+        sys::set_int(
+            sock,
+            libc::SOL_TCP,
+            sys::TCP_REPAIR_QUEUE,
+            sys::TCP_RECV_QUEUE,
+        )
+        .map_err(err("selecting the receive queue"))?;
+        sys::send_all(sock, &c.recv_queue, 0).map_err(err("refilling the receive queue"))?;
+    }
+    let sent = c.send_queue.len() - c.unsent as usize;
+    if sent > 0 {
+        sys::set_int(
+            sock,
+            libc::SOL_TCP,
+            sys::TCP_REPAIR_QUEUE,
+            sys::TCP_SEND_QUEUE,
+        )
+        .map_err(err("selecting the send queue"))?;
+        sys::send_all(sock, &c.send_queue[..sent], 0).map_err(err("refilling the send queue"))?;
+    }
+    sys::set_int(
+        sock,
+        libc::SOL_TCP,
+        sys::TCP_REPAIR_QUEUE,
+        sys::TCP_NO_QUEUE,
+    )
+    .map_err(err("deselecting the queues"))?;
+    sys::set_struct(sock, libc::SOL_TCP, sys::TCP_REPAIR_WINDOW, &c.window)
+        .map_err(err("TCP_REPAIR_WINDOW"))?;
+
+    Ok(RebuiltConnection {
+        inode: c.inode,
+        name,
+        fd,
+        unsent: c.send_queue[sent..].to_vec(),
+        reuseaddr: c.reuseaddr,
+    })
+}
+
+impl Rebuilt {
+    pub fn len(&self) -> usize {
+        self.conns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.conns.is_empty()
+    }
+
+    /// ferryd's descriptors of the rebuilt sockets, in the order given.
+    pub fn descriptors(&self) -> impl Iterator<Item = std::os::fd::BorrowedFd<'_>> {
+        self.conns.iter().map(|c| c.fd.as_fd())
+    }
+
+    /// (key, descriptor) for CRIU's `inherit_fd`: the key is the name the
+    /// source's /proc showed for the socket, "socket:[<inode>]".
+    pub fn inherit_fds(&self) -> Vec<(String, RawFd)> {
+        self.conns
+            .iter()
+            .map(|c| (format!("socket:[{}]", c.inode), c.fd.as_raw_fd()))
+            .collect()
+    }
+
+    /// Turns repair off (the kernel then sends each peer a window probe,
+    /// an ACK that tells it where the connection stands), gives back
+    /// SO_REUSEADDR, queues the bytes the source never sent, and closes
+    /// ferryd's descriptors: from here on the sockets are the process's
+    /// alone. Every connection is tried; the first error is returned.
+    pub fn resume(self) -> Result<(), SockStateError> {
+        let mut first = None;
+        for c in self.conns {
+            if let Err(e) = resume_one(&c)
+                && first.is_none()
+            {
+                first = Some(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+fn resume_one(c: &RebuiltConnection) -> Result<(), SockStateError> {
+    let sock = c.fd.as_fd();
+    let err = |op: &'static str| {
+        let conn = c.name.clone();
+        move |source: std::io::Error| SockStateError::Sys { op, conn, source }
+    };
+    sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_OFF)
+        .map_err(err("turning repair off"))?;
+    sys::set_int(
+        sock,
+        libc::SOL_SOCKET,
+        libc::SO_REUSEADDR,
+        i32::from(c.reuseaddr),
+    )
+    .map_err(err("restoring SO_REUSEADDR"))?;
+    if !c.unsent.is_empty() {
+        // The source's send buffer held these bytes, and this one is as
+        // large (CRIU restored SO_SNDBUF): they fit without blocking.
+        sys::send_all(sock, &c.unsent, libc::MSG_DONTWAIT)
+            .map_err(err("queueing the unsent bytes"))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,259 @@
+//! TCP repair round trips on the loopback of the test's own network
+//! namespace: a connection is read out, closed silently, rebuilt, and its
+//! peer must not notice (every byte once and in order, both ways).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use super::*;
+
+fn inode_of(s: &TcpStream) -> u64 {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+    std::fs::metadata(format!("/proc/self/fd/{fd}"))
+        .expect("fstat the socket")
+        .ino()
+}
+
+fn pair() -> (TcpStream, TcpStream) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let client = TcpStream::connect(listener.local_addr().unwrap()).expect("connect");
+    let (server, _) = listener.accept().expect("accept");
+    for s in [&client, &server] {
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    }
+    (client, server)
+}
+
+/// Moves `server` through extract -> silent close -> rebuild -> resume,
+/// and returns the rebuilt socket.
+fn migrate(server: TcpStream) -> (TcpConnectionState, TcpStream) {
+    let inode = inode_of(&server);
+    let dup: OwnedFd = server.as_fd().try_clone_to_owned().unwrap();
+    let held = Held::from_descriptors(vec![(inode, dup)]);
+    let mut states = held.extract().expect("extract");
+    assert_eq!(states.len(), 1);
+    // Both descriptors closed in repair mode: the kernel drops the socket
+    // without a FIN or RST (the peer would see either below).
+    drop(server);
+    drop(held);
+    // Through the wire format, as between two agents.
+    let wire = states[0].to_pb();
+    let state = TcpConnectionState::from_pb(0, wire).expect("valid state");
+    assert_eq!(state, states[0]);
+    let rebuilt = rebuild(&states).expect("rebuild");
+    let fds = rebuilt.inherit_fds();
+    assert_eq!(fds[0].0, format!("socket:[{inode}]"));
+    // The stream outlives `rebuilt.resume()`, which closes ferryd's copies.
+    let mine = rebuilt
+        .descriptors()
+        .next()
+        .unwrap()
+        .try_clone_to_owned()
+        .unwrap();
+    rebuilt.resume().expect("resume");
+    let stream = TcpStream::from(mine);
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    (states.remove(0), stream)
+}
+
+#[test]
+fn a_connection_with_unread_bytes_survives_a_rebuild() {
+    let (mut client, server) = pair();
+    client.write_all(b"unread before the move|").unwrap();
+    // Let the bytes land in the server's receive queue.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while sys::inq(server.as_fd()).unwrap() < 23 {
+        assert!(std::time::Instant::now() < deadline, "bytes never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (state, mut moved) = migrate(server);
+    assert_eq!(state.recv_queue, b"unread before the move|");
+    assert_eq!(state.remote, client.local_addr().unwrap());
+    assert!(
+        state.options & sys::TCPI_OPT_TIMESTAMPS != 0,
+        "loopback uses timestamps"
+    );
+
+    client.write_all(b"sent after the move").unwrap();
+    let mut got = vec![0u8; 23 + 19];
+    moved.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"unread before the move|sent after the move");
+
+    moved.write_all(b"answer from the rebuilt socket").unwrap();
+    let mut back = vec![0u8; 30];
+    client.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"answer from the rebuilt socket");
+}
+
+#[test]
+fn unacknowledged_and_unsent_bytes_arrive_once_and_in_order() {
+    let (mut client, server) = pair();
+    // A peer that does not read, with a small window: the server's send
+    // queue holds bytes in flight and bytes not yet sent.
+    let total = 1 << 20;
+    let pattern: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+    server.set_nonblocking(true).unwrap();
+    let mut written = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while written < total && std::time::Instant::now() < deadline {
+        match (&server).write(&pattern[written..]) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+                if sys::outq_unsent(server.as_fd()).unwrap() > 0 {
+                    break;
+                }
+            }
+            Err(e) => panic!("write: {e}"),
+        }
+    }
+    server.set_nonblocking(false).unwrap();
+    let (state, _moved) = migrate(server);
+    assert!(!state.send_queue.is_empty(), "nothing queued to move");
+    assert!(state.unsent > 0, "no unsent bytes: the test tests less");
+
+    // Everything written before the move reaches the client exactly once.
+    let mut got = vec![0u8; written];
+    client.read_exact(&mut got).unwrap();
+    assert!(
+        got == pattern[..written],
+        "bytes lost, doubled or reordered"
+    );
+}
+
+#[test]
+fn bad_states_from_a_peer_name_the_field() {
+    let (_client, server) = pair();
+    let inode = inode_of(&server);
+    let dup: OwnedFd = server.as_fd().try_clone_to_owned().unwrap();
+    let held = Held::from_descriptors(vec![(inode, dup)]);
+    let good = held.extract().expect("extract").remove(0).to_pb();
+    held.resume().expect("repair off again");
+
+    type Spoil = Box<dyn Fn(&mut ferry_proto::v1::TcpConnectionState)>;
+    let cases: Vec<(&str, Spoil)> = vec![
+        ("local", Box::new(|p| p.local = "nonsense".into())),
+        ("remote", Box::new(|p| p.remote = "[::1]:80".into())),
+        ("inode", Box::new(|p| p.inode = 0)),
+        (
+            "unsent",
+            Box::new(|p| p.unsent = p.send_queue.len() as u32 + 1),
+        ),
+        ("send_wscale", Box::new(|p| p.send_wscale = 15)),
+        ("options", Box::new(|p| p.options = 0x80)),
+        ("mss_clamp", Box::new(|p| p.mss_clamp = 0)),
+        ("window", Box::new(|p| p.window = None)),
+    ];
+    for (field, spoil) in cases {
+        let mut p = good.clone();
+        spoil(&mut p);
+        let err = TcpConnectionState::from_pb(3, p).expect_err(field);
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("tcp_connections[3].{field}:")),
+            "{field}: {text}"
+        );
+    }
+    let twice = from_pb_batch(vec![good.clone(), good]).expect_err("duplicate inode");
+    assert!(twice.to_string().contains("appears twice"), "{twice}");
+
+    // The connection still works after the repair-mode read: an abort
+    // leaves the process's sockets as they were.
+    drop(held);
+    let mut server = server;
+    let mut client = _client;
+    server.write_all(b"still here").unwrap();
+    let mut got = [0u8; 10];
+    client.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"still here");
+}
+
+#[test]
+fn the_path_falls_back_to_iterative_with_a_reason() {
+    use SocketMigration::*;
+    let v = ferry_proto::PEER_PROTOCOL_COLLECTIVE_SOCKETS;
+    assert_eq!(choose(Collective, 0, v), (Collective, None));
+    assert_eq!(choose(Iterative, 0, v), (Iterative, None));
+    let (m, why) = choose(Collective, 2, v);
+    assert_eq!(m, Iterative);
+    assert!(why.unwrap().contains("2 TCP socket(s)"));
+    let (m, why) = choose(Collective, 0, v - 1);
+    assert_eq!(m, Iterative);
+    assert!(why.unwrap().contains("peer protocol"));
+}
+
+#[test]
+fn a_captured_datagram_and_a_peeked_one_get_the_same_key() {
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    let payload = b"player 7, tick 42";
+    let mut ip = vec![
+        0x45, 0, 0, 0, 0x12, 0x34, 0x40, 0, 64, 17, 0, 0, 198, 18, 1, 2, 198, 18, 0, 100,
+    ];
+    let total = 20 + 8 + payload.len();
+    ip[2..4].copy_from_slice(&(total as u16).to_be_bytes());
+    ip.extend_from_slice(&40000u16.to_be_bytes());
+    ip.extend_from_slice(&7000u16.to_be_bytes());
+    ip.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0, 0]);
+    ip.extend_from_slice(payload);
+    let peer = SocketAddrV4::new(Ipv4Addr::new(198, 18, 1, 2), 40000);
+    assert_eq!(key_of_packet(&ip), Some(datagram_key(peer, 7000, payload)));
+    // Another payload, port or peer is another datagram.
+    assert_ne!(key_of_packet(&ip), Some(datagram_key(peer, 7001, payload)));
+    // Fragments, truncated packets and TCP have no key.
+    let mut frag = ip.clone();
+    frag[6] = 0x20; // more fragments
+    assert_eq!(key_of_packet(&frag), None);
+    assert_eq!(key_of_packet(&ip[..24]), None);
+    let mut tcp = ip.clone();
+    tcp[9] = 6;
+    assert_eq!(key_of_packet(&tcp), None);
+}
+
+#[test]
+fn unread_datagrams_are_named_and_left_in_the_queue() {
+    use std::net::UdpSocket;
+    // A child process owning a UDP socket with three datagrams queued.
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = sock.local_addr().unwrap().port();
+    let sender = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let peer = match sender.local_addr().unwrap() {
+        std::net::SocketAddr::V4(a) => a,
+        _ => unreachable!(),
+    };
+    for i in 0..3u8 {
+        sender.send_to(&[i; 5], ("127.0.0.1", port)).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while sys::inq(sock.as_fd()).unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // `sleep` inherits the socket: it is the process whose queue is read.
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .stdin(std::process::Stdio::from(
+            sock.as_fd().try_clone_to_owned().unwrap(),
+        ))
+        .spawn()
+        .unwrap();
+    let keys = unread_datagrams(&[child.id() as i32]);
+    let _ = child.kill();
+    let _ = child.wait();
+    let keys = keys.expect("peek");
+    let want: Vec<u64> = (0..3u8)
+        .map(|i| datagram_key(peer, port, &[i; 5]))
+        .collect();
+    assert_eq!(keys, want);
+    // Nothing was consumed, and peeking is off again.
+    let mut buf = [0u8; 16];
+    for i in 0..3u8 {
+        let (n, _) = sock.recv_from(&mut buf).unwrap();
+        assert_eq!(&buf[..n], &[i; 5]);
+    }
+}

@@ -1,0 +1,367 @@
+//! `cargo xtask bench freeze`: the freeze at scale (seed 000 Fig. 5b/5c),
+//! for each way of moving TCP connections, over a sweep of connection
+//! counts.
+//!
+//! Per connection count: a 2-node cluster (capture and replay on), the DVE
+//! server (`ferry-dve-server`, TCP and UDP echo on one port), `--tcp`
+//! DVE clients sending 256 bytes every 50 ms and `--udp` players at 20 Hz,
+//! fresh for every migration. The server moves node1 -> node2 -> node1 ...,
+//! `--runs` times per socket mode:
+//!
+//! - iterative: CRIU's own path, one connection at a time, one image file
+//!   per connection;
+//! - collective: ferryd reads every connection's state in one batch and
+//!   sends it in one message; the destination rebuilds them all before
+//!   CRIU restores the rest (`ferry_agent::sockstate`).
+//!
+//! Per migration: the freeze and its parts (from the migration report),
+//! bytes sent while frozen, the median client's gap and the worst one, TCP
+//! retransmission timeouts at the clients, UDP datagrams lost. Prints one
+//! row per migration, then medians and p95 per count and mode; writes CSV
+//! and Markdown to `--out` (default `target/bench/freeze`).
+
+use std::fmt::Write as _;
+use std::net::SocketAddrV4;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{migrate_with, run, wait_for_process};
+use ferry_integration::nstat::Nstat;
+use ferry_integration::workload::{SeqClient, UdpClients};
+use ferry_proto::v1::{MigrationOutcome, MigrationReport, SocketMigration};
+
+const PORT: u16 = 7000;
+const INTERVAL: Duration = Duration::from_millis(50);
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry-bench-freeze",
+    about = "freeze time at scale: iterative vs collective socket migration"
+)]
+struct Args {
+    /// Migrations per connection count and mode.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// TCP connection counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024")]
+    tcp: Vec<usize>,
+    /// UDP players beside them.
+    #[arg(long, default_value_t = 24)]
+    udp: usize,
+    /// Socket modes, comma-separated (iterative, collective).
+    #[arg(long, value_delimiter = ',', default_value = "iterative,collective")]
+    modes: Vec<String>,
+    #[arg(long, default_value = "target/bench/freeze")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    tcp: usize,
+    mode: &'static str,
+    run: usize,
+    freeze_ms: f64,
+    dump_ms: f64,
+    transfer_ms: f64,
+    restore_ms: f64,
+    replay_ms: f64,
+    frozen_bytes: u64,
+    image_files: u32,
+    gap_median_ms: f64,
+    gap_max_ms: f64,
+    rtos: u64,
+    udp_lost: u64,
+}
+
+const HEADER: [&str; 14] = [
+    "tcp",
+    "mode",
+    "run",
+    "freeze_ms",
+    "dump_ms",
+    "transfer_ms",
+    "restore_ms",
+    "replay_ms",
+    "bytes_in_freeze",
+    "image_files",
+    "tcp_gap_median_ms",
+    "gap_max_ms",
+    "tcp_rtos",
+    "udp_lost",
+];
+
+impl Row {
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.tcp.to_string(),
+            self.mode.to_owned(),
+            self.run.to_string(),
+            format!("{:.1}", self.freeze_ms),
+            format!("{:.1}", self.dump_ms),
+            format!("{:.1}", self.transfer_ms),
+            format!("{:.1}", self.restore_ms),
+            format!("{:.1}", self.replay_ms),
+            self.frozen_bytes.to_string(),
+            self.image_files.to_string(),
+            format!("{:.1}", self.gap_median_ms),
+            format!("{:.1}", self.gap_max_ms),
+            self.rtos.to_string(),
+            self.udp_lost.to_string(),
+        ]
+    }
+}
+
+fn mode_of(name: &str) -> Result<(&'static str, SocketMigration)> {
+    match name {
+        "iterative" => Ok(("iterative", SocketMigration::Iterative)),
+        "collective" => Ok(("collective", SocketMigration::Collective)),
+        other => bail!("--modes: {other:?} is not iterative or collective"),
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    if let Some(reason) = ferry_integration::skip_reason() {
+        eprintln!("bench freeze needs {reason}");
+        return std::process::ExitCode::FAILURE;
+    }
+    match bench(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench freeze failed: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench(args: &Args) -> Result<()> {
+    if args.runs == 0 || args.tcp.is_empty() || args.tcp.contains(&0) {
+        bail!("--runs and every --tcp count must be at least 1");
+    }
+    let modes = args
+        .modes
+        .iter()
+        .map(|m| mode_of(m))
+        .collect::<Result<Vec<_>>>()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    println!(
+        "bench freeze: {} migrations per count and mode; TCP clients {:?} (256 B / 50 ms), {} UDP players (20 Hz)\n",
+        args.runs, args.tcp, args.udp
+    );
+    println!("{}", HEADER.join("\t"));
+    let mut rows = Vec::new();
+    for &tcp in &args.tcp {
+        // One cluster per count: the modes alternate migration by
+        // migration on it, so both see the same machine state.
+        let cluster = Cluster::start(ClusterSpec::new(2, 2)).context("cluster")?;
+        rt.block_on(migrations(&cluster, tcp, &modes, args, &mut rows))?;
+    }
+    let report = tables(&rows, args, &modes);
+    println!("\n{report}");
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let mut csv = HEADER.join(",") + "\n";
+    for r in &rows {
+        csv += &(r.cells().join(",") + "\n");
+    }
+    std::fs::write(args.out.join("freeze.csv"), csv)?;
+    std::fs::write(args.out.join("freeze.md"), &report)?;
+    println!("written: {0}/freeze.csv, {0}/freeze.md", args.out.display());
+    Ok(())
+}
+
+fn part(report: &MigrationReport, prefix: &str) -> f64 {
+    report
+        .freeze_parts
+        .iter()
+        .filter(|p| p.phase.starts_with(prefix))
+        .map(|p| p.duration_us as f64 / 1e3)
+        .sum()
+}
+
+async fn migrations(
+    cluster: &Cluster,
+    tcp_count: usize,
+    modes: &[(&'static str, SocketMigration)],
+    args: &Args,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let nodes = ["node1", "node2"];
+    let mut here = 0;
+    let mut control = cluster.control(nodes[here]).await?;
+    let server = vec![
+        ferry_integration::bin_path("ferry-dve-server")
+            .display()
+            .to_string(),
+        "--port".into(),
+        PORT.to_string(),
+    ];
+    let mut pid = run(&mut control, server).await;
+    wait_for_process(&mut control, pid, |p| p.tcp_listening == 1).await;
+    let target = SocketAddrV4::new(cluster.public_addr(), PORT);
+    let clients = [cluster.netns_path("client1"), cluster.netns_path("client2")];
+    for run in 0..args.runs {
+        for &(mode_name, mode) in modes {
+            let tcp = SeqClient::start(clients[0].clone(), target, tcp_count, INTERVAL, 256)?;
+            let udp = UdpClients::start(clients[1].clone(), target, args.udp, INTERVAL, 96)?;
+            tcp.wait_until_flowing(Duration::from_secs(30))?;
+            udp.wait_for_echoes(args.udp as u64 * 10, Duration::from_secs(10))
+                .map_err(anyhow::Error::msg)?;
+            let before = Nstat::read(&clients[0])?;
+            let tcp_before = tcp.verified_per_connection();
+
+            let to = nodes[1 - here];
+            let (report, status) = migrate_with(&mut control, pid, to, mode)
+                .await
+                .context("starting the migration")?;
+            if status.is_some() || report.outcome != MigrationOutcome::Committed as i32 {
+                bail!(
+                    "{tcp_count} connections, {mode_name}, run {run}: migration failed: {status:?} {}",
+                    report.error
+                );
+            }
+            if report.sockets != mode as i32 {
+                bail!(
+                    "{tcp_count} connections, run {run}: asked for {mode_name}, got {} ({})",
+                    report.sockets,
+                    report.sockets_note
+                );
+            }
+            here = 1 - here;
+            pid = report.destination_pid;
+            control = cluster.control(nodes[here]).await?;
+            wait_for_process(&mut control, pid, |p| p.state == "running").await;
+
+            tcp.wait_until_each_passes(&tcp_before, 20, Duration::from_secs(30))?;
+            let seen = udp.echoed();
+            udp.wait_for_echoes(seen + args.udp as u64 * 20, Duration::from_secs(30))
+                .map_err(anyhow::Error::msg)?;
+            let after = Nstat::read(&clients[0])?;
+            let tcp_report = tcp.stop();
+            let udp_report = udp.stop()?;
+            if !tcp_report.failures().is_empty() {
+                bail!(
+                    "{tcp_count} connections, {mode_name}, run {run}: TCP streams failed: {:?}",
+                    tcp_report.failures()
+                );
+            }
+            let mut gaps: Vec<f64> = tcp_report
+                .connections
+                .iter()
+                .filter_map(|c| c.max_gap.as_ref())
+                .map(|g| g.duration.as_secs_f64() * 1e3)
+                .collect();
+            gaps.sort_by(f64::total_cmp);
+            let row = Row {
+                tcp: tcp_count,
+                mode: mode_name,
+                run,
+                freeze_ms: report.freeze_time_us as f64 / 1e3,
+                dump_ms: part(&report, "dump"),
+                transfer_ms: part(&report, "transfer"),
+                restore_ms: part(&report, "restore"),
+                replay_ms: part(&report, "commit: replay"),
+                frozen_bytes: report.bytes_transferred,
+                image_files: report.image_files,
+                gap_median_ms: median(&gaps),
+                gap_max_ms: gaps
+                    .last()
+                    .copied()
+                    .unwrap_or(0.0)
+                    .max(udp_report.max_gap().as_secs_f64() * 1e3),
+                rtos: after.since(&before).get("TcpExtTCPTimeouts"),
+                udp_lost: udp_report.lost(),
+            };
+            println!("{}", row.cells().join("\t"));
+            rows.push(row);
+        }
+    }
+    Ok(())
+}
+
+fn median(sorted: &[f64]) -> f64 {
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// The nearest-rank percentile of unsorted values.
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "{} migrations per connection count and mode ({} UDP players beside the TCP clients); medians, p95 of the freeze.\n",
+        args.runs, args.udp
+    );
+    let _ = writeln!(
+        t,
+        "| TCP conns | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | image files | TCP gap, median client (ms) | worst gap (ms) | TCP RTOs | UDP lost |"
+    );
+    let _ = writeln!(
+        t,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for &tcp in &args.tcp {
+        for &(mode, _) in modes {
+            let rs: Vec<&Row> = rows
+                .iter()
+                .filter(|r| r.tcp == tcp && r.mode == mode)
+                .collect();
+            if rs.is_empty() {
+                continue;
+            }
+            let med = |f: &dyn Fn(&Row) -> f64| {
+                let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
+                v.sort_by(f64::total_cmp);
+                median(&v)
+            };
+            let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
+            let _ = writeln!(
+                t,
+                "| {tcp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} |",
+                med(&|r| r.freeze_ms),
+                percentile(&freezes, 95.0),
+                med(&|r| r.dump_ms),
+                med(&|r| r.transfer_ms),
+                med(&|r| r.restore_ms),
+                med(&|r| r.replay_ms),
+                med(&|r| r.frozen_bytes as f64),
+                med(&|r| r.image_files as f64),
+                med(&|r| r.gap_median_ms),
+                med(&|r| r.gap_max_ms),
+                med(&|r| r.rtos as f64),
+                med(&|r| r.udp_lost as f64),
+            );
+        }
+    }
+    let _ = writeln!(
+        t,
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {}` (root; 2 cores here).",
+        args.runs,
+        args.tcp
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
+        args.udp
+    );
+    t
+}
