@@ -46,6 +46,10 @@ pub struct Agent {
     replay_totals: Mutex<ReplayTotals>,
     /// The one incoming migration this node may be receiving.
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
+    /// Connections rebuilt for an incoming migration by TransferSockets,
+    /// which runs while TransferImages holds `incoming`: taken by its
+    /// Restore, dropped (closed silently) by its abort or the next one.
+    pub incoming_sockets: std::sync::Mutex<Option<crate::engine::destination::RebuiltSockets>>,
     reports: Mutex<HashMap<String, MigrationReport>>,
     /// SWIM membership, when `[membership] enabled`.
     pub membership: std::sync::OnceLock<Arc<crate::membership::Membership>>,
@@ -107,6 +111,7 @@ impl Agent {
             replayer: Mutex::new(replayer),
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
+            incoming_sockets: std::sync::Mutex::new(None),
             reports: Mutex::new(HashMap::new()),
             membership: std::sync::OnceLock::new(),
             conductor: std::sync::OnceLock::new(),

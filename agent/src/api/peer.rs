@@ -97,6 +97,20 @@ impl Peer for PeerService {
         ))
     }
 
+    async fn transfer_sockets(
+        &self,
+        request: Request<ferry_proto::v1::TransferSocketsRequest>,
+    ) -> Result<Response<ferry_proto::v1::TransferSocketsResponse>, Status> {
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        Ok(Response::new(
+            finish(tokio::spawn(async move {
+                destination::transfer_sockets(&agent, req).await
+            }))
+            .await?,
+        ))
+    }
+
     async fn restore(
         &self,
         request: Request<RestoreRequest>,

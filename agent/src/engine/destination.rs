@@ -444,40 +444,48 @@ pub async fn restore(
     }
     let image_scan = scan_started.elapsed();
 
-    // Collective sockets: every connection rebuilt here first, on this
-    // node's cluster address where it was an in-cluster one, then handed
-    // to CRIU.
-    let rebuild_started = Instant::now();
+    // Collective sockets: the connections TransferSockets rebuilt (on
+    // this node's cluster address where they were in-cluster ones, which
+    // must be the ones the images name) are handed to CRIU.
     let inherited_tcp = if req.collective_sockets {
-        let mut states = crate::sockstate::from_pb_batch(req.tcp_connections)?;
-        for c in &mut states {
-            if let Some(f) = inc.in_cluster.iter().find(|f| {
-                std::net::SocketAddr::V4(f.old_local) == c.local
-                    && std::net::SocketAddr::V4(f.remote) == c.remote
-            }) {
-                c.local = std::net::SocketAddr::V4(f.new_local);
+        let taken = lock_sockets(agent).take();
+        let sockets = match taken {
+            Some(s) if s.migration_id == inc.migration_id && s.from == inc.from => s,
+            Some(s) => {
+                return Err(EngineError::InvalidField {
+                    field: "collective_sockets",
+                    reason: format!(
+                        "the connections rebuilt here are migration {}'s, not this one's",
+                        s.migration_id
+                    ),
+                });
+            }
+            // A process without connections sends none (and no
+            // TransferSockets): nothing to inherit.
+            None => RebuiltSockets::none(&inc.migration_id, &inc.from),
+        };
+        for f in &inc.in_cluster {
+            let moved = sockets.relocated.iter().any(|(local, remote)| {
+                *local == std::net::SocketAddr::V4(f.new_local)
+                    && *remote == std::net::SocketAddr::V4(f.remote)
+            });
+            if !moved {
+                return Err(EngineError::Internal(format!(
+                    "in-cluster connection {} -> {} is in the images but was not rebuilt on {}",
+                    f.old_local, f.remote, f.new_local
+                )));
             }
         }
-        let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
-            .await
-            .map_err(|e| EngineError::Internal(e.to_string()))??;
-        let fds = rebuilt.inherit_fds();
-        tracing::info!(
-            connections = rebuilt.len(),
-            "TCP connections rebuilt in one batch"
-        );
-        inc.rebuilt = Some(rebuilt);
+        let fds = sockets
+            .rebuilt
+            .as_ref()
+            .map(|r| r.inherit_fds())
+            .unwrap_or_default();
+        inc.rebuilt = sockets.rebuilt;
         Some(fds)
     } else {
-        if !req.tcp_connections.is_empty() {
-            return Err(EngineError::InvalidField {
-                field: "tcp_connections",
-                reason: "given without collective_sockets".into(),
-            });
-        }
         None
     };
-    let sockets_rebuild = rebuild_started.elapsed();
     let creq = criu::RestoreRequest {
         criu: agent.config.criu_path.clone(),
         images_dir: inc.images(),
@@ -518,7 +526,6 @@ pub async fn restore(
         in_cluster: inc.in_cluster.iter().map(|f| f.to_pb()).collect(),
         criu_startup_us: criu_startup,
         image_scan_us: image_scan.as_micros() as u64,
-        sockets_rebuild_us: sockets_rebuild.as_micros() as u64,
     })
 }
 
@@ -620,6 +627,121 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     Ok(CommitResponse { pid, replay })
 }
 
+/// Connections rebuilt by TransferSockets, waiting for their Restore.
+#[derive(Debug)]
+pub struct RebuiltSockets {
+    pub migration_id: String,
+    pub from: String,
+    /// (local, remote) of each, after the move of in-cluster ones.
+    relocated: Vec<(std::net::SocketAddr, std::net::SocketAddr)>,
+    rebuilt: Option<crate::sockstate::Rebuilt>,
+}
+
+impl RebuiltSockets {
+    fn none(migration_id: &str, from: &str) -> Self {
+        Self {
+            migration_id: migration_id.to_owned(),
+            from: from.to_owned(),
+            relocated: Vec::new(),
+            rebuilt: None,
+        }
+    }
+}
+
+fn lock_sockets(agent: &Agent) -> std::sync::MutexGuard<'_, Option<RebuiltSockets>> {
+    agent
+        .incoming_sockets
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// Gives the process's connections to other cluster nodes this node's
+/// cluster address, by the rule `translation::rewrite_in_cluster` applies
+/// to the images: local end on the source's cluster address, remote end on
+/// another node (this one is refused).
+fn relocate_in_cluster(
+    agent: &Agent,
+    from: &str,
+    states: &mut [crate::sockstate::TcpConnectionState],
+) -> Result<(), EngineError> {
+    use std::net::{IpAddr, SocketAddr};
+    let here = agent.config.cluster.address;
+    let Some(source) = agent.cluster_address_of(from) else {
+        return Err(EngineError::UnknownNode {
+            name: from.to_owned(),
+            known: agent
+                .known_peers()
+                .into_iter()
+                .map(|p| p.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    };
+    let nodes: Vec<_> = agent
+        .known_peers()
+        .iter()
+        .filter_map(|p| agent.cluster_address_of(&p.name))
+        .filter(|ip| *ip != here)
+        .collect();
+    for c in states {
+        let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (c.local, c.remote) else {
+            continue;
+        };
+        if *local.ip() != source {
+            continue;
+        }
+        if *remote.ip() == here {
+            return Err(crate::translation::FlowError::PeerOnDestination { local, remote }.into());
+        }
+        if nodes.contains(remote.ip()) {
+            c.local = SocketAddr::new(IpAddr::V4(here), local.port());
+        }
+    }
+    Ok(())
+}
+
+/// TransferSockets: rebuilds every connection at once, beside the image
+/// transfer (which holds the incoming slot meanwhile, so the result waits
+/// in its own), and keeps them for the Restore.
+pub async fn transfer_sockets(
+    agent: &Arc<Agent>,
+    req: ferry_proto::v1::TransferSocketsRequest,
+) -> Result<ferry_proto::v1::TransferSocketsResponse, EngineError> {
+    if req.migration_id.is_empty() {
+        return Err(EngineError::InvalidField {
+            field: "migration_id",
+            reason: "empty".into(),
+        });
+    }
+    let mut states = crate::sockstate::from_pb_batch(req.tcp_connections)?;
+    relocate_in_cluster(agent, &req.source_node, &mut states)?;
+    let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
+    let started = Instant::now();
+    let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))??;
+    let took = started.elapsed();
+    let connections = rebuilt.len() as u32;
+    tracing::info!(
+        migration = %req.migration_id,
+        connections,
+        ms = took.as_secs_f64() * 1000.0,
+        "TCP connections rebuilt in one batch"
+    );
+    // Replaces (and so closes, silently) whatever an earlier migration
+    // left behind.
+    *lock_sockets(agent) = Some(RebuiltSockets {
+        migration_id: req.migration_id,
+        from: req.source_node,
+        relocated,
+        rebuilt: Some(rebuilt),
+    });
+    Ok(ferry_proto::v1::TransferSocketsResponse {
+        connections,
+        rebuild_us: took.as_micros() as u64,
+    })
+}
+
 /// Takes ferryd's rebuilt connections out of repair mode (blocking; a
 /// thousand connections take a few milliseconds).
 fn resume_rebuilt(rebuilt: Option<crate::sockstate::Rebuilt>) {
@@ -640,6 +762,16 @@ fn resume(pid: i32) {
 }
 
 pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineError> {
+    {
+        let mut sockets = lock_sockets(agent);
+        if sockets
+            .as_ref()
+            .is_some_and(|s| s.migration_id == req.migration_id)
+        {
+            // Closed in repair mode: nothing reaches the peers.
+            *sockets = None;
+        }
+    }
     let mut slot = agent.incoming.lock().await;
     match slot.as_ref() {
         Some(inc) if inc.migration_id == req.migration_id => {

@@ -37,12 +37,13 @@
 //!   iteratively dumped 1024-connection process has ~1,000 images).
 //!   Collective: beside the transfer, the source takes every established
 //!   connection of the stopped process into ferryd (`pidfd_getfd`), turns
-//!   repair on and reads all their states into one buffer.
-//! - **Restore**: collective: the request carries every connection's state;
-//!   the destination rebuilds them all in repair mode (on its own cluster
-//!   address for in-cluster ones) and hands them to CRIU as inherited
-//!   descriptors. Then the destination restores the process, left stopped, as a
-//!   child of its agent. Its success is the destination's confirmation.
+//!   repair on, reads all their states into one buffer and sends it
+//!   (`TransferSockets`); the destination rebuilds them all in repair mode
+//!   (on its own cluster address for in-cluster ones) while images still
+//!   arrive.
+//! - **Restore**: the destination restores the process, left stopped, as a
+//!   child of its agent (collective: with the rebuilt connections handed to
+//!   CRIU as inherited descriptors). Its success is the destination's confirmation.
 //!   Before that it rewrites the process's connections to other cluster
 //!   nodes to its own cluster address and holds them (nothing in or out);
 //!   the response lists them (see [`crate::translation`]).
@@ -73,8 +74,9 @@
 //! arrived during the freeze were dropped and TCP retransmitted them after
 //! at least its 200 ms minimum retransmission timeout. Version 3 differs
 //! from 2 only in the packing of images; a source sends packed images only
-//! to a destination that chose 3 in `Hello`. Version 4 adds the collective
-//! socket state to `Restore`; a source uses it only with a destination that
+//! to a destination that chose 3 in `Hello`. Version 4 adds collective
+//! socket migration (`TransferSockets`, `Restore.collective_sockets`) and
+//! the unread UDP datagrams in `Commit`; a source uses it only with a destination that
 //! chose 4, and otherwise moves connections CRIU's way (the report says
 //! which way they moved, and why).
 //!

@@ -569,14 +569,60 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let packing = images::Packing::for_version(run.p.protocol_version);
         move || images::read_images(images, id, packing, tx)
     });
-    let sent = match tokio::time::timeout(
+    let mut images_peer = run.p.peer.clone();
+    let images_sent = tokio::time::timeout(
         deadline,
-        run.p
-            .peer
-            .transfer_images(tokio_stream::wrappers::ReceiverStream::new(rx)),
-    )
-    .await
-    {
+        images_peer.transfer_images(tokio_stream::wrappers::ReceiverStream::new(rx)),
+    );
+    // Beside the images: the connections' states, sent as soon as they
+    // are read, so the destination rebuilds them while images still flow.
+    let mut sockets_peer = run.p.peer.clone();
+    let (sockets_id, source_node) = (run.p.migration_id.clone(), run.agent.node().to_owned());
+    let destination = run.p.destination.clone();
+    let sockets_sent = async move {
+        let Some(task) = extracting else {
+            return (None, Ok(None));
+        };
+        let (held, states, took) = match task.await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => return (None, Err(EngineError::from(e))),
+            Err(e) => return (None, Err(EngineError::Internal(e.to_string()))),
+        };
+        // Held from here: an abort turns repair off again, even for the
+        // ones read before a failure.
+        let states = match states {
+            Ok(s) => s,
+            Err(e) => return (Some(held), Err(e.into())),
+        };
+        let queued: usize = states
+            .iter()
+            .map(|c| c.send_queue.len() + c.recv_queue.len())
+            .sum();
+        tracing::info!(
+            connections = states.len(),
+            queued_bytes = queued,
+            ms = took.as_secs_f64() * 1000.0,
+            "TCP connections read in one batch"
+        );
+        let req = ferry_proto::v1::TransferSocketsRequest {
+            migration_id: sockets_id,
+            source_node,
+            tcp_connections: states.iter().map(|c| c.to_pb()).collect(),
+        };
+        let bytes = prost::Message::encoded_len(&req) as u64;
+        let answer = match tokio::time::timeout(deadline, sockets_peer.transfer_sockets(req)).await
+        {
+            Ok(Ok(r)) => Ok(Some((bytes, r.into_inner()))),
+            Ok(Err(s)) => Err(peer_error(&destination.name, s)),
+            Err(_) => Err(silent(&destination, "the socket transfer", deadline)),
+        };
+        (Some(held), answer)
+    };
+    let (sent, (held, sockets)) = tokio::join!(images_sent, sockets_sent);
+    if held.is_some() {
+        run.held = held;
+    }
+    let sent = match sent {
         Ok(sent) => sent,
         Err(_) => {
             return Stop::BeforeCommit(silent(&run.p.destination, "the image transfer", deadline));
@@ -592,37 +638,17 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     run.report.image_files = files;
     run.report.image_bytes = bytes;
     run.report.bytes_transferred = bytes;
-
-    let mut tcp_connections = Vec::new();
-    if let Some(task) = extracting {
-        match task.await {
-            Ok(Ok((held, states, took))) => {
-                // Held from here: an abort turns repair off again, even
-                // for the ones read before a failure.
-                run.held = Some(held);
-                let states = match states {
-                    Ok(s) => s,
-                    Err(e) => return Stop::BeforeCommit(e.into()),
-                };
-                let queued: usize = states
-                    .iter()
-                    .map(|c| c.send_queue.len() + c.recv_queue.len())
-                    .sum();
-                tracing::info!(
-                    connections = states.len(),
-                    queued_bytes = queued,
-                    ms = took.as_secs_f64() * 1000.0,
-                    "TCP connections read in one batch"
-                );
-                tcp_connections = states.iter().map(|c| c.to_pb()).collect::<Vec<_>>();
-                run.report.bytes_transferred += tcp_connections
-                    .iter()
-                    .map(|c| prost::Message::encoded_len(c) as u64)
-                    .sum::<u64>();
-            }
-            Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
-            Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+    match sockets {
+        Ok(Some((sent_bytes, answer))) => {
+            run.report.bytes_transferred += sent_bytes;
+            tracing::info!(
+                connections = answer.connections,
+                rebuild_ms = answer.rebuild_us as f64 / 1000.0,
+                "destination rebuilt the connections"
+            );
         }
+        Ok(None) => {}
+        Err(e) => return Stop::BeforeCommit(e),
     }
 
     let transfer_end = Instant::now();
@@ -630,7 +656,6 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
         collective_sockets: run.p.socket_migration == SocketMigration::Collective,
-        tcp_connections,
     });
     let restored = match tokio::time::timeout(deadline, restore).await {
         Ok(Ok(r)) => r.into_inner(),
@@ -642,11 +667,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     };
     run.report.destination_pid = restored.pid;
     let restore_end = Instant::now();
-    let (restore_criu_us, criu_startup_us, image_scan_us, rebuild_us) = (
+    let (restore_criu_us, criu_startup_us, image_scan_us) = (
         restored.restore_time_us,
         restored.criu_startup_us,
         restored.image_scan_us,
-        restored.sockets_rebuild_us,
     );
 
     // The destination restored the in-cluster connections on its own
@@ -713,9 +737,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let restore_rpc_us = us(transfer_end, restore_end);
     run.report.freeze_parts = [
         ("dump (CRIU, process stopped)", us(freeze_start, dump_end)),
-        ("transfer", us(dump_end, transfer_end)),
+        (
+            "transfer (and the sockets' state beside it)",
+            us(dump_end, transfer_end),
+        ),
         ("restore: image scan", image_scan_us),
-        ("restore: sockets rebuilt", rebuild_us),
         ("restore: CRIU start-up", criu_startup_us),
         (
             "restore: CRIU",
@@ -723,7 +749,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         ),
         (
             "restore: other",
-            restore_rpc_us.saturating_sub(restore_criu_us + image_scan_us + rebuild_us),
+            restore_rpc_us.saturating_sub(restore_criu_us + image_scan_us),
         ),
         ("translate", us(restore_end, translate_end)),
         ("discard", us(translate_end, discard_end)),

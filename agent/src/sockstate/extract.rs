@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
@@ -39,33 +39,30 @@ impl std::fmt::Debug for Held {
     }
 }
 
-/// Inodes of the connected TCP sockets (neither listening nor closed) in
-/// the network namespace of `pid`, from /proc/PID/net/tcp and tcp6.
-fn connected_inodes(pid: i32) -> Result<HashSet<u64>, SockStateError> {
-    let mut inodes = HashSet::new();
-    for table in ["tcp", "tcp6"] {
-        let path = format!("/proc/{pid}/net/{table}");
-        let text = std::fs::read_to_string(&path).map_err(|source| SockStateError::Process {
-            op: "reading /proc/PID/net/tcp",
-            pid,
-            source,
-        })?;
-        for line in text.lines().skip(1) {
-            let cols: Vec<&str> = line.split_whitespace().collect();
-            let (Some(st), Some(inode)) = (cols.get(3), cols.get(9)) else {
-                continue;
-            };
-            let (Ok(st), Ok(inode)) = (u8::from_str_radix(st, 16), inode.parse::<u64>()) else {
-                continue;
-            };
-            // LISTEN and CLOSE are CRIU's to restore (bind, listen); inode 0
-            // is a TIME_WAIT or request socket no process holds.
-            if inode != 0 && st != 0x0A && st != 0x07 {
-                inodes.insert(inode);
-            }
-        }
+/// What kind of socket a descriptor is, from the socket itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SocketKind {
+    /// TCP, neither listening nor closed: a connection (CRIU restores
+    /// listening and unconnected ones itself).
+    TcpConnected,
+    Udp,
+    Other,
+}
+
+pub(super) fn kind_of(fd: BorrowedFd<'_>) -> SocketKind {
+    let domain = sys::get_int(fd, libc::SOL_SOCKET, libc::SO_DOMAIN).unwrap_or(-1);
+    if domain != libc::AF_INET && domain != libc::AF_INET6 {
+        return SocketKind::Other;
     }
-    Ok(inodes)
+    match sys::get_int(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL) {
+        Ok(p) if p == libc::IPPROTO_TCP => match sys::tcp_info_head(fd) {
+            // 10 LISTEN, 7 CLOSE.
+            Ok(head) if head[0] != 10 && head[0] != 7 => SocketKind::TcpConnected,
+            _ => SocketKind::Other,
+        },
+        Ok(p) if p == libc::IPPROTO_UDP => SocketKind::Udp,
+        _ => SocketKind::Other,
+    }
 }
 
 /// Takes every connected TCP socket of the process tree `tree` (root
@@ -73,14 +70,10 @@ fn connected_inodes(pid: i32) -> Result<HashSet<u64>, SockStateError> {
 /// the descriptor tables must not change under it. A socket shared by
 /// several processes of the tree is taken once.
 pub fn hold(tree: &[i32]) -> Result<Held, SockStateError> {
-    let Some(&root) = tree.first() else {
-        return Ok(Held { conns: Vec::new() });
-    };
-    let wanted = connected_inodes(root)?;
-    let mut conns = Vec::with_capacity(wanted.len());
-    let mut taken = HashSet::with_capacity(wanted.len());
-    for_each_socket(tree, &wanted, |inode, fd| {
-        if taken.insert(inode) {
+    let mut conns = Vec::new();
+    let mut taken = HashSet::new();
+    for_each_socket(tree, |inode, fd| {
+        if kind_of(fd.as_fd()) == SocketKind::TcpConnected && taken.insert(inode) {
             conns.push(HeldConnection {
                 inode,
                 fd,
@@ -93,12 +86,13 @@ pub fn hold(tree: &[i32]) -> Result<Held, SockStateError> {
     Ok(Held { conns })
 }
 
-/// Calls `f` with ferryd's duplicate of every descriptor of the tree's
-/// processes that is a socket whose inode is in `wanted` (a socket shared
-/// by several descriptors comes once per descriptor).
+/// Calls `f` with ferryd's duplicate of every socket descriptor of the
+/// tree's processes, and its inode (a socket held by several descriptors
+/// comes once per descriptor). Reading the links in /proc/PID/fd costs
+/// tens of microseconds each; taking every descriptor and asking it costs
+/// a few.
 pub(super) fn for_each_socket(
     tree: &[i32],
-    wanted: &HashSet<u64>,
     mut f: impl FnMut(u64, OwnedFd) -> Result<(), SockStateError>,
 ) -> Result<(), SockStateError> {
     for &pid in tree {
@@ -114,31 +108,29 @@ pub(super) fn for_each_socket(
             source,
         })?;
         for entry in entries.flatten() {
-            let Ok(target) = std::fs::read_link(entry.path()) else {
-                continue;
-            };
-            let t = target.to_string_lossy();
-            let Some(inode) = t
-                .strip_prefix("socket:[")
-                .and_then(|s| s.strip_suffix(']'))
-                .and_then(|s| s.parse::<u64>().ok())
-            else {
-                continue;
-            };
-            if !wanted.contains(&inode) {
-                continue;
-            }
             let Some(fdnum) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
                 continue;
             };
-            let fd = sys::pidfd_getfd(pidfd.as_fd(), fdnum).map_err(|source| {
-                SockStateError::Process {
-                    op: "pidfd_getfd",
-                    pid,
-                    source,
+            let fd = match sys::pidfd_getfd(pidfd.as_fd(), fdnum) {
+                Ok(fd) => fd,
+                // Closed since the listing (the tree runs still, or it is a
+                // descriptor of the listing itself).
+                Err(e) if e.raw_os_error() == Some(libc::EBADF) => continue,
+                Err(source) => {
+                    return Err(SockStateError::Process {
+                        op: "pidfd_getfd",
+                        pid,
+                        source,
+                    });
                 }
-            })?;
-            f(inode, fd)?;
+            };
+            let Ok(st) = nix::sys::stat::fstat(&fd) else {
+                continue;
+            };
+            if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+                continue;
+            }
+            f(st.st_ino, fd)?;
         }
     }
     Ok(())

@@ -11,13 +11,13 @@
 //!    each connection's file and socket options but not its TCP state;
 //! 2. with the process stopped, the source takes every connection into
 //!    ferryd (`pidfd_getfd`), turns repair on and reads the state of all of
-//!    them into one buffer ([`extract`]), which crosses with the Restore
-//!    request, in one message;
-//! 3. the destination rebuilds all connections in repair mode
-//!    ([`rebuild`]) and hands them to CRIU's restore as inherited
-//!    descriptors ("socket:[<inode>]"; ferry's patch to CRIU,
-//!    `xtask/criu/`), which restores the rest of the descriptor table and
-//!    the options;
+//!    them into one buffer ([`Held::extract`]), which crosses in one
+//!    message (`Peer.TransferSockets`) while the images stream beside it;
+//! 3. the destination rebuilds all connections in repair mode at once
+//!    ([`rebuild`]), still beside the image transfer, and at Restore hands
+//!    them to CRIU as inherited descriptors ("socket:[<inode>]"; ferry's
+//!    patch to CRIU, `xtask/criu/`), which restores the rest of the
+//!    descriptor table and the sockets' options;
 //! 4. at the commit, just before the captured packets are replayed, repair
 //!    goes off and bytes the source had not yet sent are queued
 //!    ([`Rebuilt::resume`]). Until then the rebuilt sockets are inert: no

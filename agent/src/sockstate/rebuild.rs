@@ -55,10 +55,36 @@ fn connect_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
 /// namespace. All or nothing: on an error, the ones already built are
 /// closed (silently, in repair mode).
 pub fn rebuild(states: &[TcpConnectionState]) -> Result<Rebuilt, SockStateError> {
-    let conns = states
-        .iter()
-        .map(rebuild_one)
-        .collect::<Result<Vec<_>, _>>()?;
+    // Spread over the cores: each connection is a dozen system calls, all
+    // in the kernel, and independent of the others. The threads share this
+    // process's network namespace (ferryd runs in its node's).
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, 4);
+    let per = states.len().div_ceil(threads).max(1);
+    let parts: Vec<Result<Vec<RebuiltConnection>, SockStateError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = states
+            .chunks(per)
+            .map(|chunk| s.spawn(move || chunk.iter().map(rebuild_one).collect()))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(SockStateError::Sys {
+                        op: "rebuild",
+                        conn: "?".into(),
+                        source: std::io::Error::other("rebuild thread panicked"),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut conns = Vec::with_capacity(states.len());
+    for part in parts {
+        conns.extend(part?);
+    }
     Ok(Rebuilt { conns })
 }
 

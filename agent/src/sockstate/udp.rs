@@ -60,34 +60,16 @@ pub fn key_of_packet(ip: &[u8]) -> Option<u64> {
     Some(datagram_key(SocketAddrV4::new(src, sport), dport, payload))
 }
 
-/// Inodes of the UDP sockets in the network namespace of `pid`.
-fn udp_inodes(pid: i32) -> Result<HashSet<u64>, SockStateError> {
-    let path = format!("/proc/{pid}/net/udp");
-    let text = std::fs::read_to_string(&path).map_err(|source| SockStateError::Process {
-        op: "reading /proc/PID/net/udp",
-        pid,
-        source,
-    })?;
-    Ok(text
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_whitespace().nth(9)?.parse::<u64>().ok())
-        .filter(|i| *i != 0)
-        .collect())
-}
-
 /// The keys of the datagrams waiting, unread, in the IPv4 UDP sockets of
 /// the stopped process tree `tree` (root first), oldest first per socket.
 /// Nothing is consumed: on an abort the process reads them itself.
 pub fn unread_datagrams(tree: &[i32]) -> Result<Vec<u64>, SockStateError> {
-    let Some(&root) = tree.first() else {
-        return Ok(Vec::new());
-    };
-    let wanted = udp_inodes(root)?;
     let mut seen = HashSet::new();
     let mut keys = Vec::new();
-    super::extract::for_each_socket(tree, &wanted, |inode, fd| {
-        if seen.insert(inode) {
+    super::extract::for_each_socket(tree, |inode, fd| {
+        if super::extract::kind_of(fd.as_fd()) == super::extract::SocketKind::Udp
+            && seen.insert(inode)
+        {
             peek_all(inode, fd.as_fd(), &mut keys)?;
         }
         Ok(())
