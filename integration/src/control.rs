@@ -71,14 +71,19 @@ pub fn lazy_client(path: &Path) -> ControlClient<Channel> {
 
 /// Connects now, failing if nobody listens on `path`.
 pub async fn connect(path: &Path) -> Result<ControlClient<Channel>, ControlError> {
-    let channel = endpoint()
+    Ok(ControlClient::new(channel(path).await?))
+}
+
+/// A channel to the agent's control socket, for any service served there
+/// (Control, health, reflection).
+pub async fn channel(path: &Path) -> Result<Channel, ControlError> {
+    endpoint()
         .connect_with_connector(connector(path))
         .await
         .map_err(|source| ControlError::Connect {
             path: path.to_owned(),
             source,
-        })?;
-    Ok(ControlClient::new(channel))
+        })
 }
 
 /// One `ListNodes` round trip within `timeout`: the agent's readiness probe.

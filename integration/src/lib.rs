@@ -33,6 +33,7 @@ pub mod peer;
 pub mod postgres;
 pub mod privilege;
 pub mod reap;
+pub mod reflection;
 pub mod tmpfs;
 pub mod topology;
 pub mod workload;

@@ -2,7 +2,9 @@
 //! engine.
 
 mod control;
+pub mod introspection;
 mod peer;
 
 pub use control::ControlService;
+pub use introspection::control_routes;
 pub use peer::PeerService;

@@ -7,11 +7,10 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Parser;
 use ferry_agent::agent::Agent;
-use ferry_agent::api::{ControlService, PeerService};
+use ferry_agent::api::{ControlService, PeerService, control_routes};
 use ferry_agent::config::Config;
 use ferry_agent::ownership::EbpfPortFilter;
 use ferry_proto::v1::balance_server::BalanceServer;
-use ferry_proto::v1::control_server::ControlServer;
 use ferry_proto::v1::peer_server::PeerServer;
 use tokio::sync::watch;
 
@@ -218,20 +217,23 @@ async fn serve(config: Config) -> Result<()> {
             tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
             wait_for(shutdown_rx.clone()),
         );
+    // Control with health and reflection, on the Unix socket and on TCP.
+    let (control_routes, health) = control_routes(ControlService::new(agent.clone()))
+        .context("building the control services")?;
+    health.set_serving(true).await;
     let control_srv = tonic::transport::Server::builder()
-        .add_service(ControlServer::new(ControlService::new(agent.clone())))
+        .add_routes(control_routes.clone())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::UnixListenerStream::new(control_listener),
             wait_for(shutdown_rx.clone()),
         );
     let control_tcp = {
-        let agent = agent.clone();
         let rx = shutdown_rx.clone();
         let addr = config.control_listen;
         async move {
             let Some(addr) = addr else { return Ok(()) };
             tonic::transport::Server::builder()
-                .add_service(ControlServer::new(ControlService::new(agent)))
+                .add_routes(control_routes)
                 .serve_with_shutdown(addr, wait_for(rx))
                 .await
         }
@@ -245,6 +247,8 @@ async fn serve(config: Config) -> Result<()> {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
+        // Health checkers see the agent going before the listeners close.
+        health.set_serving(false).await;
         let _ = shutdown_tx.send(true);
         Ok::<_, std::io::Error>(())
     };
