@@ -55,6 +55,8 @@ pub struct Agent {
     pub membership: std::sync::OnceLock<Arc<crate::membership::Membership>>,
     /// The load balancer's conductor, when membership runs.
     pub conductor: std::sync::OnceLock<Arc<crate::conductor::Conductor>>,
+    /// Finished migrations, for `/metrics`.
+    pub metrics: crate::metrics::MigrationMetrics,
 }
 
 /// What the peers said of a port a managed process opened here.
@@ -115,6 +117,7 @@ impl Agent {
             reports: Mutex::new(HashMap::new()),
             membership: std::sync::OnceLock::new(),
             conductor: std::sync::OnceLock::new(),
+            metrics: Default::default(),
         })
     }
 
@@ -633,7 +636,10 @@ impl Agent {
         }
     }
 
+    /// Keeps the report of a migration this node ran as the source, and
+    /// counts it in the metrics.
     pub fn store_report(&self, report: MigrationReport) {
+        self.metrics.record(&report);
         lock(&self.reports).insert(report.migration_id.clone(), report);
     }
 

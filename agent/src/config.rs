@@ -80,6 +80,9 @@ pub struct Config {
     /// `[migration]`: how migrations started here move the process.
     #[serde(default)]
     pub migration: MigrationConfig,
+    /// The Prometheus endpoint (off by default).
+    #[serde(default)]
+    pub metrics: MetricsConfig,
 }
 
 /// `[migration]`.
@@ -99,6 +102,14 @@ impl Default for MigrationConfig {
             sockets: crate::sockstate::SocketMigration::Collective,
         }
     }
+}
+
+/// `[metrics]`: Prometheus metrics over HTTP.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Where `GET /metrics` is served ("198.19.0.1:9464"); unset: nowhere.
+    pub listen: Option<SocketAddr>,
 }
 
 /// `[membership]`: SWIM (foca) over UDP on the cluster address.

@@ -11,6 +11,7 @@ pub mod criu;
 pub mod engine;
 pub mod managed;
 pub mod membership;
+pub mod metrics;
 pub mod ownership;
 pub mod process;
 mod reaper;

@@ -32,6 +32,7 @@ pub mod paths;
 pub mod peer;
 pub mod postgres;
 pub mod privilege;
+pub mod prometheus;
 pub mod reap;
 pub mod reflection;
 pub mod tmpfs;

@@ -143,3 +143,159 @@ fn reflection_and_health_answer_on_both_control_listeners() {
     .expect("node2's namespace");
     check("control over TCP", &seen);
 }
+
+/// Where the agents serve `/metrics` (every node, its own netns).
+const METRICS_PORT: u16 = 9464;
+const ECHO_PORT: u16 = 7000;
+
+/// Debian's Prometheus scrapes both agents; after one migration its query
+/// API gives the migration count and a freeze-time quantile that agrees
+/// with the migration's own report.
+#[test]
+fn prometheus_scrapes_migration_count_and_freeze_quantile() {
+    use ferry_integration::managed::{migrate, run, wait_for_process};
+    use ferry_integration::prometheus::{PrometheusServer, Sample};
+    use ferry_proto::v1::MigrationOutcome;
+
+    if !ferry_integration::can_run("prometheus_scrapes_migration_count_and_freeze_quantile") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec {
+        extra_config: format!("metrics.listen = \"0.0.0.0:{METRICS_PORT}\"\n"),
+        ..ClusterSpec::new(2, 0)
+    })
+    .expect("cluster");
+    let targets: Vec<SocketAddrV4> = ["node1", "node2"]
+        .iter()
+        .map(|n| SocketAddrV4::new(cluster.node_cluster_addr(n), METRICS_PORT))
+        .collect();
+    let prom = PrometheusServer::start(
+        &cluster.netns_path("node2"),
+        &targets,
+        Duration::from_millis(500),
+    )
+    .expect("prometheus");
+    let instance = targets[0].to_string();
+    let of_node1 = |samples: &[Sample]| -> Vec<Sample> {
+        samples
+            .iter()
+            .filter(|s| s.label("instance") == Some(instance.as_str()))
+            .cloned()
+            .collect()
+    };
+
+    // Both agents scraped, and the zero before the migration recorded (so
+    // that increase() sees the step).
+    prom.wait_for("up", Duration::from_secs(20), |s| {
+        s.len() == 2 && s.iter().all(|s| s.value == "1")
+    });
+    prom.wait_for(
+        r#"ferry_migrations_total{outcome="committed"}"#,
+        Duration::from_secs(20),
+        |s| of_node1(s).iter().any(|s| s.value == "0"),
+    );
+
+    let report = rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = run(
+            &mut node1,
+            vec![
+                env!("CARGO_BIN_EXE_ferry-echo-server").to_owned(),
+                "--port".into(),
+                ECHO_PORT.to_string(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let (report, status) = migrate(&mut node1, pid, "node2")
+            .await
+            .expect("migration starts");
+        assert!(
+            status.is_none(),
+            "migration failed: {status:?}\n{report:#?}"
+        );
+        report
+    });
+    assert_eq!(report.outcome, MigrationOutcome::Committed as i32);
+    let freeze = report.freeze_time_us as f64 / 1e6;
+    eprintln!("freeze in the report: {freeze} s");
+
+    let count = prom.wait_for(
+        r#"sum(ferry_migrations_total{outcome="committed"})"#,
+        Duration::from_secs(20),
+        |s| s.len() == 1 && s[0].number() == 1.0,
+    );
+    eprintln!("migration count: {count:?}");
+    let quantile = prom.wait_for(
+        "histogram_quantile(0.5, sum by (le) (increase(ferry_migration_freeze_seconds_bucket[5m])))",
+        Duration::from_secs(20),
+        |s| s.len() == 1 && s[0].number().is_finite(),
+    );
+    let median = quantile[0].number();
+    eprintln!("median freeze from Prometheus: {median} s");
+    // One observation: Prometheus interpolates inside its bucket, so the
+    // answer lies in the bucket that holds the reported freeze.
+    // The buckets as ferryd exports them.
+    let mut buckets: Vec<f64> = prom
+        .query(r#"ferry_migration_freeze_seconds_bucket{outcome="committed"}"#)
+        .expect("query")
+        .iter()
+        .filter_map(|s| s.label("le")?.parse().ok())
+        .collect();
+    buckets.sort_by(f64::total_cmp);
+    buckets.dedup();
+    let upper = buckets
+        .iter()
+        .copied()
+        .find(|b| freeze <= *b)
+        .unwrap_or(f64::INFINITY);
+    let lower = buckets
+        .iter()
+        .copied()
+        .rev()
+        .find(|b| *b < freeze)
+        .unwrap_or(0.0);
+    assert!(
+        lower <= median && median <= upper,
+        "median {median} s outside the bucket ({lower}, {upper}] of the reported freeze {freeze} s"
+    );
+
+    // The node's state is there too: the process moved, and with it the
+    // managed-process gauges; the data plane's counters are exported.
+    prom.wait_for("ferry_managed_processes", Duration::from_secs(20), |s| {
+        let on = |node: &str| {
+            s.iter()
+                .find(|x| {
+                    x.label("instance")
+                        == Some(
+                            SocketAddrV4::new(cluster.node_cluster_addr(node), METRICS_PORT)
+                                .to_string()
+                                .as_str(),
+                        )
+                })
+                .map(|x| x.number())
+        };
+        on("node1") == Some(0.0) && on("node2") == Some(1.0)
+    });
+    let kinds = prom
+        .query(r#"ferry_dataplane_packets_total{instance=~".*"}"#)
+        .expect("query");
+    for kind in [
+        "passed",
+        "dropped_not_owned",
+        "captured",
+        "replayed",
+        "translated",
+    ] {
+        assert!(
+            kinds.iter().any(|s| s.label("kind") == Some(kind)),
+            "no data-plane counter {kind}: {kinds:?}"
+        );
+    }
+    let info = prom.query("ferry_agent_info").expect("query");
+    assert!(
+        info.iter().any(|s| s.label("node") == Some("node1")),
+        "{info:?}"
+    );
+}

@@ -33,6 +33,10 @@ pub const PACKAGES: &[&str] = &[
     // server in a namespace; the package's own cluster is not needed.
     "postgresql",
     "postgresql-client",
+    // the Prometheus server that scrapes the agents' /metrics in the
+    // observability test (integration/src/prometheus.rs); the test starts
+    // its own in a namespace, the package's service is not needed.
+    "prometheus",
     // CRIU's build dependencies
     "libbsd-dev",
     "libcap-dev",

@@ -192,6 +192,19 @@ async fn serve(config: Config) -> Result<()> {
         None
     };
 
+    let metrics_task = match config.metrics.listen {
+        Some(addr) => {
+            let listener = ferry_agent::metrics::bind(addr).await?;
+            tracing::info!(%addr, "metrics served at /metrics");
+            Some(tokio::spawn(ferry_agent::metrics::serve(
+                listener,
+                ferry_agent::metrics::registry(&agent),
+                shutdown_rx.clone(),
+            )))
+        }
+        None => None,
+    };
+
     let peer_listener = tokio::net::TcpListener::bind(config.cluster.peer_listen)
         .await
         .with_context(|| format!("binding the peer port {}", config.cluster.peer_listen))?;
@@ -259,6 +272,9 @@ async fn serve(config: Config) -> Result<()> {
     s.context("signal handling")?;
     let _ = reconciler.await;
     if let Some(t) = conductor_task {
+        let _ = t.await;
+    }
+    if let Some(t) = metrics_task {
         let _ = t.await;
     }
     if let Err(e) = std::fs::remove_file(&config.control_socket) {
