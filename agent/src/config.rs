@@ -24,13 +24,13 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Where `cargo xtask setup` installs CRIU.
 pub const DEFAULT_CRIU_PATH: &str = "/opt/ferry/criu/bin/criu";
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/ferry/control.sock";
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// This node's name, unique in the cluster.
@@ -86,7 +86,7 @@ pub struct Config {
 }
 
 /// `[migration]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MigrationConfig {
     /// How TCP connections move when a request does not say:
@@ -105,7 +105,7 @@ impl Default for MigrationConfig {
 }
 
 /// `[metrics]`: Prometheus metrics over HTTP.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Where `GET /metrics` is served ("198.19.0.1:9464"); unset: nowhere.
@@ -113,7 +113,7 @@ pub struct MetricsConfig {
 }
 
 /// `[membership]`: SWIM (foca) over UDP on the cluster address.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MembershipConfig {
     pub enabled: bool,
@@ -147,7 +147,7 @@ impl Default for MembershipConfig {
 }
 
 /// `[balancer]`: the conductor. Thresholds live in `[policy]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BalancerConfig {
     pub enabled: bool,
@@ -168,7 +168,7 @@ impl Default for BalancerConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataPlaneConfig {
     /// Capture the packets that arrive while a process is frozen and replay
@@ -208,7 +208,7 @@ fn default_true() -> bool {
     true
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PublicConfig {
     /// Interface that carries the cluster's shared address; ferry's
@@ -217,7 +217,7 @@ pub struct PublicConfig {
     pub address: Ipv4Addr,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
     pub interface: String,
@@ -226,7 +226,7 @@ pub struct ClusterConfig {
     pub peer_listen: SocketAddr,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PeerConfig {
     pub name: String,
@@ -341,6 +341,20 @@ impl Config {
                 return Err(invalid(&format!("policy.{field}"), reason));
             }
             Err(e) => return Err(invalid("policy", e.to_string())),
+        }
+        if let Some(addr) = self.metrics.listen {
+            if addr.port() == 0 {
+                return Err(invalid(
+                    "metrics.listen",
+                    format!("{addr}: give a port Prometheus can be told (0 picks any)"),
+                ));
+            }
+            if addr == self.cluster.peer_listen || Some(addr) == self.control_listen {
+                return Err(invalid(
+                    "metrics.listen",
+                    format!("{addr} is already the peer or control address"),
+                ));
+            }
         }
         let mut seen = std::collections::HashSet::new();
         for (i, p) in self.peers.iter().enumerate() {
@@ -461,6 +475,16 @@ address = "198.19.0.2:7100"
             .unwrap_err()
             .to_string();
         assert!(err.contains("policy.transfer.mode"), "{err}");
+        let bad = format!("{GOOD}\n[metrics]\nlisten = \"198.19.0.1:7100\"\n");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("metrics.listen"), "{err}");
+        let bad = format!("{GOOD}\n[metrics]\nlisten = \"198.19.0.1:0\"\n");
+        let err = Config::parse(&bad, Path::new("x.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("metrics.listen"), "{err}");
         let bad = format!("{GOOD}\nbogus = 1\n");
         assert!(Config::parse(&bad, Path::new("x.toml")).is_err());
     }

@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod api;
 pub mod capture;
+pub mod check;
 pub mod conductor;
 pub mod config;
 pub mod criu;

@@ -24,9 +24,11 @@ struct Args {
     /// Configuration file (TOML).
     #[arg(long, short, default_value = "/etc/ferry/ferryd.toml")]
     config: PathBuf,
-    /// Check the configuration and the CRIU it names, then exit.
-    #[arg(long)]
-    check_config: bool,
+    /// Check a configuration file (default: the --config one) and the CRIU
+    /// it names, print what ferryd would run with, and exit: 0 if it is
+    /// valid, 1 with the offending field named if not.
+    #[arg(long, value_name = "FILE", num_args = 0..=1)]
+    check_config: Option<Option<PathBuf>>,
 }
 
 fn main() -> ExitCode {
@@ -48,22 +50,35 @@ fn main() -> ExitCode {
 
 fn main_exec() -> Result<()> {
     let args = Args::parse();
-    let config = Config::load(&args.config)?;
-    if args.check_config {
-        let v = ferry_agent::criu::probe_version(&config.criu_path)?;
-        println!(
-            "{}: configuration of node {} is valid; CRIU {v} at {}",
-            args.config.display(),
-            config.node,
-            config.criu_path.display()
-        );
-        return Ok(());
+    if let Some(file) = args.check_config {
+        return check_config(file.as_deref().unwrap_or(&args.config));
     }
+    let config = Config::load(&args.config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(serve(config))
+}
+
+/// `--check-config`: nothing starts; the verdict goes to stdout.
+fn check_config(path: &Path) -> Result<()> {
+    use ferry_agent::check;
+    let checked = check::check(path)?;
+    let criu = check::probe_criu(path, &checked.config)?;
+    let text = format!(
+        "{}: valid\n\n{}CRIU version  {criu}\n\n\
+         # The configuration ferryd would run with, every default filled in:\n{}",
+        path.display(),
+        checked.summary,
+        checked.effective
+    );
+    use std::io::Write as _;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        // `ferryd --check-config | head`: the reader has what it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing to stdout"),
+    }
 }
 
 async fn serve(config: Config) -> Result<()> {

@@ -1,0 +1,101 @@
+//! `ferryd --check-config FILE`, run as an operator runs it: the binary,
+//! its exit status and what it prints. Needs no root: nothing starts.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FERRYD: &str = env!("CARGO_BIN_EXE_ferryd");
+
+const GOOD: &str = r#"
+node = "node1"
+work_dir = "/run/ferry/work"
+[public]
+interface = "pub0"
+address = "198.18.0.100"
+[cluster]
+interface = "clu0"
+address = "198.19.0.1"
+peer_listen = "198.19.0.1:7100"
+[[peers]]
+name = "node2"
+address = "198.19.0.2:7100"
+[metrics]
+listen = "198.19.0.1:9464"
+"#;
+
+fn check(text: &str) -> (tempfile::TempDir, PathBuf, Output) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ferryd.toml");
+    std::fs::write(&path, text).unwrap();
+    let out = Command::new(FERRYD)
+        .arg("--check-config")
+        .arg(&path)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    (dir, path, out)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn an_invalid_field_fails_and_is_named() {
+    let bad = GOOD.replace(
+        "listen = \"198.19.0.1:9464\"",
+        "listen = \"198.19.0.1:7100\"",
+    );
+    let (_dir, path, out) = check(&bad);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("metrics.listen") && err.contains(&path.display().to_string()),
+        "{err}"
+    );
+    assert!(
+        !text(&out.stdout).contains("valid"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+#[test]
+fn a_criu_that_does_not_run_fails_and_is_named() {
+    let (_dir, _path, out) = check(&format!(
+        "criu_path = \"/nonexistent/criu\"\n{}",
+        GOOD.trim_start()
+    ));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("criu_path") && err.contains("/nonexistent/criu"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_valid_config_passes_and_shows_what_would_run() {
+    let criu = Path::new(ferry_agent::config::DEFAULT_CRIU_PATH);
+    if !criu.is_file() {
+        eprintln!(
+            "skipping a_valid_config_passes_and_shows_what_would_run: no CRIU at {} (cargo xtask setup builds it)",
+            criu.display()
+        );
+        return;
+    }
+    let (_dir, path, out) = check(GOOD);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with(&format!("{}: valid", path.display())),
+        "{stdout}"
+    );
+    for part in [
+        "http://198.19.0.1:9464/metrics",
+        "CRIU version  4.",
+        "peer_timeout_secs = 60",
+    ] {
+        assert!(stdout.contains(part), "{part:?} not in:\n{stdout}");
+    }
+}
