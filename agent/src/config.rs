@@ -1,4 +1,6 @@
-//! ferryd's TOML configuration.
+//! ferryd's TOML configuration. Every setting, commented, with its default:
+//! `packaging/ferryd.toml.example` (a test keeps it complete); check a file
+//! with `ferryd --check-config FILE`.
 //!
 //! ```toml
 //! node = "node1"
