@@ -94,14 +94,15 @@ pub struct MigrationConfig {
     /// How TCP connections move when a request does not say:
     /// "collective" (ferryd reads and rebuilds all established
     /// connections in one batch, `sockstate`) or "iterative" (CRIU's own
-    /// path, one connection at a time).
+    /// path, one connection at a time). Iterative until collective
+    /// measurably wins here (docs/results.md, `cargo xtask bench freeze`).
     pub sockets: crate::sockstate::SocketMigration,
 }
 
 impl Default for MigrationConfig {
     fn default() -> Self {
         Self {
-            sockets: crate::sockstate::SocketMigration::Collective,
+            sockets: crate::sockstate::SocketMigration::Iterative,
         }
     }
 }

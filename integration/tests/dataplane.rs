@@ -10,13 +10,13 @@ use std::time::Duration;
 use ferry_integration::answer_watch::AnswerWatch;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    data_plane, migrate, process_state, run, runtime, wait_for_process, wait_until_gone,
+    data_plane, migrate_with, process_state, run, runtime, wait_for_process, wait_until_gone,
 };
 use ferry_integration::netns::run_in;
 use ferry_integration::nstat::Nstat;
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::control_client::ControlClient;
-use ferry_proto::v1::{MigrationOutcome, MigrationReport};
+use ferry_proto::v1::{MigrationOutcome, MigrationReport, SocketMigration};
 use tonic::transport::Channel;
 
 const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
@@ -35,8 +35,11 @@ async fn migrate_committed(
     control: &mut ControlClient<Channel>,
     pid: i32,
     to: &str,
+    sockets: SocketMigration,
 ) -> MigrationReport {
-    let (report, status) = migrate(control, pid, to).await.expect("migration starts");
+    let (report, status) = migrate_with(control, pid, to, sockets)
+        .await
+        .expect("migration starts");
     assert!(
         status.is_none(),
         "migration failed: {status:?}\n{report:#?}"
@@ -46,6 +49,13 @@ async fn migrate_committed(
         MigrationOutcome::Committed as i32,
         "{report:#?}"
     );
+    if sockets != SocketMigration::Unspecified {
+        assert_eq!(
+            report.sockets, sockets as i32,
+            "the connections did not move as asked: {}",
+            report.sockets_note
+        );
+    }
     eprintln!(
         "freeze {:.1} ms, total {:.1} ms; phases {:?}; replay {:?}",
         report.freeze_time_us as f64 / 1e3,
@@ -133,7 +143,7 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         let dve_before = dve.verified_per_connection();
         let bulk_before = bulk.verified_per_connection();
 
-        let report = migrate_committed(&mut node1, pid, "node2").await;
+        let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Collective).await;
         assert_eq!(report.tcp_established, 1025, "{report:#?}");
         assert!(report.replay.unwrap().captured > 0);
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
@@ -196,7 +206,7 @@ fn udp_clients_lose_no_datagram_across_a_migration() {
             .wait_for_echoes(24 * 10, Duration::from_secs(10))
             .expect("echoes before");
 
-        let report = migrate_committed(&mut node1, pid, "node2").await;
+        let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Iterative).await;
         assert_eq!(report.udp_sockets, 1, "{report:#?}");
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
 
@@ -282,7 +292,7 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
         udp.wait_for_echoes(40, Duration::from_secs(10)).unwrap();
         assert_nobody_answers(&cluster, "client1", 7999);
 
-        let report = migrate_committed(&mut node1, pid, "node2").await;
+        let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Collective).await;
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
         let seen = udp.echoed();
         udp.wait_for_echoes(seen + 40, Duration::from_secs(10))
@@ -477,7 +487,7 @@ fn restarting_an_agent_opens_and_closes_nothing() {
             .expect("traffic after the restart");
 
         // The adopted process migrates like any other.
-        let report = migrate_committed(&mut node1, pid, "node2").await;
+        let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Iterative).await;
         let mut node2 = cluster.control("node2").await.expect("control node2");
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
         // The source copy is dead (the commit waited for that) and reaped.

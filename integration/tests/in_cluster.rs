@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    data_plane, migrate, run, runtime, wait_for_process, wait_until_gone,
+    data_plane, migrate, migrate_with, run, runtime, wait_for_process, wait_until_gone,
 };
 use ferry_integration::netns::run_in;
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
-use ferry_proto::v1::MigrationOutcome;
+use ferry_proto::v1::{MigrationOutcome, SocketMigration};
 
 const STATUS_PORT: u16 = 7300;
 
@@ -142,9 +142,17 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
         // opened, then home again (the translation goes away).
         let mut here = node1;
         let mut last = first.clone();
-        for (from, to) in [("node1", "node2"), ("node2", "node1")] {
-            let (report, err) = migrate(&mut here, pid, to).await.expect("migration starts");
+        // Away collectively (ferryd rebuilds the connection on node2's
+        // cluster address), home again through CRIU's own path.
+        for (from, to, sockets) in [
+            ("node1", "node2", SocketMigration::Collective),
+            ("node2", "node1", SocketMigration::Iterative),
+        ] {
+            let (report, err) = migrate_with(&mut here, pid, to, sockets)
+                .await
+                .expect("migration starts");
             assert!(err.is_none(), "{from} -> {to}: {err:?}\n{report:#?}");
+            assert_eq!(report.sockets, sockets as i32, "{}", report.sockets_note);
             assert_eq!(
                 report.outcome,
                 MigrationOutcome::Committed as i32,

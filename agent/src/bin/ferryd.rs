@@ -242,7 +242,19 @@ async fn serve(config: Config) -> Result<()> {
             ferry_agent::conductor::BalanceService::new(agent.clone()),
         ))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
+            // The builder's tcp_nodelay applies only to listeners tonic
+            // binds itself: set it on every accepted connection, or a
+            // small answer waits for the peer's delayed ACK (~40 ms) while
+            // another stream of the connection (the images) is in flight.
+            tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
+                |conn| {
+                    conn.and_then(|c| {
+                        c.set_nodelay(true)?;
+                        Ok(c)
+                    })
+                },
+            ),
             wait_for(shutdown_rx.clone()),
         );
     // Control with health and reflection, on the Unix socket and on TCP.
