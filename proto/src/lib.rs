@@ -42,7 +42,9 @@ mod tests {
         assert_eq!(negotiate_peer_version(&[2, 7]), Some(2));
         assert_eq!(negotiate_peer_version(&[2, 3]), Some(3));
         assert_eq!(negotiate_peer_version(&[3]), Some(3));
-        assert_eq!(negotiate_peer_version(&[1, 4]), None);
+        assert_eq!(negotiate_peer_version(&[2, 3, 4]), Some(4));
+        assert_eq!(negotiate_peer_version(&[3, 4, 5]), Some(4));
+        assert_eq!(negotiate_peer_version(&[1, 9]), None);
         assert_eq!(negotiate_peer_version(&[]), None);
     }
 }
