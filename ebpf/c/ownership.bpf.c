@@ -292,11 +292,13 @@ int ferry_ingress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
-/* A frozen process's sockets must send nothing, above all no RST (CRIU
- * closing them, a timer firing): this is the guard if anything slips.
- * Later fragments of a frozen UDP datagram pass; without fragment zero the
- * peer cannot reassemble them and sends nothing back. TCP does not
- * fragment (DF and MSS). */
+/* A frozen process's TCP sockets must send nothing, above all no RST
+ * (CRIU closing them, a timer firing): this is the guard if anything
+ * slips. TCP resends whatever this drops. UDP passes: a UDP socket sends
+ * only what its process sends, and the process still runs for a few
+ * milliseconds after its ports freeze (until CRIU stops it); an answer it
+ * sends then, to a datagram it read, is not sent again by anyone, so
+ * dropping it here lost it. TCP does not fragment (DF and MSS). */
 SEC("classifier")
 int ferry_egress(struct __sk_buff *skb)
 {
@@ -304,7 +306,7 @@ int ferry_egress(struct __sk_buff *skb)
 
 	if (parse(skb, &l4) != L4_PORTS)
 		return TC_ACT_OK;
-	if (port_flags(l4.proto, l4.sport) & FERRY_PORT_FROZEN) {
+	if (l4.proto == IPPROTO_TCP && (port_flags(l4.proto, l4.sport) & FERRY_PORT_FROZEN)) {
 		count(FERRY_CNT_EGRESS_BLOCKED);
 		return TC_ACT_SHOT;
 	}

@@ -380,12 +380,17 @@ fn freeze_holds_both_directions_without_rst_and_thaw_resumes() {
     udp.send_to(b"in", addr(7003)).unwrap();
     assert_silent(udp_server.recv(&mut buf), "datagram reached a frozen port");
     let client_addr = SocketAddr::new([198, 18, 1, 1].into(), udp.local_addr().unwrap().port());
+    // A datagram the process sends leaves: it runs until CRIU stops it,
+    // and nobody would send an answer dropped here again.
     udp_server.send_to(b"out", client_addr).unwrap();
-    assert_silent(udp.recv(&mut buf), "datagram left a frozen port");
+    let n = udp
+        .recv(&mut buf)
+        .expect("a frozen UDP port's own datagram leaves");
+    assert_eq!(&buf[..n], b"out");
 
     let c = filter.counters().unwrap();
     assert!(c.dropped_frozen >= 2, "{c:?}");
-    assert!(c.egress_blocked >= 3, "data, RST and datagram: {c:?}");
+    assert!(c.egress_blocked >= 2, "data and RST: {c:?}");
 
     // Thaw: the ports stay owned and TCP's retransmissions deliver both
     // directions of the connection that lived through the freeze.

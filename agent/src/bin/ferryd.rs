@@ -54,6 +54,12 @@ fn main_exec() -> Result<()> {
         return check_config(file.as_deref().unwrap_or(&args.config));
     }
     let config = Config::load(&args.config)?;
+    // Before any thread exists: room for the descriptors of a thousand
+    // connections taken or rebuilt inside a freeze (sockstate).
+    match ferry_agent::sockstate::prepare_descriptor_table(8192) {
+        Ok(n) => tracing::debug!(descriptors = n, "descriptor table prepared"),
+        Err(e) => tracing::warn!(error = %e, "could not prepare the descriptor table"),
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -23,8 +23,8 @@
 //! - **Dump**, with the **Freeze** inside it: CRIU (`--tcp-established
 //!   --network-lock skip`) starts while the process still serves; at its
 //!   `pre-dump` notification, just before it seizes the process, the
-//!   process's ports are cut off in the eBPF filter on the source (nothing
-//!   out, so no RST; what comes in is captured there too, for a resume on
+//!   process's ports are cut off in the eBPF filter on the source (no TCP
+//!   out, so no RST; UDP the process sends before CRIU stops it still leaves; what comes in is captured there too, for a resume on
 //!   abort). CRIU leaves the process stopped, its TCP sockets in repair
 //!   mode; then the log of what the source delivered since Arm is taken.
 //!   A CRIU that never sends `pre-dump` aborts the migration: the ports

@@ -36,7 +36,7 @@ use std::net::SocketAddr;
 
 pub use extract::{Held, hold};
 pub use rebuild::{Rebuilt, rebuild};
-pub use sys::RepairWindow;
+pub use sys::{RepairWindow, prepare_descriptor_table};
 pub use udp::{datagram_key, key_of_packet, unread_datagrams};
 
 use ferry_proto::v1 as pb;

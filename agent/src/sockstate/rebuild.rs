@@ -251,8 +251,7 @@ impl Rebuilt {
             .collect()
     }
 
-    /// Turns repair off (the kernel then sends each peer a window probe,
-    /// an ACK that tells it where the connection stands), gives back
+    /// Turns repair off (without the kernel's window probe), gives back
     /// SO_REUSEADDR, queues the bytes the source never sent, and closes
     /// ferryd's descriptors: from here on the sockets are the process's
     /// alone. Every connection is tried; the first error is returned.
@@ -275,7 +274,10 @@ fn resume_one(c: &RebuiltConnection) -> Result<(), SockStateError> {
         let conn = c.name.clone();
         move |source: std::io::Error| SockStateError::Sys { op, conn, source }
     };
-    sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_OFF)
+    // No window probe: with a thousand connections that is a thousand
+    // packets out and a thousand answers captured and replayed, inside the
+    // freeze, to tell each peer what it knows already.
+    sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_OFF_NO_WP)
         .map_err(err("turning repair off"))?;
     sys::set_int(
         sock,

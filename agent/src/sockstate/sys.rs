@@ -20,6 +20,8 @@ pub const TCP_NO_QUEUE: libc::c_int = 0;
 // TCP_REPAIR values.
 pub const REPAIR_ON: libc::c_int = 1;
 pub const REPAIR_OFF: libc::c_int = 0;
+/// Off without the window probe the kernel otherwise sends (Linux 4.14+).
+pub const REPAIR_OFF_NO_WP: libc::c_int = -1;
 
 // Option codes for TCP_REPAIR_OPTIONS (RFC 793/1323/2018 kinds).
 pub const TCPOPT_MAXSEG: u32 = 2;
@@ -256,4 +258,32 @@ pub fn send_all(fd: BorrowedFd<'_>, data: &[u8], flags: libc::c_int) -> io::Resu
         off += n as usize;
     }
     Ok(())
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit and grows
+/// its descriptor table to hold `want` descriptors (at most the limit);
+/// returns the table's size. Call it while the process has one thread:
+/// growing the table of a multi-threaded process waits for an RCU grace
+/// period each time it doubles, which inside a freeze (a thousand
+/// descriptors taken or rebuilt at once) cost ~15 ms here.
+pub fn prepare_descriptor_table(want: u32) -> io::Result<u32> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit to the pointer passed.
+    check(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit reads one rlimit from the pointer passed.
+        check(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) })?;
+    }
+    let size = (want as u64).min(lim.rlim_cur).max(1) as i32;
+    let null = std::fs::File::open("/dev/null")?;
+    // SAFETY: dup2 onto a number below the limit; the duplicate is closed
+    // at once, only the table's size remains.
+    let high = check(unsafe { libc::dup2(null.as_raw_fd(), size - 1) })?;
+    // SAFETY: `high` is the descriptor dup2 just created, owned by us.
+    drop(unsafe { OwnedFd::from_raw_fd(high) });
+    Ok(size as u32)
 }
