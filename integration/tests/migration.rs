@@ -302,6 +302,37 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
         assert!(m.contains("feedfacefeedface"), "{m}");
         drop(reservation);
 
+        // A socket of a family CRIU cannot dump (vsock) is found before
+        // the freeze: the migration is refused and the process never stops.
+        let holder = ferry_integration::managed::run(
+            &mut node1,
+            vec![
+                "/usr/bin/python3".into(),
+                "-c".into(),
+                "import socket, time\ns = socket.socket(40, socket.SOCK_STREAM)\ntime.sleep(600)"
+                    .into(),
+            ],
+        )
+        .await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let refused = loop {
+            match migrate(&mut node1, holder, "node2").await {
+                Err(s) if s.message().contains("family") => break s,
+                // Python may not have opened the socket yet.
+                _ if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                other => panic!("a vsock socket was not refused: {other:?}"),
+            }
+        };
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert!(refused.message().contains("socket:["), "{refused:?}");
+        assert!(matches!(process_state(holder), Some('S' | 'R')));
+
         // None of this touched the process.
         let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
         assert_eq!(p.tcp_listening, 1);

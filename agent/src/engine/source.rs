@@ -118,6 +118,22 @@ pub async fn prepare(
         // Fresh socket list: ports opened since the last refresh move too.
         let tree = process::process_tree(pid);
         let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
+        // A socket of a family CRIU cannot dump would fail the dump with
+        // the process already stopped: refused now, before the freeze.
+        let unsupported = sockstate::unsupported_sockets(&tree)?;
+        if !unsupported.is_empty() {
+            return Err(EngineError::NotMigratable {
+                pid,
+                reason: format!(
+                    "it holds sockets of a family CRIU cannot migrate (only IPv4, IPv6, Unix, netlink and packet): {}",
+                    unsupported
+                        .iter()
+                        .map(|(ino, family)| format!("socket:[{ino}] (family {family})"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
         // A connection to a process on the destination node would have to
         // become a connection within one host: no rewrite of one end does
         // that. Refused now, before anything is touched.

@@ -65,6 +65,33 @@ pub(super) fn kind_of(fd: BorrowedFd<'_>) -> SocketKind {
     }
 }
 
+/// The sockets of `tree` whose family CRIU cannot migrate, as (inode,
+/// family): all but IPv4, IPv6, Unix, netlink and packet sockets (vsock,
+/// AF_XDP, ...). Asked of each socket itself (SO_DOMAIN), so that an
+/// unbound socket, which no /proc/net table lists, is judged right. Run
+/// before the freeze: such a socket would fail CRIU's dump with the
+/// process already stopped.
+pub fn unsupported_sockets(tree: &[i32]) -> Result<Vec<(u64, i32)>, SockStateError> {
+    let mut found = Vec::new();
+    let mut seen = HashSet::new();
+    for_each_socket(tree, |inode, fd| {
+        let domain = sys::get_int(fd.as_fd(), libc::SOL_SOCKET, libc::SO_DOMAIN).unwrap_or(-1);
+        let supported = [
+            libc::AF_INET,
+            libc::AF_INET6,
+            libc::AF_UNIX,
+            libc::AF_NETLINK,
+            libc::AF_PACKET,
+        ]
+        .contains(&domain);
+        if !supported && seen.insert(inode) {
+            found.push((inode, domain));
+        }
+        Ok(())
+    })?;
+    Ok(found)
+}
+
 /// Takes every connected TCP socket of the process tree `tree` (root
 /// first) into ferryd with `pidfd_getfd`. Call it with the tree stopped:
 /// the descriptor tables must not change under it. A socket shared by

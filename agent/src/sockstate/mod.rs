@@ -34,7 +34,7 @@ mod udp;
 
 use std::net::SocketAddr;
 
-pub use extract::{Held, hold};
+pub use extract::{Held, hold, unsupported_sockets};
 pub use rebuild::{Rebuilt, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};
 pub use udp::{datagram_key, key_of_packet, unread_datagrams};

@@ -257,3 +257,44 @@ fn unread_datagrams_are_named_and_left_in_the_queue() {
         assert_eq!(&buf[..n], &[i; 5]);
     }
 }
+
+#[test]
+fn sockets_of_a_family_criu_cannot_dump_are_found() {
+    // A child holding a vsock socket and an unbound TCP one (which no
+    // /proc/net table lists, and which CRIU does migrate).
+    let vsock = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Vsock,
+        nix::sys::socket::SockType::Stream,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .expect("a vsock socket (these machines' kernels have vsock)");
+    let unbound = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Stream,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let ino = |fd: &OwnedFd| {
+        std::fs::metadata(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(fd)
+        ))
+        .unwrap()
+        .ino()
+    };
+    let (vsock_ino, unbound_ino) = (ino(&vsock), ino(&unbound));
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .stdin(std::process::Stdio::from(vsock))
+        .stdout(std::process::Stdio::from(unbound))
+        .spawn()
+        .unwrap();
+    let found = unsupported_sockets(&[child.id() as i32]);
+    let _ = child.kill();
+    let _ = child.wait();
+    let found = found.expect("listing the child's sockets");
+    assert_eq!(found, vec![(vsock_ino, libc::AF_VSOCK)]);
+    assert!(!found.iter().any(|(i, _)| *i == unbound_ino));
+}
