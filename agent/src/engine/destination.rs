@@ -27,6 +27,11 @@ use crate::translation::{self, InClusterFlow};
 
 use super::{EngineError, images::ImageWriter, source::set_private};
 
+/// The receive buffer a migrated process's UDP sockets get for the replay
+/// and the catch-up after it, and for how long.
+const UDP_CATCH_UP_BUFFER: i32 = 8 << 20;
+const UDP_CATCH_UP: Duration = Duration::from_secs(2);
+
 /// A reservation left without news this long is taken to be abandoned by a
 /// source that died, and a new Prepare may replace it.
 const STALE_RESERVATION: Duration = Duration::from_secs(120);
@@ -569,6 +574,18 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // (their window probes, and bytes the source never sent, must get
     // out), and before the replay feeds them.
     let mut rebuilt = inc.rebuilt.take();
+    // UDP sockets get room for what the replay pours into them and for the
+    // process's first moments (see `sockstate::widen_udp_buffers`); their
+    // own size comes back a little later.
+    let widened =
+        match crate::sockstate::widen_udp_buffers(&process::process_tree(pid), UDP_CATCH_UP_BUFFER)
+        {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "widening the UDP receive buffers");
+                None
+            }
+        };
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
         let replayed = match agent.apply_ownership().await {
@@ -610,6 +627,12 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         opened?;
         None
     };
+    if let Some(w) = widened {
+        tokio::spawn(async move {
+            tokio::time::sleep(UDP_CATCH_UP).await;
+            let _ = tokio::task::spawn_blocking(move || w.restore()).await;
+        });
+    }
     // Remembered for a restart of this agent, now the freeze is over.
     agent.persist_soon();
     // The images go after the answer: a thousand files to unlink would

@@ -37,7 +37,7 @@ use std::net::SocketAddr;
 pub use extract::{Held, hold, unsupported_sockets};
 pub use rebuild::{Rebuilt, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};
-pub use udp::{datagram_key, key_of_packet, unread_datagrams};
+pub use udp::{WidenedBuffers, datagram_key, key_of_packet, unread_datagrams, widen_udp_buffers};
 
 use ferry_proto::v1 as pb;
 

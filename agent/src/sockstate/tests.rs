@@ -298,3 +298,26 @@ fn sockets_of_a_family_criu_cannot_dump_are_found() {
     assert_eq!(found, vec![(vsock_ino, libc::AF_VSOCK)]);
     assert!(!found.iter().any(|(i, _)| *i == unbound_ino));
 }
+
+#[test]
+fn udp_buffers_are_widened_for_the_catch_up_and_given_back() {
+    use std::net::UdpSocket;
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let before = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .stdin(std::process::Stdio::from(
+            sock.as_fd().try_clone_to_owned().unwrap(),
+        ))
+        .spawn()
+        .unwrap();
+    let widened = widen_udp_buffers(&[child.id() as i32], 8 << 20);
+    let _ = child.kill();
+    let _ = child.wait();
+    let widened = widened.expect("widening");
+    let during = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
+    assert!(during >= 8 << 20, "{before} -> {during}");
+    widened.restore();
+    let after = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
+    assert_eq!(after, before);
+}
