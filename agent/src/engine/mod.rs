@@ -53,7 +53,10 @@
 //!   resumes on the source.
 //! - **Discard**: the source kills its stopped copy (sockets in repair mode
 //!   close silently) and releases the ports. This is the commit point.
-//! - **Commit**: carries the source's delivered log. The destination drops
+//! - **Commit**: carries the source's delivered log (and, from protocol 4,
+//!   the UDP datagrams the process left unread). The destination widens the
+//!   restored process's UDP receive buffers for the replay and the catch-up
+//!   (their own size comes back 2 s later), drops
 //!   its holds on in-cluster connections, opens
 //!   egress, replays the captured packets into its stack in arrival order
 //!   while the process is still stopped (the kernel queues and ACKs them;
