@@ -15,7 +15,7 @@
 //!    message (`Peer.TransferSockets`) while the images stream beside it;
 //! 3. the destination rebuilds all connections in repair mode at once
 //!    ([`rebuild`]), still beside the image transfer, and at Restore hands
-//!    them to CRIU as inherited descriptors ("socket:[<inode>]"; ferry's
+//!    them to CRIU as inherited descriptors (`socket:[<inode>]`; ferry's
 //!    patch to CRIU, `xtask/criu/`), which restores the rest of the
 //!    descriptor table and the sockets' options;
 //! 4. at the commit, just before the captured packets are replayed, repair

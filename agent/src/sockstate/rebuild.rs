@@ -243,7 +243,7 @@ impl Rebuilt {
     }
 
     /// (key, descriptor) for CRIU's `inherit_fd`: the key is the name the
-    /// source's /proc showed for the socket, "socket:[<inode>]".
+    /// source's /proc showed for the socket, `socket:[<inode>]`.
     pub fn inherit_fds(&self) -> Vec<(String, RawFd)> {
         self.conns
             .iter()
