@@ -158,6 +158,34 @@ async fn release_holds(agent: &Arc<Agent>, flows: &[InClusterFlow]) {
     }
 }
 
+/// The cluster address of the source node `from`, and those of the other
+/// nodes a migrated process's connection may lead to (peers on the source
+/// node itself count: that node translates too). One list for the images'
+/// rewrite and the rebuilt connections' relocation, which must agree.
+fn in_cluster_addresses(
+    agent: &Agent,
+    from: &str,
+) -> Result<(std::net::Ipv4Addr, Vec<std::net::Ipv4Addr>), EngineError> {
+    let here = agent.config.cluster.address;
+    let peers = agent.known_peers();
+    let source = agent
+        .cluster_address_of(from)
+        .ok_or_else(|| EngineError::UnknownNode {
+            name: from.to_owned(),
+            known: peers
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+    let nodes = peers
+        .iter()
+        .filter_map(|p| agent.cluster_address_of(&p.name))
+        .filter(|ip| *ip != here)
+        .collect();
+    Ok((source, nodes))
+}
+
 /// Finds the process's connections to other cluster nodes in its images,
 /// gives them this node's cluster address and holds them (blocking). All
 /// holds or none.
@@ -167,26 +195,7 @@ fn take_in_cluster(
     from: &str,
 ) -> Result<Vec<InClusterFlow>, EngineError> {
     let here = agent.config.cluster.address;
-    let source = agent
-        .cluster_address_of(from)
-        .ok_or_else(|| EngineError::UnknownNode {
-            name: from.to_owned(),
-            known: agent
-                .config
-                .peers
-                .iter()
-                .map(|p| p.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })?;
-    // Peers on the source node itself count: that node translates too.
-    let nodes: Vec<_> = agent
-        .config
-        .peers
-        .iter()
-        .filter_map(|p| agent.cluster_address_of(&p.name))
-        .filter(|ip| *ip != here)
-        .collect();
+    let (source, nodes) = in_cluster_addresses(agent, from)?;
     let flows = translation::rewrite_in_cluster(images, source, here, &nodes)?;
     let mut rules = agent.flows();
     for (i, f) in flows.iter().enumerate() {
@@ -577,15 +586,16 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // UDP sockets get room for what the replay pours into them and for the
     // process's first moments (see `sockstate::widen_udp_buffers`); their
     // own size comes back a little later.
-    let widened =
-        match crate::sockstate::widen_udp_buffers(&process::process_tree(pid), UDP_CATCH_UP_BUFFER)
-        {
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::warn!(error = %e, "widening the UDP receive buffers");
-                None
-            }
-        };
+    // Only a process with UDP ports is scanned for them: the scan takes
+    // every descriptor of the tree, inside the freeze.
+    let has_udp = inc.ports.iter().any(|p| p.transport == Transport::Udp);
+    let widened = if has_udp {
+        crate::sockstate::widen_udp_buffers(&process::process_tree(pid), UDP_CATCH_UP_BUFFER)
+            .map_err(|e| tracing::warn!(error = %e, "widening the UDP receive buffers"))
+            .ok()
+    } else {
+        None
+    };
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
         let replayed = match agent.apply_ownership().await {
@@ -689,23 +699,7 @@ fn relocate_in_cluster(
 ) -> Result<(), EngineError> {
     use std::net::{IpAddr, SocketAddr};
     let here = agent.config.cluster.address;
-    let Some(source) = agent.cluster_address_of(from) else {
-        return Err(EngineError::UnknownNode {
-            name: from.to_owned(),
-            known: agent
-                .known_peers()
-                .into_iter()
-                .map(|p| p.name)
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
-    };
-    let nodes: Vec<_> = agent
-        .known_peers()
-        .iter()
-        .filter_map(|p| agent.cluster_address_of(&p.name))
-        .filter(|ip| *ip != here)
-        .collect();
+    let (source, nodes) = in_cluster_addresses(agent, from)?;
     for c in states {
         let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (c.local, c.remote) else {
             continue;

@@ -10,7 +10,7 @@
 //! own socket, and the kernel then sends a window probe, which restarts the
 //! flow at once instead of after the peer's retransmission timeout.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -18,47 +18,7 @@ use nix::unistd::Pid;
 use crate::process;
 
 use super::EngineError;
-
-fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor
-    // or -1; no memory is passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn pidfd_getfd(pidfd: &OwnedFd, target_fd: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in the target
-    // and flags (must be 0); it returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn getsockopt_int(fd: &OwnedFd, level: i32, name: i32) -> std::io::Result<i32> {
-    let mut val: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: val and len point to properly sized, writable locals.
-    let r = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            level,
-            name,
-            (&mut val as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(val)
-}
+use crate::sockstate::sys::{self, get_int, pidfd_getfd, pidfd_open, set_int};
 
 /// Clears TCP_REPAIR on every TCP socket of the tree that has it set;
 /// returns how many.
@@ -87,34 +47,28 @@ fn leave_repair_mode(tree: &[i32]) -> Result<u32, EngineError> {
             if !is_socket {
                 continue;
             }
-            let sock = pidfd_getfd(&pidfd, n)
+            let sock = pidfd_getfd(pidfd.as_fd(), n)
                 .map_err(EngineError::io(format!("pidfd_getfd({pid}, {n})")))?;
-            if getsockopt_int(&sock, libc::SOL_SOCKET, libc::SO_PROTOCOL).ok()
+            if get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_PROTOCOL).ok()
                 != Some(libc::IPPROTO_TCP)
             {
                 continue;
             }
             // Only sockets CRIU left in repair mode: clearing it on others
             // would reset their SO_REUSEADDR.
-            if getsockopt_int(&sock, libc::SOL_TCP, libc::TCP_REPAIR).unwrap_or(0) == 0 {
+            if get_int(sock.as_fd(), libc::SOL_TCP, libc::TCP_REPAIR).unwrap_or(0) == 0 {
                 continue;
             }
-            let off: libc::c_int = 0; // TCP_REPAIR_OFF: leave repair mode, send a window probe
-            // SAFETY: `off` is a live c_int and the length matches it.
-            let r = unsafe {
-                libc::setsockopt(
-                    sock.as_raw_fd(),
-                    libc::SOL_TCP,
-                    libc::TCP_REPAIR,
-                    (&off as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if r < 0 {
-                return Err(EngineError::io(format!(
-                    "clearing TCP_REPAIR on {pid} fd {n}"
-                ))(std::io::Error::last_os_error()));
-            }
+            // TCP_REPAIR_OFF: leave repair mode, send a window probe.
+            set_int(
+                sock.as_fd(),
+                libc::SOL_TCP,
+                sys::TCP_REPAIR,
+                sys::REPAIR_OFF,
+            )
+            .map_err(EngineError::io(format!(
+                "clearing TCP_REPAIR on {pid} fd {n}"
+            )))?;
             fixed += 1;
         }
     }

@@ -515,6 +515,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let dumped = tokio::task::spawn_blocking({
         let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
         let capture = run.capture;
+        let collective = run.p.socket_migration == SocketMigration::Collective;
         move || {
             let dumped = criu::dump(&req, &mut |script| {
                 if script != "pre-dump" {
@@ -528,30 +529,38 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 tracing::info!("ports frozen");
                 Ok(())
             })?;
-            // The process is stopped: what its UDP sockets hold unread
-            // must reach the destination's copy too (CRIU drops it).
-            let unread = if capture {
-                sockstate::unread_datagrams(&process::process_tree(pid)).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "reading the UDP receive queues; their datagrams may be lost");
-                    Vec::new()
-                })
-            } else {
+            // The process is stopped: its sockets are taken once, for
+            // what its UDP sockets hold unread (which must reach the
+            // destination's copy too: CRIU drops it) and for the
+            // connections a collective migration reads.
+            if !capture && !collective {
+                return Ok((dumped, Vec::new(), None));
+            }
+            let sockets = sockstate::take_sockets(&process::process_tree(pid));
+            let unread = match &sockets {
+                Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
+                Err(e) if capture => Err(e.to_string()),
+                _ => Ok(Vec::new()),
+            }
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "reading the UDP receive queues; their datagrams may be lost");
                 Vec::new()
-            };
-            Ok::<_, criu::CriuError>((dumped, unread))
+            });
+            Ok::<_, criu::CriuError>((dumped, unread, Some(sockets)))
         }
     })
     .await;
     run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
     let dump_end = Instant::now();
-    match dumped {
-        Ok(Ok((notes, unread))) => {
+    let taken = match dumped {
+        Ok(Ok((notes, unread, sockets))) => {
             tracing::debug!(?notes, unread_datagrams = unread.len(), "dump done");
             run.unread_datagrams = unread;
+            sockets
         }
         Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
         Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
-    }
+    };
     let Some(freeze_start) = run.freeze_start else {
         return Stop::BeforeCommit(EngineError::Internal(
             "CRIU dumped without its pre-dump notification: the ports were never frozen".into(),
@@ -570,7 +579,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let extracting = (run.p.socket_migration == SocketMigration::Collective).then(|| {
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let held = sockstate::hold(&process::process_tree(pid))?;
+            let held = match taken {
+                Some(sockets) => sockets?.into_held(),
+                None => sockstate::take_sockets(&process::process_tree(pid))?.into_held(),
+            };
             let held = Arc::new(held);
             let states = held.extract();
             Ok::<_, sockstate::SockStateError>((held, states, started.elapsed()))

@@ -92,25 +92,48 @@ pub fn unsupported_sockets(tree: &[i32]) -> Result<Vec<(u64, i32)>, SockStateErr
     Ok(found)
 }
 
-/// Takes every connected TCP socket of the process tree `tree` (root
-/// first) into ferryd with `pidfd_getfd`. Call it with the tree stopped:
-/// the descriptor tables must not change under it. A socket shared by
-/// several processes of the tree is taken once.
-pub fn hold(tree: &[i32]) -> Result<Held, SockStateError> {
-    let mut conns = Vec::new();
-    let mut taken = HashSet::new();
+/// The TCP connections and UDP sockets of a stopped process tree, taken
+/// into ferryd in one pass over its descriptor tables (inside the freeze,
+/// a second pass over a thousand descriptors would cost milliseconds).
+pub struct StoppedSockets {
+    tcp: Vec<(u64, OwnedFd)>,
+    udp: Vec<(u64, OwnedFd)>,
+}
+
+/// Takes every connected TCP socket and every UDP socket of the process
+/// tree `tree` (root first) into ferryd with `pidfd_getfd`. Call it with
+/// the tree stopped: the descriptor tables must not change under it. A
+/// socket shared by several processes of the tree is taken once.
+pub fn take_sockets(tree: &[i32]) -> Result<StoppedSockets, SockStateError> {
+    let mut taken = StoppedSockets {
+        tcp: Vec::new(),
+        udp: Vec::new(),
+    };
+    let mut seen = HashSet::new();
     for_each_socket(tree, |inode, fd| {
-        if kind_of(fd.as_fd()) == SocketKind::TcpConnected && taken.insert(inode) {
-            conns.push(HeldConnection {
-                inode,
-                fd,
-                repairing: AtomicBool::new(false),
-                reuseaddr: AtomicBool::new(false),
-            });
+        let list = match kind_of(fd.as_fd()) {
+            SocketKind::TcpConnected => &mut taken.tcp,
+            SocketKind::Udp => &mut taken.udp,
+            SocketKind::Other => return Ok(()),
+        };
+        if seen.insert(inode) {
+            list.push((inode, fd));
         }
         Ok(())
     })?;
-    Ok(Held { conns })
+    Ok(taken)
+}
+
+impl StoppedSockets {
+    /// The UDP sockets, for `udp::unread_datagrams`.
+    pub(super) fn udp(&self) -> &[(u64, OwnedFd)] {
+        &self.udp
+    }
+
+    /// The connections, held for a collective migration.
+    pub fn into_held(self) -> Held {
+        Held::from_descriptors(self.tcp)
+    }
 }
 
 /// Calls `f` with ferryd's duplicate of every socket descriptor of the

@@ -29,12 +29,12 @@
 
 mod extract;
 mod rebuild;
-mod sys;
+pub(crate) mod sys;
 mod udp;
 
 use std::net::SocketAddr;
 
-pub use extract::{Held, hold, unsupported_sockets};
+pub use extract::{Held, StoppedSockets, take_sockets, unsupported_sockets};
 pub use rebuild::{Rebuilt, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};
 pub use udp::{WidenedBuffers, datagram_key, key_of_packet, unread_datagrams, widen_udp_buffers};

@@ -242,7 +242,7 @@ fn unread_datagrams_are_named_and_left_in_the_queue() {
         ))
         .spawn()
         .unwrap();
-    let keys = unread_datagrams(&[child.id() as i32]);
+    let keys = take_sockets(&[child.id() as i32]).and_then(|s| unread_datagrams(&s));
     let _ = child.kill();
     let _ = child.wait();
     let keys = keys.expect("peek");

@@ -21,6 +21,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use nix::sys::socket::{SockaddrStorage, getsockname};
 
 use super::SockStateError;
+use super::extract::StoppedSockets;
 use super::sys;
 
 /// `SO_PEEK_OFF` (asm-generic/socket.h); UDP supports it since Linux 6.9.
@@ -61,19 +62,13 @@ pub fn key_of_packet(ip: &[u8]) -> Option<u64> {
 }
 
 /// The keys of the datagrams waiting, unread, in the IPv4 UDP sockets of
-/// the stopped process tree `tree` (root first), oldest first per socket.
-/// Nothing is consumed: on an abort the process reads them itself.
-pub fn unread_datagrams(tree: &[i32]) -> Result<Vec<u64>, SockStateError> {
-    let mut seen = HashSet::new();
+/// a stopped process tree, oldest first per socket. Nothing is consumed:
+/// on an abort the process reads them itself.
+pub fn unread_datagrams(sockets: &StoppedSockets) -> Result<Vec<u64>, SockStateError> {
     let mut keys = Vec::new();
-    super::extract::for_each_socket(tree, |inode, fd| {
-        if super::extract::kind_of(fd.as_fd()) == super::extract::SocketKind::Udp
-            && seen.insert(inode)
-        {
-            peek_all(inode, fd.as_fd(), &mut keys)?;
-        }
-        Ok(())
-    })?;
+    for (inode, fd) in sockets.udp() {
+        peek_all(*inode, fd.as_fd(), &mut keys)?;
+    }
     Ok(keys)
 }
 
