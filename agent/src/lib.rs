@@ -12,6 +12,7 @@ pub mod criu;
 pub mod engine;
 pub mod managed;
 pub mod membership;
+pub mod memtrack;
 pub mod metrics;
 pub mod ownership;
 pub mod process;

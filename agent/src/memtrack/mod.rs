@@ -1,0 +1,348 @@
+//! Dirty-page tracking of a running process that does not cooperate, for
+//! pre-copy migration.
+//!
+//! This kernel has no soft-dirty bits (so CRIU's `pre-dump --track-mem`
+//! cannot work here); it has asynchronous userfaultfd write protection and
+//! the `PAGEMAP_SCAN` ioctl (Linux 6.7+), which together give the exact set
+//! of pages written between two scans:
+//!
+//! 1. **Start** ([`Tracker::start`]): the target is made to create a
+//!    userfaultfd itself (a userfaultfd belongs to its creator's memory):
+//!    one of its threads is interrupted under ptrace and runs the system
+//!    call ([`inject`]); ferryd takes the descriptor with `pidfd_getfd` and
+//!    has the target close its own, so nothing is left in its descriptor
+//!    table for CRIU to trip over. The thread runs on at once.
+//! 2. **Rounds** ([`Tracker::scan`]): each round reads the target's
+//!    mappings, registers new writable private ones for write protection,
+//!    and scans: pages written since the last scan (and pages of newly
+//!    registered mappings, never protected yet) are reported and, in the
+//!    same call, protected again. A mapping that went away or was replaced
+//!    (munmap, mremap, a new mmap at the same place: the kernel drops the
+//!    registration) shows up unregistered and is treated as all new.
+//! 3. **Stop** ([`Tracker::stop`], and on drop): protection is lifted from
+//!    every registered range, the ranges are unregistered and the
+//!    descriptor closed, so the process never keeps a write-protected page
+//!    after a migration, committed or aborted. (Even if ferryd died first,
+//!    closing the descriptor unregisters everything, and a leftover
+//!    protection bit on a page of an unregistered mapping is ignored by
+//!    the kernel.)
+//!
+//! Only private writable mappings are tracked: they are what CRIU writes to
+//! a process's `pagemap-<pid>.img`. Shared memory goes to other images and
+//! read-only mappings cannot be written without an `mprotect` (which could
+//! be undone before the next scan): their pages are never counted as
+//! already on the destination.
+
+mod inject;
+pub mod ranges;
+mod uffd;
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+
+pub use ranges::RangeSet;
+
+/// Why tracking could not start or a scan failed. The process is never
+/// left interrupted or write-protected by any of them.
+#[derive(Debug, thiserror::Error)]
+pub enum TrackError {
+    #[error("process {pid}: {what}: {source}")]
+    Io {
+        pid: i32,
+        what: &'static str,
+        source: io::Error,
+    },
+    #[error("process {pid} cannot be tracked: {reason}")]
+    Unsupported { pid: i32, reason: String },
+}
+
+/// The host's page size.
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf takes an integer and returns one.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 { n as u64 } else { 4096 }
+}
+
+/// Reads `buf.len()` bytes at `addr` of process `pid`; returns how many
+/// could be read (short at the first unmapped page).
+pub fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: `local` describes `buf`, which is valid for writes of its
+    // length for the whole call; `remote` is only read by the kernel, in
+    // the other process, with its own checks.
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// A mapping of the target, as `/proc/<pid>/smaps` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub writable: bool,
+    pub private: bool,
+    /// Registered for userfaultfd write protection ("uw" in VmFlags).
+    pub uffd_wp: bool,
+}
+
+/// The mappings of `pid`.
+pub fn mappings(pid: i32) -> io::Result<Vec<Mapping>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    Ok(parse_smaps(&text))
+}
+
+fn parse_smaps(text: &str) -> Vec<Mapping> {
+    let mut out: Vec<Mapping> = Vec::new();
+    for line in text.lines() {
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if let Some(m) = out.last_mut() {
+                m.uffd_wp = flags.split_whitespace().any(|f| f == "uw");
+            }
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let (Some(range), Some(perms)) = (words.next(), words.next()) else {
+            continue;
+        };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
+        if perms.len() != 4 {
+            continue;
+        }
+        out.push(Mapping {
+            start,
+            end,
+            writable: perms.as_bytes()[1] == b'w',
+            private: perms.as_bytes()[3] == b'p',
+            uffd_wp: false,
+        });
+    }
+    out
+}
+
+/// What one scan found.
+#[derive(Debug, Default, Clone)]
+pub struct Scan {
+    /// Pages written since the last scan (or never protected), with data:
+    /// the ones to send.
+    pub written: RangeSet,
+    /// Every page whose content may differ from what an earlier read saw:
+    /// `written`, plus written pages without data (unmapped since, or the
+    /// shared zero page), plus all of every mapping that is new, replaced
+    /// or not trackable. Whatever the destination holds there is stale.
+    pub stale: RangeSet,
+    /// The tracked (registered, write-protected) ranges at this scan.
+    pub tracked: RangeSet,
+}
+
+/// Dirty-page tracking of one process (one address space).
+pub struct Tracker {
+    pid: i32,
+    uffd: Option<OwnedFd>,
+    pagemap: std::fs::File,
+}
+
+impl std::fmt::Debug for Tracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracker").field("pid", &self.pid).finish()
+    }
+}
+
+impl Tracker {
+    /// Creates the target's userfaultfd (see the module docs). Blocking
+    /// (ptrace): run it off the async runtime.
+    pub fn start(pid: i32) -> Result<Self, TrackError> {
+        let io = |what| move |source| TrackError::Io { pid, what, source };
+        if mappings(pid)
+            .map_err(io("reading its mappings"))?
+            .iter()
+            .any(|m| m.uffd_wp)
+        {
+            return Err(TrackError::Unsupported {
+                pid,
+                reason: "it uses userfaultfd write protection itself".into(),
+            });
+        }
+        let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))
+            .map_err(io("opening its pagemap"))?;
+        let pidfd = crate::sockstate::sys::pidfd_open(pid).map_err(io("pidfd_open"))?;
+        let mut thread = inject::Seized::new(pid).map_err(io("seizing its main thread"))?;
+        let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | uffd::UFFD_USER_MODE_ONLY;
+        let fd = thread
+            .syscall(libc::SYS_userfaultfd, &[flags])
+            .map_err(io("injecting userfaultfd(2)"))?;
+        if fd < 0 {
+            return Err(TrackError::Unsupported {
+                pid,
+                reason: format!(
+                    "userfaultfd(2) failed in it: {}",
+                    io::Error::from_raw_os_error(-fd as i32)
+                ),
+            });
+        }
+        let taken = crate::sockstate::sys::pidfd_getfd(pidfd.as_fd(), fd as i32);
+        // Its own copy goes whatever happened: CRIU cannot dump one.
+        let closed = thread.syscall(libc::SYS_close, &[fd as u64]);
+        thread.release().map_err(io("releasing its main thread"))?;
+        let uffd = taken.map_err(io("pidfd_getfd of its userfaultfd"))?;
+        match closed {
+            Ok(0) => {}
+            Ok(e) => {
+                return Err(TrackError::Io {
+                    pid,
+                    what: "closing its userfaultfd",
+                    source: io::Error::from_raw_os_error(-e as i32),
+                });
+            }
+            Err(e) => return Err(io("closing its userfaultfd")(e)),
+        }
+        uffd::api(uffd.as_fd()).map_err(|e| TrackError::Unsupported {
+            pid,
+            reason: format!("asynchronous userfaultfd write protection (Linux 6.7+): {e}"),
+        })?;
+        Ok(Tracker {
+            pid,
+            uffd: Some(uffd),
+            pagemap,
+        })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Registers new writable private mappings, then reports the pages
+    /// written since the last scan. With `rearm`, they are protected again
+    /// in the same step; without, nothing changes (the final scan, with the
+    /// process stopped).
+    pub fn scan(&mut self, rearm: bool) -> Result<Scan, TrackError> {
+        let pid = self.pid;
+        let io = |what| move |source| TrackError::Io { pid, what, source };
+        let Some(uffd) = self.uffd.as_ref() else {
+            return Err(TrackError::Unsupported {
+                pid,
+                reason: "tracking was stopped".into(),
+            });
+        };
+        let maps = mappings(pid).map_err(io("reading its mappings"))?;
+        let mut scan = Scan::default();
+        for m in &maps {
+            if !(m.writable && m.private) {
+                scan.stale.insert(m.start, m.end);
+                continue;
+            }
+            if !m.uffd_wp {
+                // New, or replaced since it was registered: all of it
+                // counts as written (its pages carry no protection yet).
+                scan.stale.insert(m.start, m.end);
+                if !rearm {
+                    continue;
+                }
+                if let Err(e) = uffd::register_wp(uffd.as_fd(), m.start, m.end) {
+                    tracing::debug!(pid, start = m.start, end = m.end, error = %e, "mapping not trackable");
+                    continue;
+                }
+            }
+            scan.tracked.insert(m.start, m.end);
+        }
+        let flags = uffd::PM_SCAN_CHECK_WPASYNC | if rearm { uffd::PM_SCAN_WP_MATCHING } else { 0 };
+        let want = uffd::PAGE_IS_WRITTEN;
+        let report = uffd::PAGE_IS_WRITTEN
+            | uffd::PAGE_IS_PRESENT
+            | uffd::PAGE_IS_SWAPPED
+            | uffd::PAGE_IS_PFNZERO;
+        let tracked: Vec<(u64, u64)> = scan.tracked.iter().collect();
+        for (start, end) in tracked {
+            let mut regions = Vec::new();
+            let mut at = start;
+            while at < end {
+                match uffd::pagemap_scan(
+                    self.pagemap.as_fd(),
+                    at,
+                    end,
+                    flags,
+                    want,
+                    report,
+                    &mut regions,
+                ) {
+                    Ok(walk_end) if walk_end > at => at = walk_end,
+                    Ok(_) => break,
+                    // The mapping changed under the scan (unmapped, or not
+                    // registered any more): all of it is stale.
+                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                        scan.stale.insert(start, end);
+                        scan.tracked.remove(start, end);
+                        break;
+                    }
+                    Err(e) => return Err(io("PAGEMAP_SCAN")(e)),
+                }
+            }
+            for r in regions {
+                scan.stale.insert(r.start, r.end);
+                let has_data = r.categories & (uffd::PAGE_IS_PRESENT | uffd::PAGE_IS_SWAPPED) != 0
+                    && r.categories & uffd::PAGE_IS_PFNZERO == 0;
+                if has_data {
+                    scan.written.insert(r.start, r.end);
+                }
+            }
+        }
+        Ok(scan)
+    }
+
+    /// Lifts every protection, unregisters and closes (see the module
+    /// docs). Errors are logged: the descriptor's close unregisters all
+    /// that is left anyway.
+    pub fn stop(&mut self) {
+        let Some(uffd) = self.uffd.take() else {
+            return;
+        };
+        // Mapping by mapping, as they are now: ranges registered earlier
+        // may have been unmapped, split or merged since.
+        let maps = match mappings(self.pid) {
+            Ok(m) => m,
+            // Gone: nothing of it to undo.
+            Err(_) => return,
+        };
+        for m in maps.iter().filter(|m| m.uffd_wp) {
+            for (what, r) in [
+                (
+                    "unprotecting",
+                    uffd::write_protect(uffd.as_fd(), m.start, m.end, false),
+                ),
+                (
+                    "unregistering",
+                    uffd::unregister(uffd.as_fd(), m.start, m.end),
+                ),
+            ] {
+                if let Err(e) = r {
+                    tracing::warn!(pid = self.pid, start = m.start, end = m.end, error = %e, "{what} a tracked mapping");
+                }
+            }
+        }
+        drop(uffd);
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests;
