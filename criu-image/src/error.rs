@@ -3,6 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::pagemap::PagemapProblem;
 use crate::wire::WireProblem;
 
 /// Why an image directory could not be read or rewritten. Offsets are in
@@ -58,6 +59,26 @@ pub enum ImageError {
         path: PathBuf,
         offset: u64,
         problem: String,
+    },
+
+    /// A pagemap image that CRIU would refuse, or whose page layout would
+    /// be ambiguous: pages spliced by the wrong layout corrupt the restored
+    /// process's memory, so nothing is guessed.
+    #[error("{path} at byte {offset}: pagemap: {problem}")]
+    BadPagemap {
+        path: PathBuf,
+        offset: u64,
+        problem: PagemapProblem,
+    },
+
+    /// A pages file whose size is not what its pagemap's present runs take:
+    /// a short file lacks pages, a long one has bytes no run accounts for,
+    /// and either way the offsets of the pagemap cannot be trusted for it.
+    #[error("{path}: {found} bytes, but the present runs of its pagemap take {expected}")]
+    PagesFileSize {
+        path: PathBuf,
+        expected: u64,
+        found: u64,
     },
 
     /// A rewritten entry would no longer fit its u32 size prefix.

@@ -6,10 +6,11 @@
 //! ```
 //!
 //! All words are in the dumping host's byte order (CRIU writes them with
-//! `write(2)` of a `u32`): little-endian on x86_64 and aarch64. Neither
-//! `files.img` nor `inetsk.img` has a payload after its entries (CRIU reads
-//! both with `collect_image`/`pb_read_one_eof` alone; compare `tcp-stream`
-//! or `pipes-data`, which carry raw data after each entry).
+//! `write(2)` of a `u32`): little-endian on x86_64 and aarch64. None of
+//! `files.img`, `inetsk.img` and `pagemap-<pid>.img` has a payload after
+//! its entries (CRIU reads them with `collect_image`/`pb_read_one_eof`
+//! alone, and keeps a pagemap's pages in a file of their own; compare
+//! `tcp-stream` or `pipes-data`, which carry raw data after each entry).
 
 use std::path::Path;
 
@@ -78,6 +79,17 @@ pub(crate) fn frame<'a>(
     bytes: &'a [u8],
     kind: &ImageKind,
 ) -> Result<Framed<'a>, ImageError> {
+    frame_magic(path, bytes, kind.magic, kind.magic_name)
+}
+
+/// [`frame`] for an image this crate reads but does not edit, known by its
+/// magic alone (`magic_name` says which image it is, for errors).
+pub(crate) fn frame_magic<'a>(
+    path: &Path,
+    bytes: &'a [u8],
+    expected_magic: u32,
+    magic_name: &'static str,
+) -> Result<Framed<'a>, ImageError> {
     let first = word(path, bytes, 0, "the image magic")?;
     let header_len = if first == IMG_COMMON_MAGIC || first == IMG_SERVICE_MAGIC {
         8
@@ -85,11 +97,11 @@ pub(crate) fn frame<'a>(
         4
     };
     let magic = word(path, bytes, header_len - 4, "the image magic")?;
-    if magic != kind.magic {
+    if magic != expected_magic {
         return Err(ImageError::BadMagic {
             path: path.to_owned(),
             offset: (header_len - 4) as u64,
-            expected: kind.magic_name,
+            expected: magic_name,
             found: magic,
         });
     }

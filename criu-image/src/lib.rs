@@ -8,6 +8,9 @@
 //! changes that address in the images, and [`inet_sockets`] lists what the
 //! images hold.
 //!
+//! [`pagemap`] reads which pages of a process a dump holds and where each
+//! page's bytes are in the pages file, for moving pages into a dump.
+//!
 //! # What is edited, and how
 //!
 //! CRIU 3.x and 4.x keep every inet socket in `files.img` as a `file_entry`
@@ -68,6 +71,7 @@
 
 mod error;
 mod image;
+pub mod pagemap;
 mod socket;
 mod wire;
 

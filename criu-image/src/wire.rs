@@ -155,6 +155,20 @@ impl<'a> Field<'a> {
         }
     }
 
+    /// The value of a `uint64` field (wire type varint).
+    pub(crate) fn uint64(&self) -> Result<u64, WireError> {
+        match self.value {
+            Value::Varint(v) => Ok(v),
+            _ => Err(self.wrong_type("a varint")),
+        }
+    }
+
+    /// The value of a `bool` field (wire type varint): protobuf reads any
+    /// non-zero varint as true.
+    pub(crate) fn boolean(&self) -> Result<bool, WireError> {
+        self.uint64().map(|v| v != 0)
+    }
+
     /// The bytes of a length-delimited field.
     pub(crate) fn bytes(&self) -> Result<&'a [u8], WireError> {
         match self.value {
