@@ -97,12 +97,29 @@ pub struct MigrationConfig {
     /// path, one connection at a time). Iterative until collective
     /// measurably wins here (docs/results.md, `cargo xtask bench freeze`).
     pub sockets: crate::sockstate::SocketMigration,
+    /// How memory moves when a request does not say: "total-copy" (all in
+    /// the freeze), "pre-copy" or "queued-pre-copy" (rounds while the
+    /// process runs, `engine::precopy`). Total copy until another one
+    /// measurably wins here (docs/results.md, `cargo xtask bench algorithms`).
+    pub strategy: crate::engine::precopy::MemoryStrategy,
+    /// Pre-copy: freeze once the pages left would cross in this many
+    /// milliseconds at the rate measured so far (1..=60000).
+    pub downtime_budget_ms: u32,
+    /// Pre-copy: freeze after this many rounds at most (1..=1000).
+    pub max_rounds: u32,
 }
+
+/// The most a request or the config may ask for.
+pub const MAX_DOWNTIME_BUDGET_MS: u32 = 60_000;
+pub const MAX_PRECOPY_ROUNDS: u32 = 1000;
 
 impl Default for MigrationConfig {
     fn default() -> Self {
         Self {
             sockets: crate::sockstate::SocketMigration::Iterative,
+            strategy: crate::engine::precopy::MemoryStrategy::TotalCopy,
+            downtime_budget_ms: 30,
+            max_rounds: 10,
         }
     }
 }
@@ -345,6 +362,24 @@ impl Config {
             }
             Err(e) => return Err(invalid("policy", e.to_string())),
         }
+        if !(1..=MAX_DOWNTIME_BUDGET_MS).contains(&self.migration.downtime_budget_ms) {
+            return Err(invalid(
+                "migration.downtime_budget_ms",
+                format!(
+                    "{} is outside 1..={MAX_DOWNTIME_BUDGET_MS}",
+                    self.migration.downtime_budget_ms
+                ),
+            ));
+        }
+        if !(1..=MAX_PRECOPY_ROUNDS).contains(&self.migration.max_rounds) {
+            return Err(invalid(
+                "migration.max_rounds",
+                format!(
+                    "{} is outside 1..={MAX_PRECOPY_ROUNDS}",
+                    self.migration.max_rounds
+                ),
+            ));
+        }
         if let Some(addr) = self.metrics.listen {
             if addr.port() == 0 {
                 return Err(invalid(
@@ -478,6 +513,26 @@ address = "198.19.0.2:7100"
             .unwrap_err()
             .to_string();
         assert!(err.contains("policy.transfer.mode"), "{err}");
+        for (bad, field) in [
+            (
+                "[migration]\ndowntime_budget_ms = 0\n",
+                "migration.downtime_budget_ms",
+            ),
+            ("[migration]\nmax_rounds = 1001\n", "migration.max_rounds"),
+            ("[migration]\nstrategy = \"post-it\"\n", "strategy"),
+        ] {
+            let err = Config::parse(&format!("{GOOD}\n{bad}"), Path::new("t.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{err}");
+        }
+        let good = format!("{GOOD}\n[migration]\nstrategy = \"queued-pre-copy\"\nmax_rounds = 5\n");
+        let cfg = Config::parse(&good, Path::new("t.toml")).unwrap();
+        assert_eq!(
+            cfg.migration.strategy,
+            crate::engine::precopy::MemoryStrategy::QueuedPreCopy
+        );
+        assert_eq!(cfg.migration.downtime_budget_ms, 30);
         let bad = format!("{GOOD}\n[metrics]\nlisten = \"198.19.0.1:7100\"\n");
         let err = Config::parse(&bad, Path::new("x.toml"))
             .unwrap_err()

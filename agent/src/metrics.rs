@@ -71,6 +71,8 @@ impl MigrationLabels {
         Self {
             strategy: match pb::Strategy::try_from(report.strategy) {
                 Ok(pb::Strategy::TotalCopy) => "total_copy",
+                Ok(pb::Strategy::PreCopy) => "pre_copy",
+                Ok(pb::Strategy::QueuedPreCopy) => "queued_pre_copy",
                 _ => "unspecified",
             },
             outcome: match pb::MigrationOutcome::try_from(report.outcome) {

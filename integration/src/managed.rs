@@ -80,15 +80,25 @@ pub async fn migrate_with(
     to: &str,
     sockets: ferry_proto::v1::SocketMigration,
 ) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
-    let mut stream = control
-        .migrate(MigrateRequest {
+    migrate_request(
+        control,
+        MigrateRequest {
             pid,
             destination_node: to.into(),
             strategy: Strategy::TotalCopy as i32,
             sockets: sockets as i32,
-        })
-        .await?
-        .into_inner();
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// [`migrate`] with a whole request (strategy, pre-copy bounds...).
+pub async fn migrate_request(
+    control: &mut ControlClient<Channel>,
+    request: MigrateRequest,
+) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
+    let mut stream = control.migrate(request).await?.into_inner();
     let mut report = None;
     loop {
         match stream.message().await {

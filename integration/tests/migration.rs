@@ -278,6 +278,38 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
         assert_eq!(c, tonic::Code::NotFound, "{m}");
         let (c, m) = code(migrate(&mut node1, 0, "node2").await);
         assert_eq!(c, tonic::Code::InvalidArgument, "{m}");
+        for (req, field) in [
+            (
+                MigrateRequest {
+                    strategy: 99,
+                    ..Default::default()
+                },
+                "strategy",
+            ),
+            (
+                MigrateRequest {
+                    downtime_budget_ms: 3_600_000,
+                    ..Default::default()
+                },
+                "downtime_budget_ms",
+            ),
+            (
+                MigrateRequest {
+                    max_rounds: 5000,
+                    ..Default::default()
+                },
+                "max_rounds",
+            ),
+        ] {
+            let req = MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                ..req
+            };
+            let (c, m) = code(ferry_integration::managed::migrate_request(&mut node1, req).await);
+            assert_eq!(c, tonic::Code::InvalidArgument, "{m}");
+            assert!(m.starts_with(field), "{m}");
+        }
         let (c, m) = code(migrate(&mut node1, 1, "node2").await);
         assert_eq!(c, tonic::Code::FailedPrecondition, "{m}");
         assert!(m.contains("init"), "{m}");

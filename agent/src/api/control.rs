@@ -205,14 +205,28 @@ impl Control for ControlService {
                 "destination_node: name the node to migrate to",
             ));
         }
-        match pb::Strategy::try_from(req.strategy) {
-            Ok(pb::Strategy::Unspecified | pb::Strategy::TotalCopy) => {}
-            _ => {
+        let strategy = match pb::Strategy::try_from(req.strategy) {
+            Ok(s) => crate::engine::precopy::MemoryStrategy::from_pb(s),
+            Err(_) => {
                 return Err(Status::invalid_argument(format!(
-                    "strategy: {} is not a strategy this agent implements (total-copy)",
+                    "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy)",
                     req.strategy
                 )));
             }
+        };
+        if req.downtime_budget_ms > crate::config::MAX_DOWNTIME_BUDGET_MS {
+            return Err(Status::invalid_argument(format!(
+                "downtime_budget_ms: {} is above {}",
+                req.downtime_budget_ms,
+                crate::config::MAX_DOWNTIME_BUDGET_MS
+            )));
+        }
+        if req.max_rounds > crate::config::MAX_PRECOPY_ROUNDS {
+            return Err(Status::invalid_argument(format!(
+                "max_rounds: {} is above {}",
+                req.max_rounds,
+                crate::config::MAX_PRECOPY_ROUNDS
+            )));
         }
         let sockets = match pb::SocketMigration::try_from(req.sockets) {
             Ok(pb::SocketMigration::Unspecified) => None,
@@ -225,8 +239,15 @@ impl Control for ControlService {
                 )));
             }
         };
+        let options = source::MigrationOptions {
+            sockets,
+            strategy,
+            downtime_budget: (req.downtime_budget_ms > 0)
+                .then(|| std::time::Duration::from_millis(u64::from(req.downtime_budget_ms))),
+            max_rounds: (req.max_rounds > 0).then_some(req.max_rounds),
+        };
         let prepared =
-            source::prepare(&self.agent, req.pid, &req.destination_node, sockets).await?;
+            source::prepare(&self.agent, req.pid, &req.destination_node, options).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(32);
         let agent = self.agent.clone();
         // Spawned: the migration finishes, or rolls back, whether or not the

@@ -97,6 +97,15 @@ impl Peer for PeerService {
         ))
     }
 
+    async fn transfer_pages(
+        &self,
+        request: Request<Streaming<ferry_proto::v1::PageBatch>>,
+    ) -> Result<Response<ferry_proto::v1::TransferPagesResponse>, Status> {
+        Ok(Response::new(
+            destination::transfer_pages(&self.agent, request.into_inner()).await?,
+        ))
+    }
+
     async fn transfer_sockets(
         &self,
         request: Request<ferry_proto::v1::TransferSocketsRequest>,

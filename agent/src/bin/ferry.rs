@@ -54,6 +54,18 @@ enum Command {
         /// agent's `[migration] sockets`.
         #[arg(long, value_parser = ["collective", "iterative"])]
         sockets: Option<String>,
+        /// How memory moves: "total-copy" (all in the freeze), "pre-copy"
+        /// or "queued-pre-copy" (rounds while the process runs); default:
+        /// the agent's `[migration] strategy`.
+        #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy"])]
+        strategy: Option<String>,
+        /// Pre-copy: freeze once the pages left would take at most this
+        /// many milliseconds (default: `[migration] downtime_budget_ms`).
+        #[arg(long)]
+        downtime_budget_ms: Option<u32>,
+        /// Pre-copy: the most rounds (default: `[migration] max_rounds`).
+        #[arg(long)]
+        max_rounds: Option<u32>,
     },
     /// The report of a migration that ran from this node.
     Report { migration_id: String },
@@ -235,18 +247,33 @@ async fn main_exec(args: Args) -> Result<()> {
                 println!("{pid}");
             }
         }
-        Command::Migrate { pid, to, sockets } => {
+        Command::Migrate {
+            pid,
+            to,
+            sockets,
+            strategy,
+            downtime_budget_ms,
+            max_rounds,
+        } => {
             let sockets = match sockets.as_deref() {
                 Some("collective") => pb::SocketMigration::Collective,
                 Some("iterative") => pb::SocketMigration::Iterative,
                 _ => pb::SocketMigration::Unspecified,
             };
+            let strategy = match strategy.as_deref() {
+                Some("total-copy") => pb::Strategy::TotalCopy,
+                Some("pre-copy") => pb::Strategy::PreCopy,
+                Some("queued-pre-copy") => pb::Strategy::QueuedPreCopy,
+                _ => pb::Strategy::Unspecified,
+            };
             let mut stream = client
                 .migrate(MigrateRequest {
                     pid,
                     destination_node: to,
-                    strategy: pb::Strategy::TotalCopy as i32,
+                    strategy: strategy as i32,
                     sockets: sockets as i32,
+                    downtime_budget_ms: downtime_budget_ms.unwrap_or(0),
+                    max_rounds: max_rounds.unwrap_or(0),
                 })
                 .await
                 .map_err(status_error)?
@@ -461,10 +488,16 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         Ok(pb::SocketMigration::Iterative) => "iterative",
         _ => "unknown",
     };
+    let strategy = match pb::Strategy::try_from(r.strategy) {
+        Ok(pb::Strategy::TotalCopy) => "total-copy",
+        Ok(pb::Strategy::PreCopy) => "pre-copy",
+        Ok(pb::Strategy::QueuedPreCopy) => "queued-pre-copy",
+        _ => "unknown",
+    };
     if as_json {
         let v = json!({
             "migration_id": r.migration_id, "outcome": outcome, "error": r.error,
-            "strategy": "total-copy", "source_node": r.source_node, "destination_node": r.destination_node,
+            "strategy": strategy, "source_node": r.source_node, "destination_node": r.destination_node,
             "source_pid": r.source_pid, "destination_pid": r.destination_pid,
             "preparation_time_ms": ms(r.preparation_time_us), "freeze_time_ms": ms(r.freeze_time_us),
             "post_processing_time_ms": ms(r.post_processing_time_us), "total_time_ms": ms(r.total_time_us),
@@ -475,6 +508,12 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             "freeze_parts": r.freeze_parts.iter().map(|p| json!({"part": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
             "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
             "capture": r.capture,
+            "memory_tracking": r.memory_tracking, "convergence": r.convergence,
+            "dumped_pages": r.dumped_pages, "freeze_pages": r.freeze_pages, "precopied_pages": r.precopied_pages,
+            "rounds": r.rounds.iter().map(|x| json!({
+                "round": x.round, "written_pages": x.written_pages, "sent_pages": x.sent_pages,
+                "sent_bytes": x.sent_bytes, "delayed_pages": x.delayed_pages, "ms": ms(x.duration_us),
+            })).collect::<Vec<_>>(),
             "socket_migration": sockets, "socket_migration_note": r.sockets_note,
             "replay": r.replay.as_ref().map(|s| json!({
                 "captured": s.captured, "replayed": s.replayed,
@@ -490,7 +529,30 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         "  {} PID {} -> {} PID {}",
         r.source_node, r.source_pid, r.destination_node, r.destination_pid
     );
-    println!("  strategy            total-copy");
+    println!("  strategy            {strategy}");
+    if !r.rounds.is_empty() {
+        println!(
+            "  preparation time    {:>10.1} ms  ({} rounds, {}; dirty pages by {})",
+            ms(r.preparation_time_us),
+            r.rounds.len(),
+            r.convergence,
+            r.memory_tracking
+        );
+        for x in &r.rounds {
+            println!(
+                "    round {:>3}  {:>8} written  {:>8} sent  {:>8} delayed  {:>8.1} ms",
+                x.round,
+                x.written_pages,
+                x.sent_pages,
+                x.delayed_pages,
+                ms(x.duration_us)
+            );
+        }
+        println!(
+            "  pages in freeze     {} of {} dumped ({} pre-copied)",
+            r.freeze_pages, r.dumped_pages, r.precopied_pages
+        );
+    }
     println!("  freeze time         {:>10.1} ms", ms(r.freeze_time_us));
     println!("  total time          {:>10.1} ms", ms(r.total_time_us));
     println!(

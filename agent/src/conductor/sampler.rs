@@ -120,7 +120,7 @@ impl MigrationStarter for EngineStarter {
     }
 
     async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, String> {
-        let prepared = source::prepare(&self.agent, pid, to, None)
+        let prepared = source::prepare(&self.agent, pid, to, source::MigrationOptions::default())
             .await
             .map_err(|e| error_chain(&e))?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(32);

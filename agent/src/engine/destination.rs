@@ -25,6 +25,7 @@ use crate::ownership::PortState;
 use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::translation::{self, InClusterFlow};
 
+use super::pagestore::PageStore;
 use super::{EngineError, images::ImageWriter, source::set_private};
 
 /// The receive buffer a migrated process's UDP sockets get for the replay
@@ -74,6 +75,9 @@ pub struct Incoming {
     /// Collective socket migration: the connections ferryd rebuilt, in
     /// repair mode until the commit resumes them.
     rebuilt: Option<crate::sockstate::Rebuilt>,
+    /// Pre-copy (protocol 5): the pages received while the process still
+    /// ran on the source.
+    pages: Arc<std::sync::Mutex<PageStore>>,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -274,6 +278,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
         rebuilt: None,
+        pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
@@ -387,9 +392,10 @@ pub async fn transfer_images(
                 let (tx, mut rx) = tokio::sync::mpsc::channel::<ImageChunk>(64);
                 let dir = inc.images();
                 let discarded = inc.discarded.clone();
+                let store = inc.pages.clone();
                 let task = tokio::task::spawn_blocking(move || {
                     let gone = || EngineError::BadImage("the migration was discarded".into());
-                    let mut w = ImageWriter::new(&dir);
+                    let mut w = ImageWriter::new(&dir).with_store(store);
                     while let Some(c) = rx.blocking_recv() {
                         let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
                         if *d {
@@ -436,11 +442,67 @@ pub async fn transfer_images(
     let w = written??;
     let inc = expect(&mut slot, &id, &["reserved"], "image transfer")?;
     inc.state = IncomingState::Received;
-    tracing::info!(migration = %id, files = w.files, bytes = w.bytes, "images received");
+    tracing::info!(migration = %id, files = w.files, bytes = w.bytes, stored_bytes = w.stored_bytes, "images received");
     Ok(TransferImagesResponse {
         files: w.files,
         bytes: w.bytes,
     })
+}
+
+/// One pre-copy round's pages (protocol 5), stored for the image transfer.
+pub async fn transfer_pages(
+    agent: &Arc<Agent>,
+    mut stream: tonic::Streaming<ferry_proto::v1::PageBatch>,
+) -> Result<ferry_proto::v1::TransferPagesResponse, EngineError> {
+    let mut id: Option<String> = None;
+    let (mut pages, mut bytes) = (0u64, 0u64);
+    while let Some(batch) = stream.next().await {
+        let batch = batch
+            .map_err(|s| EngineError::BadImage(format!("page stream broke: {}", s.message())))?;
+        if let Some(id) = &id
+            && *id != batch.migration_id
+        {
+            return Err(EngineError::BadImage(format!(
+                "migration_id changed from {id} to {} mid-stream",
+                batch.migration_id
+            )));
+        }
+        // The slot per batch, not for the whole round: a round on a slow
+        // link is long, and an abort must not wait for it.
+        let (store, discarded) = {
+            let mut slot = agent.incoming.lock().await;
+            let inc = expect(&mut slot, &batch.migration_id, &["reserved"], "pre-copy")?;
+            if inc.protocol_version < ferry_proto::PEER_PROTOCOL_PRECOPY {
+                return Err(EngineError::WrongState {
+                    migration_id: batch.migration_id.clone(),
+                    state: "prepared with a protocol without pre-copy",
+                    step: "pre-copy",
+                });
+            }
+            (inc.pages.clone(), inc.discarded.clone())
+        };
+        id.get_or_insert_with(|| batch.migration_id.clone());
+        let (p, b) = tokio::task::spawn_blocking(move || {
+            // Under the discard flag's lock, as the image writer does.
+            let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
+            if *d {
+                return Err(EngineError::BadImage("the migration was discarded".into()));
+            }
+            let mut s = store.lock().unwrap_or_else(|p| p.into_inner());
+            let before = (s.pages, s.bytes);
+            s.write(&batch)?;
+            Ok((s.pages - before.0, s.bytes - before.1))
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("page store: {e}")))??;
+        pages += p;
+        bytes += b;
+    }
+    if id.is_none() {
+        return Err(EngineError::BadImage("no page batch received".into()));
+    }
+    tracing::debug!(pages, bytes, "pre-copied pages received");
+    Ok(ferry_proto::v1::TransferPagesResponse { pages, bytes })
 }
 
 pub async fn restore(

@@ -3,9 +3,14 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use ferry_proto::v1::{ImageChunk, ImagePiece};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use ferry_proto::v1::{ImageChunk, ImagePiece, StoredPages};
 
 use super::EngineError;
+use super::pagestore::PageStore;
+use crate::memtrack::RangeSet;
 
 /// Chunk size on the wire: well under tonic's 4 MiB message limit.
 pub const IMAGE_CHUNK_BYTES: usize = 1 << 20;
@@ -56,7 +61,13 @@ struct Batcher {
 }
 
 impl Batcher {
-    fn push(&mut self, file_name: &str, offset: u64, data: Vec<u8>) -> Result<(), EngineError> {
+    fn push(
+        &mut self,
+        file_name: &str,
+        offset: u64,
+        data: Vec<u8>,
+        stored: Option<StoredPages>,
+    ) -> Result<(), EngineError> {
         let len = data.len();
         match self.pending.as_mut() {
             None => {
@@ -66,12 +77,14 @@ impl Batcher {
                     offset,
                     data,
                     more: Vec::new(),
+                    stored,
                 });
             }
             Some(chunk) => chunk.more.push(ImagePiece {
                 file_name: file_name.to_owned(),
                 offset,
                 data,
+                stored,
             }),
         }
         self.pending_bytes += len;
@@ -93,14 +106,96 @@ impl Batcher {
     }
 }
 
-/// Streams every file of `dir` as chunks into `tx`, from a blocking thread;
-/// returns (files, bytes).
+/// What [`read_images`] sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImageCounts {
+    pub files: u32,
+    /// Bytes of image data sent.
+    pub bytes: u64,
+    /// Bytes of the pages images of pre-copied processes: all of them, and
+    /// those the destination copied from its store instead.
+    pub dumped_page_bytes: u64,
+    pub stored_bytes: u64,
+}
+
+/// One piece of a pages image, in file order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PagePiece {
+    /// `len` bytes of the file from `offset`, sent.
+    Data { offset: u64, len: u64 },
+    /// Held by the destination (pre-copied and clean since).
+    Stored { offset: u64, stored: StoredPages },
+}
+
+/// How to send each pages image of the pre-copied processes: the pages the
+/// destination holds (`held`, per PID in its namespace) by reference, the
+/// rest as data. Checks each layout against its pages file.
+fn plan_pages(
+    dir: &Path,
+    held: &HashMap<u32, RangeSet>,
+) -> Result<HashMap<String, (Vec<PagePiece>, u64)>, EngineError> {
+    let mut plans = HashMap::new();
+    for (vpid, held) in held {
+        let map = ferry_criu_image::pagemap::read_pagemap(dir, *vpid)
+            .map_err(|e| EngineError::Internal(format!("reading the dump's page map: {e}")))?;
+        let size = map
+            .check_pages_file(dir)
+            .map_err(|e| EngineError::Internal(format!("checking the dump's pages: {e}")))?;
+        let mut pieces = Vec::new();
+        let mut stored_bytes = 0;
+        for run in &map.runs {
+            let Some(offset) = run.pages_file_offset else {
+                continue;
+            };
+            let start = run.vaddr;
+            let end = start + run.nr_pages * map.page_size;
+            for (s, e, is_held) in held.split(start, end) {
+                let offset = offset + (s - start);
+                pieces.push(if is_held {
+                    stored_bytes += e - s;
+                    PagePiece::Stored {
+                        offset,
+                        stored: StoredPages {
+                            pid: *vpid,
+                            vaddr: s,
+                            length: e - s,
+                        },
+                    }
+                } else {
+                    PagePiece::Data { offset, len: e - s }
+                });
+            }
+        }
+        let covered: u64 = pieces
+            .iter()
+            .map(|p| match p {
+                PagePiece::Data { len, .. } => *len,
+                PagePiece::Stored { stored, .. } => stored.length,
+            })
+            .sum();
+        if covered != size {
+            return Err(EngineError::Internal(format!(
+                "{}: the page map covers {covered} bytes of {size}",
+                map.pages_file
+            )));
+        }
+        tracing::debug!(pid = vpid, file = %map.pages_file, bytes = size, stored_bytes, "pages image plan");
+        plans.insert(map.pages_file.clone(), (pieces, size));
+    }
+    Ok(plans)
+}
+
+/// Streams every file of `dir` as chunks into `tx`, from a blocking thread.
+/// The pages images of processes in `held` carry only what the destination
+/// lacks (see [`plan_pages`]).
 pub fn read_images(
     dir: PathBuf,
     migration_id: String,
     packing: Packing,
+    held: &HashMap<u32, RangeSet>,
     tx: tokio::sync::mpsc::Sender<ImageChunk>,
-) -> Result<(u32, u64), EngineError> {
+) -> Result<ImageCounts, EngineError> {
+    let plans = plan_pages(&dir, held)?;
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .map_err(EngineError::io(format!("listing {}", dir.display())))?
         .filter_map(|e| e.ok())
@@ -115,11 +210,40 @@ pub fn read_images(
         pending: None,
         pending_bytes: 0,
     };
-    let (mut files, mut bytes) = (0u32, 0u64);
+    let mut counts = ImageCounts::default();
     for name in names {
         let path = dir.join(&name);
         let mut f = std::fs::File::open(&path)
             .map_err(EngineError::io(format!("opening {}", path.display())))?;
+        counts.files += 1;
+        if let Some((pieces, size)) = plans.get(&name) {
+            counts.dumped_page_bytes += size;
+            if pieces.is_empty() {
+                out.push(&name, 0, Vec::new(), None)?;
+            }
+            for piece in pieces {
+                match piece {
+                    PagePiece::Stored { offset, stored } => {
+                        counts.stored_bytes += stored.length;
+                        out.push(&name, *offset, Vec::new(), Some(*stored))?;
+                    }
+                    PagePiece::Data { offset, len } => {
+                        use std::os::unix::fs::FileExt;
+                        let mut at = *offset;
+                        while at < offset + len {
+                            let n = (offset + len - at).min(IMAGE_CHUNK_BYTES as u64) as usize;
+                            let mut buf = vec![0u8; n];
+                            f.read_exact_at(&mut buf, at)
+                                .map_err(EngineError::io(format!("reading {}", path.display())))?;
+                            out.push(&name, at, buf, None)?;
+                            counts.bytes += n as u64;
+                            at += n as u64;
+                        }
+                    }
+                }
+            }
+            continue;
+        }
         // Most images are small (one per TCP connection): a buffer the size
         // of the file, not of a chunk, keeps a thousand of them cheap.
         let size = f.metadata().map(|m| m.len() as usize).unwrap_or(0);
@@ -133,17 +257,16 @@ pub fn read_images(
                 break;
             }
             buf.truncate(n);
-            out.push(&name, offset, buf)?;
+            out.push(&name, offset, buf, None)?;
             offset += n as u64;
-            bytes += n as u64;
+            counts.bytes += n as u64;
             if n == 0 {
                 break;
             }
         }
-        files += 1;
     }
     out.flush()?;
-    Ok((files, bytes))
+    Ok(counts)
 }
 
 /// Reads until `buf` is full or the file ends.
@@ -166,26 +289,43 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
 #[derive(Debug)]
 pub struct ImageWriter {
     dir: PathBuf,
+    /// Pre-copied pages, for the `stored` pieces.
+    store: Option<Arc<Mutex<PageStore>>>,
     current: Option<(String, std::fs::File, u64)>,
     pub files: u32,
     pub bytes: u64,
+    /// Bytes copied from the store of pre-copied pages.
+    pub stored_bytes: u64,
 }
 
 impl ImageWriter {
     pub fn new(dir: &Path) -> Self {
         Self {
             dir: dir.to_owned(),
+            store: None,
             current: None,
             files: 0,
             bytes: 0,
+            stored_bytes: 0,
         }
+    }
+
+    /// Takes `stored` pieces from `store`.
+    pub fn with_store(mut self, store: Arc<Mutex<PageStore>>) -> Self {
+        self.store = Some(store);
+        self
     }
 
     /// Writes the message's own piece, then the pieces packed after it.
     pub fn write(&mut self, chunk: &ImageChunk) -> Result<(), EngineError> {
-        self.write_piece(&chunk.file_name, chunk.offset, &chunk.data)?;
+        self.write_piece(
+            &chunk.file_name,
+            chunk.offset,
+            &chunk.data,
+            chunk.stored.as_ref(),
+        )?;
         for p in &chunk.more {
-            self.write_piece(&p.file_name, p.offset, &p.data)?;
+            self.write_piece(&p.file_name, p.offset, &p.data, p.stored.as_ref())?;
         }
         Ok(())
     }
@@ -195,6 +335,7 @@ impl ImageWriter {
         file_name: &str,
         offset: u64,
         data: &[u8],
+        stored: Option<&StoredPages>,
     ) -> Result<(), EngineError> {
         if !valid_image_name(file_name) {
             return Err(EngineError::BadImage(format!(
@@ -235,6 +376,25 @@ impl ImageWriter {
                 "{name}: chunk at offset {offset}, expected {written}"
             )));
         }
+        if let Some(stored) = stored {
+            if !data.is_empty() {
+                return Err(EngineError::BadImage(format!(
+                    "{name}: a piece at offset {offset} has both data and stored pages"
+                )));
+            }
+            let Some(store) = self.store.as_ref() else {
+                return Err(EngineError::BadImage(format!(
+                    "{name}: stored pages, but no pages were pre-copied"
+                )));
+            };
+            store
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .copy_out(stored, f)?;
+            *written += stored.length;
+            self.stored_bytes += stored.length;
+            return Ok(());
+        }
         f.write_all(data)
             .map_err(EngineError::io(format!("writing {name}")))?;
         *written += data.len() as u64;
@@ -268,7 +428,9 @@ mod tests {
     async fn send(src: &Path, packing: Packing) -> (tempfile::TempDir, (u32, u64), usize) {
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let dir = src.to_owned();
-        let reader = tokio::task::spawn_blocking(move || read_images(dir, "m".into(), packing, tx));
+        let reader = tokio::task::spawn_blocking(move || {
+            read_images(dir, "m".into(), packing, &HashMap::new(), tx).map(|c| (c.files, c.bytes))
+        });
         let dst = tempfile::tempdir().unwrap();
         let mut w = ImageWriter::new(dst.path());
         let mut messages = 0;
@@ -306,6 +468,7 @@ mod tests {
             offset: 5,
             data: vec![1],
             more: Vec::new(),
+            stored: None,
         };
         assert!(matches!(w.write(&c), Err(EngineError::BadImage(_))));
         let c = ImageChunk {
@@ -314,6 +477,7 @@ mod tests {
             offset: 0,
             data: vec![1],
             more: Vec::new(),
+            stored: None,
         };
         assert!(matches!(w.write(&c), Err(EngineError::BadImage(_))));
         // A packed piece is checked like the message's own.
@@ -327,7 +491,9 @@ mod tests {
                 file_name: "../y".into(),
                 offset: 0,
                 data: vec![2],
+                stored: None,
             }],
+            stored: None,
         };
         assert!(matches!(w.write(&c), Err(EngineError::BadImage(_))));
     }

@@ -93,6 +93,8 @@
 
 pub mod destination;
 mod images;
+mod pagestore;
+pub mod precopy;
 mod rollback;
 pub mod source;
 pub mod translations;

@@ -23,7 +23,22 @@ use crate::managed::{Lifecycle, OutStage};
 use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::{self, SocketMigration};
 
+use super::precopy::{Convergence, MemoryStrategy, Precopy};
 use super::{EngineError, images, new_migration_id, rollback};
+
+/// What a migration request may choose; `None`: the agent's `[migration]`
+/// setting.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MigrationOptions {
+    /// How the TCP connections move.
+    pub sockets: Option<SocketMigration>,
+    /// How the memory moves.
+    pub strategy: Option<MemoryStrategy>,
+    /// Pre-copy: the freeze's budget for the pages left.
+    pub downtime_budget: Option<Duration>,
+    /// Pre-copy: the most rounds.
+    pub max_rounds: Option<u32>,
+}
 
 /// A migration that passed validation and holds the destination's
 /// reservation.
@@ -39,6 +54,9 @@ pub struct Prepared {
     /// not as asked, if so.
     socket_migration: SocketMigration,
     socket_note: Option<String>,
+    /// How the memory moves, and when pre-copy rounds stop.
+    strategy: MemoryStrategy,
+    convergence: Convergence,
     started: Instant,
     started_wall: SystemTime,
 }
@@ -64,15 +82,21 @@ pub fn port_to_pb(p: &PortKey) -> pb::Port {
 
 /// Checks everything that can be checked before touching the process, and
 /// reserves the destination. Errors here leave no trace anywhere.
-/// `sockets`: how the TCP connections should move (None: the agent's
-/// `[migration] sockets`).
 pub async fn prepare(
     agent: &Arc<Agent>,
     pid: i32,
     destination: &str,
-    sockets: Option<SocketMigration>,
+    options: MigrationOptions,
 ) -> Result<Prepared, EngineError> {
-    let wanted_sockets = sockets.unwrap_or(agent.config.migration.sockets);
+    let cfg = &agent.config.migration;
+    let wanted_sockets = options.sockets.unwrap_or(cfg.sockets);
+    let strategy = options.strategy.unwrap_or(cfg.strategy);
+    let convergence = Convergence {
+        downtime_budget: options
+            .downtime_budget
+            .unwrap_or(Duration::from_millis(u64::from(cfg.downtime_budget_ms))),
+        max_rounds: options.max_rounds.unwrap_or(cfg.max_rounds),
+    };
     let started = Instant::now();
     let started_wall = SystemTime::now();
     let node = agent.node().to_owned();
@@ -164,6 +188,18 @@ pub async fn prepare(
                 ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
             });
         }
+        if strategy.is_precopy() && hello.protocol_version < ferry_proto::PEER_PROTOCOL_PRECOPY {
+            return Err(EngineError::NotMigratable {
+                pid,
+                reason: format!(
+                    "{} speaks peer protocol {}; {} needs {}",
+                    peer_cfg.name,
+                    hello.protocol_version,
+                    strategy.name(),
+                    ferry_proto::PEER_PROTOCOL_PRECOPY
+                ),
+            });
+        }
         peer.prepare(PrepareRequest {
             protocol_version: hello.protocol_version,
             migration_id: migration_id.clone(),
@@ -196,6 +232,8 @@ pub async fn prepare(
                 sockets,
                 socket_migration,
                 socket_note,
+                strategy,
+                convergence,
                 started,
                 started_wall,
             })
@@ -258,7 +296,7 @@ fn check_migratable(agent: &Agent, pid: i32) -> Result<(), EngineError> {
     Ok(())
 }
 
-fn peer_error(node: &str, s: tonic::Status) -> EngineError {
+pub(super) fn peer_error(node: &str, s: tonic::Status) -> EngineError {
     match s.code() {
         tonic::Code::Unavailable => EngineError::PeerUnavailable {
             node: node.to_owned(),
@@ -277,7 +315,7 @@ fn peer_error(node: &str, s: tonic::Status) -> EngineError {
 /// migration is aborted (once a second, each bounded by peer_timeout_secs).
 const ABORT_RETRIES: u32 = 300;
 
-fn silent(peer: &PeerConfig, step: &str, waited: Duration) -> EngineError {
+pub(super) fn silent(peer: &PeerConfig, step: &str, waited: Duration) -> EngineError {
     EngineError::PeerUnavailable {
         node: peer.name.clone(),
         address: peer.address.to_string(),
@@ -319,6 +357,9 @@ struct Run {
     /// ferryd in repair mode from the end of the dump. Turned back on an
     /// abort; closed (silently) after the commit.
     held: Option<Arc<sockstate::Held>>,
+    /// Pre-copy: dirty tracking on, pages sent. Ended after the dump, or
+    /// on an abort before the process resumes.
+    precopy: Option<Precopy>,
 }
 
 impl Run {
@@ -368,7 +409,12 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
     async move {
         let report = MigrationReport {
             migration_id: p.migration_id.clone(),
-            strategy: pb::Strategy::TotalCopy as i32,
+            strategy: p.strategy.to_pb() as i32,
+            memory_tracking: if p.strategy.is_precopy() {
+                "uffd-wp-async+pagemap-scan".into()
+            } else {
+                String::new()
+            },
             outcome: MigrationOutcome::Unspecified as i32,
             source_node: agent.node().to_owned(),
             destination_node: p.destination.name.clone(),
@@ -413,6 +459,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             draining: None,
             translated: Vec::new(),
             held: None,
+            precopy: None,
             p,
             events,
             report,
@@ -467,13 +514,53 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     }
     set_private(dir);
 
+    // Pre-copy: the memory crosses while the process runs.
+    let pid = run.p.pid;
+    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    if run.p.strategy.is_precopy() {
+        run.phase("pre-copy").await;
+        let started = Instant::now();
+        let mut pre = match Precopy::start(pid, run.p.strategy).await {
+            Ok(p) => p,
+            Err(e) => return Stop::BeforeCommit(e),
+        };
+        let events = run.events.clone();
+        let (migration_start, sent_before) = (run.p.started, run.report.bytes_transferred);
+        let link = super::precopy::Link {
+            peer: &mut run.p.peer,
+            migration_id: &run.p.migration_id,
+            destination: &run.p.destination,
+            deadline,
+        };
+        let mut sent = sent_before;
+        let result = pre
+            .rounds(link, run.p.convergence, |r| {
+                sent += r.sent_bytes;
+                // The migration goes on if the caller stopped listening.
+                let _ = events.try_send(Ok(MigrationEvent {
+                    event: Some(migration_event::Event::Progress(MigrationProgress {
+                        phase: format!("pre-copy round {}", r.round),
+                        elapsed_us: migration_start.elapsed().as_micros() as u64,
+                        bytes_transferred: sent,
+                    })),
+                }));
+            })
+            .await;
+        run.report.rounds = pre.rounds.clone();
+        run.report.convergence = pre.convergence.clone();
+        run.report.bytes_transferred += pre.bytes_sent;
+        run.report.preparation_time_us = started.elapsed().as_micros() as u64;
+        run.precopy = Some(pre);
+        if let Err(e) = result {
+            return Stop::BeforeCommit(e);
+        }
+    }
+
     // Arm: from here on the destination keeps every packet for the
     // process's ports. Until the freeze this node still serves them, and
     // logs what it delivers, so the destination can skip those.
-    let pid = run.p.pid;
     let id = run.p.migration_id.clone();
     let ports: Vec<PortKey> = run.p.sockets.ports.iter().copied().collect();
-    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
     if run.capture {
         run.phase("arm").await;
         run.agent.capture.open(&id, ports.iter().copied());
@@ -566,6 +653,16 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             "CRIU dumped without its pre-dump notification: the ports were never frozen".into(),
         ));
     };
+    // Pre-copy: with the process stopped, the last scan says which of the
+    // pages the destination holds are still current; tracking ends.
+    let held_pages = match run.precopy.take() {
+        Some(pre) => match tokio::task::spawn_blocking(move || pre.finish()).await {
+            Ok(Ok(held)) => held,
+            Ok(Err(e)) => return Stop::BeforeCommit(e),
+            Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+        },
+        None => std::collections::HashMap::new(),
+    };
     if run.capture {
         // Everything delivered while recording is in the ring by now. Under
         // load that is megabytes of packets to digest: it runs beside the
@@ -595,7 +692,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let images = images.clone();
         let id = run.p.migration_id.clone();
         let packing = images::Packing::for_version(run.p.protocol_version);
-        move || images::read_images(images, id, packing, tx)
+        move || images::read_images(images, id, packing, &held_pages, tx)
     });
     let mut images_peer = run.p.peer.clone();
     let images_sent = tokio::time::timeout(
@@ -657,15 +754,21 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     };
     let read = reader.await;
-    let (files, bytes) = match (read, sent) {
+    let counts = match (read, sent) {
         (Ok(Ok(counts)), Ok(_)) => counts,
         (Ok(Err(e)), _) => return Stop::BeforeCommit(e),
         (Err(e), _) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
         (_, Err(s)) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
     };
-    run.report.image_files = files;
-    run.report.image_bytes = bytes;
-    run.report.bytes_transferred = bytes;
+    run.report.image_files = counts.files;
+    run.report.image_bytes = counts.bytes + counts.stored_bytes;
+    run.report.bytes_transferred += counts.bytes;
+    if run.p.strategy.is_precopy() {
+        let page = crate::memtrack::page_size();
+        run.report.dumped_pages = counts.dumped_page_bytes / page;
+        run.report.precopied_pages = counts.stored_bytes / page;
+        run.report.freeze_pages = run.report.dumped_pages - run.report.precopied_pages;
+    }
     match sockets {
         Ok(Some((sent_bytes, answer))) => {
             run.report.bytes_transferred += sent_bytes;
@@ -939,6 +1042,12 @@ async fn finish(run: &mut Run, stop: Stop) {
             // The in-cluster peers' packets must come here again before
             // the process runs.
             untranslate_in_cluster(run).await;
+            // No write protection may outlive the migration.
+            if let Some(pre) = run.precopy.take()
+                && let Err(e) = tokio::task::spawn_blocking(move || pre.stop()).await
+            {
+                tracing::error!(error = %e, "ending dirty-page tracking");
+            }
             // Connections read for a collective migration leave repair
             // mode, with their own SO_REUSEADDR, before the process runs
             // (resume_on_source would clear any left, without that).

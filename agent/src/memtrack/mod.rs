@@ -85,6 +85,18 @@ pub fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+/// The PID of `pid` inside its own PID namespace (the innermost of the
+/// `NSpid` line): the number CRIU names its images by.
+pub fn ns_pid(pid: i32) -> io::Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| io::Error::other(format!("no NSpid in /proc/{pid}/status")))
+}
+
 /// A mapping of the target, as `/proc/<pid>/smaps` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapping {

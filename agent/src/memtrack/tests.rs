@@ -189,7 +189,7 @@ fn a_copy_kept_from_the_scans_equals_the_memory() {
     let p = page_size();
     let mut t = Tracker::start(pid).unwrap();
     let mut copy: HashMap<u64, Vec<u8>> = HashMap::new();
-    let mut apply = |scan: &Scan, copy: &mut HashMap<u64, Vec<u8>>| {
+    let apply = |scan: &Scan, copy: &mut HashMap<u64, Vec<u8>>| {
         for (s, e) in scan.stale.iter() {
             let mut a = s;
             while a < e {

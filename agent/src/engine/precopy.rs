@@ -1,0 +1,571 @@
+//! Pre-copy: the process's private memory crosses while it still runs, in
+//! rounds, so that the freeze carries only the pages the destination lacks
+//! (seed 004 §2.3.5 and §2.3.6).
+//!
+//! ```text
+//! start tracking ─> round 1 ─> round 2 ─> … ─> (convergence says freeze) ─> Arm, Dump …
+//!                   scan+send   scan+send          │
+//!                                                  └─ after the dump, process stopped:
+//!                                                     last scan, tracking stops, and the
+//!                                                     image stream names the pages the
+//!                                                     destination holds (StoredPages)
+//! ```
+//!
+//! Each round scans for pages written since the last scan and protects
+//! them again in the same step ([`crate::memtrack`]), then reads and sends
+//! (`Peer.TransferPages`):
+//!
+//! - **pre-copy** sends what the scan found (the first scan finds
+//!   everything: nothing was protected before);
+//! - **queued pre-copy** holds written pages back ("delayed") and sends a
+//!   delayed page only once a whole round passed without a write to it, so
+//!   that hot pages cross once, at the freeze. Its first round only
+//!   observes (everything is delayed, nothing sent) for
+//!   [`QUEUED_OBSERVATION`].
+//!
+//! After each scan from the second round on, the [`Convergence`] predicate
+//! decides between another round and the freeze, from what would be left
+//! for the freeze and the rate measured so far. The destination then holds,
+//! for each page it received, the content of the moment of its read; a
+//! page written after its read is found by a later scan (or the last one,
+//! taken with the process stopped) and is never counted as held.
+//!
+//! CRIU still dumps all of the process's memory into the source's tmpfs in
+//! the freeze (no CRIU interface takes a list of clean pages on a kernel
+//! without soft-dirty bits): the saving is the transfer, not the local
+//! copy.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::{self as pb, PageBatch, PageRun};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::memtrack::{self, RangeSet, Tracker};
+
+use super::EngineError;
+
+/// How a queued pre-copy's first round watches the process before it
+/// sends anything: pages written within it count as hot.
+pub const QUEUED_OBSERVATION: Duration = Duration::from_millis(50);
+
+/// Most bytes of page data in one `PageBatch` message.
+const BATCH_BYTES: usize = 1 << 20;
+
+/// How a migration moves the process's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryStrategy {
+    /// Everything in the freeze.
+    #[default]
+    TotalCopy,
+    PreCopy,
+    QueuedPreCopy,
+}
+
+impl MemoryStrategy {
+    pub fn to_pb(self) -> pb::Strategy {
+        match self {
+            MemoryStrategy::TotalCopy => pb::Strategy::TotalCopy,
+            MemoryStrategy::PreCopy => pb::Strategy::PreCopy,
+            MemoryStrategy::QueuedPreCopy => pb::Strategy::QueuedPreCopy,
+        }
+    }
+
+    /// None for UNSPECIFIED (the agent's default).
+    pub fn from_pb(s: pb::Strategy) -> Option<Self> {
+        match s {
+            pb::Strategy::Unspecified => None,
+            pb::Strategy::TotalCopy => Some(MemoryStrategy::TotalCopy),
+            pb::Strategy::PreCopy => Some(MemoryStrategy::PreCopy),
+            pb::Strategy::QueuedPreCopy => Some(MemoryStrategy::QueuedPreCopy),
+        }
+    }
+
+    pub fn is_precopy(self) -> bool {
+        self != MemoryStrategy::TotalCopy
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryStrategy::TotalCopy => "total-copy",
+            MemoryStrategy::PreCopy => "pre-copy",
+            MemoryStrategy::QueuedPreCopy => "queued-pre-copy",
+        }
+    }
+}
+
+/// When the rounds stop (cloud-hypervisor's idea of a pluggable predicate;
+/// seed 004's "predetermined limit" and "reruns").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Convergence {
+    /// Freeze once what is left would cross in this long at the rate
+    /// measured so far.
+    pub downtime_budget: Duration,
+    /// Freeze after this many rounds whatever is left.
+    pub max_rounds: u32,
+}
+
+/// What the predicate says after a round's scan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Continue,
+    Freeze(&'static str),
+}
+
+impl Convergence {
+    /// `round`: the round whose scan just found `pending` bytes for the
+    /// freeze (counting from 1); `rate`: bytes per second sent so far, if
+    /// anything was; `earlier`: `pending` of the earlier rounds from the
+    /// second on.
+    pub fn decide(&self, round: u32, pending: u64, rate: Option<f64>, earlier: &[u64]) -> Verdict {
+        if pending == 0 {
+            return Verdict::Freeze("downtime budget met");
+        }
+        if let Some(rate) = rate.filter(|r| *r > 0.0)
+            && round > 1
+            && pending as f64 / rate <= self.downtime_budget.as_secs_f64()
+        {
+            return Verdict::Freeze("downtime budget met");
+        }
+        if round >= self.max_rounds {
+            return Verdict::Freeze("round limit");
+        }
+        // Two rounds in a row without shrinking by 5 %: the process
+        // writes as fast as the link carries its pages.
+        if let [.., a, b] = earlier
+            && round > 1
+            && pending as f64 >= 0.95 * *b as f64
+            && *b as f64 >= 0.95 * *a as f64
+        {
+            return Verdict::Freeze("dirty set not shrinking");
+        }
+        Verdict::Continue
+    }
+}
+
+/// One tracked process of the migrating tree.
+struct Tracked {
+    /// Host PID, for ptrace and /proc.
+    pid: i32,
+    /// PID in its namespace, as the images and the destination know it.
+    vpid: u32,
+    tracker: Tracker,
+    /// Pages the destination holds with their current content.
+    held: RangeSet,
+    /// Queued pre-copy: pages known written and not sent since.
+    delayed: RangeSet,
+}
+
+/// A pre-copy in progress: tracking on, pages sent so far.
+pub struct Precopy {
+    strategy: MemoryStrategy,
+    tracked: Vec<Tracked>,
+    pub rounds: Vec<pb::PrecopyRound>,
+    pub convergence: String,
+    pub bytes_sent: u64,
+}
+
+impl std::fmt::Debug for Precopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Precopy")
+            .field("strategy", &self.strategy)
+            .field("rounds", &self.rounds.len())
+            .finish()
+    }
+}
+
+/// What the rounds need from the migration.
+pub struct Link<'a> {
+    pub peer: &'a mut ferry_proto::v1::peer_client::PeerClient<tonic::transport::Channel>,
+    pub migration_id: &'a str,
+    pub destination: &'a crate::config::PeerConfig,
+    /// The bound on one step's answer (`peer_timeout_secs`).
+    pub deadline: Duration,
+}
+
+impl Precopy {
+    /// Starts tracking every process of the tree rooted at `pid`.
+    pub async fn start(pid: i32, strategy: MemoryStrategy) -> Result<Self, EngineError> {
+        let tracked = tokio::task::spawn_blocking(move || {
+            let mut tracked = Vec::new();
+            for p in crate::process::process_tree(pid) {
+                let vpid = memtrack::ns_pid(p)
+                    .map_err(EngineError::io(format!("reading the namespace PID of {p}")))?;
+                let tracker = Tracker::start(p).map_err(|e| EngineError::NotMigratable {
+                    pid,
+                    reason: format!("its memory cannot be tracked for {}: {e}", strategy.name()),
+                })?;
+                tracked.push(Tracked {
+                    pid: p,
+                    vpid,
+                    tracker,
+                    held: RangeSet::new(),
+                    delayed: RangeSet::new(),
+                });
+            }
+            Ok::<_, EngineError>(tracked)
+        })
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))??;
+        Ok(Precopy {
+            strategy,
+            tracked,
+            rounds: Vec::new(),
+            convergence: String::new(),
+            bytes_sent: 0,
+        })
+    }
+
+    /// Runs rounds until `convergence` says freeze. `on_round` hears of each
+    /// round as it ends.
+    pub async fn rounds(
+        &mut self,
+        link: Link<'_>,
+        convergence: Convergence,
+        mut on_round: impl FnMut(&pb::PrecopyRound),
+    ) -> Result<(), EngineError> {
+        let page = memtrack::page_size();
+        let mut earlier: Vec<u64> = Vec::new();
+        let (mut sent_total, mut send_time) = (0u64, Duration::ZERO);
+        for round in 1.. {
+            let started = Instant::now();
+            let scans = self.scan_all(true).await?;
+            let mut written_pages = 0;
+            let mut to_send: Vec<(i32, u32, RangeSet)> = Vec::new();
+            let mut pending = 0u64;
+            for (t, scan) in self.tracked.iter_mut().zip(scans) {
+                written_pages += scan.written.len() / page;
+                t.held.remove_all(&scan.stale);
+                let send = match self.strategy {
+                    MemoryStrategy::QueuedPreCopy => {
+                        // Delayed pages not written since the last scan
+                        // go now; written ones (wait again) join the rest.
+                        let mut quiet = t.delayed.clone();
+                        quiet.remove_all(&scan.stale);
+                        t.delayed = scan.written.clone();
+                        if round == 1 {
+                            // Only watching: nothing is known quiet yet.
+                            quiet = RangeSet::new();
+                        }
+                        // Left for a freeze now: all of it.
+                        pending += t.delayed.len() + quiet.len();
+                        quiet
+                    }
+                    _ => {
+                        pending += scan.written.len();
+                        scan.written
+                    }
+                };
+                to_send.push((t.pid, t.vpid, send));
+            }
+            let rate = (send_time > Duration::ZERO && sent_total > 0)
+                .then(|| sent_total as f64 / send_time.as_secs_f64());
+            let verdict = if round == 1 {
+                Verdict::Continue
+            } else {
+                convergence.decide(round, pending, rate, &earlier)
+            };
+            if round > 1 {
+                earlier.push(pending);
+            }
+            let mut record = pb::PrecopyRound {
+                round,
+                written_pages,
+                ..Default::default()
+            };
+            if let Verdict::Freeze(why) = verdict {
+                // What the scan found goes in the freeze: it was protected
+                // again, so any later write is found by the last scan.
+                for (t, (_, _, send)) in self.tracked.iter_mut().zip(&to_send) {
+                    t.delayed.insert_all(send);
+                }
+                record.delayed_pages = self.delayed_pages();
+                record.duration_us = started.elapsed().as_micros() as u64;
+                on_round(&record);
+                self.rounds.push(record);
+                self.convergence = why.to_owned();
+                tracing::info!(
+                    round,
+                    reason = why,
+                    pending_bytes = pending,
+                    "pre-copy converged"
+                );
+                return Ok(());
+            }
+            let send_started = Instant::now();
+            let (sent, bytes) = send_round(&link, round, to_send).await?;
+            if bytes > 0 {
+                sent_total += bytes;
+                send_time += send_started.elapsed();
+            }
+            for (t, (vpid, ranges)) in self.tracked.iter_mut().zip(sent) {
+                debug_assert_eq!(t.vpid, vpid);
+                t.held.insert_all(&ranges);
+                record.sent_pages += ranges.len() / page;
+            }
+            record.sent_bytes = bytes;
+            self.bytes_sent += bytes;
+            if self.strategy == MemoryStrategy::QueuedPreCopy && bytes == 0 {
+                // Nothing quiet to send: let the process run a while so
+                // that the next scan tells hot pages from cold ones.
+                tokio::time::sleep(QUEUED_OBSERVATION).await;
+            }
+            record.delayed_pages = self.delayed_pages();
+            record.duration_us = started.elapsed().as_micros() as u64;
+            tracing::info!(
+                round,
+                written_pages = record.written_pages,
+                sent_pages = record.sent_pages,
+                delayed_pages = record.delayed_pages,
+                ms = record.duration_us as f64 / 1000.0,
+                "pre-copy round"
+            );
+            on_round(&record);
+            self.rounds.push(record);
+        }
+        unreachable!("the round loop only ends by returning")
+    }
+
+    fn delayed_pages(&self) -> u64 {
+        let page = memtrack::page_size();
+        self.tracked.iter().map(|t| t.delayed.len() / page).sum()
+    }
+
+    /// Scans every tracked process (blocking work, off the runtime).
+    async fn scan_all(&mut self, rearm: bool) -> Result<Vec<memtrack::Scan>, EngineError> {
+        let mut tracked = std::mem::take(&mut self.tracked);
+        let (tracked, scans) = tokio::task::spawn_blocking(move || {
+            let scans: Result<Vec<_>, _> =
+                tracked.iter_mut().map(|t| t.tracker.scan(rearm)).collect();
+            (tracked, scans)
+        })
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))?;
+        self.tracked = tracked;
+        scans.map_err(|e| EngineError::Internal(format!("dirty-page scan: {e}")))
+    }
+
+    /// With the process stopped (after the dump): the last scan, then
+    /// tracking ends. Returns, per PID in its namespace, the pages the
+    /// destination holds with the content they have now. Blocking.
+    pub fn finish(mut self) -> Result<HashMap<u32, RangeSet>, EngineError> {
+        let mut held = HashMap::new();
+        for t in &mut self.tracked {
+            let scan = t
+                .tracker
+                .scan(false)
+                .map_err(|e| EngineError::Internal(format!("last dirty-page scan: {e}")))?;
+            t.tracker.stop();
+            let mut h = t.held.clone();
+            h.remove_all(&scan.stale);
+            // Only what is still in a tracked mapping: anything else may
+            // have changed unseen.
+            let mut untracked = RangeSet::new();
+            untracked.insert(0, u64::MAX);
+            untracked.remove_all(&scan.tracked);
+            h.remove_all(&untracked);
+            held.insert(t.vpid, h);
+        }
+        Ok(held)
+    }
+
+    /// Ends tracking without a last scan (an abort). Blocking.
+    pub fn stop(mut self) {
+        for t in &mut self.tracked {
+            t.tracker.stop();
+        }
+    }
+}
+
+/// Reads `to_send` from the running processes and streams it to the
+/// destination; returns, per process, the ranges that were read and sent
+/// (a range unmapped meanwhile is skipped) and the bytes sent.
+async fn send_round(
+    link: &Link<'_>,
+    round: u32,
+    to_send: Vec<(i32, u32, RangeSet)>,
+) -> Result<(Vec<(u32, RangeSet)>, u64), EngineError> {
+    let total: u64 = to_send.iter().map(|(_, _, r)| r.len()).sum();
+    if total == 0 {
+        return Ok((
+            to_send
+                .into_iter()
+                .map(|(_, v, _)| (v, RangeSet::new()))
+                .collect(),
+            0,
+        ));
+    }
+    let (tx, rx) = mpsc::channel(4);
+    let id = link.migration_id.to_owned();
+    let reader = tokio::task::spawn_blocking(move || read_pages(&id, round, to_send, tx));
+    let mut peer = link.peer.clone();
+    // A round may be long on a slow link: bounded by the step deadline
+    // plus the time its bytes take at 1 Mb/s.
+    let limit = link.deadline + Duration::from_secs(total / 125_000);
+    let answer = tokio::time::timeout(
+        limit,
+        peer.transfer_pages(tokio_stream::wrappers::ReceiverStream::new(rx)),
+    )
+    .await;
+    let read = reader
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))?;
+    match answer {
+        Ok(Ok(_)) => {}
+        Ok(Err(s)) => return Err(super::source::peer_error(&link.destination.name, s)),
+        Err(_) => {
+            return Err(super::source::silent(
+                link.destination,
+                "a pre-copy round",
+                limit,
+            ));
+        }
+    }
+    read
+}
+
+/// The blocking half of [`send_round`].
+fn read_pages(
+    migration_id: &str,
+    round: u32,
+    to_send: Vec<(i32, u32, RangeSet)>,
+    tx: mpsc::Sender<PageBatch>,
+) -> Result<(Vec<(u32, RangeSet)>, u64), EngineError> {
+    let page = memtrack::page_size();
+    let mut done = Vec::new();
+    let mut batch = PageBatch {
+        migration_id: migration_id.to_owned(),
+        round,
+        runs: Vec::new(),
+    };
+    let mut batch_bytes = 0usize;
+    let mut bytes = 0u64;
+    let closed = || EngineError::Internal("page stream closed by the sender".into());
+    for (pid, vpid, ranges) in to_send {
+        let mut read = RangeSet::new();
+        for (start, end) in ranges.iter() {
+            let mut at = start;
+            while at < end {
+                let len = ((end - at) as usize).min(BATCH_BYTES);
+                let mut data = vec![0u8; len];
+                let n = match memtrack::read_remote(pid, at, &mut data) {
+                    Ok(n) => n,
+                    // Unmapped since the scan: the next scan (or the last)
+                    // accounts for it.
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => 0,
+                    Err(e) => {
+                        return Err(EngineError::Io {
+                            what: format!("reading the memory of {pid}"),
+                            source: e,
+                        });
+                    }
+                };
+                let n = (n as u64 / page * page) as usize;
+                if n == 0 {
+                    // Skip the page that failed; try the rest.
+                    at += page;
+                    continue;
+                }
+                data.truncate(n);
+                read.insert(at, at + n as u64);
+                bytes += n as u64;
+                batch_bytes += n;
+                batch.runs.push(PageRun {
+                    pid: vpid,
+                    vaddr: at,
+                    data,
+                });
+                at += n as u64;
+                if batch_bytes >= BATCH_BYTES {
+                    let full = std::mem::replace(
+                        &mut batch,
+                        PageBatch {
+                            migration_id: migration_id.to_owned(),
+                            round,
+                            runs: Vec::new(),
+                        },
+                    );
+                    batch_bytes = 0;
+                    tx.blocking_send(full).map_err(|_| closed())?;
+                }
+            }
+        }
+        done.push((vpid, read));
+    }
+    if !batch.runs.is_empty() {
+        tx.blocking_send(batch).map_err(|_| closed())?;
+    }
+    Ok((done, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c() -> Convergence {
+        Convergence {
+            downtime_budget: Duration::from_millis(30),
+            max_rounds: 10,
+        }
+    }
+
+    #[test]
+    fn freezes_when_what_is_left_fits_the_budget() {
+        // 100 MB/s: 3 MB in 30 ms.
+        let rate = Some(100e6);
+        assert_eq!(
+            c().decide(2, 2_000_000, rate, &[]),
+            Verdict::Freeze("downtime budget met")
+        );
+        assert_eq!(c().decide(2, 4_000_000, rate, &[]), Verdict::Continue);
+        assert_eq!(
+            c().decide(2, 0, None, &[]),
+            Verdict::Freeze("downtime budget met")
+        );
+        // Without a measured rate only an empty set fits.
+        assert_eq!(c().decide(2, 1, None, &[]), Verdict::Continue);
+    }
+
+    #[test]
+    fn freezes_at_the_round_limit() {
+        assert_eq!(
+            c().decide(10, 1 << 30, Some(1e6), &[]),
+            Verdict::Freeze("round limit")
+        );
+        assert_eq!(c().decide(9, 1 << 30, Some(1e6), &[]), Verdict::Continue);
+    }
+
+    #[test]
+    fn freezes_when_the_dirty_set_stops_shrinking() {
+        let rate = Some(1e6);
+        // Shrinking: go on.
+        assert_eq!(
+            c().decide(4, 500_000, rate, &[2_000_000, 1_000_000]),
+            Verdict::Continue
+        );
+        // Flat for two rounds: freeze.
+        assert_eq!(
+            c().decide(4, 1_000_000, rate, &[1_010_000, 1_000_000]),
+            Verdict::Freeze("dirty set not shrinking")
+        );
+        // Flat only once: one more round.
+        assert_eq!(
+            c().decide(4, 1_000_000, rate, &[3_000_000, 1_000_000]),
+            Verdict::Continue
+        );
+    }
+
+    #[test]
+    fn strategies_map_to_the_api() {
+        for s in [
+            MemoryStrategy::TotalCopy,
+            MemoryStrategy::PreCopy,
+            MemoryStrategy::QueuedPreCopy,
+        ] {
+            assert_eq!(MemoryStrategy::from_pb(s.to_pb()), Some(s));
+        }
+        assert_eq!(MemoryStrategy::from_pb(pb::Strategy::Unspecified), None);
+    }
+}

@@ -1,0 +1,229 @@
+//! A process that keeps writing its memory in a known pattern and can
+//! check, on request, that all of it is what it wrote: the workload of the
+//! pre-copy tests and the algorithms benchmark.
+//!
+//! Every page `i` of its main region holds `pattern(i, version[i])`; each
+//! write bumps a page's version and rewrites the whole page, mostly in a
+//! hot set (the first `--hot-percent` of the pages get `--hot-share` of
+//! the writes), one write in ten through the kernel (`read(2)` from a pipe
+//! into the page), the rest from user mode. A side region is unmapped and
+//! mapped again every 200 ms, with fresh content. The versions live in the
+//! process's memory too, so a migration that loses or mixes up any page of
+//! either shows up as a mismatch at `check`.
+//!
+//! Protocol on `--port` (one command per connection, one line each way):
+//! `check` answers `ok <writes> <pages>` or `bad <what>`; `stats` answers
+//! `writes <n>`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[arg(long)]
+    port: u16,
+    /// Size of the main region.
+    #[arg(long, default_value_t = 64)]
+    mib: usize,
+    /// Page writes per millisecond (0: none, a process that only computes).
+    #[arg(long, default_value_t = 10)]
+    writes_per_ms: u32,
+    /// The hot set: this percentage of the pages...
+    #[arg(long, default_value_t = 5)]
+    hot_percent: u32,
+    /// ...gets this percentage of the writes.
+    #[arg(long, default_value_t = 90)]
+    hot_share: u32,
+}
+
+const PAGE: usize = 4096;
+const SIDE_PAGES: usize = 16;
+const SIDE_ID: u64 = 1 << 40;
+
+/// The content of page `id` at `version`: both in the first 16 bytes, the
+/// rest an LCG stream seeded by them.
+fn pattern(buf: &mut [u8], id: u64, version: u64) {
+    buf[..8].copy_from_slice(&id.to_le_bytes());
+    buf[8..16].copy_from_slice(&version.to_le_bytes());
+    let mut x = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ version;
+    for chunk in buf[16..].chunks_mut(8) {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+struct Side {
+    at: *mut u8,
+    generation: u64,
+}
+
+impl Side {
+    fn map(generation: u64) -> Side {
+        // SAFETY: a fresh private anonymous mapping; nothing else refers
+        // to it.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                SIDE_PAGES * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED, "mmap of the side region");
+        let side = Side {
+            at: at.cast(),
+            generation,
+        };
+        for k in 0..SIDE_PAGES {
+            pattern(side.page(k), SIDE_ID + k as u64, generation);
+        }
+        side
+    }
+
+    /// Unmaps the region and maps a fresh one (which may land in the
+    /// same place), with the next generation's content.
+    fn remap(&mut self) {
+        // SAFETY: the live mapping made in `map`; `at` is replaced right
+        // after, so it is never used again.
+        unsafe { libc::munmap(self.at.cast(), SIDE_PAGES * PAGE) };
+        let fresh = Side::map(self.generation + 1);
+        self.at = fresh.at;
+        self.generation = fresh.generation;
+        // Its mapping now belongs to self.
+        std::mem::forget(fresh);
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn page(&self, k: usize) -> &mut [u8] {
+        // SAFETY: `at` is a live mapping of SIDE_PAGES pages owned by this
+        // Side, and callers never hold two of these slices at once.
+        unsafe { std::slice::from_raw_parts_mut(self.at.add(k * PAGE), PAGE) }
+    }
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once.
+        unsafe { libc::munmap(self.at.cast(), SIDE_PAGES * PAGE) };
+    }
+}
+
+struct Memory {
+    pages: Vec<u8>,
+    versions: Vec<u64>,
+    side: Side,
+    writes: u64,
+    rng: u64,
+    pipe: (std::fs::File, std::fs::File),
+}
+
+impl Memory {
+    fn page(&mut self, i: usize) -> &mut [u8] {
+        &mut self.pages[i * PAGE..(i + 1) * PAGE]
+    }
+
+    fn next(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+
+    fn write_one(&mut self, args: &Args, scratch: &mut [u8]) {
+        let n = self.versions.len() as u64;
+        let hot = (n * u64::from(args.hot_percent) / 100).max(1);
+        let i = if self.next() % 100 < u64::from(args.hot_share) {
+            self.next() % hot
+        } else {
+            self.next() % n
+        } as usize;
+        self.versions[i] += 1;
+        let v = self.versions[i];
+        if self.next() % 10 == 0 {
+            // Through the kernel: the page is written by read(2).
+            use std::io::Read;
+            pattern(scratch, i as u64, v);
+            self.pipe.1.write_all(scratch).expect("pipe write");
+            let (r, page) = (&mut self.pipe.0, &mut self.pages[i * PAGE..(i + 1) * PAGE]);
+            r.read_exact(page).expect("pipe read");
+        } else {
+            pattern(self.page(i), i as u64, v);
+        }
+        self.writes += 1;
+    }
+
+    fn check(&mut self, scratch: &mut [u8]) -> String {
+        for i in 0..self.versions.len() {
+            pattern(scratch, i as u64, self.versions[i]);
+            if self.page(i) != scratch {
+                return format!("bad page {i} version {}", self.versions[i]);
+            }
+        }
+        for k in 0..SIDE_PAGES {
+            pattern(scratch, SIDE_ID + k as u64, self.side.generation);
+            if self.side.page(k) != scratch {
+                return format!("bad side page {k} generation {}", self.side.generation);
+            }
+        }
+        format!("ok {} {}", self.writes, self.versions.len() + SIDE_PAGES)
+    }
+}
+
+fn serve(stream: TcpStream, mem: &mut Memory, scratch: &mut [u8]) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut line = String::new();
+    let mut reader = BufReader::new(&stream);
+    if reader.read_line(&mut line).is_err() {
+        return;
+    }
+    let answer = match line.trim() {
+        "check" => mem.check(scratch),
+        "stats" => format!("writes {}", mem.writes),
+        other => format!("unknown command {other:?}"),
+    };
+    let _ = (&stream).write_all(format!("{answer}\n").as_bytes());
+}
+
+fn main() {
+    let args = Args::parse();
+    let listener = TcpListener::bind(("0.0.0.0", args.port)).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let n = args.mib * (1 << 20) / PAGE;
+    let (r, w) = nix::unistd::pipe().expect("pipe");
+    let mut mem = Memory {
+        pages: vec![0u8; n * PAGE],
+        versions: vec![0; n],
+        side: Side::map(0),
+        writes: 0,
+        rng: 0x2545_f491_4f6c_dd1d,
+        pipe: (std::fs::File::from(r), std::fs::File::from(w)),
+    };
+    let mut scratch = vec![0u8; PAGE];
+    for i in 0..n {
+        pattern(mem.page(i), i as u64, 0);
+    }
+    let mut side_remapped = Instant::now();
+    loop {
+        for _ in 0..args.writes_per_ms {
+            mem.write_one(&args, &mut scratch);
+        }
+        if side_remapped.elapsed() >= Duration::from_millis(200) {
+            mem.side.remap();
+            side_remapped = Instant::now();
+        }
+        match listener.accept() {
+            Ok((stream, _)) => serve(stream, &mut mem, &mut scratch),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => eprintln!("accept: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

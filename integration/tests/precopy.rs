@@ -1,0 +1,288 @@
+//! Memory strategies end to end: a process that keeps writing its memory
+//! in a pattern it can check (`ferry-memwriter`) migrates with total copy,
+//! pre-copy and queued pre-copy, and its memory on the destination is what
+//! it wrote; failures before the commit leave it running on the source,
+//! intact and without write protection. Root only; run by `cargo xtask
+//! test` (or `cargo xtask integration`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddrV4, TcpStream};
+use std::time::Duration;
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{
+    list, migrate_request, process_state, run, runtime, wait_for_process,
+};
+use ferry_integration::netns::NetNsGuard;
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
+use tonic::transport::Channel;
+
+const PORT: u16 = 7300;
+
+fn memwriter() -> String {
+    env!("CARGO_BIN_EXE_ferry-memwriter").to_owned()
+}
+
+/// Starts the memory writer under management and waits until its port is
+/// owned.
+async fn start_writer(control: &mut ControlClient<Channel>, mib: u32, writes_per_ms: u32) -> i32 {
+    let pid = run(
+        control,
+        vec![
+            memwriter(),
+            "--port".into(),
+            PORT.to_string(),
+            "--mib".into(),
+            mib.to_string(),
+            "--writes-per-ms".into(),
+            writes_per_ms.to_string(),
+        ],
+    )
+    .await;
+    wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
+    pid
+}
+
+/// One command to the writer, from client1, wherever it runs now.
+fn ask(cluster: &Cluster, command: &str) -> String {
+    let target = SocketAddrV4::new(cluster.public_addr(), PORT);
+    let netns = cluster.netns_path("client1");
+    let command = command.to_owned();
+    // A thread of its own: entering a network namespace is per thread.
+    std::thread::spawn(move || {
+        let _in = NetNsGuard::enter(&netns).expect("entering client1");
+        let mut stream = TcpStream::connect_timeout(&target.into(), Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("connecting to the writer for {command:?}: {e}"));
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        writeln!(stream, "{command}").unwrap();
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    })
+    .join()
+    .expect("asking the writer")
+}
+
+/// `check` must answer "ok <writes> <pages>"; returns the writes.
+fn check(cluster: &Cluster) -> u64 {
+    let answer = ask(cluster, "check");
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
+    words[1].parse().unwrap()
+}
+
+fn request(pid: i32, to: &str, strategy: Strategy) -> MigrateRequest {
+    MigrateRequest {
+        pid,
+        destination_node: to.into(),
+        strategy: strategy as i32,
+        ..Default::default()
+    }
+}
+
+/// Whether any mapping of `pid` is still registered for userfaultfd
+/// write protection ("uw" in smaps' VmFlags).
+fn write_protected(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("VmFlags:"))
+        .any(|f| f.split_whitespace().any(|w| w == "uw"))
+}
+
+fn summary(r: &MigrationReport) -> String {
+    format!(
+        "strategy {} freeze {:.1} ms ({}), preparation {:.1} ms, total {:.1} ms, {} bytes, rounds {:?} ({}), pages in freeze {} of {} ({} pre-copied)",
+        r.strategy,
+        r.freeze_time_us as f64 / 1e3,
+        r.freeze_parts
+            .iter()
+            .map(|p| format!("{} {:.1}", p.phase, p.duration_us as f64 / 1e3))
+            .collect::<Vec<_>>()
+            .join(", "),
+        r.preparation_time_us as f64 / 1e3,
+        r.total_time_us as f64 / 1e3,
+        r.bytes_transferred,
+        r.rounds
+            .iter()
+            .map(|x| (x.written_pages, x.sent_pages, x.delayed_pages))
+            .collect::<Vec<_>>(),
+        r.convergence,
+        r.freeze_pages,
+        r.dumped_pages,
+        r.precopied_pages
+    )
+}
+
+#[test]
+fn memory_is_intact_after_migration_with_each_strategy() {
+    if !ferry_integration::can_run("memory_is_intact_after_migration_with_each_strategy") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        let mut pid = start_writer(&mut controls[0], 64, 10).await;
+        let mut writes = check(&cluster);
+        let mut on = 0;
+        for strategy in [
+            Strategy::PreCopy,
+            Strategy::QueuedPreCopy,
+            Strategy::TotalCopy,
+            Strategy::PreCopy,
+        ] {
+            let to = 1 - on;
+            let to_name = format!("node{}", to + 1);
+            let (report, status) =
+                migrate_request(&mut controls[on], request(pid, &to_name, strategy))
+                    .await
+                    .expect("migration starts");
+            assert!(status.is_none(), "{status:?}\n{report:#?}");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Committed as i32,
+                "{report:#?}"
+            );
+            assert_eq!(report.strategy, strategy as i32);
+            eprintln!("{}", summary(&report));
+            if strategy == Strategy::TotalCopy {
+                assert!(report.rounds.is_empty() && report.memory_tracking.is_empty());
+            } else {
+                assert_eq!(report.memory_tracking, "uffd-wp-async+pagemap-scan");
+                assert!(!report.rounds.is_empty(), "{report:#?}");
+                assert!(!report.convergence.is_empty(), "{report:#?}");
+                // Most of the 64 MiB crossed before the freeze.
+                assert!(
+                    report.precopied_pages > report.dumped_pages / 2,
+                    "{}",
+                    summary(&report)
+                );
+                assert_eq!(
+                    report.freeze_pages + report.precopied_pages,
+                    report.dumped_pages
+                );
+                assert!(report.preparation_time_us > 0);
+            }
+            // It runs on the destination, gone from the source, with every
+            // page it wrote, and goes on writing.
+            let moved = wait_for_process(&mut controls[to], report.destination_pid, |p| {
+                p.state == "running"
+            })
+            .await;
+            assert_eq!(moved.origin, "migrated-in");
+            assert!(list(&mut controls[on]).await.is_empty());
+            assert_eq!(process_state(pid), None, "source copy still exists");
+            assert!(!write_protected(report.destination_pid));
+            let now = check(&cluster);
+            assert!(now >= writes, "writes went back from {writes} to {now}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let later = check(&cluster);
+            assert!(later > now, "the process does not run after the migration");
+            writes = later;
+            pid = report.destination_pid;
+            on = to;
+        }
+    });
+}
+
+#[test]
+fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
+    if !ferry_integration::can_run(
+        "a_failed_precopy_migration_leaves_the_process_intact_on_the_source",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = start_writer(&mut node1, 64, 10).await;
+
+        // 1. The restore fails (node2's port is taken by a process its
+        //    agent does not manage), after all the pre-copy rounds.
+        {
+            let _squatter = cluster
+                .spawn_in_node(
+                    "node2",
+                    &memwriter(),
+                    &["--port", &PORT.to_string(), "--mib", "1"],
+                )
+                .expect("port squatter on node2");
+            cluster
+                .wait_listening("node2", PORT, Duration::from_secs(10))
+                .expect("squatter listening");
+            for strategy in [Strategy::PreCopy, Strategy::QueuedPreCopy] {
+                let (report, status) = migrate_request(&mut node1, request(pid, "node2", strategy))
+                    .await
+                    .expect("migration starts");
+                assert_eq!(status.map(|s| s.code()), Some(tonic::Code::Aborted));
+                assert_eq!(
+                    report.outcome,
+                    MigrationOutcome::Aborted as i32,
+                    "{report:#?}"
+                );
+                assert!(report.resumed_on_source, "{report:#?}");
+                assert!(!report.rounds.is_empty(), "{report:#?}");
+                eprintln!("abort after pre-copy: {}", report.error);
+                assert!(!write_protected(pid), "write protection left behind");
+                wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+            }
+        }
+        assert!(cluster.incoming_dir_is_empty("node2"));
+        // Served by node1 again, with the memory it wrote.
+        cluster
+            .wait_listening("node1", PORT, Duration::from_secs(10))
+            .expect("listening on node1");
+        let before = check(&cluster);
+
+        // 2. The destination's agent dies during the pre-copy rounds.
+        let agent2 = cluster.agent_pid("node2");
+        let mut stream = node1
+            .migrate(MigrateRequest {
+                max_rounds: 1000,
+                downtime_budget_ms: 1,
+                ..request(pid, "node2", Strategy::PreCopy)
+            })
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let mut report = None;
+        let mut killed = false;
+        while let Ok(Some(ev)) = stream.message().await {
+            match ev.event {
+                Some(ferry_proto::v1::migration_event::Event::Progress(p))
+                    if p.phase.starts_with("pre-copy round") && !killed =>
+                {
+                    nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(agent2),
+                        nix::sys::signal::Signal::SIGKILL,
+                    )
+                    .expect("killing node2's agent");
+                    killed = true;
+                }
+                Some(ferry_proto::v1::migration_event::Event::Report(r)) => report = Some(r),
+                _ => {}
+            }
+        }
+        assert!(killed, "no pre-copy round was reported");
+        let report = report.expect("a report");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert!(report.resumed_on_source, "{report:#?}");
+        eprintln!("abort with the destination gone: {}", report.error);
+        assert!(!write_protected(pid), "write protection left behind");
+        wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        let after = check(&cluster);
+        assert!(after > before, "the process stopped writing");
+    });
+}
