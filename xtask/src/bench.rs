@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the integration binary behind each.
-pub const BENCHES: [(&str, &str, &str); 3] = [
+pub const BENCHES: [(&str, &str, &str); 4] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -20,6 +20,11 @@ pub const BENCHES: [(&str, &str, &str); 3] = [
         "freeze",
         "ferry-bench-freeze",
         "freeze time and its parts at 16..1024 connections: iterative (CRIU) vs collective socket migration",
+    ),
+    (
+        "algorithms",
+        "ferry-bench-algorithms",
+        "total copy vs pre-copy vs queued pre-copy over 10 Mb/s, 100 Mb/s and 1 Gb/s links (seed 004 tables 5.1, 5.3, 5.6)",
     ),
     (
         "replay",

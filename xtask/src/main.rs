@@ -4,7 +4,7 @@
 //! - `test`: set up if needed, build, run unit and integration tests
 //! - `integration [-- ARGS]`: build, then only the root-only integration tests
 //! - `demo [-- ARGS]`: set up if needed, build, run the 3-node migration demo
-//! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark (`gap`)
+//! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark (`gap`, `freeze`, `algorithms`, `replay`)
 //! - `sim <openmosix|dve|all> [--runs N] [--seed S] [--out DIR]`: run the
 //!   load-balancing simulator (no root, no setup)
 
@@ -63,8 +63,10 @@ enum Command {
         args: Vec<String>,
     },
     /// Set up if needed, build, and run a benchmark (root): `gap` (capture
-    /// and replay against drop and retransmit); extra arguments go to it
-    /// (`cargo xtask bench gap -- --runs 20`).
+    /// and replay against drop and retransmit), `freeze` (socket modes at
+    /// scale), `algorithms` (memory strategies over shaped links),
+    /// `replay`; extra arguments go to it (`cargo xtask bench gap -- --runs
+    /// 20`).
     Bench {
         name: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

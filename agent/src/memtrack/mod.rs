@@ -27,11 +27,12 @@
 //!    protection bit on a page of an unregistered mapping is ignored by
 //!    the kernel.)
 //!
-//! Only private writable mappings are tracked: they are what CRIU writes to
-//! a process's `pagemap-<pid>.img`. Shared memory goes to other images and
-//! read-only mappings cannot be written without an `mprotect` (which could
-//! be undone before the next scan): their pages are never counted as
-//! already on the destination.
+//! Only private mappings are tracked (read-only ones too: write protection
+//! survives `mprotect`, so a write after a round trip through PROT_WRITE is
+//! still seen), and only their own pages, not the file's: they are what
+//! CRIU writes to a process's `pagemap-<pid>.img`. Shared memory goes to
+//! other images, and its pages are never counted as already on the
+//! destination.
 
 mod inject;
 pub mod ranges;
@@ -104,8 +105,24 @@ pub struct Mapping {
     pub end: u64,
     pub writable: bool,
     pub private: bool,
+    /// May be made writable ("mw" in VmFlags): every private mapping, and
+    /// what userfaultfd registration requires.
+    pub may_write: bool,
+    /// A kernel-provided mapping ([vdso], [vvar], [vsyscall], [uprobes]):
+    /// not the process's memory, never dumped.
+    pub special: bool,
     /// Registered for userfaultfd write protection ("uw" in VmFlags).
     pub uffd_wp: bool,
+}
+
+impl Mapping {
+    /// Whether its pages are tracked: private (what CRIU puts in the
+    /// process's pages image), read-only ones included, since `mprotect`
+    /// keeps the protection bits and a write after a round trip through
+    /// PROT_WRITE is still seen.
+    pub fn trackable(&self) -> bool {
+        self.private && self.may_write && !self.special
+    }
 }
 
 /// The mappings of `pid`.
@@ -120,6 +137,7 @@ fn parse_smaps(text: &str) -> Vec<Mapping> {
         if let Some(flags) = line.strip_prefix("VmFlags:") {
             if let Some(m) = out.last_mut() {
                 m.uffd_wp = flags.split_whitespace().any(|f| f == "uw");
+                m.may_write = flags.split_whitespace().any(|f| f == "mw");
             }
             continue;
         }
@@ -136,11 +154,18 @@ fn parse_smaps(text: &str) -> Vec<Mapping> {
         if perms.len() != 4 {
             continue;
         }
+        // offset, device, inode, then the name, if any.
+        let name = words.nth(3).unwrap_or("");
         out.push(Mapping {
             start,
             end,
             writable: perms.as_bytes()[1] == b'w',
             private: perms.as_bytes()[3] == b'p',
+            may_write: false,
+            special: matches!(
+                name,
+                "[vdso]" | "[vvar]" | "[vvar_vclock]" | "[vsyscall]" | "[uprobes]"
+            ),
             uffd_wp: false,
         });
     }
@@ -254,7 +279,7 @@ impl Tracker {
         let maps = mappings(pid).map_err(io("reading its mappings"))?;
         let mut scan = Scan::default();
         for m in &maps {
-            if !(m.writable && m.private) {
+            if !m.trackable() {
                 scan.stale.insert(m.start, m.end);
                 continue;
             }
@@ -273,11 +298,17 @@ impl Tracker {
             scan.tracked.insert(m.start, m.end);
         }
         let flags = uffd::PM_SCAN_CHECK_WPASYNC | if rearm { uffd::PM_SCAN_WP_MATCHING } else { 0 };
-        let want = uffd::PAGE_IS_WRITTEN;
+        // Present pages only: a scan that re-protects a hole of a file
+        // mapping leaves a marker there, which /proc/<pid>/pagemap shows as
+        // a swapped page, and CRIU would then dump the file's page as the
+        // process's own. A hole written later becomes a present page
+        // without protection, found by the next scan.
+        let want = uffd::PAGE_IS_WRITTEN | uffd::PAGE_IS_PRESENT;
         let report = uffd::PAGE_IS_WRITTEN
             | uffd::PAGE_IS_PRESENT
             | uffd::PAGE_IS_SWAPPED
-            | uffd::PAGE_IS_PFNZERO;
+            | uffd::PAGE_IS_PFNZERO
+            | uffd::PAGE_IS_FILE;
         let tracked: Vec<(u64, u64)> = scan.tracked.iter().collect();
         for (start, end) in tracked {
             let mut regions = Vec::new();
@@ -287,9 +318,12 @@ impl Tracker {
                     self.pagemap.as_fd(),
                     at,
                     end,
-                    flags,
-                    want,
-                    report,
+                    uffd::ScanQuery {
+                        flags,
+                        category_mask: want,
+                        category_inverted: 0,
+                        return_mask: report,
+                    },
                     &mut regions,
                 ) {
                     Ok(walk_end) if walk_end > at => at = walk_end,
@@ -306,14 +340,63 @@ impl Tracker {
             }
             for r in regions {
                 scan.stale.insert(r.start, r.end);
+                // Data of its own: not the zero page, not a page of the
+                // file behind the mapping (CRIU dumps neither).
                 let has_data = r.categories & (uffd::PAGE_IS_PRESENT | uffd::PAGE_IS_SWAPPED) != 0
-                    && r.categories & uffd::PAGE_IS_PFNZERO == 0;
+                    && r.categories & (uffd::PAGE_IS_PFNZERO | uffd::PAGE_IS_FILE) == 0;
                 if has_data {
                     scan.written.insert(r.start, r.end);
                 }
             }
         }
         Ok(scan)
+    }
+
+    /// The pages in `ranges` that are the process's own right now: present,
+    /// not the file's page, not the zero page. A page that was zapped
+    /// (`MADV_DONTNEED`) and faulted in again from the file or as zeros
+    /// carries no write, but is not what an earlier read saw; this tells.
+    pub fn own_pages(&self, ranges: &RangeSet) -> Result<RangeSet, TrackError> {
+        let pid = self.pid;
+        let mut own = RangeSet::new();
+        let mask = uffd::PAGE_IS_PRESENT | uffd::PAGE_IS_FILE | uffd::PAGE_IS_PFNZERO;
+        let inverted = uffd::PAGE_IS_FILE | uffd::PAGE_IS_PFNZERO;
+        for (start, end) in ranges.iter() {
+            let mut at = start;
+            while at < end {
+                let mut regions = Vec::new();
+                match uffd::pagemap_scan(
+                    self.pagemap.as_fd(),
+                    at,
+                    end,
+                    uffd::ScanQuery {
+                        flags: 0,
+                        category_mask: mask,
+                        category_inverted: inverted,
+                        return_mask: uffd::PAGE_IS_PRESENT,
+                    },
+                    &mut regions,
+                ) {
+                    Ok(walk_end) => {
+                        for r in regions {
+                            own.insert(r.start, r.end);
+                        }
+                        if walk_end <= at {
+                            break;
+                        }
+                        at = walk_end;
+                    }
+                    Err(source) => {
+                        return Err(TrackError::Io {
+                            pid,
+                            what: "PAGEMAP_SCAN",
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(own)
     }
 
     /// Lifts every protection, unregisters and closes (see the module

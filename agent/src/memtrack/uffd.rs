@@ -102,6 +102,7 @@ pub const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 pub const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
 /// `PAGE_IS_*` categories.
 pub const PAGE_IS_WRITTEN: u64 = 1 << 1;
+pub const PAGE_IS_FILE: u64 = 1 << 2;
 pub const PAGE_IS_PRESENT: u64 = 1 << 3;
 pub const PAGE_IS_SWAPPED: u64 = 1 << 4;
 pub const PAGE_IS_PFNZERO: u64 = 1 << 5;
@@ -166,29 +167,38 @@ pub fn write_protect(uffd: BorrowedFd<'_>, start: u64, end: u64, protect: bool) 
     ioctl(uffd, UFFDIO_WRITEPROTECT, &mut w).map(|_| ())
 }
 
-/// One `PAGEMAP_SCAN` over `[start, end)` for pages in `category_mask`
-/// (all of them), reporting `return_mask` categories, `flags` as above.
+/// One `PAGEMAP_SCAN` over `[start, end)` for pages in all of
+/// `category_mask` (after flipping the `category_inverted` ones: those
+/// must be absent), reporting `return_mask` categories, `flags` as above.
 /// Appends regions to `out`; returns where the walk ended (`end` unless
 /// `vec` filled up first: call again from there).
+/// What a `PAGEMAP_SCAN` looks for and reports.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScanQuery {
+    pub flags: u64,
+    pub category_mask: u64,
+    pub category_inverted: u64,
+    pub return_mask: u64,
+}
+
 pub fn pagemap_scan(
     pagemap: BorrowedFd<'_>,
     start: u64,
     end: u64,
-    flags: u64,
-    category_mask: u64,
-    return_mask: u64,
+    q: ScanQuery,
     out: &mut Vec<PageRegion>,
 ) -> io::Result<u64> {
     let mut vec = vec![PageRegion::default(); 512];
     let mut arg = PmScanArg {
         size: std::mem::size_of::<PmScanArg>() as u64,
-        flags,
+        flags: q.flags,
         start,
         end,
         vec: vec.as_mut_ptr() as u64,
         vec_len: vec.len() as u64,
-        category_mask,
-        return_mask,
+        category_mask: q.category_mask,
+        category_inverted: q.category_inverted,
+        return_mask: q.return_mask,
         ..Default::default()
     };
     let n = ioctl(pagemap, PAGEMAP_SCAN, &mut arg)? as usize;

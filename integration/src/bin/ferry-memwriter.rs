@@ -11,6 +11,10 @@
 //! process's memory too, so a migration that loses or mixes up any page of
 //! either shows up as a mismatch at `check`.
 //!
+//! `--mode getpid` makes it a process that only calls getpid(2) in a loop
+//! (seed 004's light-weight process); `--busy` drops the 1 ms pause
+//! between bursts of writes (seed 004's "as fast as it can").
+//!
 //! Protocol on `--port` (one command per connection, one line each way):
 //! `check` answers `ok <writes> <pages>` or `bad <what>`; `stats` answers
 //! `writes <n>`.
@@ -28,6 +32,15 @@ struct Args {
     /// Size of the main region.
     #[arg(long, default_value_t = 64)]
     mib: usize,
+    /// Size of the main region in KiB, instead of --mib.
+    #[arg(long)]
+    kib: Option<usize>,
+    /// "write" (the default) or "getpid" (no writes, getpid(2) in a loop).
+    #[arg(long, default_value = "write", value_parser = ["write", "getpid"])]
+    mode: String,
+    /// No pause between bursts of writes.
+    #[arg(long)]
+    busy: bool,
     /// Page writes per millisecond (0: none, a process that only computes).
     #[arg(long, default_value_t = 10)]
     writes_per_ms: u32,
@@ -146,7 +159,7 @@ impl Memory {
         } as usize;
         self.versions[i] += 1;
         let v = self.versions[i];
-        if self.next() % 10 == 0 {
+        if self.next().is_multiple_of(10) {
             // Through the kernel: the page is written by read(2).
             use std::io::Read;
             pattern(scratch, i as u64, v);
@@ -196,7 +209,8 @@ fn main() {
     let args = Args::parse();
     let listener = TcpListener::bind(("0.0.0.0", args.port)).expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
-    let n = args.mib * (1 << 20) / PAGE;
+    let bytes = args.kib.map(|k| k << 10).unwrap_or(args.mib << 20);
+    let n = (bytes / PAGE).max(1);
     let (r, w) = nix::unistd::pipe().expect("pipe");
     let mut mem = Memory {
         pages: vec![0u8; n * PAGE],
@@ -211,11 +225,19 @@ fn main() {
         pattern(mem.page(i), i as u64, 0);
     }
     let mut side_remapped = Instant::now();
+    let getpid = args.mode == "getpid";
     loop {
-        for _ in 0..args.writes_per_ms {
-            mem.write_one(&args, &mut scratch);
+        if getpid {
+            for _ in 0..1000 {
+                // SAFETY: getpid takes nothing and cannot fail.
+                std::hint::black_box(unsafe { libc::getpid() });
+            }
+        } else {
+            for _ in 0..args.writes_per_ms {
+                mem.write_one(&args, &mut scratch);
+            }
         }
-        if side_remapped.elapsed() >= Duration::from_millis(200) {
+        if !getpid && side_remapped.elapsed() >= Duration::from_millis(200) {
             mem.side.remap();
             side_remapped = Instant::now();
         }
@@ -224,6 +246,8 @@ fn main() {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => eprintln!("accept: {e}"),
         }
-        std::thread::sleep(Duration::from_millis(1));
+        if !args.busy {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
