@@ -284,7 +284,6 @@ impl prometheus_client::collector::Collector for NodeCollector {
                 let n = members.iter().filter(|m| m.state == state).count() as i64;
                 ConstGauge::new(n).encode(e.encode_family(&[("state", state.as_str())])?)?;
             }
-            drop(e);
             let rejected = membership.rejected();
             let mut e = encoder.encode_descriptor(
                 "ferry_membership_rejected_datagrams",

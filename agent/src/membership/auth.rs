@@ -124,7 +124,7 @@ impl Sealer {
 pub fn read_key(path: &Path) -> Result<Vec<u8>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     let hex: String = text.chars().filter(|c| !c.is_whitespace()).collect();
-    if hex.len() % 2 != 0 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !hex.len().is_multiple_of(2) || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err("not a hex key (the membership.key of `ferry cert ca`)".into());
     }
     let key: Vec<u8> = (0..hex.len())
