@@ -57,6 +57,9 @@ pub struct Agent {
     pub conductor: std::sync::OnceLock<Arc<crate::conductor::Conductor>>,
     /// Finished migrations, for `/metrics`.
     pub metrics: crate::metrics::MigrationMetrics,
+    /// This node's certificate and the cluster CA, when `[tls]` is set:
+    /// then every Peer connection is mutual TLS.
+    pub tls: std::sync::OnceLock<crate::security::TlsMaterial>,
 }
 
 /// What the peers said of a port a managed process opened here.
@@ -118,6 +121,7 @@ impl Agent {
             membership: std::sync::OnceLock::new(),
             conductor: std::sync::OnceLock::new(),
             metrics: Default::default(),
+            tls: std::sync::OnceLock::new(),
         })
     }
 
@@ -691,6 +695,23 @@ impl Agent {
         self.forget_on_exit(pid, "restored");
     }
 
+    /// Where node `name`'s Peer port is reached: over mutual TLS when
+    /// `[tls]` is set, the server's certificate checked against the CA and
+    /// the node's name (an address from membership or the config only says
+    /// where to dial, not whom the migration goes to).
+    pub fn peer_endpoint(
+        &self,
+        name: &str,
+        address: std::net::SocketAddr,
+    ) -> Result<Endpoint, String> {
+        match self.tls.get() {
+            Some(tls) => Endpoint::from_shared(format!("https://{address}"))
+                .and_then(|e| e.tls_config(tls.peer_client(name)))
+                .map_err(|e| error_chain(&e)),
+            None => Endpoint::from_shared(format!("http://{address}")).map_err(|e| error_chain(&e)),
+        }
+    }
+
     /// A Peer client for `peer`, connected with a short timeout.
     pub async fn peer_client(&self, peer: &PeerConfig) -> Result<PeerClient<Channel>, EngineError> {
         let unavailable = |reason: String| EngineError::PeerUnavailable {
@@ -698,8 +719,9 @@ impl Agent {
             address: peer.address.to_string(),
             reason,
         };
-        let endpoint = Endpoint::from_shared(format!("http://{}", peer.address))
-            .map_err(|e| unavailable(e.to_string()))?
+        let endpoint = self
+            .peer_endpoint(&peer.name, peer.address)
+            .map_err(unavailable)?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
         let channel = endpoint

@@ -13,6 +13,11 @@ pub enum CheckError {
     Config(#[from] ConfigError),
     #[error("{path}: criu_path: {reason}")]
     Criu { path: PathBuf, reason: String },
+    #[error("{path}: {source}")]
+    Tls {
+        path: PathBuf,
+        source: crate::security::SecurityError,
+    },
     #[error("writing the effective configuration as TOML: {0}")]
     Render(#[from] toml::ser::Error),
 }
@@ -31,6 +36,16 @@ pub struct Checked {
 /// Loads and validates `path` (no CRIU, no network, no BPF).
 pub fn check(path: &Path) -> Result<Checked, CheckError> {
     let config = Config::load(path)?;
+    // The files [tls] names must exist and go together (the CA signed the
+    // certificate, the key is its key, it names this node).
+    if let Some(tls) = &config.tls {
+        crate::security::TlsMaterial::load(tls, &config.node).map_err(|source| {
+            CheckError::Tls {
+                path: path.to_owned(),
+                source,
+            }
+        })?;
+    }
     let effective = toml::to_string(&config)?;
     Ok(Checked {
         summary: summary(&config),
@@ -85,6 +100,25 @@ pub fn summary(c: &Config) -> String {
         match c.control_listen {
             Some(a) => format!("{} (root only) and TCP {a}", c.control_socket.display()),
             None => format!("{} (root only)", c.control_socket.display()),
+        },
+    );
+    line(
+        "security",
+        match &c.tls {
+            Some(t) => format!(
+                "TLS: mutual on the peer port, control on TCP by certificate{}; membership {}",
+                if t.tokens.is_empty() {
+                    String::new()
+                } else {
+                    format!(" or {} token(s)", t.tokens.len())
+                },
+                if t.membership_key.is_some() {
+                    "authenticated"
+                } else {
+                    "unauthenticated"
+                }
+            ),
+            None => "none: peer port, control on TCP and membership are plaintext".into(),
         },
     );
     line(

@@ -85,6 +85,45 @@ pub struct Config {
     /// The Prometheus endpoint (off by default).
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// `[tls]`: mutual TLS between agents, authenticated Control API on
+    /// TCP, authenticated membership. Without it everything is plaintext
+    /// and unauthenticated, as before (ferryd warns).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsConfig>,
+}
+
+/// `[tls]`: the cluster's CA and this node's certificate (`ferry cert`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The cluster CA's certificate (PEM): peers and Control clients must
+    /// present a certificate it signed.
+    pub ca: PathBuf,
+    /// This node's certificate (PEM, `ferry cert node`): it must name this
+    /// node.
+    pub cert: PathBuf,
+    /// Its private key (PEM); keep it 0600.
+    pub key: PathBuf,
+    /// The cluster's membership key (`membership.key` of `ferry cert ca`):
+    /// every SWIM datagram and beacon is authenticated with it. Required
+    /// when `[membership] enabled`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub membership_key: Option<PathBuf>,
+    /// Bearer tokens accepted on `control_listen`, besides client
+    /// certificates (`ferry cert token`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<TokenConfig>,
+}
+
+/// `[[tls.tokens]]`: one bearer token of the Control API.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    /// Who holds it, for logs and refusals.
+    pub name: String,
+    pub role: crate::security::Role,
+    /// SHA-256 of the token, hex (the token itself is not stored here).
+    pub sha256: String,
 }
 
 /// `[migration]`.
@@ -394,6 +433,44 @@ impl Config {
                 ));
             }
         }
+        if let Some(tls) = &self.tls {
+            for (field, p) in [
+                ("tls.ca", &tls.ca),
+                ("tls.cert", &tls.cert),
+                ("tls.key", &tls.key),
+            ]
+            .into_iter()
+            .chain(tls.membership_key.iter().map(|p| ("tls.membership_key", p)))
+            {
+                if p.as_os_str().is_empty() {
+                    return Err(invalid(field, "must name a file".into()));
+                }
+            }
+            if self.membership.enabled && tls.membership_key.is_none() {
+                return Err(invalid(
+                    "tls.membership_key",
+                    "required with [membership] enabled: without it anyone on the cluster \
+                     network could join (the membership.key of `ferry cert ca`)"
+                        .into(),
+                ));
+            }
+            let mut names = std::collections::HashSet::new();
+            for (i, t) in tls.tokens.iter().enumerate() {
+                if t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(invalid(
+                        &format!("tls.tokens[{i}].sha256"),
+                        "must be 64 hex digits, the SHA-256 of the token (`ferry cert token`)"
+                            .into(),
+                    ));
+                }
+                if t.name.is_empty() || !names.insert(&t.name) {
+                    return Err(invalid(
+                        &format!("tls.tokens[{i}].name"),
+                        format!("{:?} is empty or listed twice", t.name),
+                    ));
+                }
+            }
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, p) in self.peers.iter().enumerate() {
             if !valid_node_name(&p.name) {
@@ -423,7 +500,7 @@ impl Config {
     }
 }
 
-fn valid_node_name(name: &str) -> bool {
+pub(crate) fn valid_node_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod ownership;
 pub mod process;
 mod reaper;
+pub mod security;
 pub mod sockstate;
 pub mod state;
 pub mod translation;

@@ -19,6 +19,7 @@
 //! | `ferry_node_load` | gauge | |
 //! | `ferry_cluster_nodes` | gauge | |
 //! | `ferry_membership_members` | gauge | state |
+//! | `ferry_membership_rejected_datagrams_total` | counter | reason |
 //! | `ferry_managed_processes` | gauge | |
 //! | `ferry_agent_info` | gauge (1) | node, version |
 
@@ -284,6 +285,20 @@ impl prometheus_client::collector::Collector for NodeCollector {
             ] {
                 let n = members.iter().filter(|m| m.state == state).count() as i64;
                 ConstGauge::new(n).encode(e.encode_family(&[("state", state.as_str())])?)?;
+            }
+            let rejected = membership.rejected();
+            let mut e = encoder.encode_descriptor(
+                "ferry_membership_rejected_datagrams",
+                "Membership datagrams dropped for want of a valid MAC ([tls] membership_key), \
+                 by reason: unauthenticated (no or a wrong MAC), stale (timestamp too far off)",
+                None,
+                MetricType::Counter,
+            )?;
+            for (reason, n) in [
+                ("unauthenticated", rejected.unauthenticated),
+                ("stale", rejected.stale),
+            ] {
+                ConstCounter::new(n).encode(e.encode_family(&[("reason", reason)])?)?;
             }
         }
         Ok(())

@@ -24,6 +24,8 @@ pub struct AgentConfig {
     pub pin_dir: PathBuf,
     /// Extra top-level `key = value` lines, verbatim (e.g. `criu_log_level = 4`).
     pub extra: String,
+    /// The `[tls]` section, verbatim, last (see `ClusterTls::config_section`).
+    pub tls: Option<String>,
 }
 
 /// A TOML basic string. JSON string syntax is a subset of TOML's basic
@@ -62,6 +64,9 @@ impl AgentConfig {
             let _ = writeln!(t, "name = {}", quote(name));
             let _ = writeln!(t, "address = {}", quote(&addr.to_string()));
         }
+        if let Some(tls) = &self.tls {
+            t.push_str(tls);
+        }
         t
     }
 }
@@ -86,6 +91,7 @@ mod tests {
             extra: "criu_log_level = 4\n".into(),
             capture: true,
             pin_dir: "/tmp/x/node1/bpf/pins".into(),
+            tls: None,
         };
         let expected = r#"node = "node1"
 work_dir = "/tmp/x/node1/work"

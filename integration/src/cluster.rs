@@ -25,6 +25,7 @@ use crate::inspect::{self, InspectError};
 use crate::netns::{self, ChildGuard, NetNs, NetNsError};
 use crate::peer::{PeerError, Reservation};
 use crate::reap;
+use crate::tls::ClusterTls;
 use crate::tmpfs::{MountError, Tmpfs};
 use crate::{control, paths, topology};
 
@@ -96,6 +97,15 @@ pub struct ClusterSpec {
     /// Whether each agent's config lists the other nodes as `[[peers]]`
     /// (false: they must find each other through membership).
     pub static_peers: bool,
+    /// Run the cluster with `[tls]` (on by default): a CA, node, client
+    /// certificates and tokens made in `<dir>/tls` by `ferry cert`'s code,
+    /// mutual TLS between agents, authenticated membership and control on
+    /// TCP (see [`Cluster::tls`]).
+    pub tls: bool,
+    /// Nodes (by name) whose `[tls]` comes from another CA with another
+    /// membership key: outsiders on the cluster network, for the tests
+    /// that check they can neither join nor push a migration.
+    pub tls_outsiders: Vec<String>,
 }
 
 impl Default for ClusterSpec {
@@ -110,6 +120,8 @@ impl Default for ClusterSpec {
             extra_config: String::new(),
             capture: true,
             static_peers: true,
+            tls: true,
+            tls_outsiders: Vec::new(),
         }
     }
 }
@@ -182,6 +194,7 @@ pub struct Cluster {
     nodes: Vec<Node>,
     clients: Vec<Client>,
     tmp: Option<TempDir>,
+    tls: Option<ClusterTls>,
     torn_down: bool,
 }
 
@@ -218,6 +231,7 @@ impl Cluster {
             nodes: Vec::new(),
             clients: Vec::new(),
             tmp: Some(tmp),
+            tls: None,
             torn_down: false,
         };
         let started = Instant::now();
@@ -285,6 +299,39 @@ impl Cluster {
             cmd::ip_batch(Some(c.netns.name()), &topology::client_script(j + 1))?;
         }
 
+        if self.spec.tls {
+            let nodes: Vec<(String, Ipv4Addr)> = self
+                .nodes
+                .iter()
+                .map(|n| (n.name.clone(), n.cluster_addr))
+                .collect();
+            let tls = ClusterTls::generate(&self.dir().join("tls"), &nodes).map_err(|e| {
+                ClusterError::Io {
+                    what: "making the cluster's certificates".into(),
+                    source: std::io::Error::other(e.to_string()),
+                }
+            })?;
+            self.tls = Some(tls);
+        }
+        // The outsiders' CA knows only them.
+        let outsiders = if self.spec.tls && !self.spec.tls_outsiders.is_empty() {
+            let nodes: Vec<(String, Ipv4Addr)> = self
+                .nodes
+                .iter()
+                .filter(|n| self.spec.tls_outsiders.contains(&n.name))
+                .map(|n| (n.name.clone(), n.cluster_addr))
+                .collect();
+            Some(
+                ClusterTls::generate(&self.dir().join("tls-outsiders"), &nodes).map_err(|e| {
+                    ClusterError::Io {
+                        what: "making the outsiders' certificates".into(),
+                        source: std::io::Error::other(e.to_string()),
+                    }
+                })?,
+            )
+        } else {
+            None
+        };
         let criu = self.spec.criu_path.clone().unwrap_or_else(paths::criu_path);
         let peers: Vec<(String, SocketAddrV4)> = self
             .nodes
@@ -317,6 +364,12 @@ impl Cluster {
                 extra: self.spec.extra_config.clone(),
                 capture: self.spec.capture,
                 pin_dir: bpf.path().join("pins"),
+                tls: match &outsiders {
+                    Some(o) if self.spec.tls_outsiders.contains(&node.name) => {
+                        Some(o.config_section(&node.name))
+                    }
+                    _ => self.tls.as_ref().map(|t| t.config_section(&node.name)),
+                },
             };
             node.work = Some(work);
             node.bpf = Some(bpf);
@@ -532,7 +585,13 @@ impl Cluster {
             from,
             self.peer_addr(to),
             migration_id,
+            self.tls.as_ref().map(|t| t.client(to, Some(from))),
         )?)
+    }
+
+    /// The cluster's certificates and tokens, when it runs with TLS.
+    pub fn tls(&self) -> Option<&ClusterTls> {
+        self.tls.as_ref()
     }
 
     /// True when the node's agent holds no incoming migration's files

@@ -35,6 +35,7 @@ pub mod privilege;
 pub mod prometheus;
 pub mod reap;
 pub mod reflection;
+pub mod tls;
 pub mod tmpfs;
 pub mod topology;
 pub mod workload;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use ferry_proto::v1::peer_client::PeerClient;
 use ferry_proto::v1::{AbortRequest, HelloRequest, PrepareRequest};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use crate::netns::{self, NetNsError};
 
@@ -49,11 +49,22 @@ where
     })?
 }
 
-/// Connects to a Peer service; call on a thread inside a node's namespace
-/// (see [`block_on_in`]).
-pub async fn connect(addr: SocketAddrV4) -> Result<PeerClient<Channel>, PeerError> {
-    let channel = Endpoint::from_shared(format!("http://{addr}"))
-        .expect("a socket address makes a valid URI")
+/// Connects to a Peer service, over TLS with `tls`; call on a thread
+/// inside a node's namespace (see [`block_on_in`]).
+pub async fn connect(
+    addr: SocketAddrV4,
+    tls: Option<ClientTlsConfig>,
+) -> Result<PeerClient<Channel>, PeerError> {
+    let endpoint = match tls {
+        Some(tls) => Endpoint::from_shared(format!("https://{addr}"))
+            .expect("a socket address makes a valid URI")
+            .tls_config(tls)
+            .map_err(|source| PeerError::Connect { addr, source })?,
+        None => Endpoint::from_shared(format!("http://{addr}"))
+            .expect("a socket address makes a valid URI"),
+    };
+    let channel = endpoint
+        .connect_timeout(std::time::Duration::from_secs(5))
         .connect()
         .await
         .map_err(|source| PeerError::Connect { addr, source })?;
@@ -75,20 +86,24 @@ pub struct Reservation {
     netns: PathBuf,
     addr: SocketAddrV4,
     migration_id: String,
+    tls: Option<ClientTlsConfig>,
     released: bool,
 }
 
 impl Reservation {
     /// `Hello` then `Prepare` (no process, no ports) to the agent at `addr`,
-    /// from the namespace of node `source_node`.
+    /// from the namespace of node `source_node` (with its certificate in
+    /// `tls` on a TLS cluster).
     pub fn reserve(
         netns: &Path,
         source_node: &str,
         addr: SocketAddrV4,
         migration_id: &str,
+        tls: Option<ClientTlsConfig>,
     ) -> Result<Self, PeerError> {
+        let t = tls.clone();
         block_on_in(netns, || async {
-            let mut peer = connect(addr).await?;
+            let mut peer = connect(addr, t).await?;
             let hello = peer
                 .hello(HelloRequest {
                     node: source_node.to_owned(),
@@ -111,6 +126,7 @@ impl Reservation {
             netns: netns.to_owned(),
             addr,
             migration_id: migration_id.to_owned(),
+            tls,
             released: false,
         })
     }
@@ -125,9 +141,9 @@ impl Reservation {
             return Ok(());
         }
         self.released = true;
-        let (addr, id) = (self.addr, self.migration_id.clone());
+        let (addr, id, tls) = (self.addr, self.migration_id.clone(), self.tls.clone());
         block_on_in(&self.netns, || async move {
-            connect(addr)
+            connect(addr, tls)
                 .await?
                 .abort(AbortRequest {
                     migration_id: id,

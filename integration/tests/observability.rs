@@ -130,10 +130,20 @@ fn reflection_and_health_answer_on_both_control_listeners() {
     check("control socket", &seen);
 
     // A remote scheduler's door: TCP, from another node's namespace.
+    // With TLS (the harness's default) as an observer: health and
+    // reflection are read-only.
     let addr = SocketAddrV4::new(cluster.node_cluster_addr("node1"), CONTROL_PORT);
+    let tls = cluster.tls().map(|t| t.client("node1", Some("observer")));
     let seen = block_on_in(&cluster.netns_path("node2"), || async move {
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .expect("a socket address makes a URI")
+        let endpoint = match tls {
+            Some(tls) => Endpoint::from_shared(format!("https://{addr}"))
+                .expect("a socket address makes a URI")
+                .tls_config(tls)
+                .expect("TLS client"),
+            None => Endpoint::from_shared(format!("http://{addr}"))
+                .expect("a socket address makes a URI"),
+        };
+        let channel = endpoint
             .connect_timeout(Duration::from_secs(5))
             .connect()
             .await

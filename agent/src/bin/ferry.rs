@@ -72,11 +72,78 @@ enum Command {
     /// This node's data plane: packet counters and port states.
     #[command(visible_alias = "dp")]
     Dataplane,
+    /// Make the cluster's CA, node and client certificates and tokens
+    /// (no agent needed; every file is written mode 0600).
+    #[command(subcommand)]
+    Cert(CertCommand),
     /// The automatic load balancer: `show` (default), `on`, `off`, or
     /// `set KEY=VALUE...` with policy keys such as transfer.threshold=1.2.
     Balancer {
         #[command(subcommand)]
         action: Option<BalancerAction>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum CertCommand {
+    /// A new cluster CA: DIR/ca.crt, DIR/ca.key (keep it off the nodes) and
+    /// DIR/membership.key (every node's `[tls] membership_key`).
+    Ca {
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// The cluster's name, in the CA's common name.
+        #[arg(long, default_value = "cluster")]
+        name: String,
+        #[arg(long, default_value_t = 3650)]
+        days: u32,
+        /// Replace existing files.
+        #[arg(long)]
+        force: bool,
+    },
+    /// A node's certificate: OUT/NAME.crt and OUT/NAME.key, for its
+    /// `[tls] cert` and `key`.
+    Node {
+        /// The node's name, as in its `node =`.
+        #[arg(long)]
+        name: String,
+        /// Its addresses (cluster, control_listen), for clients that dial
+        /// an address; repeat or separate with commas.
+        #[arg(long, value_delimiter = ',')]
+        ip: Vec<std::net::IpAddr>,
+        /// The CA directory (`ferry cert ca --out`).
+        #[arg(long, value_name = "DIR")]
+        ca: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+        #[arg(long)]
+        force: bool,
+    },
+    /// A Control API client's certificate with a role: OUT/NAME.crt and
+    /// OUT/NAME.key.
+    Client {
+        #[arg(long, value_parser = ["observer", "operator"])]
+        role: String,
+        /// Who holds it (its common name, in the agents' logs).
+        #[arg(long)]
+        name: String,
+        #[arg(long, value_name = "DIR")]
+        ca: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+        #[arg(long)]
+        force: bool,
+    },
+    /// A Control API bearer token: prints the token (give it to the
+    /// client) and the `[[tls.tokens]]` entry (for every node's config).
+    Token {
+        #[arg(long, value_parser = ["observer", "operator"])]
+        role: String,
+        #[arg(long)]
+        name: String,
     },
 }
 
@@ -141,9 +208,92 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), s.message())
 }
 
+/// `ferry cert ...`: files only, no agent.
+fn cert(cmd: CertCommand, as_json: bool) -> Result<()> {
+    use ferry_agent::security::Role;
+    use ferry_agent::security::certs::{self, Ca};
+    let role = |r: &str| Role::parse(r).context("--role: observer or operator");
+    let mut written: Vec<PathBuf> = Vec::new();
+    let mut config = String::new();
+    match cmd {
+        CertCommand::Ca {
+            out,
+            name,
+            days,
+            force,
+        } => {
+            written = Ca::generate(&name, days)?.write(&out, force)?;
+            config = format!(
+                "[tls]\nca = {:?}\nmembership_key = {:?}\n",
+                out.join(certs::CA_CERT),
+                out.join(certs::MEMBERSHIP_KEY)
+            );
+        }
+        CertCommand::Node {
+            name,
+            ip,
+            ca,
+            out,
+            days,
+            force,
+        } => {
+            let (cert, key) = Ca::load(&ca)?
+                .node(&name, &ip, days)?
+                .write(&out, &name, force)?;
+            config = format!("cert = {cert:?}\nkey = {key:?}\n");
+            written.extend([cert, key]);
+        }
+        CertCommand::Client {
+            role: r,
+            name,
+            ca,
+            out,
+            days,
+            force,
+        } => {
+            let (cert, key) = Ca::load(&ca)?
+                .client(&name, role(&r)?, days)?
+                .write(&out, &name, force)?;
+            written.extend([cert, key]);
+        }
+        CertCommand::Token { role: r, name } => {
+            let role = role(&r)?;
+            let (token, digest) = certs::new_token();
+            if as_json {
+                println!(
+                    "{}",
+                    json!({"name": name, "role": role.as_str(), "token": token, "sha256": digest})
+                );
+            } else {
+                println!("token: {token}");
+                println!(
+                    "\n# for every node's ferryd.toml:\n[[tls.tokens]]\nname = {name:?}\nrole = \"{role}\"\nsha256 = \"{digest}\""
+                );
+            }
+            return Ok(());
+        }
+    }
+    if as_json {
+        println!("{}", json!({ "written": written }));
+    } else {
+        for p in &written {
+            println!("wrote {}", p.display());
+        }
+        if !config.is_empty() {
+            println!("\n# for ferryd.toml:\n{config}");
+        }
+    }
+    Ok(())
+}
+
 async fn main_exec(args: Args) -> Result<()> {
+    let command = match args.command {
+        Command::Cert(c) => return cert(c, args.json),
+        c => c,
+    };
     let mut client = connect(args.socket).await?;
-    match args.command {
+    match command {
+        Command::Cert(_) => unreachable!("handled above"),
         Command::Nodes => {
             let nodes = client
                 .list_nodes(ListNodesRequest {})

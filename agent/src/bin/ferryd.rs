@@ -10,6 +10,7 @@ use ferry_agent::agent::Agent;
 use ferry_agent::api::{ControlService, PeerService, control_routes};
 use ferry_agent::config::Config;
 use ferry_agent::ownership::EbpfPortFilter;
+use ferry_agent::security::authz::AuthLayer;
 use ferry_proto::v1::balance_server::BalanceServer;
 use ferry_proto::v1::peer_server::PeerServer;
 use tokio::sync::watch;
@@ -95,6 +96,14 @@ async fn serve(config: Config) -> Result<()> {
     }
     std::fs::create_dir_all(&config.work_dir)
         .with_context(|| format!("creating work_dir {}", config.work_dir.display()))?;
+    // Root only, the whole tree: migration images (process memory, socket
+    // state) are written below it, and a directory created with the umask's
+    // mode, even for a moment, must not let anyone else in on the way.
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&config.work_dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("making work_dir {} root only", config.work_dir.display()))?;
+    }
     warn_if_not_tmpfs(&config.work_dir);
     prepare_criu_cache(&config);
 
@@ -137,6 +146,31 @@ async fn serve(config: Config) -> Result<()> {
     })?;
     tracing::info!(interface = %config.cluster.interface, "in-cluster translator attached");
 
+    // Certificates before anything listens: a node that cannot prove who
+    // it is serves nothing rather than serving in plaintext.
+    let tls = match &config.tls {
+        Some(t) => {
+            let m = ferry_agent::security::TlsMaterial::load(t, &config.node)
+                .context("loading [tls]")?;
+            tracing::info!(
+                ca = %t.ca.display(),
+                cert = %t.cert.display(),
+                tokens = t.tokens.len(),
+                membership_authenticated = m.membership_key.is_some(),
+                "TLS on: mutual TLS on the peer port, authenticated control API on TCP"
+            );
+            Some(m)
+        }
+        None => {
+            tracing::warn!(
+                "no [tls] in the config: the peer port, the control API on TCP and membership \
+                 are plaintext and unauthenticated; anyone on the cluster network can push a \
+                 migration, read process memory or join (see docs/api.md, Security)"
+            );
+            None
+        }
+    };
+
     // In this (the node's) network namespace: replayed packets enter here.
     let replayer = ferry_ebpf::Replayer::new().context("opening the packet replay socket")?;
     let agent = Agent::new(
@@ -150,6 +184,9 @@ async fn serve(config: Config) -> Result<()> {
         let agent = agent.clone();
         tokio::task::spawn_blocking(move || agent.readopt()).await?
     };
+    if let Some(m) = &tls {
+        let _ = agent.tls.set(m.clone());
+    }
     if adopted > 0 {
         tracing::info!(adopted, "processes of the earlier agent managed again");
     }
@@ -181,9 +218,13 @@ async fn serve(config: Config) -> Result<()> {
 
     // Membership (SWIM) and the balancer's conductor.
     let conductor_task = if config.membership.enabled {
-        let membership = ferry_agent::membership::Membership::start(&config, shutdown_rx.clone())
-            .await
-            .context("starting membership")?;
+        let membership = ferry_agent::membership::Membership::start(
+            &config,
+            tls.as_ref().and_then(|t| t.membership_key.as_deref()),
+            shutdown_rx.clone(),
+        )
+        .await
+        .context("starting membership")?;
         let _ = agent.membership.set(membership.clone());
         use ferry_agent::conductor as cond;
         let conductor = cond::Conductor::new(
@@ -237,8 +278,18 @@ async fn serve(config: Config) -> Result<()> {
         "ferryd serving"
     );
 
-    let peer_srv = tonic::transport::Server::builder()
+    let mut peer_builder = tonic::transport::Server::builder();
+    if let Some(m) = &tls {
+        peer_builder = peer_builder
+            .tls_config(m.peer_server())
+            .context("the peer port's TLS configuration")?;
+    }
+    let peer_srv = peer_builder
         .tcp_nodelay(true)
+        // After the handshake (CA-signed client certificate): a node's.
+        .layer(tower::util::option_layer(
+            tls.as_ref().map(|_| AuthLayer::peer()),
+        ))
         .add_service(
             PeerServer::new(PeerService::new(agent.clone()))
                 .max_decoding_message_size(16 << 20)
@@ -273,12 +324,21 @@ async fn serve(config: Config) -> Result<()> {
             tokio_stream::wrappers::UnixListenerStream::new(control_listener),
             wait_for(shutdown_rx.clone()),
         );
+    // On TCP: with [tls], TLS and a role per call (certificate or token).
+    let mut control_builder = tonic::transport::Server::builder();
+    if let (Some(m), Some(_)) = (&tls, config.control_listen) {
+        control_builder = control_builder
+            .tls_config(m.control_server())
+            .context("the control listener's TLS configuration")?;
+    }
+    let control_auth = tls.as_ref().map(|m| AuthLayer::control(m.tokens.clone()));
     let control_tcp = {
         let rx = shutdown_rx.clone();
         let addr = config.control_listen;
         async move {
             let Some(addr) = addr else { return Ok(()) };
-            tonic::transport::Server::builder()
+            control_builder
+                .layer(tower::util::option_layer(control_auth))
                 .add_routes(control_routes)
                 .serve_with_shutdown(addr, wait_for(rx))
                 .await

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::balance_client::BalanceClient;
-use tonic::transport::Endpoint;
 
 use super::{Clock, Migrated, MigrationStarter, PeerNegotiator, ProcSample, Sample};
 use crate::agent::{Agent, error_chain};
@@ -161,8 +160,9 @@ impl GrpcNegotiator {
         let addr = self
             .address(node)
             .ok_or_else(|| format!("no address known for {node}"))?;
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| e.to_string())?
+        let channel = self
+            .agent
+            .peer_endpoint(node, addr)?
             .connect_timeout(Duration::from_secs(1))
             .connect()
             .await

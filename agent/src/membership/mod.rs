@@ -22,8 +22,11 @@
 //!   disseminating only the newest per node.
 //!
 //! Every datagram starts with one tag byte: [`TAG_SWIM`] for foca's own
-//! packets, [`TAG_BEACON`] for the discovery beacon.
+//! packets, [`TAG_BEACON`] for the discovery beacon. With a membership key
+//! (`[tls] membership_key`) every datagram is also sealed with a MAC and
+//! unsealed ones are dropped and counted ([`auth`]).
 
+pub mod auth;
 mod wire;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -74,6 +77,8 @@ pub struct Member {
 #[derive(Debug, Default)]
 struct Shared {
     members: BTreeMap<String, Member>,
+    /// Datagrams dropped for want of a valid MAC, by reason.
+    rejected: auth::RejectCounts,
     /// Load broadcasts not yet taken by the conductor.
     inbox: Vec<LoadBroadcast>,
 }
@@ -190,8 +195,11 @@ fn beacon_listener(
 
 impl Membership {
     /// Binds the membership socket on the cluster address and starts SWIM.
+    /// With `key` (the cluster's membership key) every datagram is sealed
+    /// and only sealed ones are heard.
     pub async fn start(
         config: &Config,
+        key: Option<&[u8]>,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Arc<Self>, MembershipError> {
         let m = &config.membership;
@@ -236,9 +244,11 @@ impl Membership {
             shared: shared.clone(),
             commands: tx,
         });
-        let swim = Swim::new(local, m, shared, seeds, beacon_to, socket, beacon_rx);
+        let mut swim = Swim::new(local, m, shared, seeds, beacon_to, socket, beacon_rx);
+        swim.sealer = key.map(auth::Sealer::new);
+        let authenticated = swim.sealer.is_some();
         tokio::spawn(swim.run(rx, shutdown));
-        tracing::info!(gossip = %bind, beacon = ?beacon_to, "membership started (SWIM)");
+        tracing::info!(gossip = %bind, beacon = ?beacon_to, authenticated, "membership started (SWIM)");
         Ok(me)
     }
 
@@ -268,6 +278,11 @@ impl Membership {
             .get(name)
             .filter(|m| m.state != MemberState::Down)
             .map(|m| m.ident.peer)
+    }
+
+    /// Datagrams dropped since start for want of a valid MAC.
+    pub fn rejected(&self) -> auth::RejectCounts {
+        lock(&self.shared).rejected
     }
 
     /// Load broadcasts heard since the last call.
@@ -315,6 +330,11 @@ struct Swim {
     beacon_rx: Option<UdpSocket>,
     timers: BinaryHeap<std::cmp::Reverse<(tokio::time::Instant, u64, TimerSlot)>>,
     timer_seq: u64,
+    /// Seals what is sent and opens what is heard, with a membership key.
+    sealer: Option<auth::Sealer>,
+    /// When a rejection was last logged at warn level (not every one is:
+    /// an outsider can send many).
+    last_reject_log: Option<std::time::Instant>,
 }
 
 /// Wraps a foca timer so the heap orders by deadline, then by submission.
@@ -362,6 +382,8 @@ impl Swim {
             beacon_rx,
             timers: BinaryHeap::new(),
             timer_seq: 0,
+            sealer: None,
+            last_reject_log: None,
         }
     }
 
@@ -419,6 +441,16 @@ impl Swim {
     }
 
     fn on_datagram(&mut self, data: &[u8], from: SocketAddr) {
+        let data = match &self.sealer {
+            None => data,
+            Some(s) => match s.open(data, unix_ms()) {
+                Ok(d) => d,
+                Err(reason) => {
+                    self.reject(reason, from);
+                    return;
+                }
+            },
+        };
         match data.split_first() {
             Some((&TAG_SWIM, rest)) => {
                 if let Err(e) = self.foca.handle_data(rest, &mut self.runtime) {
@@ -443,10 +475,46 @@ impl Swim {
         }
     }
 
+    /// Counts a dropped datagram; logs the first of a burst as a warning
+    /// (once per 10 s), the rest at debug level.
+    fn reject(&mut self, reason: auth::Reject, from: SocketAddr) {
+        let total = {
+            let mut shared = lock(&self.shared);
+            shared.rejected.count(reason);
+            shared.rejected
+        };
+        let now = std::time::Instant::now();
+        if self
+            .last_reject_log
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(10))
+        {
+            self.last_reject_log = Some(now);
+            tracing::warn!(
+                %from,
+                %reason,
+                unauthenticated = total.unauthenticated,
+                stale = total.stale,
+                "membership datagram rejected"
+            );
+        } else {
+            tracing::debug!(%from, %reason, "membership datagram rejected");
+        }
+    }
+
+    /// The tag, the payload and, with a key, the seal.
+    fn packet(&self, tag: u8, payload: &[u8]) -> Vec<u8> {
+        let mut pkt = Vec::with_capacity(1 + payload.len() + auth::OVERHEAD);
+        pkt.push(tag);
+        pkt.extend_from_slice(payload);
+        if let Some(s) = &self.sealer {
+            s.seal(&mut pkt, unix_ms());
+        }
+        pkt
+    }
+
     async fn beacon(&mut self) {
         if let Some(to) = self.beacon_to {
-            let mut pkt = vec![TAG_BEACON];
-            pkt.extend(encode_beacon(&self.local));
+            let pkt = self.packet(TAG_BEACON, &encode_beacon(&self.local));
             if let Err(e) = self.socket.send_to(&pkt, to).await {
                 tracing::debug!(error = %e, %to, "discovery beacon");
             }
@@ -462,9 +530,7 @@ impl Swim {
     /// shared view.
     async fn flush(&mut self) {
         while let Some((to, data)) = self.runtime.to_send() {
-            let mut pkt = Vec::with_capacity(data.len() + 1);
-            pkt.push(TAG_SWIM);
-            pkt.extend_from_slice(&data);
+            let pkt = self.packet(TAG_SWIM, &data);
             if let Err(e) = self.socket.send_to(&pkt, to.gossip).await {
                 tracing::trace!(error = %e, to = %to.gossip, "membership send");
             }
