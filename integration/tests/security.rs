@@ -206,6 +206,7 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
                             destination_node: "node2".into(),
                             strategy: Strategy::TotalCopy as i32,
                             sockets: 0,
+                            ..Default::default()
                         },
                         t,
                     ))
