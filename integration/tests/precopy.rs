@@ -5,15 +5,14 @@
 //! intact and without write protection. Root only; run by `cargo xtask
 //! test` (or `cargo xtask integration`).
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddrV4, TcpStream};
+use std::net::SocketAddrV4;
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
     list, migrate_request, process_state, run, runtime, wait_for_process,
 };
-use ferry_integration::netns::NetNsGuard;
+use ferry_integration::workload::request_line;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
 use tonic::transport::Channel;
@@ -47,23 +46,13 @@ async fn start_writer(control: &mut ControlClient<Channel>, mib: u32, writes_per
 /// One command to the writer, from client1, wherever it runs now.
 fn ask(cluster: &Cluster, command: &str) -> String {
     let target = SocketAddrV4::new(cluster.public_addr(), PORT);
-    let netns = cluster.netns_path("client1");
-    let command = command.to_owned();
-    // A thread of its own: entering a network namespace is per thread.
-    std::thread::spawn(move || {
-        let _in = NetNsGuard::enter(&netns).expect("entering client1");
-        let mut stream = TcpStream::connect_timeout(&target.into(), Duration::from_secs(5))
-            .unwrap_or_else(|e| panic!("connecting to the writer for {command:?}: {e}"));
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        writeln!(stream, "{command}").unwrap();
-        let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line).unwrap();
-        line.trim().to_owned()
-    })
-    .join()
-    .expect("asking the writer")
+    request_line(
+        &cluster.netns_path("client1"),
+        target,
+        command,
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("asking the writer {command:?}: {e}"))
 }
 
 /// `check` must answer "ok <writes> <pages>"; returns the writes.

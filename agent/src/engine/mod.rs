@@ -1,13 +1,13 @@
-//! The migration engine (the seed's `migd`), peer protocol version 4.
+//! The migration engine (the seed's `migd`), peer protocol version 5.
 //!
 //! # The migration as a state machine
 //!
 //! Source (`source.rs`), driven by `Control.Migrate`:
 //!
 //! ```text
-//! Validate ─> Prepare ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Discard ─> Commit ─> Committed
-//!    │           │        │       │                      │          │            │
-//!    └─ error    └────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
+//! Validate ─> Prepare ─> (Pre-copy) ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Discard ─> Commit ─> Committed
+//!    │           │            │          │       │                      │          │            │
+//!    └─ error    └────────────┴──────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
 //! ```
 //!
 //! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
@@ -15,6 +15,17 @@
 //!   present and new enough. Nothing has been touched yet.
 //! - **Prepare**: `Peer.Hello` picks the protocol version, `Peer.Prepare`
 //!   reserves the destination (one incoming migration at a time).
+//! - **Pre-copy** (strategies `pre-copy` and `queued-pre-copy`, protocol
+//!   5): dirty tracking starts on every process of the tree
+//!   ([`crate::memtrack`]: userfaultfd write protection created inside the
+//!   process over ptrace, and `PAGEMAP_SCAN`), and rounds stream the
+//!   private memory to the destination while the process runs
+//!   (`TransferPages`), until the convergence predicate says freeze
+//!   ([`precopy`]). After the dump, with the process stopped, a last scan
+//!   says which of the pages the destination holds are still current, and
+//!   tracking ends; the Transfer then names those pages (`StoredPages`)
+//!   instead of carrying them. An abort ends tracking before the process
+//!   resumes: no write protection outlives a migration.
 //! - **Arm** (skipped with `[dataplane] capture = false`): the source starts
 //!   logging what it delivers to the process's ports (`Recording`), then
 //!   `Peer.Arm` makes the destination capture every packet to all of them
@@ -81,7 +92,10 @@
 //! socket migration (`TransferSockets`, `Restore.collective_sockets`) and
 //! the unread UDP datagrams in `Commit`; a source uses it only with a destination that
 //! chose 4, and otherwise moves connections CRIU's way (the report says
-//! which way they moved, and why).
+//! which way they moved, and why). Version 5 adds pre-copy
+//! (`TransferPages`, `StoredPages` in the image stream); a source asks for
+//! a pre-copy strategy only from a destination that chose 5, and refuses
+//! the migration before touching anything otherwise.
 //!
 //! Every committed migration's report cuts the freeze into its parts
 //! (`freeze_parts`: CRIU's dump, the transfer, the destination's image

@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -174,8 +173,10 @@ impl PageStore {
             }
             addr += page;
         }
-        let max = 1u64 << 20;
-        let mut buf = vec![0u8; stored.length.min(max) as usize];
+        // Runs of pages whose places follow each other cross in one
+        // in-kernel copy (copy_file_range), not through a buffer here: at
+        // the freeze this copies most of the process's memory.
+        let max = 64u64 << 20;
         let mut addr = stored.vaddr;
         while addr < end {
             let first = place(addr).expect("checked above");
@@ -183,15 +184,45 @@ impl PageStore {
             while addr + n < end && n < max && place(addr + n) == Some(first + n) {
                 n += page;
             }
-            st.file
-                .read_exact_at(&mut buf[..n as usize], first)
-                .map_err(EngineError::io("reading pre-copied pages"))?;
-            out.write_all(&buf[..n as usize])
-                .map_err(EngineError::io("writing a pages image"))?;
+            copy_range(&st.file, first, out, n)?;
             addr += n;
         }
         Ok(())
     }
+}
+
+/// Appends `len` bytes of `from` at `offset` to `to` (at its position).
+fn copy_range(from: &File, mut offset: u64, to: &mut File, len: u64) -> Result<(), EngineError> {
+    use std::os::fd::AsRawFd;
+    let mut left = len;
+    while left > 0 {
+        let mut off_in = offset as libc::loff_t;
+        // SAFETY: two open descriptors; `off_in` is a valid loff_t the
+        // kernel updates; a null out-offset means `to`'s own position.
+        let n = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                &mut off_in,
+                to.as_raw_fd(),
+                std::ptr::null_mut(),
+                left as usize,
+                0,
+            )
+        };
+        if n < 0 {
+            return Err(EngineError::io("copying pre-copied pages")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        if n == 0 {
+            return Err(EngineError::Internal(format!(
+                "pre-copied pages end early at {offset}"
+            )));
+        }
+        offset += n as u64;
+        left -= n as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -23,8 +23,7 @@
 //! `target/bench/algorithms`).
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddrV4, TcpStream};
+use std::net::SocketAddrV4;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -32,7 +31,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
-use ferry_integration::netns::NetNsGuard;
+use ferry_integration::workload::request_line;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
 
 #[derive(Debug, Parser)]
@@ -172,6 +171,8 @@ struct Row {
     freeze_pages: u64,
     dumped_pages: u64,
     convergence: String,
+    /// The freeze's parts, "name ms; ...".
+    freeze_parts: String,
 }
 
 fn ms(us: u64) -> f64 {
@@ -194,19 +195,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// One command to the writer on `port`, from client1.
 fn ask(cluster: &Cluster, port: u16, command: &str) -> Result<String> {
     let target = SocketAddrV4::new(cluster.public_addr(), port);
-    let netns = cluster.netns_path("client1");
-    let command = command.to_owned();
-    std::thread::spawn(move || -> Result<String> {
-        let _in = NetNsGuard::enter(&netns)?;
-        let mut stream = TcpStream::connect_timeout(&target.into(), Duration::from_secs(10))?;
-        stream.set_read_timeout(Some(Duration::from_secs(60)))?;
-        writeln!(stream, "{command}")?;
-        let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line)?;
-        Ok(line.trim().to_owned())
-    })
-    .join()
-    .map_err(|_| anyhow::anyhow!("the asking thread panicked"))?
+    Ok(request_line(
+        &cluster.netns_path("client1"),
+        target,
+        command,
+        Duration::from_secs(60),
+    )?)
 }
 
 /// Shapes every node's cluster interface to `rate` (token bucket, a burst
@@ -259,6 +253,13 @@ fn row_of(link: &str, process: &str, strategy: &str, run: usize, r: &MigrationRe
         freeze_pages: r.freeze_pages,
         dumped_pages: r.dumped_pages,
         convergence: r.convergence.clone(),
+        freeze_parts: r
+            .freeze_parts
+            .iter()
+            .filter(|p| p.duration_us >= 1000)
+            .map(|p| format!("{} {:.0}", p.phase, ms(p.duration_us)))
+            .collect::<Vec<_>>()
+            .join("; "),
     }
 }
 
@@ -312,7 +313,7 @@ async fn bench_process(
             }
             let row = row_of(link, process, strategy, run_no, &report);
             println!(
-                "{:<7} {:<9} {:<15} run {:>2}: prep {:>9.1}  down {:>8.1}  total {:>9.1} ms  {:>11} B  {} rounds {}",
+                "{:<7} {:<9} {:<15} run {:>2}: prep {:>9.1}  down {:>8.1}  total {:>9.1} ms  {:>11} B  {} rounds {} [{}]",
                 row.link,
                 row.process,
                 row.strategy,
@@ -322,7 +323,8 @@ async fn bench_process(
                 row.total_ms,
                 row.bytes,
                 row.rounds,
-                row.convergence
+                row.convergence,
+                row.freeze_parts
             );
             rows.push(row);
             pid = report.destination_pid;
@@ -505,12 +507,12 @@ fn main() -> Result<()> {
     }
     std::fs::create_dir_all(&args.out)?;
     let mut csv = String::from(
-        "link,process,strategy,run,preparation_ms,down_ms,post_processing_ms,total_ms,bytes,rounds,freeze_pages,dumped_pages,convergence\n",
+        "link,process,strategy,run,preparation_ms,down_ms,post_processing_ms,total_ms,bytes,rounds,freeze_pages,dumped_pages,convergence,freeze_parts\n",
     );
     for r in &rows {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{}",
+            "{},{},{},{},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{},\"{}\"",
             r.link,
             r.process,
             r.strategy,
@@ -523,7 +525,8 @@ fn main() -> Result<()> {
             r.rounds,
             r.freeze_pages,
             r.dumped_pages,
-            r.convergence
+            r.convergence,
+            r.freeze_parts
         );
     }
     std::fs::write(args.out.join("algorithms.csv"), csv)?;

@@ -207,8 +207,6 @@ fn serve(stream: TcpStream, mem: &mut Memory, scratch: &mut [u8]) {
 
 fn main() {
     let args = Args::parse();
-    let listener = TcpListener::bind(("0.0.0.0", args.port)).expect("bind");
-    listener.set_nonblocking(true).expect("nonblocking");
     let bytes = args.kib.map(|k| k << 10).unwrap_or(args.mib << 20);
     let n = (bytes / PAGE).max(1);
     let (r, w) = nix::unistd::pipe().expect("pipe");
@@ -224,6 +222,9 @@ fn main() {
     for i in 0..n {
         pattern(mem.page(i), i as u64, 0);
     }
+    // Listening means ready: all of the memory written once.
+    let listener = TcpListener::bind(("0.0.0.0", args.port)).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
     let mut side_remapped = Instant::now();
     let getpid = args.mode == "getpid";
     loop {
