@@ -338,6 +338,45 @@ fn a_forged_peer_cannot_push_a_migration() {
             );
         }
     }
+    // A real node speaks only for itself: node2's own certificate, claiming
+    // to be another node.
+    let impersonation = block_on_in(&cluster.netns_path("node2"), || {
+        let client = tls.client("node1", Some("node2"));
+        async move {
+            let mut p = peer::connect(addr, Some(client))
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let hello = p
+                .hello(HelloRequest {
+                    node: "node9".into(),
+                    protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+                })
+                .await
+                .map(|_| ())
+                .map_err(|s| (s.code(), s.message().to_owned()));
+            let prepare = p
+                .prepare(PrepareRequest {
+                    migration_id: "impersonated".into(),
+                    source_node: "node9".into(),
+                    protocol_version: ferry_proto::PEER_PROTOCOL_VERSIONS[0],
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+                .map_err(|s| (s.code(), s.message().to_owned()));
+            Ok::<_, String>((hello, prepare))
+        }
+    })
+    .expect("node2's namespace")
+    .expect("connected with node2's certificate");
+    for (what, r) in [("Hello", impersonation.0), ("Prepare", impersonation.1)] {
+        let (code, message) = r.expect_err(&format!("{what} as node9 with node2's certificate"));
+        assert_eq!(code, tonic::Code::PermissionDenied, "{what}: {message}");
+        assert!(
+            message.contains("node2") && message.contains("node9"),
+            "{what}: {message}"
+        );
+    }
     assert!(cluster.incoming_dir_is_empty("node1"));
     // The slot is free: the real node2 can still reserve it.
     let mut r = cluster

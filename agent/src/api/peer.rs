@@ -26,9 +26,51 @@ pub struct PeerService {
     agent: Arc<Agent>,
 }
 
+/// The node a call's client certificate names (the Peer port's TLS
+/// layer puts it there); None without TLS.
+fn caller<T>(request: &Request<T>) -> Option<String> {
+    request
+        .extensions()
+        .get::<crate::security::authz::Caller>()
+        .map(|c| c.name.clone())
+}
+
+/// Refuses a request whose claimed node is not the one its certificate
+/// names: a node may speak only for itself.
+fn claims_own_name<T>(request: &Request<T>, field: &str, claimed: &str) -> Result<(), Status> {
+    match caller(request) {
+        Some(node) if node != claimed => Err(Status::permission_denied(format!(
+            "{field}: {claimed:?}, but the client certificate is {node:?}'s"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl PeerService {
     pub fn new(agent: Arc<Agent>) -> Self {
         Self { agent }
+    }
+
+    /// Refuses a step of incoming migration `migration_id` from any node but
+    /// the one that prepared it.
+    async fn check_its_source<T>(
+        &self,
+        request: &Request<T>,
+        migration_id: &str,
+    ) -> Result<(), Status> {
+        let Some(node) = caller(request) else {
+            return Ok(());
+        };
+        let slot = self.agent.incoming.lock().await;
+        match slot.as_ref() {
+            Some(inc) if inc.migration_id == migration_id && inc.from != node => {
+                Err(Status::permission_denied(format!(
+                    "migration_id: {migration_id} comes from {:?}, not {node:?}",
+                    inc.from
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Runs a translation change (BPF maps: blocking) off the runtime.
@@ -50,6 +92,7 @@ impl Peer for PeerService {
         &self,
         request: Request<HelloRequest>,
     ) -> Result<Response<HelloResponse>, Status> {
+        claims_own_name(&request, "node", &request.get_ref().node)?;
         let req = request.into_inner();
         let version =
             ferry_proto::negotiate_peer_version(&req.protocol_versions).ok_or_else(|| {
@@ -72,11 +115,14 @@ impl Peer for PeerService {
         &self,
         request: Request<PrepareRequest>,
     ) -> Result<Response<PrepareResponse>, Status> {
+        claims_own_name(&request, "source_node", &request.get_ref().source_node)?;
         destination::prepare(&self.agent, request.into_inner()).await?;
         Ok(Response::new(PrepareResponse {}))
     }
 
     async fn arm(&self, request: Request<ArmRequest>) -> Result<Response<ArmResponse>, Status> {
+        self.check_its_source(&request, &request.get_ref().migration_id)
+            .await?;
         // Spawned: once started, the capture is either fully armed and
         // recorded in the slot, or not at all.
         let agent = self.agent.clone();
@@ -110,6 +156,9 @@ impl Peer for PeerService {
         &self,
         request: Request<ferry_proto::v1::TransferSocketsRequest>,
     ) -> Result<Response<ferry_proto::v1::TransferSocketsResponse>, Status> {
+        claims_own_name(&request, "source_node", &request.get_ref().source_node)?;
+        self.check_its_source(&request, &request.get_ref().migration_id)
+            .await?;
         let agent = self.agent.clone();
         let req = request.into_inner();
         Ok(Response::new(
@@ -124,6 +173,8 @@ impl Peer for PeerService {
         &self,
         request: Request<RestoreRequest>,
     ) -> Result<Response<RestoreResponse>, Status> {
+        self.check_its_source(&request, &request.get_ref().migration_id)
+            .await?;
         // Spawned, here and below: if the source gives up and cancels the
         // call, a step that started (a CRIU restore, a resume, a discard)
         // still runs to its end and records what it did.
@@ -141,6 +192,8 @@ impl Peer for PeerService {
         &self,
         request: Request<CommitRequest>,
     ) -> Result<Response<CommitResponse>, Status> {
+        self.check_its_source(&request, &request.get_ref().migration_id)
+            .await?;
         let agent = self.agent.clone();
         let req = request.into_inner();
         Ok(Response::new(
@@ -155,6 +208,8 @@ impl Peer for PeerService {
         &self,
         request: Request<AbortRequest>,
     ) -> Result<Response<AbortResponse>, Status> {
+        self.check_its_source(&request, &request.get_ref().migration_id)
+            .await?;
         let agent = self.agent.clone();
         let req = request.into_inner();
         finish(tokio::spawn(async move {
