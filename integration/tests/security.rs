@@ -277,6 +277,57 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
     )
     .expect("connects");
     assert_eq!(r, Ok(2));
+
+    // The CLI reaches the same listener from another node: an observer's
+    // token reads, and is refused a migration; an operator's certificate
+    // migrates the process back.
+    let ferry = |creds: &[String], rest: &[&str]| {
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", cluster.netns_path("node2").display()))
+            .arg(ferry_integration::bin_path("ferry"))
+            .args([
+                "--agent",
+                &addr.to_string(),
+                "--agent-name",
+                "node1",
+                "--ca",
+            ])
+            .arg(tls.ca_cert())
+            .args(creds)
+            .args(rest)
+            .output()
+            .expect("running ferry");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let observer = ["--token".to_owned(), tls.token(Role::Observer).to_owned()];
+    let (ok, stdout, stderr) = ferry(&observer, &["--json", "nodes"]);
+    assert!(ok, "ferry nodes as observer: {stderr}");
+    assert!(
+        stdout.contains("node1") && stdout.contains("node2"),
+        "{stdout}"
+    );
+    let moved_s = moved.to_string();
+    let (ok, _, stderr) = ferry(&observer, &["migrate", &moved_s, "--to", "node1"]);
+    assert!(!ok && stderr.contains("PermissionDenied"), "{stderr}");
+    let (cert, key) = tls.files("operator");
+    let operator = [
+        "--cert".to_owned(),
+        cert.display().to_string(),
+        "--key".to_owned(),
+        key.display().to_string(),
+    ];
+    // node1's agent answers for its own processes: the moved one is on
+    // node2 now, so node1 refuses it as not managed there, after
+    // authenticating the operator.
+    let (ok, _, stderr) = ferry(&operator, &["migrate", &moved_s, "--to", "node2"]);
+    assert!(!ok && stderr.contains("not managed"), "{stderr}");
+    // Without credentials the CLI says what it needs before connecting.
+    let (ok, _, stderr) = ferry(&[], &["nodes"]);
+    assert!(!ok && stderr.contains("--token"), "{stderr}");
 }
 
 #[test]

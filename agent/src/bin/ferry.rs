@@ -25,6 +25,27 @@ struct Args {
     /// The local agent's control socket.
     #[arg(long, env = "FERRY_SOCKET", default_value = ferry_agent::config::DEFAULT_CONTROL_SOCKET, global = true)]
     socket: PathBuf,
+    /// A remote agent's Control API on TCP ("198.19.0.1:7200") instead of
+    /// the local socket; always over TLS, checked against `--ca`.
+    #[arg(long, env = "FERRY_AGENT", global = true)]
+    agent: Option<String>,
+    /// With --agent: the node whose certificate the agent presents
+    /// (default: the host part of --agent).
+    #[arg(long, env = "FERRY_AGENT_NAME", global = true)]
+    agent_name: Option<String>,
+    /// With --agent: the cluster CA's certificate (`ferry cert ca`).
+    #[arg(long, env = "FERRY_CA", global = true)]
+    ca: Option<PathBuf>,
+    /// With --agent: a client certificate and its key (`ferry cert
+    /// client`), whose role decides what may be done.
+    #[arg(long, env = "FERRY_CERT", global = true, requires = "key")]
+    cert: Option<PathBuf>,
+    #[arg(long, env = "FERRY_KEY", global = true, requires = "cert")]
+    key: Option<PathBuf>,
+    /// With --agent: a bearer token (`ferry cert token`) instead of a
+    /// client certificate.
+    #[arg(long, env = "FERRY_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
     /// Machine-readable output (JSON).
     #[arg(long, global = true)]
     json: bool,
@@ -181,7 +202,72 @@ fn main() -> ExitCode {
     }
 }
 
-async fn connect(socket: PathBuf) -> Result<ControlClient<Channel>> {
+/// Adds the bearer token, if any, to every call.
+#[derive(Debug, Clone)]
+struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Client = ControlClient<tonic::service::interceptor::InterceptedService<Channel, BearerToken>>;
+
+/// The local agent over its Unix socket, or a remote one over TLS.
+async fn connect(args: &Args) -> Result<Client> {
+    let Some(agent) = &args.agent else {
+        return Ok(ControlClient::with_interceptor(
+            connect_local(args.socket.clone()).await?,
+            BearerToken(None),
+        ));
+    };
+    let ca = args
+        .ca
+        .as_ref()
+        .context("--agent needs --ca: the cluster CA's certificate")?;
+    let name = match &args.agent_name {
+        Some(n) => n.clone(),
+        None => agent
+            .rsplit_once(':')
+            .map(|(h, _)| h.to_owned())
+            .unwrap_or_else(|| agent.clone()),
+    };
+    let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let mut tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(read(ca)?))
+        .domain_name(name);
+    if let (Some(cert), Some(key)) = (&args.cert, &args.key) {
+        tls = tls.identity(tonic::transport::Identity::from_pem(
+            read(cert)?,
+            read(key)?,
+        ));
+    }
+    let token = match &args.token {
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse()
+                .context("--token: not a valid header value")?,
+        ),
+        None => None,
+    };
+    if args.cert.is_none() && token.is_none() {
+        bail!("--agent needs credentials: --cert and --key, or --token");
+    }
+    let channel = Endpoint::from_shared(format!("https://{agent}"))
+        .with_context(|| format!("--agent {agent:?}"))?
+        .tls_config(tls)?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to the agent at {agent}"))?;
+    Ok(ControlClient::with_interceptor(channel, BearerToken(token)))
+}
+
+async fn connect_local(socket: PathBuf) -> Result<Channel> {
     let path = socket.clone();
     // The URI is required by the API but unused: the connector dials the
     // Unix socket.
@@ -201,7 +287,7 @@ async fn connect(socket: PathBuf) -> Result<ControlClient<Channel>> {
                 socket.display()
             )
         })?;
-    Ok(ControlClient::new(channel))
+    Ok(channel)
 }
 
 fn status_error(s: tonic::Status) -> anyhow::Error {
@@ -286,12 +372,14 @@ fn cert(cmd: CertCommand, as_json: bool) -> Result<()> {
     Ok(())
 }
 
-async fn main_exec(args: Args) -> Result<()> {
-    let command = match args.command {
+async fn main_exec(mut args: Args) -> Result<()> {
+    // Taken out so that `args` stays whole for connect().
+    let command = std::mem::replace(&mut args.command, Command::Nodes);
+    let command = match command {
         Command::Cert(c) => return cert(c, args.json),
         c => c,
     };
-    let mut client = connect(args.socket).await?;
+    let mut client = connect(&args).await?;
     match command {
         Command::Cert(_) => unreachable!("handled above"),
         Command::Nodes => {
