@@ -365,6 +365,17 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
         assert!(refused.message().contains("socket:["), "{refused:?}");
         assert!(matches!(process_state(holder), Some('S' | 'R')));
 
+        // An oversized request (5 MiB, above the Control API's 4 MiB limit)
+        // is refused by size, and the agent goes on answering.
+        let huge = node1
+            .run_process(ferry_proto::v1::RunProcessRequest {
+                argv: vec!["x".repeat(5 << 20)],
+            })
+            .await
+            .expect_err("a 5 MiB request was accepted");
+        assert_eq!(huge.code(), tonic::Code::OutOfRange, "{huge:?}");
+        assert!(huge.message().contains("too large"), "{huge:?}");
+
         // None of this touched the process.
         let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
         assert_eq!(p.tcp_listening, 1);
