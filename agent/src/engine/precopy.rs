@@ -357,33 +357,19 @@ impl Precopy {
                 .tracker
                 .scan(false)
                 .map_err(|e| EngineError::Internal(format!("last dirty-page scan: {e}")))?;
-            let own = t
-                .tracker
-                .own_pages(&t.held)
-                .map_err(|e| EngineError::Internal(format!("last dirty-page scan: {e}")))?;
-            t.tracker.stop();
-            if tracing::enabled!(tracing::Level::DEBUG) {
-                let stale_held: Vec<String> = scan
-                    .stale
-                    .iter()
-                    .filter(|(s, e)| !t.held.within(*s, *e).is_empty())
-                    .map(|(s, e)| format!("{s:#x}-{e:#x}"))
-                    .collect();
-                tracing::debug!(pid = t.pid, ranges = ?stale_held, "held pages written since the last round");
-            }
+            // Held and not written since, only in mappings still tracked
+            // (anything else may have changed unseen), and only pages
+            // still the process's own (not zapped and faulted in again
+            // from the file or as zeros).
             let mut h = t.held.clone();
             h.remove_all(&scan.stale);
-            // Only what is still in a tracked mapping: anything else may
-            // have changed unseen.
-            let mut untracked = RangeSet::new();
-            untracked.insert(0, u64::MAX);
-            untracked.remove_all(&scan.tracked);
-            h.remove_all(&untracked);
-            // And only pages still the process's own (not zapped and
-            // faulted in again from the file or as zeros).
-            let mut gone = h.clone();
-            gone.remove_all(&own);
-            h.remove_all(&gone);
+            let h = h.intersection(&scan.tracked);
+            let own = t
+                .tracker
+                .own_pages(&h)
+                .map_err(|e| EngineError::Internal(format!("last dirty-page scan: {e}")))?;
+            t.tracker.stop();
+            let h = h.intersection(&own);
             held.insert(t.vpid, h);
         }
         Ok(held)

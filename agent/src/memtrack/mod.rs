@@ -263,7 +263,7 @@ impl Tracker {
         self.pid
     }
 
-    /// Registers new writable private mappings, then reports the pages
+    /// Registers new private mappings ([`Mapping::trackable`]), then reports the pages
     /// written since the last scan. With `rearm`, they are protected again
     /// in the same step; without, nothing changes (the final scan, with the
     /// process stopped).

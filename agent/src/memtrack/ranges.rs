@@ -114,6 +114,15 @@ impl RangeSet {
         out
     }
 
+    /// The parts of the set that are also in `other`.
+    pub fn intersection(&self, other: &RangeSet) -> RangeSet {
+        let mut out = RangeSet::new();
+        for (s, e) in other.iter() {
+            out.insert_all(&self.within(s, e));
+        }
+        out
+    }
+
     /// `[start, end)` cut into consecutive pieces, each wholly in the set
     /// (`true`) or wholly outside it (`false`), in address order.
     pub fn split(&self, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
@@ -188,6 +197,11 @@ mod tests {
         );
         assert_eq!(s.split(12, 18), [(12, 18, true)]);
         assert_eq!(s.split(22, 28), [(22, 28, false)]);
+        let other = set(&[(0, 12), (18, 35)]);
+        assert_eq!(
+            s.intersection(&other).iter().collect::<Vec<_>>(),
+            [(10, 12), (18, 20), (30, 35)]
+        );
     }
 
     /// Against a plain bitmap, over random operations.
