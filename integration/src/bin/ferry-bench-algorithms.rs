@@ -58,7 +58,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "total-copy,pre-copy,queued-pre-copy"
+        default_value = "total-copy,pre-copy,queued-pre-copy,post-copy"
     )]
     strategies: Vec<String>,
     #[arg(long, default_value_t = 1024)]
@@ -112,6 +112,7 @@ fn strategy_of(name: &str) -> Result<Strategy> {
         "total-copy" => Strategy::TotalCopy,
         "pre-copy" => Strategy::PreCopy,
         "queued-pre-copy" => Strategy::QueuedPreCopy,
+        "post-copy" => Strategy::PostCopy,
         other => bail!("unknown strategy {other:?}"),
     })
 }
