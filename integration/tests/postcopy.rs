@@ -276,3 +276,85 @@ fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
         check(&cluster);
     });
 }
+
+#[test]
+fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
+    if !ferry_integration::can_run(
+        "a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        // Big enough that its pages take a while to follow.
+        let pid = start_writer(&mut controls[0], 512, 10).await;
+        check(&cluster);
+        let mut stream = controls[0]
+            .migrate(post_copy(pid, "node2"))
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let (mut report, mut end, mut killed) = (None, None, Vec::new());
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    // The process runs on node2 now; its pages still come
+                    // from node1's CRIU page server: kill it.
+                    Some(ferry_proto::v1::migration_event::Event::Progress(p))
+                        if p.phase == "post-copy" =>
+                    {
+                        for c in criu_children(&cluster, "node1") {
+                            nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(c),
+                                nix::sys::signal::Signal::SIGKILL,
+                            )
+                            .expect("killing the page server");
+                            killed.push(c);
+                        }
+                    }
+                    Some(ferry_proto::v1::migration_event::Event::Report(r)) => report = Some(r),
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    end = Some(s);
+                    break;
+                }
+            }
+        }
+        assert!(!killed.is_empty(), "no page server to kill on node1");
+        let report = report.expect("a report");
+        eprintln!("lost: {}\n{}", report.error, summary(&report));
+        assert_eq!(report.outcome, MigrationOutcome::Lost as i32, "{report:#?}");
+        assert!(!report.error.is_empty());
+        assert_eq!(end.map(|s| s.code()), Some(tonic::Code::DataLoss));
+        // It runs nowhere, and nothing of the migration is left.
+        assert_eq!(process_state(pid), None, "source copy still exists");
+        for _ in 0..50 {
+            if process_state(report.destination_pid).is_none_or(|s| s == 'Z') {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            process_state(report.destination_pid).is_none_or(|s| s == 'Z'),
+            "the destination's copy still runs without its pages"
+        );
+        for _ in 0..50 {
+            if list(&mut controls[1]).await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(list(&mut controls[0]).await.is_empty());
+        assert!(list(&mut controls[1]).await.is_empty());
+        no_criu_left(&cluster, "node1").await;
+        no_criu_left(&cluster, "node2").await;
+        assert!(cluster.incoming_dir_is_empty("node2"));
+    });
+}

@@ -294,7 +294,15 @@ fn run(
         SockFlag::SOCK_CLOEXEC,
     )
     .map_err(|e| CriuError::Rpc(format!("socketpair: {e}")))?;
-    let theirs = dup_high(&theirs)?;
+    // The socketpair's own descriptor for CRIU's end goes at once: kept
+    // (shadowed) until this function returns, it would keep CRIU's end
+    // open in this process, and a CRIU that dies without answering (killed
+    // while it serves lazy pages) would leave `converse` waiting forever.
+    let theirs = {
+        let high = dup_high(&theirs)?;
+        drop(theirs);
+        high
+    };
     let s = theirs.as_raw_fd();
     // CRIU opens images_dir_fd and work_dir_fd as /proc/<requester>/fd/N,
     // the requester being the socket's peer: these are OUR descriptor

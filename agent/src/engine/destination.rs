@@ -150,8 +150,14 @@ fn watch_postcopy(
                     Ok(s) => s.to_string(),
                     Err(e) => format!("could not be waited for ({e})"),
                 };
+                // The daemon logs its counts only for tasks it finished.
+                let counted = if total_pages > 0 {
+                    format!(" with {pages} of {total_pages} pages in")
+                } else {
+                    String::new()
+                };
                 let error = format!(
-                    "CRIU's lazy-pages daemon ended ({how}) with {pages} of {total_pages} pages in; the process (PID {pid}) was killed here: {}",
+                    "CRIU's lazy-pages daemon ended ({how}){counted}; the process (PID {pid}) was killed here: {}",
                     criu::lazy::log_tail(&log)
                 );
                 tracing::error!(migration = %migration_id, %error, "post-copy failed after the resume");

@@ -1138,10 +1138,7 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
             Stop::Lost(EngineError::Peer {
                 node: run.p.destination.name.clone(),
                 code: tonic::Code::DataLoss,
-                message: format!(
-                    "post-copy failed after the resume ({} of {} pages in): {}",
-                    r.pages, r.total_pages, r.error
-                ),
+                message: format!("post-copy failed after the resume: {}", r.error),
             })
         }
         Err(why) => {

@@ -376,7 +376,14 @@ fn tables(rows: &[Row], args: &Args) -> String {
                 let seed_cell = seed
                     .and_then(|(_, fig)| fig.iter().find(|(n, _)| n == strategy).map(|(_, v)| *v))
                     .map(|v| format!(" {} / {} / {} / {} |", v[0], v[1], v[2], v[3]))
-                    .unwrap_or_default();
+                    // A strategy the seed's table lacks (post-copy here).
+                    .unwrap_or_else(|| {
+                        if seed.is_some() {
+                            " – |".into()
+                        } else {
+                            String::new()
+                        }
+                    });
                 let _ = writeln!(
                     md,
                     "| {strategy} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} of {:.0} |{seed_cell}",
