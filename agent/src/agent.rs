@@ -50,6 +50,9 @@ pub struct Agent {
     /// which runs while TransferImages holds `incoming`: taken by its
     /// Restore, dropped (closed silently) by its abort or the next one.
     pub incoming_sockets: std::sync::Mutex<Option<crate::engine::destination::RebuiltSockets>>,
+    /// Post-copy migrations committed here whose pages still follow (and,
+    /// for a while, how they ended): `Peer.PostCopyStatus`.
+    pub postcopies: crate::engine::destination::PostCopies,
     reports: Mutex<HashMap<String, MigrationReport>>,
     /// SWIM membership, when `[membership] enabled`.
     pub membership: std::sync::OnceLock<Arc<crate::membership::Membership>>,
@@ -117,6 +120,7 @@ impl Agent {
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
             incoming_sockets: std::sync::Mutex::new(None),
+            postcopies: Default::default(),
             reports: Mutex::new(HashMap::new()),
             membership: std::sync::OnceLock::new(),
             conductor: std::sync::OnceLock::new(),

@@ -47,6 +47,10 @@ pub enum OutStage {
     /// Resuming after an abort: outgoing packets pass, incoming ones are
     /// still kept while the captured ones are replayed.
     Resuming,
+    /// Post-copy, from just before the Commit: the destination owns the
+    /// ports; the stopped copy here only backs CRIU's page server until
+    /// every page is on the destination. No ports.
+    PagesOnly,
 }
 
 #[derive(Debug, Clone)]
@@ -128,6 +132,7 @@ impl Registry {
                     OutStage::Frozen { capture: true } => PortState::Capturing,
                     OutStage::Frozen { capture: false } => PortState::Frozen,
                     OutStage::Resuming => PortState::Releasing,
+                    OutStage::PagesOnly => continue,
                 },
             };
             for port in &p.sockets.ports {

@@ -74,11 +74,13 @@ impl MigrationLabels {
                 Ok(pb::Strategy::TotalCopy) => "total_copy",
                 Ok(pb::Strategy::PreCopy) => "pre_copy",
                 Ok(pb::Strategy::QueuedPreCopy) => "queued_pre_copy",
+                Ok(pb::Strategy::PostCopy) => "post_copy",
                 _ => "unspecified",
             },
             outcome: match pb::MigrationOutcome::try_from(report.outcome) {
                 Ok(pb::MigrationOutcome::Committed) => "committed",
                 Ok(pb::MigrationOutcome::Aborted) => "aborted",
+                Ok(pb::MigrationOutcome::Lost) => "lost",
                 _ => "unspecified",
             },
             sockets: match pb::SocketMigration::try_from(report.sockets) {

@@ -209,7 +209,7 @@ impl Control for ControlService {
             Ok(s) => crate::engine::precopy::MemoryStrategy::from_pb(s),
             Err(_) => {
                 return Err(Status::invalid_argument(format!(
-                    "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy)",
+                    "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy, 4 post-copy)",
                     req.strategy
                 )));
             }
@@ -254,19 +254,26 @@ impl Control for ControlService {
         // caller keeps listening.
         tokio::spawn(async move {
             let report = source::run(agent, prepared, tx.clone()).await;
-            let failed = report.outcome != pb::MigrationOutcome::Committed as i32;
+            let outcome = pb::MigrationOutcome::try_from(report.outcome)
+                .unwrap_or(pb::MigrationOutcome::Unspecified);
             let reason = report.error.clone();
             let _ = tx
                 .send(Ok(MigrationEvent {
                     event: Some(migration_event::Event::Report(report)),
                 }))
                 .await;
-            if failed {
-                let _ = tx
-                    .send(Err(Status::aborted(format!(
-                        "migration aborted, the process still runs on the source: {reason}"
-                    ))))
-                    .await;
+            let end = match outcome {
+                pb::MigrationOutcome::Committed => None,
+                // Post-copy's window failed: the process runs nowhere.
+                pb::MigrationOutcome::Lost => Some(Status::data_loss(format!(
+                    "the process resumed on the destination but not all of its memory followed; it was killed there and runs nowhere: {reason}"
+                ))),
+                _ => Some(Status::aborted(format!(
+                    "migration aborted, the process still runs on the source: {reason}"
+                ))),
+            };
+            if let Some(status) = end {
+                let _ = tx.send(Err(status)).await;
             }
         });
         Ok(Response::new(Box::pin(

@@ -4,8 +4,8 @@ use ferry_proto::v1::peer_server::Peer;
 use ferry_proto::v1::{
     AbortRequest, AbortResponse, ArmRequest, ArmResponse, CommitRequest, CommitResponse,
     HelloRequest, HelloResponse, ImageChunk, PortOwnershipRequest, PortOwnershipResponse,
-    PrepareRequest, PrepareResponse, RestoreRequest, RestoreResponse, TransferImagesResponse,
-    TranslationsRequest, TranslationsResponse,
+    PostCopyStatusRequest, PostCopyStatusResponse, PrepareRequest, PrepareResponse, RestoreRequest,
+    RestoreResponse, TransferImagesResponse, TranslationsRequest, TranslationsResponse,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -217,6 +217,19 @@ impl Peer for PeerService {
         }))
         .await?;
         Ok(Response::new(AbortResponse {}))
+    }
+
+    async fn post_copy_status(
+        &self,
+        request: Request<PostCopyStatusRequest>,
+    ) -> Result<Response<PostCopyStatusResponse>, Status> {
+        let agent = self.agent.clone();
+        let req = request.into_inner();
+        Ok(Response::new(
+            destination::post_copy_status(&agent, req)
+                .await
+                .map_err(Status::from)?,
+        ))
     }
 
     async fn add_translations(

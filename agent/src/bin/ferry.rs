@@ -76,9 +76,10 @@ enum Command {
         #[arg(long, value_parser = ["collective", "iterative"])]
         sockets: Option<String>,
         /// How memory moves: "total-copy" (all in the freeze), "pre-copy"
-        /// or "queued-pre-copy" (rounds while the process runs); default:
-        /// the agent's `[migration] strategy`.
-        #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy"])]
+        /// or "queued-pre-copy" (rounds while the process runs),
+        /// "post-copy" (the process resumes on the destination at once,
+        /// its pages follow); default: the agent's `[migration] strategy`.
+        #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy", "post-copy"])]
         strategy: Option<String>,
         /// Pre-copy: freeze once the pages left would take at most this
         /// many milliseconds (default: `[migration] downtime_budget_ms`).
@@ -502,6 +503,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 Some("total-copy") => pb::Strategy::TotalCopy,
                 Some("pre-copy") => pb::Strategy::PreCopy,
                 Some("queued-pre-copy") => pb::Strategy::QueuedPreCopy,
+                Some("post-copy") => pb::Strategy::PostCopy,
                 _ => pb::Strategy::Unspecified,
             };
             let mut stream = client
@@ -719,6 +721,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
     let outcome = match pb::MigrationOutcome::try_from(r.outcome) {
         Ok(pb::MigrationOutcome::Committed) => "committed",
         Ok(pb::MigrationOutcome::Aborted) => "aborted",
+        Ok(pb::MigrationOutcome::Lost) => "lost",
         _ => "unknown",
     };
     let sockets = match pb::SocketMigration::try_from(r.sockets) {
@@ -730,6 +733,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         Ok(pb::Strategy::TotalCopy) => "total-copy",
         Ok(pb::Strategy::PreCopy) => "pre-copy",
         Ok(pb::Strategy::QueuedPreCopy) => "queued-pre-copy",
+        Ok(pb::Strategy::PostCopy) => "post-copy",
         _ => "unknown",
     };
     if as_json {
@@ -748,6 +752,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             "capture": r.capture,
             "memory_tracking": r.memory_tracking, "convergence": r.convergence,
             "dumped_pages": r.dumped_pages, "freeze_pages": r.freeze_pages, "precopied_pages": r.precopied_pages,
+            "postcopy_pages": r.postcopy_pages,
             "rounds": r.rounds.iter().map(|x| json!({
                 "round": x.round, "written_pages": x.written_pages, "sent_pages": x.sent_pages,
                 "sent_bytes": x.sent_bytes, "delayed_pages": x.delayed_pages, "ms": ms(x.duration_us),
@@ -792,6 +797,13 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         );
     }
     println!("  freeze time         {:>10.1} ms", ms(r.freeze_time_us));
+    if r.strategy == pb::Strategy::PostCopy as i32 {
+        println!(
+            "  post-processing     {:>10.1} ms  ({} pages after the resume)",
+            ms(r.post_processing_time_us),
+            r.postcopy_pages
+        );
+    }
     println!("  total time          {:>10.1} ms", ms(r.total_time_us));
     println!(
         "  bytes transferred   {:>10}  ({} image files)",
@@ -834,6 +846,9 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         println!("  error: {}", r.error);
         if r.resumed_on_source {
             println!("  the process was resumed on {}", r.source_node);
+        }
+        if r.outcome == pb::MigrationOutcome::Lost as i32 {
+            println!("  the process runs nowhere: post-copy could not complete its memory");
         }
     }
     Ok(())

@@ -106,6 +106,24 @@ async fn serve(config: Config) -> Result<()> {
     }
     warn_if_not_tmpfs(&config.work_dir);
     prepare_criu_cache(&config);
+    // Post-copy: CRIU moves lazy pages through 4 MiB pipes, which this
+    // agent (without CAP_SYS_RESOURCE) gets only up to fs.pipe-max-size;
+    // below it the transfer breaks half-way and the migrated process is
+    // lost. Raised here, once, logged: the setting only caps how large an
+    // unprivileged pipe may grow (still bounded by pipe-user-pages-soft).
+    // A post-copy migration re-checks it on both nodes and is refused
+    // with FAILED_PRECONDITION if it is still too low.
+    match ferry_agent::criu::lazy::raise_pipe_max_size() {
+        Ok(Some(old)) => tracing::info!(
+            from = old,
+            to = ferry_agent::criu::lazy::PIPE_MAX_SIZE_NEEDED,
+            "raised fs.pipe-max-size for post-copy (CRIU lazy pages)"
+        ),
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "could not raise fs.pipe-max-size; post-copy will be refused")
+        }
+    }
 
     // Pinned maps and links: a restarted agent finds the ports still owned
     // and the translations still in place, and swaps its programs in.

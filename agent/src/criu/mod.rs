@@ -7,6 +7,7 @@
 
 mod cache;
 mod error;
+pub mod lazy;
 mod swrk;
 mod version;
 
@@ -15,5 +16,8 @@ pub use cache::{
     warm,
 };
 pub use error::CriuError;
-pub use swrk::{DumpRequest, RestoreOutcome, RestoreRequest, TcpConnections, dump, restore};
+pub use swrk::{
+    DumpRequest, LazyDump, Notifications, RestoreOutcome, RestoreRequest, TcpConnections, dump,
+    restore,
+};
 pub use version::{CriuVersion, MIN_CRIU_VERSION, probe_version};

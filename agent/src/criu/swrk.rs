@@ -10,12 +10,15 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, recv, send, socketpair};
 use protobuf::{Enum, Message};
 use rust_criu::rust_criu_protobuf::rpc::{
-    Criu_network_lock_method, Criu_opts, Criu_req, Criu_req_type, Criu_resp, Inherit_fd,
+    Criu_network_lock_method, Criu_opts, Criu_page_server_info, Criu_req, Criu_req_type, Criu_resp,
+    Inherit_fd,
 };
 
 use super::CriuError;
@@ -36,6 +39,27 @@ pub struct DumpRequest {
     pub log_dir: PathBuf,
     pub log_level: i32,
     pub tcp_connections: TcpConnections,
+    /// Post-copy: leave the private memory out of the images and serve it
+    /// from a page server instead (the dump then blocks until the
+    /// destination's lazy-pages daemon closes the connection).
+    pub lazy: Option<LazyDump>,
+    /// Where the CRIU child's PID is published as soon as it runs (0
+    /// before), so that a caller can kill a dump that blocks.
+    pub criu_pid: Option<Arc<AtomicI32>>,
+}
+
+/// CRIU's page server for a lazy dump.
+///
+/// In lazy mode CRIU's RPC ignores `ps.address` and listens on every
+/// address; a CRIU configuration file with an `address` line is what binds
+/// it (ferry writes one and names it here). CRIU does not report a port it
+/// chose itself: the caller picks `port`.
+#[derive(Debug, Clone)]
+pub struct LazyDump {
+    pub address: std::net::Ipv4Addr,
+    pub port: u16,
+    /// Written by [`dump`] (`address <ip>`), absolute.
+    pub config_file: PathBuf,
 }
 
 /// What CRIU does with established TCP connections.
@@ -62,6 +86,10 @@ pub struct RestoreRequest {
     /// `Some` even when empty, since such images need CRIU's
     /// `--tcp-close` on restore too. Needs ferry's patch to CRIU.
     pub inherited_tcp: Option<Vec<(String, RawFd)>>,
+    /// Post-copy: the private memory comes from a lazy-pages daemon
+    /// already listening on `lazy-pages.socket` in `log_dir` (CRIU's work
+    /// directory).
+    pub lazy_pages: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +127,20 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
     opts.set_log_file("dump.log".to_owned());
+    if let Some(lazy) = &req.lazy {
+        std::fs::write(&lazy.config_file, format!("address {}\n", lazy.address)).map_err(
+            |source| CriuError::Io {
+                path: lazy.config_file.clone(),
+                source,
+            },
+        )?;
+        opts.set_lazy_pages(true);
+        let mut ps = Criu_page_server_info::new();
+        ps.set_address(lazy.address.to_string());
+        ps.set_port(i32::from(lazy.port));
+        opts.ps = protobuf::MessageField::some(ps);
+        opts.set_config_file(lazy.config_file.to_string_lossy().into_owned());
+    }
     let (resp, notes) = run(
         &req.criu,
         Criu_req_type::DUMP,
@@ -107,6 +149,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         &req.log_dir,
         &[],
         on_notify,
+        req.criu_pid.as_deref(),
     )?;
     check(&resp, "dump", &req.log_dir.join("dump.log"))?;
     Ok(notes)
@@ -134,6 +177,9 @@ pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), 
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
     opts.set_log_file("restore.log".to_owned());
+    if req.lazy_pages {
+        opts.set_lazy_pages(true);
+    }
     let (resp, notes) = run(
         &req.criu,
         Criu_req_type::RESTORE,
@@ -142,6 +188,7 @@ pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), 
         &req.log_dir,
         &inherited,
         &mut |_| Ok(()),
+        None,
     )?;
     check(&resp, "restore", &req.log_dir.join("restore.log"))?;
     let pid = resp.restore.as_ref().map(|r| r.pid()).unwrap_or(0);
@@ -229,6 +276,7 @@ fn dup_high(fd: &OwnedFd) -> Result<OwnedFd, CriuError> {
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     criu: &Path,
     kind: Criu_req_type,
@@ -237,6 +285,7 @@ fn run(
     log_dir: &Path,
     inherited: &[RawFd],
     on_notify: NotifyHook<'_>,
+    criu_pid: Option<&AtomicI32>,
 ) -> Result<(Criu_resp, Notifications), CriuError> {
     let (ours, theirs) = socketpair(
         AddressFamily::Unix,
@@ -245,7 +294,15 @@ fn run(
         SockFlag::SOCK_CLOEXEC,
     )
     .map_err(|e| CriuError::Rpc(format!("socketpair: {e}")))?;
-    let theirs = dup_high(&theirs)?;
+    // The socketpair's own descriptor for CRIU's end goes at once: kept
+    // (shadowed) until this function returns, it would keep CRIU's end
+    // open in this process, and a CRIU that dies without answering (killed
+    // while it serves lazy pages) would leave `converse` waiting forever.
+    let theirs = {
+        let high = dup_high(&theirs)?;
+        drop(theirs);
+        high
+    };
     let s = theirs.as_raw_fd();
     // CRIU opens images_dir_fd and work_dir_fd as /proc/<requester>/fd/N,
     // the requester being the socket's peer: these are OUR descriptor
@@ -295,8 +352,16 @@ fn run(
         source,
     })?;
     drop(theirs);
+    if let Some(p) = criu_pid {
+        p.store(child.id() as i32, Ordering::SeqCst);
+    }
 
     let result = converse(&ours, kind, opts, on_notify);
+    // Cleared before the wait reaps it: a PID published to a killer must
+    // never name a reaped (and maybe reused) process.
+    if let Some(p) = criu_pid {
+        p.store(0, Ordering::SeqCst);
+    }
     // Closing our end ends the swrk session; CRIU then exits.
     drop(ours);
     drop((images, work));

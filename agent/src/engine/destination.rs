@@ -4,7 +4,9 @@
 //! `Reserved` (Prepare; Arm keeps it there and starts the capture) ─>
 //! `Received` (TransferImages) ─> `Restored` (Restore: process rebuilt,
 //! stopped) ─> gone (Commit: process resumed, captured packets replayed,
-//! managed here; or Abort: every trace removed).
+//! managed here; or Abort: every trace removed). Post-copy: Restore starts
+//! CRIU's lazy-pages daemon first; Commit hands it to a watcher which kills
+//! the process if the daemon fails, and answers `PostCopyStatus`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,6 +34,173 @@ use super::{EngineError, images::ImageWriter, source::set_private};
 /// and the catch-up after it, and for how long.
 const UDP_CATCH_UP_BUFFER: i32 = 8 << 20;
 const UDP_CATCH_UP: Duration = Duration::from_secs(2);
+
+/// How long a lazy-pages daemon may take to listen for the restore.
+const LAZY_DAEMON_START: Duration = Duration::from_secs(10);
+
+/// How long a finished post-copy's status stays answerable.
+const POSTCOPY_STATUS_KEPT: Duration = Duration::from_secs(600);
+
+/// Post-copy migrations committed here: their status, by migration id,
+/// updated once by the watcher of their lazy-pages daemon.
+#[derive(Debug, Default)]
+pub struct PostCopies(
+    std::sync::Mutex<
+        std::collections::HashMap<String, tokio::sync::watch::Receiver<pb::PostCopyStatusResponse>>,
+    >,
+);
+
+impl PostCopies {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<
+        '_,
+        std::collections::HashMap<String, tokio::sync::watch::Receiver<pb::PostCopyStatusResponse>>,
+    > {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The page server a post-copy Restore names: "ip:port" on the source
+/// node's cluster address, nowhere else (a peer must not make this node
+/// connect wherever it likes).
+fn lazy_source(
+    agent: &Agent,
+    inc: &Incoming,
+    from: &str,
+) -> Result<std::net::SocketAddrV4, EngineError> {
+    if inc.protocol_version < ferry_proto::PEER_PROTOCOL_POSTCOPY {
+        return Err(EngineError::WrongState {
+            migration_id: inc.migration_id.clone(),
+            state: "prepared with a protocol without post-copy",
+            step: "post-copy restore",
+        });
+    }
+    let bad = |reason: String| EngineError::InvalidField {
+        field: "lazy_pages_from",
+        reason,
+    };
+    let addr: std::net::SocketAddrV4 = from
+        .parse()
+        .map_err(|_| bad(format!("{from:?} is not an IPv4 address and port")))?;
+    let (source, _) = in_cluster_addresses(agent, &inc.from)?;
+    if *addr.ip() != source || addr.port() == 0 {
+        return Err(bad(format!(
+            "{addr} is not a port on {}'s cluster address {source}",
+            inc.from
+        )));
+    }
+    criu::lazy::check_pipe_max_size()
+        .map_err(|e| EngineError::HostSetting(format!("post-copy on {}: {e}", agent.node())))?;
+    Ok(addr)
+}
+
+/// Watches a committed post-copy's lazy-pages daemon: exit 0 means every
+/// page is in; anything else means the running process would read zeros
+/// where its missing pages are, so it is killed at once. Either way the
+/// status is published for `PostCopyStatus` and the images go.
+fn watch_postcopy(
+    agent: &Arc<Agent>,
+    migration_id: String,
+    pid: i32,
+    mut daemon: criu::lazy::Daemon,
+    dir: PathBuf,
+    resumed_at: Instant,
+    done_before_resume: bool,
+) {
+    let (tx, rx) = tokio::sync::watch::channel(pb::PostCopyStatusResponse {
+        state: pb::PostCopyState::Running as i32,
+        ..Default::default()
+    });
+    agent.postcopies.lock().insert(migration_id.clone(), rx);
+    let agent = agent.clone();
+    tokio::spawn(async move {
+        let status = daemon.child.wait().await;
+        let ended = Instant::now();
+        let log = daemon.work_dir.join(criu::lazy::LOG);
+        let (pages, total_pages) = {
+            let log = log.clone();
+            tokio::task::spawn_blocking(move || criu::lazy::transferred_pages(&log))
+                .await
+                .unwrap_or((0, 0))
+        };
+        let answer = match status {
+            Ok(s) if s.success() => {
+                let post = if done_before_resume {
+                    Duration::ZERO
+                } else {
+                    ended.saturating_duration_since(resumed_at)
+                };
+                tracing::info!(migration = %migration_id, pid, pages, total_pages, post_ms = post.as_secs_f64() * 1000.0, "post-copy done: every page is here");
+                pb::PostCopyStatusResponse {
+                    state: pb::PostCopyState::Done as i32,
+                    pages,
+                    total_pages,
+                    post_processing_us: post.as_micros() as u64,
+                    error: String::new(),
+                }
+            }
+            other => {
+                if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL)
+                    && e != nix::errno::Errno::ESRCH
+                {
+                    tracing::error!(pid, error = %e, "killing a process whose pages are lost");
+                }
+                let how = match other {
+                    Ok(s) => s.to_string(),
+                    Err(e) => format!("could not be waited for ({e})"),
+                };
+                // The daemon logs its counts only for tasks it finished.
+                let counted = if total_pages > 0 {
+                    format!(" with {pages} of {total_pages} pages in")
+                } else {
+                    String::new()
+                };
+                let error = format!(
+                    "CRIU's lazy-pages daemon ended ({how}){counted}; the process (PID {pid}) was killed here: {}",
+                    criu::lazy::log_tail(&log)
+                );
+                tracing::error!(migration = %migration_id, %error, "post-copy failed after the resume");
+                super::keep_logs(&agent.config.work_dir, &dir, &migration_id);
+                pb::PostCopyStatusResponse {
+                    state: pb::PostCopyState::Failed as i32,
+                    pages,
+                    total_pages,
+                    post_processing_us: ended.saturating_duration_since(resumed_at).as_micros()
+                        as u64,
+                    error,
+                }
+            }
+        };
+        let removed = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir)).await;
+        if let Ok(Err(e)) = removed {
+            tracing::warn!(error = %e, "removing a post-copy's images");
+        }
+        let _ = tx.send(answer);
+        tokio::time::sleep(POSTCOPY_STATUS_KEPT).await;
+        agent.postcopies.lock().remove(&migration_id);
+    });
+}
+
+/// `Peer.PostCopyStatus`: how a committed post-copy's pages are doing;
+/// waits up to `wait_ms` for its end.
+pub async fn post_copy_status(
+    agent: &Arc<Agent>,
+    req: pb::PostCopyStatusRequest,
+) -> Result<pb::PostCopyStatusResponse, EngineError> {
+    let Some(mut rx) = agent.postcopies.lock().get(&req.migration_id).cloned() else {
+        return Err(EngineError::UnknownMigration {
+            migration_id: req.migration_id,
+        });
+    };
+    let wait = Duration::from_millis(u64::from(req.wait_ms.min(10_000)));
+    let running = rx.borrow().state == pb::PostCopyState::Running as i32;
+    if running {
+        let _ = tokio::time::timeout(wait, rx.changed()).await;
+    }
+    let answer = rx.borrow().clone();
+    Ok(answer)
+}
 
 /// A reservation left without news this long is taken to be abandoned by a
 /// source that died, and a new Prepare may replace it.
@@ -78,6 +247,10 @@ pub struct Incoming {
     /// Pre-copy (protocol 5): the pages received while the process still
     /// ran on the source.
     pages: Arc<std::sync::Mutex<PageStore>>,
+    /// Post-copy (protocol 6): CRIU's lazy-pages daemon, from just before
+    /// the restore until Commit hands it to a watcher (or an abort kills
+    /// it).
+    lazy: Option<criu::lazy::Daemon>,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -114,6 +287,15 @@ pub fn port_from_pb(p: &pb::Port) -> Result<PortKey, EngineError> {
 /// image directory, then releases the reserved ports. The ports stay frozen
 /// until the copy is dead, so its closing sockets cannot reach the peers.
 async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
+    // Post-copy: the daemon goes with the copy it fed (dropping the slot
+    // reaps it).
+    if let Some(d) = &incoming.lazy
+        && d.pid > 0
+        && let Err(e) = kill(Pid::from_raw(d.pid), Signal::SIGKILL)
+        && e != nix::errno::Errno::ESRCH
+    {
+        tracing::warn!(pid = d.pid, error = %e, "killing the lazy-pages daemon");
+    }
     if let IncomingState::Restored { pid } = incoming.state {
         if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
             tracing::warn!(pid, error = %e, "killing the restored copy");
@@ -279,6 +461,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         discarded: Arc::new(std::sync::Mutex::new(false)),
         rebuilt: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
+        lazy: None,
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
@@ -511,6 +694,11 @@ pub async fn restore(
 ) -> Result<RestoreResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
+    let lazy_from = if req.lazy_pages_from.is_empty() {
+        None
+    } else {
+        Some(lazy_source(agent, inc, &req.lazy_pages_from)?)
+    };
     let scan_started = Instant::now();
     if inc.in_cluster.is_empty() {
         let (a, images, from) = (agent.clone(), inc.images(), inc.from.clone());
@@ -568,8 +756,32 @@ pub async fn restore(
         log_dir: inc.dir.clone(),
         log_level: agent.config.criu_log_level,
         inherited_tcp,
+        lazy_pages: lazy_from.is_some(),
     };
     let started = Instant::now();
+    // Post-copy: the daemon must listen (and reach the page server) before
+    // the restore starts: the restorer itself faults on lazy pages.
+    if let Some(from) = lazy_from {
+        let daemon = criu::lazy::start(
+            &agent.config.criu_path,
+            &inc.images(),
+            &inc.dir,
+            from,
+            agent.config.criu_log_level,
+            LAZY_DAEMON_START,
+        )
+        .await;
+        match daemon {
+            Ok(d) => {
+                tracing::info!(pid = d.pid, page_server = %from, "lazy-pages daemon listening");
+                inc.lazy = Some(d);
+            }
+            Err(e) => {
+                inc.rebuilt = None;
+                return Err(e.into());
+            }
+        }
+    }
     let restored = tokio::task::spawn_blocking(move || criu::restore(&creq))
         .await
         .map_err(|e| EngineError::Internal(e.to_string()))?;
@@ -578,6 +790,10 @@ pub async fn restore(
         Err(e) => {
             // Closed in repair mode: nothing reaches the peers.
             inc.rebuilt = None;
+            if let Some(mut d) = inc.lazy.take() {
+                let _ = d.child.kill().await;
+                tracing::warn!(log = %criu::lazy::log_tail(&d.work_dir.join(criu::lazy::LOG)), "restore failed; lazy-pages daemon killed");
+            }
             return Err(e.into());
         }
     };
@@ -611,6 +827,22 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     let IncomingState::Restored { pid } = inc.state else {
         return Err(EngineError::Internal("restored slot without a PID".into()));
     };
+    // Post-copy: a daemon that already failed means missing pages; the
+    // process must not run. Refused (FAILED_PRECONDITION): the source still
+    // holds an intact copy, resumes it and aborts this one.
+    let mut done_before_resume = false;
+    if let Some(d) = inc.lazy.as_mut() {
+        match d.child.try_wait() {
+            Ok(None) => {}
+            Ok(Some(s)) if s.success() => done_before_resume = true,
+            other => {
+                return Err(EngineError::PostCopy(format!(
+                    "the lazy-pages daemon ended ({other:?}) before the resume: {}",
+                    criu::lazy::log_tail(&d.work_dir.join(criu::lazy::LOG))
+                )));
+            }
+        }
+    }
     // The ports are the ones announced in Prepare (read on the source
     // before the freeze); the socket counts follow at the next refresh.
     // Reading them from procfs here would cost milliseconds of freeze.
@@ -699,6 +931,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         opened?;
         None
     };
+    let resumed_at = Instant::now();
     if let Some(w) = widened {
         tokio::spawn(async move {
             tokio::time::sleep(UDP_CATCH_UP).await;
@@ -711,7 +944,22 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // otherwise hold up the source's confirmation (the process runs
     // already). The directory is the migration's own; the next migration
     // gets another.
-    if let Some(inc) = slot.take() {
+    if let Some(mut inc) = slot.take() {
+        // Post-copy: the daemon still feeds the running process; the
+        // directory (its socket, its log) goes when it ends.
+        if let Some(daemon) = inc.lazy.take() {
+            watch_postcopy(
+                agent,
+                inc.migration_id.clone(),
+                pid,
+                daemon,
+                inc.dir.clone(),
+                resumed_at,
+                done_before_resume,
+            );
+            tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here, its pages follow");
+            return Ok(CommitResponse { pid, replay });
+        }
         tokio::task::spawn_blocking(move || {
             if let Err(e) = std::fs::remove_dir_all(&inc.dir) {
                 tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");

@@ -1,4 +1,4 @@
-//! The migration engine (the seed's `migd`), peer protocol version 5.
+//! The migration engine (the seed's `migd`), peer protocol version 6.
 //!
 //! # The migration as a state machine
 //!
@@ -95,7 +95,59 @@
 //! which way they moved, and why). Version 5 adds pre-copy
 //! (`TransferPages`, `StoredPages` in the image stream); a source asks for
 //! a pre-copy strategy only from a destination that chose 5, and refuses
-//! the migration before touching anything otherwise.
+//! the migration before touching anything otherwise (`precopy.rs`).
+//!
+//! # Post-copy (protocol 6)
+//!
+//! ```text
+//! Validate ─> Prepare ─> Arm ─> Dump (lazy) ─> Transfer ─> Restore (lazy) ─> Translate ─> Release ─> Commit ─> Post-copy ─> Discard ─> Committed
+//!    │           │        │        │              │            │                │            │         │           │
+//!    └─ error    └────────┴────────┴──────────────┴────────────┴────────────────┴────────────┴─> Abort └─ refused  └─ daemon failed ─> Discard ─> Lost
+//! ```
+//!
+//! - **Dump (lazy)**: CRIU dumps with `lazy_pages`: every image but the
+//!   private anonymous memory, then (notification `status-ready`) serves
+//!   those pages from the stopped process on a port ferry picked on the
+//!   source's cluster address (CRIU's RPC would listen on every address:
+//!   a CRIU config file with `address` binds it). The dump's CRIU blocks
+//!   as that page server until the destination's daemon closes the
+//!   connection; ferry keeps it running beside the migration.
+//! - **Restore (lazy)**: `Restore.lazy_pages_from` names the page server;
+//!   the destination checks it is the source's cluster address, starts
+//!   `criu lazy-pages` against it (it must listen before the restore: the
+//!   restorer faults), and restores with `lazy_pages`. The daemon starts
+//!   pushing pages at once, while the process is still stopped.
+//! - **Release** (instead of Discard): the source's ports go
+//!   (`OutStage::PagesOnly`); its stopped copy stays, backing the page
+//!   server. The Commit follows at once, without waiting for pages: it
+//!   resumes the process on the destination, with its ports, exactly as for
+//!   the other strategies (replay included). A destination whose daemon
+//!   already failed refuses it (FAILED_PRECONDITION) without resuming: the
+//!   source aborts and resumes its intact copy.
+//! - **Post-copy**: the source asks `Peer.PostCopyStatus` (long polls)
+//!   until the destination reports its daemon's end. Exit 0: every page is
+//!   in; the source ends its page server and discards its copy
+//!   (Committed). Anything else: the destination has killed the process
+//!   (its missing pages would read as zeros; the kernel's userfaultfd is
+//!   gone with the daemon), the source discards its copy too, which the
+//!   destination's had overtaken (its peers saw what it did since the
+//!   resume), and the report says `MIGRATION_OUTCOME_LOST` with the reason;
+//!   `Control.Migrate` ends with DATA_LOSS. That window, from the resume
+//!   until the daemon's end, is the report's `post_processing_time_us`; a
+//!   dead source node, agent, page server or link in it loses the process.
+//!   It is kept as short as the link allows: the daemon pushes every page
+//!   in the background from the restore on, faults jump the queue. A
+//!   destination that cannot be asked: the source keeps its copy while its
+//!   page server still has a connection, then [`source`]'s
+//!   `POSTCOPY_UNCONFIRMED` more, and reports the migration committed with
+//!   an error saying it was never confirmed.
+//! - **Abort** before the Commit: as for the other strategies, and first
+//!   the source's page server goes (the process is sent SIGSTOP, CRIU is
+//!   killed: the process stays stopped once CRIU lets go of it); the
+//!   destination kills its daemon with its restored copy.
+//!
+//! Pages after the resume are counted by the destination's daemon (its
+//! log's "UFFD transferred pages") and reported as `postcopy_pages`.
 //!
 //! Every committed migration's report cuts the freeze into its parts
 //! (`freeze_parts`: CRIU's dump, the transfer, the destination's image
@@ -103,7 +155,9 @@
 //! what the RPCs around them cost), which add up to the freeze time.
 //!
 //! The destination's side is in `destination.rs`; its states are
-//! `Reserved ─> Receiving ─> Restored ─> (Committed | Aborted)`.
+//! `Reserved ─> Receiving ─> Restored ─> (Committed | Aborted)`; a
+//! post-copy's daemon outlives the slot after the Commit, watched until it
+//! ends (`PostCopies`).
 
 pub mod destination;
 mod images;
@@ -191,6 +245,14 @@ pub enum EngineError {
         what: String,
         source: std::io::Error,
     },
+    /// A host setting the migration needs is missing (post-copy's
+    /// `fs.pipe-max-size`, say).
+    #[error("{0}")]
+    HostSetting(String),
+    /// Post-copy: the pages could not follow (the lazy-pages daemon
+    /// failed) before the process resumed; it was not resumed.
+    #[error("post-copy: {0}")]
+    PostCopy(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -215,7 +277,9 @@ impl EngineError {
             | EngineError::AlreadyMigrating { .. }
             | EngineError::PortTaken { .. }
             | EngineError::NoCommonVersion { .. }
-            | EngineError::WrongState { .. } => Code::FailedPrecondition,
+            | EngineError::WrongState { .. }
+            | EngineError::HostSetting(_)
+            | EngineError::PostCopy(_) => Code::FailedPrecondition,
             EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
             EngineError::InCluster(crate::translation::FlowError::BadFlow { .. }) => {
                 Code::InvalidArgument

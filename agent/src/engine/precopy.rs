@@ -62,6 +62,10 @@ pub enum MemoryStrategy {
     TotalCopy,
     PreCopy,
     QueuedPreCopy,
+    /// Nothing of the private memory in the freeze: the process resumes
+    /// on the destination, its pages follow (CRIU lazy pages; see
+    /// [`crate::engine`]).
+    PostCopy,
 }
 
 impl MemoryStrategy {
@@ -70,6 +74,7 @@ impl MemoryStrategy {
             MemoryStrategy::TotalCopy => pb::Strategy::TotalCopy,
             MemoryStrategy::PreCopy => pb::Strategy::PreCopy,
             MemoryStrategy::QueuedPreCopy => pb::Strategy::QueuedPreCopy,
+            MemoryStrategy::PostCopy => pb::Strategy::PostCopy,
         }
     }
 
@@ -80,11 +85,21 @@ impl MemoryStrategy {
             pb::Strategy::TotalCopy => Some(MemoryStrategy::TotalCopy),
             pb::Strategy::PreCopy => Some(MemoryStrategy::PreCopy),
             pb::Strategy::QueuedPreCopy => Some(MemoryStrategy::QueuedPreCopy),
+            pb::Strategy::PostCopy => Some(MemoryStrategy::PostCopy),
         }
     }
 
+    /// Whether pages cross in rounds before the freeze.
     pub fn is_precopy(self) -> bool {
-        self != MemoryStrategy::TotalCopy
+        matches!(
+            self,
+            MemoryStrategy::PreCopy | MemoryStrategy::QueuedPreCopy
+        )
+    }
+
+    /// Whether pages cross after the resume on the destination.
+    pub fn is_postcopy(self) -> bool {
+        self == MemoryStrategy::PostCopy
     }
 
     pub fn name(self) -> &'static str {
@@ -92,6 +107,7 @@ impl MemoryStrategy {
             MemoryStrategy::TotalCopy => "total-copy",
             MemoryStrategy::PreCopy => "pre-copy",
             MemoryStrategy::QueuedPreCopy => "queued-pre-copy",
+            MemoryStrategy::PostCopy => "post-copy",
         }
     }
 }
@@ -567,7 +583,9 @@ mod tests {
             MemoryStrategy::TotalCopy,
             MemoryStrategy::PreCopy,
             MemoryStrategy::QueuedPreCopy,
+            MemoryStrategy::PostCopy,
         ] {
+            assert!(!(s.is_precopy() && s.is_postcopy()));
             assert_eq!(MemoryStrategy::from_pb(s.to_pb()), Some(s));
         }
         assert_eq!(MemoryStrategy::from_pb(pb::Strategy::Unspecified), None);

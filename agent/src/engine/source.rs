@@ -188,17 +188,27 @@ pub async fn prepare(
                 ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
             });
         }
-        if strategy.is_precopy() && hello.protocol_version < ferry_proto::PEER_PROTOCOL_PRECOPY {
+        let needed = if strategy.is_precopy() {
+            ferry_proto::PEER_PROTOCOL_PRECOPY
+        } else if strategy.is_postcopy() {
+            ferry_proto::PEER_PROTOCOL_POSTCOPY
+        } else {
+            0
+        };
+        if hello.protocol_version < needed {
             return Err(EngineError::NotMigratable {
                 pid,
                 reason: format!(
-                    "{} speaks peer protocol {}; {} needs {}",
+                    "{} speaks peer protocol {}; {} needs {needed}",
                     peer_cfg.name,
                     hello.protocol_version,
                     strategy.name(),
-                    ferry_proto::PEER_PROTOCOL_PRECOPY
                 ),
             });
+        }
+        if strategy.is_postcopy() {
+            criu::lazy::check_pipe_max_size()
+                .map_err(|e| EngineError::HostSetting(format!("post-copy on {node}: {e}")))?;
         }
         peer.prepare(PrepareRequest {
             protocol_version: hello.protocol_version,
@@ -360,6 +370,71 @@ struct Run {
     /// Pre-copy: dirty tracking on, pages sent. Ended after the dump, or
     /// on an abort before the process resumes.
     precopy: Option<Precopy>,
+    /// Post-copy: the lazy dump's CRIU, serving the stopped process's
+    /// pages from the moment its images are written until the
+    /// destination's lazy-pages daemon closes the connection.
+    page_server: Option<PageServer>,
+}
+
+/// What a dump's blocking task returns: CRIU's notifications, the UDP
+/// datagrams the stopped process left unread, and its sockets if taken.
+type Dumped = (
+    criu::Notifications,
+    Vec<u64>,
+    Option<Result<sockstate::StoppedSockets, sockstate::SockStateError>>,
+);
+
+/// A lazy dump still running as a page server.
+struct PageServer {
+    task: tokio::task::JoinHandle<Result<Dumped, criu::CriuError>>,
+    /// The CRIU child's PID while it runs (0 once it answered).
+    criu_pid: Arc<std::sync::atomic::AtomicI32>,
+    /// Where it listens: the source's cluster address.
+    address: std::net::SocketAddrV4,
+}
+
+/// How long the source keeps a page server whose destination does not
+/// answer PostCopyStatus once the page server's connection is gone.
+const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
+
+/// The sockets of the stopped process, taken once after the dump: for what
+/// its UDP sockets hold unread (which must reach the destination's copy
+/// too: CRIU drops it) and for the connections a collective migration
+/// reads. Blocking.
+fn take_stopped_sockets(
+    pid: i32,
+    capture: bool,
+    collective: bool,
+) -> (
+    Vec<u64>,
+    Option<Result<sockstate::StoppedSockets, sockstate::SockStateError>>,
+) {
+    if !capture && !collective {
+        return (Vec::new(), None);
+    }
+    let sockets = sockstate::take_sockets(&process::process_tree(pid));
+    let unread = match &sockets {
+        Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
+        Err(e) if capture => Err(e.to_string()),
+        _ => Ok(Vec::new()),
+    }
+    .unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "reading the UDP receive queues; their datagrams may be lost");
+        Vec::new()
+    });
+    (unread, Some(sockets))
+}
+
+/// A free TCP port on `ip`, for CRIU's page server (which does not report
+/// one it picks itself). Another process could take it before CRIU binds
+/// it; the dump then fails before the freeze ends, and the migration
+/// aborts cleanly.
+fn free_port(ip: std::net::Ipv4Addr) -> Result<u16, EngineError> {
+    let l = std::net::TcpListener::bind((ip, 0))
+        .map_err(EngineError::io(format!("finding a free port on {ip}")))?;
+    Ok(l.local_addr()
+        .map_err(EngineError::io("reading a bound port"))?
+        .port())
 }
 
 impl Run {
@@ -460,6 +535,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             translated: Vec::new(),
             held: None,
             precopy: None,
+            page_server: None,
             p,
             events,
             report,
@@ -503,6 +579,9 @@ enum Stop {
     /// Committed (the source copy is gone); maybe the destination's
     /// confirmation of the resume failed.
     Committed(Option<EngineError>),
+    /// Post-copy: committed, then the pages could not all follow; the
+    /// destination killed the process and the source's copy is gone too.
+    Lost(EngineError),
 }
 
 async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
@@ -587,6 +666,20 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // too, for a resume on abort). CRIU's start-up thus runs while the
     // process still serves its clients.
     run.phase("dump").await;
+    let lazy = if run.p.strategy.is_postcopy() {
+        let address = run.agent.config.cluster.address;
+        match free_port(address) {
+            Ok(port) => Some(criu::LazyDump {
+                address,
+                port,
+                config_file: dir.join("lazy-dump.conf"),
+            }),
+            Err(e) => return Stop::BeforeCommit(e),
+        }
+    } else {
+        None
+    };
+    let criu_pid = Arc::new(std::sync::atomic::AtomicI32::new(0));
     let req = criu::DumpRequest {
         criu: run.agent.config.criu_path.clone(),
         pid,
@@ -597,14 +690,28 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             SocketMigration::Iterative => criu::TcpConnections::Dump,
             SocketMigration::Collective => criu::TcpConnections::Skip,
         },
+        lazy: lazy.clone(),
+        criu_pid: Some(criu_pid.clone()),
     };
     let frozen_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
-    let dumped = tokio::task::spawn_blocking({
+    // Post-copy: CRIU says "status-ready" once the images are written and
+    // its page server listens; the dump itself ends only when the
+    // destination has every page.
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let capture = run.capture;
+    let collective = run.p.socket_migration == SocketMigration::Collective;
+    let mut dump_task = tokio::task::spawn_blocking({
         let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
-        let capture = run.capture;
-        let collective = run.p.socket_migration == SocketMigration::Collective;
+        let is_lazy = lazy.is_some();
+        let mut ready_tx = Some(ready_tx);
         move || {
             let dumped = criu::dump(&req, &mut |script| {
+                if script == "status-ready" {
+                    if let Some(tx) = ready_tx.take() {
+                        let _ = tx.send(());
+                    }
+                    return Ok(());
+                }
                 if script != "pre-dump" {
                     return Ok(());
                 }
@@ -616,27 +723,58 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 tracing::info!("ports frozen");
                 Ok(())
             })?;
-            // The process is stopped: its sockets are taken once, for
-            // what its UDP sockets hold unread (which must reach the
-            // destination's copy too: CRIU drops it) and for the
-            // connections a collective migration reads.
-            if !capture && !collective {
+            if is_lazy {
+                // Taken at "status-ready", while this dump serves pages.
                 return Ok((dumped, Vec::new(), None));
             }
-            let sockets = sockstate::take_sockets(&process::process_tree(pid));
-            let unread = match &sockets {
-                Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
-                Err(e) if capture => Err(e.to_string()),
-                _ => Ok(Vec::new()),
-            }
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "reading the UDP receive queues; their datagrams may be lost");
-                Vec::new()
-            });
-            Ok::<_, criu::CriuError>((dumped, unread, Some(sockets)))
+            // The process is stopped: its sockets are taken once.
+            let (unread, sockets) = take_stopped_sockets(pid, capture, collective);
+            Ok::<_, criu::CriuError>((dumped, unread, sockets))
         }
-    })
-    .await;
+    });
+    let dumped = match &lazy {
+        None => dump_task.await,
+        Some(l) => {
+            let no_server = || criu::CriuError::Failed {
+                operation: "dump",
+                reason:
+                    "the lazy dump ended without its page server (no status-ready notification)"
+                        .into(),
+            };
+            // Ready, or the dump's end (the hook is then gone too).
+            enum Early {
+                Ready,
+                HookGone,
+                Ended(Result<Result<Dumped, criu::CriuError>, tokio::task::JoinError>),
+            }
+            let early = tokio::select! {
+                r = ready_rx => if r.is_ok() { Early::Ready } else { Early::HookGone },
+                r = &mut dump_task => Early::Ended(r),
+            };
+            let ended = match early {
+                Early::Ready => None,
+                Early::HookGone => Some((&mut dump_task).await),
+                Early::Ended(r) => Some(r),
+            };
+            match ended {
+                None => {
+                    tracing::info!(page_server = %format!("{}:{}", l.address, l.port), "images written; CRIU serves the pages");
+                    run.page_server = Some(PageServer {
+                        task: dump_task,
+                        criu_pid: criu_pid.clone(),
+                        address: std::net::SocketAddrV4::new(l.address, l.port),
+                    });
+                    tokio::task::spawn_blocking(move || {
+                        let (unread, sockets) = take_stopped_sockets(pid, capture, collective);
+                        Ok((Vec::new(), unread, sockets))
+                    })
+                    .await
+                }
+                Some(Ok(Ok(_))) => Ok(Err(no_server())),
+                Some(other) => other,
+            }
+        }
+    };
     run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
     let dump_end = Instant::now();
     let taken = match dumped {
@@ -787,6 +925,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
         collective_sockets: run.p.socket_migration == SocketMigration::Collective,
+        lazy_pages_from: run
+            .page_server
+            .as_ref()
+            .map(|s| s.address.to_string())
+            .unwrap_or_default(),
     });
     let restored = match tokio::time::timeout(deadline, restore).await {
         Ok(Ok(r)) => r.into_inner(),
@@ -826,8 +969,21 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
 
     // Commit point: the destination holds a restored, stopped copy. Discard
     // ours; its sockets are in repair mode and close without a word.
-    run.phase("discard").await;
-    discard_source_copy(&run.agent, pid).await;
+    // Post-copy: ours still backs the page server, and stays (stopped,
+    // its sockets in repair mode) until the destination has every page;
+    // only the ports go.
+    let postcopy = run.p.strategy.is_postcopy();
+    if postcopy {
+        run.phase("release").await;
+        run.agent
+            .set_lifecycle(pid, out_stage(&id, OutStage::PagesOnly));
+        if let Err(e) = run.agent.apply_ownership().await {
+            tracing::error!(error = %e, "releasing the ports of the migrated process");
+        }
+    } else {
+        run.phase("discard").await;
+        discard_source_copy(&run.agent, pid).await;
+    }
     if run.capturing_here {
         run.agent.capture.close(&id);
         run.capturing_here = false;
@@ -853,6 +1009,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 run.report.replay = r.replay;
                 last_err = None;
                 break;
+            }
+            // Post-copy: the destination refused to resume the process
+            // (its lazy-pages daemon failed first); ours is intact.
+            Err(s) if postcopy && s.code() == tonic::Code::FailedPrecondition => {
+                return Stop::BeforeCommit(peer_error(&run.p.destination.name, s));
             }
             Err(s) => {
                 tracing::warn!(attempt, status = %s, "commit not confirmed; retrying");
@@ -883,7 +1044,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             restore_rpc_us.saturating_sub(restore_criu_us + image_scan_us),
         ),
         ("translate", us(restore_end, translate_end)),
-        ("discard", us(translate_end, discard_end)),
+        (
+            if postcopy { "release" } else { "discard" },
+            us(translate_end, discard_end),
+        ),
         ("commit: replay", replay_us),
         (
             "commit: other",
@@ -896,7 +1060,136 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         duration_us,
     })
     .collect();
+    if postcopy {
+        return postcopy_window(run, commit_end, last_err).await;
+    }
     Stop::Committed(last_err)
+}
+
+/// Post-copy, after the Commit: the process runs on the destination while
+/// its pages follow. The stopped copy here and CRIU's page server stay
+/// until the destination reports its lazy-pages daemon's end; then the
+/// copy goes. A failed daemon means the destination killed the process:
+/// the migration is lost (nothing can bring back what it did since its
+/// resume), and the report says so.
+async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<EngineError>) -> Stop {
+    use ferry_proto::v1::{PostCopyState, PostCopyStatusRequest};
+    run.phase("post-copy").await;
+    let pid = run.p.pid;
+    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    let mut silent_since: Option<Instant> = None;
+    let verdict = loop {
+        let ask = run.p.peer.post_copy_status(PostCopyStatusRequest {
+            migration_id: run.p.migration_id.clone(),
+            wait_ms: 2000,
+        });
+        let why = match tokio::time::timeout(deadline + Duration::from_secs(2), ask).await {
+            Ok(Ok(r)) => {
+                let r = r.into_inner();
+                match PostCopyState::try_from(r.state) {
+                    Ok(PostCopyState::Running) => {
+                        silent_since = None;
+                        continue;
+                    }
+                    Ok(PostCopyState::Done | PostCopyState::Failed) => break Ok(r),
+                    _ => format!("post-copy state {} unknown", r.state),
+                }
+            }
+            Ok(Err(s)) => s.message().to_owned(),
+            Err(_) => format!("no answer within {} s", deadline.as_secs() + 2),
+        };
+        // No word from the destination. While the page server is still
+        // connected the daemon may still need it: keep it. Once it is not,
+        // the daemon has ended one way or the other; wait a little for the
+        // destination to say which.
+        let serving = run
+            .page_server
+            .as_ref()
+            .is_some_and(|s| !s.task.is_finished());
+        if !serving {
+            let since = *silent_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > POSTCOPY_UNCONFIRMED {
+                break Err(why);
+            }
+        }
+        tracing::warn!(reason = %why, serving, "post-copy status unknown; asking again");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let page = crate::memtrack::page_size();
+    let stop = match verdict {
+        Ok(r) if r.state == PostCopyState::Done as i32 => {
+            stop_page_server(run, Duration::from_secs(10)).await;
+            run.report.postcopy_pages = r.pages;
+            run.report.bytes_transferred += r.pages * page;
+            run.report.post_processing_time_us = r.post_processing_us;
+            tracing::info!(
+                pages = r.pages,
+                of = r.total_pages,
+                post_ms = r.post_processing_us as f64 / 1000.0,
+                "every page is on the destination"
+            );
+            Stop::Committed(commit_err)
+        }
+        Ok(r) => {
+            stop_page_server(run, Duration::ZERO).await;
+            run.report.postcopy_pages = r.pages;
+            run.report.bytes_transferred += r.pages * page;
+            run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
+            Stop::Lost(EngineError::Peer {
+                node: run.p.destination.name.clone(),
+                code: tonic::Code::DataLoss,
+                message: format!("post-copy failed after the resume: {}", r.error),
+            })
+        }
+        Err(why) => {
+            stop_page_server(run, Duration::from_secs(1)).await;
+            run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
+            Stop::Committed(Some(EngineError::Internal(format!(
+                "post-copy: {} never confirmed that every page arrived ({why}); the source's copy was discarded once its page server had no connection for {} s",
+                run.p.destination.name,
+                POSTCOPY_UNCONFIRMED.as_secs()
+            ))))
+        }
+    };
+    run.phase("discard").await;
+    discard_source_copy(&run.agent, pid).await;
+    stop
+}
+
+/// Ends a post-copy dump's page server. `grace`: how long it may take to
+/// end by itself (the daemon's close ends it); then, or at once with a
+/// zero grace, CRIU is killed, the process kept stopped (SIGSTOP, pending
+/// while CRIU holds it, takes effect when CRIU lets go).
+async fn stop_page_server(run: &mut Run, grace: Duration) {
+    let Some(server) = run.page_server.take() else {
+        return;
+    };
+    let mut task = server.task;
+    let log = |r: Result<Result<Dumped, criu::CriuError>, tokio::task::JoinError>| match r {
+        Ok(Ok(_)) => tracing::info!("CRIU's page server ended"),
+        Ok(Err(e)) => tracing::info!(error = %e, "CRIU's page server ended"),
+        Err(e) => tracing::warn!(error = %e, "CRIU's page server task"),
+    };
+    if !grace.is_zero() {
+        if let Ok(r) = tokio::time::timeout(grace, &mut task).await {
+            log(r);
+            return;
+        }
+        tracing::warn!("CRIU's page server still runs; killing it");
+    }
+    for p in process::process_tree(run.p.pid) {
+        let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
+    }
+    let criu = server.criu_pid.load(std::sync::atomic::Ordering::SeqCst);
+    if criu > 0
+        && let Err(e) = kill(Pid::from_raw(criu), Signal::SIGKILL)
+    {
+        tracing::warn!(pid = criu, error = %e, "killing CRIU's page server");
+    }
+    match tokio::time::timeout(Duration::from_secs(10), task).await {
+        Ok(r) => log(r),
+        Err(_) => tracing::error!("CRIU's page server did not end 10 s after SIGKILL"),
+    }
 }
 
 fn out_stage(migration_id: &str, stage: OutStage) -> Lifecycle {
@@ -1027,6 +1320,13 @@ async fn finish(run: &mut Run, stop: Stop) {
                 );
             }
         }
+        Stop::Lost(err) => {
+            tracing::error!(error = %err, "post-copy failed after the resume: the process is lost");
+            super::wait_dead(run.p.pid).await;
+            run.agent.persist_soon();
+            run.report.outcome = MigrationOutcome::Lost as i32;
+            run.report.error = err.to_string();
+        }
         Stop::BeforeCommit(err) => {
             tracing::warn!(error = %err, "migration failed; rolling back");
             run.phase("abort").await;
@@ -1039,6 +1339,9 @@ async fn finish(run: &mut Run, stop: Stop) {
             if let Err(e) = run.finish_drain().await {
                 tracing::error!(error = %e, "draining the capture ring");
             }
+            // Post-copy: CRIU's page server holds the process; it goes
+            // first (the destination's copy never ran: nothing needs it).
+            stop_page_server(run, Duration::ZERO).await;
             // The in-cluster peers' packets must come here again before
             // the process runs.
             untranslate_in_cluster(run).await;

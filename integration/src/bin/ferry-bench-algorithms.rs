@@ -57,7 +57,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "total-copy,pre-copy,queued-pre-copy"
+        default_value = "total-copy,pre-copy,queued-pre-copy,post-copy"
     )]
     strategies: Vec<String>,
     #[arg(long, default_value_t = 1024)]
@@ -111,6 +111,7 @@ fn strategy_of(name: &str) -> Result<Strategy> {
         "total-copy" => Strategy::TotalCopy,
         "pre-copy" => Strategy::PreCopy,
         "queued-pre-copy" => Strategy::QueuedPreCopy,
+        "post-copy" => Strategy::PostCopy,
         other => bail!("unknown strategy {other:?}"),
     })
 }
@@ -377,7 +378,14 @@ fn tables(rows: &[Row], args: &Args) -> String {
                 let seed_cell = seed
                     .and_then(|(_, fig)| fig.iter().find(|(n, _)| n == strategy).map(|(_, v)| *v))
                     .map(|v| format!(" {} / {} / {} / {} |", v[0], v[1], v[2], v[3]))
-                    .unwrap_or_default();
+                    // A strategy the seed's table lacks (post-copy here).
+                    .unwrap_or_else(|| {
+                        if seed.is_some() {
+                            " – |".into()
+                        } else {
+                            String::new()
+                        }
+                    });
                 let _ = writeln!(
                     md,
                     "| {strategy} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} of {:.0} |{seed_cell}",

@@ -1,0 +1,215 @@
+//! CRIU's lazy pages, for post-copy: the destination's `criu lazy-pages`
+//! daemon, and the host setting both ends of the page transfer need.
+//!
+//! The daemon exists only as a CLI command (no swrk request starts it). It
+//! reads the pstree, mm and pagemap images at start, listens on
+//! `lazy-pages.socket` in its working directory (the restore's CRIU, run
+//! with the same working directory, connects there and hands it each
+//! task's userfaultfd), connects to the source's page server, serves
+//! faults, pushes every remaining page in the background, then sends the
+//! page server its close and exits 0.
+
+use std::net::SocketAddrV4;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use super::CriuError;
+
+/// The socket the daemon listens on, in its working directory.
+pub const SOCKET: &str = "lazy-pages.socket";
+
+/// The daemon's log, in its working directory.
+pub const LOG: &str = "lazy-pages.log";
+
+/// CRIU sizes the pipes it moves pages through to 4 MiB (F_SETPIPE_SZ).
+/// Without CAP_SYS_RESOURCE that fails silently above `fs.pipe-max-size`
+/// and the transfer then breaks half-way ("tee: Operation not
+/// permitted", "Broken pipe").
+pub const PIPE_MAX_SIZE_NEEDED: u64 = 4 << 20;
+
+const PIPE_MAX_SIZE: &str = "/proc/sys/fs/pipe-max-size";
+
+/// `fs.pipe-max-size` now.
+pub fn pipe_max_size() -> Result<u64, CriuError> {
+    let io = |source| CriuError::Io {
+        path: PIPE_MAX_SIZE.into(),
+        source,
+    };
+    let text = std::fs::read_to_string(PIPE_MAX_SIZE).map_err(io)?;
+    text.trim().parse().map_err(|_| CriuError::Io {
+        path: PIPE_MAX_SIZE.into(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, text.trim().to_owned()),
+    })
+}
+
+/// Raises `fs.pipe-max-size` to [`PIPE_MAX_SIZE_NEEDED`] if it is lower;
+/// returns the old value if it changed it. Called once at agent start-up.
+pub fn raise_pipe_max_size() -> Result<Option<u64>, CriuError> {
+    let now = pipe_max_size()?;
+    if now >= PIPE_MAX_SIZE_NEEDED {
+        return Ok(None);
+    }
+    std::fs::write(PIPE_MAX_SIZE, PIPE_MAX_SIZE_NEEDED.to_string()).map_err(|source| {
+        CriuError::Io {
+            path: PIPE_MAX_SIZE.into(),
+            source,
+        }
+    })?;
+    Ok(Some(now))
+}
+
+/// Refuses post-copy on a host whose `fs.pipe-max-size` would break it.
+pub fn check_pipe_max_size() -> Result<(), String> {
+    match pipe_max_size() {
+        Ok(n) if n >= PIPE_MAX_SIZE_NEEDED => Ok(()),
+        Ok(n) => Err(format!(
+            "fs.pipe-max-size is {n} here; CRIU's lazy pages need {PIPE_MAX_SIZE_NEEDED} \
+             (ferryd raises it at start-up; something lowered it since, or the write was refused)"
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A running `criu lazy-pages` daemon.
+#[derive(Debug)]
+pub struct Daemon {
+    pub child: tokio::process::Child,
+    pub pid: i32,
+    /// Its working directory (socket and log).
+    pub work_dir: PathBuf,
+}
+
+/// Starts the daemon for the images in `images_dir`, fetching pages from
+/// `page_server`, and waits (up to `wait`) until it listens for the
+/// restore. On failure nothing is left running.
+pub async fn start(
+    criu: &Path,
+    images_dir: &Path,
+    work_dir: &Path,
+    page_server: SocketAddrV4,
+    log_level: i32,
+    wait: Duration,
+) -> Result<Daemon, CriuError> {
+    let mut cmd = tokio::process::Command::new(criu);
+    cmd.arg("lazy-pages")
+        .arg("--images-dir")
+        .arg(images_dir)
+        .arg("--work-dir")
+        .arg(work_dir)
+        .arg("--log-file")
+        .arg(LOG)
+        // The "UFFD transferred pages" summary is a debug line: -v4.
+        .arg(format!("-v{}", log_level.max(4)))
+        .arg("--page-server")
+        .arg("--address")
+        .arg(page_server.ip().to_string())
+        .arg("--port")
+        .arg(page_server.port().to_string())
+        .current_dir(work_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        // A daemon must never outlive the handle that watches it.
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|source| CriuError::Spawn {
+        path: criu.to_owned(),
+        source,
+    })?;
+    let pid = child.id().map(|p| p as i32).unwrap_or(0);
+    let socket = work_dir.join(SOCKET);
+    let deadline = Instant::now() + wait;
+    loop {
+        if socket.exists() {
+            return Ok(Daemon {
+                child,
+                pid,
+                work_dir: work_dir.to_owned(),
+            });
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(CriuError::Failed {
+                operation: "lazy-pages",
+                reason: format!(
+                    "the daemon exited ({status}) before it listened: {}",
+                    log_tail(&work_dir.join(LOG))
+                ),
+            });
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill().await;
+            return Err(CriuError::Failed {
+                operation: "lazy-pages",
+                reason: format!(
+                    "no {SOCKET} after {} ms: {}",
+                    wait.as_millis(),
+                    log_tail(&work_dir.join(LOG))
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Pages the daemon placed and had to place, summed over the tasks, from
+/// its log's "UFFD transferred pages: (N/M)" lines.
+pub fn transferred_pages(log: &Path) -> (u64, u64) {
+    let Ok(text) = std::fs::read_to_string(log) else {
+        return (0, 0);
+    };
+    parse_transferred(&text)
+}
+
+fn parse_transferred(text: &str) -> (u64, u64) {
+    let (mut done, mut total) = (0, 0);
+    for line in text.lines() {
+        let Some(i) = line.find("UFFD transferred pages: (") else {
+            continue;
+        };
+        let rest = &line[i + "UFFD transferred pages: (".len()..];
+        let Some(end) = rest.find(')') else { continue };
+        if let Some((a, b)) = rest[..end].split_once('/')
+            && let (Ok(a), Ok(b)) = (a.trim().parse::<u64>(), b.trim().parse::<u64>())
+        {
+            done += a;
+            total += b;
+        }
+    }
+    (done, total)
+}
+
+/// The last error lines of a CRIU log, for a report.
+pub fn log_tail(log: &Path) -> String {
+    let Ok(text) = std::fs::read_to_string(log) else {
+        return format!("no log at {}", log.display());
+    };
+    let errors: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE"))
+        .collect();
+    let lines = if errors.is_empty() {
+        text.lines().rev().take(3).collect::<Vec<_>>()
+    } else {
+        errors.into_iter().rev().take(4).collect()
+    };
+    lines
+        .into_iter()
+        .rev()
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_lines_of_every_task_add_up() {
+        let log = "(00.100) uffd: 1-5: UFFD transferred pages: (16384/16390)\n\
+                   (00.101) lazy-pages: something else\n\
+                   (00.200) uffd: 7-6: UFFD transferred pages: (10/10)\n";
+        assert_eq!(parse_transferred(log), (16394, 16400));
+        assert_eq!(parse_transferred("nothing"), (0, 0));
+    }
+}

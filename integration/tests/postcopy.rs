@@ -1,0 +1,360 @@
+//! Post-copy end to end (CRIU lazy pages): `ferry-memwriter` resumes on
+//! the destination with none of its private memory, its pages follow, and
+//! its own check of its memory passes there; a post-copy that fails
+//! before the resume leaves it running, intact, on the source, with no
+//! CRIU page server or lazy-pages daemon left behind. Root only; run by
+//! `cargo xtask test` (or `cargo xtask integration`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddrV4, TcpStream};
+use std::time::Duration;
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{
+    list, migrate_request, process_state, run, runtime, wait_for_process,
+};
+use ferry_integration::netns::NetNsGuard;
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
+use tonic::transport::Channel;
+
+const PORT: u16 = 7310;
+
+fn memwriter() -> String {
+    env!("CARGO_BIN_EXE_ferry-memwriter").to_owned()
+}
+
+async fn start_writer(control: &mut ControlClient<Channel>, mib: u32, writes_per_ms: u32) -> i32 {
+    let pid = run(
+        control,
+        vec![
+            memwriter(),
+            "--port".into(),
+            PORT.to_string(),
+            "--mib".into(),
+            mib.to_string(),
+            "--writes-per-ms".into(),
+            writes_per_ms.to_string(),
+        ],
+    )
+    .await;
+    wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
+    pid
+}
+
+/// One command to the writer, from client1, wherever it runs now.
+fn ask(cluster: &Cluster, command: &str) -> String {
+    let target = SocketAddrV4::new(cluster.public_addr(), PORT);
+    let netns = cluster.netns_path("client1");
+    let command = command.to_owned();
+    std::thread::spawn(move || {
+        let _in = NetNsGuard::enter(&netns).expect("entering client1");
+        let mut stream = TcpStream::connect_timeout(&target.into(), Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("connecting to the writer for {command:?}: {e}"));
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        writeln!(stream, "{command}").unwrap();
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    })
+    .join()
+    .expect("asking the writer")
+}
+
+/// `check` must answer "ok <writes> <pages>"; returns the writes.
+fn check(cluster: &Cluster) -> u64 {
+    let answer = ask(cluster, "check");
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
+    words[1].parse().unwrap()
+}
+
+fn post_copy(pid: i32, to: &str) -> MigrateRequest {
+    MigrateRequest {
+        pid,
+        destination_node: to.into(),
+        strategy: Strategy::PostCopy as i32,
+        ..Default::default()
+    }
+}
+
+/// CRIU processes the node's agent started that still run (a dump's page
+/// server, a lazy-pages daemon, a restore). Other CRIUs on the machine
+/// (other tests, benchmarks) are not ours.
+fn criu_children(cluster: &Cluster, node: &str) -> Vec<i32> {
+    let agent = cluster.agent_pid(node);
+    let mut found = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{agent}/task")) else {
+        return found;
+    };
+    for t in tasks.flatten() {
+        let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for c in children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<i32>().ok())
+        {
+            let comm = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
+            if comm.trim() == "criu" && process_state(c).is_some_and(|s| s != 'Z') {
+                found.push(c);
+            }
+        }
+    }
+    found
+}
+
+/// Waits (bounded) until the agent has no CRIU child left.
+async fn no_criu_left(cluster: &Cluster, node: &str) {
+    for _ in 0..100 {
+        if criu_children(cluster, node).is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "CRIU processes left behind on {node}: {:?}",
+        criu_children(cluster, node)
+    );
+}
+
+fn summary(r: &MigrationReport) -> String {
+    format!(
+        "freeze {:.1} ms, post-processing {:.1} ms, total {:.1} ms, {} pages after the resume, {} bytes ({} of images); phases {}",
+        r.freeze_time_us as f64 / 1e3,
+        r.post_processing_time_us as f64 / 1e3,
+        r.total_time_us as f64 / 1e3,
+        r.postcopy_pages,
+        r.bytes_transferred,
+        r.image_bytes,
+        r.phases
+            .iter()
+            .map(|p| format!("{} {:.1}", p.phase, p.duration_us as f64 / 1e3))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
+}
+
+#[test]
+fn memory_follows_the_process_after_a_post_copy_migration() {
+    if !ferry_integration::can_run("memory_follows_the_process_after_a_post_copy_migration") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        let mut pid = start_writer(&mut controls[0], 64, 10).await;
+        let mut writes = check(&cluster);
+        let mut on = 0;
+        // There and back: each agent is the source once.
+        for _ in 0..2 {
+            let to = 1 - on;
+            let to_name = format!("node{}", to + 1);
+            let (report, status) = migrate_request(&mut controls[on], post_copy(pid, &to_name))
+                .await
+                .expect("migration starts");
+            assert!(status.is_none(), "{status:?}\n{report:#?}");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Committed as i32,
+                "{report:#?}"
+            );
+            assert!(report.error.is_empty(), "{report:#?}");
+            assert_eq!(report.strategy, Strategy::PostCopy as i32);
+            eprintln!("post-copy to {to_name}: {}", summary(&report));
+            // Most of the 64 MiB followed the process (the freeze carried
+            // none of it: the images are small).
+            assert!(report.postcopy_pages >= 16384 / 2, "{}", summary(&report));
+            assert!(
+                report.image_bytes < 8 << 20,
+                "private memory in the images: {}",
+                summary(&report)
+            );
+            assert!(report.bytes_transferred >= report.postcopy_pages * 4096);
+            assert!(report.freeze_time_us > 0);
+            for phase in ["release", "commit", "post-copy", "discard"] {
+                assert!(
+                    report.phases.iter().any(|p| p.phase == phase),
+                    "no {phase} phase: {report:#?}"
+                );
+            }
+            // It runs on the destination, gone from the source (the
+            // post-processing is over when the report comes), with every
+            // page it wrote, and goes on writing.
+            let moved = wait_for_process(&mut controls[to], report.destination_pid, |p| {
+                p.state == "running"
+            })
+            .await;
+            assert_eq!(moved.origin, "migrated-in");
+            assert!(list(&mut controls[on]).await.is_empty());
+            assert_eq!(process_state(pid), None, "source copy still exists");
+            let now = check(&cluster);
+            assert!(now >= writes, "writes went back from {writes} to {now}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let later = check(&cluster);
+            assert!(later > now, "the process does not run after the migration");
+            // No page server, no daemon, no images left.
+            no_criu_left(&cluster, "node1").await;
+            no_criu_left(&cluster, "node2").await;
+            assert!(cluster.incoming_dir_is_empty(&to_name));
+            writes = later;
+            pid = report.destination_pid;
+            on = to;
+        }
+    });
+}
+
+#[test]
+fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
+    if !ferry_integration::can_run(
+        "a_failed_post_copy_migration_leaves_the_process_intact_on_the_source",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = start_writer(&mut node1, 64, 10).await;
+        let before = check(&cluster);
+
+        // The restore fails (node2's port is taken by a process its agent
+        // does not manage), with the lazy-pages daemon already started
+        // there and CRIU's page server serving on node1.
+        {
+            let _squatter = cluster
+                .spawn_in_node(
+                    "node2",
+                    &memwriter(),
+                    &["--port", &PORT.to_string(), "--mib", "1"],
+                )
+                .expect("port squatter on node2");
+            cluster
+                .wait_listening("node2", PORT, Duration::from_secs(10))
+                .expect("squatter listening");
+            let (report, status) = migrate_request(&mut node1, post_copy(pid, "node2"))
+                .await
+                .expect("migration starts");
+            assert_eq!(
+                status.as_ref().map(|s| s.code()),
+                Some(tonic::Code::Aborted),
+                "{status:?}"
+            );
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Aborted as i32,
+                "{report:#?}"
+            );
+            assert!(report.resumed_on_source, "{report:#?}");
+            eprintln!("post-copy abort: {}", report.error);
+            wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+            no_criu_left(&cluster, "node1").await;
+            no_criu_left(&cluster, "node2").await;
+        }
+        assert!(cluster.incoming_dir_is_empty("node2"));
+        // Served by node1 again, with the memory it wrote, and writing.
+        cluster
+            .wait_listening("node1", PORT, Duration::from_secs(10))
+            .expect("listening on node1");
+        let after = check(&cluster);
+        assert!(after > before, "the process stopped writing");
+
+        // And it can still go, post-copy, once the port is free.
+        let (report, status) = migrate_request(&mut node1, post_copy(pid, "node2"))
+            .await
+            .expect("migration starts");
+        assert!(status.is_none(), "{status:?}\n{report:#?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        check(&cluster);
+    });
+}
+
+#[test]
+fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
+    if !ferry_integration::can_run(
+        "a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        // Big enough that its pages take a while to follow.
+        let pid = start_writer(&mut controls[0], 512, 10).await;
+        check(&cluster);
+        let mut stream = controls[0]
+            .migrate(post_copy(pid, "node2"))
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let (mut report, mut end, mut killed) = (None, None, Vec::new());
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    // The process runs on node2 now; its pages still come
+                    // from node1's CRIU page server: kill it.
+                    Some(ferry_proto::v1::migration_event::Event::Progress(p))
+                        if p.phase == "post-copy" =>
+                    {
+                        for c in criu_children(&cluster, "node1") {
+                            nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(c),
+                                nix::sys::signal::Signal::SIGKILL,
+                            )
+                            .expect("killing the page server");
+                            killed.push(c);
+                        }
+                    }
+                    Some(ferry_proto::v1::migration_event::Event::Report(r)) => report = Some(r),
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    end = Some(s);
+                    break;
+                }
+            }
+        }
+        assert!(!killed.is_empty(), "no page server to kill on node1");
+        let report = report.expect("a report");
+        eprintln!("lost: {}\n{}", report.error, summary(&report));
+        assert_eq!(report.outcome, MigrationOutcome::Lost as i32, "{report:#?}");
+        assert!(!report.error.is_empty());
+        assert_eq!(end.map(|s| s.code()), Some(tonic::Code::DataLoss));
+        // It runs nowhere, and nothing of the migration is left.
+        assert_eq!(process_state(pid), None, "source copy still exists");
+        for _ in 0..50 {
+            if process_state(report.destination_pid).is_none_or(|s| s == 'Z') {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            process_state(report.destination_pid).is_none_or(|s| s == 'Z'),
+            "the destination's copy still runs without its pages"
+        );
+        for _ in 0..50 {
+            if list(&mut controls[1]).await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(list(&mut controls[0]).await.is_empty());
+        assert!(list(&mut controls[1]).await.is_empty());
+        no_criu_left(&cluster, "node1").await;
+        no_criu_left(&cluster, "node2").await;
+        assert!(cluster.incoming_dir_is_empty("node2"));
+    });
+}
