@@ -104,6 +104,39 @@ fn criu_children(cluster: &Cluster, node: &str) -> Vec<i32> {
     found
 }
 
+/// The TCP sockets of a process that are not connected over loopback
+/// (listening ones included), as "local remote state" lines of its
+/// namespace's /proc/net/tcp.
+fn tcp_off_loopback(pid: i32) -> Vec<String> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    l.strip_prefix("socket:[")
+                        .and_then(|r| r.strip_suffix(']'))
+                        .map(str::to_owned)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+    let mut found = Vec::new();
+    for line in table.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // sl local remote st ... uid timeout inode
+        if f.len() < 10 || !inodes.iter().any(|i| i == f[9]) {
+            continue;
+        }
+        let loopback = |a: &str| a.starts_with("0100007F:");
+        if !(loopback(f[1]) && loopback(f[2]) && f[3] != "0A") {
+            found.push(format!("{} {} {}", f[1], f[2], f[3]));
+        }
+    }
+    found
+}
+
 /// Waits (bounded) until the agent has no CRIU child left.
 async fn no_criu_left(cluster: &Cluster, node: &str) {
     for _ in 0..100 {
@@ -308,6 +341,19 @@ fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
                     Some(ferry_proto::v1::migration_event::Event::Progress(p))
                         if p.phase == "post-copy" =>
                     {
+                        // The page server and the lazy-pages daemon talk
+                        // only to their agents, over loopback: nothing
+                        // listens, nothing crosses the cluster network
+                        // outside the agents' TLS.
+                        for node in ["node1", "node2"] {
+                            for c in criu_children(&cluster, node) {
+                                let open = tcp_off_loopback(c);
+                                assert!(
+                                    open.is_empty(),
+                                    "CRIU (PID {c}) on {node} has TCP sockets off loopback: {open:?}"
+                                );
+                            }
+                        }
                         for c in criu_children(&cluster, "node1") {
                             nix::sys::signal::kill(
                                 nix::unistd::Pid::from_raw(c),

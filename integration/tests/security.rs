@@ -433,6 +433,52 @@ fn a_forged_peer_cannot_push_a_migration() {
     let mut r = cluster
         .reserve_destination("node2", "node1", "real")
         .expect("the real node2 reserves node1");
+    // Another member (node1's own certificate here) cannot feed node2's
+    // migration: not its pages, not its images, not its page tunnel.
+    let intruder = block_on_in(&cluster.netns_path("node2"), || {
+        let client = tls.client("node1", Some("node1"));
+        async move {
+            let mut p = peer::connect(addr, Some(client))
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let status = |r: Result<_, tonic::Status>| match r {
+                Ok(_) => (Code::Ok, String::new()),
+                Err(s) => (s.code(), s.message().to_owned()),
+            };
+            let pages = p
+                .transfer_pages(tokio_stream::iter(vec![ferry_proto::v1::PageBatch {
+                    migration_id: "real".into(),
+                    ..Default::default()
+                }]))
+                .await;
+            let images = p
+                .transfer_images(tokio_stream::iter(vec![ferry_proto::v1::ImageChunk {
+                    migration_id: "real".into(),
+                    ..Default::default()
+                }]))
+                .await;
+            let tunnel = p
+                .page_tunnel(tokio_stream::iter(vec![ferry_proto::v1::TunnelBytes {
+                    migration_id: "real".into(),
+                    data: Vec::new(),
+                }]))
+                .await;
+            Ok::<_, String>(vec![
+                ("TransferPages", status(pages.map(|_| ()))),
+                ("TransferImages", status(images.map(|_| ()))),
+                ("PageTunnel", status(tunnel.map(|_| ()))),
+            ])
+        }
+    })
+    .expect("node2's namespace")
+    .expect("connected with node1's certificate");
+    for (what, (code, message)) in intruder {
+        assert_eq!(code, Code::PermissionDenied, "{what}: {message}");
+        assert!(
+            message.contains("node2") && message.contains("node1"),
+            "{what}: {message}"
+        );
+    }
     r.release().expect("released");
 }
 

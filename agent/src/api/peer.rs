@@ -138,8 +138,9 @@ impl Peer for PeerService {
         &self,
         request: Request<Streaming<ImageChunk>>,
     ) -> Result<Response<TransferImagesResponse>, Status> {
+        let caller = caller(&request);
         Ok(Response::new(
-            destination::transfer_images(&self.agent, request.into_inner()).await?,
+            destination::transfer_images(&self.agent, caller, request.into_inner()).await?,
         ))
     }
 
@@ -147,8 +148,9 @@ impl Peer for PeerService {
         &self,
         request: Request<Streaming<ferry_proto::v1::PageBatch>>,
     ) -> Result<Response<ferry_proto::v1::TransferPagesResponse>, Status> {
+        let caller = caller(&request);
         Ok(Response::new(
-            destination::transfer_pages(&self.agent, request.into_inner()).await?,
+            destination::transfer_pages(&self.agent, caller, request.into_inner()).await?,
         ))
     }
 
@@ -217,6 +219,18 @@ impl Peer for PeerService {
         }))
         .await?;
         Ok(Response::new(AbortResponse {}))
+    }
+
+    type PageTunnelStream = destination::TunnelOut;
+
+    async fn page_tunnel(
+        &self,
+        request: Request<Streaming<ferry_proto::v1::TunnelBytes>>,
+    ) -> Result<Response<Self::PageTunnelStream>, Status> {
+        let caller = caller(&request);
+        Ok(Response::new(
+            destination::page_tunnel(&self.agent, caller, request.into_inner()).await?,
+        ))
     }
 
     async fn post_copy_status(

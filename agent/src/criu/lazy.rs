@@ -5,11 +5,12 @@
 //! reads the pstree, mm and pagemap images at start, listens on
 //! `lazy-pages.socket` in its working directory (the restore's CRIU, run
 //! with the same working directory, connects there and hands it each
-//! task's userfaultfd), connects to the source's page server, serves
+//! task's userfaultfd), talks to the source's page server over the
+//! connection it is handed (`--ps-socket`: ferry's page tunnel), serves
 //! faults, pushes every remaining page in the background, then sends the
 //! page server its close and exits 0.
 
-use std::net::SocketAddrV4;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -80,17 +81,20 @@ pub struct Daemon {
     pub work_dir: PathBuf,
 }
 
-/// Starts the daemon for the images in `images_dir`, fetching pages from
-/// `page_server`, and waits (up to `wait`) until it listens for the
-/// restore. On failure nothing is left running.
+/// Starts the daemon for the images in `images_dir`, fetching pages over
+/// `page_server` (a connection to the source's page server, which the
+/// daemon inherits under the same descriptor number and this process
+/// gives up), and waits (up to `wait`) until it listens for the restore.
+/// On failure nothing is left running.
 pub async fn start(
     criu: &Path,
     images_dir: &Path,
     work_dir: &Path,
-    page_server: SocketAddrV4,
+    page_server: OwnedFd,
     log_level: i32,
     wait: Duration,
 ) -> Result<Daemon, CriuError> {
+    let ps = page_server.as_raw_fd();
     let mut cmd = tokio::process::Command::new(criu);
     cmd.arg("lazy-pages")
         .arg("--images-dir")
@@ -102,17 +106,30 @@ pub async fn start(
         // The "UFFD transferred pages" summary is a debug line: -v4.
         .arg(format!("-v{}", log_level.max(4)))
         .arg("--page-server")
-        .arg("--address")
-        .arg(page_server.ip().to_string())
-        .arg("--port")
-        .arg(page_server.port().to_string())
+        .arg("--ps-socket")
+        .arg(ps.to_string())
         .current_dir(work_dir)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         // A daemon must never outlive the handle that watches it.
         .kill_on_drop(true);
-    let mut child = cmd.spawn().map_err(|source| CriuError::Spawn {
+    // SAFETY: the closure runs in the forked child before exec and only
+    // calls fcntl(), which is async-signal-safe; clearing FD_CLOEXEC on the
+    // page-server connection is how the daemon inherits it.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(ps, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let spawned = cmd.spawn();
+    // The daemon has its copy; ours would keep the connection open after
+    // the daemon's end.
+    drop(page_server);
+    let mut child = spawned.map_err(|source| CriuError::Spawn {
         path: criu.to_owned(),
         source,
     })?;

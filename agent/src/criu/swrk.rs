@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, recv, send, socketpair};
 use protobuf::{Enum, Message};
 use rust_criu::rust_criu_protobuf::rpc::{
-    Criu_network_lock_method, Criu_opts, Criu_page_server_info, Criu_req, Criu_req_type, Criu_resp,
-    Inherit_fd,
+    Criu_network_lock_method, Criu_opts, Criu_req, Criu_req_type, Criu_resp, Inherit_fd,
 };
 
 use super::CriuError;
@@ -50,15 +49,16 @@ pub struct DumpRequest {
 
 /// CRIU's page server for a lazy dump.
 ///
-/// In lazy mode CRIU's RPC ignores `ps.address` and listens on every
-/// address; a CRIU configuration file with an `address` line is what binds
-/// it (ferry writes one and names it here). CRIU does not report a port it
-/// chose itself: the caller picks `port`.
+/// It serves on `ps_socket`, a connection the caller already made (CRIU's
+/// `ps-socket`), so that it never listens on the network. CRIU's RPC takes
+/// a page-server descriptor only for a restore; a CRIU configuration file
+/// with a `ps-socket` line is what gives one to a lazy dump (ferry writes
+/// it and names it here). The descriptor must be open in this process
+/// while [`dump`] runs; CRIU inherits it under the same number.
 #[derive(Debug, Clone)]
 pub struct LazyDump {
-    pub address: std::net::Ipv4Addr,
-    pub port: u16,
-    /// Written by [`dump`] (`address <ip>`), absolute.
+    pub ps_socket: RawFd,
+    /// Written by [`dump`], absolute.
     pub config_file: PathBuf,
 }
 
@@ -127,19 +127,17 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
     opts.set_log_file("dump.log".to_owned());
+    let mut inherited = Vec::new();
     if let Some(lazy) = &req.lazy {
-        std::fs::write(&lazy.config_file, format!("address {}\n", lazy.address)).map_err(
+        std::fs::write(&lazy.config_file, format!("ps-socket {}\n", lazy.ps_socket)).map_err(
             |source| CriuError::Io {
                 path: lazy.config_file.clone(),
                 source,
             },
         )?;
         opts.set_lazy_pages(true);
-        let mut ps = Criu_page_server_info::new();
-        ps.set_address(lazy.address.to_string());
-        ps.set_port(i32::from(lazy.port));
-        opts.ps = protobuf::MessageField::some(ps);
         opts.set_config_file(lazy.config_file.to_string_lossy().into_owned());
+        inherited.push(lazy.ps_socket);
     }
     let (resp, notes) = run(
         &req.criu,
@@ -147,7 +145,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         opts,
         &req.images_dir,
         &req.log_dir,
-        &[],
+        &inherited,
         on_notify,
         req.criu_pid.as_deref(),
     )?;

@@ -8,6 +8,7 @@
 //! CRIU's lazy-pages daemon first; Commit hands it to a watcher which kills
 //! the process if the daemon fails, and answers `PostCopyStatus`.
 
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,14 +62,9 @@ impl PostCopies {
     }
 }
 
-/// The page server a post-copy Restore names: "ip:port" on the source
-/// node's cluster address, nowhere else (a peer must not make this node
-/// connect wherever it likes).
-fn lazy_source(
-    agent: &Agent,
-    inc: &Incoming,
-    from: &str,
-) -> Result<std::net::SocketAddrV4, EngineError> {
+/// The connection a post-copy Restore's lazy-pages daemon gets: the end of
+/// the page tunnel the source opened for this migration.
+fn lazy_tunnel_end(agent: &Agent, inc: &mut Incoming) -> Result<OwnedFd, EngineError> {
     if inc.protocol_version < ferry_proto::PEER_PROTOCOL_POSTCOPY {
         return Err(EngineError::WrongState {
             migration_id: inc.migration_id.clone(),
@@ -76,23 +72,105 @@ fn lazy_source(
             step: "post-copy restore",
         });
     }
-    let bad = |reason: String| EngineError::InvalidField {
-        field: "lazy_pages_from",
-        reason,
-    };
-    let addr: std::net::SocketAddrV4 = from
-        .parse()
-        .map_err(|_| bad(format!("{from:?} is not an IPv4 address and port")))?;
-    let (source, _) = in_cluster_addresses(agent, &inc.from)?;
-    if *addr.ip() != source || addr.port() == 0 {
-        return Err(bad(format!(
-            "{addr} is not a port on {}'s cluster address {source}",
-            inc.from
-        )));
-    }
     criu::lazy::check_pipe_max_size()
         .map_err(|e| EngineError::HostSetting(format!("post-copy on {}: {e}", agent.node())))?;
-    Ok(addr)
+    inc.tunnel
+        .as_mut()
+        .and_then(|t| t.daemon_end.take())
+        .ok_or_else(|| EngineError::WrongState {
+            migration_id: inc.migration_id.clone(),
+            state: "without an open page tunnel",
+            step: "post-copy restore",
+        })
+}
+
+/// A post-copy's page tunnel on the destination: the pump between the
+/// tunnel and a loopback connection, whose other end waits here for the
+/// lazy-pages daemon.
+#[derive(Debug)]
+struct IncomingTunnel {
+    daemon_end: Option<OwnedFd>,
+    pump: tokio::task::AbortHandle,
+}
+
+/// The stream a PageTunnel answers with: the daemon's bytes.
+pub type TunnelOut = tokio_stream::wrappers::ReceiverStream<Result<pb::TunnelBytes, tonic::Status>>;
+
+/// `Peer.PageTunnel`: the source's page server, carried in the peer
+/// connection. Opened once per post-copy migration, by the node that
+/// prepared it, before Restore; the daemon that Restore starts gets the
+/// loopback end. `caller`: the node the peer's certificate names (`None`
+/// without TLS).
+pub async fn page_tunnel(
+    agent: &Arc<Agent>,
+    caller: Option<String>,
+    mut stream: tonic::Streaming<pb::TunnelBytes>,
+) -> Result<TunnelOut, EngineError> {
+    let first = stream
+        .next()
+        .await
+        .ok_or_else(|| EngineError::InvalidField {
+            field: "migration_id",
+            reason: "the page tunnel ended before its first message".into(),
+        })?
+        .map_err(|s| EngineError::BadImage(format!("page tunnel broke: {}", s.message())))?;
+    let mut slot = agent.incoming.lock().await;
+    let inc = expect(
+        &mut slot,
+        &first.migration_id,
+        &["reserved", "received"],
+        "page tunnel",
+    )?;
+    check_source(inc, caller.as_deref())?;
+    if inc.protocol_version < ferry_proto::PEER_PROTOCOL_POSTCOPY {
+        return Err(EngineError::WrongState {
+            migration_id: inc.migration_id.clone(),
+            state: "prepared with a protocol without post-copy",
+            step: "page tunnel",
+        });
+    }
+    if inc.tunnel.is_some() {
+        return Err(EngineError::WrongState {
+            migration_id: inc.migration_id.clone(),
+            state: "already tunnelling pages",
+            step: "page tunnel",
+        });
+    }
+    let pair = super::pagetunnel::loopback_pair().await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(super::pagetunnel::DEPTH);
+    if !first.data.is_empty() {
+        return Err(EngineError::InvalidField {
+            field: "data",
+            reason: "the page tunnel's first message only names the migration".into(),
+        });
+    }
+    let id = inc.migration_id.clone();
+    let pump = tokio::spawn(async move {
+        match super::pagetunnel::pump(pair.ours, stream, tx, Ok).await {
+            Ok(moved) => {
+                tracing::info!(migration = %id, from_daemon = moved.out, to_daemon = moved.into, "page tunnel closed")
+            }
+            Err(e) => tracing::warn!(migration = %id, error = %e, "page tunnel ended"),
+        }
+    });
+    inc.tunnel = Some(IncomingTunnel {
+        daemon_end: Some(pair.criu),
+        pump: pump.abort_handle(),
+    });
+    Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// A streamed request about an incoming migration must come from the node
+/// that prepared it (unary ones are checked in `api/peer.rs`).
+fn check_source(inc: &Incoming, caller: Option<&str>) -> Result<(), EngineError> {
+    match caller {
+        Some(node) if node != inc.from => Err(EngineError::NotItsSource {
+            migration_id: inc.migration_id.clone(),
+            from: inc.from.clone(),
+            caller: node.to_owned(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Watches a committed post-copy's lazy-pages daemon: exit 0 means every
@@ -251,6 +329,9 @@ pub struct Incoming {
     /// the restore until Commit hands it to a watcher (or an abort kills
     /// it).
     lazy: Option<criu::lazy::Daemon>,
+    /// Post-copy: the page tunnel, from PageTunnel until the daemon's end
+    /// (the pump outlives the slot after Commit) or an abort.
+    tunnel: Option<IncomingTunnel>,
     dir: PathBuf,
     state: IncomingState,
     last_activity: Instant,
@@ -295,6 +376,9 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
         && e != nix::errno::Errno::ESRCH
     {
         tracing::warn!(pid = d.pid, error = %e, "killing the lazy-pages daemon");
+    }
+    if let Some(t) = &incoming.tunnel {
+        t.pump.abort();
     }
     if let IncomingState::Restored { pid } = incoming.state {
         if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
@@ -462,6 +546,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         rebuilt: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
+        tunnel: None,
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
@@ -552,6 +637,7 @@ type ImageWriterTask = (
 
 pub async fn transfer_images(
     agent: &Arc<Agent>,
+    caller: Option<String>,
     mut stream: tonic::Streaming<ImageChunk>,
 ) -> Result<TransferImagesResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
@@ -571,6 +657,7 @@ pub async fn transfer_images(
                     &["reserved"],
                     "image transfer",
                 )?;
+                check_source(inc, caller.as_deref())?;
                 id = chunk.migration_id.clone();
                 let (tx, mut rx) = tokio::sync::mpsc::channel::<ImageChunk>(64);
                 let dir = inc.images();
@@ -635,6 +722,7 @@ pub async fn transfer_images(
 /// One pre-copy round's pages (protocol 5), stored for the image transfer.
 pub async fn transfer_pages(
     agent: &Arc<Agent>,
+    caller: Option<String>,
     mut stream: tonic::Streaming<ferry_proto::v1::PageBatch>,
 ) -> Result<ferry_proto::v1::TransferPagesResponse, EngineError> {
     let mut id: Option<String> = None;
@@ -655,6 +743,7 @@ pub async fn transfer_pages(
         let (store, discarded) = {
             let mut slot = agent.incoming.lock().await;
             let inc = expect(&mut slot, &batch.migration_id, &["reserved"], "pre-copy")?;
+            check_source(inc, caller.as_deref())?;
             if inc.protocol_version < ferry_proto::PEER_PROTOCOL_PRECOPY {
                 return Err(EngineError::WrongState {
                     migration_id: batch.migration_id.clone(),
@@ -694,10 +783,10 @@ pub async fn restore(
 ) -> Result<RestoreResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
-    let lazy_from = if req.lazy_pages_from.is_empty() {
-        None
+    let lazy_from = if req.lazy_pages {
+        Some(lazy_tunnel_end(agent, inc)?)
     } else {
-        Some(lazy_source(agent, inc, &req.lazy_pages_from)?)
+        None
     };
     let scan_started = Instant::now();
     if inc.in_cluster.is_empty() {
@@ -761,19 +850,22 @@ pub async fn restore(
     let started = Instant::now();
     // Post-copy: the daemon must listen (and reach the page server) before
     // the restore starts: the restorer itself faults on lazy pages.
-    if let Some(from) = lazy_from {
+    if let Some(tunnel_end) = lazy_from {
         let daemon = criu::lazy::start(
             &agent.config.criu_path,
             &inc.images(),
             &inc.dir,
-            from,
+            tunnel_end,
             agent.config.criu_log_level,
             LAZY_DAEMON_START,
         )
         .await;
         match daemon {
             Ok(d) => {
-                tracing::info!(pid = d.pid, page_server = %from, "lazy-pages daemon listening");
+                tracing::info!(
+                    pid = d.pid,
+                    "lazy-pages daemon listening, on the page tunnel"
+                );
                 inc.lazy = Some(d);
             }
             Err(e) => {

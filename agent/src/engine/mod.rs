@@ -107,16 +107,19 @@
 //!
 //! - **Dump (lazy)**: CRIU dumps with `lazy_pages`: every image but the
 //!   private anonymous memory, then (notification `status-ready`) serves
-//!   those pages from the stopped process on a port ferry picked on the
-//!   source's cluster address (CRIU's RPC would listen on every address:
-//!   a CRIU config file with `address` binds it). The dump's CRIU blocks
-//!   as that page server until the destination's daemon closes the
-//!   connection; ferry keeps it running beside the migration.
-//! - **Restore (lazy)**: `Restore.lazy_pages_from` names the page server;
-//!   the destination checks it is the source's cluster address, starts
-//!   `criu lazy-pages` against it (it must listen before the restore: the
-//!   restorer faults), and restores with `lazy_pages`. The daemon starts
-//!   pushing pages at once, while the process is still stopped.
+//!   those pages from the stopped process. It listens nowhere: it serves
+//!   on a loopback connection the source agent made to itself (CRIU's
+//!   `ps-socket`, given through a CRIU config file since the RPC takes a
+//!   page-server descriptor only for a restore), and the agent opens
+//!   `PageTunnel` to carry that connection to the destination inside the
+//!   peer TLS (`pagetunnel.rs`). The dump's CRIU blocks as that page
+//!   server until the destination's daemon closes the connection; ferry
+//!   keeps it running beside the migration.
+//! - **Restore (lazy)**: `Restore.lazy_pages` asks for the daemon; the
+//!   destination starts `criu lazy-pages` on its end of the tunnel the
+//!   source opened (it must run before the restore: the restorer faults),
+//!   and restores with `lazy_pages`. The daemon starts pushing pages at
+//!   once, while the process is still stopped.
 //! - **Release** (instead of Discard): the source's ports go
 //!   (`OutStage::PagesOnly`); its stopped copy stays, backing the page
 //!   server. The Commit follows at once, without waiting for pages: it
@@ -162,6 +165,7 @@
 pub mod destination;
 mod images;
 mod pagestore;
+mod pagetunnel;
 pub mod precopy;
 mod rollback;
 pub mod source;
@@ -216,6 +220,12 @@ pub enum EngineError {
     },
     #[error("bad image stream: {0}")]
     BadImage(String),
+    #[error("migration_id: {migration_id} comes from {from:?}, not {caller:?}")]
+    NotItsSource {
+        migration_id: String,
+        from: String,
+        caller: String,
+    },
     #[error("{field}: {reason}")]
     InvalidField { field: &'static str, reason: String },
     #[error("{node} unreachable at {address}: {reason}")]
@@ -281,6 +291,7 @@ impl EngineError {
             | EngineError::HostSetting(_)
             | EngineError::PostCopy(_) => Code::FailedPrecondition,
             EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
+            EngineError::NotItsSource { .. } => Code::PermissionDenied,
             EngineError::InCluster(crate::translation::FlowError::BadFlow { .. }) => {
                 Code::InvalidArgument
             }

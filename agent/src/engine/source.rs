@@ -1,6 +1,7 @@
 //! The source side of a migration: validate, prepare, freeze, dump,
 //! transfer, restore remotely, discard, commit, or abort and resume.
 
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -24,7 +25,7 @@ use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::{self, SocketMigration};
 
 use super::precopy::{Convergence, MemoryStrategy, Precopy};
-use super::{EngineError, images, new_migration_id, rollback};
+use super::{EngineError, images, new_migration_id, pagetunnel, rollback};
 
 /// What a migration request may choose; `None`: the agent's `[migration]`
 /// setting.
@@ -389,8 +390,9 @@ struct PageServer {
     task: tokio::task::JoinHandle<Result<Dumped, criu::CriuError>>,
     /// The CRIU child's PID while it runs (0 once it answered).
     criu_pid: Arc<std::sync::atomic::AtomicI32>,
-    /// Where it listens: the source's cluster address.
-    address: std::net::SocketAddrV4,
+    /// The page tunnel's pump: the page server's connection carried to
+    /// the destination inside the peer connection (`pagetunnel.rs`).
+    tunnel: Option<tokio::task::JoinHandle<Result<pagetunnel::Moved, EngineError>>>,
 }
 
 /// How long the source keeps a page server whose destination does not
@@ -425,16 +427,30 @@ fn take_stopped_sockets(
     (unread, Some(sockets))
 }
 
-/// A free TCP port on `ip`, for CRIU's page server (which does not report
-/// one it picks itself). Another process could take it before CRIU binds
-/// it; the dump then fails before the freeze ends, and the migration
-/// aborts cleanly.
-fn free_port(ip: std::net::Ipv4Addr) -> Result<u16, EngineError> {
-    let l = std::net::TcpListener::bind((ip, 0))
-        .map_err(EngineError::io(format!("finding a free port on {ip}")))?;
-    Ok(l.local_addr()
-        .map_err(EngineError::io("reading a bound port"))?
-        .port())
+/// Opens the page tunnel to the destination for a post-copy's page
+/// server, whose connection's other end is `ours`, and starts its pump.
+async fn open_page_tunnel(
+    run: &Run,
+    ours: tokio::net::TcpStream,
+) -> Result<tokio::task::JoinHandle<Result<pagetunnel::Moved, EngineError>>, EngineError> {
+    use tokio_stream::wrappers::ReceiverStream;
+    let (tx, rx) = tokio::sync::mpsc::channel(pagetunnel::DEPTH);
+    // The first message names the migration; the channel has room for it.
+    let _ = tx
+        .send(ferry_proto::v1::TunnelBytes {
+            migration_id: run.p.migration_id.clone(),
+            data: Vec::new(),
+        })
+        .await;
+    let mut peer = run.p.peer.clone();
+    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    let opened = tokio::time::timeout(deadline, peer.page_tunnel(ReceiverStream::new(rx))).await;
+    let inbound = match opened {
+        Ok(Ok(r)) => r.into_inner(),
+        Ok(Err(s)) => return Err(peer_error(&run.p.destination.name, s)),
+        Err(_) => return Err(silent(&run.p.destination, "PageTunnel", deadline)),
+    };
+    Ok(tokio::spawn(pagetunnel::pump(ours, inbound, tx, |m| m)))
 }
 
 impl Run {
@@ -666,18 +682,23 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // too, for a resume on abort). CRIU's start-up thus runs while the
     // process still serves its clients.
     run.phase("dump").await;
-    let lazy = if run.p.strategy.is_postcopy() {
-        let address = run.agent.config.cluster.address;
-        match free_port(address) {
-            Ok(port) => Some(criu::LazyDump {
-                address,
-                port,
-                config_file: dir.join("lazy-dump.conf"),
-            }),
+    // Post-copy: the page server's connection, made before the freeze.
+    // CRIU gets one end (kept open here until the dump ends), the page
+    // tunnel the other.
+    let (lazy, ps_socket, mut tunnel_end) = if run.p.strategy.is_postcopy() {
+        match pagetunnel::loopback_pair().await {
+            Ok(pair) => (
+                Some(criu::LazyDump {
+                    ps_socket: pair.criu.as_raw_fd(),
+                    config_file: dir.join("lazy-dump.conf"),
+                }),
+                Some(pair.criu),
+                Some(pair.ours),
+            ),
             Err(e) => return Stop::BeforeCommit(e),
         }
     } else {
-        None
+        (None, None, None)
     };
     let criu_pid = Arc::new(std::sync::atomic::AtomicI32::new(0));
     let req = criu::DumpRequest {
@@ -705,6 +726,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let is_lazy = lazy.is_some();
         let mut ready_tx = Some(ready_tx);
         move || {
+            let _ps_socket = ps_socket;
             let dumped = criu::dump(&req, &mut |script| {
                 if script == "status-ready" {
                     if let Some(tx) = ready_tx.take() {
@@ -734,7 +756,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     });
     let dumped = match &lazy {
         None => dump_task.await,
-        Some(l) => {
+        Some(_) => {
             let no_server = || criu::CriuError::Failed {
                 operation: "dump",
                 reason:
@@ -758,17 +780,31 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             };
             match ended {
                 None => {
-                    tracing::info!(page_server = %format!("{}:{}", l.address, l.port), "images written; CRIU serves the pages");
+                    tracing::info!("images written; CRIU serves the pages");
                     run.page_server = Some(PageServer {
                         task: dump_task,
                         criu_pid: criu_pid.clone(),
-                        address: std::net::SocketAddrV4::new(l.address, l.port),
+                        tunnel: None,
                     });
-                    tokio::task::spawn_blocking(move || {
-                        let (unread, sockets) = take_stopped_sockets(pid, capture, collective);
-                        Ok((Vec::new(), unread, sockets))
-                    })
-                    .await
+                    let ours = tunnel_end
+                        .take()
+                        .expect("a post-copy dump has a tunnel end");
+                    let (tunnel, taken) = tokio::join!(
+                        open_page_tunnel(run, ours),
+                        tokio::task::spawn_blocking(move || {
+                            let (unread, sockets) = take_stopped_sockets(pid, capture, collective);
+                            Ok((Vec::new(), unread, sockets))
+                        })
+                    );
+                    match tunnel {
+                        Ok(t) => {
+                            if let Some(s) = run.page_server.as_mut() {
+                                s.tunnel = Some(t);
+                            }
+                        }
+                        Err(e) => return Stop::BeforeCommit(e),
+                    }
+                    taken
                 }
                 Some(Ok(Ok(_))) => Ok(Err(no_server())),
                 Some(other) => other,
@@ -925,11 +961,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
         collective_sockets: run.p.socket_migration == SocketMigration::Collective,
-        lazy_pages_from: run
-            .page_server
-            .as_ref()
-            .map(|s| s.address.to_string())
-            .unwrap_or_default(),
+        lazy_pages: run.page_server.is_some(),
     });
     let restored = match tokio::time::timeout(deadline, restore).await {
         Ok(Ok(r)) => r.into_inner(),
@@ -1164,7 +1196,30 @@ async fn stop_page_server(run: &mut Run, grace: Duration) {
     let Some(server) = run.page_server.take() else {
         return;
     };
-    let mut task = server.task;
+    end_page_server_criu(run.p.pid, server.task, &server.criu_pid, grace).await;
+    // CRIU's end of the tunnel is closed now; the pump passes that on and
+    // ends. A tunnel the destination holds open is cut.
+    if let Some(mut tunnel) = server.tunnel {
+        match tokio::time::timeout(Duration::from_secs(2), &mut tunnel).await {
+            Ok(Ok(Ok(moved))) => {
+                tracing::info!(out = moved.out, into = moved.into, "page tunnel closed")
+            }
+            Ok(Ok(Err(e))) => tracing::info!(error = %e, "page tunnel ended"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "page tunnel task"),
+            Err(_) => {
+                tunnel.abort();
+                tracing::warn!("page tunnel still open 2 s after the page server ended; cut");
+            }
+        }
+    }
+}
+
+async fn end_page_server_criu(
+    pid: i32,
+    mut task: tokio::task::JoinHandle<Result<Dumped, criu::CriuError>>,
+    criu_pid: &std::sync::atomic::AtomicI32,
+    grace: Duration,
+) {
     let log = |r: Result<Result<Dumped, criu::CriuError>, tokio::task::JoinError>| match r {
         Ok(Ok(_)) => tracing::info!("CRIU's page server ended"),
         Ok(Err(e)) => tracing::info!(error = %e, "CRIU's page server ended"),
@@ -1177,10 +1232,10 @@ async fn stop_page_server(run: &mut Run, grace: Duration) {
         }
         tracing::warn!("CRIU's page server still runs; killing it");
     }
-    for p in process::process_tree(run.p.pid) {
+    for p in process::process_tree(pid) {
         let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
     }
-    let criu = server.criu_pid.load(std::sync::atomic::Ordering::SeqCst);
+    let criu = criu_pid.load(std::sync::atomic::Ordering::SeqCst);
     if criu > 0
         && let Err(e) = kill(Pid::from_raw(criu), Signal::SIGKILL)
     {
