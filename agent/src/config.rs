@@ -139,7 +139,8 @@ pub struct MigrationConfig {
     /// How memory moves when a request does not say: "total-copy" (all in
     /// the freeze), "pre-copy" or "queued-pre-copy" (rounds while the
     /// process runs, `engine::precopy`), "post-copy" (pages follow the
-    /// resumed process, CRIU lazy pages). Total copy until another one
+    /// resumed process, CRIU lazy pages), "assisted-post-copy" (one live
+    /// pass, then post-copy of what was written since). Total copy until another one
     /// measurably wins here (docs/results.md, `cargo xtask bench algorithms`).
     pub strategy: crate::engine::precopy::MemoryStrategy,
     /// Pre-copy: freeze once the pages left would cross in this many

@@ -241,6 +241,107 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
     });
 }
 
+/// Assisted post-copy: one live pass, then post-copy in which the
+/// destination answers the pass's pages itself; only pages written since
+/// the pass cross after the resume.
+#[test]
+fn memory_follows_the_process_after_an_assisted_post_copy_migration() {
+    if !ferry_integration::can_run(
+        "memory_follows_the_process_after_an_assisted_post_copy_migration",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        let mut pid = start_writer(&mut controls[0], 64, 10).await;
+        let mut writes = check(&cluster);
+        let mut on = 0;
+        for _ in 0..2 {
+            let to = 1 - on;
+            let to_name = format!("node{}", to + 1);
+            let request = MigrateRequest {
+                strategy: Strategy::AssistedPostCopy as i32,
+                ..post_copy(pid, &to_name)
+            };
+            let (report, status) = migrate_request(&mut controls[on], request)
+                .await
+                .expect("migration starts");
+            assert!(status.is_none(), "{status:?}\n{report:#?}");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Committed as i32,
+                "{report:#?}"
+            );
+            assert_eq!(report.strategy, Strategy::AssistedPostCopy as i32);
+            eprintln!(
+                "assisted post-copy to {to_name}: {}; {} of the pages after the resume from the live pass",
+                summary(&report),
+                report.postcopy_local_pages
+            );
+            // One full pass while the process ran (most of its 64 MiB),
+            // then a scan that only decided the freeze.
+            let pass = report.rounds.first().expect("a live pass");
+            assert!(pass.sent_pages >= 16384 / 2, "{report:#?}");
+            assert!(
+                report.rounds.iter().skip(1).all(|r| r.sent_pages == 0),
+                "more than one pass: {report:#?}"
+            );
+            assert_eq!(report.memory_tracking, "uffd-wp-async+pagemap-scan");
+            // After the resume the destination answered most pages itself;
+            // only the few written since the pass came from the source.
+            assert!(report.postcopy_pages >= 16384 / 2, "{}", summary(&report));
+            assert!(report.postcopy_local_pages <= report.postcopy_pages);
+            let remote = report.postcopy_pages - report.postcopy_local_pages;
+            assert!(
+                report.postcopy_local_pages > 4 * remote,
+                "{} pages from the source, {} from the pass",
+                remote,
+                report.postcopy_local_pages
+            );
+            assert!(report.image_bytes < 8 << 20, "{}", summary(&report));
+            let moved = wait_for_process(&mut controls[to], report.destination_pid, |p| {
+                p.state == "running"
+            })
+            .await;
+            assert_eq!(moved.origin, "migrated-in");
+            assert!(list(&mut controls[on]).await.is_empty());
+            assert_eq!(process_state(pid), None, "source copy still exists");
+            // Every page, as the process wrote it, including those written
+            // after the pass.
+            let now = check(&cluster);
+            assert!(now >= writes, "writes went back from {writes} to {now}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let later = check(&cluster);
+            assert!(later > now, "the process does not run after the migration");
+            no_criu_left(&cluster, "node1").await;
+            no_criu_left(&cluster, "node2").await;
+            assert!(cluster.incoming_dir_is_empty(&to_name));
+            assert!(
+                !smaps_has_uw(report.destination_pid),
+                "write protection left on the destination's copy"
+            );
+            writes = later;
+            pid = report.destination_pid;
+            on = to;
+        }
+    });
+}
+
+/// Whether any mapping of `pid` is still registered with a userfaultfd for
+/// write protection (smaps VmFlags `uw`).
+fn smaps_has_uw(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("VmFlags:"))
+        .any(|l| l.split_whitespace().any(|f| f == "uw"))
+}
+
 #[test]
 fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
     if !ferry_integration::can_run(
@@ -269,24 +370,36 @@ fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
             cluster
                 .wait_listening("node2", PORT, Duration::from_secs(10))
                 .expect("squatter listening");
-            let (report, status) = migrate_request(&mut node1, post_copy(pid, "node2"))
-                .await
-                .expect("migration starts");
-            assert_eq!(
-                status.as_ref().map(|s| s.code()),
-                Some(tonic::Code::Aborted),
-                "{status:?}"
-            );
-            assert_eq!(
-                report.outcome,
-                MigrationOutcome::Aborted as i32,
-                "{report:#?}"
-            );
-            assert!(report.resumed_on_source, "{report:#?}");
-            eprintln!("post-copy abort: {}", report.error);
-            wait_for_process(&mut node1, pid, |p| p.state == "running").await;
-            no_criu_left(&cluster, "node1").await;
-            no_criu_left(&cluster, "node2").await;
+            // Plain, and assisted (after its live pass, with the write
+            // protection of the pass's tracking to undo).
+            for strategy in [Strategy::PostCopy, Strategy::AssistedPostCopy] {
+                let request = MigrateRequest {
+                    strategy: strategy as i32,
+                    ..post_copy(pid, "node2")
+                };
+                let (report, status) = migrate_request(&mut node1, request)
+                    .await
+                    .expect("migration starts");
+                assert_eq!(
+                    status.as_ref().map(|s| s.code()),
+                    Some(tonic::Code::Aborted),
+                    "{strategy:?}: {status:?}"
+                );
+                assert_eq!(
+                    report.outcome,
+                    MigrationOutcome::Aborted as i32,
+                    "{report:#?}"
+                );
+                assert!(report.resumed_on_source, "{report:#?}");
+                eprintln!("{strategy:?} abort: {}", report.error);
+                wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+                assert!(
+                    !smaps_has_uw(pid),
+                    "{strategy:?}: write protection left on the source's process"
+                );
+                no_criu_left(&cluster, "node1").await;
+                no_criu_left(&cluster, "node2").await;
+            }
         }
         assert!(cluster.incoming_dir_is_empty("node2"));
         // Served by node1 again, with the memory it wrote, and writing.

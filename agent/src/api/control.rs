@@ -209,7 +209,7 @@ impl Control for ControlService {
             Ok(s) => crate::engine::precopy::MemoryStrategy::from_pb(s),
             Err(_) => {
                 return Err(Status::invalid_argument(format!(
-                    "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy, 4 post-copy)",
+                    "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy, 4 post-copy, 5 assisted-post-copy)",
                     req.strategy
                 )));
             }

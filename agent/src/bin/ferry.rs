@@ -78,8 +78,10 @@ enum Command {
         /// How memory moves: "total-copy" (all in the freeze), "pre-copy"
         /// or "queued-pre-copy" (rounds while the process runs),
         /// "post-copy" (the process resumes on the destination at once,
-        /// its pages follow); default: the agent's `[migration] strategy`.
-        #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy", "post-copy"])]
+        /// its pages follow), "assisted-post-copy" (one live pass, then
+        /// post-copy of what was written since); default: the agent's
+        /// `[migration] strategy`.
+        #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy", "post-copy", "assisted-post-copy"])]
         strategy: Option<String>,
         /// Pre-copy: freeze once the pages left would take at most this
         /// many milliseconds (default: `[migration] downtime_budget_ms`).
@@ -504,6 +506,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 Some("pre-copy") => pb::Strategy::PreCopy,
                 Some("queued-pre-copy") => pb::Strategy::QueuedPreCopy,
                 Some("post-copy") => pb::Strategy::PostCopy,
+                Some("assisted-post-copy") => pb::Strategy::AssistedPostCopy,
                 _ => pb::Strategy::Unspecified,
             };
             let mut stream = client
@@ -734,6 +737,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         Ok(pb::Strategy::PreCopy) => "pre-copy",
         Ok(pb::Strategy::QueuedPreCopy) => "queued-pre-copy",
         Ok(pb::Strategy::PostCopy) => "post-copy",
+        Ok(pb::Strategy::AssistedPostCopy) => "assisted-post-copy",
         _ => "unknown",
     };
     if as_json {
@@ -797,11 +801,14 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         );
     }
     println!("  freeze time         {:>10.1} ms", ms(r.freeze_time_us));
-    if r.strategy == pb::Strategy::PostCopy as i32 {
+    if r.strategy == pb::Strategy::PostCopy as i32
+        || r.strategy == pb::Strategy::AssistedPostCopy as i32
+    {
         println!(
-            "  post-processing     {:>10.1} ms  ({} pages after the resume)",
+            "  post-processing     {:>10.1} ms  ({} pages after the resume, {} of them from the live pass)",
             ms(r.post_processing_time_us),
-            r.postcopy_pages
+            r.postcopy_pages,
+            r.postcopy_local_pages
         );
     }
     println!("  total time          {:>10.1} ms", ms(r.total_time_us));

@@ -28,8 +28,11 @@ use crate::ownership::PortState;
 use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::translation::{self, InClusterFlow};
 
+use super::localpages::LocalPages;
 use super::pagestore::PageStore;
 use super::{EngineError, images::ImageWriter, source::set_private};
+use crate::memtrack::RangeSet;
+use std::collections::HashMap;
 
 /// The receive buffer a migrated process's UDP sockets get for the replay
 /// and the catch-up after it, and for how long.
@@ -84,6 +87,55 @@ fn lazy_tunnel_end(agent: &Agent, inc: &mut Incoming) -> Result<OwnedFd, EngineE
         })
 }
 
+/// Assisted post-copy: the pages Restore says this node holds current,
+/// answered from the store from now on. Each must be in the store.
+fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Result<(), EngineError> {
+    let bad = |reason: String| EngineError::InvalidField {
+        field: "local_pages",
+        reason,
+    };
+    if !req.lazy_pages {
+        return Err(bad(
+            "only a lazy (post-copy) restore answers pages itself".into()
+        ));
+    }
+    let Some(tunnel) = inc.tunnel.as_ref() else {
+        return Err(EngineError::WrongState {
+            migration_id: inc.migration_id.clone(),
+            state: "without an open page tunnel",
+            step: "post-copy restore",
+        });
+    };
+    let mut held: HashMap<u32, RangeSet> = HashMap::new();
+    {
+        let store = inc.pages.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, p) in req.local_pages.iter().enumerate() {
+            if p.length == 0 {
+                return Err(bad(format!("[{i}]: an empty range")));
+            }
+            if let Some(addr) = store.first_missing(p) {
+                return Err(bad(format!(
+                    "[{i}]: page {addr:#x} of pid {} was never pre-copied here",
+                    p.pid
+                )));
+            }
+            held.entry(p.pid)
+                .or_default()
+                .insert(p.vaddr, p.vaddr + p.length);
+        }
+    }
+    let pages: u64 = held.values().map(RangeSet::len).sum::<u64>() / crate::memtrack::page_size();
+    tunnel
+        .local
+        .set(LocalPages {
+            held,
+            store: inc.pages.clone(),
+        })
+        .map_err(|_| bad("already set for this migration".into()))?;
+    tracing::info!(migration = %inc.migration_id, pages, "pages of the live pass answered here");
+    Ok(())
+}
+
 /// A post-copy's page tunnel on the destination: the pump between the
 /// tunnel and a loopback connection, whose other end waits here for the
 /// lazy-pages daemon.
@@ -91,6 +143,10 @@ fn lazy_tunnel_end(agent: &Agent, inc: &mut Incoming) -> Result<OwnedFd, EngineE
 struct IncomingTunnel {
     daemon_end: Option<OwnedFd>,
     pump: tokio::task::AbortHandle,
+    /// Assisted post-copy: the pages answered here (set by Restore).
+    local: Arc<std::sync::OnceLock<LocalPages>>,
+    /// Pages answered from the store so far.
+    served_locally: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The stream a PageTunnel answers with: the daemon's bytes.
@@ -145,17 +201,24 @@ pub async fn page_tunnel(
         });
     }
     let id = inc.migration_id.clone();
-    let pump = tokio::spawn(async move {
-        match super::pagetunnel::pump(pair.ours, stream, tx, Ok).await {
-            Ok(moved) => {
-                tracing::info!(migration = %id, from_daemon = moved.out, to_daemon = moved.into, "page tunnel closed")
+    let local = Arc::new(std::sync::OnceLock::new());
+    let served_locally = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let pump = tokio::spawn({
+        let (local, counter) = (local.clone(), served_locally.clone());
+        async move {
+            match super::localpages::serve(pair.ours, stream, tx, Ok, local, counter).await {
+                Ok(served) => {
+                    tracing::info!(migration = %id, local_pages = served.local_pages, remote_pages = served.remote_pages, "page tunnel closed")
+                }
+                Err(e) => tracing::warn!(migration = %id, error = %e, "page tunnel ended"),
             }
-            Err(e) => tracing::warn!(migration = %id, error = %e, "page tunnel ended"),
         }
     });
     inc.tunnel = Some(IncomingTunnel {
         daemon_end: Some(pair.criu),
         pump: pump.abort_handle(),
+        local,
+        served_locally,
     });
     Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
@@ -173,19 +236,34 @@ fn check_source(inc: &Incoming, caller: Option<&str>) -> Result<(), EngineError>
     }
 }
 
+/// A committed post-copy, handed from Commit to its watcher.
+struct PostCopyWatch {
+    migration_id: String,
+    /// The restored process, running.
+    pid: i32,
+    daemon: criu::lazy::Daemon,
+    /// The migration's directory, removed when the daemon ends.
+    dir: PathBuf,
+    resumed_at: Instant,
+    done_before_resume: bool,
+    /// Assisted post-copy: pages answered from the store.
+    served_locally: Arc<std::sync::atomic::AtomicU64>,
+}
+
 /// Watches a committed post-copy's lazy-pages daemon: exit 0 means every
 /// page is in; anything else means the running process would read zeros
 /// where its missing pages are, so it is killed at once. Either way the
 /// status is published for `PostCopyStatus` and the images go.
-fn watch_postcopy(
-    agent: &Arc<Agent>,
-    migration_id: String,
-    pid: i32,
-    mut daemon: criu::lazy::Daemon,
-    dir: PathBuf,
-    resumed_at: Instant,
-    done_before_resume: bool,
-) {
+fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
+    let PostCopyWatch {
+        migration_id,
+        pid,
+        mut daemon,
+        dir,
+        resumed_at,
+        done_before_resume,
+        served_locally,
+    } = watched;
     let (tx, rx) = tokio::sync::watch::channel(pb::PostCopyStatusResponse {
         state: pb::PostCopyState::Running as i32,
         ..Default::default()
@@ -216,6 +294,7 @@ fn watch_postcopy(
                     total_pages,
                     post_processing_us: post.as_micros() as u64,
                     error: String::new(),
+                    local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
                 }
             }
             other => {
@@ -247,6 +326,7 @@ fn watch_postcopy(
                     post_processing_us: ended.saturating_duration_since(resumed_at).as_micros()
                         as u64,
                     error,
+                    local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
                 }
             }
         };
@@ -783,6 +863,9 @@ pub async fn restore(
 ) -> Result<RestoreResponse, EngineError> {
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
+    if !req.local_pages.is_empty() {
+        set_local_pages(inc, &req)?;
+    }
     let lazy_from = if req.lazy_pages {
         Some(lazy_tunnel_end(agent, inc)?)
     } else {
@@ -1042,12 +1125,19 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         if let Some(daemon) = inc.lazy.take() {
             watch_postcopy(
                 agent,
-                inc.migration_id.clone(),
-                pid,
-                daemon,
-                inc.dir.clone(),
-                resumed_at,
-                done_before_resume,
+                PostCopyWatch {
+                    migration_id: inc.migration_id.clone(),
+                    pid,
+                    daemon,
+                    dir: inc.dir.clone(),
+                    resumed_at,
+                    done_before_resume,
+                    served_locally: inc
+                        .tunnel
+                        .as_ref()
+                        .map(|t| t.served_locally.clone())
+                        .unwrap_or_default(),
+                },
             );
             tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here, its pages follow");
             return Ok(CommitResponse { pid, replay });

@@ -120,6 +120,12 @@
 //!   source opened (it must run before the restore: the restorer faults),
 //!   and restores with `lazy_pages`. The daemon starts pushing pages at
 //!   once, while the process is still stopped.
+//! - **Assisted post-copy**: one pre-copy round (the live pass) runs
+//!   before Arm; after the lazy dump the last scan says which pages of the
+//!   pass are still current, and `Restore.local_pages` names them. The
+//!   destination's end of the tunnel (`localpages.rs`) answers the
+//!   daemon's requests for those from its pre-copy store and forwards the
+//!   rest to the source's page server.
 //! - **Release** (instead of Discard): the source's ports go
 //!   (`OutStage::PagesOnly`); its stopped copy stays, backing the page
 //!   server. The Commit follows at once, without waiting for pages: it
@@ -164,6 +170,7 @@
 
 pub mod destination;
 mod images;
+mod localpages;
 mod pagestore;
 mod pagetunnel;
 pub mod precopy;

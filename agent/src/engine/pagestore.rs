@@ -144,6 +144,54 @@ impl PageStore {
         Ok(())
     }
 
+    /// The first page of `stored` that never arrived, if any (a range
+    /// beyond the address space or not in whole pages is all missing).
+    pub fn first_missing(&self, stored: &StoredPages) -> Option<u64> {
+        let page = memtrack::page_size();
+        let Some(st) = self.processes.get(&stored.pid) else {
+            return Some(stored.vaddr);
+        };
+        if !stored.vaddr.is_multiple_of(page) || !stored.length.is_multiple_of(page) {
+            return Some(stored.vaddr);
+        }
+        let end = stored.vaddr.checked_add(stored.length)?;
+        let mut addr = stored.vaddr;
+        while addr < end {
+            if !st.index.contains_key(&addr) {
+                return Some(addr);
+            }
+            addr += page;
+        }
+        None
+    }
+
+    /// `len` bytes of process `pid`'s pages from `vaddr`, from the store;
+    /// refuses a range of which any page never arrived. Blocking.
+    pub fn read(&self, pid: u32, vaddr: u64, len: u64) -> Result<Vec<u8>, EngineError> {
+        let page = memtrack::page_size();
+        let missing = |addr: u64| {
+            EngineError::Internal(format!(
+                "pages of pid {pid} at {vaddr:#x}+{len}: page {addr:#x} is not in the store"
+            ))
+        };
+        let st = self.processes.get(&pid).ok_or_else(|| missing(vaddr))?;
+        let mut out = vec![0u8; len as usize];
+        let mut done = 0u64;
+        while done < len {
+            let addr = vaddr + done;
+            let first = *st.index.get(&addr).ok_or_else(|| missing(addr))?;
+            let mut n = page;
+            while done + n < len && st.index.get(&(addr + n)) == Some(&(first + n)) {
+                n += page;
+            }
+            st.file
+                .read_exact_at(&mut out[done as usize..(done + n) as usize], first)
+                .map_err(EngineError::io("reading pre-copied pages"))?;
+            done += n;
+        }
+        Ok(out)
+    }
+
     /// Appends `stored` to `out`, from the store; refuses a range of which
     /// any page never arrived.
     pub fn copy_out(&self, stored: &StoredPages, out: &mut File) -> Result<(), EngineError> {

@@ -66,6 +66,10 @@ pub enum MemoryStrategy {
     /// on the destination, its pages follow (CRIU lazy pages; see
     /// [`crate::engine`]).
     PostCopy,
+    /// One full pre-copy pass while the process runs, then post-copy: the
+    /// destination serves the pages of that pass that are still current
+    /// itself, and only the rest comes from the source after the resume.
+    AssistedPostCopy,
 }
 
 impl MemoryStrategy {
@@ -75,6 +79,7 @@ impl MemoryStrategy {
             MemoryStrategy::PreCopy => pb::Strategy::PreCopy,
             MemoryStrategy::QueuedPreCopy => pb::Strategy::QueuedPreCopy,
             MemoryStrategy::PostCopy => pb::Strategy::PostCopy,
+            MemoryStrategy::AssistedPostCopy => pb::Strategy::AssistedPostCopy,
         }
     }
 
@@ -86,20 +91,27 @@ impl MemoryStrategy {
             pb::Strategy::PreCopy => Some(MemoryStrategy::PreCopy),
             pb::Strategy::QueuedPreCopy => Some(MemoryStrategy::QueuedPreCopy),
             pb::Strategy::PostCopy => Some(MemoryStrategy::PostCopy),
+            pb::Strategy::AssistedPostCopy => Some(MemoryStrategy::AssistedPostCopy),
         }
     }
 
-    /// Whether pages cross in rounds before the freeze.
+    /// Whether pages cross in rounds before the freeze (assisted post-copy
+    /// has one).
     pub fn is_precopy(self) -> bool {
         matches!(
             self,
-            MemoryStrategy::PreCopy | MemoryStrategy::QueuedPreCopy
+            MemoryStrategy::PreCopy
+                | MemoryStrategy::QueuedPreCopy
+                | MemoryStrategy::AssistedPostCopy
         )
     }
 
     /// Whether pages cross after the resume on the destination.
     pub fn is_postcopy(self) -> bool {
-        self == MemoryStrategy::PostCopy
+        matches!(
+            self,
+            MemoryStrategy::PostCopy | MemoryStrategy::AssistedPostCopy
+        )
     }
 
     pub fn name(self) -> &'static str {
@@ -108,6 +120,7 @@ impl MemoryStrategy {
             MemoryStrategy::PreCopy => "pre-copy",
             MemoryStrategy::QueuedPreCopy => "queued-pre-copy",
             MemoryStrategy::PostCopy => "post-copy",
+            MemoryStrategy::AssistedPostCopy => "assisted-post-copy",
         }
     }
 }
@@ -584,8 +597,12 @@ mod tests {
             MemoryStrategy::PreCopy,
             MemoryStrategy::QueuedPreCopy,
             MemoryStrategy::PostCopy,
+            MemoryStrategy::AssistedPostCopy,
         ] {
-            assert!(!(s.is_precopy() && s.is_postcopy()));
+            assert_eq!(
+                s.is_precopy() && s.is_postcopy(),
+                s == MemoryStrategy::AssistedPostCopy
+            );
             assert_eq!(MemoryStrategy::from_pb(s.to_pb()), Some(s));
         }
         assert_eq!(MemoryStrategy::from_pb(pb::Strategy::Unspecified), None);

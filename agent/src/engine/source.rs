@@ -96,7 +96,13 @@ pub async fn prepare(
         downtime_budget: options
             .downtime_budget
             .unwrap_or(Duration::from_millis(u64::from(cfg.downtime_budget_ms))),
-        max_rounds: options.max_rounds.unwrap_or(cfg.max_rounds),
+        // Assisted post-copy: one full pass (the second round only scans,
+        // and its written pages are left to the post-copy).
+        max_rounds: if strategy == MemoryStrategy::AssistedPostCopy {
+            1
+        } else {
+            options.max_rounds.unwrap_or(cfg.max_rounds)
+        },
     };
     let started = Instant::now();
     let started_wall = SystemTime::now();
@@ -189,10 +195,10 @@ pub async fn prepare(
                 ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
             });
         }
-        let needed = if strategy.is_precopy() {
-            ferry_proto::PEER_PROTOCOL_PRECOPY
-        } else if strategy.is_postcopy() {
+        let needed = if strategy.is_postcopy() {
             ferry_proto::PEER_PROTOCOL_POSTCOPY
+        } else if strategy.is_precopy() {
+            ferry_proto::PEER_PROTOCOL_PRECOPY
         } else {
             0
         };
@@ -837,6 +843,24 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         },
         None => std::collections::HashMap::new(),
     };
+    // Assisted post-copy: those pages the destination serves itself after
+    // the resume (the lazy dump left them with CRIU's page server, where
+    // only the pages written since the live pass are now fetched).
+    let local_pages: Vec<ferry_proto::v1::StoredPages> =
+        if run.p.strategy == MemoryStrategy::AssistedPostCopy {
+            held_pages
+                .iter()
+                .flat_map(|(vpid, set)| {
+                    set.iter().map(|(s, e)| ferry_proto::v1::StoredPages {
+                        pid: *vpid,
+                        vaddr: s,
+                        length: e - s,
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
     if run.capture {
         // Everything delivered while recording is in the ring by now. Under
         // load that is megabytes of packets to digest: it runs beside the
@@ -962,6 +986,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         migration_id: run.p.migration_id.clone(),
         collective_sockets: run.p.socket_migration == SocketMigration::Collective,
         lazy_pages: run.page_server.is_some(),
+        local_pages,
     });
     let restored = match tokio::time::timeout(deadline, restore).await {
         Ok(Ok(r)) => r.into_inner(),
@@ -1152,7 +1177,8 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
         Ok(r) if r.state == PostCopyState::Done as i32 => {
             stop_page_server(run, Duration::from_secs(10)).await;
             run.report.postcopy_pages = r.pages;
-            run.report.bytes_transferred += r.pages * page;
+            run.report.postcopy_local_pages = r.local_pages;
+            run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
             run.report.post_processing_time_us = r.post_processing_us;
             tracing::info!(
                 pages = r.pages,
@@ -1165,7 +1191,8 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
         Ok(r) => {
             stop_page_server(run, Duration::ZERO).await;
             run.report.postcopy_pages = r.pages;
-            run.report.bytes_transferred += r.pages * page;
+            run.report.postcopy_local_pages = r.local_pages;
+            run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
             run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
             Stop::Lost(EngineError::Peer {
                 node: run.p.destination.name.clone(),

@@ -57,7 +57,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "total-copy,pre-copy,queued-pre-copy,post-copy"
+        default_value = "total-copy,pre-copy,queued-pre-copy,post-copy,assisted-post-copy"
     )]
     strategies: Vec<String>,
     #[arg(long, default_value_t = 1024)]
@@ -112,6 +112,7 @@ fn strategy_of(name: &str) -> Result<Strategy> {
         "pre-copy" => Strategy::PreCopy,
         "queued-pre-copy" => Strategy::QueuedPreCopy,
         "post-copy" => Strategy::PostCopy,
+        "assisted-post-copy" => Strategy::AssistedPostCopy,
         other => bail!("unknown strategy {other:?}"),
     })
 }
