@@ -26,6 +26,7 @@ pub mod cmd;
 pub mod control;
 pub mod inspect;
 pub mod managed;
+pub mod memwriter;
 pub mod netns;
 pub mod nstat;
 pub mod paths;

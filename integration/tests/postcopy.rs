@@ -5,70 +5,19 @@
 //! CRIU page server or lazy-pages daemon left behind. Root only; run by
 //! `cargo xtask test` (or `cargo xtask integration`).
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddrV4, TcpStream};
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{
-    list, migrate_request, process_state, run, runtime, wait_for_process,
-};
-use ferry_integration::netns::NetNsGuard;
-use ferry_proto::v1::control_client::ControlClient;
+use ferry_integration::managed::{list, migrate_request, process_state, runtime, wait_for_process};
+use ferry_integration::memwriter::{MemWriter, write_protected};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
-use tonic::transport::Channel;
 
 const PORT: u16 = 7310;
 
-fn memwriter() -> String {
-    env!("CARGO_BIN_EXE_ferry-memwriter").to_owned()
-}
+const WRITER: MemWriter = MemWriter { port: PORT };
 
-async fn start_writer(control: &mut ControlClient<Channel>, mib: u32, writes_per_ms: u32) -> i32 {
-    let pid = run(
-        control,
-        vec![
-            memwriter(),
-            "--port".into(),
-            PORT.to_string(),
-            "--mib".into(),
-            mib.to_string(),
-            "--writes-per-ms".into(),
-            writes_per_ms.to_string(),
-        ],
-    )
-    .await;
-    wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
-    pid
-}
-
-/// One command to the writer, from client1, wherever it runs now.
-fn ask(cluster: &Cluster, command: &str) -> String {
-    let target = SocketAddrV4::new(cluster.public_addr(), PORT);
-    let netns = cluster.netns_path("client1");
-    let command = command.to_owned();
-    std::thread::spawn(move || {
-        let _in = NetNsGuard::enter(&netns).expect("entering client1");
-        let mut stream = TcpStream::connect_timeout(&target.into(), Duration::from_secs(5))
-            .unwrap_or_else(|e| panic!("connecting to the writer for {command:?}: {e}"));
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        writeln!(stream, "{command}").unwrap();
-        let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line).unwrap();
-        line.trim().to_owned()
-    })
-    .join()
-    .expect("asking the writer")
-}
-
-/// `check` must answer "ok <writes> <pages>"; returns the writes.
 fn check(cluster: &Cluster) -> u64 {
-    let answer = ask(cluster, "check");
-    let words: Vec<&str> = answer.split_whitespace().collect();
-    assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
-    words[1].parse().unwrap()
+    WRITER.check(cluster)
 }
 
 fn post_copy(pid: i32, to: &str) -> MigrateRequest {
@@ -180,7 +129,7 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
             cluster.control("node1").await.expect("control node1"),
             cluster.control("node2").await.expect("control node2"),
         ];
-        let mut pid = start_writer(&mut controls[0], 64, 10).await;
+        let mut pid = WRITER.start(&mut controls[0], 64, 10).await;
         let mut writes = check(&cluster);
         let mut on = 0;
         // There and back: each agent is the source once.
@@ -258,7 +207,7 @@ fn memory_follows_the_process_after_an_assisted_post_copy_migration() {
             cluster.control("node1").await.expect("control node1"),
             cluster.control("node2").await.expect("control node2"),
         ];
-        let mut pid = start_writer(&mut controls[0], 64, 10).await;
+        let mut pid = WRITER.start(&mut controls[0], 64, 10).await;
         let mut writes = check(&cluster);
         let mut on = 0;
         for _ in 0..2 {
@@ -322,7 +271,7 @@ fn memory_follows_the_process_after_an_assisted_post_copy_migration() {
             no_criu_left(&cluster, "node2").await;
             assert!(cluster.incoming_dir_is_empty(&to_name));
             assert!(
-                !smaps_has_uw(report.destination_pid),
+                !write_protected(report.destination_pid),
                 "write protection left on the destination's copy"
             );
             writes = later;
@@ -330,16 +279,6 @@ fn memory_follows_the_process_after_an_assisted_post_copy_migration() {
             on = to;
         }
     });
-}
-
-/// Whether any mapping of `pid` is still registered with a userfaultfd for
-/// write protection (smaps VmFlags `uw`).
-fn smaps_has_uw(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.starts_with("VmFlags:"))
-        .any(|l| l.split_whitespace().any(|f| f == "uw"))
 }
 
 #[test]
@@ -353,7 +292,7 @@ fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
-        let pid = start_writer(&mut node1, 64, 10).await;
+        let pid = WRITER.start(&mut node1, 64, 10).await;
         let before = check(&cluster);
 
         // The restore fails (node2's port is taken by a process its agent
@@ -363,7 +302,7 @@ fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
             let _squatter = cluster
                 .spawn_in_node(
                     "node2",
-                    &memwriter(),
+                    &MemWriter::binary(),
                     &["--port", &PORT.to_string(), "--mib", "1"],
                 )
                 .expect("port squatter on node2");
@@ -394,7 +333,7 @@ fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
                 eprintln!("{strategy:?} abort: {}", report.error);
                 wait_for_process(&mut node1, pid, |p| p.state == "running").await;
                 assert!(
-                    !smaps_has_uw(pid),
+                    !write_protected(pid),
                     "{strategy:?}: write protection left on the source's process"
                 );
                 no_criu_left(&cluster, "node1").await;
@@ -438,7 +377,7 @@ fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
             cluster.control("node2").await.expect("control node2"),
         ];
         // Big enough that its pages take a while to follow.
-        let pid = start_writer(&mut controls[0], 512, 10).await;
+        let pid = WRITER.start(&mut controls[0], 512, 10).await;
         check(&cluster);
         let mut stream = controls[0]
             .migrate(post_copy(pid, "node2"))

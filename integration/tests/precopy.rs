@@ -5,62 +5,19 @@
 //! intact and without write protection. Root only; run by `cargo xtask
 //! test` (or `cargo xtask integration`).
 
-use std::net::SocketAddrV4;
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{
-    list, migrate_request, process_state, run, runtime, wait_for_process,
-};
-use ferry_integration::workload::request_line;
-use ferry_proto::v1::control_client::ControlClient;
+use ferry_integration::managed::{list, migrate_request, process_state, runtime, wait_for_process};
+use ferry_integration::memwriter::{MemWriter, write_protected};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
-use tonic::transport::Channel;
 
 const PORT: u16 = 7300;
 
-fn memwriter() -> String {
-    env!("CARGO_BIN_EXE_ferry-memwriter").to_owned()
-}
+const WRITER: MemWriter = MemWriter { port: PORT };
 
-/// Starts the memory writer under management and waits until its port is
-/// owned.
-async fn start_writer(control: &mut ControlClient<Channel>, mib: u32, writes_per_ms: u32) -> i32 {
-    let pid = run(
-        control,
-        vec![
-            memwriter(),
-            "--port".into(),
-            PORT.to_string(),
-            "--mib".into(),
-            mib.to_string(),
-            "--writes-per-ms".into(),
-            writes_per_ms.to_string(),
-        ],
-    )
-    .await;
-    wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
-    pid
-}
-
-/// One command to the writer, from client1, wherever it runs now.
-fn ask(cluster: &Cluster, command: &str) -> String {
-    let target = SocketAddrV4::new(cluster.public_addr(), PORT);
-    request_line(
-        &cluster.netns_path("client1"),
-        target,
-        command,
-        Duration::from_secs(20),
-    )
-    .unwrap_or_else(|e| panic!("asking the writer {command:?}: {e}"))
-}
-
-/// `check` must answer "ok <writes> <pages>"; returns the writes.
 fn check(cluster: &Cluster) -> u64 {
-    let answer = ask(cluster, "check");
-    let words: Vec<&str> = answer.split_whitespace().collect();
-    assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
-    words[1].parse().unwrap()
+    WRITER.check(cluster)
 }
 
 fn request(pid: i32, to: &str, strategy: Strategy) -> MigrateRequest {
@@ -70,16 +27,6 @@ fn request(pid: i32, to: &str, strategy: Strategy) -> MigrateRequest {
         strategy: strategy as i32,
         ..Default::default()
     }
-}
-
-/// Whether any mapping of `pid` is still registered for userfaultfd
-/// write protection ("uw" in smaps' VmFlags).
-fn write_protected(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.strip_prefix("VmFlags:"))
-        .any(|f| f.split_whitespace().any(|w| w == "uw"))
 }
 
 fn summary(r: &MigrationReport) -> String {
@@ -118,7 +65,7 @@ fn memory_is_intact_after_migration_with_each_strategy() {
             cluster.control("node1").await.expect("control node1"),
             cluster.control("node2").await.expect("control node2"),
         ];
-        let mut pid = start_writer(&mut controls[0], 64, 10).await;
+        let mut pid = WRITER.start(&mut controls[0], 64, 10).await;
         let mut writes = check(&cluster);
         let mut on = 0;
         for strategy in [
@@ -192,7 +139,7 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
-        let pid = start_writer(&mut node1, 64, 10).await;
+        let pid = WRITER.start(&mut node1, 64, 10).await;
 
         // 1. The restore fails (node2's port is taken by a process its
         //    agent does not manage), after all the pre-copy rounds.
@@ -200,7 +147,7 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
             let _squatter = cluster
                 .spawn_in_node(
                     "node2",
-                    &memwriter(),
+                    &MemWriter::binary(),
                     &["--port", &PORT.to_string(), "--mib", "1"],
                 )
                 .expect("port squatter on node2");

@@ -56,21 +56,57 @@ pub fn installed_ok(prefix: &Path) -> Option<String> {
         .filter(|v| new_enough(v) && built_with_rundir(prefix) && built_with_patch(prefix))
 }
 
-/// ferry's one patch to CRIU: a TCP connection that ferryd restored itself
-/// (collective socket migration, `agent/src/sockstate`) is handed to the
-/// restore as `--inherit-fd "socket:[<ino>]"`; CRIU then restores only its
-/// file and socket options. Upstream CRIU takes inherited descriptors for
-/// pipes, files, Unix sockets and ttys, not for TCP connections.
-const PATCH: &str = include_str!("../criu/inherit-tcp-connections.patch");
-/// A string the patch puts in the binary (a log message).
-const PATCH_MARK: &str = "ferry-inherited-tcp";
-
-fn built_with_patch(prefix: &Path) -> bool {
-    std::fs::read(binary(prefix)).is_ok_and(|bin| contains(&bin, PATCH_MARK.as_bytes()))
+/// ferry's patches to CRIU: what each is for, its text, and a string it
+/// puts in the binary (a log message), by which a build is known to have it.
+struct Patch {
+    what: &'static str,
+    text: &'static str,
+    mark: &'static str,
 }
 
-/// Applies [`PATCH`] to the unpacked source tree.
-fn apply_patch(src: &Path) -> Result<()> {
+const PATCHES: &[Patch] = &[
+    // A TCP connection that ferryd restored itself (collective socket
+    // migration, `agent/src/sockstate`) is handed to the restore as
+    // `--inherit-fd "socket:[<ino>]"`; CRIU then restores only its file and
+    // socket options. Upstream CRIU takes inherited descriptors for pipes,
+    // files, Unix sockets and ttys, not for TCP connections.
+    Patch {
+        what: "inherited TCP connections",
+        text: include_str!("../criu/inherit-tcp-connections.patch"),
+        mark: "ferry-inherited-tcp",
+    },
+    // The last message of a page-server session (post-copy's lazy pages)
+    // leaves at once instead of at the kernel's 200 ms cork limit.
+    Patch {
+        what: "page-server close pushed out",
+        text: include_str!("../criu/flush-page-server-close.patch"),
+        mark: "ferry-flushed-close",
+    },
+];
+
+/// The patches a build at `prefix` lacks.
+fn missing_patches(prefix: &Path) -> Vec<&'static str> {
+    let bin = std::fs::read(binary(prefix)).unwrap_or_default();
+    PATCHES
+        .iter()
+        .filter(|p| !contains(&bin, p.mark.as_bytes()))
+        .map(|p| p.what)
+        .collect()
+}
+
+fn built_with_patch(prefix: &Path) -> bool {
+    missing_patches(prefix).is_empty()
+}
+
+/// Applies every patch to the unpacked source tree.
+fn apply_patches(src: &Path) -> Result<()> {
+    for patch in PATCHES {
+        apply_patch(src, patch)?;
+    }
+    Ok(())
+}
+
+fn apply_patch(src: &Path, patch: &Patch) -> Result<()> {
     let mut child = Command::new("patch")
         .args(["-p1", "--forward", "--batch"])
         .current_dir(src)
@@ -82,19 +118,20 @@ fn apply_patch(src: &Path) -> Result<()> {
     {
         use std::io::Write;
         let mut stdin = child.stdin.take().context("patch's stdin")?;
-        stdin.write_all(PATCH.as_bytes())?;
+        stdin.write_all(patch.text.as_bytes())?;
     }
     let out = child.wait_with_output()?;
     if !out.status.success() {
         bail!(
-            "ferry's CRIU patch does not apply to {} ({}):\n{}{}",
+            "ferry's CRIU patch ({}) does not apply to {} ({}):\n{}{}",
+            patch.what,
             src.display(),
             out.status,
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    eprintln!("applied ferry's CRIU patch (inherited TCP connections)");
+    eprintln!("applied ferry's CRIU patch ({})", patch.what);
     Ok(())
 }
 
@@ -132,8 +169,9 @@ pub fn ensure(prefix: &Path) -> Result<Step> {
             bin.display()
         ),
         Some(v) if new_enough(&v) && !built_with_patch(prefix) => eprintln!(
-            "CRIU {v} at {} was built without ferry's patch (inherited TCP connections): rebuilding",
-            bin.display()
+            "CRIU {v} at {} was built without ferry's patches ({}): rebuilding",
+            bin.display(),
+            missing_patches(prefix).join(", ")
         ),
         Some(v) if new_enough(&v) => {
             let msg = format!("CRIU {v} already at {}", bin.display());
@@ -261,7 +299,7 @@ fn build_and_install(prefix: &Path) -> Result<String> {
         .map(|e| e.path())
         .find(|p| p.is_dir() && file_name(p).starts_with("criu-"))
         .context("the tarball did not unpack into criu-*")?;
-    apply_patch(&src)?;
+    apply_patches(&src)?;
     make(&src, tmp.path())?;
 
     let bin_dir = prefix.join("bin");
@@ -277,7 +315,12 @@ fn build_and_install(prefix: &Path) -> Result<String> {
         prefix.join("SOURCE"),
         format!(
             "criu {version} built from Debian's source package\n{orig_name} sha256 {actual}\n\
-             with ferry's patch xtask/criu/inherit-tcp-connections.patch\n"
+             with ferry's patches in xtask/criu/ ({})\n",
+            PATCHES
+                .iter()
+                .map(|p| p.what)
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
     )?;
     eprintln!(

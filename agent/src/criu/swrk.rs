@@ -53,11 +53,14 @@ pub struct DumpRequest {
 /// `ps-socket`), so that it never listens on the network. CRIU's RPC takes
 /// a page-server descriptor only for a restore; a CRIU configuration file
 /// with a `ps-socket` line is what gives one to a lazy dump (ferry writes
-/// it and names it here). The descriptor must be open in this process
-/// while [`dump`] runs; CRIU inherits it under the same number.
+/// it and names it here). [`dump`] takes the descriptor: CRIU inherits it
+/// under the same number, and this process closes its copy once CRIU
+/// runs. CRIU corks the socket and counts on its close to flush the last
+/// answer (the status of the daemon's close); a copy left open here would
+/// hold that answer back for the kernel's 200 ms cork limit.
 #[derive(Debug, Clone)]
 pub struct LazyDump {
-    pub ps_socket: RawFd,
+    pub ps_socket: Arc<std::sync::Mutex<Option<OwnedFd>>>,
     /// Written by [`dump`], absolute.
     pub config_file: PathBuf,
 }
@@ -127,9 +130,15 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
     opts.set_log_file("dump.log".to_owned());
-    let mut inherited = Vec::new();
+    let mut handed_over = Vec::new();
     if let Some(lazy) = &req.lazy {
-        std::fs::write(&lazy.config_file, format!("ps-socket {}\n", lazy.ps_socket)).map_err(
+        let ps = lazy
+            .ps_socket
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| CriuError::Rpc("the page-server connection was already used".into()))?;
+        std::fs::write(&lazy.config_file, format!("ps-socket {}\n", ps.as_raw_fd())).map_err(
             |source| CriuError::Io {
                 path: lazy.config_file.clone(),
                 source,
@@ -137,7 +146,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         )?;
         opts.set_lazy_pages(true);
         opts.set_config_file(lazy.config_file.to_string_lossy().into_owned());
-        inherited.push(lazy.ps_socket);
+        handed_over.push(ps);
     }
     let (resp, notes) = run(
         &req.criu,
@@ -145,7 +154,10 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         opts,
         &req.images_dir,
         &req.log_dir,
-        &inherited,
+        Inherited {
+            kept: &[],
+            handed_over,
+        },
         on_notify,
         req.criu_pid.as_deref(),
     )?;
@@ -184,7 +196,10 @@ pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), 
         opts,
         &req.images_dir,
         &req.log_dir,
-        &inherited,
+        Inherited {
+            kept: &inherited,
+            handed_over: Vec::new(),
+        },
         &mut |_| Ok(()),
         None,
     )?;
@@ -274,6 +289,13 @@ fn dup_high(fd: &OwnedFd) -> Result<OwnedFd, CriuError> {
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }
 
+/// Descriptors CRIU inherits under their numbers: `kept` stay open here,
+/// `handed_over` are closed here once CRIU runs.
+struct Inherited<'a> {
+    kept: &'a [RawFd],
+    handed_over: Vec<OwnedFd>,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run(
     criu: &Path,
@@ -281,7 +303,7 @@ fn run(
     mut opts: Criu_opts,
     images_dir: &Path,
     log_dir: &Path,
-    inherited: &[RawFd],
+    inherited: Inherited<'_>,
     on_notify: NotifyHook<'_>,
     criu_pid: Option<&AtomicI32>,
 ) -> Result<(Criu_resp, Notifications), CriuError> {
@@ -322,7 +344,12 @@ fn run(
     // Inherited descriptors keep their numbers in the child: clearing
     // FD_CLOEXEC there is all it takes. Copied before the fork, so the
     // child allocates nothing.
-    let inherited = inherited.to_vec();
+    let Inherited { kept, handed_over } = inherited;
+    let inherited: Vec<RawFd> = kept
+        .iter()
+        .copied()
+        .chain(handed_over.iter().map(|f| f.as_raw_fd()))
+        .collect();
     if inherited.contains(&CHILD_SOCKET_FD) {
         return Err(CriuError::Rpc(format!(
             "an inherited descriptor is {CHILD_SOCKET_FD}, the child's RPC socket"
@@ -350,6 +377,7 @@ fn run(
         source,
     })?;
     drop(theirs);
+    drop(handed_over);
     if let Some(p) = criu_pid {
         p.store(child.id() as i32, Ordering::SeqCst);
     }

@@ -208,7 +208,14 @@ pub async fn page_tunnel(
         async move {
             match super::localpages::serve(pair.ours, stream, tx, Ok, local, counter).await {
                 Ok(served) => {
-                    tracing::info!(migration = %id, local_pages = served.local_pages, remote_pages = served.remote_pages, "page tunnel closed")
+                    tracing::info!(
+                        migration = %id,
+                        local_pages = served.local_pages,
+                        local_requests = served.local_requests,
+                        remote_pages = served.remote_pages,
+                        remote_requests = served.remote_requests,
+                        "page tunnel closed"
+                    )
                 }
                 Err(e) => tracing::warn!(migration = %id, error = %e, "page tunnel ended"),
             }

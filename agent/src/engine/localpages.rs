@@ -99,6 +99,9 @@ pub struct Served {
     pub local_pages: u64,
     /// Pages the source's page server answered.
     pub remote_pages: u64,
+    /// Page requests from the daemon, answered here and by the source.
+    pub local_requests: u64,
+    pub remote_requests: u64,
 }
 
 /// How one request is answered, in request order.
@@ -197,12 +200,12 @@ where
     let (answers_tx, mut answers_rx) = mpsc::unbounded_channel::<Answer>();
     let requests = async move {
         let mut buf = [0u8; HEADER];
-        let mut local_pages = 0u64;
+        let (mut local_pages, mut local_requests, mut remote_requests) = (0u64, 0u64, 0u64);
         loop {
             match from_daemon.read_exact(&mut buf).await {
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    return Ok::<u64, EngineError>(local_pages);
+                    return Ok::<_, EngineError>((local_pages, local_requests, remote_requests));
                 }
                 Err(e) => return Err(EngineError::io("lazy pages: reading the daemon")(e)),
             }
@@ -217,6 +220,11 @@ where
             } else {
                 route(iov, None, page)?
             };
+            match &answer {
+                Answer::RemotePages => remote_requests += 1,
+                Answer::RemoteStatus => {}
+                Answer::Local(_) => local_requests += 1,
+            }
             if let Answer::Local(b) = &answer {
                 let n = (b.len() - HEADER) as u64 / page;
                 local_pages += n;
@@ -289,10 +297,13 @@ where
         ))?;
         Ok::<u64, EngineError>(remote_pages)
     };
-    let (local_pages, remote_pages) = tokio::try_join!(requests, answers)?;
+    let ((local_pages, local_requests, remote_requests), remote_pages) =
+        tokio::try_join!(requests, answers)?;
     Ok(Served {
         local_pages,
         remote_pages,
+        local_requests,
+        remote_requests,
     })
 }
 
@@ -572,7 +583,9 @@ mod tests {
             served,
             Served {
                 local_pages: 3,
-                remote_pages: 4
+                remote_pages: 4,
+                local_requests: 2,
+                remote_requests: 1
             }
         );
         assert_eq!(counter.load(std::sync::atomic::Ordering::Relaxed), 3);

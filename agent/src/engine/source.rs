@@ -1,7 +1,6 @@
 //! The source side of a migration: validate, prepare, freeze, dump,
 //! transfer, restore remotely, discard, commit, or abort and resume.
 
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -401,6 +400,10 @@ struct PageServer {
     tunnel: Option<tokio::task::JoinHandle<Result<pagetunnel::Moved, EngineError>>>,
 }
 
+/// Assisted post-copy: the most ranges `RestoreRequest.local_pages` names
+/// (about 20 bytes each, well inside the peer's 16 MiB messages).
+const MAX_LOCAL_RANGES: usize = 200_000;
+
 /// How long the source keeps a page server whose destination does not
 /// answer PostCopyStatus once the page server's connection is gone.
 const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
@@ -689,22 +692,21 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // process still serves its clients.
     run.phase("dump").await;
     // Post-copy: the page server's connection, made before the freeze.
-    // CRIU gets one end (kept open here until the dump ends), the page
-    // tunnel the other.
-    let (lazy, ps_socket, mut tunnel_end) = if run.p.strategy.is_postcopy() {
+    // CRIU gets one end (this process closes its copy once CRIU runs), the
+    // page tunnel the other.
+    let (lazy, mut tunnel_end) = if run.p.strategy.is_postcopy() {
         match pagetunnel::loopback_pair().await {
             Ok(pair) => (
                 Some(criu::LazyDump {
-                    ps_socket: pair.criu.as_raw_fd(),
+                    ps_socket: Arc::new(std::sync::Mutex::new(Some(pair.criu))),
                     config_file: dir.join("lazy-dump.conf"),
                 }),
-                Some(pair.criu),
                 Some(pair.ours),
             ),
             Err(e) => return Stop::BeforeCommit(e),
         }
     } else {
-        (None, None, None)
+        (None, None)
     };
     let criu_pid = Arc::new(std::sync::atomic::AtomicI32::new(0));
     let req = criu::DumpRequest {
@@ -732,7 +734,6 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let is_lazy = lazy.is_some();
         let mut ready_tx = Some(ready_tx);
         move || {
-            let _ps_socket = ps_socket;
             let dumped = criu::dump(&req, &mut |script| {
                 if script == "status-ready" {
                     if let Some(tx) = ready_tx.take() {
@@ -848,7 +849,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // only the pages written since the live pass are now fetched).
     let local_pages: Vec<ferry_proto::v1::StoredPages> =
         if run.p.strategy == MemoryStrategy::AssistedPostCopy {
-            held_pages
+            let mut ranges: Vec<_> = held_pages
                 .iter()
                 .flat_map(|(vpid, set)| {
                     set.iter().map(|(s, e)| ferry_proto::v1::StoredPages {
@@ -857,7 +858,19 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                         length: e - s,
                     })
                 })
-                .collect()
+                .collect();
+            if ranges.len() > MAX_LOCAL_RANGES {
+                // The largest ones fit in the Restore message; the pages
+                // of the others come from the source, correct but slower.
+                tracing::warn!(
+                    ranges = ranges.len(),
+                    kept = MAX_LOCAL_RANGES,
+                    "the pass's pages are in too many pieces to name them all"
+                );
+                ranges.sort_unstable_by_key(|r| std::cmp::Reverse(r.length));
+                ranges.truncate(MAX_LOCAL_RANGES);
+            }
+            ranges
         } else {
             Vec::new()
         };

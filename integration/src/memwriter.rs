@@ -1,0 +1,85 @@
+//! `ferry-memwriter` in a test cluster, for the memory strategies' tests:
+//! started under management on a node, asked through client1 wherever it
+//! runs now, and its own check of its memory.
+
+use std::net::SocketAddrV4;
+use std::time::Duration;
+
+use ferry_proto::v1::control_client::ControlClient;
+use tonic::transport::Channel;
+
+use crate::cluster::Cluster;
+use crate::managed::{run, wait_for_process};
+use crate::workload::request_line;
+
+/// A memory writer listening on `port` of the cluster's public address.
+#[derive(Debug, Clone, Copy)]
+pub struct MemWriter {
+    pub port: u16,
+}
+
+impl MemWriter {
+    /// The binary (built with the integration crate).
+    pub fn binary() -> String {
+        crate::bin_path("ferry-memwriter")
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Starts it under management with `mib` MiB rewritten at
+    /// `writes_per_ms` page writes per millisecond, and waits until its
+    /// port is owned; returns its PID.
+    pub async fn start(
+        &self,
+        control: &mut ControlClient<Channel>,
+        mib: u32,
+        writes_per_ms: u32,
+    ) -> i32 {
+        let pid = run(
+            control,
+            vec![
+                Self::binary(),
+                "--port".into(),
+                self.port.to_string(),
+                "--mib".into(),
+                mib.to_string(),
+                "--writes-per-ms".into(),
+                writes_per_ms.to_string(),
+            ],
+        )
+        .await;
+        wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
+        pid
+    }
+
+    /// One command, from client1; panics if it gets no answer.
+    pub fn ask(&self, cluster: &Cluster, command: &str) -> String {
+        let target = SocketAddrV4::new(cluster.public_addr(), self.port);
+        request_line(
+            &cluster.netns_path("client1"),
+            target,
+            command,
+            Duration::from_secs(20),
+        )
+        .unwrap_or_else(|e| panic!("asking the writer {command:?}: {e}"))
+    }
+
+    /// Its check of all its memory must answer "ok <writes> <pages>";
+    /// returns the writes so far.
+    pub fn check(&self, cluster: &Cluster) -> u64 {
+        let answer = self.ask(cluster, "check");
+        let words: Vec<&str> = answer.split_whitespace().collect();
+        assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
+        words[1].parse().expect("a write count")
+    }
+}
+
+/// Whether any mapping of `pid` is still registered for userfaultfd write
+/// protection ("uw" in smaps' VmFlags).
+pub fn write_protected(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("VmFlags:"))
+        .any(|f| f.split_whitespace().any(|w| w == "uw"))
+}
