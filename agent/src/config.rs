@@ -148,6 +148,10 @@ pub struct MigrationConfig {
     pub downtime_budget_ms: u32,
     /// Pre-copy: freeze after this many rounds at most (1..=1000).
     pub max_rounds: u32,
+    /// Pre-copy: slow down a process that writes faster than its pages
+    /// cross (`engine::throttle`) when a request does not say. Off: its
+    /// clients would see it slow without having asked.
+    pub throttle: bool,
 }
 
 /// The most a request or the config may ask for.
@@ -161,6 +165,7 @@ impl Default for MigrationConfig {
             strategy: crate::engine::precopy::MemoryStrategy::TotalCopy,
             downtime_budget_ms: 30,
             max_rounds: 10,
+            throttle: false,
         }
     }
 }

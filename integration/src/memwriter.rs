@@ -35,19 +35,25 @@ impl MemWriter {
         mib: u32,
         writes_per_ms: u32,
     ) -> i32 {
-        let pid = run(
+        self.start_with(
             control,
-            vec![
-                Self::binary(),
-                "--port".into(),
-                self.port.to_string(),
-                "--mib".into(),
-                mib.to_string(),
-                "--writes-per-ms".into(),
-                writes_per_ms.to_string(),
+            &[
+                "--mib",
+                &mib.to_string(),
+                "--writes-per-ms",
+                &writes_per_ms.to_string(),
             ],
         )
-        .await;
+        .await
+    }
+
+    /// Starts it under management with these arguments besides its port
+    /// (see `ferry-memwriter --help`); returns its PID once its port is
+    /// owned.
+    pub async fn start_with(&self, control: &mut ControlClient<Channel>, args: &[&str]) -> i32 {
+        let mut argv = vec![Self::binary(), "--port".into(), self.port.to_string()];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let pid = run(control, argv).await;
         wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
         pid
     }

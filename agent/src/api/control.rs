@@ -239,12 +239,24 @@ impl Control for ControlService {
                 )));
             }
         };
+        let throttle = match pb::PrecopyThrottle::try_from(req.throttle) {
+            Ok(pb::PrecopyThrottle::Unspecified) => None,
+            Ok(pb::PrecopyThrottle::Off) => Some(false),
+            Ok(pb::PrecopyThrottle::Auto) => Some(true),
+            Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "throttle: {} is not a throttle mode (1 off, 2 auto)",
+                    req.throttle
+                )));
+            }
+        };
         let options = source::MigrationOptions {
             sockets,
             strategy,
             downtime_budget: (req.downtime_budget_ms > 0)
                 .then(|| std::time::Duration::from_millis(u64::from(req.downtime_budget_ms))),
             max_rounds: (req.max_rounds > 0).then_some(req.max_rounds),
+            throttle,
         };
         let prepared =
             source::prepare(&self.agent, req.pid, &req.destination_node, options).await?;

@@ -90,6 +90,11 @@ enum Command {
         /// Pre-copy: the most rounds (default: `[migration] max_rounds`).
         #[arg(long)]
         max_rounds: Option<u32>,
+        /// Pre-copy: slow the process down while it writes faster than
+        /// its pages cross ("auto" or "off"; default: `[migration]
+        /// throttle`).
+        #[arg(long, value_parser = ["auto", "off"])]
+        throttle: Option<String>,
     },
     /// The report of a migration that ran from this node.
     Report { migration_id: String },
@@ -495,7 +500,13 @@ async fn main_exec(mut args: Args) -> Result<()> {
             strategy,
             downtime_budget_ms,
             max_rounds,
+            throttle,
         } => {
+            let throttle = match throttle.as_deref() {
+                Some("auto") => pb::PrecopyThrottle::Auto,
+                Some("off") => pb::PrecopyThrottle::Off,
+                _ => pb::PrecopyThrottle::Unspecified,
+            };
             let sockets = match sockets.as_deref() {
                 Some("collective") => pb::SocketMigration::Collective,
                 Some("iterative") => pb::SocketMigration::Iterative,
@@ -517,6 +528,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                     sockets: sockets as i32,
                     downtime_budget_ms: downtime_budget_ms.unwrap_or(0),
                     max_rounds: max_rounds.unwrap_or(0),
+                    throttle: throttle as i32,
                 })
                 .await
                 .map_err(status_error)?
@@ -755,6 +767,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
             "capture": r.capture,
             "memory_tracking": r.memory_tracking, "convergence": r.convergence,
+            "throttled_to_percent": r.throttled_to_percent,
             "dumped_pages": r.dumped_pages, "freeze_pages": r.freeze_pages, "precopied_pages": r.precopied_pages,
             "postcopy_pages": r.postcopy_pages,
             "rounds": r.rounds.iter().map(|x| json!({

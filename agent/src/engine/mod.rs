@@ -176,6 +176,7 @@ mod pagetunnel;
 pub mod precopy;
 mod rollback;
 pub mod source;
+mod throttle;
 pub mod translations;
 
 use crate::criu::CriuError;

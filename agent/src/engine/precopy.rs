@@ -45,6 +45,7 @@ use tokio::sync::mpsc;
 use crate::memtrack::{self, RangeSet, Tracker};
 
 use super::EngineError;
+use super::throttle::Throttle;
 
 /// How a queued pre-copy's first round watches the process before it
 /// sends anything: pages written within it count as hot.
@@ -134,6 +135,10 @@ pub struct Convergence {
     pub downtime_budget: Duration,
     /// Freeze after this many rounds whatever is left.
     pub max_rounds: u32,
+    /// Slow the process down ([`Throttle`]) when its dirty set stops
+    /// shrinking, and further each round the budget is still not met,
+    /// instead of freezing with what is left.
+    pub throttle: bool,
 }
 
 /// What the predicate says after a round's scan.
@@ -194,6 +199,14 @@ pub struct Precopy {
     pub rounds: Vec<pb::PrecopyRound>,
     pub convergence: String,
     pub bytes_sent: u64,
+    /// The smallest share of its time the process ran during the rounds,
+    /// in percent (100: never throttled).
+    pub throttled_to: u32,
+    /// A throttle still on after rounds that converged with it: it stays
+    /// on until CRIU is about to freeze the process (the caller drops it
+    /// then), so that the process does not rewrite at full speed what the
+    /// rounds just sent while the dump starts.
+    pub throttle: Option<Throttle>,
 }
 
 impl std::fmt::Debug for Precopy {
@@ -244,15 +257,37 @@ impl Precopy {
             rounds: Vec::new(),
             convergence: String::new(),
             bytes_sent: 0,
+            throttled_to: 100,
+            throttle: None,
         })
     }
 
     /// Runs rounds until `convergence` says freeze. `on_round` hears of each
-    /// round as it ends.
+    /// round as it ends. A throttle that helped them converge stays on
+    /// ([`Precopy::throttle`]); on an error the process runs freely again.
     pub async fn rounds(
         &mut self,
         link: Link<'_>,
         convergence: Convergence,
+        on_round: impl FnMut(&pb::PrecopyRound),
+    ) -> Result<(), EngineError> {
+        let mut throttle = Throttle::new(self.tracked.iter().map(|t| t.pid).collect());
+        let result = self
+            .run_rounds(link, convergence, &mut throttle, on_round)
+            .await;
+        if result.is_ok() && throttle.percent() < 100 {
+            self.throttle = Some(throttle);
+        } else {
+            throttle.release().await;
+        }
+        result
+    }
+
+    async fn run_rounds(
+        &mut self,
+        link: Link<'_>,
+        convergence: Convergence,
+        throttle: &mut Throttle,
         mut on_round: impl FnMut(&pb::PrecopyRound),
     ) -> Result<(), EngineError> {
         let page = memtrack::page_size();
@@ -291,11 +326,32 @@ impl Precopy {
             }
             let rate = (send_time > Duration::ZERO && sent_total > 0)
                 .then(|| sent_total as f64 / send_time.as_secs_f64());
-            let verdict = if round == 1 {
+            let mut verdict = if round == 1 {
                 Verdict::Continue
             } else {
                 convergence.decide(round, pending, rate, &earlier)
             };
+            // The process writes faster than its pages cross: slow it
+            // down, and further each round until the budget is met.
+            let throttling = throttle.percent() < 100;
+            let wants_throttle = match verdict {
+                Verdict::Freeze("dirty set not shrinking") => true,
+                Verdict::Continue => throttling,
+                Verdict::Freeze(_) => false,
+            };
+            if convergence.throttle
+                && wants_throttle
+                && let Some(percent) = throttle.tighten()
+            {
+                tracing::info!(
+                    round,
+                    percent,
+                    pending_bytes = pending,
+                    "the process writes faster than its pages cross: throttled"
+                );
+                self.throttled_to = self.throttled_to.min(percent);
+                verdict = Verdict::Continue;
+            }
             if round > 1 {
                 earlier.push(pending);
             }
@@ -314,7 +370,11 @@ impl Precopy {
                 record.duration_us = started.elapsed().as_micros() as u64;
                 on_round(&record);
                 self.rounds.push(record);
-                self.convergence = why.to_owned();
+                self.convergence = if self.throttled_to < 100 {
+                    format!("{why} (throttled to {} %)", self.throttled_to)
+                } else {
+                    why.to_owned()
+                };
                 tracing::info!(
                     round,
                     reason = why,
@@ -541,6 +601,7 @@ mod tests {
         Convergence {
             downtime_budget: Duration::from_millis(30),
             max_rounds: 10,
+            throttle: false,
         }
     }
 

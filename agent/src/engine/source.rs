@@ -38,6 +38,9 @@ pub struct MigrationOptions {
     pub downtime_budget: Option<Duration>,
     /// Pre-copy: the most rounds.
     pub max_rounds: Option<u32>,
+    /// Pre-copy: slow down a process that writes faster than its pages
+    /// cross.
+    pub throttle: Option<bool>,
 }
 
 /// A migration that passed validation and holds the destination's
@@ -102,6 +105,7 @@ pub async fn prepare(
         } else {
             options.max_rounds.unwrap_or(cfg.max_rounds)
         },
+        throttle: options.throttle.unwrap_or(cfg.throttle),
     };
     let started = Instant::now();
     let started_wall = SystemTime::now();
@@ -652,6 +656,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             .await;
         run.report.rounds = pre.rounds.clone();
         run.report.convergence = pre.convergence.clone();
+        run.report.throttled_to_percent = pre.throttled_to;
         run.report.bytes_transferred += pre.bytes_sent;
         run.report.preparation_time_us = started.elapsed().as_micros() as u64;
         run.precopy = Some(pre);
@@ -733,6 +738,9 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
         let is_lazy = lazy.is_some();
         let mut ready_tx = Some(ready_tx);
+        // Pre-copy's throttle, if the rounds converged with it: on until
+        // CRIU is about to freeze the process.
+        let mut throttle = run.precopy.as_mut().and_then(|p| p.throttle.take());
         move || {
             let dumped = criu::dump(&req, &mut |script| {
                 if script == "status-ready" {
@@ -744,6 +752,9 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 if script != "pre-dump" {
                     return Ok(());
                 }
+                // SIGCONT wakes the process at once: CRIU never finds it
+                // stopped by the throttle (it would restore it stopped).
+                drop(throttle.take());
                 agent.set_lifecycle(pid, out_stage(&id, OutStage::Frozen { capture }));
                 // Set before the filter changes: if that fails half-way,
                 // the abort still reports the time the process was cut off.

@@ -60,6 +60,12 @@ struct Args {
         default_value = "total-copy,pre-copy,queued-pre-copy,post-copy,assisted-post-copy"
     )]
     strategies: Vec<String>,
+    /// Pre-copy's downtime budget in ms (0: the agent's default).
+    #[arg(long, default_value_t = 0)]
+    downtime_budget_ms: u32,
+    /// Pre-copy's throttle: "auto", "off" (default: the agent's).
+    #[arg(long, value_parser = ["auto", "off"])]
+    throttle: Option<String>,
     #[arg(long, default_value_t = 1024)]
     big_mib: usize,
     #[arg(long, default_value_t = 5)]
@@ -297,6 +303,12 @@ async fn bench_process(
                     pid,
                     destination_node: format!("node{}", to + 1),
                     strategy: strategy_of(strategy)? as i32,
+                    downtime_budget_ms: args.downtime_budget_ms,
+                    throttle: match args.throttle.as_deref() {
+                        Some("auto") => ferry_proto::v1::PrecopyThrottle::Auto,
+                        Some("off") => ferry_proto::v1::PrecopyThrottle::Off,
+                        _ => ferry_proto::v1::PrecopyThrottle::Unspecified,
+                    } as i32,
                     ..Default::default()
                 },
             )
