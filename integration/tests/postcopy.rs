@@ -158,6 +158,15 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
             );
             assert!(report.bytes_transferred >= report.postcopy_pages * 4096);
             assert!(report.freeze_time_us > 0);
+            // The writer touches random pages from its first moment on the
+            // destination: some were still missing, and it waited for them.
+            assert!(report.postcopy_faults > 0, "{report:#?}");
+            assert!(report.postcopy_fault_wait_us > 0, "{report:#?}");
+            eprintln!(
+                "  delay after the resume: {} faults, {:.1} ms waited",
+                report.postcopy_faults,
+                report.postcopy_fault_wait_us as f64 / 1e3
+            );
             for phase in ["release", "commit", "post-copy", "discard"] {
                 assert!(
                     report.phases.iter().any(|p| p.phase == phase),

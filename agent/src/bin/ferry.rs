@@ -823,6 +823,11 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
             r.postcopy_pages,
             r.postcopy_local_pages
         );
+        println!(
+            "  delay after resume  {:>10.1} ms  ({} page faults waited for)",
+            ms(r.postcopy_fault_wait_us),
+            r.postcopy_faults
+        );
     }
     println!("  total time          {:>10.1} ms", ms(r.total_time_us));
     println!(

@@ -79,6 +79,8 @@ pub struct Daemon {
     pub pid: i32,
     /// Its working directory (socket and log).
     pub work_dir: PathBuf,
+    /// When it was started: its log's timestamps count from about here.
+    pub started: Instant,
 }
 
 /// Starts the daemon for the images in `images_dir`, fetching pages over
@@ -125,6 +127,7 @@ pub async fn start(
             Ok(())
         });
     }
+    let started = Instant::now();
     let spawned = cmd.spawn();
     // The daemon has its copy; ours would keep the connection open after
     // the daemon's end.
@@ -142,6 +145,7 @@ pub async fn start(
                 child,
                 pid,
                 work_dir: work_dir.to_owned(),
+                started,
             });
         }
         if let Ok(Some(status)) = child.try_wait() {
@@ -195,6 +199,69 @@ fn parse_transferred(text: &str) -> (u64, u64) {
     (done, total)
 }
 
+/// The page faults of the restored process that the daemon served, from
+/// its log (`-v4`): "#PF at <addr>" when a thread faulted on a page still
+/// missing, "uffd_copy: <addr>/<len>" when a range was placed. A fault's
+/// wait lasts from the first to the first copy after it that covers the
+/// address (the copy may be a background one already under way).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FaultDelay {
+    pub faults: u64,
+    /// The waits summed: how long the process's threads were held up.
+    pub waited_us: u64,
+}
+
+/// [`FaultDelay`] of the faults logged at or after `from` (seconds since
+/// the daemon's start, as its log counts).
+pub fn fault_delay(log: &Path, from: f64) -> FaultDelay {
+    let Ok(text) = std::fs::read_to_string(log) else {
+        return FaultDelay::default();
+    };
+    parse_fault_delay(&text, from)
+}
+
+fn parse_fault_delay(text: &str, from: f64) -> FaultDelay {
+    // (task, address) -> when it faulted.
+    let mut waiting: Vec<(String, u64, f64)> = Vec::new();
+    let mut delay = FaultDelay::default();
+    for line in text.lines() {
+        let Some(at) = line
+            .strip_prefix('(')
+            .and_then(|l| l.split_once(')'))
+            .and_then(|(t, _)| t.trim().parse::<f64>().ok())
+        else {
+            continue;
+        };
+        let task = || {
+            line.split_once("uffd: ")
+                .and_then(|(_, r)| r.split_once(':'))
+                .map(|(t, _)| t.to_owned())
+        };
+        let hex = |s: &str| u64::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok();
+        if let Some((_, addr)) = line.split_once("#PF at ") {
+            if let (Some(task), Some(addr)) = (task(), hex(addr))
+                && at >= from
+            {
+                waiting.push((task, addr, at));
+            }
+        } else if let Some((_, range)) = line.split_once("uffd_copy: ")
+            && let Some((addr, len)) = range.split_once('/')
+            && let (Some(task), Some(addr), Ok(len)) =
+                (task(), hex(addr), len.trim().parse::<u64>())
+        {
+            waiting.retain(|(t, a, since)| {
+                let served = *t == task && *a >= addr && *a < addr + len;
+                if served {
+                    delay.faults += 1;
+                    delay.waited_us += ((at - since) * 1e6).round() as u64;
+                }
+                !served
+            });
+        }
+    }
+    delay
+}
+
 /// The last error lines of a CRIU log, for a report.
 pub fn log_tail(log: &Path) -> String {
     let Ok(text) = std::fs::read_to_string(log) else {
@@ -220,6 +287,25 @@ pub fn log_tail(log: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fault_waits_until_a_copy_covers_it() {
+        let log = "(00.010000) uffd: 1-8: #PF at 0x1000\n\
+                   (00.012000) uffd: 1-8: uffd_copy: 0x1000/4096\n\
+                   (00.020000) uffd: 1-8: #PF at 0x5000\n\
+                   (00.020500) uffd: 7-9: uffd_copy: 0x5000/4096\n\
+                   (00.021000) uffd: 1-8: uffd_copy: 0x3000/4096\n\
+                   (00.023000) uffd: 1-8: uffd_copy: 0x4000/16384\n\
+                   (00.030000) uffd: 1-8: #PF at 0x9000\n";
+        // Two served (2 ms, then 3 ms: another task's copy and a copy
+        // that misses do not count); the last one never was.
+        let d = parse_fault_delay(log, 0.0);
+        assert_eq!(d.faults, 2);
+        assert_eq!(d.waited_us, 5000);
+        // Faults before `from` (during the restore) are not counted.
+        let d = parse_fault_delay(log, 0.015);
+        assert_eq!((d.faults, d.waited_us), (1, 3000));
+    }
 
     #[test]
     fn the_summary_lines_of_every_task_add_up() {

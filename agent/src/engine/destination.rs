@@ -281,11 +281,21 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
         let status = daemon.child.wait().await;
         let ended = Instant::now();
         let log = daemon.work_dir.join(criu::lazy::LOG);
-        let (pages, total_pages) = {
+        // The faults that count are the resumed process's, not the
+        // restorer's.
+        let since_resume = resumed_at
+            .saturating_duration_since(daemon.started)
+            .as_secs_f64();
+        let ((pages, total_pages), delay) = {
             let log = log.clone();
-            tokio::task::spawn_blocking(move || criu::lazy::transferred_pages(&log))
-                .await
-                .unwrap_or((0, 0))
+            tokio::task::spawn_blocking(move || {
+                (
+                    criu::lazy::transferred_pages(&log),
+                    criu::lazy::fault_delay(&log, since_resume),
+                )
+            })
+            .await
+            .unwrap_or_default()
         };
         let answer = match status {
             Ok(s) if s.success() => {
@@ -302,6 +312,8 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
                     post_processing_us: post.as_micros() as u64,
                     error: String::new(),
                     local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
+                    faults: delay.faults,
+                    fault_wait_us: delay.waited_us,
                 }
             }
             other => {
@@ -334,6 +346,8 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
                         as u64,
                     error,
                     local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
+                    faults: delay.faults,
+                    fault_wait_us: delay.waited_us,
                 }
             }
         };

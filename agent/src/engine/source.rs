@@ -1202,6 +1202,8 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
             stop_page_server(run, Duration::from_secs(10)).await;
             run.report.postcopy_pages = r.pages;
             run.report.postcopy_local_pages = r.local_pages;
+            run.report.postcopy_faults = r.faults;
+            run.report.postcopy_fault_wait_us = r.fault_wait_us;
             run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
             run.report.post_processing_time_us = r.post_processing_us;
             tracing::info!(
@@ -1216,6 +1218,8 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
             stop_page_server(run, Duration::ZERO).await;
             run.report.postcopy_pages = r.pages;
             run.report.postcopy_local_pages = r.local_pages;
+            run.report.postcopy_faults = r.faults;
+            run.report.postcopy_fault_wait_us = r.fault_wait_us;
             run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
             run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
             Stop::Lost(EngineError::Peer {
