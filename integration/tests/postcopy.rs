@@ -10,6 +10,7 @@ use std::time::Duration;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{list, migrate_request, process_state, runtime, wait_for_process};
 use ferry_integration::memwriter::{MemWriter, write_protected};
+use ferry_integration::peer::{self, block_on_in};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
 
 const PORT: u16 = 7310;
@@ -124,7 +125,7 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
     }
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
-    rt.block_on(async {
+    let first_id = rt.block_on(async {
         let mut controls = [
             cluster.control("node1").await.expect("control node1"),
             cluster.control("node2").await.expect("control node2"),
@@ -132,6 +133,7 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
         let mut pid = WRITER.start(&mut controls[0], 64, 10).await;
         let mut writes = check(&cluster);
         let mut on = 0;
+        let mut first_id = None;
         // There and back: each agent is the source once.
         for _ in 0..2 {
             let to = 1 - on;
@@ -139,6 +141,7 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
             let (report, status) = migrate_request(&mut controls[on], post_copy(pid, &to_name))
                 .await
                 .expect("migration starts");
+            first_id.get_or_insert_with(|| report.migration_id.clone());
             assert!(status.is_none(), "{status:?}\n{report:#?}");
             assert_eq!(
                 report.outcome,
@@ -196,7 +199,37 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
             pid = report.destination_pid;
             on = to;
         }
+        first_id.expect("a first migration")
     });
+    // Only the node a post-copy came from may ask how its pages are doing:
+    // node2's own certificate is refused on node2's peer port, node1's is
+    // answered (the first migration went from node1 to node2).
+    if let Some(tls) = cluster.tls().cloned() {
+        let addr = cluster.peer_addr("node2");
+        let ask = |identity: &'static str| {
+            let tls = tls.clone();
+            let id = first_id.clone();
+            block_on_in(&cluster.netns_path("node1"), move || async move {
+                let mut p = peer::connect(addr, Some(tls.client("node2", Some(identity))))
+                    .await
+                    .map_err(|e| format!("connect: {e}"))?;
+                p.post_copy_status(ferry_proto::v1::PostCopyStatusRequest {
+                    migration_id: id,
+                    wait_ms: 0,
+                })
+                .await
+                .map(|r| r.into_inner().state)
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+            })
+            .expect("node1's namespace")
+        };
+        let refused = ask("node2").expect_err("node2 asked about node1's migration");
+        assert!(refused.starts_with("PermissionDenied"), "{refused}");
+        assert_eq!(
+            ask("node1").expect("node1 asks about its own migration"),
+            ferry_proto::v1::PostCopyState::Done as i32
+        );
+    }
 }
 
 /// Assisted post-copy: one live pass, then post-copy in which the

@@ -238,9 +238,10 @@ impl Peer for PeerService {
         request: Request<PostCopyStatusRequest>,
     ) -> Result<Response<PostCopyStatusResponse>, Status> {
         let agent = self.agent.clone();
+        let caller = caller(&request);
         let req = request.into_inner();
         Ok(Response::new(
-            destination::post_copy_status(&agent, req)
+            destination::post_copy_status(&agent, caller, req)
                 .await
                 .map_err(Status::from)?,
         ))

@@ -45,22 +45,19 @@ const LAZY_DAEMON_START: Duration = Duration::from_secs(10);
 /// How long a finished post-copy's status stays answerable.
 const POSTCOPY_STATUS_KEPT: Duration = Duration::from_secs(600);
 
-/// Post-copy migrations committed here: their status, by migration id,
-/// updated once by the watcher of their lazy-pages daemon.
+/// Post-copy migrations committed here, by migration id: the node they
+/// came from, and their status, updated once by the watcher of their
+/// lazy-pages daemon.
 #[derive(Debug, Default)]
-pub struct PostCopies(
-    std::sync::Mutex<
-        std::collections::HashMap<String, tokio::sync::watch::Receiver<pb::PostCopyStatusResponse>>,
-    >,
+pub struct PostCopies(std::sync::Mutex<HashMap<String, PostCopyEntry>>);
+
+type PostCopyEntry = (
+    String,
+    tokio::sync::watch::Receiver<pb::PostCopyStatusResponse>,
 );
 
 impl PostCopies {
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<
-        '_,
-        std::collections::HashMap<String, tokio::sync::watch::Receiver<pb::PostCopyStatusResponse>>,
-    > {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PostCopyEntry>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -246,6 +243,8 @@ fn check_source(inc: &Incoming, caller: Option<&str>) -> Result<(), EngineError>
 /// A committed post-copy, handed from Commit to its watcher.
 struct PostCopyWatch {
     migration_id: String,
+    /// The node the migration came from (the only one that may ask).
+    from: String,
     /// The restored process, running.
     pid: i32,
     daemon: criu::lazy::Daemon,
@@ -264,6 +263,7 @@ struct PostCopyWatch {
 fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
     let PostCopyWatch {
         migration_id,
+        from,
         pid,
         mut daemon,
         dir,
@@ -275,7 +275,10 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
         state: pb::PostCopyState::Running as i32,
         ..Default::default()
     });
-    agent.postcopies.lock().insert(migration_id.clone(), rx);
+    agent
+        .postcopies
+        .lock()
+        .insert(migration_id.clone(), (from, rx));
     let agent = agent.clone();
     tokio::spawn(async move {
         let status = daemon.child.wait().await;
@@ -363,15 +366,27 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
 
 /// `Peer.PostCopyStatus`: how a committed post-copy's pages are doing;
 /// waits up to `wait_ms` for its end.
+/// Only the node the migration came from may ask (`caller`: the node its
+/// certificate names, `None` without TLS).
 pub async fn post_copy_status(
     agent: &Arc<Agent>,
+    caller: Option<String>,
     req: pb::PostCopyStatusRequest,
 ) -> Result<pb::PostCopyStatusResponse, EngineError> {
-    let Some(mut rx) = agent.postcopies.lock().get(&req.migration_id).cloned() else {
+    let Some((from, mut rx)) = agent.postcopies.lock().get(&req.migration_id).cloned() else {
         return Err(EngineError::UnknownMigration {
             migration_id: req.migration_id,
         });
     };
+    if let Some(node) = caller
+        && node != from
+    {
+        return Err(EngineError::NotItsSource {
+            migration_id: req.migration_id,
+            from,
+            caller: node,
+        });
+    }
     let wait = Duration::from_millis(u64::from(req.wait_ms.min(10_000)));
     let running = rx.borrow().state == pb::PostCopyState::Running as i32;
     if running {
@@ -1148,6 +1163,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 agent,
                 PostCopyWatch {
                     migration_id: inc.migration_id.clone(),
+                    from: inc.from.clone(),
                     pid,
                     daemon,
                     dir: inc.dir.clone(),
