@@ -9,7 +9,7 @@ use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
 
 use crate::cluster::Cluster;
-use crate::managed::{run, wait_for_process};
+use crate::managed::{list, process_state, run, wait_for_process};
 use crate::workload::request_line;
 
 /// A memory writer listening on `port` of the cluster's public address.
@@ -58,6 +58,35 @@ impl MemWriter {
         pid
     }
 
+    /// After a committed migration from `source` to `destination` (the
+    /// writer was `pid` and is `new_pid`): it runs on the destination,
+    /// migrated in; the source manages nothing and `pid` is gone; its check
+    /// of all its memory passes with no fewer writes than `writes_before`;
+    /// and it goes on writing. Returns its writes after that.
+    pub async fn moved_intact(
+        &self,
+        cluster: &Cluster,
+        source: &mut ControlClient<Channel>,
+        destination: &mut ControlClient<Channel>,
+        pid: i32,
+        new_pid: i32,
+        writes_before: u64,
+    ) -> u64 {
+        let moved = wait_for_process(destination, new_pid, |p| p.state == "running").await;
+        assert_eq!(moved.origin, "migrated-in");
+        assert!(list(source).await.is_empty(), "the source still manages it");
+        assert_eq!(process_state(pid), None, "source copy still exists");
+        let now = self.check(cluster);
+        assert!(
+            now >= writes_before,
+            "writes went back from {writes_before} to {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let later = self.check(cluster);
+        assert!(later > now, "the process does not run after the migration");
+        later
+    }
+
     /// One command, from client1; panics if it gets no answer.
     pub fn ask(&self, cluster: &Cluster, command: &str) -> String {
         let target = SocketAddrV4::new(cluster.public_addr(), self.port);
@@ -78,6 +107,13 @@ impl MemWriter {
         assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
         words[1].parse().expect("a write count")
     }
+}
+
+/// The agents of a two-node test as (source, destination), the process
+/// being on `on` (0 or 1).
+pub fn source_and_destination<T>(controls: &mut [T; 2], on: usize) -> (&mut T, &mut T) {
+    let [a, b] = controls;
+    if on == 0 { (a, b) } else { (b, a) }
 }
 
 /// Whether any mapping of `pid` is still registered for userfaultfd write

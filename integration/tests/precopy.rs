@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{list, migrate_request, process_state, runtime, wait_for_process};
-use ferry_integration::memwriter::{MemWriter, write_protected};
+use ferry_integration::managed::{migrate_request, process_state, runtime, wait_for_process};
+use ferry_integration::memwriter::{MemWriter, source_and_destination, write_protected};
 use ferry_proto::v1::{
     MigrateRequest, MigrationOutcome, MigrationReport, PrecopyThrottle, Strategy,
 };
@@ -110,19 +110,20 @@ fn memory_is_intact_after_migration_with_each_strategy() {
             }
             // It runs on the destination, gone from the source, with every
             // page it wrote, and goes on writing.
-            let moved = wait_for_process(&mut controls[to], report.destination_pid, |p| {
-                p.state == "running"
-            })
-            .await;
-            assert_eq!(moved.origin, "migrated-in");
-            assert!(list(&mut controls[on]).await.is_empty());
-            assert_eq!(process_state(pid), None, "source copy still exists");
+            let later = {
+                let (source, destination) = source_and_destination(&mut controls, on);
+                WRITER
+                    .moved_intact(
+                        &cluster,
+                        source,
+                        destination,
+                        pid,
+                        report.destination_pid,
+                        writes,
+                    )
+                    .await
+            };
             assert!(!write_protected(report.destination_pid));
-            let now = check(&cluster);
-            assert!(now >= writes, "writes went back from {writes} to {now}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let later = check(&cluster);
-            assert!(later > now, "the process does not run after the migration");
             writes = later;
             pid = report.destination_pid;
             on = to;
@@ -314,17 +315,19 @@ fn a_writer_faster_than_the_link_converges_when_throttled() {
             }
             // On the destination: running (not left stopped by the
             // throttle), writing, with all it wrote.
-            let moved = wait_for_process(&mut controls[to], report.destination_pid, |p| {
-                p.state == "running"
-            })
-            .await;
-            assert_eq!(moved.origin, "migrated-in");
-            assert_eq!(process_state(pid), None, "source copy still exists");
-            let now = check(&cluster);
-            assert!(now >= writes, "writes went back from {writes} to {now}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let later = check(&cluster);
-            assert!(later > now, "the process does not run after the migration");
+            let later = {
+                let (source, destination) = source_and_destination(&mut controls, on);
+                WRITER
+                    .moved_intact(
+                        &cluster,
+                        source,
+                        destination,
+                        pid,
+                        report.destination_pid,
+                        writes,
+                    )
+                    .await
+            };
             assert_ne!(
                 process_state(report.destination_pid),
                 Some('T'),

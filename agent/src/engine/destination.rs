@@ -203,7 +203,7 @@ pub async fn page_tunnel(
     let pump = tokio::spawn({
         let (local, counter) = (local.clone(), served_locally.clone());
         async move {
-            match super::localpages::serve(pair.ours, stream, tx, Ok, local, counter).await {
+            match super::localpages::serve(pair.ours, stream, tx, local, counter).await {
                 Ok(served) => {
                     tracing::info!(
                         migration = %id,

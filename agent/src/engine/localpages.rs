@@ -109,21 +109,27 @@ pub struct Served {
 enum Answer {
     /// Ready: header and pages from the store.
     Local(Vec<u8>),
-    /// The source's page server answers a GET (header, then pages).
-    RemotePages,
+    /// The source's page server answers this GET (header, then pages).
+    RemotePages(Iov),
     /// The source's page server answers a close (a status).
     RemoteStatus,
 }
 
-/// What to do with one request from the daemon.
-fn route(
-    iov: Iov,
-    local: Option<&LocalPages>,
-    page: u64,
-) -> Result<(Option<Iov>, Answer), EngineError> {
+/// Where one request from the daemon is answered.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    /// Forwarded to the source, which answers.
+    Source(Iov),
+    /// From the store: `nr` pages of process `pid` from the request's
+    /// address.
+    Store { iov: Iov, pid: u32, nr: u64 },
+}
+
+/// Where to answer one request (cheap: no I/O).
+fn route(iov: Iov, local: Option<&LocalPages>, page: u64) -> Result<Route, EngineError> {
     match iov.cmd & PS_CMD_MASK {
         PS_IOV_GET => {}
-        PS_IOV_CLOSE | PS_IOV_FORCE_CLOSE => return Ok((Some(iov), Answer::RemoteStatus)),
+        PS_IOV_CLOSE | PS_IOV_FORCE_CLOSE => return Ok(Route::Source(iov)),
         other => {
             return Err(EngineError::Internal(format!(
                 "lazy pages: the daemon sent page-server command {other:#x}, which it never sends"
@@ -145,36 +151,47 @@ fn route(
             .and_then(|pid| l.held.get(&pid).map(|h| (pid, h)))
     });
     let Some((pid, held)) = held else {
-        return Ok((Some(iov), Answer::RemotePages));
+        return Ok(Route::Source(iov));
     };
-    let parts = held.split(iov.vaddr, end);
-    let Some(&(s, e, is_held)) = parts.first() else {
-        return Ok((Some(iov), Answer::RemotePages));
+    let Some(&(s, e, is_held)) = held.split(iov.vaddr, end).first() else {
+        return Ok(Route::Source(iov));
     };
     debug_assert_eq!(s, iov.vaddr);
     if !is_held {
-        let forward = Iov {
+        return Ok(Route::Source(Iov {
             nr_pages: (e - s) / page,
             ..iov
-        };
-        return Ok((Some(forward), Answer::RemotePages));
+        }));
     }
-    let nr = ((e - s) / page).min(LOCAL_ANSWER_PAGES);
-    let store = local.expect("held pages come with a store").store.clone();
+    Ok(Route::Store {
+        iov,
+        pid,
+        nr: ((e - s) / page).min(LOCAL_ANSWER_PAGES),
+    })
+}
+
+/// The answer to a request routed to the store: header and pages.
+/// Blocking (file reads).
+fn answer_from_store(
+    store: &Mutex<PageStore>,
+    iov: Iov,
+    pid: u32,
+    nr: u64,
+    page: u64,
+) -> Result<Vec<u8>, EngineError> {
     let mut out = Iov {
         cmd: PE_PRESENT << 16 | PS_IOV_ADD_F,
         nr_pages: nr,
-        vaddr: s,
-        dst_id: iov.dst_id,
+        ..iov
     }
     .bytes()
     .to_vec();
     let data = store
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .read(pid, s, nr * page)?;
+        .read(pid, iov.vaddr, nr * page)?;
     out.extend_from_slice(&data);
-    Ok((None, Answer::Local(out)))
+    Ok(out)
 }
 
 /// Carries the session between the lazy-pages daemon (`daemon`) and the
@@ -182,11 +199,10 @@ fn route(
 /// from `local` what it can once Restore has set it. Ends when both sides
 /// have ended; a protocol violation or a broken tunnel ends it at once,
 /// and the daemon sees its connection close.
-pub async fn serve<S, T>(
+pub async fn serve<S>(
     daemon: TcpStream,
     mut inbound: S,
-    outbound: mpsc::Sender<T>,
-    wrap: fn(TunnelBytes) -> T,
+    outbound: mpsc::Sender<Result<TunnelBytes, tonic::Status>>,
     local: Arc<OnceLock<LocalPages>>,
     served_locally: Arc<std::sync::atomic::AtomicU64>,
 ) -> Result<Served, EngineError>
@@ -198,51 +214,54 @@ where
     // Answers in request order; the remote ones are read from the tunnel
     // when their turn comes.
     let (answers_tx, mut answers_rx) = mpsc::unbounded_channel::<Answer>();
+    let counter = served_locally.clone();
     let requests = async move {
         let mut buf = [0u8; HEADER];
-        let (mut local_pages, mut local_requests, mut remote_requests) = (0u64, 0u64, 0u64);
+        let (mut local_requests, mut remote_requests) = (0u64, 0u64);
         loop {
             match from_daemon.read_exact(&mut buf).await {
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    return Ok::<_, EngineError>((local_pages, local_requests, remote_requests));
+                    return Ok::<_, EngineError>((local_requests, remote_requests));
                 }
                 Err(e) => return Err(EngineError::io("lazy pages: reading the daemon")(e)),
             }
             let iov = Iov::parse(&buf);
-            // Store reads are blocking file reads (at most
-            // LOCAL_ANSWER_PAGES, from tmpfs).
-            let (forward, answer) = if local.get().is_some() {
-                let local = local.clone();
-                tokio::task::spawn_blocking(move || route(iov, local.get(), page))
+            let answer = match route(iov, local.get(), page)? {
+                Route::Source(forward) => {
+                    let sent = outbound
+                        .send(Ok(TunnelBytes {
+                            migration_id: String::new(),
+                            data: forward.bytes().to_vec(),
+                        }))
+                        .await;
+                    if sent.is_err() {
+                        return Err(EngineError::Internal(
+                            "lazy pages: the page tunnel closed".into(),
+                        ));
+                    }
+                    if forward.cmd & PS_CMD_MASK == PS_IOV_GET {
+                        remote_requests += 1;
+                        Answer::RemotePages(forward)
+                    } else {
+                        Answer::RemoteStatus
+                    }
+                }
+                Route::Store { iov, pid, nr } => {
+                    // Store reads are blocking file reads (at most
+                    // LOCAL_ANSWER_PAGES, from tmpfs).
+                    let local = local.clone();
+                    let bytes = tokio::task::spawn_blocking(move || {
+                        let store = &local.get().expect("routed to a store that is set").store;
+                        answer_from_store(store, iov, pid, nr, page)
+                    })
                     .await
-                    .map_err(|e| EngineError::Internal(e.to_string()))??
-            } else {
-                route(iov, None, page)?
+                    .map_err(|e| EngineError::Internal(e.to_string()))??;
+                    local_requests += 1;
+                    counter.fetch_add(nr, std::sync::atomic::Ordering::Relaxed);
+                    Answer::Local(bytes)
+                }
             };
-            match &answer {
-                Answer::RemotePages => remote_requests += 1,
-                Answer::RemoteStatus => {}
-                Answer::Local(_) => local_requests += 1,
-            }
-            if let Answer::Local(b) = &answer {
-                let n = (b.len() - HEADER) as u64 / page;
-                local_pages += n;
-                served_locally.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-            }
-            if let Some(f) = forward
-                && outbound
-                    .send(wrap(TunnelBytes {
-                        migration_id: String::new(),
-                        data: f.bytes().to_vec(),
-                    }))
-                    .await
-                    .is_err()
-            {
-                return Err(EngineError::Internal(
-                    "lazy pages: the page tunnel closed".into(),
-                ));
-            }
             if answers_tx.send(answer).is_err() {
                 return Err(EngineError::Internal(
                     "lazy pages: the answering side stopped".into(),
@@ -263,10 +282,28 @@ where
                     .write_all(&b)
                     .await
                     .map_err(EngineError::io("lazy pages: writing to the daemon"))?,
-                Answer::RemotePages => {
+                Answer::RemotePages(asked) => {
                     let mut header = [0u8; HEADER];
                     reader.read_exact(&mut header).await?;
                     let iov = Iov::parse(&header);
+                    // The daemon reads as many pages as the header says,
+                    // into a buffer sized for what it asked: more, or
+                    // another address, would corrupt what follows.
+                    if iov.vaddr != asked.vaddr
+                        || iov.dst_id != asked.dst_id
+                        || iov.nr_pages == 0
+                        || iov.nr_pages > asked.nr_pages
+                    {
+                        return Err(EngineError::Internal(format!(
+                            "lazy pages: the page server answered {} pages at {:#x} of pid {} to a request for {} at {:#x} of pid {}",
+                            iov.nr_pages,
+                            iov.vaddr,
+                            iov.dst_id,
+                            asked.nr_pages,
+                            asked.vaddr,
+                            asked.dst_id
+                        )));
+                    }
                     to_daemon
                         .write_all(&header)
                         .await
@@ -297,10 +334,9 @@ where
         ))?;
         Ok::<u64, EngineError>(remote_pages)
     };
-    let ((local_pages, local_requests, remote_requests), remote_pages) =
-        tokio::try_join!(requests, answers)?;
+    let ((local_requests, remote_requests), remote_pages) = tokio::try_join!(requests, answers)?;
     Ok(Served {
-        local_pages,
+        local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
         remote_pages,
         local_requests,
         remote_requests,
@@ -463,13 +499,12 @@ mod tests {
         let pair = super::super::pagetunnel::loopback_pair()
             .await
             .expect("pair");
-        let (to_source, mut at_source) = mpsc::channel::<TunnelBytes>(64);
+        let (to_source, mut at_source) = mpsc::channel::<Result<TunnelBytes, tonic::Status>>(64);
         let (from_source, inbound) = mpsc::channel::<Result<TunnelBytes, tonic::Status>>(64);
         let served = tokio::spawn(serve(
             pair.ours,
             ReceiverStream::new(inbound),
             to_source,
-            |m| m,
             local,
             counter.clone(),
         ));
@@ -479,7 +514,7 @@ mod tests {
             let mut asked = Vec::new();
             let mut buf = Vec::new();
             while let Some(m) = at_source.recv().await {
-                buf.extend(m.data);
+                buf.extend(m.expect("the destination sends no errors").data);
                 while buf.len() >= HEADER {
                     let h: [u8; HEADER] = buf[..HEADER].try_into().expect("header");
                     buf.drain(..HEADER);
@@ -602,9 +637,10 @@ mod tests {
         };
         assert!(route(iov, None, page()).is_err());
         assert!(route(get(BASE, 0), None, page()).is_err());
-        let (fwd, answer) = route(get(BASE, 3), None, page()).expect("route");
-        assert_eq!(fwd, Some(get(BASE, 3)));
-        assert!(matches!(answer, Answer::RemotePages));
+        assert_eq!(
+            route(get(BASE, 3), None, page()).expect("route"),
+            Route::Source(get(BASE, 3))
+        );
     }
 
     #[test]

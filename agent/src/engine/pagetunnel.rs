@@ -88,16 +88,14 @@ pub struct Moved {
 }
 
 /// Copies between the local CRIU's connection and the tunnel until both
-/// directions have ended. What CRIU writes goes out through `outbound`
-/// (each chunk wrapped by `wrap`); what arrives on `inbound` is written to
-/// CRIU. A direction's orderly end is passed on (the tunnel stream ends,
+/// directions have ended. What CRIU writes goes out through `outbound`;
+/// what arrives on `inbound` is written to CRIU. A direction's orderly end is passed on (the tunnel stream ends,
 /// or CRIU's socket is shut down for writing); a broken direction ends
 /// both at once, and CRIU sees its connection close.
-pub async fn pump<S, T>(
+pub async fn pump<S>(
     socket: TcpStream,
     mut inbound: S,
-    outbound: mpsc::Sender<T>,
-    wrap: fn(TunnelBytes) -> T,
+    outbound: mpsc::Sender<TunnelBytes>,
 ) -> Result<Moved, EngineError>
 where
     S: Stream<Item = Result<TunnelBytes, tonic::Status>> + Unpin,
@@ -116,10 +114,10 @@ where
                 return Ok::<u64, EngineError>(total);
             }
             total += n as u64;
-            let msg = wrap(TunnelBytes {
+            let msg = TunnelBytes {
                 migration_id: String::new(),
                 data: buf[..n].to_vec(),
-            });
+            };
             if outbound.send(msg).await.is_err() {
                 return Err(EngineError::Internal(
                     "page tunnel: the other agent stopped reading".into(),
@@ -166,7 +164,6 @@ mod tests {
             pair.ours,
             tokio_stream::wrappers::ReceiverStream::new(inbound),
             to_tunnel,
-            |m| m,
         ));
         let mut criu = std::net::TcpStream::from(pair.criu);
         let request: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
@@ -219,7 +216,6 @@ mod tests {
             pair.ours,
             tokio_stream::wrappers::ReceiverStream::new(inbound),
             to_tunnel,
-            |m| m,
         ));
         into_pump
             .send(Err(tonic::Status::unavailable("peer gone")))

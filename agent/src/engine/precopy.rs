@@ -148,6 +148,9 @@ pub enum Verdict {
     Freeze(&'static str),
 }
 
+/// The freeze reason that the throttle overrides.
+const NOT_SHRINKING: &str = "dirty set not shrinking";
+
 impl Convergence {
     /// `round`: the round whose scan just found `pending` bytes for the
     /// freeze (counting from 1); `rate`: bytes per second sent so far, if
@@ -173,7 +176,7 @@ impl Convergence {
             && pending as f64 >= 0.95 * *b as f64
             && *b as f64 >= 0.95 * *a as f64
         {
-            return Verdict::Freeze("dirty set not shrinking");
+            return Verdict::Freeze(NOT_SHRINKING);
         }
         Verdict::Continue
     }
@@ -335,7 +338,7 @@ impl Precopy {
             // down, and further each round until the budget is met.
             let throttling = throttle.percent() < 100;
             let wants_throttle = match verdict {
-                Verdict::Freeze("dirty set not shrinking") => true,
+                Verdict::Freeze(NOT_SHRINKING) => true,
                 Verdict::Continue => throttling,
                 Verdict::Freeze(_) => false,
             };

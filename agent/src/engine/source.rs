@@ -463,7 +463,7 @@ async fn open_page_tunnel(
         Ok(Err(s)) => return Err(peer_error(&run.p.destination.name, s)),
         Err(_) => return Err(silent(&run.p.destination, "PageTunnel", deadline)),
     };
-    Ok(tokio::spawn(pagetunnel::pump(ours, inbound, tx, |m| m)))
+    Ok(tokio::spawn(pagetunnel::pump(ours, inbound, tx)))
 }
 
 impl Run {
