@@ -63,7 +63,18 @@ pub struct Agent {
     /// This node's certificate and the cluster CA, when `[tls]` is set:
     /// then every Peer connection is mutual TLS.
     pub tls: std::sync::OnceLock<crate::security::TlsMaterial>,
+    /// This node's events, for `Control.WatchEvents`.
+    pub events: crate::events::EventBus,
+    /// Migrations this node runs as the source, by id: their cancel
+    /// switches.
+    outgoing: Mutex<HashMap<String, Arc<crate::engine::cancel::Cancel>>>,
+    /// Cordoned: no incoming migration, offer or new process. Kept across
+    /// restarts (a file in the work directory).
+    cordoned: std::sync::atomic::AtomicBool,
 }
+
+/// The file whose presence says the node is cordoned.
+const CORDON_FILE: &str = "cordoned";
 
 /// What the peers said of a port a managed process opened here.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,7 +118,6 @@ impl Agent {
         flows: Box<dyn FlowRules>,
     ) -> Arc<Self> {
         Arc::new(Self {
-            config,
             registry: Mutex::new(Registry::default()),
             ownership: Mutex::new(Ownership::new(filter)),
             reserved: Mutex::new(Default::default()),
@@ -126,7 +136,79 @@ impl Agent {
             conductor: std::sync::OnceLock::new(),
             metrics: Default::default(),
             tls: std::sync::OnceLock::new(),
+            events: crate::events::EventBus::new(&config.node),
+            outgoing: Mutex::new(HashMap::new()),
+            cordoned: std::sync::atomic::AtomicBool::new(
+                config.work_dir.join(CORDON_FILE).exists(),
+            ),
+            config,
         })
+    }
+
+    /// Whether this node takes no new work.
+    pub fn cordoned(&self) -> bool {
+        self.cordoned.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Cordons or uncordons this node; `by` says who, in the event.
+    /// Returns whether it changed.
+    pub fn set_cordoned(&self, cordoned: bool, by: &str) -> Result<bool, EngineError> {
+        let file = self.config.work_dir.join(CORDON_FILE);
+        let written = if cordoned {
+            std::fs::write(&file, format!("{by}\n"))
+        } else {
+            std::fs::remove_file(&file).or_else(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+        };
+        written.map_err(EngineError::io(format!("writing {}", file.display())))?;
+        let was = self
+            .cordoned
+            .swap(cordoned, std::sync::atomic::Ordering::SeqCst);
+        if was != cordoned {
+            tracing::info!(cordoned, by, "cordon changed");
+            self.events
+                .publish(ferry_proto::v1::cluster_event::Event::Cordon(
+                    ferry_proto::v1::CordonChange {
+                        cordoned,
+                        by: by.to_owned(),
+                    },
+                ));
+        }
+        Ok(was != cordoned)
+    }
+
+    /// Refuses new work on a cordoned node.
+    pub fn refuse_if_cordoned(&self) -> Result<(), EngineError> {
+        if self.cordoned() {
+            return Err(EngineError::Cordoned {
+                node: self.node().to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A migration from this node started: it can be cancelled by id.
+    pub fn outgoing_started(&self, id: &str, cancel: Arc<crate::engine::cancel::Cancel>) {
+        lock(&self.outgoing).insert(id.to_owned(), cancel);
+    }
+
+    pub fn outgoing_finished(&self, id: &str) {
+        lock(&self.outgoing).remove(id);
+    }
+
+    /// The cancel switch of a migration from this node still running.
+    pub fn outgoing(&self, id: &str) -> Option<Arc<crate::engine::cancel::Cancel>> {
+        lock(&self.outgoing).get(id).cloned()
+    }
+
+    /// The migrations from this node still running.
+    pub fn outgoing_ids(&self) -> Vec<String> {
+        lock(&self.outgoing).keys().cloned().collect()
     }
 
     pub fn node(&self) -> &str {

@@ -17,7 +17,10 @@ pub const PROCESS_WAIT: Duration = Duration::from_secs(10);
 /// `RunProcess`: starts `argv` under the agent's management.
 pub async fn run(control: &mut ControlClient<Channel>, argv: Vec<String>) -> i32 {
     control
-        .run_process(RunProcessRequest { argv })
+        .run_process(RunProcessRequest {
+            argv,
+            ..Default::default()
+        })
         .await
         .expect("RunProcess")
         .into_inner()
@@ -27,7 +30,7 @@ pub async fn run(control: &mut ControlClient<Channel>, argv: Vec<String>) -> i32
 /// The agent's managed processes.
 pub async fn list(control: &mut ControlClient<Channel>) -> Vec<ManagedProcess> {
     control
-        .list_processes(ListProcessesRequest {})
+        .list_processes(ListProcessesRequest::default())
         .await
         .expect("ListProcesses")
         .into_inner()
@@ -148,7 +151,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// The node's data plane: counters, port states, in-cluster rules.
 pub async fn data_plane(control: &mut ControlClient<Channel>) -> ferry_proto::v1::DataPlane {
     control
-        .get_data_plane(ferry_proto::v1::GetDataPlaneRequest {})
+        .get_data_plane(ferry_proto::v1::GetDataPlaneRequest::default())
         .await
         .expect("GetDataPlane")
         .into_inner()

@@ -65,7 +65,7 @@ fn burn_bin() -> String {
 }
 
 async fn balancer(c: &mut ControlClient<Channel>) -> Balancer {
-    c.get_balancer(GetBalancerRequest {})
+    c.get_balancer(GetBalancerRequest::default())
         .await
         .expect("GetBalancer")
         .into_inner()
@@ -123,6 +123,7 @@ fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
                     key: "transfer.threshold".into(),
                     value: "-1".into(),
                 }],
+                ..Default::default()
             })
             .await
             .expect_err("a negative threshold is refused");

@@ -370,6 +370,7 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
         let huge = node1
             .run_process(ferry_proto::v1::RunProcessRequest {
                 argv: vec!["x".repeat(5 << 20)],
+                ..Default::default()
             })
             .await
             .expect_err("a 5 MiB request was accepted");

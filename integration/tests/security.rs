@@ -198,7 +198,9 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
                 let mut c = control_tcp(addr, client).await.expect("observer connects");
                 let t = token.as_deref();
                 let nodes = c.list_nodes(req(ListNodesRequest {}, t)).await;
-                let procs = c.list_processes(req(ListProcessesRequest {}, t)).await;
+                let procs = c
+                    .list_processes(req(ListProcessesRequest::default(), t))
+                    .await;
                 let migrate = c
                     .migrate(req(
                         MigrateRequest {
@@ -216,12 +218,53 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
                     .set_balancer(req(
                         SetBalancerRequest {
                             enabled: Some(true),
-                            settings: vec![],
+                            ..Default::default()
                         },
                         t,
                     ))
                     .await
                     .map(|_| ());
+                // The new operator calls, through forwarding too.
+                let drain = c
+                    .drain_node(req(
+                        ferry_proto::v1::DrainNodeRequest {
+                            node: "node1".into(),
+                            ..Default::default()
+                        },
+                        t,
+                    ))
+                    .await
+                    .map(|_| ());
+                let cordon = c
+                    .set_cordon(req(
+                        ferry_proto::v1::SetCordonRequest {
+                            node: "node1".into(),
+                            cordoned: true,
+                        },
+                        t,
+                    ))
+                    .await
+                    .map(|_| ());
+                let cancel = c
+                    .cancel_migration(req(
+                        ferry_proto::v1::CancelMigrationRequest {
+                            migration_id: "0123456789abcdef".into(),
+                            ..Default::default()
+                        },
+                        t,
+                    ))
+                    .await
+                    .map(|_| ());
+                // Watching is reading.
+                let watch = c
+                    .watch_events(req(ferry_proto::v1::WatchEventsRequest::default(), t))
+                    .await
+                    .map(|_| ());
+                for (call, r) in [("drain", drain), ("cordon", cordon), ("cancel", cancel)] {
+                    let e = r.expect_err(call);
+                    assert_eq!(e.code(), Code::PermissionDenied, "{call}: {e:?}");
+                }
+                watch.expect("an observer watches events");
                 (nodes, procs, migrate, balancer)
             })
             .unwrap();

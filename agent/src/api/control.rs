@@ -12,6 +12,7 @@ use ferry_proto::v1::{
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use super::forward::{self, Target};
 use crate::agent::{Agent, error_chain};
 use crate::engine::source::{self, port_to_pb};
 use crate::managed::{Lifecycle, Origin};
@@ -29,6 +30,43 @@ impl ControlService {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<MigrationEvent, Status>> + Send>>;
+type DrainStream = Pin<Box<dyn Stream<Item = Result<pb::DrainEvent, Status>> + Send>>;
+type ClusterEventStream = Pin<Box<dyn Stream<Item = Result<pb::ClusterEvent, Status>> + Send>>;
+
+/// Who made a call, for reports and events: the authenticated caller on
+/// TCP, the forwarding node, or root on the Unix socket.
+fn who<T>(request: &Request<T>) -> String {
+    if let Some(c) = request.extensions().get::<crate::security::authz::Caller>() {
+        return format!("{} ({})", c.name, c.role);
+    }
+    if let Some(by) = request.metadata().get(forward::FORWARDED_BY) {
+        return format!("{} (forwarded)", by.to_str().unwrap_or("?"));
+    }
+    "root on the control socket".into()
+}
+
+/// A forwarded server stream, with the peer's statuses said to be its.
+fn relay<T: Send + 'static>(
+    peer: crate::config::PeerConfig,
+    stream: tonic::Streaming<T>,
+) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
+    Box::pin(tokio_stream::StreamExt::map(stream, move |item| {
+        item.map_err(|s| forward::from_peer(&peer, s))
+    }))
+}
+
+/// Calls `$method` on the node `$peer` with `$message`, as a forwarded
+/// request, and answers with its response.
+macro_rules! forward_unary {
+    ($self:ident, $peer:expr, $method:ident, $message:expr) => {{
+        let peer = $peer;
+        let mut client = forward::client(&$self.agent, &peer).await?;
+        client
+            .$method(forward::request(&$self.agent, $message))
+            .await
+            .map_err(|s| forward::from_peer(&peer, s))
+    }};
+}
 
 #[tonic::async_trait]
 impl Control for ControlService {
@@ -45,6 +83,7 @@ impl Control for ControlService {
             peer_protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
             error: String::new(),
             managed_processes: agent.registry().len() as u32,
+            cordoned: agent.cordoned(),
             membership_state: if agent.membership.get().is_some() {
                 "alive".into()
             } else {
@@ -76,6 +115,7 @@ impl Control for ControlService {
                     node.reachable = true;
                     node.peer_protocol_version = h.protocol_version;
                     node.managed_processes = h.managed_processes;
+                    node.cordoned = h.cordoned;
                 }
                 Ok(Err(e)) => node.error = e,
                 Err(_) => node.error = "no answer within 2 s".into(),
@@ -125,12 +165,297 @@ impl Control for ControlService {
 
     async fn list_processes(
         &self,
-        _: Request<ListProcessesRequest>,
+        request: Request<ListProcessesRequest>,
     ) -> Result<Response<ListProcessesResponse>, Status> {
+        if request.get_ref().all_nodes {
+            return Ok(Response::new(self.list_all_processes().await?));
+        }
+        let node = request.get_ref().node.clone();
+        match forward::target(&self.agent, &request, "node", &node)? {
+            Target::Here => Ok(Response::new(self.local_processes().await?)),
+            Target::Peer(peer) => forward_unary!(
+                self,
+                peer,
+                list_processes,
+                ListProcessesRequest {
+                    node,
+                    all_nodes: false
+                }
+            ),
+        }
+    }
+
+    async fn run_process(
+        &self,
+        request: Request<RunProcessRequest>,
+    ) -> Result<Response<RunProcessResponse>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, run_process, request.into_inner());
+        }
+        let argv = request.into_inner().argv;
+        if argv.first().map(|a| a.is_empty()).unwrap_or(true) {
+            return Err(Status::invalid_argument(
+                "argv: give the program to run (argv[0] is empty)",
+            ));
+        }
+        self.agent.refuse_if_cordoned()?;
+        let pid = self.agent.run_process(argv).await.map_err(|e| match e {
+            crate::managed::SpawnError::EmptyArgv => Status::invalid_argument(format!("argv: {e}")),
+            e => Status::failed_precondition(error_chain(&e)),
+        })?;
+        Ok(Response::new(RunProcessResponse {
+            pid,
+            node: self.agent.node().to_owned(),
+        }))
+    }
+
+    type MigrateStream = EventStream;
+
+    async fn migrate(
+        &self,
+        request: Request<MigrateRequest>,
+    ) -> Result<Response<Self::MigrateStream>, Status> {
+        let node = request.get_ref().source_node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "source_node", &node)? {
+            let mut client = forward::client(&self.agent, &peer).await?;
+            let stream = client
+                .migrate(forward::request(&self.agent, request.into_inner()))
+                .await
+                .map_err(|s| forward::from_peer(&peer, s))?
+                .into_inner();
+            return Ok(Response::new(relay(peer, stream)));
+        }
+        let req = request.into_inner();
+        let (pid, destination, options) = migrate_options(&req)?;
+        let prepared = source::prepare(&self.agent, pid, &destination, options).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(32);
+        let agent = self.agent.clone();
+        // Spawned: the migration finishes, or rolls back, whether or not the
+        // caller keeps listening.
+        tokio::spawn(async move {
+            let report = source::run(agent, prepared, tx.clone()).await;
+            let end = final_status(&report);
+            let _ = tx
+                .send(Ok(MigrationEvent {
+                    event: Some(migration_event::Event::Report(report)),
+                }))
+                .await;
+            if let Some(status) = end {
+                let _ = tx.send(Err(status)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn get_migration(
+        &self,
+        request: Request<GetMigrationRequest>,
+    ) -> Result<Response<MigrationReport>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, get_migration, request.into_inner());
+        }
+        let id = request.into_inner().migration_id;
+        self.agent.report(&id).map(Response::new).ok_or_else(|| {
+            Status::not_found(format!(
+                "migration_id: no migration {id:?} ran from {}",
+                self.agent.node()
+            ))
+        })
+    }
+
+    async fn get_balancer(
+        &self,
+        request: Request<pb::GetBalancerRequest>,
+    ) -> Result<Response<pb::Balancer>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, get_balancer, request.into_inner());
+        }
+        match self.agent.conductor.get() {
+            Some(c) => Ok(Response::new(c.report())),
+            None => Ok(Response::new(pb::Balancer {
+                node: self.agent.node().to_owned(),
+                enabled: false,
+                policy_toml: toml::to_string(&self.agent.config.policy).unwrap_or_default(),
+                last_decision: "membership is off: no balancer".into(),
+                ..Default::default()
+            })),
+        }
+    }
+
+    async fn set_balancer(
+        &self,
+        request: Request<pb::SetBalancerRequest>,
+    ) -> Result<Response<pb::Balancer>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, set_balancer, request.into_inner());
+        }
+        let req = request.into_inner();
+        let c = self.conductor()?;
+        let policy = apply_settings(&c.settings().policy, &req.settings)?;
+        c.set(req.enabled, policy).map_err(|e| match e {
+            crate::conductor::SetError::Invalid { field, reason } => {
+                Status::invalid_argument(format!("{field}: {reason}"))
+            }
+            e @ crate::conductor::SetError::Busy => Status::failed_precondition(e.to_string()),
+        })?;
+        Ok(Response::new(c.report()))
+    }
+
+    async fn get_data_plane(
+        &self,
+        request: Request<GetDataPlaneRequest>,
+    ) -> Result<Response<DataPlane>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, get_data_plane, request.into_inner());
+        }
+        self.local_data_plane().await.map(Response::new)
+    }
+
+    async fn cancel_migration(
+        &self,
+        request: Request<pb::CancelMigrationRequest>,
+    ) -> Result<Response<MigrationReport>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, cancel_migration, request.into_inner());
+        }
+        let by = who(&request);
+        let id = request.into_inner().migration_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument(
+                "migration_id: name the migration to cancel",
+            ));
+        }
+        let Some(cancel) = self.agent.outgoing(&id) else {
+            return Err(match self.agent.report(&id) {
+                Some(r) => Status::failed_precondition(format!(
+                    "migration_id: migration {id} has ended already ({})",
+                    pb::MigrationOutcome::try_from(r.outcome)
+                        .map(|o| o.as_str_name())
+                        .unwrap_or("?")
+                )),
+                None => Status::not_found(format!(
+                    "migration_id: no migration {id:?} runs from {}",
+                    self.agent.node()
+                )),
+            });
+        };
+        cancel.request(&by).map_err(|e| {
+            Status::failed_precondition(format!("migration {id} cannot be cancelled: {e}"))
+        })?;
+        tracing::info!(migration = %id, %by, "migration cancel requested");
+        Ok(Response::new(cancel.finished().await))
+    }
+
+    type DrainNodeStream = DrainStream;
+
+    async fn drain_node(
+        &self,
+        request: Request<pb::DrainNodeRequest>,
+    ) -> Result<Response<Self::DrainNodeStream>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            let mut client = forward::client(&self.agent, &peer).await?;
+            let stream = client
+                .drain_node(forward::request(&self.agent, request.into_inner()))
+                .await
+                .map_err(|s| forward::from_peer(&peer, s))?
+                .into_inner();
+            return Ok(Response::new(relay(peer, stream)));
+        }
+        let by = who(&request);
+        let req = request.into_inner();
+        let options = drain_options(&req)?;
+        let rx = crate::drain::start(self.agent.clone(), options, by)?;
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn set_cordon(
+        &self,
+        request: Request<pb::SetCordonRequest>,
+    ) -> Result<Response<pb::SetCordonResponse>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, set_cordon, request.into_inner());
+        }
+        let by = format!("operator {}", who(&request));
+        let cordoned = request.into_inner().cordoned;
+        self.agent.set_cordoned(cordoned, &by)?;
+        Ok(Response::new(pb::SetCordonResponse {
+            node: self.agent.node().to_owned(),
+            cordoned,
+        }))
+    }
+
+    type WatchEventsStream = ClusterEventStream;
+
+    async fn watch_events(
+        &self,
+        request: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let this_node_only = request.get_ref().this_node_only;
+        let rx = crate::watch::start(self.agent.clone(), !this_node_only);
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+impl ControlService {
+    /// Every node's processes: this node's, and each peer's through a
+    /// forwarded call, side by side.
+    async fn list_all_processes(&self) -> Result<ListProcessesResponse, Status> {
+        let here = self.local_processes();
+        let peers = self.agent.known_peers();
+        let there = peers.iter().map(|peer| async move {
+            let call = async {
+                let mut client = forward::client(&self.agent, peer).await?;
+                client
+                    .list_processes(forward::request(
+                        &self.agent,
+                        ListProcessesRequest {
+                            node: peer.name.clone(),
+                            all_nodes: false,
+                        },
+                    ))
+                    .await
+                    .map(|r| r.into_inner())
+                    .map_err(|s| forward::from_peer(peer, s))
+            };
+            match tokio::time::timeout(Duration::from_secs(2), call).await {
+                Ok(r) => r,
+                Err(_) => Err(Status::unavailable(format!(
+                    "{}: no answer within 2 s",
+                    peer.name
+                ))),
+            }
+        });
+        let (here, there) = tokio::join!(here, futures::future::join_all(there));
+        let mut all = here?;
+        for answer in there {
+            match answer {
+                Ok(mut r) => all.processes.append(&mut r.processes),
+                Err(s) => all.unreachable.push(s.message().to_owned()),
+            }
+        }
+        Ok(all)
+    }
+
+    async fn local_processes(&self) -> Result<ListProcessesResponse, Status> {
         // Refresh first, so that a port the caller sees listed is one the
         // filter already passes.
         self.agent.reconcile().await?;
         let conflicts = self.agent.port_conflicts();
+        let node = self.agent.node().to_owned();
         let processes = self
             .agent
             .registry()
@@ -162,185 +487,17 @@ impl Control for ControlService {
                             .map(|node| format!("{port} is owned by {node}"))
                     })
                     .collect(),
+                node: node.clone(),
             })
             .collect();
-        Ok(Response::new(ListProcessesResponse {
-            node: self.agent.node().to_owned(),
+        Ok(ListProcessesResponse {
+            node,
             processes,
-        }))
-    }
-
-    async fn run_process(
-        &self,
-        request: Request<RunProcessRequest>,
-    ) -> Result<Response<RunProcessResponse>, Status> {
-        let argv = request.into_inner().argv;
-        if argv.first().map(|a| a.is_empty()).unwrap_or(true) {
-            return Err(Status::invalid_argument(
-                "argv: give the program to run (argv[0] is empty)",
-            ));
-        }
-        let pid = self.agent.run_process(argv).await.map_err(|e| match e {
-            crate::managed::SpawnError::EmptyArgv => Status::invalid_argument(format!("argv: {e}")),
-            e => Status::failed_precondition(error_chain(&e)),
-        })?;
-        Ok(Response::new(RunProcessResponse { pid }))
-    }
-
-    type MigrateStream = EventStream;
-
-    async fn migrate(
-        &self,
-        request: Request<MigrateRequest>,
-    ) -> Result<Response<Self::MigrateStream>, Status> {
-        let req = request.into_inner();
-        if req.pid <= 0 {
-            return Err(Status::invalid_argument(format!(
-                "pid: {} is not a process ID",
-                req.pid
-            )));
-        }
-        if req.destination_node.is_empty() {
-            return Err(Status::invalid_argument(
-                "destination_node: name the node to migrate to",
-            ));
-        }
-        let strategy = match pb::Strategy::try_from(req.strategy) {
-            Ok(s) => crate::engine::precopy::MemoryStrategy::from_pb(s),
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy, 4 post-copy, 5 assisted-post-copy)",
-                    req.strategy
-                )));
-            }
-        };
-        if req.downtime_budget_ms > crate::config::MAX_DOWNTIME_BUDGET_MS {
-            return Err(Status::invalid_argument(format!(
-                "downtime_budget_ms: {} is above {}",
-                req.downtime_budget_ms,
-                crate::config::MAX_DOWNTIME_BUDGET_MS
-            )));
-        }
-        if req.max_rounds > crate::config::MAX_PRECOPY_ROUNDS {
-            return Err(Status::invalid_argument(format!(
-                "max_rounds: {} is above {}",
-                req.max_rounds,
-                crate::config::MAX_PRECOPY_ROUNDS
-            )));
-        }
-        let sockets = match pb::SocketMigration::try_from(req.sockets) {
-            Ok(pb::SocketMigration::Unspecified) => None,
-            Ok(pb::SocketMigration::Iterative) => Some(SocketMigration::Iterative),
-            Ok(pb::SocketMigration::Collective) => Some(SocketMigration::Collective),
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "sockets: {} is not a socket migration mode (1 iterative, 2 collective)",
-                    req.sockets
-                )));
-            }
-        };
-        let throttle = match pb::PrecopyThrottle::try_from(req.throttle) {
-            Ok(pb::PrecopyThrottle::Unspecified) => None,
-            Ok(pb::PrecopyThrottle::Off) => Some(false),
-            Ok(pb::PrecopyThrottle::Auto) => Some(true),
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "throttle: {} is not a throttle mode (1 off, 2 auto)",
-                    req.throttle
-                )));
-            }
-        };
-        let options = source::MigrationOptions {
-            sockets,
-            strategy,
-            downtime_budget: (req.downtime_budget_ms > 0)
-                .then(|| std::time::Duration::from_millis(u64::from(req.downtime_budget_ms))),
-            max_rounds: (req.max_rounds > 0).then_some(req.max_rounds),
-            throttle,
-        };
-        let prepared =
-            source::prepare(&self.agent, req.pid, &req.destination_node, options).await?;
-        let (tx, rx) = tokio::sync::mpsc::channel(32);
-        let agent = self.agent.clone();
-        // Spawned: the migration finishes, or rolls back, whether or not the
-        // caller keeps listening.
-        tokio::spawn(async move {
-            let report = source::run(agent, prepared, tx.clone()).await;
-            let outcome = pb::MigrationOutcome::try_from(report.outcome)
-                .unwrap_or(pb::MigrationOutcome::Unspecified);
-            let reason = report.error.clone();
-            let _ = tx
-                .send(Ok(MigrationEvent {
-                    event: Some(migration_event::Event::Report(report)),
-                }))
-                .await;
-            let end = match outcome {
-                pb::MigrationOutcome::Committed => None,
-                // Post-copy's window failed: the process runs nowhere.
-                pb::MigrationOutcome::Lost => Some(Status::data_loss(format!(
-                    "the process resumed on the destination but not all of its memory followed; it was killed there and runs nowhere: {reason}"
-                ))),
-                _ => Some(Status::aborted(format!(
-                    "migration aborted, the process still runs on the source: {reason}"
-                ))),
-            };
-            if let Some(status) = end {
-                let _ = tx.send(Err(status)).await;
-            }
-        });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
-    }
-
-    async fn get_migration(
-        &self,
-        request: Request<GetMigrationRequest>,
-    ) -> Result<Response<MigrationReport>, Status> {
-        let id = request.into_inner().migration_id;
-        self.agent.report(&id).map(Response::new).ok_or_else(|| {
-            Status::not_found(format!(
-                "migration_id: no migration {id:?} ran from this node"
-            ))
+            unreachable: Vec::new(),
         })
     }
 
-    async fn get_balancer(
-        &self,
-        _: Request<pb::GetBalancerRequest>,
-    ) -> Result<Response<pb::Balancer>, Status> {
-        match self.agent.conductor.get() {
-            Some(c) => Ok(Response::new(c.report())),
-            None => Ok(Response::new(pb::Balancer {
-                node: self.agent.node().to_owned(),
-                enabled: false,
-                policy_toml: toml::to_string(&self.agent.config.policy).unwrap_or_default(),
-                last_decision: "membership is off: no balancer".into(),
-                ..Default::default()
-            })),
-        }
-    }
-
-    async fn set_balancer(
-        &self,
-        request: Request<pb::SetBalancerRequest>,
-    ) -> Result<Response<pb::Balancer>, Status> {
-        let req = request.into_inner();
-        let c = self.conductor()?;
-        let policy = apply_settings(&c.settings().policy, &req.settings)?;
-        c.set(req.enabled, policy).map_err(|e| match e {
-            crate::conductor::SetError::Invalid { field, reason } => {
-                Status::invalid_argument(format!("{field}: {reason}"))
-            }
-            e @ crate::conductor::SetError::Busy => Status::failed_precondition(e.to_string()),
-        })?;
-        Ok(Response::new(c.report()))
-    }
-
-    async fn get_data_plane(
-        &self,
-        _: Request<GetDataPlaneRequest>,
-    ) -> Result<Response<DataPlane>, Status> {
+    async fn local_data_plane(&self) -> Result<DataPlane, Status> {
         let agent = self.agent.clone();
         // BPF map reads block: off the runtime.
         let (counters, totals, ports, iface, xlate) = tokio::task::spawn_blocking(move || {
@@ -362,7 +519,7 @@ impl Control for ControlService {
         })
         .await
         .map_err(|e| Status::internal(format!("data plane task: {e}")))??;
-        Ok(Response::new(DataPlane {
+        Ok(DataPlane {
             node: self.agent.node().to_owned(),
             interface: iface,
             counters: Some(DataPlaneCounters {
@@ -389,7 +546,7 @@ impl Control for ControlService {
                 .collect(),
             cluster_interface: xlate.2,
             translations: xlate.1.iter().map(|r| r.to_string()).collect(),
-        }))
+        })
     }
 }
 
@@ -463,5 +620,110 @@ fn port_state_name(s: crate::ownership::PortState) -> &'static str {
         PortState::Frozen => "frozen",
         PortState::Capturing => "capturing",
         PortState::Releasing => "releasing",
+    }
+}
+
+/// A Migrate request's fields, checked: the PID, the destination and the
+/// options; the error names the field.
+fn migrate_options(
+    req: &MigrateRequest,
+) -> Result<(i32, String, source::MigrationOptions), Status> {
+    if req.pid <= 0 {
+        return Err(Status::invalid_argument(format!(
+            "pid: {} is not a process ID",
+            req.pid
+        )));
+    }
+    if req.destination_node.is_empty() {
+        return Err(Status::invalid_argument(
+            "destination_node: name the node to migrate to",
+        ));
+    }
+    let strategy = match pb::Strategy::try_from(req.strategy) {
+        Ok(s) => crate::engine::precopy::MemoryStrategy::from_pb(s),
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "strategy: {} is not a strategy this agent implements (1 total-copy, 2 pre-copy, 3 queued-pre-copy, 4 post-copy, 5 assisted-post-copy)",
+                req.strategy
+            )));
+        }
+    };
+    if req.downtime_budget_ms > crate::config::MAX_DOWNTIME_BUDGET_MS {
+        return Err(Status::invalid_argument(format!(
+            "downtime_budget_ms: {} is above {}",
+            req.downtime_budget_ms,
+            crate::config::MAX_DOWNTIME_BUDGET_MS
+        )));
+    }
+    if req.max_rounds > crate::config::MAX_PRECOPY_ROUNDS {
+        return Err(Status::invalid_argument(format!(
+            "max_rounds: {} is above {}",
+            req.max_rounds,
+            crate::config::MAX_PRECOPY_ROUNDS
+        )));
+    }
+    let sockets = match pb::SocketMigration::try_from(req.sockets) {
+        Ok(pb::SocketMigration::Unspecified) => None,
+        Ok(pb::SocketMigration::Iterative) => Some(SocketMigration::Iterative),
+        Ok(pb::SocketMigration::Collective) => Some(SocketMigration::Collective),
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "sockets: {} is not a socket migration mode (1 iterative, 2 collective)",
+                req.sockets
+            )));
+        }
+    };
+    let throttle = match pb::PrecopyThrottle::try_from(req.throttle) {
+        Ok(pb::PrecopyThrottle::Unspecified) => None,
+        Ok(pb::PrecopyThrottle::Off) => Some(false),
+        Ok(pb::PrecopyThrottle::Auto) => Some(true),
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "throttle: {} is not a throttle mode (1 off, 2 auto)",
+                req.throttle
+            )));
+        }
+    };
+    let options = source::MigrationOptions {
+        sockets,
+        strategy,
+        downtime_budget: (req.downtime_budget_ms > 0)
+            .then(|| std::time::Duration::from_millis(u64::from(req.downtime_budget_ms))),
+        max_rounds: (req.max_rounds > 0).then_some(req.max_rounds),
+        throttle,
+    };
+    Ok((req.pid, req.destination_node.clone(), options))
+}
+
+/// A DrainNode request's migration options, checked as Migrate's are.
+fn drain_options(req: &pb::DrainNodeRequest) -> Result<source::MigrationOptions, Status> {
+    let as_migrate = MigrateRequest {
+        pid: 1,
+        destination_node: "-".into(),
+        strategy: req.strategy,
+        sockets: req.sockets,
+        downtime_budget_ms: req.downtime_budget_ms,
+        ..Default::default()
+    };
+    migrate_options(&as_migrate).map(|(_, _, o)| o)
+}
+
+/// How a Migrate stream ends after its report: nothing when committed.
+fn final_status(report: &MigrationReport) -> Option<Status> {
+    let reason = &report.error;
+    match pb::MigrationOutcome::try_from(report.outcome)
+        .unwrap_or(pb::MigrationOutcome::Unspecified)
+    {
+        pb::MigrationOutcome::Committed => None,
+        // Post-copy's window failed: the process runs nowhere.
+        pb::MigrationOutcome::Lost => Some(Status::data_loss(format!(
+            "the process resumed on the destination but not all of its memory followed; it was killed there and runs nowhere: {reason}"
+        ))),
+        _ if reason.starts_with("cancelled by") => Some(Status::cancelled(format!(
+            "migration {reason}; the process still runs on the source"
+        ))),
+        _ => Some(Status::aborted(format!(
+            "migration aborted, the process still runs on the source: {reason}"
+        ))),
     }
 }

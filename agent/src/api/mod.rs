@@ -2,6 +2,7 @@
 //! engine.
 
 mod control;
+pub mod forward;
 pub mod introspection;
 mod peer;
 

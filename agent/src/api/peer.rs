@@ -108,6 +108,7 @@ impl Peer for PeerService {
             node: self.agent.node().to_owned(),
             protocol_version: version,
             managed_processes: self.agent.registry().len() as u32,
+            cordoned: self.agent.cordoned(),
         }))
     }
 

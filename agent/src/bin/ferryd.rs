@@ -12,6 +12,7 @@ use ferry_agent::config::Config;
 use ferry_agent::ownership::EbpfPortFilter;
 use ferry_agent::security::authz::AuthLayer;
 use ferry_proto::v1::balance_server::BalanceServer;
+use ferry_proto::v1::control_server::ControlServer;
 use ferry_proto::v1::peer_server::PeerServer;
 use tokio::sync::watch;
 
@@ -244,6 +245,38 @@ async fn serve(config: Config) -> Result<()> {
         .await
         .context("starting membership")?;
         let _ = agent.membership.set(membership.clone());
+        // Membership changes into the node's event stream.
+        {
+            let (agent, mut changes) = (agent.clone(), membership.changes());
+            tokio::spawn(async move {
+                use tokio::sync::broadcast::error::RecvError;
+                loop {
+                    match changes.recv().await {
+                        Ok(c) => {
+                            agent
+                                .events
+                                .publish(ferry_proto::v1::cluster_event::Event::Membership(
+                                    ferry_proto::v1::MembershipChange {
+                                        member: c.name,
+                                        state: c.state.as_str().into(),
+                                        previous: c
+                                            .previous
+                                            .map(|p| p.as_str().to_owned())
+                                            .unwrap_or_default(),
+                                    },
+                                ))
+                        }
+                        Err(RecvError::Lagged(n)) => {
+                            tracing::warn!(
+                                missed = n,
+                                "membership changes not all forwarded as events"
+                            )
+                        }
+                        Err(RecvError::Closed) => return,
+                    }
+                }
+            });
+        }
         use ferry_agent::conductor as cond;
         let conductor = cond::Conductor::new(
             &config.node,
@@ -260,10 +293,21 @@ async fn serve(config: Config) -> Result<()> {
         );
         let _ = agent.conductor.set(conductor.clone());
         tracing::info!(enabled = config.balancer.enabled, "conductor started");
+        let events_agent = agent.clone();
         Some(tokio::spawn(cond::run(
             conductor,
             Duration::from_millis(config.balancer.period_ms),
             shutdown_rx.clone(),
+            move |decision, load| {
+                events_agent
+                    .events
+                    .publish(ferry_proto::v1::cluster_event::Event::Balancer(
+                        ferry_proto::v1::BalancerDecision {
+                            decision: decision.to_owned(),
+                            load,
+                        },
+                    ))
+            },
         )))
     } else {
         if config.balancer.enabled {
@@ -316,6 +360,13 @@ async fn serve(config: Config) -> Result<()> {
         .add_service(BalanceServer::new(
             ferry_agent::conductor::BalanceService::new(agent.clone()),
         ))
+        // Control calls forwarded by other agents (any node answers for
+        // the cluster): behind the same node check as Peer.
+        .add_service(
+            ControlServer::new(ControlService::new(agent.clone()))
+                .max_decoding_message_size(16 << 20)
+                .max_encoding_message_size(16 << 20),
+        )
         .serve_with_incoming_shutdown(
             // The builder's tcp_nodelay applies only to listeners tonic
             // binds itself: set it on every accepted connection, or a
@@ -373,6 +424,9 @@ async fn serve(config: Config) -> Result<()> {
         }
         // Health checkers see the agent going before the listeners close.
         health.set_serving(false).await;
+        // Endless streams (WatchEvents) end, or the servers' graceful
+        // shutdown would wait for them forever.
+        agent.events.close();
         let _ = shutdown_tx.send(true);
         Ok::<_, std::io::Error>(())
     };

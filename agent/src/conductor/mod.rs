@@ -768,19 +768,27 @@ impl Conductor {
     }
 }
 
-/// Runs the conductor's turns until shutdown.
+/// Runs the conductor's turns until shutdown. `on_change` hears each
+/// decision that differs from the one before, with the local load.
 pub async fn run(
     conductor: Arc<Conductor>,
     period: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    on_change: impl Fn(&str, f64) + Send,
 ) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = String::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {
                 let decision = conductor.tick().await;
-                tracing::debug!(%decision, load = conductor.local_load(), "balancer turn");
+                let load = conductor.local_load();
+                tracing::debug!(%decision, load, "balancer turn");
+                if decision != last {
+                    on_change(&decision, load);
+                    last = decision;
+                }
             }
             _ = stop.changed() => return,
         }

@@ -27,6 +27,12 @@ impl Balance for BalanceService {
         request: Request<OfferRequest>,
     ) -> Result<Response<OfferResponse>, Status> {
         let req = request.into_inner();
+        if self.agent.cordoned() {
+            return Ok(Response::new(OfferResponse {
+                accepted: false,
+                refusal: "cordoned".into(),
+            }));
+        }
         let Some(c) = self.agent.conductor.get() else {
             return Ok(Response::new(OfferResponse {
                 accepted: false,

@@ -615,6 +615,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         .iter()
         .map(port_from_pb)
         .collect::<Result<Vec<_>, _>>()?;
+    agent.refuse_if_cordoned()?;
     let criu_path = agent.config.criu_path.clone();
     tokio::task::spawn_blocking(move || criu::probe_version(&criu_path))
         .await

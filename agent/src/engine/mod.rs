@@ -168,6 +168,7 @@
 //! post-copy's daemon outlives the slot after the Commit, watched until it
 //! ends (`PostCopies`).
 
+pub mod cancel;
 pub mod destination;
 mod images;
 mod localpages;
@@ -271,6 +272,12 @@ pub enum EngineError {
     /// failed) before the process resumed; it was not resumed.
     #[error("post-copy: {0}")]
     PostCopy(String),
+    /// Stopped by `Control.CancelMigration` before the restore.
+    #[error("cancelled by {by}")]
+    Cancelled { by: String },
+    /// A cordoned node takes no incoming migration or new process.
+    #[error("{node} is cordoned: it takes no new processes (`ferry cordon --off {node}` lifts it)")]
+    Cordoned { node: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -299,6 +306,8 @@ impl EngineError {
             | EngineError::HostSetting(_)
             | EngineError::PostCopy(_) => Code::FailedPrecondition,
             EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
+            EngineError::Cancelled { .. } => Code::Cancelled,
+            EngineError::Cordoned { .. } => Code::FailedPrecondition,
             EngineError::NotItsSource { .. } => Code::PermissionDenied,
             EngineError::InCluster(crate::translation::FlowError::BadFlow { .. }) => {
                 Code::InvalidArgument

@@ -228,6 +228,10 @@ pub struct Link<'a> {
     pub destination: &'a crate::config::PeerConfig,
     /// The bound on one step's answer (`peer_timeout_secs`).
     pub deadline: Duration,
+    /// Checked before each round and raced against each round's transfer
+    /// (not against a scan: the trackers are away on a blocking thread
+    /// then, and must come back to be ended).
+    pub cancel: &'a super::cancel::Cancel,
 }
 
 impl Precopy {
@@ -297,6 +301,7 @@ impl Precopy {
         let mut earlier: Vec<u64> = Vec::new();
         let (mut sent_total, mut send_time) = (0u64, Duration::ZERO);
         for round in 1.. {
+            link.cancel.check()?;
             let started = Instant::now();
             let scans = self.scan_all(true).await?;
             let mut written_pages = 0;
@@ -387,7 +392,10 @@ impl Precopy {
                 return Ok(());
             }
             let send_started = Instant::now();
-            let (sent, bytes) = send_round(&link, round, to_send).await?;
+            let (sent, bytes) = tokio::select! {
+                r = send_round(&link, round, to_send) => r?,
+                e = link.cancel.requested() => return Err(e),
+            };
             if bytes > 0 {
                 sent_total += bytes;
                 send_time += send_started.elapsed();
@@ -402,7 +410,10 @@ impl Precopy {
             if self.strategy == MemoryStrategy::QueuedPreCopy && bytes == 0 {
                 // Nothing quiet to send: let the process run a while so
                 // that the next scan tells hot pages from cold ones.
-                tokio::time::sleep(QUEUED_OBSERVATION).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(QUEUED_OBSERVATION) => {}
+                    e = link.cancel.requested() => return Err(e),
+                }
             }
             record.delayed_pages = self.delayed_pages();
             record.duration_us = started.elapsed().as_micros() as u64;

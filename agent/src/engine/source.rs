@@ -7,8 +7,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use ferry_proto::v1::peer_client::PeerClient;
 use ferry_proto::v1::{
     self as pb, AbortRequest, ArmRequest, CommitRequest, HelloRequest, MigrationEvent,
-    MigrationOutcome, MigrationProgress, MigrationReport, MigrationStarted, PhaseTiming,
-    PrepareRequest, RestoreRequest, TranslationsRequest, migration_event,
+    MigrationOutcome, MigrationPhase, MigrationProgress, MigrationReport, MigrationStarted,
+    PhaseTiming, PrepareRequest, RestoreRequest, TranslationsRequest, cluster_event,
+    migration_event,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -62,6 +63,8 @@ pub struct Prepared {
     convergence: Convergence,
     started: Instant,
     started_wall: SystemTime,
+    /// `Control.CancelMigration`'s switch, and the migration's end.
+    pub cancel: Arc<super::cancel::Cancel>,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -256,6 +259,7 @@ pub async fn prepare(
                 convergence,
                 started,
                 started_wall,
+                cancel: Default::default(),
             })
         }
         Err(e) => {
@@ -495,6 +499,14 @@ impl Run {
                 bytes_transferred: self.report.bytes_transferred,
             })),
         };
+        if let Some(migration_event::Event::Progress(progress)) = &ev.event {
+            self.agent
+                .events
+                .publish(cluster_event::Event::MigrationPhase(MigrationPhase {
+                    migration_id: self.p.migration_id.clone(),
+                    progress: Some(progress.clone()),
+                }));
+        }
         // The migration goes on if the caller stopped listening.
         let _ = self.events.send(Ok(ev)).await;
     }
@@ -541,14 +553,19 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             }],
             ..Default::default()
         };
+        agent.outgoing_started(&p.migration_id, p.cancel.clone());
+        let started = MigrationStarted {
+            migration_id: p.migration_id.clone(),
+            source_node: agent.node().to_owned(),
+            destination_node: p.destination.name.clone(),
+            pid: p.pid,
+        };
+        agent
+            .events
+            .publish(cluster_event::Event::MigrationStarted(started.clone()));
         let _ = events
             .send(Ok(MigrationEvent {
-                event: Some(migration_event::Event::Started(MigrationStarted {
-                    migration_id: p.migration_id.clone(),
-                    source_node: agent.node().to_owned(),
-                    destination_node: p.destination.name.clone(),
-                    pid: p.pid,
-                })),
+                event: Some(migration_event::Event::Started(started)),
             }))
             .await;
         let mut run = Run {
@@ -587,6 +604,11 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
         run.report.total_time_us = run.p.started.elapsed().as_micros() as u64;
         run.close_phases();
         agent.store_report(run.report.clone());
+        agent
+            .events
+            .publish(cluster_event::Event::MigrationFinished(run.report.clone()));
+        agent.outgoing_finished(&run.p.migration_id);
+        run.p.cancel.finish(run.report.clone());
         tracing::info!(
             outcome = run.report.outcome,
             freeze_ms = run.report.freeze_time_us as f64 / 1000.0,
@@ -621,6 +643,15 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         return Stop::BeforeCommit(e);
     }
     set_private(dir);
+    // Cancelled at a phase boundary: the rollback resumes the process.
+    macro_rules! honour_cancel {
+        () => {
+            if let Err(e) = run.p.cancel.check() {
+                return Stop::BeforeCommit(e);
+            }
+        };
+    }
+    honour_cancel!();
 
     // Pre-copy: the memory crosses while the process runs.
     let pid = run.p.pid;
@@ -639,6 +670,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             migration_id: &run.p.migration_id,
             destination: &run.p.destination,
             deadline,
+            cancel: &run.p.cancel,
         };
         let mut sent = sent_before;
         let result = pre
@@ -670,6 +702,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // logs what it delivers, so the destination can skip those.
     let id = run.p.migration_id.clone();
     let ports: Vec<PortKey> = run.p.sockets.ports.iter().copied().collect();
+    honour_cancel!();
     if run.capture {
         run.phase("arm").await;
         run.agent.capture.open(&id, ports.iter().copied());
@@ -695,6 +728,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // the data plane (nothing out, so no RST; what arrives is kept here
     // too, for a resume on abort). CRIU's start-up thus runs while the
     // process still serves its clients.
+    honour_cancel!();
     run.phase("dump").await;
     // Post-copy: the page server's connection, made before the freeze.
     // CRIU gets one end (this process closes its copy once CRIU runs), the
@@ -908,6 +942,9 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         })
     });
 
+    // The dump is done (a cancel during it waited here): the process is
+    // stopped, and resumes on the rollback.
+    honour_cancel!();
     run.phase("transfer").await;
     let (tx, rx) = mpsc::channel(8);
     let reader = tokio::task::spawn_blocking({
@@ -965,13 +1002,28 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         };
         (Some(held), answer)
     };
+    // A cancel cuts the images short, not the connections: once read they
+    // are in repair mode and must reach the rollback (`run.held`) to be
+    // turned back before the process resumes.
+    let cancel = run.p.cancel.clone();
+    let images_sent = async {
+        tokio::select! {
+            sent = images_sent => Ok(sent),
+            e = cancel.requested() => Err(e),
+        }
+    };
     let (sent, (held, sockets)) = tokio::join!(images_sent, sockets_sent);
     if held.is_some() {
         run.held = held;
     }
     let sent = match sent {
-        Ok(sent) => sent,
-        Err(_) => {
+        Err(e) => {
+            // The reader ends once its channel is gone.
+            let _ = reader.await;
+            return Stop::BeforeCommit(e);
+        }
+        Ok(Ok(sent)) => sent,
+        Ok(Err(_)) => {
             return Stop::BeforeCommit(silent(&run.p.destination, "the image transfer", deadline));
         }
     };
@@ -1005,6 +1057,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     }
 
     let transfer_end = Instant::now();
+    // The last point a cancel is honoured: from here the destination
+    // restores, and the migration commits or rolls back by itself.
+    if let Err(e) = run.p.cancel.enter_restore() {
+        return Stop::BeforeCommit(e);
+    }
     run.phase("restore").await;
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),

@@ -81,6 +81,25 @@ struct Shared {
     rejected: auth::RejectCounts,
     /// Load broadcasts not yet taken by the conductor.
     inbox: Vec<LoadBroadcast>,
+    /// Members' state changes, for the agent's event stream.
+    changes: ChangeFeed,
+}
+
+/// A member's state changed (`previous` is `None` for a node first seen).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberChange {
+    pub name: String,
+    pub state: MemberState,
+    pub previous: Option<MemberState>,
+}
+
+#[derive(Debug)]
+struct ChangeFeed(tokio::sync::broadcast::Sender<MemberChange>);
+
+impl Default for ChangeFeed {
+    fn default() -> Self {
+        ChangeFeed(tokio::sync::broadcast::channel(256).0)
+    }
 }
 
 #[derive(Debug)]
@@ -254,6 +273,11 @@ impl Membership {
 
     pub fn local(&self) -> &NodeIdent {
         &self.local
+    }
+
+    /// Members' state changes from now on.
+    pub fn changes(&self) -> tokio::sync::broadcast::Receiver<MemberChange> {
+        lock(&self.shared).changes.0.subscribe()
     }
 
     /// Every node known, alive or not (never this node).
@@ -580,12 +604,21 @@ impl Swim {
             }
         }
         let mut shared = lock(&self.shared);
+        let mut changes = Vec::new();
         for (name, (ident, state)) in best {
             let state = match state {
                 foca::State::Alive => MemberState::Alive,
                 foca::State::Suspect => MemberState::Suspect,
                 foca::State::Down => MemberState::Down,
             };
+            let previous = shared.members.get(&name).map(|m| m.state);
+            if previous != Some(state) {
+                changes.push(MemberChange {
+                    name: name.clone(),
+                    state,
+                    previous,
+                });
+            }
             let entry = shared.members.entry(name).or_insert_with(|| Member {
                 ident: ident.clone(),
                 state,
@@ -607,9 +640,18 @@ impl Swim {
                     .iter_membership_state()
                     .any(|x| &x.id().name == name);
                 if !still {
+                    changes.push(MemberChange {
+                        name: name.clone(),
+                        state: MemberState::Down,
+                        previous: Some(m.state),
+                    });
                     m.state = MemberState::Down;
                 }
             }
+        }
+        for change in changes {
+            // Nobody listening is fine.
+            let _ = shared.changes.0.send(change);
         }
     }
 }

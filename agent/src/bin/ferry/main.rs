@@ -4,6 +4,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod drain;
+mod events;
+mod progress;
+
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use ferry_proto::v1::control_client::ControlClient;
@@ -46,6 +50,11 @@ struct Args {
     /// client certificate.
     #[arg(long, env = "FERRY_TOKEN", global = true, hide_env_values = true)]
     token: Option<String>,
+    /// The node a command is about, when not the agent's own: the agent
+    /// forwards the call there (ps, run, migrate, report, dataplane,
+    /// balancer, cancel, drain, cordon).
+    #[arg(long, global = true, value_name = "NODE")]
+    node: Option<String>,
     /// Machine-readable output (JSON).
     #[arg(long, global = true)]
     json: bool,
@@ -57,8 +66,13 @@ struct Args {
 enum Command {
     /// The cluster's nodes and whether they answer.
     Nodes,
-    /// Processes managed by this node, with their ports and connections.
-    Ps,
+    /// Processes managed by this node (or --node's), with their ports and
+    /// connections.
+    Ps {
+        /// Every node's processes.
+        #[arg(long)]
+        all: bool,
+    },
     /// Start a command under ferry's management on this node.
     Run {
         #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
@@ -98,6 +112,32 @@ enum Command {
     },
     /// The report of a migration that ran from this node.
     Report { migration_id: String },
+    /// Stop a migration before the destination restores the process: it
+    /// rolls back and the process runs on at the source.
+    Cancel { migration_id: String },
+    /// Empty this node (or --node) for maintenance: cordon it, then move
+    /// its processes one by one to the least loaded other nodes.
+    Drain {
+        /// How memory moves (as for migrate).
+        #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy", "post-copy", "assisted-post-copy"])]
+        strategy: Option<String>,
+        /// How TCP connections move (as for migrate).
+        #[arg(long, value_parser = ["collective", "iterative"])]
+        sockets: Option<String>,
+    },
+    /// Cordon this node (or --node): it takes no incoming migration,
+    /// balancer offer or new process; `--off` lifts it.
+    Cordon {
+        #[arg(long)]
+        off: bool,
+    },
+    /// Follow the cluster's events: migrations, membership, balancer
+    /// decisions, cordons and drains (Ctrl-C ends).
+    Events {
+        /// Only the agent's own node's events.
+        #[arg(long)]
+        this_node_only: bool,
+    },
     /// This node's data plane: packet counters and port states.
     #[command(visible_alias = "dp")]
     Dataplane,
@@ -298,7 +338,7 @@ async fn connect_local(socket: PathBuf) -> Result<Channel> {
     Ok(channel)
 }
 
-fn status_error(s: tonic::Status) -> anyhow::Error {
+pub(crate) fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), s.message())
 }
 
@@ -388,6 +428,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
         c => c,
     };
     let mut client = connect(&args).await?;
+    let node = args.node.clone().unwrap_or_default();
     match command {
         Command::Cert(_) => unreachable!("handled above"),
         Command::Nodes => {
@@ -403,7 +444,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                     "reachable": n.reachable, "peer_protocol_version": n.peer_protocol_version,
                     "managed_processes": n.managed_processes, "error": n.error,
                     "membership_state": n.membership_state, "load": if n.has_load { json!(n.load) } else { json!(null) },
-                    "load_age_ms": n.load_age_ms, "candidate": n.candidate,
+                    "load_age_ms": n.load_age_ms, "candidate": n.candidate, "cordoned": n.cordoned,
                 })).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -413,13 +454,16 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 );
                 for n in nodes {
                     let state = if n.reachable { "up" } else { "down" };
-                    let note = if n.is_self {
+                    let mut note = if n.is_self {
                         "this node".to_owned()
                     } else if n.candidate {
                         format!("balancer candidate {}", n.error)
                     } else {
                         n.error
                     };
+                    if n.cordoned {
+                        note = format!("cordoned; {note}");
+                    }
                     let load = if n.has_load {
                         format!("{:.2}", n.load)
                     } else {
@@ -439,9 +483,12 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 }
             }
         }
-        Command::Ps => {
+        Command::Ps { all } => {
             let r = client
-                .list_processes(ListProcessesRequest {})
+                .list_processes(ListProcessesRequest {
+                    node: node.clone(),
+                    all_nodes: all,
+                })
                 .await
                 .map_err(status_error)?
                 .into_inner();
@@ -450,21 +497,24 @@ async fn main_exec(mut args: Args) -> Result<()> {
                     "pid": p.pid, "argv": p.argv, "ports": p.ports.iter().map(port_str).collect::<Vec<_>>(),
                     "tcp_listening": p.tcp_listening, "tcp_established": p.tcp_established,
                     "udp_sockets": p.udp_sockets, "state": p.state, "origin": p.origin,
-                    "port_conflicts": p.port_conflicts,
+                    "port_conflicts": p.port_conflicts, "node": p.node,
                 })).collect();
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(&json!({"node": r.node, "processes": v}))?
+                    serde_json::to_string_pretty(
+                        &json!({"node": r.node, "processes": v, "unreachable": r.unreachable})
+                    )?
                 );
             } else {
                 println!(
-                    "{:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  COMMAND",
-                    "PID", "STATE", "ORIGIN", "PORTS", "LISTEN", "ESTAB", "UDP"
+                    "{:<12} {:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  COMMAND",
+                    "NODE", "PID", "STATE", "ORIGIN", "PORTS", "LISTEN", "ESTAB", "UDP"
                 );
                 for p in r.processes {
                     let ports = p.ports.iter().map(port_str).collect::<Vec<_>>().join(",");
                     println!(
-                        "{:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  {}",
+                        "{:<12} {:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  {}",
+                        p.node,
                         p.pid,
                         p.state,
                         p.origin,
@@ -475,14 +525,20 @@ async fn main_exec(mut args: Args) -> Result<()> {
                         p.argv.join(" ")
                     );
                     for c in &p.port_conflicts {
-                        println!("{:>8} refused: {c}; its packets go there", "");
+                        println!("{:>21} refused: {c}; its packets go there", "");
                     }
+                }
+                for u in &r.unreachable {
+                    eprintln!("not listed: {u}");
                 }
             }
         }
         Command::Run { argv } => {
             let pid = client
-                .run_process(RunProcessRequest { argv })
+                .run_process(RunProcessRequest {
+                    argv,
+                    node: node.clone(),
+                })
                 .await
                 .map_err(status_error)?
                 .into_inner()
@@ -507,19 +563,8 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 Some("off") => pb::PrecopyThrottle::Off,
                 _ => pb::PrecopyThrottle::Unspecified,
             };
-            let sockets = match sockets.as_deref() {
-                Some("collective") => pb::SocketMigration::Collective,
-                Some("iterative") => pb::SocketMigration::Iterative,
-                _ => pb::SocketMigration::Unspecified,
-            };
-            let strategy = match strategy.as_deref() {
-                Some("total-copy") => pb::Strategy::TotalCopy,
-                Some("pre-copy") => pb::Strategy::PreCopy,
-                Some("queued-pre-copy") => pb::Strategy::QueuedPreCopy,
-                Some("post-copy") => pb::Strategy::PostCopy,
-                Some("assisted-post-copy") => pb::Strategy::AssistedPostCopy,
-                _ => pb::Strategy::Unspecified,
-            };
+            let sockets = sockets_arg(sockets.as_deref());
+            let strategy = strategy_arg(strategy.as_deref());
             let mut stream = client
                 .migrate(MigrateRequest {
                     pid,
@@ -529,33 +574,27 @@ async fn main_exec(mut args: Args) -> Result<()> {
                     downtime_budget_ms: downtime_budget_ms.unwrap_or(0),
                     max_rounds: max_rounds.unwrap_or(0),
                     throttle: throttle as i32,
+                    source_node: node.clone(),
                 })
                 .await
                 .map_err(status_error)?
                 .into_inner();
             let mut report = None;
+            let mut progress = progress::Line::new(!args.json);
             loop {
                 match stream.message().await {
                     Ok(Some(ev)) => match ev.event {
-                        Some(migration_event::Event::Started(s)) if !args.json => {
-                            eprintln!(
-                                "migration {} of PID {}: {} -> {}",
-                                s.migration_id, s.pid, s.source_node, s.destination_node
-                            );
-                        }
-                        Some(migration_event::Event::Progress(p)) if !args.json => {
-                            eprintln!(
-                                "  {:>9.1} ms  {:<10} {:>12} bytes sent",
-                                p.elapsed_us as f64 / 1000.0,
-                                p.phase,
-                                p.bytes_transferred
-                            );
-                        }
+                        Some(migration_event::Event::Started(s)) => progress.note(&format!(
+                            "migration {} of PID {}: {} -> {}",
+                            s.migration_id, s.pid, s.source_node, s.destination_node
+                        )),
+                        Some(migration_event::Event::Progress(p)) => progress.phase(&p),
                         Some(migration_event::Event::Report(r)) => report = Some(r),
-                        _ => {}
+                        None => {}
                     },
                     Ok(None) => break,
                     Err(s) => {
+                        progress.done();
                         if let Some(r) = &report {
                             print_report(r, args.json)?;
                         }
@@ -563,6 +602,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                     }
                 }
             }
+            progress.done();
             match report {
                 Some(r) => print_report(&r, args.json)?,
                 None => bail!("the agent ended the migration stream without a report"),
@@ -570,7 +610,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
         }
         Command::Dataplane => {
             let d = client
-                .get_data_plane(GetDataPlaneRequest {})
+                .get_data_plane(GetDataPlaneRequest { node: node.clone() })
                 .await
                 .map_err(status_error)?
                 .into_inner();
@@ -578,12 +618,17 @@ async fn main_exec(mut args: Args) -> Result<()> {
         }
         Command::Balancer { action } => {
             let b = match action.unwrap_or(BalancerAction::Show) {
-                BalancerAction::Show => client.get_balancer(pb::GetBalancerRequest {}).await,
+                BalancerAction::Show => {
+                    client
+                        .get_balancer(pb::GetBalancerRequest { node: node.clone() })
+                        .await
+                }
                 BalancerAction::On => {
                     client
                         .set_balancer(pb::SetBalancerRequest {
                             enabled: Some(true),
                             settings: vec![],
+                            node: node.clone(),
                         })
                         .await
                 }
@@ -592,6 +637,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                         .set_balancer(pb::SetBalancerRequest {
                             enabled: Some(false),
                             settings: vec![],
+                            node: node.clone(),
                         })
                         .await
                 }
@@ -610,6 +656,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
                         .set_balancer(pb::SetBalancerRequest {
                             enabled: None,
                             settings: parsed,
+                            node: node.clone(),
                         })
                         .await
                 }
@@ -620,11 +667,69 @@ async fn main_exec(mut args: Args) -> Result<()> {
         }
         Command::Report { migration_id } => {
             let r = client
-                .get_migration(GetMigrationRequest { migration_id })
+                .get_migration(GetMigrationRequest {
+                    migration_id,
+                    node: node.clone(),
+                })
                 .await
                 .map_err(status_error)?
                 .into_inner();
             print_report(&r, args.json)?;
+        }
+        Command::Cancel { migration_id } => {
+            let r = client
+                .cancel_migration(pb::CancelMigrationRequest {
+                    migration_id,
+                    node: node.clone(),
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            print_report(&r, args.json)?;
+        }
+        Command::Cordon { off } => {
+            let r = client
+                .set_cordon(pb::SetCordonRequest {
+                    node: node.clone(),
+                    cordoned: !off,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if args.json {
+                println!("{}", json!({"node": r.node, "cordoned": r.cordoned}));
+            } else if r.cordoned {
+                println!("{} is cordoned", r.node);
+            } else {
+                println!("{} takes work again", r.node);
+            }
+        }
+        Command::Drain { strategy, sockets } => {
+            let stream = client
+                .drain_node(pb::DrainNodeRequest {
+                    node: node.clone(),
+                    strategy: strategy_arg(strategy.as_deref()) as i32,
+                    sockets: sockets_arg(sockets.as_deref()) as i32,
+                    downtime_budget_ms: 0,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            drain::follow(stream, args.json).await?;
+        }
+        Command::Events { this_node_only } => {
+            let mut stream = client
+                .watch_events(pb::WatchEventsRequest { this_node_only })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            while let Some(ev) = stream.message().await.map_err(status_error)? {
+                if args.json {
+                    println!("{}", events::to_json(&ev));
+                } else {
+                    println!("{}", events::line(&ev));
+                }
+            }
         }
     }
     Ok(())
@@ -958,4 +1063,23 @@ fn print_data_plane(d: &pb::DataPlane, as_json: bool) -> Result<()> {
         println!("  {t}");
     }
     Ok(())
+}
+
+fn strategy_arg(s: Option<&str>) -> pb::Strategy {
+    match s {
+        Some("total-copy") => pb::Strategy::TotalCopy,
+        Some("pre-copy") => pb::Strategy::PreCopy,
+        Some("queued-pre-copy") => pb::Strategy::QueuedPreCopy,
+        Some("post-copy") => pb::Strategy::PostCopy,
+        Some("assisted-post-copy") => pb::Strategy::AssistedPostCopy,
+        _ => pb::Strategy::Unspecified,
+    }
+}
+
+fn sockets_arg(s: Option<&str>) -> pb::SocketMigration {
+    match s {
+        Some("collective") => pb::SocketMigration::Collective,
+        Some("iterative") => pb::SocketMigration::Iterative,
+        _ => pb::SocketMigration::Unspecified,
+    }
 }
