@@ -10,6 +10,8 @@ pub mod conductor;
 pub mod config;
 pub mod criu;
 pub mod engine;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod managed;
 pub mod membership;
 pub mod memtrack;

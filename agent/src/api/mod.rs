@@ -5,6 +5,6 @@ mod control;
 pub mod introspection;
 mod peer;
 
-pub use control::ControlService;
+pub use control::{ControlService, apply_settings};
 pub use introspection::control_routes;
 pub use peer::PeerService;
