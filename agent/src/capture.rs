@@ -312,7 +312,7 @@ impl PacketReplayer for ferry_ebpf::Replayer {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fake {
     use std::sync::{Arc, Mutex};
 

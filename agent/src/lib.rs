@@ -12,6 +12,8 @@ pub mod criu;
 pub mod drain;
 pub mod engine;
 pub mod events;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod managed;
 pub mod membership;
 pub mod memtrack;

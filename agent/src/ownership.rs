@@ -196,7 +196,7 @@ impl PortFilter for EbpfPortFilter {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fake {
     use super::*;
     use std::sync::{Arc, Mutex};

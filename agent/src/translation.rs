@@ -225,7 +225,7 @@ pub fn rewrite_in_cluster(
     Ok(flows)
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fake {
     use std::sync::{Arc, Mutex};
 

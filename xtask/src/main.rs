@@ -7,11 +7,14 @@
 //! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark (`gap`, `freeze`, `algorithms`, `replay`)
 //! - `sim <openmosix|dve|all> [--runs N] [--seed S] [--out DIR]`: run the
 //!   load-balancing simulator (no root, no setup)
+//! - `fuzz [TARGET] [--seconds N]`: run the cargo-fuzz targets in `fuzz/`
+//!   (nightly; installs cargo-fuzz if missing), fail on a finding
 
 mod bench;
 mod cmd;
 mod criu;
 mod demo;
+mod fuzz;
 mod packages;
 mod setup;
 mod sim;
@@ -76,6 +79,10 @@ enum Command {
     /// (seed 002's spike experiment), `dve` (seed 000's DVE scenario) or
     /// `all`; writes tables, CSV and SVG plots to target/sim/<name>/.
     Sim(sim::SimArgs),
+    /// Fuzz the agent's request decoding, peer protocol and parsers
+    /// (cargo-fuzz, nightly; no root): each target for `--seconds` from its
+    /// corpus in fuzz/corpus/, failing on a finding (fuzz/artifacts/).
+    Fuzz(fuzz::FuzzArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -90,6 +97,7 @@ fn main() -> std::process::ExitCode {
         Command::Demo { args } => demo::run(prefix, &args),
         Command::Bench { name, args } => bench::run(prefix, &name, &args),
         Command::Sim(args) => sim::run(&args),
+        Command::Fuzz(args) => fuzz::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -121,6 +129,12 @@ mod tests {
         let a = parse(&["--criu-prefix", "/tmp/x", "setup"]);
         assert_eq!(a.criu_prefix, PathBuf::from("/tmp/x"));
         assert!(matches!(a.command, Command::Setup));
+        let a = parse(&["fuzz", "peer_protocol", "--seconds", "600"]);
+        assert!(matches!(
+            a.command,
+            Command::Fuzz(fuzz::FuzzArgs { ref target, seconds: 600, replay: false, .. })
+                if target.as_deref() == Some("peer_protocol")
+        ));
         let a = parse(&[
             "sim",
             "openmosix",

@@ -625,7 +625,7 @@ fn port_state_name(s: crate::ownership::PortState) -> &'static str {
 
 /// A Migrate request's fields, checked: the PID, the destination and the
 /// options; the error names the field.
-fn migrate_options(
+pub fn migrate_options(
     req: &MigrateRequest,
 ) -> Result<(i32, String, source::MigrationOptions), Status> {
     if req.pid <= 0 {
@@ -696,7 +696,7 @@ fn migrate_options(
 }
 
 /// A DrainNode request's migration options, checked as Migrate's are.
-fn drain_options(req: &pb::DrainNodeRequest) -> Result<source::MigrationOptions, Status> {
+pub fn drain_options(req: &pb::DrainNodeRequest) -> Result<source::MigrationOptions, Status> {
     let as_migrate = MigrateRequest {
         pid: 1,
         destination_node: "-".into(),

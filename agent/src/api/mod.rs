@@ -6,6 +6,6 @@ pub mod forward;
 pub mod introspection;
 mod peer;
 
-pub use control::ControlService;
+pub use control::{ControlService, apply_settings, drain_options, migrate_options};
 pub use introspection::control_routes;
 pub use peer::PeerService;

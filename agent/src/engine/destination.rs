@@ -1247,6 +1247,26 @@ fn relocate_in_cluster(
     Ok(())
 }
 
+/// What TransferSockets checks before it rebuilds anything: the
+/// connections, valid, with the in-cluster ones moved to this node's
+/// cluster address. Pure (the fuzz target runs it; the rebuild needs root).
+pub fn sockets_to_rebuild(
+    agent: &Agent,
+    migration_id: &str,
+    source_node: &str,
+    tcp_connections: Vec<pb::TcpConnectionState>,
+) -> Result<Vec<crate::sockstate::TcpConnectionState>, EngineError> {
+    if migration_id.is_empty() {
+        return Err(EngineError::InvalidField {
+            field: "migration_id",
+            reason: "empty".into(),
+        });
+    }
+    let mut states = crate::sockstate::from_pb_batch(tcp_connections)?;
+    relocate_in_cluster(agent, source_node, &mut states)?;
+    Ok(states)
+}
+
 /// TransferSockets: rebuilds every connection at once, beside the image
 /// transfer (which holds the incoming slot meanwhile, so the result waits
 /// in its own), and keeps them for the Restore.
@@ -1254,14 +1274,12 @@ pub async fn transfer_sockets(
     agent: &Arc<Agent>,
     req: ferry_proto::v1::TransferSocketsRequest,
 ) -> Result<ferry_proto::v1::TransferSocketsResponse, EngineError> {
-    if req.migration_id.is_empty() {
-        return Err(EngineError::InvalidField {
-            field: "migration_id",
-            reason: "empty".into(),
-        });
-    }
-    let mut states = crate::sockstate::from_pb_batch(req.tcp_connections)?;
-    relocate_in_cluster(agent, &req.source_node, &mut states)?;
+    let states = sockets_to_rebuild(
+        agent,
+        &req.migration_id,
+        &req.source_node,
+        req.tcp_connections,
+    )?;
     let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
     let started = Instant::now();
     let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
@@ -1333,33 +1351,46 @@ pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineEr
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
+/// The agent the destination's unit tests and the peer-protocol fuzz
+/// target (`fuzz/`, through `crate::fuzzing`) drive: a recording fake for
+/// the eBPF filter, the replayer and the flow rules, and a "CRIU" that
+/// only answers `--version` (Prepare checks it; any restore fails), so no
+/// step touches the system outside its temporary directory.
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fixture {
     use std::sync::Arc;
 
-    use super::*;
-    use crate::capture::{digest, fake::FakeReplayer};
+    use crate::agent::Agent;
+    use crate::capture::fake::FakeReplayer;
     use crate::config::Config;
     use crate::ownership::fake::FakeFilter;
-    use ferry_ebpf::{CaptureKind, CapturedPacket, Protocol};
+    use crate::translation::fake::FakeFlowRules;
 
-    struct Fixture {
-        agent: Arc<Agent>,
-        filter: FakeFilter,
-        replayed: FakeReplayer,
-        _dir: tempfile::TempDir,
+    pub struct Fixture {
+        pub agent: Arc<Agent>,
+        pub filter: FakeFilter,
+        pub replayed: FakeReplayer,
+        pub flows: FakeFlowRules,
+        pub dir: tempfile::TempDir,
     }
 
-    /// An agent whose filter is a recording fake and whose "CRIU" only
-    /// answers `--version` (Prepare checks it; nothing here restores).
-    fn fixture() -> Fixture {
-        let dir = tempfile::tempdir().unwrap();
-        let criu = dir.path().join("criu");
-        std::fs::write(&criu, "#!/bin/sh\necho 'Version: 4.2.1'\n").unwrap();
-        std::fs::set_permissions(&criu, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-        let toml = format!(
-            r#"node = "node2"
+    /// The state of an incoming slot, by name.
+    pub fn state_name(inc: &super::Incoming) -> &'static str {
+        inc.state.name()
+    }
+
+    impl Fixture {
+        /// Node "node2" (cluster address 198.19.0.2), knowing `peers`
+        /// (name, cluster address) by configuration. With peers, nothing
+        /// may make the agent call them: they are not there.
+        pub fn new(peers: &[(&str, &str)]) -> Fixture {
+            let dir = tempfile::tempdir().unwrap();
+            let criu = dir.path().join("criu");
+            std::fs::write(&criu, "#!/bin/sh\necho 'Version: 4.2.1'\n").unwrap();
+            std::fs::set_permissions(&criu, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+            let mut toml = format!(
+                r#"node = "node2"
 work_dir = "{}"
 criu_path = "{}"
 [public]
@@ -1370,23 +1401,44 @@ interface = "clu0"
 address = "198.19.0.2"
 peer_listen = "198.19.0.2:7100"
 "#,
-            dir.path().join("work").display(),
-            criu.display()
-        );
-        let config = Config::parse(&toml, std::path::Path::new("test.toml")).unwrap();
-        let filter = FakeFilter::default();
-        let replayed = FakeReplayer::default();
-        Fixture {
-            agent: Agent::new(
-                config,
-                Box::new(filter.clone()),
-                Box::new(replayed.clone()),
-                Box::new(crate::translation::fake::FakeFlowRules::default()),
-            ),
-            filter,
-            replayed,
-            _dir: dir,
+                dir.path().join("work").display(),
+                criu.display()
+            );
+            for (name, address) in peers {
+                toml.push_str(&format!(
+                    "[[peers]]\nname = \"{name}\"\naddress = \"{address}:7100\"\n"
+                ));
+            }
+            let config = Config::parse(&toml, std::path::Path::new("test.toml")).unwrap();
+            let filter = FakeFilter::default();
+            let replayed = FakeReplayer::default();
+            let flows = FakeFlowRules::default();
+            Fixture {
+                agent: Agent::new(
+                    config,
+                    Box::new(filter.clone()),
+                    Box::new(replayed.clone()),
+                    Box::new(flows.clone()),
+                ),
+                filter,
+                replayed,
+                flows,
+                dir,
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+
+    use super::fixture::Fixture;
+    use super::*;
+    use crate::capture::digest;
+    use ferry_ebpf::{CaptureKind, CapturedPacket, Protocol};
+
+    fn fixture() -> Fixture {
+        Fixture::new(&[])
     }
 
     fn prepare_req(id: &str, port: u32) -> PrepareRequest {

@@ -171,8 +171,8 @@
 pub mod cancel;
 pub mod destination;
 mod images;
-mod localpages;
-mod pagestore;
+pub(crate) mod localpages;
+pub(crate) mod pagestore;
 mod pagetunnel;
 pub mod precopy;
 mod rollback;

@@ -27,7 +27,7 @@
 //! unsealed ones are dropped and counted ([`auth`]).
 
 pub mod auth;
-mod wire;
+pub(crate) mod wire;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

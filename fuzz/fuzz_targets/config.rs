@@ -1,0 +1,4 @@
+//! `config`: see `ferry_agent::fuzzing::config` for what it feeds and checks.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ferry_agent::fuzzing::config(data));

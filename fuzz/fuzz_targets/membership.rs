@@ -1,0 +1,4 @@
+//! `membership`: see `ferry_agent::fuzzing::membership` for what it feeds and checks.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ferry_agent::fuzzing::membership(data));

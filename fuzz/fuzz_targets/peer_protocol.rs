@@ -1,0 +1,4 @@
+//! `peer_protocol`: see `ferry_agent::fuzzing::peer_protocol` for what it feeds and checks.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ferry_agent::fuzzing::peer_protocol(data));
