@@ -162,11 +162,17 @@ fn addr(port: u16) -> SocketAddr {
 }
 
 /// Asserts that a read saw nothing: a timeout, not data and not a reset.
+/// A read interrupted by a signal (another test's child exiting: a
+/// socket read with a timeout is never restarted, SA_RESTART or not) is
+/// read again.
 #[track_caller]
-fn assert_silent(r: std::io::Result<usize>, what: &str) {
-    match r {
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-        other => panic!("{what}: expected silence, got {other:?}"),
+fn assert_silent(mut read: impl FnMut() -> std::io::Result<usize>, what: &str) {
+    loop {
+        match read() {
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return,
+            other => panic!("{what}: expected silence, got {other:?}"),
+        }
     }
 }
 
@@ -229,7 +235,7 @@ fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
     assert_eq!(&buf[..n], b"owned");
     // UDP ignores pkt_type: only the filter keeps this one out.
     client.send_to(b"other", addr(7004)).unwrap();
-    assert_silent(other.recv(&mut buf), "datagram to a non-owned port");
+    assert_silent(|| other.recv(&mut buf), "datagram to a non-owned port");
     let c = filter.counters().unwrap();
     assert!(c.passed >= 1 && c.dropped_not_owned >= 1, "{c:?}");
 
@@ -241,7 +247,7 @@ fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
     assert_eq!(&buf[..n], &big[..]);
     client.send_to(&big, addr(7004)).unwrap();
     assert_silent(
-        other.recv(&mut buf),
+        || other.recv(&mut buf),
         "fragmented datagram to a non-owned port",
     );
     assert!(filter.counters().unwrap().passed_other >= 2);
@@ -266,7 +272,7 @@ fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
     assert_eq!(&buf[..n], b"options");
     client.send_to(b"options", addr(7004)).unwrap();
     assert_silent(
-        other.recv(&mut buf),
+        || other.recv(&mut buf),
         "datagram with options to a non-owned port",
     );
 
@@ -276,7 +282,7 @@ fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
     owned
         .set_read_timeout(Some(Duration::from_millis(500)))
         .unwrap();
-    assert_silent(owned.recv(&mut buf), "datagram to a disowned port");
+    assert_silent(|| owned.recv(&mut buf), "datagram to a disowned port");
 }
 
 #[test]
@@ -359,8 +365,8 @@ fn freeze_holds_both_directions_without_rst_and_thaw_resumes() {
     a_srv.write_all(b"to-client").unwrap();
     a_srv.set_read_timeout(ms(700)).unwrap();
     a.set_read_timeout(ms(700)).unwrap();
-    assert_silent(a_srv.read(&mut buf), "data reached a frozen port");
-    assert_silent(a.read(&mut buf), "data left a frozen port");
+    assert_silent(|| a_srv.read(&mut buf), "data reached a frozen port");
+    assert_silent(|| a.read(&mut buf), "data left a frozen port");
 
     // An abortive close sends an RST, as a dumped-and-killed process's
     // sockets would: it must not leave the node.
@@ -372,13 +378,16 @@ fn freeze_holds_both_directions_without_rst_and_thaw_resumes() {
     drop(b_srv);
     let mut b = b;
     b.set_read_timeout(ms(700)).unwrap();
-    assert_silent(b.read(&mut buf), "a frozen port's RST reached the peer");
+    assert_silent(|| b.read(&mut buf), "a frozen port's RST reached the peer");
 
     // UDP both ways.
     udp.set_read_timeout(ms(500)).unwrap();
     udp_server.set_read_timeout(ms(500)).unwrap();
     udp.send_to(b"in", addr(7003)).unwrap();
-    assert_silent(udp_server.recv(&mut buf), "datagram reached a frozen port");
+    assert_silent(
+        || udp_server.recv(&mut buf),
+        "datagram reached a frozen port",
+    );
     let client_addr = SocketAddr::new([198, 18, 1, 1].into(), udp.local_addr().unwrap().port());
     // A datagram the process sends leaves: it runs until CRIU stops it,
     // and nobody would send an answer dropped here again.
@@ -496,9 +505,12 @@ fn captured_packets_replay_in_order_without_loss() {
     let mut buf = vec![0u8; 4096];
     srv.set_read_timeout(ms(300)).unwrap();
     udp_server.set_read_timeout(ms(300)).unwrap();
-    assert_silent(srv.read(&mut buf), "a captured TCP segment was delivered");
     assert_silent(
-        udp_server.recv(&mut buf),
+        || srv.read(&mut buf),
+        "a captured TCP segment was delivered",
+    );
+    assert_silent(
+        || udp_server.recv(&mut buf),
         "a captured datagram was delivered",
     );
 
@@ -546,7 +558,10 @@ fn captured_packets_replay_in_order_without_loss() {
         assert_eq!(&buf[..n], &i.to_be_bytes(), "datagrams out of order");
     }
     udp_server.set_read_timeout(ms(300)).unwrap();
-    assert_silent(udp_server.recv(&mut buf), "a datagram was replayed twice");
+    assert_silent(
+        || udp_server.recv(&mut buf),
+        "a datagram was replayed twice",
+    );
 
     srv.set_read_timeout(ms(5000)).unwrap();
     let mut got = vec![0u8; sent.len()];
@@ -885,7 +900,10 @@ fn pinned_filter_survives_its_owner_and_unpin_removes_everything() {
     assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
     let spammer = net.client(|| UdpSocket::bind("0.0.0.0:0").unwrap());
     spammer.send_to(b"unowned", addr(7004)).unwrap();
-    assert_silent(unowned_udp.recv(&mut buf), "datagram to a non-owned port");
+    assert_silent(
+        || unowned_udp.recv(&mut buf),
+        "datagram to a non-owned port",
+    );
     assert_eq!(
         net.node_snmp("Tcp", "OutRsts"),
         rsts,
@@ -937,7 +955,10 @@ fn pinned_filter_survives_its_owner_and_unpin_removes_everything() {
     let spammed = spam.join().unwrap();
     assert!(spammed > 0);
     std::thread::sleep(Duration::from_millis(100));
-    assert_silent(unowned_udp.recv(&mut buf), "spam reached a non-owned port");
+    assert_silent(
+        || unowned_udp.recv(&mut buf),
+        "spam reached a non-owned port",
+    );
 
     // This build's programs were swapped into the same links.
     assert_eq!(net.tcx_programs(TcAttachType::Ingress), ["ferry_ingress"]);
@@ -1042,7 +1063,7 @@ fn captured_records_survive_a_restart_and_are_drained_after_it() {
     server
         .set_read_timeout(Some(Duration::from_millis(300)))
         .unwrap();
-    assert_silent(server.recv(&mut [0u8; 64]), "a captured datagram");
+    assert_silent(|| server.recv(&mut [0u8; 64]), "a captured datagram");
     drop(filter);
     OwnershipFilter::unpin(&pins).unwrap();
     net.assert_unfiltered();

@@ -46,6 +46,41 @@ fn claims_own_name<T>(request: &Request<T>, field: &str, claimed: &str) -> Resul
     }
 }
 
+/// A node may ask for translations only of flows whose process end was on
+/// its own cluster address (it is the migration's source), moving to
+/// another cluster node's: otherwise any member could redirect another
+/// node's in-cluster connections to itself.
+fn flows_are_callers(agent: &Agent, caller: &str, req: &TranslationsRequest) -> Result<(), Status> {
+    let Some(own) = agent.cluster_address_of(caller) else {
+        return Err(Status::permission_denied(format!(
+            "{caller} has no cluster address this node knows: it cannot ask for translations"
+        )));
+    };
+    let ip = |s: &str| s.parse::<std::net::SocketAddrV4>().ok().map(|a| *a.ip());
+    for (i, f) in req.flows.iter().enumerate() {
+        // Unparsable addresses are left to the translation's own checks
+        // (INVALID_ARGUMENT naming the field).
+        if let Some(old) = ip(&f.old_local)
+            && old != own
+        {
+            return Err(Status::permission_denied(format!(
+                "flows[{i}].old_local: {} is not {caller}'s cluster address ({own}); a node asks only for its own connections",
+                f.old_local
+            )));
+        }
+        if let Some(new) = ip(&f.new_local)
+            && agent.peer_at(new).is_none()
+            && new != agent.config.cluster.address
+        {
+            return Err(Status::permission_denied(format!(
+                "flows[{i}].new_local: {} is no cluster node's address",
+                f.new_local
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl PeerService {
     pub fn new(agent: Arc<Agent>) -> Self {
         Self { agent }
@@ -79,6 +114,9 @@ impl PeerService {
         request: Request<TranslationsRequest>,
         change: fn(&Agent, &TranslationsRequest) -> Result<u32, crate::engine::EngineError>,
     ) -> Result<Response<TranslationsResponse>, Status> {
+        if let Some(node) = caller(&request) {
+            flows_are_callers(&self.agent, &node, request.get_ref())?;
+        }
         let agent = self.agent.clone();
         let req = request.into_inner();
         let rules = finish(tokio::task::spawn_blocking(move || change(&agent, &req))).await?;
@@ -283,5 +321,44 @@ impl Peer for PeerService {
                 .map(crate::engine::source::port_to_pb)
                 .collect(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::destination::fixture::Fixture;
+    use ferry_proto::v1::{InClusterFlow, Protocol};
+
+    fn flow(old_local: &str, new_local: &str) -> TranslationsRequest {
+        TranslationsRequest {
+            migration_id: "m1".into(),
+            flows: vec![InClusterFlow {
+                protocol: Protocol::Tcp as i32,
+                old_local: old_local.into(),
+                new_local: new_local.into(),
+                remote: "198.19.0.2:5432".into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_node_asks_only_for_translations_of_its_own_connections() {
+        let f = Fixture::new(&[("node1", "198.19.0.1"), ("node3", "198.19.0.3")]);
+        let a = &f.agent;
+        // node1's connection moving to node3: node1 may ask.
+        flows_are_callers(a, "node1", &flow("198.19.0.1:40000", "198.19.0.3:40000")).unwrap();
+        // node3 may not redirect node1's connection (to itself or anywhere).
+        let e = flows_are_callers(a, "node3", &flow("198.19.0.1:40000", "198.19.0.3:40000"))
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().starts_with("flows[0].old_local"), "{e:?}");
+        // Nor send it outside the cluster.
+        let e = flows_are_callers(a, "node1", &flow("198.19.0.1:40000", "198.18.9.9:40000"))
+            .unwrap_err();
+        assert!(e.message().starts_with("flows[0].new_local"), "{e:?}");
+        // A node this one does not know cannot ask at all.
+        let e = flows_are_callers(a, "node9", &flow("198.19.0.9:1", "198.19.0.3:1")).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
     }
 }
