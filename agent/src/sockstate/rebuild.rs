@@ -117,9 +117,9 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
     let sock = fd.as_fd();
     sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)
         .map_err(err("turning repair on"))?;
-    // The source's send buffer size, so that what it held (sent or not)
-    // fits here again; CRIU's restore sets the same value afterwards (it
-    // restores every socket's buffer sizes).
+    // The source's send buffer size; CRIU's restore sets the same value
+    // afterwards (it restores every socket's buffer sizes). What the source
+    // held need not fit in it: the queues go in through `sys::queue_all`.
     if c.sndbuf > 0 {
         sys::set_int(
             sock,
@@ -207,7 +207,11 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
             sys::TCP_SEND_QUEUE,
         )
         .map_err(err("selecting the send queue"))?;
-        sys::send_all(sock, &c.send_queue[..sent], 0).map_err(err("refilling the send queue"))?;
+        let grown = sys::queue_all(sock, &c.send_queue[..sent], 0)
+            .map_err(err("refilling the send queue"))?;
+        if let Some(size) = grown {
+            tracing::debug!(conn = %name, sent, sndbuf = c.sndbuf, grown_to = size, "send buffer grown for the bytes in flight");
+        }
     }
     sys::set_int(
         sock,
@@ -287,10 +291,14 @@ fn resume_one(c: &RebuiltConnection) -> Result<(), SockStateError> {
     )
     .map_err(err("restoring SO_REUSEADDR"))?;
     if !c.unsent.is_empty() {
-        // The source's send buffer held these bytes, and this one is as
-        // large (CRIU restored SO_SNDBUF): they fit without blocking.
-        sys::send_all(sock, &c.unsent, libc::MSG_DONTWAIT)
-            .map_err(err("queueing the unsent bytes"))?;
+        // Not the process's own send(): its buffer (CRIU restored the
+        // source's SO_SNDBUF) may be a little too small for what the source
+        // held, and every byte must go in, now, before the replay and the
+        // process's next writes (`sys::queue_all`).
+        let grown = sys::queue_all(sock, &c.unsent, 0).map_err(err("queueing the unsent bytes"))?;
+        if let Some(size) = grown {
+            tracing::debug!(conn = %c.name, unsent = c.unsent.len(), grown_to = size, "send buffer grown for the unsent bytes");
+        }
     }
     Ok(())
 }

@@ -230,6 +230,62 @@ pub fn peek_queue(fd: BorrowedFd<'_>, len: u32) -> io::Result<Vec<u8>> {
 /// straight into the selected queue as one linear buffer, which a large
 /// queue may not get (ENOMEM): then smaller pieces are tried, as CRIU does.
 pub fn send_all(fd: BorrowedFd<'_>, data: &[u8], flags: libc::c_int) -> io::Result<()> {
+    send_counted(fd, data, flags).1
+}
+
+/// The largest send buffer [`queue_all`] grows a socket's to (what
+/// `SO_SNDBUF` reports; the kernel's own limit is `INT_MAX`).
+const MAX_SNDBUF: i32 = 1 << 30;
+
+/// Puts all of `data` into a TCP socket's send queue without blocking,
+/// whatever its send buffer's size: when the buffer is full (EAGAIN), it
+/// is doubled (`SO_SNDBUFFORCE`) and the rest is tried again; at the end
+/// the size it had before is put back (what is queued stays queued; the
+/// process's own writes then wait until acknowledgments free the room).
+/// Returns the largest size the buffer was grown to, if it had to be.
+///
+/// Why not trust the size: the source's queue held these bytes in a
+/// buffer of this size, but not necessarily within it. The kernel checks
+/// the buffer before it starts a segment, not while it fills it, so a
+/// queue may end up to a segment past its buffer, and the queue rebuilt
+/// here is cut into other segments (the part already sent is written
+/// first, in repair mode, and the unsent part starts a segment of its
+/// own), whose overheads add up differently. A queue at the edge of its
+/// buffer on the source then does not fit here: a send that blocked would
+/// wait for acknowledgments that only the replay after it brings, and one
+/// that stopped at EAGAIN lost the rest of the stream's bytes (the client
+/// then received the process's next bytes in their place).
+pub fn queue_all(fd: BorrowedFd<'_>, data: &[u8], flags: libc::c_int) -> io::Result<Option<i32>> {
+    let before = get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF)?;
+    let mut size = before;
+    let mut off = 0;
+    let result = loop {
+        let (n, r) = send_counted(fd, &data[off..], flags | libc::MSG_DONTWAIT);
+        off += n;
+        match r {
+            Ok(()) => break Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && size < MAX_SNDBUF => {
+                size = size
+                    .saturating_mul(2)
+                    .clamp(libc::c_int::from(u16::MAX), MAX_SNDBUF);
+                // SO_SNDBUFFORCE takes half of what SO_SNDBUF reports.
+                if let Err(e) = set_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, size / 2) {
+                    break Err(e);
+                }
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    if size != before {
+        // The send's own error, if any, says more than this one.
+        let back = set_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, before / 2);
+        return result.and(back).map(|()| Some(size));
+    }
+    result.map(|()| None)
+}
+
+/// [`send_all`], also saying how many bytes went in before an error.
+fn send_counted(fd: BorrowedFd<'_>, data: &[u8], flags: libc::c_int) -> (usize, io::Result<()>) {
     let mut off = 0;
     let mut max_chunk = data.len().max(1);
     while off < data.len() {
@@ -249,15 +305,16 @@ pub fn send_all(fd: BorrowedFd<'_>, data: &[u8], flags: libc::c_int) -> io::Resu
                 max_chunk /= 2;
                 continue;
             }
-            return Err(if n == 0 {
+            let e = if n == 0 {
                 io::Error::other("send() took nothing")
             } else {
                 e
-            });
+            };
+            return (off, Err(e));
         }
         off += n as usize;
     }
-    Ok(())
+    (off, Ok(()))
 }
 
 /// Raises this process's soft RLIMIT_NOFILE to its hard limit and grows

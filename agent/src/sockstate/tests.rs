@@ -30,6 +30,15 @@ fn pair() -> (TcpStream, TcpStream) {
 /// Moves `server` through extract -> silent close -> rebuild -> resume,
 /// and returns the rebuilt socket.
 fn migrate(server: TcpStream) -> (TcpConnectionState, TcpStream) {
+    migrate_altered(server, |_| {})
+}
+
+/// [`migrate`], with the extracted state changed by `alter` before the
+/// rebuild (what another source could have sent).
+fn migrate_altered(
+    server: TcpStream,
+    alter: impl FnOnce(&mut TcpConnectionState),
+) -> (TcpConnectionState, TcpStream) {
     let inode = inode_of(&server);
     let dup: OwnedFd = server.as_fd().try_clone_to_owned().unwrap();
     let held = Held::from_descriptors(vec![(inode, dup)]);
@@ -43,6 +52,7 @@ fn migrate(server: TcpStream) -> (TcpConnectionState, TcpStream) {
     let wire = states[0].to_pb();
     let state = TcpConnectionState::from_pb(0, wire).expect("valid state");
     assert_eq!(state, states[0]);
+    alter(&mut states[0]);
     let rebuilt = rebuild(&states).expect("rebuild");
     let fds = rebuilt.inherit_fds();
     assert_eq!(fds[0].0, format!("socket:[{inode}]"));
@@ -90,18 +100,14 @@ fn a_connection_with_unread_bytes_survives_a_rebuild() {
     assert_eq!(&back, b"answer from the rebuilt socket");
 }
 
-#[test]
-fn unacknowledged_and_unsent_bytes_arrive_once_and_in_order() {
-    let (mut client, server) = pair();
-    // A peer that does not read, with a small window: the server's send
-    // queue holds bytes in flight and bytes not yet sent.
-    let total = 1 << 20;
-    let pattern: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+/// Fills `server`'s send queue towards a `client` that does not read, until
+/// part of it is unsent; returns the bytes written.
+fn fill_send_queue(server: &TcpStream, pattern: &[u8]) -> usize {
     server.set_nonblocking(true).unwrap();
     let mut written = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while written < total && std::time::Instant::now() < deadline {
-        match (&server).write(&pattern[written..]) {
+    while written < pattern.len() && std::time::Instant::now() < deadline {
+        match (&*server).write(&pattern[written..]) {
             Ok(n) => written += n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(5));
@@ -113,6 +119,54 @@ fn unacknowledged_and_unsent_bytes_arrive_once_and_in_order() {
         }
     }
     server.set_nonblocking(false).unwrap();
+    written
+}
+
+/// The kernel checks a send buffer before it starts a segment, not while
+/// it fills it, so a source's queue can hold more bytes than its buffer's
+/// size, and the same bytes, cut into other segments here, can need more
+/// room than they did there. The queue must be rebuilt whole all the same:
+/// queueing the unsent part used to stop at EAGAIN, and its last bytes
+/// were lost (the client then read the process's next bytes in their
+/// place: a 1288-byte skip in the data-plane test's bulk stream).
+#[test]
+fn a_send_queue_larger_than_its_buffer_is_rebuilt_whole() {
+    let (mut client, server) = pair();
+    let pattern: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let written = fill_send_queue(&server, &pattern);
+    let (state, mut moved) = migrate_altered(server, |s| {
+        // The failing run's source held 915,248 bytes with an SO_SNDBUF of
+        // 912,384, and here the last 1,288 did not fit. Half the queue is
+        // well past what one segment's slack could absorb, so the test
+        // does not depend on where the segments happen to be cut.
+        s.sndbuf = (s.send_queue.len() / 2) as u32;
+    });
+    assert!(state.unsent > 0, "no unsent bytes: the test tests less");
+
+    // The process's next bytes follow every byte it wrote before the move.
+    moved.write_all(b"after the move").unwrap();
+    let mut got = vec![0u8; written + 14];
+    client.read_exact(&mut got).unwrap();
+    assert!(
+        got[..written] == pattern[..written],
+        "bytes lost, doubled or reordered"
+    );
+    assert_eq!(&got[written..], b"after the move");
+    // And the process's buffer size is the one it had (SO_SNDBUFFORCE
+    // sets twice the half it is given).
+    assert_eq!(
+        sys::get_int(moved.as_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF).unwrap() as u32,
+        state.sndbuf & !1
+    );
+}
+
+#[test]
+fn unacknowledged_and_unsent_bytes_arrive_once_and_in_order() {
+    let (mut client, server) = pair();
+    // A peer that does not read, with a small window: the server's send
+    // queue holds bytes in flight and bytes not yet sent.
+    let pattern: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let written = fill_send_queue(&server, &pattern);
     let (state, _moved) = migrate(server);
     assert!(!state.send_queue.is_empty(), "nothing queued to move");
     assert!(state.unsent > 0, "no unsent bytes: the test tests less");

@@ -33,6 +33,78 @@ pub struct Mismatch {
     pub offset: u64,
     pub expected: u8,
     pub actual: u8,
+    /// Where in the sent stream the bytes received from `offset` on come
+    /// from, when they are found near it (within [`LOCATE_MESSAGES`]
+    /// messages): a copy shifted back (duplicated bytes) or forward
+    /// (skipped bytes). `None`: nothing nearby matches (garbage, another
+    /// connection's bytes, or too few bytes left in the read to tell).
+    pub source: Option<u64>,
+    /// How many received bytes, from `offset` on, match the stream at
+    /// `source` (up to the end of the read that held the mismatch).
+    pub source_run: u64,
+}
+
+/// How many messages either side of a mismatch [`Verifier::check`]
+/// searches for where the received bytes come from.
+pub const LOCATE_MESSAGES: u64 = 512;
+
+/// The shortest run of received bytes that names a stream position: 16
+/// bytes of padding (two LCG words) or a header.
+const LOCATE_MIN: usize = 16;
+
+/// Finds the stream offset of `data` (its first [`LOCATE_MIN`]..64 bytes)
+/// in connection `conn`'s stream of `message_len`-byte messages, searching
+/// the messages within `radius` of message `near`, nearest first.
+pub fn locate(conn: u32, message_len: usize, near: u64, radius: u64, data: &[u8]) -> Option<u64> {
+    if data.len() < LOCATE_MIN {
+        return None;
+    }
+    let probe = &data[..data.len().min(64)];
+    let mut window = vec![0u8; 2 * message_len];
+    let mut try_seq = |seq: u64| -> Option<u64> {
+        let (a, b) = window.split_at_mut(message_len);
+        fill(a, conn, seq);
+        fill(b, conn, seq + 1);
+        // Starting positions within message `seq` only: the next one is
+        // searched on its own turn.
+        (0..message_len)
+            .find(|&i| window[i..].starts_with(probe))
+            .map(|i| seq * message_len as u64 + i as u64)
+    };
+    for d in 0..=radius {
+        if let Some(at) = try_seq(near + d) {
+            return Some(at);
+        }
+        if d > 0
+            && let Some(s) = near.checked_sub(d)
+            && let Some(at) = try_seq(s)
+        {
+            return Some(at);
+        }
+    }
+    None
+}
+
+/// How many bytes of `data` equal connection `conn`'s stream from `at` on.
+fn run_from(conn: u32, message_len: usize, at: u64, data: &[u8]) -> u64 {
+    let mut msg = vec![0u8; message_len];
+    let mut seq = at / message_len as u64;
+    let mut pos = (at % message_len as u64) as usize;
+    fill(&mut msg, conn, seq);
+    let mut n = 0u64;
+    for &b in data {
+        if msg[pos] != b {
+            break;
+        }
+        n += 1;
+        pos += 1;
+        if pos == message_len {
+            seq += 1;
+            pos = 0;
+            fill(&mut msg, conn, seq);
+        }
+    }
+    n
 }
 
 /// Checks an incoming stream against the stream connection `conn` sends.
@@ -80,10 +152,15 @@ impl Verifier {
                     .zip(data)
                     .position(|(a, b)| a != b)
                     .expect("slices differ");
+                let rest = &data[i..];
+                let len = self.expected.len();
+                let source = locate(self.conn, len, self.seq, LOCATE_MESSAGES, rest);
                 return Err(Mismatch {
                     offset: self.verified + i as u64,
                     expected: want[i],
                     actual: data[i],
+                    source,
+                    source_run: source.map_or(0, |at| run_from(self.conn, len, at, rest)),
                 });
             }
             self.verified += take as u64;
@@ -139,6 +216,21 @@ mod tests {
         lost.extend_from_slice(&s[192..]);
         let e = Verifier::new(1, 64).check(&lost).unwrap_err();
         assert_eq!(e.offset, 128 + 15);
+
+        // Where the wrong bytes come from: the lost message's successor.
+        assert_eq!(e.source, Some(192 + 15));
+        assert_eq!(e.source_run, (s.len() - 192 - 15) as u64);
+        // Bytes sent twice: the stream goes back.
+        let mut doubled = s[..300].to_vec();
+        doubled.extend_from_slice(&s[250..]);
+        let e = Verifier::new(1, 64).check(&doubled).unwrap_err();
+        assert_eq!(e.offset, 300);
+        assert_eq!(e.source, Some(250));
+        // Garbage is found nowhere.
+        let mut garbage = s[..100].to_vec();
+        garbage.extend_from_slice(&[0x5a; 40]);
+        let e = Verifier::new(1, 64).check(&garbage).unwrap_err();
+        assert_eq!((e.offset, e.source), (100, None));
 
         // Another connection's stream never passes.
         assert!(Verifier::new(2, 64).check(&s).is_err());

@@ -46,11 +46,28 @@ impl fmt::Display for StreamErrorKind {
             Self::Reset => write!(f, "connection reset"),
             Self::BrokenPipe => write!(f, "broken pipe"),
             Self::Eof => write!(f, "unexpected EOF"),
-            Self::Mismatch(m) => write!(
-                f,
-                "mismatch at byte offset {}: expected {:#04x}, got {:#04x}",
-                m.offset, m.expected, m.actual
-            ),
+            Self::Mismatch(m) => {
+                write!(
+                    f,
+                    "mismatch at byte offset {}: expected {:#04x}, got {:#04x}",
+                    m.offset, m.expected, m.actual
+                )?;
+                match m.source {
+                    Some(at) => write!(
+                        f,
+                        "; the received bytes are the stream's from offset {at} ({} {} bytes, \
+                         {} bytes of the read match from there)",
+                        if at < m.offset {
+                            "repeating"
+                        } else {
+                            "skipping"
+                        },
+                        at.abs_diff(m.offset),
+                        m.source_run
+                    ),
+                    None => write!(f, "; the received bytes are nowhere near in the stream"),
+                }
+            }
             Self::Excess { sent, received } => {
                 write!(f, "received {received} bytes but only {sent} were sent")
             }
