@@ -179,6 +179,29 @@ pub async fn spawn(argv: &[String]) -> Result<(i32, tokio::process::Child), Spaw
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(false);
+    // SAFETY: the closure runs in the child between fork and exec and
+    // makes one system call, close_range, which is async-signal-safe; it
+    // touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            // Descriptors ferryd inherited without close-on-exec (a lock
+            // its starter held, say) must not follow the managed process:
+            // CRIU refuses to dump a process holding a file lock, and would
+            // drag anything else along. Marked close-on-exec rather than
+            // closed, so that the spawn's own exec-error pipe still works.
+            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+            if libc::syscall(
+                libc::SYS_close_range,
+                3 as libc::c_uint,
+                libc::c_uint::MAX,
+                CLOSE_RANGE_CLOEXEC,
+            ) == -1
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let mut wrapper = cmd.spawn().map_err(|source| SpawnError::Spawn {
         program: program.clone(),
         source,
@@ -204,5 +227,44 @@ pub async fn spawn(argv: &[String]) -> Result<(i32, tokio::process::Child), Spaw
             return Err(SpawnError::NoChild { program, waited });
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The unit tests run as root (`cargo xtask test`): a new PID
+    /// namespace needs it.
+    #[tokio::test]
+    async fn descriptors_ferryd_inherited_do_not_follow_a_managed_process() {
+        let file = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: dup of a descriptor this test owns; the copy has no
+        // close-on-exec flag, like one ferryd inherited from its starter.
+        let inherited = unsafe { libc::dup(file.as_raw_fd()) };
+        assert!(inherited > 2);
+        let (pid, mut wrapper) = spawn(&["sleep".into(), "30".into()]).await.unwrap();
+        // The program runs once /proc lists its command line as sleep's.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+            .map(|c| !c.starts_with("sleep"))
+            .unwrap_or(true)
+        {
+            assert!(Instant::now() < deadline, "sleep never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let fds: Vec<i32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = wrapper.wait().await;
+        // SAFETY: closes the duplicate made above, owned by this test.
+        unsafe { libc::close(inherited) };
+        assert_eq!(fds, [0, 1, 2], "the managed process holds more than stdio");
     }
 }
