@@ -798,6 +798,25 @@ impl Agent {
         }
     }
 
+    /// `Peer.Hello` to `peer`, answered within 2 s, or why not.
+    pub async fn hello(&self, peer: &PeerConfig) -> Result<ferry_proto::v1::HelloResponse, String> {
+        let hello = async {
+            let mut client = self.peer_client(peer).await.map_err(|e| e.to_string())?;
+            client
+                .hello(ferry_proto::v1::HelloRequest {
+                    node: self.node().to_owned(),
+                    protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+                })
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| s.message().to_owned())
+        };
+        match tokio::time::timeout(Duration::from_secs(2), hello).await {
+            Ok(answer) => answer,
+            Err(_) => Err("no answer within 2 s".into()),
+        }
+    }
+
     /// A Peer client for `peer`, connected with a short timeout.
     pub async fn peer_client(&self, peer: &PeerConfig) -> Result<PeerClient<Channel>, EngineError> {
         let unavailable = |reason: String| EngineError::PeerUnavailable {

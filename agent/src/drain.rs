@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{
-    self as pb, DrainEvent, DrainFinished, DrainMigration, DrainStarted, HelloRequest,
-    MigrationEvent, drain_event, migration_event,
+    self as pb, DrainEvent, DrainFinished, DrainMigration, DrainStarted, MigrationEvent,
+    drain_event, migration_event,
 };
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -228,21 +228,7 @@ async fn destinations(agent: &Arc<Agent>) -> Vec<String> {
         })
         .unwrap_or_default();
     let probes = agent.known_peers().into_iter().map(|peer| async move {
-        let hello = async {
-            let mut client = agent.peer_client(&peer).await.ok()?;
-            client
-                .hello(HelloRequest {
-                    node: agent.node().to_owned(),
-                    protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
-                })
-                .await
-                .ok()
-                .map(|r| r.into_inner())
-        };
-        let answer = tokio::time::timeout(Duration::from_secs(2), hello)
-            .await
-            .ok()
-            .flatten();
+        let answer = agent.hello(&peer).await.ok();
         (peer.name, answer)
     });
     let mut candidates: Vec<(f64, u32, String)> = futures::future::join_all(probes)

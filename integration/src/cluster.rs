@@ -477,6 +477,38 @@ impl Cluster {
             .chain(self.clients.iter().map(|c| &c.netns))
     }
 
+    /// Limits every node's cluster interface (`clu0`) to `rate` (tc's
+    /// units, "10mbit") with a `tbf` of `burst` bytes and `latency`
+    /// ("400ms"); `None` takes the limit off again. Panics if tc fails.
+    pub fn shape_cluster_links(&self, limit: Option<(&str, u32, &str)>) {
+        for node in self.node_names() {
+            let mut tc = Command::new("nsenter");
+            tc.arg(format!("--net={}", self.netns_path(&node).display()));
+            match limit {
+                Some((rate, burst, latency)) => {
+                    tc.args([
+                        "tc", "qdisc", "replace", "dev", "clu0", "root", "tbf", "rate",
+                    ])
+                    .args([
+                        rate,
+                        "burst",
+                        &burst.to_string(),
+                        "latency",
+                        latency,
+                    ]);
+                }
+                None => {
+                    tc.args(["tc", "qdisc", "del", "dev", "clu0", "root"]);
+                }
+            }
+            let status = tc.status().expect("running tc");
+            assert!(
+                status.success(),
+                "shaping {node}'s clu0 ({limit:?}): {status}"
+            );
+        }
+    }
+
     /// `/run/netns/<ns>` of `node1`.., `client1`.. or `router`.
     pub fn netns_path(&self, name: &str) -> PathBuf {
         if name == "router" {

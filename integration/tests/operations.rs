@@ -304,15 +304,7 @@ fn a_cancelled_migration_leaves_the_process_running_on_the_source() {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     // 64 MiB over 10 Mb/s takes about a minute: the cancel comes first.
-    for node in cluster.node_names() {
-        let status = std::process::Command::new("nsenter")
-            .arg(format!("--net={}", cluster.netns_path(&node).display()))
-            .args(["tc", "qdisc", "replace", "dev", "clu0", "root", "tbf"])
-            .args(["rate", "10mbit", "burst", "32768", "latency", "400ms"])
-            .status()
-            .expect("running tc");
-        assert!(status.success(), "shaping {node}'s clu0: {status}");
-    }
+    cluster.shape_cluster_links(Some(("10mbit", 32768, "400ms")));
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node2 = cluster.control("node2").await.expect("control node2");
@@ -416,12 +408,7 @@ fn a_cancelled_migration_leaves_the_process_running_on_the_source() {
 
         // The destination was left clean: a migration after the cancels
         // goes through (full speed again).
-        for node in cluster.node_names() {
-            let _ = std::process::Command::new("nsenter")
-                .arg(format!("--net={}", cluster.netns_path(&node).display()))
-                .args(["tc", "qdisc", "del", "dev", "clu0", "root"])
-                .status();
-        }
+        cluster.shape_cluster_links(None);
         let (report, status) = ferry_integration::managed::migrate_request(
             &mut node1,
             MigrateRequest {

@@ -242,15 +242,7 @@ fn a_writer_faster_than_the_link_converges_when_throttled() {
     }
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
-    for node in cluster.node_names() {
-        let status = std::process::Command::new("nsenter")
-            .arg(format!("--net={}", cluster.netns_path(&node).display()))
-            .args(["tc", "qdisc", "replace", "dev", "clu0", "root", "tbf"])
-            .args(["rate", "100mbit", "burst", "131072", "latency", "100ms"])
-            .status()
-            .expect("running tc");
-        assert!(status.success(), "shaping {node}'s clu0: {status}");
-    }
+    cluster.shape_cluster_links(Some(("100mbit", 131072, "100ms")));
     rt.block_on(async {
         let mut controls = [
             cluster.control("node1").await.expect("control node1"),

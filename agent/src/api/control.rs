@@ -5,7 +5,7 @@ use std::time::Duration;
 use ferry_proto::v1::control_server::Control;
 use ferry_proto::v1::{
     self as pb, DataPlane, DataPlaneCounters, GetDataPlaneRequest, GetMigrationRequest,
-    HelloRequest, ListNodesRequest, ListNodesResponse, ListProcessesRequest, ListProcessesResponse,
+    ListNodesRequest, ListNodesResponse, ListProcessesRequest, ListProcessesResponse,
     ManagedProcess, MigrateRequest, MigrationEvent, MigrationReport, Node, RunProcessRequest,
     RunProcessResponse, migration_event,
 };
@@ -99,26 +99,14 @@ impl Control for ControlService {
                 peer_address: peer.address.to_string(),
                 ..Default::default()
             };
-            let hello = async {
-                let mut client = agent.peer_client(peer).await.map_err(|e| e.to_string())?;
-                client
-                    .hello(HelloRequest {
-                        node: agent.node().to_owned(),
-                        protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
-                    })
-                    .await
-                    .map(|r| r.into_inner())
-                    .map_err(|s| s.message().to_owned())
-            };
-            match tokio::time::timeout(Duration::from_secs(2), hello).await {
-                Ok(Ok(h)) => {
+            match agent.hello(peer).await {
+                Ok(h) => {
                     node.reachable = true;
                     node.peer_protocol_version = h.protocol_version;
                     node.managed_processes = h.managed_processes;
                     node.cordoned = h.cordoned;
                 }
-                Ok(Err(e)) => node.error = e,
-                Err(_) => node.error = "no answer within 2 s".into(),
+                Err(e) => node.error = e,
             }
             node
         });
