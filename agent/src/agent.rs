@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use ferry_proto::v1::MigrationReport;
 use ferry_proto::v1::peer_client::PeerClient;
+use ferry_proto::v1::{self as pb, cluster_event::Event};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::capture::{CaptureStore, DeliveredLog, PacketReplayer, digest};
@@ -71,7 +72,16 @@ pub struct Agent {
     /// Cordoned: no incoming migration, offer or new process. Kept across
     /// restarts (a file in the work directory).
     cordoned: std::sync::atomic::AtomicBool,
+    /// How the managed processes that ended lately ended, newest last:
+    /// for a `WaitProcess` that comes just after the end.
+    exits: Mutex<std::collections::VecDeque<(i32, pb::ProcessExit)>>,
+    /// Processes a migration took away whose report is not stored yet, by
+    /// PID, with their command lines ([`Self::depart`]).
+    departing: Mutex<HashMap<i32, Vec<String>>>,
 }
+
+/// Ends remembered for late `WaitProcess` calls.
+const RECENT_EXITS: usize = 256;
 
 /// The file whose presence says the node is cordoned.
 const CORDON_FILE: &str = "cordoned";
@@ -141,6 +151,8 @@ impl Agent {
             cordoned: std::sync::atomic::AtomicBool::new(
                 config.work_dir.join(CORDON_FILE).exists(),
             ),
+            exits: Mutex::new(std::collections::VecDeque::new()),
+            departing: Mutex::new(HashMap::new()),
             config,
         })
     }
@@ -287,11 +299,15 @@ impl Agent {
     pub async fn reconcile(self: &Arc<Self>) -> Result<(), EngineError> {
         let me = self.clone();
         let unclaimed = tokio::task::spawn_blocking(move || {
-            me.registry().refresh();
-            me.unclaimed_ports()
+            let gone = me.registry().refresh();
+            (gone, me.unclaimed_ports())
         })
         .await
         .map_err(|e| EngineError::Internal(format!("reconcile task: {e}")))?;
+        let (gone, unclaimed) = unclaimed;
+        for (p, exit) in gone {
+            self.announce_exit(&p, exit);
+        }
         if !unclaimed.is_empty() {
             self.check_claims(unclaimed).await;
         }
@@ -571,13 +587,81 @@ impl Agent {
     /// Puts a process under management and reaps it when it exits.
     pub fn adopt(self: &Arc<Self>, p: ManagedProcess) {
         let pid = p.pid;
+        let started = pb::ProcessStarted {
+            pid,
+            argv: p.argv.clone(),
+            origin: p.origin.name().to_owned(),
+        };
         self.registry().insert(p);
         tracing::info!(pid, "process under management");
+        self.events.publish(Event::ProcessStarted(started));
     }
 
-    /// Forgets a process (it exited or moved away).
-    pub fn forget(&self, pid: i32) -> Option<ManagedProcess> {
-        self.registry().remove(pid)
+    /// A managed process ended (its exit watcher saw it): forgotten, its
+    /// ports released and its end announced, unless a migration stopped
+    /// or moved it (see [`Registry::ended`]).
+    async fn process_ended(self: &Arc<Self>, pid: i32, exit: pb::ProcessExit) {
+        let ended = self.registry().ended(pid, &exit);
+        let Some(p) = ended else { return };
+        tracing::info!(pid, how = %exit.description, "managed process ended");
+        self.announce_exit(&p, exit);
+        self.persist_soon();
+        if let Err(e) = self.reconcile().await {
+            tracing::warn!(error = %e, "releasing ports of an exited process");
+        }
+    }
+
+    /// Remembers how `p` ended and tells the event stream.
+    fn announce_exit(&self, p: &ManagedProcess, exit: pb::ProcessExit) {
+        {
+            let mut exits = lock(&self.exits);
+            if exits.len() == RECENT_EXITS {
+                exits.pop_front();
+            }
+            exits.push_back((p.pid, exit.clone()));
+        }
+        self.events.publish(Event::ProcessExited(pb::ProcessExited {
+            pid: p.pid,
+            argv: p.argv.clone(),
+            exit: Some(exit),
+        }));
+    }
+
+    /// How managed process `pid` ended, if it ended lately.
+    pub fn recent_exit(&self, pid: i32) -> Option<pb::ProcessExit> {
+        lock(&self.exits)
+            .iter()
+            .rev()
+            .find(|(p, _)| *p == pid)
+            .map(|(_, e)| e.clone())
+    }
+
+    /// The committed (or lost) migration that took `pid` away from this
+    /// node, if this agent ran it.
+    pub fn migration_of(&self, pid: i32) -> Option<MigrationReport> {
+        lock(&self.reports)
+            .values()
+            .filter(|r| r.source_pid == pid)
+            .filter(|r| {
+                r.outcome == pb::MigrationOutcome::Committed as i32
+                    || r.outcome == pb::MigrationOutcome::Lost as i32
+            })
+            .max_by_key(|r| r.started_at_unix_ms)
+            .cloned()
+    }
+
+    /// Forgets a process a migration moved away, which is no longer this
+    /// node's until its report is stored ([`Self::store_report`]): a
+    /// `WaitProcess` in between learns that it is leaving, not gone.
+    pub fn depart(&self, pid: i32) -> Option<ManagedProcess> {
+        let p = self.registry().remove(pid)?;
+        lock(&self.departing).insert(pid, p.argv.clone());
+        Some(p)
+    }
+
+    /// The command line of `pid` if a migration is taking it away.
+    pub fn departing(&self, pid: i32) -> Option<Vec<String>> {
+        lock(&self.departing).get(&pid).cloned()
     }
 
     /// [`Self::persist`] on the blocking pool, not waited for: callers in a
@@ -613,8 +697,9 @@ impl Agent {
                     pid: p.pid,
                     start_ticks,
                     argv: p.argv.clone(),
+                    adopted: p.origin == Origin::Adopted,
                     migrated_in: match &p.origin {
-                        Origin::Run => None,
+                        Origin::Run | Origin::Adopted => None,
                         Origin::MigratedIn { migration_id, from } => {
                             Some(crate::state::MigratedIn {
                                 migration_id: migration_id.clone(),
@@ -679,29 +764,27 @@ impl Agent {
         adopted
     }
 
-    /// Waits (pidfd) for `pid` to exit, reaping it if it is our child, then
-    /// forgets it and releases its ports unless a migration holds it.
+    /// Waits (pidfd) for `pid` to exit, reaping it if it is our child (then
+    /// its exit status is known), and handles its end
+    /// ([`Self::process_ended`]).
     fn forget_on_exit(self: &Arc<Self>, pid: i32, what: &'static str) {
         let me = self.clone();
         tokio::spawn(async move {
-            if let Err(e) = crate::reaper::wait_exit(pid).await {
-                tracing::warn!(pid, error = %e, "watching the {what} process");
-                return;
-            }
-            tracing::info!(pid, "{what} process ended");
-            let removed = {
-                let mut reg = me.registry();
-                match reg.get(pid) {
-                    Some(p) if p.lifecycle == Lifecycle::Running => reg.remove(pid),
-                    _ => None,
+            let exit = match crate::reaper::wait_exit(pid).await {
+                Ok(Some(status)) => crate::managed::exit_from_wait_status(status),
+                Ok(None) => crate::managed::exit_unknown(
+                    "not this agent's child (adopted, or managed since an agent restart)",
+                ),
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                    crate::managed::exit_unknown("gone before it could be watched")
+                }
+                Err(e) => {
+                    tracing::warn!(pid, error = %e, "watching the {what} process");
+                    return;
                 }
             };
-            if removed.is_some() {
-                me.persist_soon();
-                if let Err(e) = me.reconcile().await {
-                    tracing::warn!(error = %e, "releasing ports of an exited process");
-                }
-            }
+            tracing::info!(pid, "{what} process ended");
+            me.process_ended(pid, exit).await;
         });
     }
 
@@ -730,7 +813,11 @@ impl Agent {
     /// counts it in the metrics.
     pub fn store_report(&self, report: MigrationReport) {
         self.metrics.record(&report);
+        // Reports first, then the departure ends: a reader that finds
+        // neither comes after both.
+        let pid = report.source_pid;
         lock(&self.reports).insert(report.migration_id.clone(), report);
+        lock(&self.departing).remove(&pid);
     }
 
     pub fn report(&self, id: &str) -> Option<MigrationReport> {
@@ -742,7 +829,14 @@ impl Agent {
         self: &Arc<Self>,
         argv: Vec<String>,
     ) -> Result<i32, crate::managed::SpawnError> {
-        let (pid, mut wrapper) = crate::managed::spawn(&argv).await?;
+        let to_spawn = argv.clone();
+        // A clone and the wait for its exec: off the runtime.
+        let pid = tokio::task::spawn_blocking(move || crate::managed::spawn(&to_spawn))
+            .await
+            .map_err(|e| crate::managed::SpawnError::Spawn {
+                program: argv.first().cloned().unwrap_or_default(),
+                source: std::io::Error::other(e.to_string()),
+            })??;
         self.adopt(ManagedProcess {
             pid,
             argv,
@@ -751,27 +845,78 @@ impl Agent {
             sockets: Default::default(),
         });
         self.persist_async().await;
-        let me = self.clone();
-        tokio::spawn(async move {
-            let status = wrapper.wait().await;
-            tracing::info!(pid, ?status, "managed process ended");
-            let removed = {
-                let mut reg = me.registry();
-                match reg.get(pid) {
-                    Some(p) if p.origin == Origin::Run && p.lifecycle == Lifecycle::Running => {
-                        reg.remove(pid)
+        // Our child: its exit status is read when it ends.
+        self.forget_on_exit(pid, "managed");
+        Ok(pid)
+    }
+
+    /// Puts the running process `pid` under management (`ferry adopt`),
+    /// once [`crate::process::adoption_obstacles`] finds nothing against
+    /// it. It is not this agent's child: its end is seen through a pidfd,
+    /// its exit status is not.
+    pub async fn adopt_running(
+        self: &Arc<Self>,
+        pid: i32,
+    ) -> Result<ManagedProcess, crate::managed::AdoptError> {
+        use crate::managed::AdoptError;
+        if pid == std::process::id() as i32 {
+            return Err(AdoptError::Agent { pid });
+        }
+        if self.registry().get(pid).is_some() {
+            return Err(AdoptError::AlreadyManaged { pid });
+        }
+        let node = self.node().to_owned();
+        let (info, obstacles) = tokio::task::spawn_blocking(move || {
+            let (info, mut obstacles) =
+                crate::process::adoption_obstacles(pid).map_err(|e| match e {
+                    crate::process::ProcessError::NotFound { .. } => {
+                        AdoptError::NotFound { pid, node }
                     }
-                    _ => None,
-                }
-            };
-            if removed.is_some() {
-                me.persist_soon();
-                if let Err(e) = me.reconcile().await {
-                    tracing::warn!(error = %e, "releasing ports of an exited process");
+                    source => AdoptError::Process { pid, source },
+                })?;
+            let tree = crate::process::process_tree(pid);
+            match crate::sockstate::unsupported_sockets(&tree) {
+                Ok(found) => obstacles.extend(found.into_iter().map(|(inode, family)| {
+                    crate::process::Obstacle::UnsupportedSocket { inode, family }
+                })),
+                Err(e) => {
+                    return Err(AdoptError::Sockets {
+                        pid,
+                        reason: e.to_string(),
+                    });
                 }
             }
-        });
-        Ok(pid)
+            Ok((info, obstacles))
+        })
+        .await
+        .map_err(|e| AdoptError::Sockets {
+            pid,
+            reason: format!("the check's task failed: {e}"),
+        })??;
+        if !obstacles.is_empty() {
+            return Err(AdoptError::Obstacles { pid, obstacles });
+        }
+        let p = ManagedProcess {
+            pid,
+            argv: info.argv,
+            origin: Origin::Adopted,
+            lifecycle: Lifecycle::Running,
+            sockets: Default::default(),
+        };
+        {
+            // Checked again under the lock: two adoptions of one PID race.
+            let reg = self.registry();
+            if reg.get(pid).is_some() {
+                return Err(AdoptError::AlreadyManaged { pid });
+            }
+        }
+        self.adopt(p.clone());
+        self.forget_on_exit(pid, "adopted");
+        self.persist_async().await;
+        if let Err(e) = self.reconcile().await {
+            tracing::warn!(pid, error = %e, "claiming the ports of an adopted process");
+        }
+        Ok(self.registry().get(pid).cloned().unwrap_or(p))
     }
 
     /// Reaps a process that is this agent's child but not a tokio child

@@ -163,7 +163,7 @@ pub fn control_request(data: &[u8]) {
     let mut input = Input(data);
     let which = input.byte();
     let msg = input.rest();
-    match which % 14 {
+    match which % 17 {
         0 => drop(decode::<pb::ListNodesRequest>(msg)),
         1 => drop(decode::<pb::ListProcessesRequest>(msg)),
         2 => drop(decode::<pb::RunProcessRequest>(msg)),
@@ -191,7 +191,20 @@ pub fn control_request(data: &[u8]) {
             }
         }
         12 => drop(decode::<pb::SetCordonRequest>(msg)),
-        _ => drop(decode::<pb::WatchEventsRequest>(msg)),
+        13 => drop(decode::<pb::WatchEventsRequest>(msg)),
+        14 => drop(decode::<pb::AdoptProcessRequest>(msg)),
+        15 => drop(decode::<pb::WaitProcessRequest>(msg)),
+        _ => {
+            if let Some(req) = decode::<pb::SignalProcessRequest>(msg) {
+                match crate::managed::signal_to_send(req.signal) {
+                    Ok(s) => assert!(
+                        (1..=31).contains(&(s as i32)) && s != nix::sys::signal::Signal::SIGSTOP,
+                        "{s:?} accepted"
+                    ),
+                    Err(e) => assert!(e.starts_with("signal: "), "{e}"),
+                }
+            }
+        }
     }
 }
 

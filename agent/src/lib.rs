@@ -12,6 +12,7 @@ pub mod criu;
 pub mod drain;
 pub mod engine;
 pub mod events;
+pub mod follow;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod managed;

@@ -4,9 +4,11 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use tokio::io::unix::AsyncFd;
 
-/// Waits (without a thread) until child `pid` exits, then reaps it. A pidfd
-/// becomes readable when its process exits.
-pub async fn wait_exit(pid: i32) -> std::io::Result<()> {
+/// Waits (without a thread) until process `pid` exits; if it is this
+/// process's child, reaps it and returns its wait status (None for a
+/// process that is not our child: only its parent learns how it ended). A
+/// pidfd becomes readable when its process exits.
+pub async fn wait_exit(pid: i32) -> std::io::Result<Option<i32>> {
     // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor
     // or -1; no memory is passed.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::O_NONBLOCK) };
@@ -21,7 +23,8 @@ pub async fn wait_exit(pid: i32) -> std::io::Result<()> {
         .map_err(|e| e.into_parts().1)?;
     let _ready = afd.readable().await?;
     let mut status = 0;
-    // SAFETY: waitpid on our own child with a valid pointer to a local.
-    unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-    Ok(())
+    // SAFETY: waitpid with a valid pointer to a local; for a PID that is
+    // not our child it fails with ECHILD and touches nothing.
+    let reaped = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+    Ok((reaped == pid).then_some(status))
 }

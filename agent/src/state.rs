@@ -36,6 +36,10 @@ pub struct Remembered {
     pub argv: Vec<String>,
     /// Set when it arrived by migration.
     pub migrated_in: Option<MigratedIn>,
+    /// Set when it was adopted running (`ferry adopt`); lists written
+    /// before adoption existed lack the field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adopted: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +51,7 @@ pub struct MigratedIn {
 impl Remembered {
     pub fn origin(&self) -> Origin {
         match &self.migrated_in {
+            None if self.adopted => Origin::Adopted,
             None => Origin::Run,
             Some(m) => Origin::MigratedIn {
                 migration_id: m.migration_id.clone(),
@@ -116,6 +121,14 @@ mod tests {
                 start_ticks: 1234,
                 argv: vec!["redis-server".into(), "--port".into(), "7000".into()],
                 migrated_in: None,
+                adopted: false,
+            },
+            Remembered {
+                pid: 44,
+                start_ticks: 5,
+                argv: vec!["nginx".into()],
+                migrated_in: None,
+                adopted: true,
             },
             Remembered {
                 pid: 43,
@@ -125,17 +138,27 @@ mod tests {
                     migration_id: "ab".into(),
                     from: "node1".into(),
                 }),
+                adopted: false,
             },
         ];
         save(&p, &list).unwrap();
         assert_eq!(load(&p).unwrap(), list);
+        assert_eq!(list[0].origin(), Origin::Run);
+        assert_eq!(list[1].origin(), Origin::Adopted);
         assert_eq!(
-            list[1].origin(),
+            list[2].origin(),
             Origin::MigratedIn {
                 migration_id: "ab".into(),
                 from: "node1".into()
             }
         );
+        // A list from before adoption existed reads as it did.
+        std::fs::write(
+            &p,
+            br#"{"processes":[{"pid":7,"start_ticks":1,"argv":["a"],"migrated_in":null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(load(&p).unwrap()[0].origin(), Origin::Run);
         std::fs::write(&p, b"{ not json").unwrap();
         let e = load(&p).unwrap_err().to_string();
         assert!(e.contains("managed.json"), "{e}");

@@ -151,3 +151,30 @@ fn the_unit_checks_and_runs_the_same_config() {
         );
     }
 }
+
+const APP_UNIT: &str = include_str!("../../packaging/ferry-app@.service");
+
+#[test]
+fn the_example_app_unit_follows_its_process_through_ferry() {
+    let line = |prefix: &str| {
+        APP_UNIT
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in ferry-app@.service"))
+    };
+    // The form that stays with the process and ends as it did.
+    let start = line("ExecStart=");
+    assert!(
+        start.starts_with("/usr/local/bin/ferry run --foreground -- "),
+        "{start}"
+    );
+    // Where ferryd.service installs the CLI.
+    assert!(
+        UNIT.contains("target/release/ferry /usr/local/bin/"),
+        "ferryd.service's install lines put the CLI there"
+    );
+    assert_eq!(line("Requires="), "ferryd.service");
+    assert_eq!(line("After="), "ferryd.service");
+    // A process stopped by the SIGTERM ferry passes on ends ferry by it.
+    assert_eq!(line("SuccessExitStatus="), "SIGTERM");
+}

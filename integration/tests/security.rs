@@ -255,16 +255,54 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
                     ))
                     .await
                     .map(|_| ());
+                let adopt = c
+                    .adopt_process(req(
+                        ferry_proto::v1::AdoptProcessRequest {
+                            pid,
+                            node: String::new(),
+                        },
+                        t,
+                    ))
+                    .await
+                    .map(|_| ());
+                let signal = c
+                    .signal_process(req(
+                        ferry_proto::v1::SignalProcessRequest {
+                            pid,
+                            signal: libc::SIGKILL,
+                            node: String::new(),
+                        },
+                        t,
+                    ))
+                    .await
+                    .map(|_| ());
                 // Watching is reading.
                 let watch = c
                     .watch_events(req(ferry_proto::v1::WatchEventsRequest::default(), t))
                     .await
                     .map(|_| ());
-                for (call, r) in [("drain", drain), ("cordon", cordon), ("cancel", cancel)] {
+                let wait = c
+                    .wait_process(req(
+                        ferry_proto::v1::WaitProcessRequest {
+                            pid,
+                            node: String::new(),
+                        },
+                        t,
+                    ))
+                    .await
+                    .map(|_| ());
+                for (call, r) in [
+                    ("drain", drain),
+                    ("cordon", cordon),
+                    ("cancel", cancel),
+                    ("adopt", adopt),
+                    ("signal", signal),
+                ] {
                     let e = r.expect_err(call);
                     assert_eq!(e.code(), Code::PermissionDenied, "{call}: {e:?}");
                 }
                 watch.expect("an observer watches events");
+                wait.expect("an observer waits for a process");
                 (nodes, procs, migrate, balancer)
             })
             .unwrap();

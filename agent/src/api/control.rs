@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 use super::forward::{self, Target};
 use crate::agent::{Agent, error_chain};
 use crate::engine::source::{self, port_to_pb};
-use crate::managed::{Lifecycle, Origin};
+use crate::managed::Lifecycle;
 use crate::sockstate::SocketMigration;
 
 #[derive(Debug, Clone)]
@@ -32,6 +32,7 @@ impl ControlService {
 type EventStream = Pin<Box<dyn Stream<Item = Result<MigrationEvent, Status>> + Send>>;
 type DrainStream = Pin<Box<dyn Stream<Item = Result<pb::DrainEvent, Status>> + Send>>;
 type ClusterEventStream = Pin<Box<dyn Stream<Item = Result<pb::ClusterEvent, Status>> + Send>>;
+type ProcessUpdateStream = Pin<Box<dyn Stream<Item = Result<pb::ProcessUpdate, Status>> + Send>>;
 
 /// Who made a call, for reports and events: the authenticated caller on
 /// TCP, the forwarding node, or root on the Unix socket.
@@ -43,6 +44,40 @@ fn who<T>(request: &Request<T>) -> String {
         return format!("{} (forwarded)", by.to_str().unwrap_or("?"));
     }
     "root on the control socket".into()
+}
+
+/// A managed process as the API shows it; `conflicts` are the ports this
+/// node refuses to own, with the node that owns each.
+fn process_to_pb(
+    p: &crate::managed::ManagedProcess,
+    node: &str,
+    conflicts: &std::collections::BTreeMap<crate::process::PortKey, String>,
+) -> ManagedProcess {
+    ManagedProcess {
+        pid: p.pid,
+        argv: p.argv.clone(),
+        ports: p.sockets.ports.iter().map(port_to_pb).collect(),
+        tcp_listening: p.sockets.tcp_listening,
+        tcp_established: p.sockets.tcp_established,
+        udp_sockets: p.sockets.udp,
+        state: match p.lifecycle {
+            Lifecycle::Running => "running",
+            Lifecycle::MigratingOut { .. } => "migrating",
+        }
+        .into(),
+        origin: p.origin.name().into(),
+        port_conflicts: p
+            .sockets
+            .ports
+            .iter()
+            .filter_map(|port| {
+                conflicts
+                    .get(port)
+                    .map(|node| format!("{port} is owned by {node}"))
+            })
+            .collect(),
+        node: node.to_owned(),
+    }
 }
 
 /// A forwarded server stream, with the peer's statuses said to be its.
@@ -190,6 +225,7 @@ impl Control for ControlService {
         self.agent.refuse_if_cordoned()?;
         let pid = self.agent.run_process(argv).await.map_err(|e| match e {
             crate::managed::SpawnError::EmptyArgv => Status::invalid_argument(format!("argv: {e}")),
+            crate::managed::SpawnError::NulByte { .. } => Status::invalid_argument(e.to_string()),
             e => Status::failed_precondition(error_chain(&e)),
         })?;
         Ok(Response::new(RunProcessResponse {
@@ -396,6 +432,107 @@ impl Control for ControlService {
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
+
+    async fn adopt_process(
+        &self,
+        request: Request<pb::AdoptProcessRequest>,
+    ) -> Result<Response<ManagedProcess>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, adopt_process, request.into_inner());
+        }
+        let pid = request.get_ref().pid;
+        if pid <= 0 {
+            return Err(Status::invalid_argument(format!(
+                "pid: {pid} is not a process ID"
+            )));
+        }
+        let by = who(&request);
+        let p = self.agent.adopt_running(pid).await.map_err(|e| {
+            use crate::managed::AdoptError;
+            let message = error_chain(&e);
+            match e {
+                AdoptError::NotFound { .. } => Status::not_found(message),
+                AdoptError::AlreadyManaged { .. } => Status::already_exists(message),
+                AdoptError::Agent { .. } | AdoptError::Obstacles { .. } => {
+                    Status::failed_precondition(message)
+                }
+                AdoptError::Process { .. } | AdoptError::Sockets { .. } => {
+                    Status::internal(message)
+                }
+            }
+        })?;
+        tracing::info!(pid, by = %by, argv = ?p.argv, "process adopted");
+        let conflicts = self.agent.port_conflicts();
+        Ok(Response::new(process_to_pb(
+            &p,
+            self.agent.node(),
+            &conflicts,
+        )))
+    }
+
+    type WaitProcessStream = ProcessUpdateStream;
+
+    async fn wait_process(
+        &self,
+        request: Request<pb::WaitProcessRequest>,
+    ) -> Result<Response<Self::WaitProcessStream>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            // Forwarded once: that node follows no further, this one does
+            // not either (the process may move on; a caller that wants it
+            // followed asks the node that manages it, or this one without
+            // `node` once it is here).
+            let mut client = forward::client(&self.agent, &peer).await?;
+            let stream = client
+                .wait_process(forward::request(&self.agent, request.into_inner()))
+                .await
+                .map_err(|s| forward::from_peer(&peer, s))?
+                .into_inner();
+            return Ok(Response::new(relay(peer, stream)));
+        }
+        let forwarded = request.metadata().get(forward::FORWARDED_BY).is_some();
+        let rx = crate::follow::start(self.agent.clone(), request.get_ref().pid, !forwarded)?;
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn signal_process(
+        &self,
+        request: Request<pb::SignalProcessRequest>,
+    ) -> Result<Response<pb::SignalProcessResponse>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, signal_process, request.into_inner());
+        }
+        let by = who(&request);
+        let pb::SignalProcessRequest { pid, signal, .. } = request.into_inner();
+        let signal = crate::managed::signal_to_send(signal).map_err(Status::invalid_argument)?;
+        {
+            let reg = self.agent.registry();
+            let p = reg.get(pid).ok_or_else(|| {
+                Status::not_found(format!(
+                    "pid: {pid} is not managed by {}",
+                    self.agent.node()
+                ))
+            })?;
+            if let Lifecycle::MigratingOut { migration_id, .. } = &p.lifecycle {
+                return Err(Status::unavailable(format!(
+                    "pid: {pid} is being migrated (migration {migration_id}); send the signal again once the migration ended"
+                )));
+            }
+            crate::managed::signal_reaches(pid, signal).map_err(Status::failed_precondition)?;
+            // Sent under the registry's lock: a migration cannot claim the
+            // process between the check and the signal.
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal)
+                .map_err(|e| Status::failed_precondition(format!("pid: signalling {pid}: {e}")))?;
+        }
+        tracing::info!(pid, signal = %signal, by = %by, "signal sent");
+        Ok(Response::new(pb::SignalProcessResponse {
+            node: self.agent.node().to_owned(),
+        }))
+    }
 }
 
 impl ControlService {
@@ -448,35 +585,7 @@ impl ControlService {
             .agent
             .registry()
             .iter()
-            .map(|p| ManagedProcess {
-                pid: p.pid,
-                argv: p.argv.clone(),
-                ports: p.sockets.ports.iter().map(port_to_pb).collect(),
-                tcp_listening: p.sockets.tcp_listening,
-                tcp_established: p.sockets.tcp_established,
-                udp_sockets: p.sockets.udp,
-                state: match p.lifecycle {
-                    Lifecycle::Running => "running",
-                    Lifecycle::MigratingOut { .. } => "migrating",
-                }
-                .into(),
-                origin: match p.origin {
-                    Origin::Run => "run",
-                    Origin::MigratedIn { .. } => "migrated-in",
-                }
-                .into(),
-                port_conflicts: p
-                    .sockets
-                    .ports
-                    .iter()
-                    .filter_map(|port| {
-                        conflicts
-                            .get(port)
-                            .map(|node| format!("{port} is owned by {node}"))
-                    })
-                    .collect(),
-                node: node.clone(),
-            })
+            .map(|p| process_to_pb(p, &node, &conflicts))
             .collect();
         Ok(ListProcessesResponse {
             node,

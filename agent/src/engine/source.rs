@@ -1465,7 +1465,7 @@ async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
     if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
         tracing::warn!(pid, error = %e, "killing the source copy");
     }
-    agent.forget(pid);
+    agent.depart(pid);
     if let Err(e) = agent.apply_ownership().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
     }

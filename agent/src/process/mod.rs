@@ -3,9 +3,13 @@
 
 mod sockets;
 mod stat;
+mod unix_diag;
+mod vet;
 
 pub use sockets::{PortKey, SocketSummary, Transport, sockets_of_tree};
 pub use stat::{ProcessInfo, inspect, process_tree};
+pub use unix_diag::unix_peers;
+pub use vet::{Obstacle, adoption_obstacles, descriptor_obstacles};
 
 /// Errors reading a process's state from procfs.
 #[derive(Debug, thiserror::Error)]

@@ -8,6 +8,12 @@ const PF_KTHREAD: u64 = 0x0020_0000;
 pub struct ProcessInfo {
     pub pid: i32,
     pub ppid: i32,
+    /// Process group and session, as PIDs in ferryd's PID namespace (0
+    /// when the leader is in no namespace ferryd sees).
+    pub pgrp: i32,
+    pub session: i32,
+    /// The controlling terminal's device number; 0 for none.
+    pub tty_nr: i32,
     /// Single-letter state from /proc/PID/stat ('R', 'S', 'T', 'Z', ...).
     pub state: char,
     pub kernel_thread: bool,
@@ -31,11 +37,10 @@ pub fn inspect(pid: i32) -> Result<ProcessInfo, ProcessError> {
     }
     let path = format!("/proc/{pid}/stat");
     let stat = read_proc(&path, pid)?;
-    let (state, ppid, flags, start_ticks) =
-        parse_stat(&stat).ok_or_else(|| ProcessError::Parse {
-            path: path.clone(),
-            reason: format!("unexpected content {stat:?}"),
-        })?;
+    let fields = parse_stat(&stat).ok_or_else(|| ProcessError::Parse {
+        path: path.clone(),
+        reason: format!("unexpected content {stat:?}"),
+    })?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let argv = cmdline
         .split(|b| *b == 0)
@@ -44,27 +49,46 @@ pub fn inspect(pid: i32) -> Result<ProcessInfo, ProcessError> {
         .collect();
     Ok(ProcessInfo {
         pid,
-        ppid,
-        state,
-        kernel_thread: flags & PF_KTHREAD != 0,
+        ppid: fields.ppid,
+        pgrp: fields.pgrp,
+        session: fields.session,
+        tty_nr: fields.tty_nr,
+        state: fields.state,
+        kernel_thread: fields.flags & PF_KTHREAD != 0,
         argv,
-        start_ticks,
+        start_ticks: fields.start_ticks,
     })
 }
 
-/// Parses state, ppid and flags out of a /proc/PID/stat line. The command
-/// name is in parentheses and may itself contain spaces and parentheses, so
-/// fields are counted from the last ')'.
-fn parse_stat(stat: &str) -> Option<(char, i32, u64, u64)> {
+/// The fields of /proc/PID/stat ferryd uses.
+#[derive(Debug, PartialEq, Eq)]
+struct StatFields {
+    state: char,
+    ppid: i32,
+    pgrp: i32,
+    session: i32,
+    tty_nr: i32,
+    flags: u64,
+    start_ticks: u64,
+}
+
+/// Parses a /proc/PID/stat line. The command name is in parentheses and
+/// may itself contain spaces and parentheses, so fields are counted from
+/// the last ')'.
+fn parse_stat(stat: &str) -> Option<StatFields> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // rest: state(3) ppid(4) pgrp(5) session(6) tty_nr(7) tpgid(8) flags(9)
-    let state = fields.first()?.chars().next()?;
-    let ppid = fields.get(1)?.parse().ok()?;
-    let flags = fields.get(6)?.parse().ok()?;
-    // starttime is field 22.
-    let start = fields.get(19)?.parse().ok()?;
-    Some((state, ppid, flags, start))
+    // ... starttime(22).
+    Some(StatFields {
+        state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        session: fields.get(3)?.parse().ok()?,
+        tty_nr: fields.get(4)?.parse().ok()?,
+        flags: fields.get(6)?.parse().ok()?,
+        start_ticks: fields.get(19)?.parse().ok()?,
+    })
 }
 
 /// `pid` and all its descendants (threads are not processes and are not
@@ -98,11 +122,22 @@ mod tests {
     fn parses_stat_with_odd_command_names() {
         let line = "1234 (we(ird) name) S 1 1234 1234 0 -1 4194560 100 0 0 0 \
                     1 2 3 4 20 0 1 0 987654 1000 10";
-        assert_eq!(parse_stat(line), Some(('S', 1, 4194560, 987654)));
-        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 0 0 1 0 5 0 0";
-        let (_, _, flags, start) = parse_stat(kthread).unwrap();
-        assert_eq!(start, 5);
-        assert!(flags & PF_KTHREAD != 0);
+        assert_eq!(
+            parse_stat(line),
+            Some(StatFields {
+                state: 'S',
+                ppid: 1,
+                pgrp: 1234,
+                session: 1234,
+                tty_nr: 0,
+                flags: 4194560,
+                start_ticks: 987654,
+            })
+        );
+        let kthread = "2 (kthreadd) S 0 0 0 34816 -1 2129984 0 0 0 0 0 0 0 0 0 0 1 0 5 0 0";
+        let k = parse_stat(kthread).unwrap();
+        assert_eq!((k.start_ticks, k.tty_nr), (5, 34816));
+        assert!(k.flags & PF_KTHREAD != 0);
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub fn required_role(path: &str) -> Role {
         "/ferry.v1.Control/GetDataPlane",
         "/ferry.v1.Control/GetBalancer",
         "/ferry.v1.Control/WatchEvents",
+        "/ferry.v1.Control/WaitProcess",
     ];
     if READ_ONLY.contains(&path)
         || path.starts_with("/grpc.health.v1.Health/")

@@ -26,6 +26,19 @@ struct Args {
     /// Address to bind.
     #[arg(long, default_value_t = Ipv4Addr::UNSPECIFIED)]
     bind: Ipv4Addr,
+    /// Exit with this code on SIGTERM (a handler, as real servers have;
+    /// without one, SIGTERM from outside the PID namespace whose init this
+    /// server is never reaches it).
+    #[arg(long, value_name = "CODE")]
+    exit_on_term: Option<u8>,
+}
+
+/// The code `--exit-on-term` exits with.
+static EXIT_ON_TERM: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn exit_on_term(_: libc::c_int) {
+    // SAFETY: _exit and an atomic load are async-signal-safe.
+    unsafe { libc::_exit(EXIT_ON_TERM.load(std::sync::atomic::Ordering::Relaxed)) }
 }
 
 /// Small stacks: the process's memory is what a migration copies.
@@ -34,6 +47,21 @@ const BUFFER: usize = 16 * 1024;
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(code) = args.exit_on_term {
+        EXIT_ON_TERM.store(i32::from(code), std::sync::atomic::Ordering::Relaxed);
+        let action = nix::sys::signal::SigAction::new(
+            nix::sys::signal::SigHandler::Handler(exit_on_term),
+            nix::sys::signal::SaFlags::SA_RESTART,
+            nix::sys::signal::SigSet::empty(),
+        );
+        // SAFETY: the handler only calls async-signal-safe functions.
+        let installed =
+            unsafe { nix::sys::signal::sigaction(nix::sys::signal::Signal::SIGTERM, &action) };
+        if let Err(e) = installed {
+            eprintln!("ferry-echo-server: SIGTERM handler: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     // std's bind sets SO_REUSEADDR, so a restart right after a crash works.
     let listener = match TcpListener::bind(SocketAddrV4::new(args.bind, args.port)) {
         Ok(l) => l,

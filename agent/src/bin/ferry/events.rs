@@ -63,6 +63,21 @@ pub fn line(ev: &ClusterEvent) -> String {
                 format!("not watching {}: {}", w.peer, w.error)
             }
         }
+        Some(Event::ProcessStarted(p)) => format!(
+            "process {} under management ({}): {}",
+            p.pid,
+            p.origin,
+            p.argv.join(" ")
+        ),
+        Some(Event::ProcessExited(p)) => format!(
+            "process {} {}: {}",
+            p.pid,
+            p.exit
+                .as_ref()
+                .map(|e| e.description.as_str())
+                .unwrap_or("ended"),
+            p.argv.join(" ")
+        ),
         None => "?".into(),
     };
     format!("{} {:<10} {what}", time(ev.at_unix_ms), ev.node)
@@ -120,6 +135,18 @@ pub fn to_json(ev: &ClusterEvent) -> serde_json::Value {
             json!({
             "peer": w.peer, "connected": w.connected, "error": w.error, "missed": w.missed}),
         ),
+        Some(Event::ProcessStarted(p)) => (
+            "process_started",
+            json!({"pid": p.pid, "argv": p.argv, "origin": p.origin}),
+        ),
+        Some(Event::ProcessExited(p)) => {
+            let e = p.exit.clone().unwrap_or_default();
+            (
+                "process_exited",
+                json!({"pid": p.pid, "argv": p.argv, "status_known": e.status_known,
+                "code": e.code, "signal": e.signal, "description": e.description}),
+            )
+        }
         None => ("unknown", json!({})),
     };
     json!({"node": ev.node, "at_unix_ms": ev.at_unix_ms, "sequence": ev.sequence,

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 mod drain;
 mod events;
+mod follow;
 mod progress;
 
 use anyhow::{Context, Result, bail};
@@ -75,8 +76,32 @@ enum Command {
     },
     /// Start a command under ferry's management on this node.
     Run {
+        /// Stay with the process until it ends, wherever it moves: pass on
+        /// SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1/2, and exit as it did
+        /// (for a systemd unit's ExecStart=).
+        #[arg(long)]
+        foreground: bool,
         #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
         argv: Vec<String>,
+    },
+    /// Put a running process under management: it must be the init of its
+    /// own PID namespace and lead its session (`unshare --pid --fork
+    /// setsid CMD`), with no terminal and no pipe to a process outside.
+    Adopt {
+        pid: i32,
+        /// Then stay with it as `run --foreground` does.
+        #[arg(long)]
+        foreground: bool,
+    },
+    /// Wait for a managed process to end, wherever it moves; exit as it
+    /// did.
+    Wait { pid: i32 },
+    /// Send a signal to a managed process, on the node that manages it.
+    Signal {
+        pid: i32,
+        /// A name (TERM, SIGHUP) or a number.
+        #[arg(long, short = 's', default_value = "TERM")]
+        signal: String,
     },
     /// Migrate a managed process to another node.
     Migrate {
@@ -338,6 +363,22 @@ async fn connect_local(socket: PathBuf) -> Result<Channel> {
     Ok(channel)
 }
 
+/// "TERM", "SIGTERM" or "15" as a signal number.
+fn signal_number(s: &str) -> Result<i32> {
+    if let Ok(n) = s.parse::<i32>() {
+        return Ok(n);
+    }
+    let name = s.to_ascii_uppercase();
+    let name = if name.starts_with("SIG") {
+        name
+    } else {
+        format!("SIG{name}")
+    };
+    name.parse::<nix::sys::signal::Signal>()
+        .map(|s| s as i32)
+        .map_err(|_| anyhow::anyhow!("--signal: {s:?} is not a signal name or number"))
+}
+
 pub(crate) fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), s.message())
 }
@@ -533,20 +574,87 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 }
             }
         }
-        Command::Run { argv } => {
-            let pid = client
+        Command::Run { argv, foreground } => {
+            let signals = if foreground {
+                Some(follow::Signals::catch()?)
+            } else {
+                None
+            };
+            let started = client
                 .run_process(RunProcessRequest {
                     argv,
                     node: node.clone(),
                 })
                 .await
                 .map_err(status_error)?
-                .into_inner()
-                .pid;
+                .into_inner();
+            if let Some(signals) = signals {
+                let exit = follow::follow(&mut client, started.node, started.pid, signals).await?;
+                follow::end_like(&exit);
+            }
             if args.json {
-                println!("{}", json!({ "pid": pid }));
+                println!("{}", json!({ "pid": started.pid, "node": started.node }));
             } else {
-                println!("{pid}");
+                println!("{}", started.pid);
+            }
+        }
+        Command::Adopt { pid, foreground } => {
+            let signals = if foreground {
+                Some(follow::Signals::catch()?)
+            } else {
+                None
+            };
+            let p = client
+                .adopt_process(pb::AdoptProcessRequest {
+                    pid,
+                    node: node.clone(),
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if let Some(signals) = signals {
+                eprintln!("ferry: adopted PID {} on {}", p.pid, p.node);
+                let exit = follow::follow(&mut client, p.node, p.pid, signals).await?;
+                follow::end_like(&exit);
+            }
+            let ports = p.ports.iter().map(port_str).collect::<Vec<_>>();
+            if args.json {
+                println!(
+                    "{}",
+                    json!({ "pid": p.pid, "node": p.node, "argv": p.argv, "ports": ports })
+                );
+            } else {
+                println!(
+                    "adopted PID {} on {}: {} (ports: {})",
+                    p.pid,
+                    p.node,
+                    p.argv.join(" "),
+                    if ports.is_empty() {
+                        "none".into()
+                    } else {
+                        ports.join(",")
+                    }
+                );
+            }
+        }
+        Command::Wait { pid } => {
+            let exit =
+                follow::follow(&mut client, node.clone(), pid, follow::Signals::none()).await?;
+            follow::end_like(&exit);
+        }
+        Command::Signal { pid, signal } => {
+            let number = signal_number(&signal)?;
+            let r = client
+                .signal_process(pb::SignalProcessRequest {
+                    pid,
+                    signal: number,
+                    node: node.clone(),
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if !args.json {
+                println!("signal {number} sent to PID {pid} on {}", r.node);
             }
         }
         Command::Migrate {

@@ -1,0 +1,425 @@
+//! Whether a running process can be put under ferry's management: what
+//! ferry needs of it (the shape `ferry run` gives a process) and what would
+//! make CRIU refuse to dump it, or restore it broken, as ferry runs CRIU.
+//! All read from procfs and sock_diag, with the process running: nothing
+//! here stops or touches it.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+use super::{ProcessError, ProcessInfo, inspect, process_tree, read_proc};
+
+/// One reason ferry cannot manage a process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Obstacle {
+    /// Not PID 1 of a PID namespace one level below ferryd's. A process in
+    /// the node's PID namespace would need its PID free on the
+    /// destination; CRIU restores a namespace's init with a new namespace.
+    NotNamespaceInit { nspid: Vec<i32> },
+    /// A namespace other than the PID namespace differs from ferryd's:
+    /// ferry moves processes that live in the node's network, mount, ...
+    /// namespaces (its data plane owns the node's ports).
+    OwnNamespace { kind: &'static str },
+    /// A session or process group led by a process outside the tree
+    /// (CRIU needs --shell-job for that, which would tie it to a terminal).
+    LeaderOutside {
+        pid: i32,
+        what: &'static str,
+        leader: i32,
+    },
+    /// A controlling terminal, or a terminal on a descriptor: it cannot
+    /// follow the process to another node.
+    Terminal { pid: i32, what: String },
+    /// A pipe or FIFO that a process outside the tree holds too: CRIU
+    /// would restore only the tree's end, and the other side would be cut
+    /// (the process's writes to it would fail with EPIPE).
+    SharedPipe { pid: i32, fd: i32, inode: u64 },
+    /// A Unix socket connected to a socket outside the tree, which CRIU
+    /// refuses to dump (ferry does not run it with --ext-unix-sk).
+    UnixPeerOutside { pid: i32, fd: i32, inode: u64 },
+    /// A socket of a family CRIU cannot dump.
+    UnsupportedSocket { inode: u64, family: i32 },
+    /// A POSIX or flock lock, which CRIU refuses to dump without
+    /// --file-locks.
+    FileLock { pid: i32 },
+}
+
+impl fmt::Display for Obstacle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Obstacle::NotNamespaceInit { nspid } => write!(
+                f,
+                "it is not the init of its own PID namespace (NSpid {nspid:?}): start it with `ferry run`, or `unshare --pid --fork setsid CMD` with stdio on files"
+            ),
+            Obstacle::OwnNamespace { kind } => {
+                write!(f, "its {kind} namespace is not the node's (ferryd's)")
+            }
+            Obstacle::LeaderOutside { pid, what, leader } => write!(
+                f,
+                "PID {pid}'s {what} leader {leader} is outside the process tree"
+            ),
+            Obstacle::Terminal { pid, what } => write!(
+                f,
+                "PID {pid} has a terminal ({what}), which cannot follow it to another node"
+            ),
+            Obstacle::SharedPipe { pid, fd, inode } => write!(
+                f,
+                "PID {pid}'s descriptor {fd} is a pipe or FIFO (inode {inode}) shared with a process outside the tree; after a migration its other end would be gone"
+            ),
+            Obstacle::UnixPeerOutside { pid, fd, inode } => write!(
+                f,
+                "PID {pid}'s descriptor {fd} is a Unix socket (inode {inode}) connected to a process outside the tree"
+            ),
+            Obstacle::UnsupportedSocket { inode, family } => write!(
+                f,
+                "socket:[{inode}] is of family {family}, which CRIU cannot migrate (only IPv4, IPv6, Unix, netlink and packet)"
+            ),
+            Obstacle::FileLock { pid } => write!(
+                f,
+                "PID {pid} holds a file lock, which CRIU does not migrate as ferry runs it"
+            ),
+        }
+    }
+}
+
+/// The namespaces a managed process shares with ferryd (all but PID).
+const SHARED_NAMESPACES: &[&str] = &["net", "mnt", "ipc", "uts", "user", "cgroup", "time"];
+
+/// The `NSpid:` line of /proc/PID/status: the process's PID in each PID
+/// namespace it is in, outermost first.
+fn nspid(pid: &str) -> Result<Vec<i32>, ProcessError> {
+    let path = format!("/proc/{pid}/status");
+    let status = read_proc(&path, pid.parse().unwrap_or(0))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|v| {
+            v.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .ok_or_else(|| ProcessError::Parse {
+            path,
+            reason: "no NSpid line".into(),
+        })
+}
+
+/// An open descriptor: (number, link target, inode, pipe or FIFO?).
+type Descriptor = (i32, String, u64, bool);
+
+/// The open descriptors of `pid`.
+fn descriptors(pid: i32) -> Vec<Descriptor> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let fd = e.file_name().to_str()?.parse().ok()?;
+            let target = std::fs::read_link(e.path()).ok()?;
+            let meta = std::fs::metadata(e.path()).ok()?;
+            Some((
+                fd,
+                target.to_string_lossy().into_owned(),
+                meta.ino(),
+                meta.file_type().is_fifo(),
+            ))
+        })
+        .collect()
+}
+
+/// Every process holding one of `inodes` as a pipe or FIFO, by inode. A
+/// scan of every process's descriptors: adoption is rare and this is the
+/// only way to see who holds the other end.
+fn pipe_holders(inodes: &HashSet<u64>) -> HashMap<u64, BTreeSet<i32>> {
+    let mut out: HashMap<u64, BTreeSet<i32>> = HashMap::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        for (_, _, ino, fifo) in descriptors(pid) {
+            if fifo && inodes.contains(&ino) {
+                out.entry(ino).or_default().insert(pid);
+            }
+        }
+    }
+    out
+}
+
+/// The processes of `tree` that hold a file lock, from /proc/locks.
+fn lock_holders(tree: &HashSet<i32>) -> BTreeSet<i32> {
+    let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    // "1: POSIX  ADVISORY  WRITE 4242 00:2a:1234 0 EOF"; blocked waiters
+    // ("1: -> POSIX ...") hold nothing.
+    locks
+        .lines()
+        .filter(|l| !l.contains("->"))
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse::<i32>().ok())
+        .filter(|pid| tree.contains(pid))
+        .collect()
+}
+
+/// What in `tree`'s descriptors and locks ferry could not migrate: pipes
+/// and FIFOs shared with outside processes, terminals, Unix sockets with a
+/// peer outside, sockets of families CRIU cannot dump, file locks.
+/// `unix_peers` is [`super::unix_peers`]'s answer (one dump for the whole
+/// check).
+pub fn descriptor_obstacles(tree: &[i32], unix_peers: &HashMap<u64, u64>) -> Vec<Obstacle> {
+    let members: HashSet<i32> = tree.iter().copied().collect();
+    let mut found = Vec::new();
+    let fds: Vec<(i32, Vec<Descriptor>)> =
+        tree.iter().map(|&pid| (pid, descriptors(pid))).collect();
+    let tree_sockets: HashSet<u64> = fds
+        .iter()
+        .flat_map(|(_, d)| d.iter())
+        .filter(|(_, t, _, _)| t.starts_with("socket:"))
+        .map(|(_, _, ino, _)| *ino)
+        .collect();
+    let pipes: HashSet<u64> = fds
+        .iter()
+        .flat_map(|(_, d)| d.iter())
+        .filter(|(_, _, _, fifo)| *fifo)
+        .map(|(_, _, ino, _)| *ino)
+        .collect();
+    let holders = if pipes.is_empty() {
+        HashMap::new()
+    } else {
+        pipe_holders(&pipes)
+    };
+    let mut reported = HashSet::new();
+    for (pid, list) in &fds {
+        for (fd, target, ino, fifo) in list {
+            if *fifo {
+                let outside = holders
+                    .get(ino)
+                    .is_some_and(|h| h.iter().any(|p| !members.contains(p)));
+                if outside && reported.insert(*ino) {
+                    found.push(Obstacle::SharedPipe {
+                        pid: *pid,
+                        fd: *fd,
+                        inode: *ino,
+                    });
+                }
+            } else if target.starts_with("/dev/pts/")
+                || target == "/dev/ptmx"
+                || target.starts_with("/dev/tty")
+                || target == "/dev/console"
+            {
+                found.push(Obstacle::Terminal {
+                    pid: *pid,
+                    what: format!("descriptor {fd} is {target}"),
+                });
+            } else if target.starts_with("socket:")
+                && let Some(peer) = unix_peers.get(ino)
+                && !tree_sockets.contains(peer)
+                && reported.insert(*ino)
+            {
+                found.push(Obstacle::UnixPeerOutside {
+                    pid: *pid,
+                    fd: *fd,
+                    inode: *ino,
+                });
+            }
+        }
+    }
+    for pid in lock_holders(&members) {
+        found.push(Obstacle::FileLock { pid });
+    }
+    found
+}
+
+/// The process `pid` as ferry would adopt it, or why it cannot. `Err` is
+/// for a process that is not there (or procfs failing); a process that is
+/// there but cannot be managed comes back with its obstacles, every one
+/// of them, so that the caller can fix them in one go.
+pub fn adoption_obstacles(pid: i32) -> Result<(ProcessInfo, Vec<Obstacle>), ProcessError> {
+    let info = inspect(pid)?;
+    if info.state == 'Z' || info.state == 'X' || info.kernel_thread {
+        return Err(ProcessError::NotFound { pid });
+    }
+    let mut found = Vec::new();
+
+    let theirs = nspid(&pid.to_string())?;
+    let ours = nspid("self")?;
+    if theirs.len() != ours.len() + 1 || theirs.last() != Some(&1) {
+        found.push(Obstacle::NotNamespaceInit { nspid: theirs });
+    }
+    for kind in SHARED_NAMESPACES {
+        let mine = std::fs::read_link(format!("/proc/self/ns/{kind}"));
+        let its = std::fs::read_link(format!("/proc/{pid}/ns/{kind}"));
+        // A kernel without that namespace type has the link for nobody.
+        if let (Ok(mine), Ok(its)) = (mine, its)
+            && mine != its
+        {
+            found.push(Obstacle::OwnNamespace { kind });
+        }
+    }
+
+    let tree = process_tree(pid);
+    let members: HashSet<i32> = tree.iter().copied().collect();
+    for &p in &tree {
+        let Ok(i) = inspect(p) else { continue };
+        for (what, leader) in [("session", i.session), ("process group", i.pgrp)] {
+            if !members.contains(&leader) {
+                found.push(Obstacle::LeaderOutside {
+                    pid: p,
+                    what,
+                    leader,
+                });
+            }
+        }
+        if i.tty_nr != 0 {
+            found.push(Obstacle::Terminal {
+                pid: p,
+                what: format!(
+                    "controlling terminal {}:{}",
+                    (i.tty_nr >> 8) & 0xfff,
+                    (i.tty_nr & 0xff) | ((i.tty_nr >> 12) & 0xfff00)
+                ),
+            });
+        }
+    }
+    let peers = super::unix_peers().map_err(|source| ProcessError::Io {
+        path: "sock_diag (AF_UNIX)".into(),
+        source,
+    })?;
+    found.extend(descriptor_obstacles(&tree, &peers));
+    Ok((info, found))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+    use std::process::{Command, Stdio};
+
+    /// A child of this test, killed and reaped when dropped.
+    struct Child(std::process::Child);
+
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// `cmd` without the descriptors the test binary inherited (a
+    /// jobserver pipe, say), which are shared with the outside.
+    fn without_inherited(mut cmd: Command) -> Command {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: one async-signal-safe system call between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+                if libc::syscall(
+                    libc::SYS_close_range,
+                    3 as libc::c_uint,
+                    libc::c_uint::MAX,
+                    CLOSE_RANGE_CLOEXEC,
+                ) == -1
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+
+    #[test]
+    fn a_process_in_the_node_pid_namespace_is_not_adoptable() {
+        let child = Child(
+            Command::new("sleep")
+                .arg("30")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let (_, found) = adoption_obstacles(child.0.id() as i32).unwrap();
+        assert!(
+            found
+                .iter()
+                .any(|o| matches!(o, Obstacle::NotNamespaceInit { .. })),
+            "{found:?}"
+        );
+        // Its session is this test's: led from outside.
+        assert!(
+            found.iter().any(|o| matches!(
+                o,
+                Obstacle::LeaderOutside {
+                    what: "session",
+                    ..
+                }
+            )),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn pipes_to_outside_and_unix_peers_outside_are_found() {
+        let (mine, theirs) = UnixStream::pair().unwrap();
+        let mut cmd = Command::new("sleep");
+        cmd.arg("30")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(std::os::fd::OwnedFd::from(theirs)));
+        let child = Child(cmd.spawn().unwrap());
+        let pid = child.0.id() as i32;
+        let peers = super::super::unix_peers().unwrap();
+        let found = descriptor_obstacles(&[pid], &peers);
+        assert!(
+            found
+                .iter()
+                .any(|o| matches!(o, Obstacle::SharedPipe { fd: 1, .. })),
+            "{found:?}"
+        );
+        assert!(
+            found
+                .iter()
+                .any(|o| matches!(o, Obstacle::UnixPeerOutside { fd: 2, .. })),
+            "{found:?}"
+        );
+        drop(mine);
+    }
+
+    #[test]
+    fn a_pipe_and_a_socket_pair_inside_the_tree_are_fine() {
+        // sh holds both ends of its pipeline's pipe until it forks; the
+        // tree (sh and its two children) holds every end.
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 30 | sleep 31"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = Child(without_inherited(cmd).spawn().unwrap());
+        let pid = child.0.id() as i32;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while process_tree(pid).len() < 3 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the pipeline never started"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let peers = super::super::unix_peers().unwrap();
+        let found = descriptor_obstacles(&process_tree(pid), &peers);
+        assert!(
+            !found
+                .iter()
+                .any(|o| matches!(o, Obstacle::SharedPipe { .. })),
+            "{found:?}"
+        );
+        // The sleeps themselves are not killed by dropping sh.
+        for p in process_tree(pid).into_iter().skip(1) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
