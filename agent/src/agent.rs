@@ -75,6 +75,8 @@ pub struct Agent {
     /// How the managed processes that ended lately ended, newest last:
     /// for a `WaitProcess` that comes just after the end.
     exits: Mutex<std::collections::VecDeque<(i32, pb::ProcessExit)>>,
+    /// The drain running on this node (`crate::drain`).
+    pub drain: Mutex<Option<Arc<crate::drain::DrainControl>>>,
     /// Processes a migration took away whose report is not stored yet, by
     /// PID, with their command lines ([`Self::depart`]).
     departing: Mutex<HashMap<i32, Vec<String>>>,
@@ -153,6 +155,7 @@ impl Agent {
             ),
             exits: Mutex::new(std::collections::VecDeque::new()),
             departing: Mutex::new(HashMap::new()),
+            drain: Mutex::new(None),
             config,
         })
     }

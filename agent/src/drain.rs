@@ -10,6 +10,13 @@
 //! here) is tried once more elsewhere. Whatever stays is listed at the
 //! end, with why. The node stays cordoned: a drained node must not fill
 //! up again before the operator says so.
+//!
+//! One drain per node at a time. `CancelDrain` stops it: no further
+//! process is moved, and the migration under way gets the same cancel as
+//! `CancelMigration`'s (its own flag, set under the same order: the drain
+//! publishes the migration's switch before it checks its own flag, the
+//! canceller sets the flag before it reads the switch, so one of them
+//! always pulls it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,6 +30,7 @@ use tonic::Status;
 use tracing::Instrument;
 
 use crate::agent::Agent;
+use crate::engine::cancel::Cancel;
 use crate::engine::source::{self, MigrationOptions};
 use crate::managed::Lifecycle;
 
@@ -35,21 +43,104 @@ const BUSY_WAIT: Duration = Duration::from_secs(120);
 
 type Events = mpsc::Sender<Result<DrainEvent, Status>>;
 
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The drain running on this node, as `CancelDrain` reaches it.
+#[derive(Debug)]
+pub struct DrainControl {
+    /// Who started it.
+    by: String,
+    cancelled_by: std::sync::Mutex<Option<String>>,
+    /// The cancel switch of the migration under way.
+    current: std::sync::Mutex<Option<Arc<Cancel>>>,
+    finished: tokio::sync::watch::Sender<Option<DrainFinished>>,
+}
+
+impl DrainControl {
+    fn new(by: &str) -> Self {
+        DrainControl {
+            by: by.to_owned(),
+            cancelled_by: std::sync::Mutex::new(None),
+            current: std::sync::Mutex::new(None),
+            finished: tokio::sync::watch::channel(None).0,
+        }
+    }
+
+    fn cancelled(&self) -> Option<String> {
+        lock(&self.cancelled_by).clone()
+    }
+
+    /// Stops the drain (`CancelDrain`); the first caller is named.
+    pub fn cancel(&self, by: &str) {
+        lock(&self.cancelled_by).get_or_insert_with(|| by.to_owned());
+        if let Some(cancel) = lock(&self.current).as_ref() {
+            // Refused only once it is restoring: then it ends by itself.
+            let _ = cancel.request(by);
+        }
+    }
+
+    /// The migration `cancel` switches off is under way, or none is.
+    fn under_way(&self, cancel: Option<Arc<Cancel>>) {
+        let mut current = lock(&self.current);
+        *current = cancel;
+        if let (Some(c), Some(by)) = (current.as_ref(), self.cancelled()) {
+            let _ = c.request(&by);
+        }
+    }
+
+    /// The drain's summary, once it has stopped.
+    pub async fn finished(&self) -> DrainFinished {
+        let mut rx = self.finished.subscribe();
+        match rx.wait_for(Option::is_some).await {
+            Ok(f) => f.clone().unwrap_or_default(),
+            Err(_) => DrainFinished::default(),
+        }
+    }
+}
+
+/// The drain running on this node, if one is.
+pub fn running(agent: &Agent) -> Option<Arc<DrainControl>> {
+    lock(&agent.drain).clone()
+}
+
 /// Starts draining this node; the events come on the returned channel.
-/// The drain goes on if the caller stops listening.
+/// The drain goes on if the caller stops listening (`CancelDrain` stops
+/// it). FAILED_PRECONDITION if a drain runs already.
 pub fn start(
     agent: Arc<Agent>,
     options: MigrationOptions,
     by: String,
 ) -> Result<mpsc::Receiver<Result<DrainEvent, Status>>, Status> {
-    agent.set_cordoned(true, &format!("drain by {by}"))?;
+    let control = Arc::new(DrainControl::new(&by));
+    {
+        let mut slot = lock(&agent.drain);
+        if let Some(other) = slot.as_ref() {
+            return Err(Status::failed_precondition(format!(
+                "node: a drain of {} runs already (started by {}); stop it with CancelDrain or wait for its end",
+                agent.node(),
+                other.by
+            )));
+        }
+        *slot = Some(control.clone());
+    }
+    if let Err(e) = agent.set_cordoned(true, &format!("drain by {by}")) {
+        *lock(&agent.drain) = None;
+        return Err(e.into());
+    }
     let (tx, rx) = mpsc::channel(64);
     let span = tracing::info_span!("drain", by = %by);
-    tokio::spawn(drain(agent, options, tx).instrument(span));
+    tokio::spawn(drain(agent, options, tx, control).instrument(span));
     Ok(rx)
 }
 
-async fn drain(agent: Arc<Agent>, options: MigrationOptions, tx: Events) {
+async fn drain(
+    agent: Arc<Agent>,
+    options: MigrationOptions,
+    tx: Events,
+    control: Arc<DrainControl>,
+) {
     let started = Instant::now();
     let pids: Vec<i32> = agent.registry().iter().map(|p| p.pid).collect();
     tracing::info!(processes = pids.len(), "draining");
@@ -62,7 +153,11 @@ async fn drain(agent: Arc<Agent>, options: MigrationOptions, tx: Events) {
     let mut moved = 0u32;
     let mut why_not: Vec<(i32, String)> = Vec::new();
     for pid in pids {
-        match drain_one(&agent, pid, options, &tx).await {
+        if let Some(by) = control.cancelled() {
+            why_not.push((pid, format!("not moved: the drain was cancelled by {by}")));
+            continue;
+        }
+        match drain_one(&agent, pid, options, &tx, &control).await {
             Ok(true) => moved += 1,
             Ok(false) => {} // gone by itself (exited, or moved by another migration)
             Err(reason) => why_not.push((pid, reason)),
@@ -81,20 +176,39 @@ async fn drain(agent: Arc<Agent>, options: MigrationOptions, tx: Events) {
             format!("{}: {why}", p.pid)
         })
         .collect();
+    let cancelled_by = control.cancelled();
     let finished = DrainFinished {
         node: agent.node().to_owned(),
         moved,
         remaining: remaining.clone(),
         elapsed_us: started.elapsed().as_micros() as u64,
+        cancelled_by: cancelled_by.clone().unwrap_or_default(),
     };
-    tracing::info!(moved, remaining = remaining.len(), "drain finished");
+    tracing::info!(moved, remaining = remaining.len(), cancelled_by = ?cancelled_by, "drain finished");
     agent
         .events
         .publish(pb::cluster_event::Event::DrainFinished(finished.clone()));
+    // The next drain may start; CancelDrain callers get the summary.
+    {
+        let mut slot = lock(&agent.drain);
+        if slot.as_ref().is_some_and(|d| Arc::ptr_eq(d, &control)) {
+            *slot = None;
+        }
+    }
+    control.finished.send_replace(Some(finished.clone()));
     let _ = tx
         .send(Ok(event(drain_event::Event::Finished(finished))))
         .await;
-    if !remaining.is_empty() {
+    if let Some(by) = cancelled_by {
+        let _ = tx
+            .send(Err(Status::cancelled(format!(
+                "drain cancelled by {by}; {} still runs {} process(es): {}",
+                agent.node(),
+                remaining.len(),
+                remaining.join("; ")
+            ))))
+            .await;
+    } else if !remaining.is_empty() {
         let _ = tx
             .send(Err(Status::aborted(format!(
                 "{} still runs {} process(es): {}",
@@ -117,10 +231,15 @@ async fn drain_one(
     pid: i32,
     options: MigrationOptions,
     tx: &Events,
+    control: &DrainControl,
 ) -> Result<bool, String> {
+    let cancelled = |by: String| format!("not moved: the drain was cancelled by {by}");
     // Another migration (the balancer's) may have it: wait for its end.
     let waited = Instant::now();
     loop {
+        if let Some(by) = control.cancelled() {
+            return Err(cancelled(by));
+        }
         let lifecycle = agent.registry().get(pid).map(|p| p.lifecycle.clone());
         match lifecycle {
             None => return Ok(false),
@@ -142,6 +261,9 @@ async fn drain_one(
     for destination in destinations(agent).await {
         if attempts == ATTEMPTS {
             break;
+        }
+        if let Some(by) = control.cancelled() {
+            return Err(cancelled(by));
         }
         tried.push(destination.clone());
         let prepared = match source::prepare(agent, pid, &destination, options).await {
@@ -170,6 +292,7 @@ async fn drain_one(
             }
         };
         attempts += 1;
+        control.under_way(Some(prepared.cancel.clone()));
         let (mtx, mut mrx) = mpsc::channel::<Result<MigrationEvent, Status>>(32);
         let run = tokio::spawn(source::run(agent.clone(), prepared, mtx));
         while let Some(ev) = mrx.recv().await {
@@ -183,7 +306,9 @@ async fn drain_one(
                 }))))
                 .await;
         }
-        let report = match run.await {
+        let report = run.await;
+        control.under_way(None);
+        let report = match report {
             Ok(r) => r,
             Err(e) => return Err(format!("the migration task failed: {e}")),
         };
@@ -245,4 +370,53 @@ async fn destinations(agent: &Arc<Agent>) -> Vec<String> {
         .collect();
     candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
     candidates.into_iter().map(|(_, _, n)| n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cancel_reaches_the_migration_under_way_whichever_comes_first() {
+        // The cancel comes while a migration runs.
+        let control = DrainControl::new("op");
+        let running = Arc::new(Cancel::default());
+        control.under_way(Some(running.clone()));
+        assert!(running.check().is_ok());
+        control.cancel("alice");
+        assert!(matches!(
+            running.check(),
+            Err(crate::engine::EngineError::Cancelled { by }) if by == "alice"
+        ));
+
+        // The cancel comes between two migrations: the next one is
+        // switched off as soon as it is published.
+        let control = DrainControl::new("op");
+        control.cancel("bob");
+        let next = Arc::new(Cancel::default());
+        control.under_way(Some(next.clone()));
+        assert!(next.check().is_err());
+        // The first canceller is the one named.
+        control.cancel("carol");
+        assert_eq!(control.cancelled().as_deref(), Some("bob"));
+        control.under_way(None);
+    }
+
+    #[tokio::test]
+    async fn cancellers_get_the_summary_once_the_drain_stops() {
+        let control = Arc::new(DrainControl::new("op"));
+        let waiting = tokio::spawn({
+            let control = control.clone();
+            async move { control.finished().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        control.finished.send_replace(Some(DrainFinished {
+            node: "node1".into(),
+            moved: 1,
+            ..Default::default()
+        }));
+        let f = waiting.await.unwrap();
+        assert_eq!((f.node.as_str(), f.moved), ("node1", 1));
+    }
 }

@@ -163,7 +163,7 @@ pub fn control_request(data: &[u8]) {
     let mut input = Input(data);
     let which = input.byte();
     let msg = input.rest();
-    match which % 17 {
+    match which % 18 {
         0 => drop(decode::<pb::ListNodesRequest>(msg)),
         1 => drop(decode::<pb::ListProcessesRequest>(msg)),
         2 => drop(decode::<pb::RunProcessRequest>(msg)),
@@ -194,6 +194,7 @@ pub fn control_request(data: &[u8]) {
         13 => drop(decode::<pb::WatchEventsRequest>(msg)),
         14 => drop(decode::<pb::AdoptProcessRequest>(msg)),
         15 => drop(decode::<pb::WaitProcessRequest>(msg)),
+        16 => drop(decode::<pb::CancelDrainRequest>(msg)),
         _ => {
             if let Some(req) = decode::<pb::SignalProcessRequest>(msg) {
                 match crate::managed::signal_to_send(req.signal) {

@@ -435,6 +435,117 @@ fn a_cancelled_migration_leaves_the_process_running_on_the_source() {
 }
 
 #[test]
+fn a_cancelled_drain_stops_and_every_process_runs_on() {
+    if !ferry_integration::can_run("a_cancelled_drain_stops_and_every_process_runs_on") {
+        return;
+    }
+    const WRITERS: [MemWriter; 2] = [MemWriter { port: 7330 }, MemWriter { port: 7331 }];
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    // 64 MiB over 10 Mb/s takes about a minute: the cancel comes first.
+    cluster.shape_cluster_links(Some(("10mbit", 32768, "400ms")));
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let mut pids = Vec::new();
+        let mut writes = Vec::new();
+        for w in &WRITERS {
+            pids.push(w.start(&mut node1, 64, 10).await);
+            writes.push(w.check(&cluster));
+        }
+        let mut drain = node1
+            .drain_node(pb::DrainNodeRequest {
+                strategy: Strategy::PreCopy as i32,
+                ..Default::default()
+            })
+            .await
+            .expect("DrainNode")
+            .into_inner();
+        // Into its first migration's pre-copy.
+        loop {
+            let ev = drain
+                .message()
+                .await
+                .expect("drain events")
+                .expect("no end before the cancel");
+            if let Some(drain_event::Event::Migration(m)) = &ev.event
+                && let Some(migration_event::Event::Progress(p)) =
+                    m.event.as_ref().and_then(|e| e.event.as_ref())
+                && p.phase == "pre-copy"
+            {
+                break;
+            }
+            if let Some(drain_event::Event::Finished(f)) = &ev.event {
+                panic!("the drain finished before the cancel: {f:?}");
+            }
+        }
+        // One drain at a time.
+        let e = node2
+            .drain_node(pb::DrainNodeRequest {
+                node: "node1".into(),
+                ..Default::default()
+            })
+            .await
+            .expect_err("a second drain started");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("runs already"), "{e:?}");
+
+        // Cancelled through node2's agent: forwarded to node1.
+        let summary = node2
+            .cancel_drain(pb::CancelDrainRequest {
+                node: "node1".into(),
+            })
+            .await
+            .expect("CancelDrain")
+            .into_inner();
+        assert_eq!(summary.node, "node1");
+        assert_eq!(summary.moved, 0, "{summary:?}");
+        assert_eq!(summary.remaining.len(), 2, "{summary:?}");
+        assert!(!summary.cancelled_by.is_empty(), "{summary:?}");
+        // The stream ends with the summary and CANCELLED.
+        let mut end = None;
+        loop {
+            match drain.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(s) => {
+                    end = Some(s);
+                    break;
+                }
+            }
+        }
+        let end = end.expect("a cancelled drain ends with a status");
+        assert_eq!(end.code(), tonic::Code::Cancelled, "{end:?}");
+
+        // Both run on node1, intact and writing; node2 keeps nothing;
+        // node1 stays cordoned.
+        for ((w, &pid), before) in WRITERS.iter().zip(&pids).zip(&writes) {
+            let here = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+            assert_eq!(here.origin, "run");
+            assert!(!write_protected(pid), "{pid} still write-protected");
+            let now = w.check(&cluster);
+            assert!(now > *before, "{pid} does not write ({before} -> {now})");
+        }
+        assert!(list(&mut node2).await.is_empty());
+        let nodes = node2
+            .list_nodes(ListNodesRequest {})
+            .await
+            .expect("ListNodes")
+            .into_inner()
+            .nodes;
+        assert!(
+            nodes.iter().any(|n| n.name == "node1" && n.cordoned),
+            "{nodes:?}"
+        );
+        let e = node1
+            .cancel_drain(pb::CancelDrainRequest::default())
+            .await
+            .expect_err("no drain runs");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    });
+}
+
+#[test]
 fn any_agent_answers_for_the_whole_cluster() {
     if !ferry_integration::can_run("any_agent_answers_for_the_whole_cluster") {
         return;

@@ -255,6 +255,10 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
                     ))
                     .await
                     .map(|_| ());
+                let cancel_drain = c
+                    .cancel_drain(req(ferry_proto::v1::CancelDrainRequest::default(), t))
+                    .await
+                    .map(|_| ());
                 let adopt = c
                     .adopt_process(req(
                         ferry_proto::v1::AdoptProcessRequest {
@@ -295,6 +299,7 @@ fn control_api_on_tcp_wants_credentials_and_roles_gate_what_they_allow() {
                     ("drain", drain),
                     ("cordon", cordon),
                     ("cancel", cancel),
+                    ("cancel drain", cancel_drain),
                     ("adopt", adopt),
                     ("signal", signal),
                 ] {

@@ -403,6 +403,23 @@ impl Control for ControlService {
         )))
     }
 
+    async fn cancel_drain(
+        &self,
+        request: Request<pb::CancelDrainRequest>,
+    ) -> Result<Response<pb::DrainFinished>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+            return forward_unary!(self, peer, cancel_drain, request.into_inner());
+        }
+        let by = who(&request);
+        let drain = crate::drain::running(&self.agent).ok_or_else(|| {
+            Status::failed_precondition(format!("node: no drain runs on {}", self.agent.node()))
+        })?;
+        tracing::info!(%by, "drain cancel requested");
+        drain.cancel(&by);
+        Ok(Response::new(drain.finished().await))
+    }
+
     async fn set_cordon(
         &self,
         request: Request<pb::SetCordonRequest>,

@@ -50,7 +50,12 @@ pub fn line(ev: &ClusterEvent) -> String {
             c.by
         ),
         Some(Event::DrainFinished(d)) => format!(
-            "drain finished: {} moved, {} left",
+            "drain {}: {} moved, {} left",
+            if d.cancelled_by.is_empty() {
+                "finished".to_owned()
+            } else {
+                format!("cancelled by {}", d.cancelled_by)
+            },
             d.moved,
             d.remaining.len()
         ),
@@ -128,7 +133,8 @@ pub fn to_json(ev: &ClusterEvent) -> serde_json::Value {
         Some(Event::DrainFinished(d)) => (
             "drain_finished",
             json!({
-            "moved": d.moved, "remaining": d.remaining, "elapsed_us": d.elapsed_us}),
+            "moved": d.moved, "remaining": d.remaining, "elapsed_us": d.elapsed_us,
+            "cancelled_by": d.cancelled_by}),
         ),
         Some(Event::Watch(w)) => (
             "watch",

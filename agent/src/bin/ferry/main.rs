@@ -143,6 +143,10 @@ enum Command {
     /// Empty this node (or --node) for maintenance: cordon it, then move
     /// its processes one by one to the least loaded other nodes.
     Drain {
+        /// Stop the drain running on the node instead: no further process
+        /// moves, the migration under way rolls back; it stays cordoned.
+        #[arg(long, conflicts_with_all = ["strategy", "sockets"])]
+        cancel: bool,
         /// How memory moves (as for migrate).
         #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy", "post-copy", "assisted-post-copy"])]
         strategy: Option<String>,
@@ -812,7 +816,35 @@ async fn main_exec(mut args: Args) -> Result<()> {
                 println!("{} takes work again", r.node);
             }
         }
-        Command::Drain { strategy, sockets } => {
+        Command::Drain { cancel: true, .. } => {
+            let f = client
+                .cancel_drain(pb::CancelDrainRequest { node: node.clone() })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"node": f.node, "moved": f.moved, "remaining": f.remaining,
+                           "cancelled_by": f.cancelled_by})
+                );
+            } else {
+                println!(
+                    "drain of {} stopped: {} moved, {} stay{}",
+                    f.node,
+                    f.moved,
+                    f.remaining.len(),
+                    if f.remaining.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", f.remaining.join("; "))
+                    }
+                );
+            }
+        }
+        Command::Drain {
+            strategy, sockets, ..
+        } => {
             let stream = client
                 .drain_node(pb::DrainNodeRequest {
                     node: node.clone(),
