@@ -435,18 +435,7 @@ pub fn spawn(argv: &[String]) -> Result<i32, SpawnError> {
                     fail(err_fd);
                 }
             }
-            // Descriptors ferryd inherited without close-on-exec (a lock
-            // its starter held, say) must not follow the process: CRIU
-            // refuses to dump a process holding a file lock, and would
-            // drag anything else along.
-            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-            if libc::syscall(
-                libc::SYS_close_range,
-                3 as libc::c_uint,
-                libc::c_uint::MAX,
-                CLOSE_RANGE_CLOEXEC,
-            ) == -1
-            {
+            if process::close_inherited_on_exec().is_err() {
                 fail(err_fd);
             }
             libc::execv(path.as_ptr(), arg_ptrs.as_ptr());

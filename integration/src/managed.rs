@@ -116,6 +116,18 @@ pub async fn migrate_request(
     }
 }
 
+/// Reads a server stream to its end; returns the status it ended with,
+/// None for a clean end.
+pub async fn stream_end<T>(stream: &mut tonic::Streaming<T>) -> Option<tonic::Status> {
+    loop {
+        match stream.message().await {
+            Ok(Some(_)) => {}
+            Ok(None) => return None,
+            Err(s) => return Some(s),
+        }
+    }
+}
+
 /// `/proc/PID/stat`'s state letter, None if there is no such process.
 pub fn process_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -32,25 +32,12 @@ fn detached(program: &str, args: &[&str], stdout: Stdio) -> Command {
         .stdin(Stdio::null())
         .stdout(stdout)
         .stderr(Stdio::null());
-    // SAFETY: one async-signal-safe system call between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            // Whatever the test binary inherited (a jobserver pipe, a
-            // lock) must not reach the process: it would be a pipe shared
-            // with the outside, which adoption rightly refuses.
-            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-            if libc::syscall(
-                libc::SYS_close_range,
-                3 as libc::c_uint,
-                libc::c_uint::MAX,
-                CLOSE_RANGE_CLOEXEC,
-            ) == -1
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    // Whatever the test binary inherited (a jobserver pipe, a lock) must
+    // not reach the process: it would be a pipe shared with the outside,
+    // which adoption rightly refuses.
+    // SAFETY: the closure makes one async-signal-safe system call between
+    // fork and exec.
+    unsafe { cmd.pre_exec(ferry_agent::process::close_inherited_on_exec) };
     cmd
 }
 

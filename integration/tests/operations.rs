@@ -9,7 +9,7 @@ use std::net::SocketAddrV4;
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{list, runtime, wait_for_process, wait_until_gone};
+use ferry_integration::managed::{list, runtime, stream_end, wait_for_process, wait_until_gone};
 use ferry_integration::memwriter::{MemWriter, write_protected};
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
@@ -360,18 +360,9 @@ fn a_cancelled_migration_leaves_the_process_running_on_the_source() {
             assert!(report.error.starts_with("cancelled by"), "{report:#?}");
             assert!(report.resumed_on_source, "{report:#?}");
             // The Migrate stream ends with the report and CANCELLED.
-            let mut end = None;
-            loop {
-                match stream.message().await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => break,
-                    Err(s) => {
-                        end = Some(s);
-                        break;
-                    }
-                }
-            }
-            let end = end.expect("a cancelled migration ends with a status");
+            let end = stream_end(&mut stream)
+                .await
+                .expect("a cancelled migration ends with a status");
             assert_eq!(end.code(), tonic::Code::Cancelled, "{end:?}");
 
             // The process runs on node1, intact, not write-protected, and
@@ -503,18 +494,9 @@ fn a_cancelled_drain_stops_and_every_process_runs_on() {
         assert_eq!(summary.remaining.len(), 2, "{summary:?}");
         assert!(!summary.cancelled_by.is_empty(), "{summary:?}");
         // The stream ends with the summary and CANCELLED.
-        let mut end = None;
-        loop {
-            match drain.message().await {
-                Ok(Some(_)) => {}
-                Ok(None) => break,
-                Err(s) => {
-                    end = Some(s);
-                    break;
-                }
-            }
-        }
-        let end = end.expect("a cancelled drain ends with a status");
+        let end = stream_end(&mut drain)
+            .await
+            .expect("a cancelled drain ends with a status");
         assert_eq!(end.code(), tonic::Code::Cancelled, "{end:?}");
 
         // Both run on node1, intact and writing; node2 keeps nothing;

@@ -310,22 +310,9 @@ mod tests {
     /// jobserver pipe, say), which are shared with the outside.
     fn without_inherited(mut cmd: Command) -> Command {
         use std::os::unix::process::CommandExt;
-        // SAFETY: one async-signal-safe system call between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-                if libc::syscall(
-                    libc::SYS_close_range,
-                    3 as libc::c_uint,
-                    libc::c_uint::MAX,
-                    CLOSE_RANGE_CLOEXEC,
-                ) == -1
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        // SAFETY: the closure makes one async-signal-safe system call
+        // between fork and exec.
+        unsafe { cmd.pre_exec(super::super::close_inherited_on_exec) };
         cmd
     }
 
