@@ -7,11 +7,11 @@
 //! happening in between is missed. A watcher that falls behind the bus
 //! reads the registry, the reports and the recent exits again.
 //!
-//! When a migration moves it, the agent that was called goes on at the
-//! destination: it calls that node's WaitProcess (forwarded) and relays
-//! what comes. A forwarded call does not follow further: the agent that
-//! forwarded it does, so a process is followed through any number of moves
-//! with one hop at a time.
+//! When a migration moves it (or when the call names another node), the
+//! agent that was called goes on at that node: it calls its WaitProcess
+//! (forwarded) and relays what comes. A forwarded call does not follow
+//! further: the agent that forwarded it does, so a process is followed
+//! through any number of moves with one hop at a time.
 
 use std::sync::Arc;
 
@@ -238,45 +238,44 @@ async fn follow_elsewhere(
     }
 }
 
-/// Relays node `moved.node`'s WaitProcess for `moved.pid`; returns its
-/// `moved` update if the process moved on (already relayed).
-async fn relay_from(
+/// Node `node`'s WaitProcess for `pid`, forwarded (that node does not
+/// follow moves itself: this one does).
+async fn open_at(
     agent: &Arc<Agent>,
-    moved: &ProcessUpdate,
+    node: &str,
+    pid: i32,
+) -> Result<tonic::Streaming<ProcessUpdate>, Status> {
+    let peer = agent.peer(node).ok_or_else(|| {
+        Status::not_found(format!(
+            "node: the process is on {node:?}, which this agent does not know"
+        ))
+    })?;
+    let mut client = crate::api::forward::client(agent, &peer).await?;
+    client
+        .wait_process(crate::api::forward::request(
+            agent,
+            WaitProcessRequest {
+                pid,
+                node: node.to_owned(),
+            },
+        ))
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| crate::api::forward::from_peer(&peer, s))
+}
+
+/// Relays `stream` (without its `running` update unless `announce`);
+/// returns its `moved` update if the process moved on (already relayed).
+async fn relay(
+    mut stream: tonic::Streaming<ProcessUpdate>,
     tx: &mpsc::Sender<Result<ProcessUpdate, Status>>,
+    announce: bool,
 ) -> Option<ProcessUpdate> {
-    let node = &moved.node;
-    let call = async {
-        let peer = agent.peer(node).ok_or_else(|| {
-            Status::not_found(format!(
-                "node: the process moved to {node:?}, which this agent does not know"
-            ))
-        })?;
-        let mut client = crate::api::forward::client(agent, &peer).await?;
-        client
-            .wait_process(crate::api::forward::request(
-                agent,
-                WaitProcessRequest {
-                    pid: moved.pid,
-                    node: node.clone(),
-                },
-            ))
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|s| crate::api::forward::from_peer(&peer, s))
-    };
-    let mut stream = match call.await {
-        Ok(s) => s,
-        Err(s) => {
-            let _ = tx.send(Err(s)).await;
-            return None;
-        }
-    };
     loop {
         match stream.message().await {
             Ok(Some(u)) => {
                 let moved_on = matches!(u.update, Some(Update::Moved(_)));
-                if matches!(u.update, Some(Update::Running(_))) {
+                if !announce && matches!(u.update, Some(Update::Running(_))) {
                     continue;
                 }
                 tx.send(Ok(u.clone())).await.ok()?;
@@ -291,4 +290,34 @@ async fn relay_from(
             }
         }
     }
+}
+
+/// Relays node `moved.node`'s WaitProcess for `moved.pid`, after a move;
+/// returns its `moved` update if the process moved on.
+async fn relay_from(
+    agent: &Arc<Agent>,
+    moved: &ProcessUpdate,
+    tx: &mpsc::Sender<Result<ProcessUpdate, Status>>,
+) -> Option<ProcessUpdate> {
+    match open_at(agent, &moved.node, moved.pid).await {
+        Ok(stream) => relay(stream, tx, false).await,
+        Err(s) => {
+            let _ = tx.send(Err(s)).await;
+            None
+        }
+    }
+}
+
+/// Follows `pid`, managed by peer `node` now: that node's updates,
+/// then wherever the process moves. NOT_FOUND (or the peer's error) as the
+/// call's status when that node knows nothing of it.
+pub async fn start_at(agent: Arc<Agent>, node: String, pid: i32) -> Result<Updates, Status> {
+    let stream = open_at(&agent, &node, pid).await?;
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        if let Some(moved) = relay(stream, &tx, true).await {
+            follow_elsewhere(&agent, moved, &tx).await;
+        }
+    });
+    Ok(rx)
 }

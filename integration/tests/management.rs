@@ -187,6 +187,16 @@ fn a_running_process_is_adopted_and_moves_with_its_connections() {
             matches!(first.update, Some(Update::Running(_))),
             "{first:?}"
         );
+        // And through node2's agent, which asks node1 and follows on.
+        let mut waiting_via_node2 = node2
+            .wait_process(pb::WaitProcessRequest {
+                pid,
+                node: "node1".into(),
+            })
+            .await
+            .expect("WaitProcess forwarded")
+            .into_inner();
+        assert_eq!(next_update(&mut waiting_via_node2).await, first);
 
         let (report, status) = ferry_integration::managed::migrate_request(
             &mut node1,
@@ -214,6 +224,7 @@ fn a_running_process_is_adopted_and_moves_with_its_connections() {
             }
             other => panic!("expected moved, got {other:?}"),
         }
+        assert_eq!(next_update(&mut waiting_via_node2).await, moved);
         let on_node2 =
             wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
         assert_eq!(on_node2.origin, "migrated-in");
@@ -264,6 +275,14 @@ fn a_running_process_is_adopted_and_moves_with_its_connections() {
             other => panic!("expected exited, got {other:?}"),
         }
         assert!(waiting.message().await.expect("a clean end").is_none());
+        assert_eq!(next_update(&mut waiting_via_node2).await, exited);
+        assert!(
+            waiting_via_node2
+                .message()
+                .await
+                .expect("a clean end")
+                .is_none()
+        );
         wait_until_gone(report.destination_pid);
         assert!(list(&mut node2).await.is_empty());
         let e = node1
@@ -274,6 +293,15 @@ fn a_running_process_is_adopted_and_moves_with_its_connections() {
             .await
             .expect_err("waiting for a process nobody manages");
         assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        let e = node2
+            .wait_process(pb::WaitProcessRequest {
+                pid: i32::MAX,
+                node: "node1".into(),
+            })
+            .await
+            .expect_err("waiting for a process node1 does not manage");
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        assert!(e.message().starts_with("node1: pid: "), "{e:?}");
     });
     drop(piped);
     drop(wrapper);

@@ -496,17 +496,13 @@ impl Control for ControlService {
     ) -> Result<Response<Self::WaitProcessStream>, Status> {
         let node = request.get_ref().node.clone();
         if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
-            // Forwarded once: that node follows no further, this one does
-            // not either (the process may move on; a caller that wants it
-            // followed asks the node that manages it, or this one without
-            // `node` once it is here).
-            let mut client = forward::client(&self.agent, &peer).await?;
-            let stream = client
-                .wait_process(forward::request(&self.agent, request.into_inner()))
-                .await
-                .map_err(|s| forward::from_peer(&peer, s))?
-                .into_inner();
-            return Ok(Response::new(relay(peer, stream)));
+            // That node answers for where the process is now; this agent
+            // follows it on from there.
+            let rx = crate::follow::start_at(self.agent.clone(), peer.name, request.get_ref().pid)
+                .await?;
+            return Ok(Response::new(Box::pin(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            )));
         }
         let forwarded = request.metadata().get(forward::FORWARDED_BY).is_some();
         let rx = crate::follow::start(self.agent.clone(), request.get_ref().pid, !forwarded)?;
