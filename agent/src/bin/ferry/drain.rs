@@ -11,8 +11,19 @@ pub async fn follow(mut stream: tonic::Streaming<DrainEvent>, as_json: bool) -> 
     let mut line = Line::new(!as_json);
     let (mut total, mut finished) = (0usize, 0usize);
     let mut summary = None;
+    let mut node = String::new();
     loop {
-        let ev = match stream.message().await {
+        let next = tokio::select! {
+            m = stream.message() => m,
+            _ = tokio::signal::ctrl_c() => {
+                // Leaving does not stop the drain: say how to.
+                line.done();
+                anyhow::bail!(
+                    "stopped following; the drain of {node} goes on (stop it with `ferry --node {node} drain --cancel`)"
+                );
+            }
+        };
+        let ev = match next {
             Ok(Some(ev)) => ev,
             Ok(None) => break,
             Err(s) => {
@@ -26,6 +37,7 @@ pub async fn follow(mut stream: tonic::Streaming<DrainEvent>, as_json: bool) -> 
         match ev.event {
             Some(drain_event::Event::Started(s)) => {
                 total = s.pids.len();
+                node = s.node.clone();
                 line.note(&format!(
                     "draining {}: {} process(es) {:?}",
                     s.node, total, s.pids
