@@ -365,6 +365,62 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
         assert!(refused.message().contains("socket:["), "{refused:?}");
         assert!(matches!(process_state(holder), Some('S' | 'R')));
 
+        // CRIU would refuse these only once the process is stopped: a file
+        // lock, and a Unix connection to a process outside the tree (here,
+        // to this test). Found before, and the process never stops.
+        let lock_file = cluster.dir().join("held.lock");
+        let socket_path = cluster.dir().join("outside.sock");
+        let outside = std::os::unix::net::UnixListener::bind(&socket_path).expect("listener");
+        outside.set_nonblocking(true).expect("non-blocking listener");
+        let mut accepted = Vec::new();
+        let locker = ferry_integration::managed::run(
+            &mut node1,
+            vec![
+                "flock".into(),
+                lock_file.to_string_lossy().into_owned(),
+                "sleep".into(),
+                "600".into(),
+            ],
+        )
+        .await;
+        let connector = ferry_integration::managed::run(
+            &mut node1,
+            vec![
+                "/usr/bin/python3".into(),
+                "-c".into(),
+                "import socket, sys, time\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\ntime.sleep(600)".into(),
+                socket_path.to_string_lossy().into_owned(),
+            ],
+        )
+        .await;
+        // Each holds what it should before it is asked to move.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let locked = || {
+            std::fs::read_to_string("/proc/locks")
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.split_whitespace().nth(4) == Some(locker.to_string().as_str()))
+        };
+        while !locked() || accepted.is_empty() {
+            if let Ok((conn, _)) = outside.accept() {
+                accepted.push(conn);
+            }
+            assert!(std::time::Instant::now() < deadline, "no lock or no connection");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for (holder, sign) in [
+            (locker, "holds a file lock"),
+            (connector, "connected to a process outside"),
+        ] {
+            let refused = migrate(&mut node1, holder, "node2")
+                .await
+                .expect_err("migrated despite what CRIU refuses");
+            assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+            assert!(refused.message().contains(sign), "{refused:?}");
+            assert!(matches!(process_state(holder), Some('S' | 'R')), "{sign}");
+        }
+        drop(accepted);
+
         // An oversized request (5 MiB, above the Control API's 4 MiB limit)
         // is refused by size, and the agent goes on answering.
         let huge = node1

@@ -171,6 +171,30 @@ pub async fn prepare(
                 ),
             });
         }
+        // Descriptors CRIU would refuse to dump (a Unix socket connected
+        // outside the tree, a file lock), or dump into a broken copy (a
+        // pipe or terminal shared with the outside): refused now, with the
+        // process running. A dump refused after the freeze would cost the
+        // freeze and a rollback.
+        let vetted = tree.clone();
+        let obstacles = tokio::task::spawn_blocking(move || {
+            process::unix_peers()
+                .map(|peers| process::descriptor_obstacles(&vetted, &peers))
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))?
+        .map_err(|e| EngineError::Internal(format!("listing Unix socket peers: {e}")))?;
+        if !obstacles.is_empty() {
+            return Err(EngineError::NotMigratable {
+                pid,
+                reason: obstacles
+                    .iter()
+                    .map(|o| o.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+        }
         // A connection to a process on the destination node would have to
         // become a connection within one host: no rewrite of one end does
         // that. Refused now, before anything is touched.
