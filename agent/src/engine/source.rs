@@ -440,6 +440,9 @@ const MAX_LOCAL_RANGES: usize = 200_000;
 /// answer PostCopyStatus once the page server's connection is gone.
 const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
 
+/// The most the freeze waits for the dumped process's threads to stop.
+const GROUP_STOP_WAIT: Duration = Duration::from_millis(100);
+
 /// The sockets of the stopped process, taken once after the dump: for what
 /// its UDP sockets hold unread (which must reach the destination's copy
 /// too: CRIU drops it) and for the connections a collective migration
@@ -454,6 +457,22 @@ fn take_stopped_sockets(
 ) {
     if !capture && !collective {
         return (Vec::new(), None);
+    }
+    // CRIU leaves the process stopped with a SIGSTOP it queues as it lets
+    // go; until every thread has taken it, one could still read or write a
+    // socket. Seen once in a while ('R' at this point): waited for here.
+    match process::wait_group_stopped(pid, GROUP_STOP_WAIT) {
+        Ok(Some(waited)) if waited > Duration::from_micros(100) => {
+            tracing::info!(
+                pid,
+                waited_us = waited.as_micros() as u64,
+                "waited for the group stop"
+            );
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "the process's group stop was not seen; its sockets are read anyway")
+        }
     }
     let sockets = sockstate::take_sockets(&process::process_tree(pid));
     let unread = match &sockets {

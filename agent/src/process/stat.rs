@@ -91,6 +91,53 @@ fn parse_stat(stat: &str) -> Option<StatFields> {
     })
 }
 
+/// Waits until every thread of process `pid`, a child of this process, has
+/// stopped (the group stop is complete), for at most `bound`; returns how
+/// long that took, or None for a process that is not our child (then
+/// nothing can be told this cheaply: one waitid is one system call, where
+/// reading each thread's state would cost a procfs read per thread). The
+/// stop stays to be reported (WNOWAIT): this only looks.
+pub fn wait_group_stopped(
+    pid: i32,
+    bound: std::time::Duration,
+) -> std::io::Result<Option<std::time::Duration>> {
+    let started = std::time::Instant::now();
+    loop {
+        // SAFETY: siginfo_t is plain data; all-zero is a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid writes only into `info`, which outlives the call.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WSTOPPED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        if r == -1 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::ECHILD) => return Ok(None),
+                Some(libc::EINTR) => continue,
+                _ => return Err(e),
+            }
+        }
+        // SAFETY: waitid filled `info` (si_pid stays 0 when nothing is
+        // to report).
+        let reported = unsafe { info.si_pid() } == pid;
+        if reported && info.si_code == libc::CLD_STOPPED {
+            return Ok(Some(started.elapsed()));
+        }
+        if started.elapsed() >= bound {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("PID {pid} not stopped {bound:?} on"),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}
+
 /// `pid` and all its descendants (threads are not processes and are not
 /// listed), in breadth-first order.
 pub fn process_tree(pid: i32) -> Vec<i32> {
@@ -138,6 +185,38 @@ mod tests {
         let k = parse_stat(kthread).unwrap();
         assert_eq!((k.start_ticks, k.tty_nr), (5, 34816));
         assert!(k.flags & PF_KTHREAD != 0);
+    }
+
+    #[test]
+    fn a_childs_group_stop_is_seen_and_left_to_be_reported() {
+        use std::time::Duration;
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        // Running: not stopped within the bound.
+        assert!(wait_group_stopped(pid, Duration::from_millis(20)).is_err());
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGSTOP,
+        )
+        .unwrap();
+        let waited = wait_group_stopped(pid, Duration::from_secs(5)).unwrap();
+        assert!(waited.is_some());
+        // Seen again: looking did not consume the report.
+        assert!(
+            wait_group_stopped(pid, Duration::from_secs(5))
+                .unwrap()
+                .is_some()
+        );
+        // Not our child: nothing to tell.
+        assert_eq!(
+            wait_group_stopped(1, Duration::from_millis(1)).unwrap(),
+            None
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]
