@@ -116,6 +116,19 @@ pub async fn migrate_request(
     }
 }
 
+/// [`migrate_request`] that must commit: its report; panics with the
+/// report and the stream's status if it did not.
+pub async fn migrate_committed(
+    control: &mut ControlClient<Channel>,
+    request: MigrateRequest,
+) -> MigrationReport {
+    let (report, status) = migrate_request(control, request)
+        .await
+        .expect("the migration starts");
+    assert!(status.is_none(), "did not commit: {status:?} {report:#?}");
+    report
+}
+
 /// Reads a server stream to its end; returns the status it ended with,
 /// None for a clean end.
 pub async fn stream_end<T>(stream: &mut tonic::Streaming<T>) -> Option<tonic::Status> {

@@ -49,17 +49,8 @@ async fn echo_setup(cluster: &Cluster, connections: usize) -> EchoSetup {
     let node2 = cluster.control("node2").await.expect("control node2");
     let pid = start_echo_server(&mut node1, ECHO_PORT).await;
     let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
-    let client = SeqClient::start(
-        cluster.netns_path("client1"),
-        target,
-        connections,
-        Duration::from_millis(50),
-        256,
-    )
-    .expect("clients");
-    client
-        .wait_until_flowing(Duration::from_secs(10))
-        .expect("traffic flowing");
+    let client = SeqClient::dve(cluster.netns_path("client1"), target, connections)
+        .expect("clients with traffic flowing");
     EchoSetup {
         node1,
         node2,

@@ -192,6 +192,19 @@ impl SeqClient {
         }
     }
 
+    /// `connections` connections with the seed's DVE traffic (one 256-byte
+    /// message per connection every 50 ms, 20/s), returned once every
+    /// connection has had an answer (bounded by 10 s).
+    pub fn dve(
+        netns: impl AsRef<Path>,
+        target: SocketAddrV4,
+        connections: usize,
+    ) -> Result<Self, SeqError> {
+        let client = Self::start(netns, target, connections, Duration::from_millis(50), 256)?;
+        client.wait_until_flowing(Duration::from_secs(10))?;
+        Ok(client)
+    }
+
     /// Connects once, round-trips one message and keeps the connection open
     /// in the returned [`ProbeConnection`] (its local address identifies the socket on
     /// whichever node holds it).
