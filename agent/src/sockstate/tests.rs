@@ -27,6 +27,29 @@ fn pair() -> (TcpStream, TcpStream) {
     (client, server)
 }
 
+/// Waits until the socket with inode `inode` is gone from this namespace's
+/// TCP table (bounded). Dropping the test's descriptors closes it at once,
+/// unless a process forked by a test running beside this one still holds a
+/// copy until its exec: then the old connection still owns its address
+/// pair, and rebuilding it would fail with EADDRNOTAVAIL.
+fn wait_closed(inode: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let listed = || {
+        std::fs::read_to_string("/proc/self/net/tcp")
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .any(|l| l.split_whitespace().nth(9) == Some(inode.to_string().as_str()))
+    };
+    while listed() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "socket:[{inode}] still open 5 s after its last descriptor here was closed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Moves `server` through extract -> silent close -> rebuild -> resume,
 /// and returns the rebuilt socket.
 fn migrate(server: TcpStream) -> (TcpConnectionState, TcpStream) {
@@ -48,6 +71,7 @@ fn migrate_altered(
     // without a FIN or RST (the peer would see either below).
     drop(server);
     drop(held);
+    wait_closed(inode);
     // Through the wire format, as between two agents.
     let wire = states[0].to_pb();
     let state = TcpConnectionState::from_pb(0, wire).expect("valid state");
