@@ -72,9 +72,11 @@ pub struct Agent {
     /// Cordoned: no incoming migration, offer or new process. Kept across
     /// restarts (a file in the work directory).
     cordoned: std::sync::atomic::AtomicBool,
-    /// How the managed processes that ended lately ended, newest last:
-    /// for a `WaitProcess` that comes just after the end.
-    exits: Mutex<std::collections::VecDeque<(i32, pb::ProcessExit)>>,
+    /// How the managed processes that left lately left (ended, or moved
+    /// away), newest last, by PID: for a `WaitProcess` that comes just
+    /// after. One list in time order, so that a PID used again is judged
+    /// by its newest end.
+    ends: Mutex<std::collections::VecDeque<(i32, ProcessEnd)>>,
     /// The drain running on this node (`crate::drain`).
     pub drain: Mutex<Option<Arc<crate::drain::DrainControl>>>,
     /// Processes a migration took away whose report is not stored yet, by
@@ -83,7 +85,15 @@ pub struct Agent {
 }
 
 /// Ends remembered for late `WaitProcess` calls.
-const RECENT_EXITS: usize = 256;
+const RECENT_ENDS: usize = 256;
+
+/// How a managed process stopped being this node's.
+#[derive(Debug, Clone)]
+pub enum ProcessEnd {
+    Exited(pb::ProcessExit),
+    /// A migration that committed (it runs elsewhere) or lost it.
+    Migrated(Box<MigrationReport>),
+}
 
 /// The file whose presence says the node is cordoned.
 const CORDON_FILE: &str = "cordoned";
@@ -116,7 +126,16 @@ impl std::fmt::Debug for Agent {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// The `process_started` event of `p`.
+fn started_event(p: &ManagedProcess) -> pb::ProcessStarted {
+    pb::ProcessStarted {
+        pid: p.pid,
+        argv: p.argv.clone(),
+        origin: p.origin.name().to_owned(),
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding one of these locks leaves plain data behind
     // (maps of processes and ports), still consistent enough to go on.
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -153,7 +172,7 @@ impl Agent {
             cordoned: std::sync::atomic::AtomicBool::new(
                 config.work_dir.join(CORDON_FILE).exists(),
             ),
-            exits: Mutex::new(std::collections::VecDeque::new()),
+            ends: Mutex::new(std::collections::VecDeque::new()),
             departing: Mutex::new(HashMap::new()),
             drain: Mutex::new(None),
             config,
@@ -589,14 +608,28 @@ impl Agent {
 
     /// Puts a process under management and reaps it when it exits.
     pub fn adopt(self: &Arc<Self>, p: ManagedProcess) {
-        let pid = p.pid;
-        let started = pb::ProcessStarted {
-            pid,
-            argv: p.argv.clone(),
-            origin: p.origin.name().to_owned(),
-        };
+        let started = started_event(&p);
         self.registry().insert(p);
-        tracing::info!(pid, "process under management");
+        self.announce_start(started);
+    }
+
+    /// [`Self::adopt`], unless the PID is managed already (checked and
+    /// inserted under one lock); false then.
+    fn adopt_if_new(self: &Arc<Self>, p: ManagedProcess) -> bool {
+        let started = started_event(&p);
+        {
+            let mut reg = self.registry();
+            if reg.get(p.pid).is_some() {
+                return false;
+            }
+            reg.insert(p);
+        }
+        self.announce_start(started);
+        true
+    }
+
+    fn announce_start(&self, started: pb::ProcessStarted) {
+        tracing::info!(pid = started.pid, "process under management");
         self.events.publish(Event::ProcessStarted(started));
     }
 
@@ -616,13 +649,7 @@ impl Agent {
 
     /// Remembers how `p` ended and tells the event stream.
     fn announce_exit(&self, p: &ManagedProcess, exit: pb::ProcessExit) {
-        {
-            let mut exits = lock(&self.exits);
-            if exits.len() == RECENT_EXITS {
-                exits.pop_front();
-            }
-            exits.push_back((p.pid, exit.clone()));
-        }
+        self.remember_end(p.pid, ProcessEnd::Exited(exit.clone()));
         self.events.publish(Event::ProcessExited(pb::ProcessExited {
             pid: p.pid,
             argv: p.argv.clone(),
@@ -630,27 +657,21 @@ impl Agent {
         }));
     }
 
-    /// How managed process `pid` ended, if it ended lately.
-    pub fn recent_exit(&self, pid: i32) -> Option<pb::ProcessExit> {
-        lock(&self.exits)
+    fn remember_end(&self, pid: i32, end: ProcessEnd) {
+        let mut ends = lock(&self.ends);
+        if ends.len() == RECENT_ENDS {
+            ends.pop_front();
+        }
+        ends.push_back((pid, end));
+    }
+
+    /// How `pid` last stopped being this node's, if lately.
+    pub fn recent_end(&self, pid: i32) -> Option<ProcessEnd> {
+        lock(&self.ends)
             .iter()
             .rev()
             .find(|(p, _)| *p == pid)
             .map(|(_, e)| e.clone())
-    }
-
-    /// The committed (or lost) migration that took `pid` away from this
-    /// node, if this agent ran it.
-    pub fn migration_of(&self, pid: i32) -> Option<MigrationReport> {
-        lock(&self.reports)
-            .values()
-            .filter(|r| r.source_pid == pid)
-            .filter(|r| {
-                r.outcome == pb::MigrationOutcome::Committed as i32
-                    || r.outcome == pb::MigrationOutcome::Lost as i32
-            })
-            .max_by_key(|r| r.started_at_unix_ms)
-            .cloned()
     }
 
     /// Forgets a process a migration moved away, which is no longer this
@@ -816,9 +837,14 @@ impl Agent {
     /// counts it in the metrics.
     pub fn store_report(&self, report: MigrationReport) {
         self.metrics.record(&report);
-        // Reports first, then the departure ends: a reader that finds
-        // neither comes after both.
+        // The end first, then the departure: a reader that finds neither
+        // comes after both.
         let pid = report.source_pid;
+        if report.outcome == pb::MigrationOutcome::Committed as i32
+            || report.outcome == pb::MigrationOutcome::Lost as i32
+        {
+            self.remember_end(pid, ProcessEnd::Migrated(Box::new(report.clone())));
+        }
         lock(&self.reports).insert(report.migration_id.clone(), report);
         lock(&self.departing).remove(&pid);
     }
@@ -854,8 +880,8 @@ impl Agent {
     }
 
     /// Puts the running process `pid` under management (`ferry adopt`),
-    /// once [`crate::process::adoption_obstacles`] finds nothing against
-    /// it. It is not this agent's child: its end is seen through a pidfd,
+    /// once [`crate::process::shape_obstacles`] and
+    /// [`crate::managed::tree_obstacles`] find nothing against it. It is not this agent's child: its end is seen through a pidfd,
     /// its exit status is not.
     pub async fn adopt_running(
         self: &Arc<Self>,
@@ -871,24 +897,17 @@ impl Agent {
         let node = self.node().to_owned();
         let (info, obstacles) = tokio::task::spawn_blocking(move || {
             let (info, mut obstacles) =
-                crate::process::adoption_obstacles(pid).map_err(|e| match e {
+                crate::process::shape_obstacles(pid).map_err(|e| match e {
                     crate::process::ProcessError::NotFound { .. } => {
                         AdoptError::NotFound { pid, node }
                     }
                     source => AdoptError::Process { pid, source },
                 })?;
             let tree = crate::process::process_tree(pid);
-            match crate::sockstate::unsupported_sockets(&tree) {
-                Ok(found) => obstacles.extend(found.into_iter().map(|(inode, family)| {
-                    crate::process::Obstacle::UnsupportedSocket { inode, family }
-                })),
-                Err(e) => {
-                    return Err(AdoptError::Sockets {
-                        pid,
-                        reason: e.to_string(),
-                    });
-                }
-            }
+            obstacles.extend(
+                crate::managed::tree_obstacles(&tree)
+                    .map_err(|reason| AdoptError::Sockets { pid, reason })?,
+            );
             Ok((info, obstacles))
         })
         .await
@@ -906,14 +925,10 @@ impl Agent {
             lifecycle: Lifecycle::Running,
             sockets: Default::default(),
         };
-        {
-            // Checked again under the lock: two adoptions of one PID race.
-            let reg = self.registry();
-            if reg.get(pid).is_some() {
-                return Err(AdoptError::AlreadyManaged { pid });
-            }
+        // Two adoptions of one PID race: the second finds it managed.
+        if !self.adopt_if_new(p.clone()) {
+            return Err(AdoptError::AlreadyManaged { pid });
         }
-        self.adopt(p.clone());
         self.forget_on_exit(pid, "adopted");
         self.persist_async().await;
         if let Err(e) = self.reconcile().await {

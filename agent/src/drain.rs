@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, lock};
 use crate::engine::cancel::Cancel;
 use crate::engine::source::{self, MigrationOptions};
 use crate::managed::Lifecycle;
@@ -42,10 +42,6 @@ const ATTEMPTS: usize = 2;
 const BUSY_WAIT: Duration = Duration::from_secs(120);
 
 type Events = mpsc::Sender<Result<DrainEvent, Status>>;
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The drain running on this node, as `CancelDrain` reaches it.
 #[derive(Debug)]

@@ -22,7 +22,7 @@ use ferry_proto::v1::{
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, ProcessEnd};
 
 /// What this node knows of a process.
 #[derive(Debug, Clone)]
@@ -45,10 +45,10 @@ fn fate(agent: &Agent, pid: i32) -> Option<Fate> {
     if let Some(argv) = agent.departing(pid) {
         return Some(Fate::Here { argv });
     }
-    if let Some(r) = agent.migration_of(pid) {
-        return Some(Fate::Migrated(Box::new(r)));
-    }
-    agent.recent_exit(pid).map(Fate::Exited)
+    agent.recent_end(pid).map(|end| match end {
+        ProcessEnd::Exited(exit) => Fate::Exited(exit),
+        ProcessEnd::Migrated(report) => Fate::Migrated(report),
+    })
 }
 
 fn update(node: &str, pid: i32, u: Update) -> ProcessUpdate {

@@ -278,6 +278,23 @@ pub fn signal_name(signal: i32) -> String {
         .unwrap_or_else(|_| format!("signal {signal}"))
 }
 
+/// What in the descriptors of process tree `tree` ferry could not move,
+/// found with it running (see [`process::descriptor_obstacles`]), and its
+/// sockets of families CRIU cannot dump: what adoption and every
+/// migration check, so that CRIU never refuses a dump after the freeze.
+/// Blocking (procfs, a sock_diag dump, the tree's sockets).
+pub fn tree_obstacles(tree: &[i32]) -> Result<Vec<process::Obstacle>, String> {
+    let peers = process::unix_peers().map_err(|e| format!("listing Unix socket peers: {e}"))?;
+    let mut found = process::descriptor_obstacles(tree, &peers);
+    let unsupported = crate::sockstate::unsupported_sockets(tree).map_err(|e| e.to_string())?;
+    found.extend(
+        unsupported
+            .into_iter()
+            .map(|(inode, family)| process::Obstacle::UnsupportedSocket { inode, family }),
+    );
+    Ok(found)
+}
+
 /// Why a running process was not adopted (`ferry adopt`).
 #[derive(Debug, thiserror::Error)]
 pub enum AdoptError {
@@ -297,7 +314,7 @@ pub enum AdoptError {
         pid: i32,
         source: process::ProcessError,
     },
-    #[error("reading the sockets of process {pid}: {reason}")]
+    #[error("reading the descriptors of process {pid}: {reason}")]
     Sockets { pid: i32, reason: String },
 }
 

@@ -155,36 +155,17 @@ pub async fn prepare(
         // Fresh socket list: ports opened since the last refresh move too.
         let tree = process::process_tree(pid);
         let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
-        // A socket of a family CRIU cannot dump would fail the dump with
-        // the process already stopped: refused now, before the freeze.
-        let unsupported = sockstate::unsupported_sockets(&tree)?;
-        if !unsupported.is_empty() {
-            return Err(EngineError::NotMigratable {
-                pid,
-                reason: format!(
-                    "it holds sockets of a family CRIU cannot migrate (only IPv4, IPv6, Unix, netlink and packet): {}",
-                    unsupported
-                        .iter()
-                        .map(|(ino, family)| format!("socket:[{ino}] (family {family})"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            });
-        }
-        // Descriptors CRIU would refuse to dump (a Unix socket connected
-        // outside the tree, a file lock), or dump into a broken copy (a
-        // pipe or terminal shared with the outside): refused now, with the
-        // process running. A dump refused after the freeze would cost the
-        // freeze and a rollback.
+        // What CRIU would refuse to dump (a socket of a family it cannot
+        // dump, a Unix socket connected outside the tree, a file lock), or
+        // dump into a broken copy (a pipe or terminal shared with the
+        // outside): refused now, with the process running. Found after the
+        // freeze, it would cost the freeze and a rollback.
         let vetted = tree.clone();
-        let obstacles = tokio::task::spawn_blocking(move || {
-            process::unix_peers()
-                .map(|peers| process::descriptor_obstacles(&vetted, &peers))
-                .map_err(|e| e.to_string())
-        })
-        .await
-        .map_err(|e| EngineError::Internal(e.to_string()))?
-        .map_err(|e| EngineError::Internal(format!("listing Unix socket peers: {e}")))?;
+        let obstacles =
+            tokio::task::spawn_blocking(move || crate::managed::tree_obstacles(&vetted))
+                .await
+                .map_err(|e| EngineError::Internal(e.to_string()))?
+                .map_err(EngineError::Internal)?;
         if !obstacles.is_empty() {
             return Err(EngineError::NotMigratable {
                 pid,

@@ -9,7 +9,7 @@ mod vet;
 pub use sockets::{PortKey, SocketSummary, Transport, sockets_of_tree};
 pub use stat::{ProcessInfo, inspect, process_tree, wait_group_stopped};
 pub use unix_diag::unix_peers;
-pub use vet::{Obstacle, adoption_obstacles, descriptor_obstacles};
+pub use vet::{Obstacle, descriptor_obstacles, shape_obstacles};
 
 /// Errors reading a process's state from procfs.
 #[derive(Debug, thiserror::Error)]

@@ -231,11 +231,13 @@ pub fn descriptor_obstacles(tree: &[i32], unix_peers: &HashMap<u64, u64>) -> Vec
     found
 }
 
-/// The process `pid` as ferry would adopt it, or why it cannot. `Err` is
-/// for a process that is not there (or procfs failing); a process that is
-/// there but cannot be managed comes back with its obstacles, every one
-/// of them, so that the caller can fix them in one go.
-pub fn adoption_obstacles(pid: i32) -> Result<(ProcessInfo, Vec<Obstacle>), ProcessError> {
+/// The process `pid` as ferry would adopt it, or what in its shape keeps
+/// it from being managed (its PID namespace, namespaces, session and
+/// process group, terminal); its descriptors are judged apart
+/// ([`descriptor_obstacles`], for migrations too). `Err` is for a process
+/// that is not there (or procfs failing); one that is there comes back
+/// with every obstacle, so that the caller can fix them in one go.
+pub fn shape_obstacles(pid: i32) -> Result<(ProcessInfo, Vec<Obstacle>), ProcessError> {
     let info = inspect(pid)?;
     if info.state == 'Z' || info.state == 'X' || info.kernel_thread {
         return Err(ProcessError::NotFound { pid });
@@ -282,11 +284,6 @@ pub fn adoption_obstacles(pid: i32) -> Result<(ProcessInfo, Vec<Obstacle>), Proc
             });
         }
     }
-    let peers = super::unix_peers().map_err(|source| ProcessError::Io {
-        path: "sock_diag (AF_UNIX)".into(),
-        source,
-    })?;
-    found.extend(descriptor_obstacles(&tree, &peers));
     Ok((info, found))
 }
 
@@ -327,7 +324,7 @@ mod tests {
                 .spawn()
                 .unwrap(),
         );
-        let (_, found) = adoption_obstacles(child.0.id() as i32).unwrap();
+        let (_, found) = shape_obstacles(child.0.id() as i32).unwrap();
         assert!(
             found
                 .iter()

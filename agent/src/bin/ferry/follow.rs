@@ -21,7 +21,7 @@ use crate::{Client, status_error};
 const AGENT_GONE_FOR: Duration = Duration::from_secs(60);
 
 /// The signals passed on to the process, as systemd and terminals send
-/// them.
+/// them. Each ends a process by default (see [`send_pending`]).
 const FORWARDED: &[(i32, &str)] = &[
     (libc::SIGTERM, "SIGTERM"),
     (libc::SIGINT, "SIGINT"),
@@ -207,14 +207,10 @@ async fn send_pending(client: &mut Client, at: &Whereabouts, pending: &mut Vec<i
             // over.
             Err(s) if s.code() == tonic::Code::Unavailable => return Ok(()),
             // The process does not handle it, and as the init of its PID
-            // namespace would never see it. A signal that would end any
-            // other process ends it with SIGKILL: what a stop of the unit
-            // asks for.
-            Err(s)
-                if s.code() == tonic::Code::FailedPrecondition
-                    && number != libc::SIGKILL
-                    && ends_by_default(number) =>
-            {
+            // namespace would never see it. Every forwarded signal would
+            // end any other process: it ends this one with SIGKILL, what a
+            // stop of the unit asks for.
+            Err(s) if s.code() == tonic::Code::FailedPrecondition && number != libc::SIGKILL => {
                 eprintln!(
                     "ferry: {}; {name} would end a process that is no namespace init: ending it with SIGKILL",
                     s.message()
@@ -228,12 +224,6 @@ async fn send_pending(client: &mut Client, at: &Whereabouts, pending: &mut Vec<i
         }
     }
     Ok(())
-}
-
-/// Whether `signal`'s default action ends a process (all the forwarded
-/// ones do; SIGCHLD, SIGURG, SIGWINCH and the stop signals do not).
-fn ends_by_default(signal: i32) -> bool {
-    FORWARDED.iter().any(|(n, _)| *n == signal)
 }
 
 /// Waits a second for a lost agent, giving up after [`AGENT_GONE_FOR`].
