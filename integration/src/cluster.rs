@@ -575,6 +575,28 @@ impl Cluster {
         log_tail(&self.node(node).log, lines)
     }
 
+    /// The agent's log so far as plain text (tracing's colour codes
+    /// taken out, so that `key=value` reads as written); empty if
+    /// unreadable.
+    pub fn log_text(&self, node: &str) -> String {
+        let raw = std::fs::read_to_string(&self.node(node).log).unwrap_or_default();
+        let mut plain = String::with_capacity(raw.len());
+        let mut chars = raw.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                // CSI ... final letter
+                for d in chars.by_ref() {
+                    if d.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                plain.push(c);
+            }
+        }
+        plain
+    }
+
     /// A `Control` client for the node's agent, connected over its Unix
     /// socket.
     pub async fn control(&self, node: &str) -> Result<ControlClient<Channel>, ClusterError> {

@@ -6,7 +6,9 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{list, migrate, process_state, run, runtime, wait_for_process};
+use ferry_integration::managed::{
+    list, migrate, migrate_with, process_state, run, runtime, wait_for_process,
+};
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
@@ -170,6 +172,94 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
         eprintln!("{seq}");
         seq.assert_clean();
         assert_eq!(seq.connections.len(), 16);
+    });
+}
+
+#[test]
+fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
+    if !ferry_integration::can_run(
+        "a_dump_that_fails_while_the_connections_are_read_gives_them_back",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    // CRIU's own fault injection (CRIU_FAULT=3, FI_DUMP_PAGES) fails every
+    // dump after the descriptors: the tree has been frozen for the whole
+    // of it, and ferryd, in a collective migration, has read every
+    // connection beside it, leaving them in repair mode. The wrapper runs
+    // ferry's patched CRIU and says so with the patch's mark, which is how
+    // ferryd knows CRIU tells it before a failed dump lets the tree run.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wrapper = dir.path().join("criu");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n# ferry-dump-rollback: runs ferry's patched CRIU, every dump failing\nCRIU_FAULT=3 exec {} \"$@\"\n",
+            ferry_integration::criu_path().display()
+        ),
+    )
+    .expect("writing the wrapper");
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.criu_path = Some(wrapper);
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let EchoSetup {
+            mut node1,
+            node2: _,
+            pid,
+            target: _,
+            client,
+        } = echo_setup(&cluster, 32).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 32).await;
+        let before = client.verified_per_connection();
+
+        let (report, status) = migrate_with(
+            &mut node1,
+            pid,
+            "node2",
+            ferry_proto::v1::SocketMigration::Collective,
+        )
+        .await
+        .expect("migration starts");
+        let status = status.expect("a failed dump ends the stream with an error status");
+        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert_eq!(
+            report.sockets,
+            ferry_proto::v1::SocketMigration::Collective as i32,
+            "{report:#?}"
+        );
+        assert!(report.error.contains("dump"), "{}", report.error);
+        assert!(report.resumed_on_source, "{report:#?}");
+        // The connections were read during the dump and left repair mode
+        // before CRIU let the process run again (it would have got EPERM
+        // from its next recv and EINVAL from its next send otherwise).
+        let log = cluster.log_text("node1");
+        assert!(
+            log.contains("its connections left repair mode before CRIU resumes the process")
+                && log.contains("connections=32"),
+            "{}",
+            cluster.log_tail("node1", 40)
+        );
+
+        // Still on node1, and every connection carries on, every byte
+        // once and in order.
+        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        assert_eq!(p.tcp_established, 32);
+        assert!(cluster.established_tcp("node2", ECHO_PORT).is_empty());
+        client
+            .wait_until_each_passes(&before, 20, Duration::from_secs(20))
+            .expect("connections flow again after the failed dump");
+        client.stop().assert_clean();
     });
 }
 

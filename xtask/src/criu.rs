@@ -75,6 +75,15 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/inherit-tcp-connections.patch"),
         mark: "ferry-inherited-tcp",
     },
+    // A failed dump lets the frozen tasks run again: CRIU tells ferryd
+    // first (network-unlock), which holds their TCP connections in repair
+    // mode from the query-ext-files notification on and must turn repair
+    // off before they run (`agent/src/engine/sockettaker.rs`).
+    Patch {
+        what: "failed dump notified before the tasks run",
+        text: include_str!("../criu/notify-dump-rollback.patch"),
+        mark: "ferry-dump-rollback",
+    },
     // The last message of a page-server session (post-copy's lazy pages)
     // leaves at once instead of at the kernel's 200 ms cork limit.
     Patch {

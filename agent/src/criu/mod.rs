@@ -20,4 +20,4 @@ pub use swrk::{
     DumpRequest, LazyDump, Notifications, RestoreOutcome, RestoreRequest, TcpConnections, dump,
     restore,
 };
-pub use version::{CriuVersion, MIN_CRIU_VERSION, probe_version};
+pub use version::{CriuVersion, DUMP_ROLLBACK_MARK, MIN_CRIU_VERSION, has_patch, probe_version};

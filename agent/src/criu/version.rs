@@ -78,9 +78,72 @@ pub fn probe_version(path: &Path) -> Result<CriuVersion, CriuError> {
     Ok(version)
 }
 
+/// What ferry's patch `xtask/criu/notify-dump-rollback.patch` puts in the
+/// binary (a log message): with it, a dump that fails tells the caller
+/// (`network-unlock`) before the frozen tasks run again.
+pub const DUMP_ROLLBACK_MARK: &str = "ferry-dump-rollback";
+
+/// Whether the CRIU at `path` was built with the patch that marks it with
+/// `mark` (`cargo xtask setup` applies them all). Reads the binary once per
+/// version of the file (a few milliseconds for its ~6 MB); false when it
+/// cannot be read.
+pub fn has_patch(path: &Path, mark: &str) -> bool {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    use std::time::SystemTime;
+    type Seen = HashMap<(std::path::PathBuf, String), (SystemTime, u64, bool)>;
+    static SEEN: Mutex<Option<Seen>> = Mutex::new(None);
+    let Ok(meta) = std::fs::metadata(path) else {
+        return false;
+    };
+    let version = (
+        meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+        meta.len(),
+    );
+    let key = (path.to_owned(), mark.to_owned());
+    if let Some(&(m, l, found)) = SEEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+        && (m, l) == version
+    {
+        return found;
+    }
+    let found = std::fs::read(path)
+        .map(|bin| contains(&bin, mark.as_bytes()))
+        .unwrap_or(false);
+    SEEN.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(key, (version.0, version.1, found));
+    found
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_patch_is_known_by_its_mark_in_the_binary() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("criu");
+        std::fs::write(
+            &bin,
+            b"\x7fELF...ferry-dump-rollback: the caller is told...",
+        )
+        .unwrap();
+        assert!(has_patch(&bin, DUMP_ROLLBACK_MARK));
+        assert!(!has_patch(&bin, "ferry-something-else"));
+        // A rebuilt binary is read again, not answered from the first look.
+        std::fs::write(&bin, b"\x7fELF... upstream, no marks at all").unwrap();
+        assert!(!has_patch(&bin, DUMP_ROLLBACK_MARK));
+        assert!(!has_patch(&dir.path().join("absent"), DUMP_ROLLBACK_MARK));
+    }
 
     #[test]
     fn parses_criu_version_lines() {

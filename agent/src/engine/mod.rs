@@ -176,6 +176,7 @@ pub(crate) mod pagestore;
 mod pagetunnel;
 pub mod precopy;
 mod rollback;
+mod sockettaker;
 pub mod source;
 mod throttle;
 pub mod translations;

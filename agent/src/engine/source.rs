@@ -25,6 +25,7 @@ use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::{self, SocketMigration};
 
 use super::precopy::{Convergence, MemoryStrategy, Precopy};
+use super::sockettaker::{ReadConnections, SocketTaker, Taken};
 use super::{EngineError, images, new_migration_id, pagetunnel, rollback};
 
 /// What a migration request may choose; `None`: the agent's `[migration]`
@@ -386,6 +387,9 @@ struct Run {
     /// ferryd in repair mode from the end of the dump. Turned back on an
     /// abort; closed (silently) after the commit.
     held: Option<Arc<sockstate::Held>>,
+    /// Collective socket migration: the transfer of the connections'
+    /// states, started with the dump.
+    sockets_sending: Option<tokio::task::JoinHandle<SocketsSent>>,
     /// Pre-copy: dirty tracking on, pages sent. Ended after the dump, or
     /// on an abort before the process resumes.
     precopy: Option<Precopy>,
@@ -395,13 +399,9 @@ struct Run {
     page_server: Option<PageServer>,
 }
 
-/// What a dump's blocking task returns: CRIU's notifications, the UDP
-/// datagrams the stopped process left unread, and its sockets if taken.
-type Dumped = (
-    criu::Notifications,
-    Vec<u64>,
-    Option<Result<sockstate::StoppedSockets, sockstate::SockStateError>>,
-);
+/// What a dump's blocking task returns: CRIU's notifications and what was
+/// read from the stopped tree's sockets.
+type Dumped = (criu::Notifications, Taken);
 
 /// A lazy dump still running as a page server.
 struct PageServer {
@@ -421,51 +421,46 @@ const MAX_LOCAL_RANGES: usize = 200_000;
 /// answer PostCopyStatus once the page server's connection is gone.
 const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
 
-/// The most the freeze waits for the dumped process's threads to stop.
-const GROUP_STOP_WAIT: Duration = Duration::from_millis(100);
+/// What the socket transfer of a collective migration answers: the
+/// message's size and the destination's reply.
+type SocketsSent = Result<Option<(u64, ferry_proto::v1::TransferSocketsResponse)>, EngineError>;
 
-/// The sockets of the stopped process, taken once after the dump: for what
-/// its UDP sockets hold unread (which must reach the destination's copy
-/// too: CRIU drops it) and for the connections a collective migration
-/// reads. Blocking.
-fn take_stopped_sockets(
-    pid: i32,
-    capture: bool,
-    collective: bool,
-) -> (
-    Vec<u64>,
-    Option<Result<sockstate::StoppedSockets, sockstate::SockStateError>>,
-) {
-    if !capture && !collective {
-        return (Vec::new(), None);
+/// Sends the connections' states to the destination in one message as
+/// soon as the socket reader has them, which is during the dump.
+async fn send_sockets(
+    mut peer: PeerClient<Channel>,
+    migration_id: String,
+    source_node: String,
+    destination: PeerConfig,
+    deadline: Duration,
+    states_from: tokio::sync::oneshot::Receiver<Result<ReadConnections, sockstate::SockStateError>>,
+) -> SocketsSent {
+    let read = states_from.await.map_err(|_| {
+        EngineError::Internal("the dump ended before the connections were read".into())
+    })??;
+    let states = read.states?;
+    let queued: usize = states
+        .iter()
+        .map(|c| c.send_queue.len() + c.recv_queue.len())
+        .sum();
+    tracing::info!(
+        connections = states.len(),
+        held = read.held.len(),
+        queued_bytes = queued,
+        ms = read.took.as_secs_f64() * 1000.0,
+        "TCP connections read in one batch"
+    );
+    let req = ferry_proto::v1::TransferSocketsRequest {
+        migration_id,
+        source_node,
+        tcp_connections: states.iter().map(|c| c.to_pb()).collect(),
+    };
+    let bytes = prost::Message::encoded_len(&req) as u64;
+    match tokio::time::timeout(deadline, peer.transfer_sockets(req)).await {
+        Ok(Ok(r)) => Ok(Some((bytes, r.into_inner()))),
+        Ok(Err(s)) => Err(peer_error(&destination.name, s)),
+        Err(_) => Err(silent(&destination, "the socket transfer", deadline)),
     }
-    // CRIU leaves the process stopped with a SIGSTOP it queues as it lets
-    // go; until every thread has taken it, one could still read or write a
-    // socket. Seen once in a while ('R' at this point): waited for here.
-    match process::wait_group_stopped(pid, GROUP_STOP_WAIT) {
-        Ok(Some(waited)) if waited > Duration::from_micros(100) => {
-            tracing::info!(
-                pid,
-                waited_us = waited.as_micros() as u64,
-                "waited for the group stop"
-            );
-        }
-        Ok(_) => {}
-        Err(e) => {
-            tracing::warn!(pid, error = %e, "the process's group stop was not seen; its sockets are read anyway")
-        }
-    }
-    let sockets = sockstate::take_sockets(&process::process_tree(pid));
-    let unread = match &sockets {
-        Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
-        Err(e) if capture => Err(e.to_string()),
-        _ => Ok(Vec::new()),
-    }
-    .unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "reading the UDP receive queues; their datagrams may be lost");
-        Vec::new()
-    });
-    (unread, Some(sockets))
 }
 
 /// Opens the page tunnel to the destination for a post-copy's page
@@ -604,6 +599,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             draining: None,
             translated: Vec::new(),
             held: None,
+            sockets_sending: None,
             precopy: None,
             page_server: None,
             p,
@@ -789,9 +785,13 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // Post-copy: CRIU says "status-ready" once the images are written and
     // its page server listens; the dump itself ends only when the
     // destination has every page.
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Taken>();
     let capture = run.capture;
     let collective = run.p.socket_migration == SocketMigration::Collective;
+    // Collective: the connections' states go to the destination as soon as
+    // they are read, which is during the dump (`sockettaker.rs`).
+    let (states_to, states_from) = tokio::sync::oneshot::channel();
+    let criu_path = run.agent.config.criu_path.clone();
     let mut dump_task = tokio::task::spawn_blocking({
         let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
         let is_lazy = lazy.is_some();
@@ -800,15 +800,40 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         // CRIU is about to freeze the process.
         let mut throttle = run.precopy.as_mut().and_then(|p| p.throttle.take());
         move || {
+            // Read once per CRIU binary, before CRIU starts.
+            let during_dump = criu::has_patch(&criu_path, criu::DUMP_ROLLBACK_MARK);
+            let mut taker = Some(SocketTaker::new(
+                pid,
+                capture,
+                collective,
+                during_dump,
+                collective.then_some(states_to),
+            ));
             let dumped = criu::dump(&req, &mut |script| {
-                if script == "status-ready" {
-                    if let Some(tx) = ready_tx.take() {
-                        let _ = tx.send(());
+                match script {
+                    // Sent right after CRIU froze the tree.
+                    "query-ext-files" => {
+                        if let Some(t) = taker.as_mut() {
+                            t.tree_frozen();
+                        }
+                        return Ok(());
                     }
-                    return Ok(());
-                }
-                if script != "pre-dump" {
-                    return Ok(());
+                    // A failed dump, about to let the tree run again.
+                    "network-unlock" => {
+                        if let Some(t) = taker.as_mut() {
+                            t.tree_thawing();
+                        }
+                        return Ok(());
+                    }
+                    "status-ready" => {
+                        if let Some(tx) = ready_tx.take() {
+                            let taken = taker.take().map(|t| t.finish(false)).unwrap_or_default();
+                            let _ = tx.send(taken);
+                        }
+                        return Ok(());
+                    }
+                    "pre-dump" => {}
+                    _ => return Ok(()),
                 }
                 // SIGCONT wakes the process at once: CRIU never finds it
                 // stopped by the throttle (it would restore it stopped).
@@ -820,15 +845,39 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 agent.reconcile_ownership().map_err(|e| e.to_string())?;
                 tracing::info!("ports frozen");
                 Ok(())
-            })?;
+            });
+            let dumped = match dumped {
+                Ok(d) => d,
+                Err(e) => {
+                    // CRIU said network-unlock first if it could; if it
+                    // died instead, this is the soonest.
+                    if let Some(mut t) = taker.take() {
+                        t.tree_thawing();
+                    }
+                    return Err(e);
+                }
+            };
             if is_lazy {
-                // Taken at "status-ready", while this dump serves pages.
-                return Ok((dumped, Vec::new(), None));
+                // Handed over at "status-ready", while this dump serves pages.
+                return Ok((dumped, Taken::default()));
             }
-            // The process is stopped: its sockets are taken once.
-            let (unread, sockets) = take_stopped_sockets(pid, capture, collective);
-            Ok::<_, criu::CriuError>((dumped, unread, sockets))
+            let taken = taker.take().map(|t| t.finish(true)).unwrap_or_default();
+            Ok::<_, criu::CriuError>((dumped, taken))
         }
+    });
+    // Spawned, not polled beside the dump: it runs while the dump does,
+    // and a rollback waits for it before the destination hears the abort
+    // (a socket transfer still in flight would leave the rebuilt copies
+    // behind there).
+    run.sockets_sending = collective.then(|| {
+        tokio::spawn(send_sockets(
+            run.p.peer.clone(),
+            run.p.migration_id.clone(),
+            run.agent.node().to_owned(),
+            run.p.destination.clone(),
+            Duration::from_secs(run.agent.config.peer_timeout_secs),
+            states_from,
+        ))
     });
     let dumped = match &lazy {
         None => dump_task.await,
@@ -841,22 +890,24 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             };
             // Ready, or the dump's end (the hook is then gone too).
             enum Early {
-                Ready,
+                Ready(Taken),
                 HookGone,
                 Ended(Result<Result<Dumped, criu::CriuError>, tokio::task::JoinError>),
             }
             let early = tokio::select! {
-                r = ready_rx => if r.is_ok() { Early::Ready } else { Early::HookGone },
+                r = ready_rx => match r { Ok(taken) => Early::Ready(taken), Err(_) => Early::HookGone },
                 r = &mut dump_task => Early::Ended(r),
             };
             let ended = match early {
-                Early::Ready => None,
-                Early::HookGone => Some((&mut dump_task).await),
-                Early::Ended(r) => Some(r),
+                Early::Ready(taken) => Err(taken),
+                Early::HookGone => Ok((&mut dump_task).await),
+                Early::Ended(r) => Ok(r),
             };
             match ended {
-                None => {
+                Err(taken) => {
                     tracing::info!("images written; CRIU serves the pages");
+                    // The rollback needs the connections from here on.
+                    run.held = taken.held.clone();
                     run.page_server = Some(PageServer {
                         task: dump_task,
                         criu_pid: criu_pid.clone(),
@@ -865,14 +916,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                     let ours = tunnel_end
                         .take()
                         .expect("a post-copy dump has a tunnel end");
-                    let (tunnel, taken) = tokio::join!(
-                        open_page_tunnel(run, ours),
-                        tokio::task::spawn_blocking(move || {
-                            let (unread, sockets) = take_stopped_sockets(pid, capture, collective);
-                            Ok((Vec::new(), unread, sockets))
-                        })
-                    );
-                    match tunnel {
+                    match open_page_tunnel(run, ours).await {
                         Ok(t) => {
                             if let Some(s) = run.page_server.as_mut() {
                                 s.tunnel = Some(t);
@@ -880,20 +924,23 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                         }
                         Err(e) => return Stop::BeforeCommit(e),
                     }
-                    taken
+                    Ok(Ok((Vec::new(), taken)))
                 }
-                Some(Ok(Ok(_))) => Ok(Err(no_server())),
-                Some(other) => other,
+                Ok(Ok(Ok(_))) => Ok(Err(no_server())),
+                Ok(other) => other,
             }
         }
     };
     run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
     let dump_end = Instant::now();
-    let taken = match dumped {
-        Ok(Ok((notes, unread, sockets))) => {
-            tracing::debug!(?notes, unread_datagrams = unread.len(), "dump done");
-            run.unread_datagrams = unread;
-            sockets
+    match dumped {
+        Ok(Ok((notes, taken))) => {
+            tracing::debug!(?notes, unread_datagrams = taken.unread.len(), "dump done");
+            run.unread_datagrams = taken.unread;
+            // Held from here: an abort turns repair off again.
+            if taken.held.is_some() {
+                run.held = taken.held;
+            }
         }
         Ok(Err(e)) => return Stop::BeforeCommit(e.into()),
         Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
@@ -951,21 +998,6 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         run.draining = Some(tokio::task::spawn_blocking(move || agent.drain_capture()));
     }
 
-    // Collective sockets: with the process stopped, every connection is
-    // taken into ferryd and read in one batch, beside the image transfer.
-    let extracting = (run.p.socket_migration == SocketMigration::Collective).then(|| {
-        tokio::task::spawn_blocking(move || {
-            let started = Instant::now();
-            let held = match taken {
-                Some(sockets) => sockets?.into_held(),
-                None => sockstate::take_sockets(&process::process_tree(pid))?.into_held(),
-            };
-            let held = Arc::new(held);
-            let states = held.extract();
-            Ok::<_, sockstate::SockStateError>((held, states, started.elapsed()))
-        })
-    });
-
     // The dump is done (a cancel during it waited here): the process is
     // stopped, and resumes on the rollback.
     honour_cancel!();
@@ -982,53 +1014,19 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         deadline,
         images_peer.transfer_images(tokio_stream::wrappers::ReceiverStream::new(rx)),
     );
-    // Beside the images: the connections' states, sent as soon as they
-    // are read, so the destination rebuilds them while images still flow.
-    let mut sockets_peer = run.p.peer.clone();
-    let (sockets_id, source_node) = (run.p.migration_id.clone(), run.agent.node().to_owned());
-    let destination = run.p.destination.clone();
-    let sockets_sent = async move {
-        let Some(task) = extracting else {
-            return (None, Ok(None));
-        };
-        let (held, states, took) = match task.await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => return (None, Err(EngineError::from(e))),
-            Err(e) => return (None, Err(EngineError::Internal(e.to_string()))),
-        };
-        // Held from here: an abort turns repair off again, even for the
-        // ones read before a failure.
-        let states = match states {
-            Ok(s) => s,
-            Err(e) => return (Some(held), Err(e.into())),
-        };
-        let queued: usize = states
-            .iter()
-            .map(|c| c.send_queue.len() + c.recv_queue.len())
-            .sum();
-        tracing::info!(
-            connections = states.len(),
-            queued_bytes = queued,
-            ms = took.as_secs_f64() * 1000.0,
-            "TCP connections read in one batch"
-        );
-        let req = ferry_proto::v1::TransferSocketsRequest {
-            migration_id: sockets_id,
-            source_node,
-            tcp_connections: states.iter().map(|c| c.to_pb()).collect(),
-        };
-        let bytes = prost::Message::encoded_len(&req) as u64;
-        let answer = match tokio::time::timeout(deadline, sockets_peer.transfer_sockets(req)).await
-        {
-            Ok(Ok(r)) => Ok(Some((bytes, r.into_inner()))),
-            Ok(Err(s)) => Err(peer_error(&destination.name, s)),
-            Err(_) => Err(silent(&destination, "the socket transfer", deadline)),
-        };
-        (Some(held), answer)
+    // Beside the images: the connections' states, sent since they were
+    // read (during the dump), so the destination rebuilds them meanwhile.
+    let sockets_sent = async {
+        match run.sockets_sending.take() {
+            None => Ok(None),
+            Some(task) => task
+                .await
+                .unwrap_or_else(|e| Err(EngineError::Internal(format!("socket transfer: {e}")))),
+        }
     };
-    // A cancel cuts the images short, not the connections: once read they
-    // are in repair mode and must reach the rollback (`run.held`) to be
-    // turned back before the process resumes.
+    // A cancel cuts the images short, not the connections: a socket
+    // transfer in flight is waited for, so that the abort reaches the
+    // destination after it.
     let cancel = run.p.cancel.clone();
     let images_sent = async {
         tokio::select! {
@@ -1036,10 +1034,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             e = cancel.requested() => Err(e),
         }
     };
-    let (sent, (held, sockets)) = tokio::join!(images_sent, sockets_sent);
-    if held.is_some() {
-        run.held = held;
-    }
+    let (sent, sockets) = tokio::join!(images_sent, sockets_sent);
     let sent = match sent {
         Err(e) => {
             // The reader ends once its channel is gone.
@@ -1603,6 +1598,13 @@ async fn finish(run: &mut Run, stop: Stop) {
                         .push_str(&format!("; resuming on the source failed: {e}"));
                 }
                 Err(e) => run.report.error.push_str(&format!("; resume task: {e}")),
+            }
+            // A socket transfer still in flight ends first: the abort must
+            // find the rebuilt copies there, to close them.
+            if let Some(task) = run.sockets_sending.take()
+                && let Ok(Err(e)) = task.await
+            {
+                tracing::debug!(error = %e, "the socket transfer ended with the migration");
             }
             let abort = AbortRequest {
                 migration_id: run.p.migration_id.clone(),
