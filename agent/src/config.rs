@@ -133,8 +133,10 @@ pub struct MigrationConfig {
     /// How TCP connections move when a request does not say:
     /// "collective" (ferryd reads and rebuilds all established
     /// connections in one batch, `sockstate`) or "iterative" (CRIU's own
-    /// path, one connection at a time). Iterative until collective
-    /// measurably wins here (docs/results.md, `cargo xtask bench freeze`).
+    /// path, one connection at a time). Collective: it wins at every
+    /// connection count measured here (docs/results.md, `cargo xtask
+    /// bench freeze`), and falls back to iterative by itself for sockets
+    /// it cannot move.
     pub sockets: crate::sockstate::SocketMigration,
     /// How memory moves when a request does not say: "total-copy" (all in
     /// the freeze), "pre-copy" or "queued-pre-copy" (rounds while the
@@ -161,7 +163,7 @@ pub const MAX_PRECOPY_ROUNDS: u32 = 1000;
 impl Default for MigrationConfig {
     fn default() -> Self {
         Self {
-            sockets: crate::sockstate::SocketMigration::Iterative,
+            sockets: crate::sockstate::SocketMigration::Collective,
             strategy: crate::engine::precopy::MemoryStrategy::TotalCopy,
             downtime_budget_ms: 30,
             max_rounds: 10,

@@ -187,14 +187,15 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     // dump after the descriptors: the tree has been frozen for the whole
     // of it, and ferryd, in a collective migration, has read every
     // connection beside it, leaving them in repair mode. The wrapper runs
-    // ferry's patched CRIU and says so with the patch's mark, which is how
-    // ferryd knows CRIU tells it before a failed dump lets the tree run.
+    // ferry's patched CRIU and says so with the patches' marks, which is
+    // how ferryd knows CRIU tells it before a failed dump lets the tree
+    // run (and takes rebuilt connections).
     let dir = tempfile::tempdir().expect("temp dir");
     let wrapper = dir.path().join("criu");
     std::fs::write(
         &wrapper,
         format!(
-            "#!/bin/sh\n# ferry-dump-rollback: runs ferry's patched CRIU, every dump failing\nCRIU_FAULT=3 exec {} \"$@\"\n",
+            "#!/bin/sh\n# ferry-dump-rollback ferry-inherited-tcp: runs ferry's patched CRIU, every dump failing\nCRIU_FAULT=3 exec {} \"$@\"\n",
             ferry_integration::criu_path().display()
         ),
     )

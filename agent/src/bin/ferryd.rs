@@ -91,7 +91,16 @@ fn check_config(path: &Path) -> Result<()> {
 
 async fn serve(config: Config) -> Result<()> {
     match ferry_agent::criu::probe_version(&config.criu_path) {
-        Ok(v) => tracing::info!(version = %v, path = %config.criu_path.display(), "CRIU found"),
+        Ok(v) => {
+            tracing::info!(version = %v, path = %config.criu_path.display(), "CRIU found");
+            let missing = ferry_agent::criu::missing_patches(&config.criu_path);
+            if !missing.is_empty() {
+                tracing::warn!(
+                    missing = %missing.join("; "),
+                    "CRIU lacks ferry's patches (`cargo xtask setup` builds it with them): collective socket migrations into this node are refused, connections are read after the dump"
+                );
+            }
+        }
         // Not fatal: the agent still answers; migrations report the reason.
         Err(e) => tracing::warn!(error = %e, "CRIU unusable; migrations will be refused"),
     }

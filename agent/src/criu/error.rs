@@ -13,6 +13,11 @@ pub enum CriuError {
         found: String,
         required: String,
     },
+    #[error(
+        "CRIU at {path} lacks ferry's patch for {what} (run `cargo xtask setup`, which builds \
+         CRIU with ferry's patches)"
+    )]
+    Unpatched { path: PathBuf, what: &'static str },
     #[error("cannot tell the version of CRIU at {path}: {reason}")]
     UnknownVersion { path: PathBuf, reason: String },
     #[error("cannot start CRIU at {path}: {source}")]

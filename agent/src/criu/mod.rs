@@ -20,4 +20,7 @@ pub use swrk::{
     DumpRequest, LazyDump, Notifications, RestoreOutcome, RestoreRequest, TcpConnections, dump,
     restore,
 };
-pub use version::{CriuVersion, DUMP_ROLLBACK_MARK, MIN_CRIU_VERSION, has_patch, probe_version};
+pub use version::{
+    CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES, INHERITED_TCP_MARK, MIN_CRIU_VERSION,
+    has_patch, missing_patches, probe_version,
+};

@@ -83,6 +83,36 @@ pub fn probe_version(path: &Path) -> Result<CriuVersion, CriuError> {
 /// (`network-unlock`) before the frozen tasks run again.
 pub const DUMP_ROLLBACK_MARK: &str = "ferry-dump-rollback";
 
+/// The mark of `xtask/criu/inherit-tcp-connections.patch`: a restore takes
+/// the TCP connections ferryd rebuilt (collective socket migration);
+/// without it CRIU would restore them closed.
+pub const INHERITED_TCP_MARK: &str = "ferry-inherited-tcp";
+
+/// ferry's patches to CRIU, by their mark, with what each is for.
+pub const FERRY_PATCHES: &[(&str, &str)] = &[
+    (
+        INHERITED_TCP_MARK,
+        "inherited TCP connections (collective socket migration)",
+    ),
+    (
+        DUMP_ROLLBACK_MARK,
+        "failed dump notified (connections read during the dump)",
+    ),
+    (
+        "ferry-flushed-close",
+        "page-server close pushed out (post-copy)",
+    ),
+];
+
+/// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
+pub fn missing_patches(path: &Path) -> Vec<&'static str> {
+    FERRY_PATCHES
+        .iter()
+        .filter(|(mark, _)| !has_patch(path, mark))
+        .map(|(_, what)| *what)
+        .collect()
+}
+
 /// Whether the CRIU at `path` was built with the patch that marks it with
 /// `mark` (`cargo xtask setup` applies them all). Reads the binary once per
 /// version of the file (a few milliseconds for its ~6 MB); false when it
@@ -139,9 +169,17 @@ mod tests {
         .unwrap();
         assert!(has_patch(&bin, DUMP_ROLLBACK_MARK));
         assert!(!has_patch(&bin, "ferry-something-else"));
+        assert_eq!(
+            missing_patches(&bin),
+            vec![
+                "inherited TCP connections (collective socket migration)",
+                "page-server close pushed out (post-copy)"
+            ]
+        );
         // A rebuilt binary is read again, not answered from the first look.
         std::fs::write(&bin, b"\x7fELF... upstream, no marks at all").unwrap();
         assert!(!has_patch(&bin, DUMP_ROLLBACK_MARK));
+        assert_eq!(missing_patches(&bin).len(), FERRY_PATCHES.len());
         assert!(!has_patch(&dir.path().join("absent"), DUMP_ROLLBACK_MARK));
     }
 

@@ -326,9 +326,9 @@ impl EngineError {
             EngineError::Sockets(_) => Code::Internal,
             EngineError::PeerUnavailable { .. } => Code::Unavailable,
             EngineError::Peer { code, .. } => *code,
-            EngineError::Criu(CriuError::NotFound { .. } | CriuError::TooOld { .. }) => {
-                Code::FailedPrecondition
-            }
+            EngineError::Criu(
+                CriuError::NotFound { .. } | CriuError::TooOld { .. } | CriuError::Unpatched { .. },
+            ) => Code::FailedPrecondition,
             EngineError::Criu(CriuError::Failed { .. }) => Code::Aborted,
             EngineError::Process(ProcessError::NotFound { .. }) => Code::NotFound,
             EngineError::Criu(_)

@@ -9,12 +9,15 @@
 //!
 //! 1. the source dumps the process with CRIU's `--tcp-close`, which records
 //!    each connection's file and socket options but not its TCP state;
-//! 2. with the process stopped, the source takes every connection into
-//!    ferryd (`pidfd_getfd`), turns repair on and reads the state of all of
-//!    them into one buffer ([`Held::extract`]), which crosses in one
-//!    message (`Peer.TransferSockets`) while the images stream beside it;
+//! 2. as soon as CRIU has frozen the process (its `query-ext-files`
+//!    notification, a few milliseconds into the dump), the source takes
+//!    every connection into ferryd (`pidfd_getfd`), turns repair on and
+//!    reads the state of all of them into one buffer ([`Held::extract`]),
+//!    beside the rest of CRIU's dump; the buffer crosses in one message
+//!    (`Peer.TransferSockets`) as soon as it is read
+//!    (`engine/sockettaker.rs`);
 //! 3. the destination rebuilds all connections in repair mode at once
-//!    ([`rebuild`]), still beside the image transfer, and at Restore hands
+//!    ([`rebuild`]), while the source still dumps, and at Restore hands
 //!    them to CRIU as inherited descriptors (`socket:[<inode>]`; ferry's
 //!    patch to CRIU, `xtask/criu/`), which restores the rest of the
 //!    descriptor table and the sockets' options;
