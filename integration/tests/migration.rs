@@ -175,6 +175,98 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
     });
 }
 
+/// A CRIU for a test's cluster: ferry's own, run through a shell wrapper
+/// with `env` (`VAR=value`, or empty) in front. A patched CRIU is known by
+/// the marks its patches leave in the binary (`criu::has_patch`): the
+/// wrapper carries `marks`, which says which of ferry's patches the CRIU
+/// behind it is to be taken for having.
+fn criu_wrapper(dir: &std::path::Path, marks: &[&str], env: &str) -> std::path::PathBuf {
+    let wrapper = dir.join("criu");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n# {}\n{env} exec {} \"$@\"\n",
+            marks.join(" "),
+            ferry_integration::criu_path().display()
+        ),
+    )
+    .expect("writing the CRIU wrapper");
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    wrapper
+}
+
+#[test]
+fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
+    if !ferry_integration::can_run(
+        "a_destination_whose_criu_cannot_take_the_connections_refuses_them",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    // Taken for a CRIU without ferry's inherit patch, which would restore
+    // the connections ferryd rebuilt closed.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.criu_path = Some(criu_wrapper(dir.path(), &["ferry-dump-rollback"], ""));
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let EchoSetup {
+            mut node1,
+            node2: _,
+            pid,
+            target: _,
+            client,
+        } = echo_setup(&cluster, 8).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 8).await;
+        let before = client.verified_per_connection();
+
+        let (report, status) = migrate_with(
+            &mut node1,
+            pid,
+            "node2",
+            ferry_proto::v1::SocketMigration::Collective,
+        )
+        .await
+        .expect("migration starts");
+        let status = status.expect("a refused transfer ends the stream with an error status");
+        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert!(
+            report
+                .error
+                .contains("lacks ferry's patch for inherited TCP connections")
+                && report.error.contains("cargo xtask setup"),
+            "{}",
+            report.error
+        );
+        assert!(report.resumed_on_source, "{report:#?}");
+        // Named at the agent's start too.
+        assert!(
+            cluster
+                .log_text("node2")
+                .contains("CRIU lacks ferry's patches"),
+            "{}",
+            cluster.log_tail("node2", 30)
+        );
+
+        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        assert_eq!(p.tcp_established, 8);
+        assert!(cluster.established_tcp("node2", ECHO_PORT).is_empty());
+        client
+            .wait_until_each_passes(&before, 20, Duration::from_secs(20))
+            .expect("connections flow again after the refusal");
+        client.stop().assert_clean();
+    });
+}
+
 #[test]
 fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     if !ferry_integration::can_run(
@@ -186,27 +278,14 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     // CRIU's own fault injection (CRIU_FAULT=3, FI_DUMP_PAGES) fails every
     // dump after the descriptors: the tree has been frozen for the whole
     // of it, and ferryd, in a collective migration, has read every
-    // connection beside it, leaving them in repair mode. The wrapper runs
-    // ferry's patched CRIU and says so with the patches' marks, which is
-    // how ferryd knows CRIU tells it before a failed dump lets the tree
-    // run (and takes rebuilt connections).
+    // connection beside it, leaving them in repair mode.
     let dir = tempfile::tempdir().expect("temp dir");
-    let wrapper = dir.path().join("criu");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\n# ferry-dump-rollback ferry-inherited-tcp: runs ferry's patched CRIU, every dump failing\nCRIU_FAULT=3 exec {} \"$@\"\n",
-            ferry_integration::criu_path().display()
-        ),
-    )
-    .expect("writing the wrapper");
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .expect("chmod");
     let mut spec = ClusterSpec::new(2, 1);
-    spec.criu_path = Some(wrapper);
+    spec.criu_path = Some(criu_wrapper(
+        dir.path(),
+        &["ferry-dump-rollback", "ferry-inherited-tcp"],
+        "CRIU_FAULT=3",
+    ));
     let cluster = Cluster::start(spec).expect("cluster");
     rt.block_on(async {
         let EchoSetup {
