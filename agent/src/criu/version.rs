@@ -102,6 +102,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "ferry-flushed-close",
         "page-server close pushed out (post-copy)",
     ),
+    (
+        "ferry-socket-fdinfo",
+        "socket flags without fdinfo (a shorter dump)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -173,7 +177,8 @@ mod tests {
             missing_patches(&bin),
             vec![
                 "inherited TCP connections (collective socket migration)",
-                "page-server close pushed out (post-copy)"
+                "page-server close pushed out (post-copy)",
+                "socket flags without fdinfo (a shorter dump)"
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

@@ -384,7 +384,8 @@ struct Run {
     /// for it first (the ring has one reader at a time).
     draining: Option<tokio::task::JoinHandle<()>>,
     /// Collective socket migration: the process's connections, held by
-    /// ferryd in repair mode from the end of the dump. Turned back on an
+    /// ferryd in repair mode from the moment CRIU froze the tree (or the
+    /// end of the dump, with a CRIU lacking ferry's patch). Turned back on an
     /// abort; closed (silently) after the commit.
     held: Option<Arc<sockstate::Held>>,
     /// Collective socket migration: the transfer of the connections'
