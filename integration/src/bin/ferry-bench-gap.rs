@@ -57,12 +57,22 @@ struct Args {
     /// Where the CSV and Markdown tables go.
     #[arg(long, default_value = "target/bench/gap")]
     out: PathBuf,
+    /// Also run the same clients without migrating ("no migration"), for
+    /// what the clients and the server lose by themselves at this load.
+    #[arg(long)]
+    baseline: bool,
 }
+
+/// How long a baseline round stands in for a migration: about what one
+/// takes from request to report at 1024 connections here.
+const BASELINE_PAUSE: Duration = Duration::from_millis(800);
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Mode {
     Capture,
     Drop,
+    /// The same clients, no migration.
+    Baseline,
 }
 
 impl Mode {
@@ -70,6 +80,7 @@ impl Mode {
         match self {
             Mode::Capture => "capture+replay",
             Mode::Drop => "drop+retransmit",
+            Mode::Baseline => "no migration",
         }
     }
 }
@@ -145,6 +156,14 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+fn modes(args: &Args) -> Vec<Mode> {
+    let mut modes = vec![Mode::Capture, Mode::Drop];
+    if args.baseline {
+        modes.push(Mode::Baseline);
+    }
+    modes
+}
+
 fn bench(args: &Args) -> Result<()> {
     if args.runs == 0 || args.tcp == 0 {
         bail!("--runs and --tcp must be at least 1");
@@ -159,7 +178,7 @@ fn bench(args: &Args) -> Result<()> {
     );
     println!("{}", HEADER.join("\t"));
     let mut rows = Vec::new();
-    for mode in [Mode::Capture, Mode::Drop] {
+    for mode in modes(args) {
         let mut spec = ClusterSpec::new(2, 2);
         if mode == Mode::Drop {
             spec.capture = false;
@@ -207,26 +226,41 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
             AnswerWatch::start(clients[1].clone())?,
         ];
         let before = [Nstat::read(&clients[0])?, Nstat::read(&clients[1])?];
-        let to_netns = cluster.netns_path(nodes[1 - here]);
+        // Where the server's receive buffers are counted: the node it
+        // moves to (the one it stays on, without a migration).
+        let to_netns = cluster.netns_path(if mode == Mode::Baseline {
+            nodes[here]
+        } else {
+            nodes[1 - here]
+        });
         let to_before = Nstat::read(&to_netns)?;
 
         let tcp_before = tcp.verified_per_connection();
 
-        let to = nodes[1 - here];
-        let (report, status) = migrate(&mut control, pid, to)
-            .await
-            .context("starting the migration")?;
-        if status.is_some() || report.outcome != MigrationOutcome::Committed as i32 {
-            bail!(
-                "{} run {run}: migration failed: {status:?} {}",
-                mode.name(),
-                report.error
-            );
-        }
-        here = 1 - here;
-        pid = report.destination_pid;
-        control = cluster.control(nodes[here]).await?;
-        wait_for_process(&mut control, pid, |p| p.state == "running").await;
+        let (freeze_ms, replayed) = if mode == Mode::Baseline {
+            tokio::time::sleep(BASELINE_PAUSE).await;
+            (0.0, 0)
+        } else {
+            let to = nodes[1 - here];
+            let (report, status) = migrate(&mut control, pid, to)
+                .await
+                .context("starting the migration")?;
+            if status.is_some() || report.outcome != MigrationOutcome::Committed as i32 {
+                bail!(
+                    "{} run {run}: migration failed: {status:?} {}",
+                    mode.name(),
+                    report.error
+                );
+            }
+            here = 1 - here;
+            pid = report.destination_pid;
+            control = cluster.control(nodes[here]).await?;
+            wait_for_process(&mut control, pid, |p| p.state == "running").await;
+            (
+                report.freeze_time_us as f64 / 1e3,
+                report.replay.map(|r| r.replayed).unwrap_or(0),
+            )
+        };
 
         tcp.wait_until_each_passes(&tcp_before, 20, Duration::from_secs(30))?;
         let seen = udp.echoed();
@@ -266,7 +300,7 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
         let row = Row {
             mode,
             run,
-            freeze_ms: report.freeze_time_us as f64 / 1e3,
+            freeze_ms,
             tcp_gap_median_ms: median(&gaps),
             gap_max_ms: tcp_max.max(udp_report.max_gap().as_secs_f64() * 1e3),
             udp_lost: udp_report.lost(),
@@ -276,7 +310,7 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
             resets: d0.get("TcpEstabResets") + d1.get("TcpEstabResets"),
             retrans_segs: d0.get("TcpRetransSegs"),
             timeouts: d0.get("TcpExtTCPTimeouts"),
-            replayed: report.replay.map(|r| r.replayed).unwrap_or(0),
+            replayed,
         };
         if !tcp_report.failures().is_empty() {
             bail!(
@@ -318,7 +352,7 @@ fn tables(rows: &[Row], args: &Args) -> String {
         "| mode | freeze (ms) | TCP gap, median client (ms) | worst gap, any client (ms) | UDP lost | of which rcvbuf full | UDP dup | RST/ICMP at clients | conn. resets | TCP retrans. segs | TCP RTOs |"
     );
     let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|");
-    for mode in [Mode::Capture, Mode::Drop] {
+    for mode in [Mode::Capture, Mode::Drop, Mode::Baseline] {
         let rs: Vec<&Row> = rows.iter().filter(|r| r.mode == mode).collect();
         if rs.is_empty() {
             continue;
@@ -352,8 +386,11 @@ fn tables(rows: &[Row], args: &Args) -> String {
     }
     let _ = writeln!(
         t,
-        "\nReproduce: `cargo xtask bench gap -- --runs {} --tcp {} --udp {}` (root; 2 cores here).",
-        args.runs, args.tcp, args.udp
+        "\nReproduce: `cargo xtask bench gap -- --runs {} --tcp {} --udp {}{}` (root; 2 cores here).",
+        args.runs,
+        args.tcp,
+        args.udp,
+        if args.baseline { " --baseline" } else { "" }
     );
     t
 }
