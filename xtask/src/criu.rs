@@ -463,6 +463,28 @@ impl Drop for TempDir {
 mod tests {
     use super::*;
 
+    /// Every patch puts its mark in the patch text, and the agent, which
+    /// tells a patched CRIU by the same marks (`agent/src/criu/version.rs`,
+    /// FERRY_PATCHES), knows each of them.
+    #[test]
+    fn every_patch_mark_is_in_its_patch_and_known_to_the_agent() {
+        let agent = include_str!("../../agent/src/criu/version.rs");
+        for p in PATCHES {
+            assert!(
+                p.text.contains(p.mark),
+                "{}: mark {:?} not in the patch",
+                p.what,
+                p.mark
+            );
+            assert!(
+                agent.contains(&format!("\"{}\"", p.mark)),
+                "{}: mark {:?} unknown to the agent",
+                p.what,
+                p.mark
+            );
+        }
+    }
+
     #[test]
     fn reads_checksums() {
         let dsc = "Format: 3.0 (quilt)\nVersion: 4.2.1-1\nChecksums-Sha1:\n aaaa 1038700 criu_4.2.1.orig.tar.xz\nChecksums-Sha256:\n 29EC0E 1038700 criu_4.2.1.orig.tar.xz\n e9f7 12964 criu_4.2.1-1.debian.tar.xz\nFiles:\n x 1 criu_4.2.1.orig.tar.xz\n";
