@@ -199,6 +199,81 @@ fn criu_wrapper(dir: &std::path::Path, marks: &[&str], env: &str) -> std::path::
     wrapper
 }
 
+/// An echo server on node1 that stayed there: a collective migration of
+/// it ended before the commit.
+struct Stayed {
+    node1: ControlClient<Channel>,
+    pid: i32,
+    client: SeqClient,
+    /// What each connection had verified before the migration.
+    before: Vec<u64>,
+    connections: usize,
+}
+
+/// An echo server on node1 with `connections` talking clients, and a
+/// collective migration of it to node2 that must end ABORTED with the
+/// process resumed on node1. Returns the migration's report.
+async fn collective_migration_aborts(
+    cluster: &Cluster,
+    connections: usize,
+) -> (MigrationReport, Stayed) {
+    let EchoSetup {
+        mut node1,
+        node2: _,
+        pid,
+        target: _,
+        client,
+    } = echo_setup(cluster, connections).await;
+    wait_for_process(&mut node1, pid, |p| {
+        p.tcp_established as usize == connections
+    })
+    .await;
+    let before = client.verified_per_connection();
+    let (report, status) = migrate_with(
+        &mut node1,
+        pid,
+        "node2",
+        ferry_proto::v1::SocketMigration::Collective,
+    )
+    .await
+    .expect("migration starts");
+    let status = status.expect("an aborted migration ends the stream with an error status");
+    assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Aborted as i32,
+        "{report:#?}"
+    );
+    assert!(report.resumed_on_source, "{report:#?}");
+    let stayed = Stayed {
+        node1,
+        pid,
+        client,
+        before,
+        connections,
+    };
+    (report, stayed)
+}
+
+/// The process still runs on node1 with all its connections, none is on
+/// node2, and every connection carries on, every byte once and in order.
+async fn carries_on_at_node1(cluster: &Cluster, stayed: Stayed) {
+    let Stayed {
+        mut node1,
+        pid,
+        client,
+        before,
+        connections,
+    } = stayed;
+    let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+    assert_eq!(p.tcp_established as usize, connections);
+    assert!(cluster.established_tcp("node2", ECHO_PORT).is_empty());
+    client
+        .wait_until_each_passes(&before, 20, Duration::from_secs(20))
+        .expect("connections flow again after the abort");
+    client.stop().assert_clean();
+}
+
 #[test]
 fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
     if !ferry_integration::can_run(
@@ -211,34 +286,14 @@ fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
     // the connections ferryd rebuilt closed.
     let dir = tempfile::tempdir().expect("temp dir");
     let mut spec = ClusterSpec::new(2, 1);
-    spec.criu_path = Some(criu_wrapper(dir.path(), &["ferry-dump-rollback"], ""));
+    spec.criu_path = Some(criu_wrapper(
+        dir.path(),
+        &[ferry_agent::criu::DUMP_ROLLBACK_MARK],
+        "",
+    ));
     let cluster = Cluster::start(spec).expect("cluster");
     rt.block_on(async {
-        let EchoSetup {
-            mut node1,
-            node2: _,
-            pid,
-            target: _,
-            client,
-        } = echo_setup(&cluster, 8).await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_established == 8).await;
-        let before = client.verified_per_connection();
-
-        let (report, status) = migrate_with(
-            &mut node1,
-            pid,
-            "node2",
-            ferry_proto::v1::SocketMigration::Collective,
-        )
-        .await
-        .expect("migration starts");
-        let status = status.expect("a refused transfer ends the stream with an error status");
-        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
-        assert_eq!(
-            report.outcome,
-            MigrationOutcome::Aborted as i32,
-            "{report:#?}"
-        );
+        let (report, stayed) = collective_migration_aborts(&cluster, 8).await;
         assert!(
             report
                 .error
@@ -247,7 +302,6 @@ fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
             "{}",
             report.error
         );
-        assert!(report.resumed_on_source, "{report:#?}");
         // Named at the agent's start too.
         assert!(
             cluster
@@ -256,14 +310,7 @@ fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
             "{}",
             cluster.log_tail("node2", 30)
         );
-
-        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
-        assert_eq!(p.tcp_established, 8);
-        assert!(cluster.established_tcp("node2", ECHO_PORT).is_empty());
-        client
-            .wait_until_each_passes(&before, 20, Duration::from_secs(20))
-            .expect("connections flow again after the refusal");
-        client.stop().assert_clean();
+        carries_on_at_node1(&cluster, stayed).await;
     });
 }
 
@@ -283,43 +330,21 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     let mut spec = ClusterSpec::new(2, 1);
     spec.criu_path = Some(criu_wrapper(
         dir.path(),
-        &["ferry-dump-rollback", "ferry-inherited-tcp"],
+        &[
+            ferry_agent::criu::DUMP_ROLLBACK_MARK,
+            ferry_agent::criu::INHERITED_TCP_MARK,
+        ],
         "CRIU_FAULT=3",
     ));
     let cluster = Cluster::start(spec).expect("cluster");
     rt.block_on(async {
-        let EchoSetup {
-            mut node1,
-            node2: _,
-            pid,
-            target: _,
-            client,
-        } = echo_setup(&cluster, 32).await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_established == 32).await;
-        let before = client.verified_per_connection();
-
-        let (report, status) = migrate_with(
-            &mut node1,
-            pid,
-            "node2",
-            ferry_proto::v1::SocketMigration::Collective,
-        )
-        .await
-        .expect("migration starts");
-        let status = status.expect("a failed dump ends the stream with an error status");
-        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
-        assert_eq!(
-            report.outcome,
-            MigrationOutcome::Aborted as i32,
-            "{report:#?}"
-        );
+        let (report, stayed) = collective_migration_aborts(&cluster, 32).await;
         assert_eq!(
             report.sockets,
             ferry_proto::v1::SocketMigration::Collective as i32,
             "{report:#?}"
         );
         assert!(report.error.contains("dump"), "{}", report.error);
-        assert!(report.resumed_on_source, "{report:#?}");
         // The connections were read during the dump and left repair mode
         // before CRIU let the process run again (it would have got EPERM
         // from its next recv and EINVAL from its next send otherwise).
@@ -330,16 +355,7 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
             "{}",
             cluster.log_tail("node1", 40)
         );
-
-        // Still on node1, and every connection carries on, every byte
-        // once and in order.
-        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
-        assert_eq!(p.tcp_established, 32);
-        assert!(cluster.established_tcp("node2", ECHO_PORT).is_empty());
-        client
-            .wait_until_each_passes(&before, 20, Duration::from_secs(20))
-            .expect("connections flow again after the failed dump");
-        client.stop().assert_clean();
+        carries_on_at_node1(&cluster, stayed).await;
     });
 }
 

@@ -85,7 +85,8 @@ const PATCHES: &[Patch] = &[
         mark: "ferry-dump-rollback",
     },
     // A socket's flags are read with F_GETFL instead of parsing its
-    // /proc/PID/fdinfo file, inside the freeze (~8 ms at 1024 sockets).
+    // /proc/PID/fdinfo file, inside the freeze (~20 ms at 1024 sockets,
+    // measured A/B in docs/results.md).
     Patch {
         what: "socket flags without fdinfo",
         text: include_str!("../criu/socket-flags-without-fdinfo.patch"),

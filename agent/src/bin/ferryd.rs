@@ -97,7 +97,7 @@ async fn serve(config: Config) -> Result<()> {
             if !missing.is_empty() {
                 tracing::warn!(
                     missing = %missing.join("; "),
-                    "CRIU lacks ferry's patches (`cargo xtask setup` builds it with them): collective socket migrations into this node are refused, connections are read after the dump"
+                    "CRIU lacks ferry's patches (`cargo xtask setup` builds it with them); what each is for is named"
                 );
             }
         }

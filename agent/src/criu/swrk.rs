@@ -390,8 +390,9 @@ fn run(
     }
     // Closing our end ends the swrk session; CRIU then exits. Its answer
     // is all the caller waits for: its exit (closing what it holds, a
-    // thousand inherited connections on a collective restore: ~6 ms of the
-    // freeze) is waited for on a thread of its own.
+    // thousand inherited connections on a collective restore: 30 perf
+    // samples at 5 kHz, ~6 ms of CPU, in one profile) is waited for on a
+    // thread of its own.
     drop(ours);
     drop((images, work));
     reap_in_background(child);

@@ -110,47 +110,74 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
 pub fn missing_patches(path: &Path) -> Vec<&'static str> {
+    let found = marks_found(path);
     FERRY_PATCHES
         .iter()
-        .filter(|(mark, _)| !has_patch(path, mark))
-        .map(|(_, what)| *what)
+        .zip(found)
+        .filter(|(_, found)| !found)
+        .map(|((_, what), _)| *what)
         .collect()
 }
 
-/// Whether the CRIU at `path` was built with the patch that marks it with
-/// `mark` (`cargo xtask setup` applies them all). Reads the binary once per
-/// version of the file (a few milliseconds for its ~6 MB); false when it
-/// cannot be read.
+/// Whether the CRIU at `path` was built with the patch whose mark (one of
+/// [`FERRY_PATCHES`]) is `mark` (`cargo xtask setup` applies them all).
 pub fn has_patch(path: &Path, mark: &str) -> bool {
+    let found = marks_found(path);
+    FERRY_PATCHES
+        .iter()
+        .zip(found)
+        .any(|((m, _), found)| *m == mark && found)
+}
+
+/// [`has_patch`], as the error a step that needs the patch returns.
+pub fn require_patch(path: &Path, mark: &str) -> Result<(), CriuError> {
+    if has_patch(path, mark) {
+        return Ok(());
+    }
+    let what = FERRY_PATCHES
+        .iter()
+        .find(|(m, _)| *m == mark)
+        .map_or("an unknown patch", |(_, what)| *what);
+    Err(CriuError::Unpatched {
+        path: path.to_owned(),
+        what,
+    })
+}
+
+/// Which of [`FERRY_PATCHES`] the binary at `path` carries, in that
+/// order. The binary (~6 MB) is read once per version of the file (its
+/// modification time and size); none when it cannot be read.
+fn marks_found(path: &Path) -> Vec<bool> {
     use std::collections::HashMap;
     use std::sync::Mutex;
     use std::time::SystemTime;
-    type Seen = HashMap<(std::path::PathBuf, String), (SystemTime, u64, bool)>;
+    type Seen = HashMap<std::path::PathBuf, ((SystemTime, u64), Vec<bool>)>;
     static SEEN: Mutex<Option<Seen>> = Mutex::new(None);
     let Ok(meta) = std::fs::metadata(path) else {
-        return false;
+        return vec![false; FERRY_PATCHES.len()];
     };
     let version = (
         meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
         meta.len(),
     );
-    let key = (path.to_owned(), mark.to_owned());
-    if let Some(&(m, l, found)) = SEEN
+    if let Some((v, found)) = SEEN
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get_or_insert_with(HashMap::new)
-        .get(&key)
-        && (m, l) == version
+        .get(path)
+        && *v == version
     {
-        return found;
+        return found.clone();
     }
-    let found = std::fs::read(path)
-        .map(|bin| contains(&bin, mark.as_bytes()))
-        .unwrap_or(false);
+    let bin = std::fs::read(path).unwrap_or_default();
+    let found: Vec<bool> = FERRY_PATCHES
+        .iter()
+        .map(|(mark, _)| contains(&bin, mark.as_bytes()))
+        .collect();
     SEEN.lock()
         .unwrap_or_else(|p| p.into_inner())
         .get_or_insert_with(HashMap::new)
-        .insert(key, (version.0, version.1, found));
+        .insert(path.to_owned(), (version, found.clone()));
     found
 }
 
@@ -186,6 +213,14 @@ mod tests {
         assert!(!has_patch(&bin, DUMP_ROLLBACK_MARK));
         assert_eq!(missing_patches(&bin).len(), FERRY_PATCHES.len());
         assert!(!has_patch(&dir.path().join("absent"), DUMP_ROLLBACK_MARK));
+        let err = require_patch(&bin, INHERITED_TCP_MARK)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("inherited TCP connections (collective socket migration)")
+                && err.contains("cargo xtask setup"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -1284,20 +1284,9 @@ pub async fn transfer_sockets(
     // connections and would restore them closed. Refused here, before the
     // restore: the source rolls back and the connections live on there.
     let criu_path = agent.config.criu_path.clone();
-    let patched = tokio::task::spawn_blocking(move || {
-        criu::has_patch(&criu_path, criu::INHERITED_TCP_MARK)
-            .then_some(())
-            .ok_or(criu_path)
-    })
-    .await
-    .map_err(|e| EngineError::Internal(e.to_string()))?;
-    if let Err(path) = patched {
-        return Err(criu::CriuError::Unpatched {
-            path,
-            what: "inherited TCP connections (collective socket migration)",
-        }
-        .into());
-    }
+    tokio::task::spawn_blocking(move || criu::require_patch(&criu_path, criu::INHERITED_TCP_MARK))
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))??;
     let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
     let started = Instant::now();
     let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
