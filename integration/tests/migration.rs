@@ -199,6 +199,16 @@ fn criu_wrapper(dir: &std::path::Path, marks: &[&str], env: &str) -> std::path::
     wrapper
 }
 
+/// A two-node cluster whose agents run CRIU through [`criu_wrapper`]; the
+/// directory holding the wrapper lives as long as the returned guard.
+fn cluster_with_criu(marks: &[&str], env: &str) -> (tempfile::TempDir, Cluster) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.criu_path = Some(criu_wrapper(dir.path(), marks, env));
+    let cluster = Cluster::start(spec).expect("cluster");
+    (dir, cluster)
+}
+
 /// An echo server on node1 that stayed there: a collective migration of
 /// it ended before the commit.
 struct Stayed {
@@ -284,14 +294,7 @@ fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
     let rt = runtime();
     // Taken for a CRIU without ferry's inherit patch, which would restore
     // the connections ferryd rebuilt closed.
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut spec = ClusterSpec::new(2, 1);
-    spec.criu_path = Some(criu_wrapper(
-        dir.path(),
-        &[ferry_agent::criu::DUMP_ROLLBACK_MARK],
-        "",
-    ));
-    let cluster = Cluster::start(spec).expect("cluster");
+    let (_dir, cluster) = cluster_with_criu(&[ferry_agent::criu::DUMP_ROLLBACK_MARK], "");
     rt.block_on(async {
         let (report, stayed) = collective_migration_aborts(&cluster, 8).await;
         assert!(
@@ -326,17 +329,13 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     // dump after the descriptors: the tree has been frozen for the whole
     // of it, and ferryd, in a collective migration, has read every
     // connection beside it, leaving them in repair mode.
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut spec = ClusterSpec::new(2, 1);
-    spec.criu_path = Some(criu_wrapper(
-        dir.path(),
+    let (_dir, cluster) = cluster_with_criu(
         &[
             ferry_agent::criu::DUMP_ROLLBACK_MARK,
             ferry_agent::criu::INHERITED_TCP_MARK,
         ],
         "CRIU_FAULT=3",
-    ));
-    let cluster = Cluster::start(spec).expect("cluster");
+    );
     rt.block_on(async {
         let (report, stayed) = collective_migration_aborts(&cluster, 32).await;
         assert_eq!(
