@@ -74,6 +74,8 @@ struct Row {
     gap_max_ms: f64,
     rtos: u64,
     udp_lost: u64,
+    /// Every part of the freeze the migration report names, in its order.
+    parts: Vec<(String, f64)>,
 }
 
 const HEADER: [&str; 14] = [
@@ -171,8 +173,22 @@ fn bench(args: &Args) -> Result<()> {
         csv += &(r.cells().join(",") + "\n");
     }
     std::fs::write(args.out.join("freeze.csv"), csv)?;
+    let mut parts_csv = String::from("tcp,mode,run,part,ms\n");
+    for r in &rows {
+        for (part, ms) in &r.parts {
+            let _ = writeln!(
+                parts_csv,
+                "{},{},{},\"{part}\",{ms:.2}",
+                r.tcp, r.mode, r.run
+            );
+        }
+    }
+    std::fs::write(args.out.join("freeze_parts.csv"), parts_csv)?;
     std::fs::write(args.out.join("freeze.md"), &report)?;
-    println!("written: {0}/freeze.csv, {0}/freeze.md", args.out.display());
+    println!(
+        "written: {0}/freeze.csv, {0}/freeze_parts.csv, {0}/freeze.md",
+        args.out.display()
+    );
     Ok(())
 }
 
@@ -277,6 +293,11 @@ async fn migrations(
                     .max(udp_report.max_gap().as_secs_f64() * 1e3),
                 rtos: after.since(&before).get("TcpExtTCPTimeouts"),
                 udp_lost: udp_report.lost(),
+                parts: report
+                    .freeze_parts
+                    .iter()
+                    .map(|p| (p.phase.clone(), p.duration_us as f64 / 1e3))
+                    .collect(),
             };
             println!("{}", row.cells().join("\t"));
             rows.push(row);
@@ -352,6 +373,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
             );
         }
     }
+    parts_table(&mut t, rows, args, modes);
     let _ = writeln!(
         t,
         "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {}` (root; 2 cores here).",
@@ -364,4 +386,56 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
         args.udp
     );
     t
+}
+
+/// Medians of every part of the freeze, one column per count and mode: the
+/// main table folds them into dump, transfer, restore and replay.
+fn parts_table(
+    t: &mut String,
+    rows: &[Row],
+    args: &Args,
+    modes: &[(&'static str, SocketMigration)],
+) {
+    let mut names: Vec<&str> = Vec::new();
+    for r in rows {
+        for (name, _) in &r.parts {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+    }
+    let columns: Vec<(usize, &str)> = args
+        .tcp
+        .iter()
+        .flat_map(|&tcp| modes.iter().map(move |&(mode, _)| (tcp, mode)))
+        .filter(|&(tcp, mode)| rows.iter().any(|r| r.tcp == tcp && r.mode == mode))
+        .collect();
+    if names.is_empty() || columns.is_empty() {
+        return;
+    }
+    let _ = writeln!(t, "\nParts of the freeze, medians (ms):\n");
+    let _ = write!(t, "| part |");
+    for (tcp, mode) in &columns {
+        let _ = write!(t, " {tcp} {mode} |");
+    }
+    let _ = writeln!(t, "\n|---|{}", "---:|".repeat(columns.len()));
+    for name in names {
+        let _ = write!(t, "| {name} |");
+        for &(tcp, mode) in &columns {
+            let mut v: Vec<f64> = rows
+                .iter()
+                .filter(|r| r.tcp == tcp && r.mode == mode)
+                .map(|r| {
+                    r.parts
+                        .iter()
+                        .filter(|(n, _)| n == name)
+                        .map(|(_, ms)| ms)
+                        .sum()
+                })
+                .collect();
+            v.sort_by(f64::total_cmp);
+            let _ = write!(t, " {:.1} |", median(&v));
+        }
+        let _ = writeln!(t);
+    }
 }
