@@ -532,7 +532,7 @@ async fn run_step(
             fix.node(&mut req.source_node);
             fix.version(&mut req.protocol_version);
             note_ports(&req.ports);
-            done(destination::prepare(agent, req).await)
+            done(destination::prepare(agent, req).await.map(drop))
         }
         Step::Arm => {
             let mut req = pb::ArmRequest::decode(msg).ok()?;

@@ -813,3 +813,189 @@ fn a_destination_that_stops_answering_is_given_up_and_the_process_resumes() {
         }
     });
 }
+
+/// The established TCP connections of process `pid`, taken into this
+/// process (pidfd_getfd), by (local, remote) address.
+fn connections_of(
+    pid: i32,
+) -> std::collections::BTreeMap<(std::net::SocketAddr, std::net::SocketAddr), std::os::fd::OwnedFd>
+{
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain system calls; a returned descriptor is new and ours.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    assert!(
+        pidfd >= 0,
+        "pidfd_open({pid}): {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: pidfd_open returned a new descriptor, owned from here on.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let mut conns = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("the process's fds") {
+        let entry = entry.expect("fd entry");
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !target.to_string_lossy().starts_with("socket:[") {
+            continue;
+        }
+        let n: i32 = entry
+            .file_name()
+            .to_string_lossy()
+            .parse()
+            .expect("fd number");
+        // SAFETY: as above.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0) };
+        if fd < 0 {
+            continue;
+        }
+        // SAFETY: pidfd_getfd returned a new descriptor.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let local =
+            nix::sys::socket::getsockname::<nix::sys::socket::SockaddrStorage>(fd.as_raw_fd());
+        let remote =
+            nix::sys::socket::getpeername::<nix::sys::socket::SockaddrStorage>(fd.as_raw_fd());
+        if let (Ok(l), Ok(r)) = (local, remote)
+            && let (Some(l), Some(r)) = (l.as_sockaddr_in(), r.as_sockaddr_in())
+        {
+            conns.insert(
+                (
+                    std::net::SocketAddr::V4(SocketAddrV4::from(*l)),
+                    std::net::SocketAddr::V4(SocketAddrV4::from(*r)),
+                ),
+                fd,
+            );
+        }
+    }
+    conns
+}
+
+/// Sets options on a socket another process holds (the same socket).
+fn set_opt<T: Copy>(fd: &std::os::fd::OwnedFd, level: i32, opt: i32, v: T) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `v` lives for the call and its size is passed.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&v as *const T).cast(),
+            std::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "setsockopt {level}/{opt}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// The options a process gave its connections (here set through
+/// pidfd_getfd, each connection its own values) are the ones its
+/// connections have after a migration. With a CRIU carrying ferry's
+/// tcp-options-by-caller patch on both nodes, CRIU's images hold none of
+/// them: ferryd reads them beside the dump and sets them on the rebuilt
+/// sockets; without that, the connections would come back with a new
+/// socket's defaults and this fails.
+#[test]
+fn connection_options_survive_the_migration() {
+    if !ferry_integration::can_run("connection_options_survive_the_migration") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let EchoSetup {
+            mut node1,
+            mut node2,
+            pid,
+            client,
+            ..
+        } = echo_setup(&cluster, 8).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 8).await;
+        let conns = connections_of(pid);
+        assert_eq!(conns.len(), 8, "{:?}", conns.keys());
+        for (i, fd) in conns.values().enumerate() {
+            let i = i as i32;
+            set_opt(fd, libc::SOL_TCP, libc::TCP_NODELAY, i % 2);
+            set_opt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1i32);
+            set_opt(fd, libc::SOL_TCP, libc::TCP_KEEPIDLE, 100 + i);
+            set_opt(fd, libc::SOL_TCP, libc::TCP_KEEPINTVL, 10 + i);
+            set_opt(fd, libc::SOL_TCP, libc::TCP_KEEPCNT, 3 + i);
+            set_opt(fd, libc::SOL_SOCKET, libc::SO_PRIORITY, i % 7);
+            set_opt(fd, libc::SOL_IP, libc::IP_TOS, 0x10 * (i % 4));
+            set_opt(fd, libc::SOL_IP, libc::IP_TTL, 40 + i);
+            set_opt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                libc::timeval {
+                    tv_sec: 1,
+                    tv_usec: 250_000 * i64::from(i % 4),
+                },
+            );
+            set_opt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                libc::linger {
+                    l_onoff: i % 2,
+                    l_linger: 5 + i,
+                },
+            );
+            // A size set by the process: locked, so it cannot drift.
+            set_opt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, 65536 + 4096 * i);
+        }
+        let read = |conns: &std::collections::BTreeMap<_, std::os::fd::OwnedFd>| {
+            conns
+                .iter()
+                .map(|(k, fd)| {
+                    use std::os::fd::AsFd;
+                    let o = ferry_agent::sockstate::options::read(fd.as_fd(), false)
+                        .expect("reading the options");
+                    (*k, o)
+                })
+                .collect::<std::collections::BTreeMap<_, _>>()
+        };
+        let before = read(&conns);
+        drop(conns);
+        let verified_before = client.verified_per_connection();
+
+        let (report, status) = migrate(&mut node1, pid, "node2")
+            .await
+            .expect("migration starts");
+        assert!(
+            status.is_none(),
+            "migration failed: {status:?}\n{report:#?}"
+        );
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        assert!(
+            cluster
+                .log_text("node1")
+                .contains("socket options move with their state"),
+            "the options did not take ferryd's path"
+        );
+        wait_for_process(&mut node2, report.destination_pid, |p| {
+            p.tcp_established == 8 && p.state == "running"
+        })
+        .await;
+        let after = read(&connections_of(report.destination_pid));
+        assert_eq!(after.len(), 8, "{:?}", after.keys());
+        for (k, b) in &before {
+            let a = after
+                .get(k)
+                .unwrap_or_else(|| panic!("connection {k:?} not on node2"));
+            assert_eq!(a, b, "options of {k:?}");
+            assert_ne!(b.buf_lock & 2, 0, "SO_RCVBUF set, so locked: {b:?}");
+        }
+        client
+            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
+            .expect("every connection exchanges messages after the migration");
+        client.stop().assert_clean();
+    });
+}

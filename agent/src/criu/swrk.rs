@@ -45,7 +45,14 @@ pub struct DumpRequest {
     /// Where the CRIU child's PID is published as soon as it runs (0
     /// before), so that a caller can kill a dump that blocks.
     pub criu_pid: Option<Arc<AtomicI32>>,
+    /// With [`TcpConnections::Skip`] and ferry's tcp-options-by-caller
+    /// patch: established connections are dumped without their socket
+    /// options, which the caller reads and carries.
+    pub tcp_options_by_caller: bool,
 }
+
+/// The external key that asks ferry's patched CRIU for that.
+const TCP_OPTIONS_BY_CALLER: &str = "ferry:tcp-opts-by-caller";
 
 /// CRIU's page server for a lazy dump.
 ///
@@ -125,6 +132,9 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     match req.tcp_connections {
         TcpConnections::Dump => opts.set_tcp_established(true),
         TcpConnections::Skip => opts.set_tcp_close(true),
+    }
+    if req.tcp_options_by_caller {
+        opts.external.push(TCP_OPTIONS_BY_CALLER.to_owned());
     }
     opts.set_network_lock(Criu_network_lock_method::SKIP);
     opts.set_leave_stopped(true);

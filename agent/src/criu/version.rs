@@ -88,6 +88,16 @@ pub const DUMP_ROLLBACK_MARK: &str = "ferry-dump-rollback";
 /// without it CRIU would restore them closed.
 pub const INHERITED_TCP_MARK: &str = "ferry-inherited-tcp";
 
+/// The mark of `xtask/criu/inherited-connections-by-pidfd.patch`:
+/// connections handed over as `ferry-tcp:[<ino>]` are taken from CRIU's
+/// process by pidfd (no fdstore, no linear search).
+pub const TCP_BY_PIDFD_MARK: &str = "ferry-tcp-by-pidfd";
+
+/// The mark of `xtask/criu/tcp-options-by-caller.patch`: a dump asked to
+/// (`ferry:tcp-opts-by-caller`) records established connections without
+/// their socket options, which ferryd carries; the restore skips them.
+pub const OPTS_BY_CALLER_MARK: &str = "ferry-opts-by-caller";
+
 /// ferry's patches to CRIU, by their mark, with what each is for.
 pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
@@ -105,6 +115,14 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         "ferry-socket-fdinfo",
         "socket flags without fdinfo (a shorter dump)",
+    ),
+    (
+        TCP_BY_PIDFD_MARK,
+        "inherited connections taken by pidfd (a shorter restore)",
+    ),
+    (
+        OPTS_BY_CALLER_MARK,
+        "connection options carried by ferryd (a shorter dump and restore)",
     ),
 ];
 
@@ -205,7 +223,9 @@ mod tests {
             vec![
                 "inherited TCP connections (collective socket migration)",
                 "page-server close pushed out (post-copy)",
-                "socket flags without fdinfo (a shorter dump)"
+                "socket flags without fdinfo (a shorter dump)",
+                "inherited connections taken by pidfd (a shorter restore)",
+                "connection options carried by ferryd (a shorter dump and restore)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

@@ -596,7 +596,10 @@ fn take_in_cluster(
     Ok(flows)
 }
 
-pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), EngineError> {
+/// Reserves this node for the migration. Answers whether this node sets
+/// the connections' socket options itself (`PrepareResponse.takes_tcp_options`:
+/// its CRIU restores images whose connections were dumped without them).
+pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<bool, EngineError> {
     if !ferry_proto::PEER_PROTOCOL_VERSIONS.contains(&req.protocol_version) {
         return Err(EngineError::NoCommonVersion {
             node: req.source_node.clone(),
@@ -617,9 +620,12 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         .collect::<Result<Vec<_>, _>>()?;
     agent.refuse_if_cordoned()?;
     let criu_path = agent.config.criu_path.clone();
-    tokio::task::spawn_blocking(move || criu::probe_version(&criu_path))
-        .await
-        .map_err(|e| EngineError::Internal(e.to_string()))??;
+    let takes_tcp_options = tokio::task::spawn_blocking(move || {
+        criu::probe_version(&criu_path)
+            .map(|_| criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK))
+    })
+    .await
+    .map_err(|e| EngineError::Internal(e.to_string()))??;
 
     let mut slot = agent.incoming.lock().await;
     if let Some(cur) = slot.as_ref() {
@@ -668,7 +674,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<(), Engi
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
     });
-    Ok(())
+    Ok(takes_tcp_options)
 }
 
 /// Refuses ports that this node serves already (other than `ours`, the
@@ -949,10 +955,11 @@ pub async fn restore(
                 )));
             }
         }
+        let by_pidfd = sockets.by_pidfd;
         let fds = sockets
             .rebuilt
             .as_ref()
-            .map(|r| r.inherit_fds())
+            .map(|r| r.inherit_fds(by_pidfd))
             .unwrap_or_default();
         inc.rebuilt = sockets.rebuilt;
         Some(fds)
@@ -994,9 +1001,32 @@ pub async fn restore(
             }
         }
     }
-    let restored = tokio::task::spawn_blocking(move || criu::restore(&creq))
-        .await
-        .map_err(|e| EngineError::Internal(e.to_string()))?;
+    // Options ferryd carries go onto the connections beside CRIU's restore
+    // (`Rebuilt::apply_options`); both end before the answer.
+    let rebuilt = inc.rebuilt.take();
+    let (restored, options_set, rebuilt) = tokio::task::spawn_blocking(move || {
+        let (restored, options_set) = std::thread::scope(|s| {
+            let options = rebuilt
+                .as_ref()
+                .filter(|r| r.has_options())
+                .map(|r| s.spawn(move || r.apply_options()));
+            let restored = criu::restore(&creq);
+            let options_set = options.map_or(Ok(()), |h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::sockstate::SockStateError::Sys {
+                        op: "setting socket options",
+                        conn: "?".into(),
+                        source: std::io::Error::other("the thread panicked"),
+                    })
+                })
+            });
+            (restored, options_set)
+        });
+        (restored, options_set, rebuilt)
+    })
+    .await
+    .map_err(|e| EngineError::Internal(e.to_string()))?;
+    inc.rebuilt = rebuilt;
     let (outcome, notes) = match restored {
         Ok(r) => r,
         Err(e) => {
@@ -1019,6 +1049,8 @@ pub async fn restore(
     // CRIU made it our child (rst_sibling): reap it whenever it ends.
     agent.reap_restored(outcome.pid);
     inc.state = IncomingState::Restored { pid: outcome.pid };
+    // Restored, so the source's Abort kills this copy.
+    options_set?;
     let criu_startup = notes
         .iter()
         .find(|(script, _)| script == "pre-restore")
@@ -1198,6 +1230,8 @@ pub struct RebuiltSockets {
     /// (local, remote) of each, after the move of in-cluster ones.
     relocated: Vec<(std::net::SocketAddr, std::net::SocketAddr)>,
     rebuilt: Option<crate::sockstate::Rebuilt>,
+    /// This node's CRIU takes them by pidfd (`Rebuilt::inherit_fds`).
+    by_pidfd: bool,
 }
 
 impl RebuiltSockets {
@@ -1207,6 +1241,7 @@ impl RebuiltSockets {
             from: from.to_owned(),
             relocated: Vec::new(),
             rebuilt: None,
+            by_pidfd: false,
         }
     }
 }
@@ -1283,10 +1318,29 @@ pub async fn transfer_sockets(
     // Without ferry's patch, CRIU's restore would not take the rebuilt
     // connections and would restore them closed. Refused here, before the
     // restore: the source rolls back and the connections live on there.
+    // Options carried by ferryd: the images lack them, and only ferry's
+    // patched CRIU restores such images (the source asked in Prepare, but
+    // this node's CRIU may have been swapped since).
+    let with_options = states.iter().filter(|c| c.socket_options.is_some()).count();
+    if with_options != 0 && with_options != states.len() {
+        return Err(EngineError::InvalidField {
+            field: "tcp_connections.socket_options",
+            reason: format!(
+                "{with_options} of {} connections carry their options: all or none must",
+                states.len()
+            ),
+        });
+    }
     let criu_path = agent.config.criu_path.clone();
-    tokio::task::spawn_blocking(move || criu::require_patch(&criu_path, criu::INHERITED_TCP_MARK))
-        .await
-        .map_err(|e| EngineError::Internal(e.to_string()))??;
+    let by_pidfd = tokio::task::spawn_blocking(move || {
+        criu::require_patch(&criu_path, criu::INHERITED_TCP_MARK)?;
+        if with_options != 0 {
+            criu::require_patch(&criu_path, criu::OPTS_BY_CALLER_MARK)?;
+        }
+        Ok::<_, criu::CriuError>(criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK))
+    })
+    .await
+    .map_err(|e| EngineError::Internal(e.to_string()))??;
     let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
     let started = Instant::now();
     let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
@@ -1307,6 +1361,7 @@ pub async fn transfer_sockets(
         from: req.source_node,
         relocated,
         rebuilt: Some(rebuilt),
+        by_pidfd,
     });
     Ok(ferry_proto::v1::TransferSocketsResponse {
         connections,

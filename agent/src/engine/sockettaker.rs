@@ -58,6 +58,9 @@ pub(super) struct SocketTaker {
     pid: i32,
     capture: bool,
     collective: bool,
+    /// The connections' socket options are read too (CRIU's dump leaves
+    /// them out).
+    with_options: bool,
     /// CRIU tells before a failed dump lets the tree run again.
     during_dump: bool,
     states_to: Option<StatesTo>,
@@ -71,6 +74,7 @@ impl SocketTaker {
         pid: i32,
         capture: bool,
         collective: bool,
+        with_options: bool,
         during_dump: bool,
         states_to: Option<StatesTo>,
     ) -> Self {
@@ -78,6 +82,7 @@ impl SocketTaker {
             pid,
             capture,
             collective,
+            with_options,
             during_dump,
             states_to,
             reading: None,
@@ -96,10 +101,11 @@ impl SocketTaker {
             return;
         }
         let (pid, capture, collective) = (self.pid, self.capture, self.collective);
+        let with_options = self.with_options;
         let states_to = self.states_to.take();
         let spawned = std::thread::Builder::new()
             .name("ferry-sockets".into())
-            .spawn(move || read(pid, capture, collective, states_to));
+            .spawn(move || read(pid, capture, collective, with_options, states_to));
         match spawned {
             Ok(handle) => self.reading = Some(handle),
             // The channel went with the closure: the sender then reports
@@ -169,6 +175,7 @@ impl SocketTaker {
             self.pid,
             self.capture,
             self.collective,
+            self.with_options,
             self.states_to.take(),
         )
     }
@@ -185,7 +192,13 @@ impl SocketTaker {
 /// Takes the stopped tree's sockets into ferryd in one pass, peeks at the
 /// UDP queues (capture) and reads every connection (collective), whose
 /// states go to `states_to` at once. Blocking.
-fn read(pid: i32, capture: bool, collective: bool, states_to: Option<StatesTo>) -> Taken {
+fn read(
+    pid: i32,
+    capture: bool,
+    collective: bool,
+    with_options: bool,
+    states_to: Option<StatesTo>,
+) -> Taken {
     if !capture && !collective {
         return Taken::default();
     }
@@ -206,7 +219,7 @@ fn read(pid: i32, capture: bool, collective: bool, states_to: Option<StatesTo>) 
         Ok(s) => {
             let started = Instant::now();
             let held = Arc::new(s.into_held());
-            let states = held.extract();
+            let states = held.extract(with_options);
             let read = ReadConnections {
                 held: held.clone(),
                 states,

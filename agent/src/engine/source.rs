@@ -59,6 +59,9 @@ pub struct Prepared {
     /// not as asked, if so.
     socket_migration: SocketMigration,
     socket_note: Option<String>,
+    /// The destination sets the connections' socket options itself
+    /// (`PrepareResponse.takes_tcp_options`).
+    destination_takes_tcp_options: bool,
     /// How the memory moves, and when pre-copy rounds stop.
     strategy: MemoryStrategy,
     convergence: Convergence,
@@ -229,7 +232,7 @@ pub async fn prepare(
             criu::lazy::check_pipe_max_size()
                 .map_err(|e| EngineError::HostSetting(format!("post-copy on {node}: {e}")))?;
         }
-        peer.prepare(PrepareRequest {
+        let prepared = peer.prepare(PrepareRequest {
             protocol_version: hello.protocol_version,
             migration_id: migration_id.clone(),
             source_node: agent.node().to_owned(),
@@ -238,15 +241,21 @@ pub async fn prepare(
             ports: sockets.ports.iter().map(port_to_pb).collect(),
         })
         .await
-        .map_err(|s| peer_error(&peer_cfg.name, s))?;
+        .map_err(|s| peer_error(&peer_cfg.name, s))?
+        .into_inner();
         if let Some(p) = agent.registry().get_mut(pid) {
             p.sockets = sockets.clone();
         }
-        Ok::<_, EngineError>((peer, hello.protocol_version, sockets))
+        Ok::<_, EngineError>((
+            peer,
+            hello.protocol_version,
+            sockets,
+            prepared.takes_tcp_options,
+        ))
     }
     .await;
     match result {
-        Ok((peer, protocol_version, sockets)) => {
+        Ok((peer, protocol_version, sockets, destination_takes_tcp_options)) => {
             let (socket_migration, socket_note) =
                 sockstate::choose(wanted_sockets, sockets.tcp_other, protocol_version);
             if let Some(why) = &socket_note {
@@ -261,6 +270,7 @@ pub async fn prepare(
                 sockets,
                 socket_migration,
                 socket_note,
+                destination_takes_tcp_options,
                 strategy,
                 convergence,
                 started,
@@ -781,6 +791,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         },
         lazy: lazy.clone(),
         criu_pid: Some(criu_pid.clone()),
+        tcp_options_by_caller: false,
     };
     let frozen_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     // Post-copy: CRIU says "status-ready" once the images are written and
@@ -789,6 +800,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Taken>();
     let capture = run.capture;
     let collective = run.p.socket_migration == SocketMigration::Collective;
+    let takes_tcp_options = run.p.destination_takes_tcp_options;
     // Collective: the connections' states go to the destination as soon as
     // they are read, which is during the dump (`sockettaker.rs`).
     let (states_to, states_from) = tokio::sync::oneshot::channel();
@@ -803,10 +815,23 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         move || {
             // Read once per CRIU binary, before CRIU starts.
             let during_dump = criu::has_patch(&criu_path, criu::DUMP_ROLLBACK_MARK);
+            // Collective, and both ends' CRIU can leave the connections'
+            // options to ferryd: CRIU's dump records the connections
+            // without them and ferryd reads them with their state.
+            let mut req = req;
+            req.tcp_options_by_caller = collective
+                && takes_tcp_options
+                && criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
+            if req.tcp_options_by_caller {
+                tracing::info!(
+                    "the connections' socket options move with their state, not in CRIU's images"
+                );
+            }
             let mut taker = Some(SocketTaker::new(
                 pid,
                 capture,
                 collective,
+                req.tcp_options_by_caller,
                 during_dump,
                 collective.then_some(states_to),
             ));

@@ -221,7 +221,8 @@ impl Held {
     /// over the machine's cores. The process must be stopped and its
     /// packets held (the data plane's freeze): nothing may change a queue
     /// between its size and its bytes being read.
-    pub fn extract(&self) -> Result<Vec<TcpConnectionState>, SockStateError> {
+    /// `with_options`: their socket options too ([`super::options`]).
+    pub fn extract(&self, with_options: bool) -> Result<Vec<TcpConnectionState>, SockStateError> {
         let threads = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)
@@ -231,7 +232,9 @@ impl Held {
             let handles: Vec<_> = self
                 .conns
                 .chunks(per)
-                .map(|chunk| s.spawn(move || chunk.iter().map(extract_one).collect()))
+                .map(|chunk| {
+                    s.spawn(move || chunk.iter().map(|c| extract_one(c, with_options)).collect())
+                })
                 .collect();
             handles
                 .into_iter()
@@ -286,7 +289,10 @@ impl Held {
     }
 }
 
-fn extract_one(c: &HeldConnection) -> Result<TcpConnectionState, SockStateError> {
+fn extract_one(
+    c: &HeldConnection,
+    with_options: bool,
+) -> Result<TcpConnectionState, SockStateError> {
     let fd = c.fd.as_fd();
     let local = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
         .ok()
@@ -314,6 +320,12 @@ fn extract_one(c: &HeldConnection) -> Result<TcpConnectionState, SockStateError>
     c.reuseaddr.store(reuseaddr != 0, Ordering::SeqCst);
     let sndbuf =
         sys::get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).map_err(err("reading SO_SNDBUF"))?;
+    // Before repair goes on: TCP_REPAIR is no option of the process's.
+    let socket_options = if with_options {
+        Some(super::options::read(fd, local.is_ipv6()).map_err(err("reading the socket options"))?)
+    } else {
+        None
+    };
 
     sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)
         .map_err(err("turning repair on"))?;
@@ -386,5 +398,6 @@ fn extract_one(c: &HeldConnection) -> Result<TcpConnectionState, SockStateError>
         window,
         reuseaddr: reuseaddr != 0,
         sndbuf: sndbuf.max(0) as u32,
+        socket_options,
     })
 }

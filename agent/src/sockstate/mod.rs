@@ -18,10 +18,19 @@
 //!    (`engine/sockettaker.rs`);
 //! 3. the destination rebuilds all connections in repair mode at once
 //!    ([`rebuild`]), while the source still dumps, and at Restore hands
-//!    them to CRIU as inherited descriptors (`socket:[<inode>]`; ferry's
-//!    patch to CRIU, `xtask/criu/`), which restores the rest of the
-//!    descriptor table and the sockets' options;
-//! 4. at the commit, just before the captured packets are replayed, repair
+//!    them to CRIU as inherited descriptors (ferry's patches to CRIU,
+//!    `xtask/criu/`: `ferry-tcp:[<inode>]`, which CRIU keeps in its own
+//!    process and the restored task takes by pidfd; `socket:[<inode>]`
+//!    through CRIU's fdstore with an older build), and CRIU restores the
+//!    rest of the descriptor table;
+//! 4. the sockets' options: when both ends' CRIU has ferry's
+//!    tcp-options-by-caller patch (`PrepareResponse.takes_tcp_options`),
+//!    CRIU's dump records the connections without them and ferryd reads
+//!    them with the state ([`options`]); the destination sets them beside
+//!    CRIU's restore ([`Rebuilt::apply_options`]). Otherwise CRIU dumps
+//!    and restores them itself, one getsockopt/setsockopt at a time inside
+//!    its single-threaded dump and restore;
+//! 5. at the commit, just before the captured packets are replayed, repair
 //!    goes off and bytes the source had not yet sent are queued
 //!    ([`Rebuilt::resume`]). Until then the rebuilt sockets are inert: no
 //!    retransmission timer runs down while the process is frozen.
@@ -31,6 +40,7 @@
 //! path, chosen before the freeze ([`choose`]).
 
 mod extract;
+pub mod options;
 mod rebuild;
 pub(crate) mod sys;
 mod udp;
@@ -165,6 +175,9 @@ pub struct TcpConnectionState {
     /// SO_SNDBUF as getsockopt reports it (twice what setsockopt takes):
     /// the rebuilt socket gets it, so the bytes never sent fit again.
     pub sndbuf: u32,
+    /// The socket's options, when ferryd carries them instead of CRIU
+    /// ([`options`]); the rebuilt socket gets them.
+    pub socket_options: Option<pb::TcpSocketOptions>,
 }
 
 impl TcpConnectionState {
@@ -196,6 +209,7 @@ impl TcpConnectionState {
             }),
             reuseaddr: self.reuseaddr,
             sndbuf: self.sndbuf,
+            socket_options: self.socket_options.clone(),
         }
     }
 
@@ -244,6 +258,24 @@ impl TcpConnectionState {
             return Err(bad("mss_clamp", format!("{} is not an MSS", p.mss_clamp)));
         }
         let w = p.window.ok_or_else(|| bad("window", "missing".into()))?;
+        if let Some(o) = &p.socket_options {
+            if o.bound_device.len() >= libc::IFNAMSIZ {
+                return Err(bad(
+                    "socket_options.bound_device",
+                    format!("{:?} is longer than an interface name", o.bound_device),
+                ));
+            }
+            // BPF_MAXINSNS: the kernel takes no longer classic filter.
+            if o.filter.len() > 4096 {
+                return Err(bad(
+                    "socket_options.filter",
+                    format!(
+                        "{} instructions, more than a socket filter has",
+                        o.filter.len()
+                    ),
+                ));
+            }
+        }
         Ok(Self {
             inode: p.inode,
             local,
@@ -267,6 +299,7 @@ impl TcpConnectionState {
             },
             reuseaddr: p.reuseaddr,
             sndbuf: p.sndbuf,
+            socket_options: p.socket_options,
         })
     }
 }

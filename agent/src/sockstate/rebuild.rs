@@ -18,6 +18,9 @@ struct RebuiltConnection {
     /// Bytes the source never sent: queued, and so sent, once repair is off.
     unsent: Vec<u8>,
     reuseaddr: bool,
+    /// Carried by ferryd instead of CRIU: set by [`Rebuilt::apply_options`].
+    options: Option<ferry_proto::v1::TcpSocketOptions>,
+    ipv6: bool,
 }
 
 /// Connections rebuilt in this node's network namespace, still in repair
@@ -229,6 +232,8 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
         fd,
         unsent: c.send_queue[sent..].to_vec(),
         reuseaddr: c.reuseaddr,
+        options: c.socket_options.clone(),
+        ipv6: c.local.is_ipv6(),
     })
 }
 
@@ -241,17 +246,49 @@ impl Rebuilt {
         self.conns.is_empty()
     }
 
+    /// Whether the connections came with their socket options (ferryd
+    /// carries them instead of CRIU).
+    pub fn has_options(&self) -> bool {
+        self.conns.iter().any(|c| c.options.is_some())
+    }
+
+    /// Sets the options that came with the connections. Any time before
+    /// the process runs: CRIU's restore leaves them alone (ferry's
+    /// tcp-options-by-caller patch), so this runs beside it, on a core the
+    /// single-threaded restore leaves idle, instead of before it. The send
+    /// buffer was sized when the connection was rebuilt.
+    pub fn apply_options(&self) -> Result<(), SockStateError> {
+        for c in &self.conns {
+            if let Some(o) = &c.options {
+                super::options::apply(c.fd.as_fd(), o, 0, c.ipv6).map_err(|(op, source)| {
+                    SockStateError::Sys {
+                        op,
+                        conn: c.name.clone(),
+                        source,
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// ferryd's descriptors of the rebuilt sockets, in the order given.
     pub fn descriptors(&self) -> impl Iterator<Item = std::os::fd::BorrowedFd<'_>> {
         self.conns.iter().map(|c| c.fd.as_fd())
     }
 
-    /// (key, descriptor) for CRIU's `inherit_fd`: the key is the name the
-    /// source's /proc showed for the socket, `socket:[<inode>]`.
-    pub fn inherit_fds(&self) -> Vec<(String, RawFd)> {
+    /// (key, descriptor) for CRIU's `inherit_fd`, by the socket's inode on
+    /// the source. `by_pidfd` (a CRIU with ferry's tcp-by-caller patch):
+    /// `ferry-tcp:[<inode>]`, which that CRIU keeps to itself and hands to
+    /// the restored task by pidfd, in constant time per connection;
+    /// otherwise the name the source's /proc showed, `socket:[<inode>]`,
+    /// which goes through CRIU's fdstore (each lookup walks it from the
+    /// start: quadratic in the number of connections).
+    pub fn inherit_fds(&self, by_pidfd: bool) -> Vec<(String, RawFd)> {
+        let prefix = if by_pidfd { "ferry-tcp" } else { "socket" };
         self.conns
             .iter()
-            .map(|c| (format!("socket:[{}]", c.inode), c.fd.as_raw_fd()))
+            .map(|c| (format!("{prefix}:[{}]", c.inode), c.fd.as_raw_fd()))
             .collect()
     }
 

@@ -53,20 +53,22 @@ fn wait_closed(inode: u64) {
 /// Moves `server` through extract -> silent close -> rebuild -> resume,
 /// and returns the rebuilt socket.
 fn migrate(server: TcpStream) -> (TcpConnectionState, TcpStream) {
-    migrate_altered(server, |_| {})
+    migrate_altered(server, false, |_| {})
 }
 
 /// [`migrate`], with the extracted state changed by `alter` before the
 /// rebuild (what another source could have sent).
 fn migrate_altered(
     server: TcpStream,
+    with_options: bool,
     alter: impl FnOnce(&mut TcpConnectionState),
 ) -> (TcpConnectionState, TcpStream) {
     let inode = inode_of(&server);
     let dup: OwnedFd = server.as_fd().try_clone_to_owned().unwrap();
     let held = Held::from_descriptors(vec![(inode, dup)]);
-    let mut states = held.extract().expect("extract");
+    let mut states = held.extract(with_options).expect("extract");
     assert_eq!(states.len(), 1);
+    assert_eq!(states[0].socket_options.is_some(), with_options);
     // Both descriptors closed in repair mode: the kernel drops the socket
     // without a FIN or RST (the peer would see either below).
     drop(server);
@@ -78,8 +80,14 @@ fn migrate_altered(
     assert_eq!(state, states[0]);
     alter(&mut states[0]);
     let rebuilt = rebuild(&states).expect("rebuild");
-    let fds = rebuilt.inherit_fds();
+    let fds = rebuilt.inherit_fds(false);
     assert_eq!(fds[0].0, format!("socket:[{inode}]"));
+    assert_eq!(
+        rebuilt.inherit_fds(true)[0].0,
+        format!("ferry-tcp:[{inode}]")
+    );
+    assert_eq!(rebuilt.has_options(), with_options);
+    rebuilt.apply_options().expect("options set");
     // The stream outlives `rebuilt.resume()`, which closes ferryd's copies.
     let mine = rebuilt
         .descriptors()
@@ -158,7 +166,7 @@ fn a_send_queue_larger_than_its_buffer_is_rebuilt_whole() {
     let (mut client, server) = pair();
     let pattern: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
     let written = fill_send_queue(&server, &pattern);
-    let (state, mut moved) = migrate_altered(server, |s| {
+    let (state, mut moved) = migrate_altered(server, false, |s| {
         // The failing run's source held 915,248 bytes with an SO_SNDBUF of
         // 912,384, and here the last 1,288 did not fit. Half the queue is
         // well past what one segment's slack could absorb, so the test
@@ -210,7 +218,7 @@ fn bad_states_from_a_peer_name_the_field() {
     let inode = inode_of(&server);
     let dup: OwnedFd = server.as_fd().try_clone_to_owned().unwrap();
     let held = Held::from_descriptors(vec![(inode, dup)]);
-    let good = held.extract().expect("extract").remove(0).to_pb();
+    let good = held.extract(false).expect("extract").remove(0).to_pb();
     held.resume().expect("repair off again");
 
     type Spoil = Box<dyn Fn(&mut ferry_proto::v1::TcpConnectionState)>;
@@ -226,6 +234,24 @@ fn bad_states_from_a_peer_name_the_field() {
         ("options", Box::new(|p| p.options = 0x80)),
         ("mss_clamp", Box::new(|p| p.mss_clamp = 0)),
         ("window", Box::new(|p| p.window = None)),
+        (
+            "socket_options.bound_device",
+            Box::new(|p| {
+                p.socket_options = Some(ferry_proto::v1::TcpSocketOptions {
+                    bound_device: "a-name-longer-than-ifnamsiz".into(),
+                    ..Default::default()
+                })
+            }),
+        ),
+        (
+            "socket_options.filter",
+            Box::new(|p| {
+                p.socket_options = Some(ferry_proto::v1::TcpSocketOptions {
+                    filter: vec![0; 4097],
+                    ..Default::default()
+                })
+            }),
+        ),
     ];
     for (field, spoil) in cases {
         let mut p = good.clone();
@@ -397,5 +423,40 @@ fn udp_buffers_are_widened_for_the_catch_up_and_given_back() {
     assert!(during >= 8 << 20, "{before} -> {during}");
     widened.restore();
     let after = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
+    assert_eq!(after, before);
+}
+
+/// Options the process set (and a buffer size it locked) come back on the
+/// rebuilt socket when ferryd carries them; a fresh socket has none.
+#[test]
+fn socket_options_carried_by_ferryd_come_back() {
+    let (_client, server) = pair();
+    let fd = server.as_fd();
+    sys::set_int(fd, libc::SOL_TCP, libc::TCP_NODELAY, 1).unwrap();
+    sys::set_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1).unwrap();
+    sys::set_int(fd, libc::SOL_TCP, libc::TCP_KEEPIDLE, 123).unwrap();
+    sys::set_int(fd, libc::SOL_TCP, libc::TCP_KEEPCNT, 4).unwrap();
+    sys::set_int(fd, libc::SOL_SOCKET, libc::SO_PRIORITY, 5).unwrap();
+    sys::set_int(fd, libc::SOL_IP, libc::IP_TOS, 0x20).unwrap();
+    sys::set_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, 70000).unwrap();
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 9,
+    };
+    sys::set_struct(fd, libc::SOL_SOCKET, libc::SO_LINGER, &linger).unwrap();
+    let before = super::options::read(fd, false).unwrap();
+    assert!(
+        before.nodelay && before.keepalive && before.linger,
+        "{before:?}"
+    );
+    assert_eq!(
+        before.buf_lock & 2,
+        2,
+        "SO_RCVBUF locks the size: {before:?}"
+    );
+
+    let (state, moved) = migrate_altered(server, true, |_| {});
+    assert_eq!(state.socket_options.as_ref(), Some(&before));
+    let after = super::options::read(moved.as_fd(), false).unwrap();
     assert_eq!(after, before);
 }
