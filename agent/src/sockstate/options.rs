@@ -172,8 +172,13 @@ pub fn apply(
         sys::set_struct(fd, libc::SOL_SOCKET, libc::SO_LINGER, &l).map_err(|e| ("SO_LINGER", e))?;
     }
     if !o.bound_device.is_empty() {
-        set_bytes(fd, libc::SO_BINDTODEVICE, o.bound_device.as_bytes())
-            .map_err(|e| ("SO_BINDTODEVICE", e))?;
+        sys::set_slice(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_BINDTODEVICE,
+            o.bound_device.as_bytes(),
+        )
+        .map_err(|e| ("SO_BINDTODEVICE", e))?;
     }
     if !o.filter.is_empty() {
         attach_filter(fd, &o.filter).map_err(|e| ("SO_ATTACH_FILTER", e))?;
@@ -228,23 +233,6 @@ fn bound_device(fd: BorrowedFd<'_>) -> io::Result<String> {
     let name = &name[..len.min(name.len())];
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
     Ok(String::from_utf8_lossy(&name[..end]).into_owned())
-}
-
-fn set_bytes(fd: BorrowedFd<'_>, opt: libc::c_int, v: &[u8]) -> io::Result<()> {
-    // SAFETY: `v` points to v.len() readable bytes for the call.
-    let r = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            opt,
-            v.as_ptr().cast(),
-            v.len() as libc::socklen_t,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The classic BPF filter attached to the socket, CRIU's encoding (one

@@ -444,7 +444,10 @@ fn socket_options_carried_by_ferryd_come_back() {
         l_linger: 9,
     };
     sys::set_struct(fd, libc::SOL_SOCKET, libc::SO_LINGER, &linger).unwrap();
+    // The connection runs over loopback: bound to it, it still does.
+    sys::set_slice(fd, libc::SOL_SOCKET, libc::SO_BINDTODEVICE, b"lo").unwrap();
     let before = super::options::read(fd, false).unwrap();
+    assert_eq!(before.bound_device, "lo");
     assert!(
         before.nodelay && before.keepalive && before.linger,
         "{before:?}"
