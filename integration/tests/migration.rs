@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    list, migrate, migrate_with, process_state, run, runtime, wait_for_process,
+    list, migrate, migrate_committed, migrate_with, process_state, run, runtime, wait_for_process,
 };
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
@@ -962,13 +962,15 @@ fn connection_options_survive_the_migration() {
         drop(conns);
         let verified_before = client.verified_per_connection();
 
-        let (report, status) = migrate(&mut node1, pid, "node2")
-            .await
-            .expect("migration starts");
-        assert!(
-            status.is_none(),
-            "migration failed: {status:?}\n{report:#?}"
-        );
+        let report = migrate_committed(
+            &mut node1,
+            MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                ..Default::default()
+            },
+        )
+        .await;
         assert_eq!(
             report.outcome,
             MigrationOutcome::Committed as i32,

@@ -52,15 +52,22 @@ pub(super) struct Taken {
     pub held: Option<Arc<Held>>,
 }
 
+/// What is read from the stopped tree's sockets.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ReadPlan {
+    pub pid: i32,
+    /// The UDP datagrams left unread (capture on).
+    pub capture: bool,
+    /// Every TCP connection's state (collective migration).
+    pub collective: bool,
+    /// The connections' socket options too (CRIU's dump leaves them out).
+    pub with_options: bool,
+}
+
 /// Reads the stopped tree's sockets once per dump, during it when it can.
 /// Lives in the dump's blocking task; driven by CRIU's notifications.
 pub(super) struct SocketTaker {
-    pid: i32,
-    capture: bool,
-    collective: bool,
-    /// The connections' socket options are read too (CRIU's dump leaves
-    /// them out).
-    with_options: bool,
+    plan: ReadPlan,
     /// CRIU tells before a failed dump lets the tree run again.
     during_dump: bool,
     states_to: Option<StatesTo>,
@@ -70,19 +77,9 @@ pub(super) struct SocketTaker {
 }
 
 impl SocketTaker {
-    pub fn new(
-        pid: i32,
-        capture: bool,
-        collective: bool,
-        with_options: bool,
-        during_dump: bool,
-        states_to: Option<StatesTo>,
-    ) -> Self {
+    pub fn new(plan: ReadPlan, during_dump: bool, states_to: Option<StatesTo>) -> Self {
         Self {
-            pid,
-            capture,
-            collective,
-            with_options,
+            plan,
             during_dump,
             states_to,
             reading: None,
@@ -91,7 +88,7 @@ impl SocketTaker {
     }
 
     fn has_work(&self) -> bool {
-        self.capture || self.collective
+        self.plan.capture || self.plan.collective
     }
 
     /// CRIU froze the tree (`query-ext-files`): the reading starts on its
@@ -100,12 +97,10 @@ impl SocketTaker {
         if !self.during_dump || !self.has_work() || self.reading.is_some() || self.thawed {
             return;
         }
-        let (pid, capture, collective) = (self.pid, self.capture, self.collective);
-        let with_options = self.with_options;
-        let states_to = self.states_to.take();
+        let (plan, states_to) = (self.plan, self.states_to.take());
         let spawned = std::thread::Builder::new()
             .name("ferry-sockets".into())
-            .spawn(move || read(pid, capture, collective, with_options, states_to));
+            .spawn(move || read(plan, states_to));
         match spawned {
             Ok(handle) => self.reading = Some(handle),
             // The channel went with the closure: the sender then reports
@@ -154,30 +149,24 @@ impl SocketTaker {
         // lets go; until every thread has taken it, one could still read
         // or write a socket. Seen once in a while ('R' at this point).
         let waited = if after_dump {
-            process::wait_group_stopped(self.pid, GROUP_STOP_WAIT)
+            process::wait_group_stopped(self.plan.pid, GROUP_STOP_WAIT)
         } else {
             Ok(None)
         };
         match waited {
             Ok(Some(waited)) if waited > Duration::from_micros(100) => {
                 tracing::info!(
-                    pid = self.pid,
+                    pid = self.plan.pid,
                     waited_us = waited.as_micros() as u64,
                     "waited for the group stop"
                 );
             }
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!(pid = self.pid, error = %e, "the process's group stop was not seen; its sockets are read anyway")
+                tracing::warn!(pid = self.plan.pid, error = %e, "the process's group stop was not seen; its sockets are read anyway")
             }
         }
-        read(
-            self.pid,
-            self.capture,
-            self.collective,
-            self.with_options,
-            self.states_to.take(),
-        )
+        read(self.plan, self.states_to.take())
     }
 
     fn join(&mut self) -> Option<Taken> {
@@ -192,13 +181,13 @@ impl SocketTaker {
 /// Takes the stopped tree's sockets into ferryd in one pass, peeks at the
 /// UDP queues (capture) and reads every connection (collective), whose
 /// states go to `states_to` at once. Blocking.
-fn read(
-    pid: i32,
-    capture: bool,
-    collective: bool,
-    with_options: bool,
-    states_to: Option<StatesTo>,
-) -> Taken {
+fn read(plan: ReadPlan, states_to: Option<StatesTo>) -> Taken {
+    let ReadPlan {
+        pid,
+        capture,
+        collective,
+        with_options,
+    } = plan;
     if !capture && !collective {
         return Taken::default();
     }

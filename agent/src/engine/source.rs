@@ -25,7 +25,7 @@ use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::{self, SocketMigration};
 
 use super::precopy::{Convergence, MemoryStrategy, Precopy};
-use super::sockettaker::{ReadConnections, SocketTaker, Taken};
+use super::sockettaker::{ReadConnections, ReadPlan, SocketTaker, Taken};
 use super::{EngineError, images, new_migration_id, pagetunnel, rollback};
 
 /// What a migration request may choose; `None`: the agent's `[migration]`
@@ -827,11 +827,14 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                     "the connections' socket options move with their state, not in CRIU's images"
                 );
             }
-            let mut taker = Some(SocketTaker::new(
+            let plan = ReadPlan {
                 pid,
                 capture,
                 collective,
-                req.tcp_options_by_caller,
+                with_options: req.tcp_options_by_caller,
+            };
+            let mut taker = Some(SocketTaker::new(
+                plan,
                 during_dump,
                 collective.then_some(states_to),
             ));

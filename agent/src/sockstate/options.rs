@@ -82,29 +82,21 @@ pub fn read(fd: BorrowedFd<'_>, ipv6: bool) -> io::Result<TcpSocketOptions> {
     })
 }
 
-/// Sets them on `fd`, as CRIU's restore did: the buffer sizes forced (and
-/// their lock bits given back), every other option only where it differs
-/// from what a new socket has, except the keepalive timings, IP_TOS and
-/// IP_TTL, which CRIU sets whenever they are not zero. `sndbuf` is the
-/// connection's SO_SNDBUF, as read.
+/// Sets them on `fd`, as CRIU's restore did: the receive buffer's size
+/// forced (and the buffers' lock bits given back), every other option only
+/// where it differs from what a new socket has, except the keepalive
+/// timings, IP_TOS and IP_TTL, which CRIU sets whenever they are not zero.
+/// The send buffer's size is not among them: the rebuild sets it, before
+/// it refills the queues (`TcpConnectionState::sndbuf`).
 pub fn apply(
     fd: BorrowedFd<'_>,
     o: &TcpSocketOptions,
-    sndbuf: u32,
     ipv6: bool,
 ) -> Result<(), (&'static str, io::Error)> {
     let set = |what: &'static str, level, opt, v: i32| {
         sys::set_int(fd, level, opt, v).map_err(|e| (what, e))
     };
     // getsockopt reports twice what setsockopt takes.
-    if sndbuf > 0 {
-        set(
-            "SO_SNDBUFFORCE",
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            half(sndbuf),
-        )?;
-    }
     if o.rcvbuf > 0 {
         set(
             "SO_RCVBUFFORCE",

@@ -260,7 +260,7 @@ impl Rebuilt {
     pub fn apply_options(&self) -> Result<(), SockStateError> {
         for c in &self.conns {
             if let Some(o) = &c.options {
-                super::options::apply(c.fd.as_fd(), o, 0, c.ipv6).map_err(|(op, source)| {
+                super::options::apply(c.fd.as_fd(), o, c.ipv6).map_err(|(op, source)| {
                     SockStateError::Sys {
                         op,
                         conn: c.name.clone(),
