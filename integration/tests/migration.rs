@@ -1001,3 +1001,88 @@ fn connection_options_survive_the_migration() {
         client.stop().assert_clean();
     });
 }
+
+/// A destination that answers Prepare saying it takes the connections'
+/// options (its CRIU has ferry's tcp-options-by-caller patch) refuses a
+/// TransferSockets in which some connections carry their options and some
+/// do not: the images would then hold the options of neither kind for
+/// some connection. INVALID_ARGUMENT, naming the field; nothing rebuilt.
+#[test]
+fn a_socket_batch_with_options_for_only_some_connections_is_refused() {
+    if !ferry_integration::can_run(
+        "a_socket_batch_with_options_for_only_some_connections_is_refused",
+    ) {
+        return;
+    }
+    use ferry_proto::v1::{
+        AbortRequest, HelloRequest, PrepareRequest, TcpConnectionState, TcpSocketOptions,
+        TransferSocketsRequest,
+    };
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let addr = cluster.peer_addr("node2");
+    let tls = cluster.tls().map(|t| t.client("node2", Some("node1")));
+    let connection =
+        |inode: u64, port: u16, options: Option<TcpSocketOptions>| TcpConnectionState {
+            inode,
+            local: "198.18.0.100:7000".into(),
+            remote: format!("198.18.0.11:{port}"),
+            mss_clamp: 1460,
+            window: Some(Default::default()),
+            socket_options: options,
+            ..Default::default()
+        };
+    let (takes, refused) =
+        ferry_integration::peer::block_on_in(&cluster.netns_path("node1"), || async {
+            let mut peer = ferry_integration::peer::connect(addr, tls)
+                .await
+                .expect("peer service of node2");
+            let hello = peer
+                .hello(HelloRequest {
+                    node: "node1".into(),
+                    protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+                })
+                .await
+                .expect("hello")
+                .into_inner();
+            let prepared = peer
+                .prepare(PrepareRequest {
+                    protocol_version: hello.protocol_version,
+                    migration_id: "mixed".into(),
+                    source_node: "node1".into(),
+                    ..Default::default()
+                })
+                .await
+                .expect("prepare")
+                .into_inner();
+            let refused = peer
+                .transfer_sockets(TransferSocketsRequest {
+                    migration_id: "mixed".into(),
+                    source_node: "node1".into(),
+                    tcp_connections: vec![
+                        connection(11, 40001, Some(TcpSocketOptions::default())),
+                        connection(12, 40002, None),
+                    ],
+                })
+                .await
+                .expect_err("a mixed batch is refused");
+            peer.abort(AbortRequest {
+                migration_id: "mixed".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("abort");
+            (prepared.takes_tcp_options, refused)
+        })
+        .expect("in node1's namespace");
+    assert!(
+        takes,
+        "node2's CRIU (cargo xtask setup's) has the options patch"
+    );
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused.message().contains("tcp_connections.socket_options")
+            && refused.message().contains("1 of 2"),
+        "{refused:?}"
+    );
+    assert!(cluster.incoming_dir_is_empty("node2"));
+}

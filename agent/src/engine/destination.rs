@@ -1315,12 +1315,8 @@ pub async fn transfer_sockets(
         &req.source_node,
         req.tcp_connections,
     )?;
-    // Without ferry's patch, CRIU's restore would not take the rebuilt
-    // connections and would restore them closed. Refused here, before the
-    // restore: the source rolls back and the connections live on there.
-    // Options carried by ferryd: the images lack them, and only ferry's
-    // patched CRIU restores such images (the source asked in Prepare, but
-    // this node's CRIU may have been swapped since).
+    // Options carried by ferryd: all connections' or none (the source's
+    // CRIU dumped all established connections one way).
     let with_options = states.iter().filter(|c| c.socket_options.is_some()).count();
     if with_options != 0 && with_options != states.len() {
         return Err(EngineError::InvalidField {
@@ -1331,6 +1327,12 @@ pub async fn transfer_sockets(
             ),
         });
     }
+    // Without ferry's patch, CRIU's restore would not take the rebuilt
+    // connections and would restore them closed; without the options
+    // patch, it would restore options the images lack (the source asked in
+    // Prepare, but this node's CRIU may have been swapped since). Refused
+    // here, before the restore: the source rolls back and the connections
+    // live on there.
     let criu_path = agent.config.criu_path.clone();
     let by_pidfd = tokio::task::spawn_blocking(move || {
         criu::require_patch(&criu_path, criu::INHERITED_TCP_MARK)?;
