@@ -1002,11 +1002,78 @@ fn connection_options_survive_the_migration() {
     });
 }
 
-/// A destination that answers Prepare saying it takes the connections'
-/// options (its CRIU has ferry's tcp-options-by-caller patch) refuses a
-/// TransferSockets in which some connections carry their options and some
-/// do not: the images would then hold the options of neither kind for
-/// some connection. INVALID_ARGUMENT, naming the field; nothing rebuilt.
+/// One connection's state as a source would send it (never a real one).
+fn some_connection(
+    inode: u64,
+    port: u16,
+    options: Option<ferry_proto::v1::TcpSocketOptions>,
+) -> ferry_proto::v1::TcpConnectionState {
+    ferry_proto::v1::TcpConnectionState {
+        inode,
+        local: "198.18.0.100:7000".into(),
+        remote: format!("198.18.0.11:{port}"),
+        mss_clamp: 1460,
+        window: Some(Default::default()),
+        socket_options: options,
+        ..Default::default()
+    }
+}
+
+/// Hello, Prepare and TransferSockets(`batch`) to node2 as node1's agent
+/// would send them, then Abort. Returns Prepare's `takes_tcp_options` and
+/// the transfer's refusal (panics if it was accepted).
+fn transfer_refused(
+    cluster: &Cluster,
+    batch: Vec<ferry_proto::v1::TcpConnectionState>,
+) -> (bool, tonic::Status) {
+    use ferry_proto::v1::{AbortRequest, HelloRequest, PrepareRequest, TransferSocketsRequest};
+    let addr = cluster.peer_addr("node2");
+    let tls = cluster.tls().map(|t| t.client("node2", Some("node1")));
+    ferry_integration::peer::block_on_in(&cluster.netns_path("node1"), || async {
+        let mut peer = ferry_integration::peer::connect(addr, tls)
+            .await
+            .expect("peer service of node2");
+        let hello = peer
+            .hello(HelloRequest {
+                node: "node1".into(),
+                protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+            })
+            .await
+            .expect("hello")
+            .into_inner();
+        let prepared = peer
+            .prepare(PrepareRequest {
+                protocol_version: hello.protocol_version,
+                migration_id: "batch".into(),
+                source_node: "node1".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("prepare")
+            .into_inner();
+        let refused = peer
+            .transfer_sockets(TransferSocketsRequest {
+                migration_id: "batch".into(),
+                source_node: "node1".into(),
+                tcp_connections: batch,
+            })
+            .await
+            .expect_err("the batch is refused");
+        peer.abort(AbortRequest {
+            migration_id: "batch".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("abort");
+        (prepared.takes_tcp_options, refused)
+    })
+    .expect("in node1's namespace")
+}
+
+/// A destination whose CRIU has ferry's tcp-options-by-caller patch says
+/// so in Prepare, and refuses a TransferSockets in which some connections
+/// carry their options and some do not (the source's CRIU dumps all its
+/// established connections one way): INVALID_ARGUMENT naming the field.
 #[test]
 fn a_socket_batch_with_options_for_only_some_connections_is_refused() {
     if !ferry_integration::can_run(
@@ -1014,66 +1081,14 @@ fn a_socket_batch_with_options_for_only_some_connections_is_refused() {
     ) {
         return;
     }
-    use ferry_proto::v1::{
-        AbortRequest, HelloRequest, PrepareRequest, TcpConnectionState, TcpSocketOptions,
-        TransferSocketsRequest,
-    };
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
-    let addr = cluster.peer_addr("node2");
-    let tls = cluster.tls().map(|t| t.client("node2", Some("node1")));
-    let connection =
-        |inode: u64, port: u16, options: Option<TcpSocketOptions>| TcpConnectionState {
-            inode,
-            local: "198.18.0.100:7000".into(),
-            remote: format!("198.18.0.11:{port}"),
-            mss_clamp: 1460,
-            window: Some(Default::default()),
-            socket_options: options,
-            ..Default::default()
-        };
-    let (takes, refused) =
-        ferry_integration::peer::block_on_in(&cluster.netns_path("node1"), || async {
-            let mut peer = ferry_integration::peer::connect(addr, tls)
-                .await
-                .expect("peer service of node2");
-            let hello = peer
-                .hello(HelloRequest {
-                    node: "node1".into(),
-                    protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
-                })
-                .await
-                .expect("hello")
-                .into_inner();
-            let prepared = peer
-                .prepare(PrepareRequest {
-                    protocol_version: hello.protocol_version,
-                    migration_id: "mixed".into(),
-                    source_node: "node1".into(),
-                    ..Default::default()
-                })
-                .await
-                .expect("prepare")
-                .into_inner();
-            let refused = peer
-                .transfer_sockets(TransferSocketsRequest {
-                    migration_id: "mixed".into(),
-                    source_node: "node1".into(),
-                    tcp_connections: vec![
-                        connection(11, 40001, Some(TcpSocketOptions::default())),
-                        connection(12, 40002, None),
-                    ],
-                })
-                .await
-                .expect_err("a mixed batch is refused");
-            peer.abort(AbortRequest {
-                migration_id: "mixed".into(),
-                ..Default::default()
-            })
-            .await
-            .expect("abort");
-            (prepared.takes_tcp_options, refused)
-        })
-        .expect("in node1's namespace");
+    let (takes, refused) = transfer_refused(
+        &cluster,
+        vec![
+            some_connection(11, 40001, Some(Default::default())),
+            some_connection(12, 40002, None),
+        ],
+    );
     assert!(
         takes,
         "node2's CRIU (cargo xtask setup's) has the options patch"
@@ -1082,6 +1097,47 @@ fn a_socket_batch_with_options_for_only_some_connections_is_refused() {
     assert!(
         refused.message().contains("tcp_connections.socket_options")
             && refused.message().contains("1 of 2"),
+        "{refused:?}"
+    );
+    assert!(cluster.incoming_dir_is_empty("node2"));
+}
+
+/// A destination whose CRIU lacks the tcp-options-by-caller patch says so
+/// in Prepare, and refuses connections that carry their options anyway
+/// (its CRIU would restore the options the images lack): FAILED_PRECONDITION
+/// naming the patch and how to get it, before any restore.
+#[test]
+fn options_for_a_criu_without_the_options_patch_are_refused() {
+    if !ferry_integration::can_run("options_for_a_criu_without_the_options_patch_are_refused") {
+        return;
+    }
+    let every_other_patch: Vec<&str> = ferry_agent::criu::FERRY_PATCHES
+        .iter()
+        .map(|(mark, _)| *mark)
+        .filter(|mark| *mark != ferry_agent::criu::OPTS_BY_CALLER_MARK)
+        .collect();
+    let (_dir, cluster) = cluster_with_criu(&every_other_patch, "");
+    let (takes, refused) = transfer_refused(
+        &cluster,
+        vec![
+            some_connection(11, 40001, Some(Default::default())),
+            some_connection(12, 40002, Some(Default::default())),
+        ],
+    );
+    assert!(
+        !takes,
+        "node2's CRIU is taken for one without the options patch"
+    );
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .message()
+            .contains("connection options carried by ferryd")
+            && refused.message().contains("cargo xtask setup"),
         "{refused:?}"
     );
     assert!(cluster.incoming_dir_is_empty("node2"));
