@@ -8,6 +8,12 @@
 //! changes that address in the images, and [`inet_sockets`] lists what the
 //! images hold.
 //!
+//! [`raise_receive_buffers`] gives sockets a wider receive buffer in the
+//! images (`opts.so_rcvbuf`, field 2 of the `sk_opts_entry` in field 14),
+//! which CRIU's restore sets with `SO_RCVBUFFORCE`: the destination's UDP
+//! sockets then have room for the replay of what arrived during the freeze
+//! without a scan of the restored process's descriptors inside it.
+//!
 //! [`pagemap`] reads which pages of a process a dump holds and where each
 //! page's bytes are in the pages file, for moving pages into a dump.
 //!
@@ -202,8 +208,9 @@ pub fn inet_sockets(images_dir: &Path) -> Result<Vec<InetSocket>, ImageError> {
     let mut sockets = Vec::new();
     for (path, kind) in socket_images(images_dir)? {
         let bytes = read(&path)?;
-        edit_image(&path, &bytes, &kind, &[], &mut |sock, _| {
-            sockets.push(sock.clone());
+        edit_image(&path, &bytes, &kind, &mut |msg| {
+            sockets.push(InetEntry::parse(msg)?.to_socket());
+            Ok(None)
         })?;
     }
     Ok(sockets)
@@ -222,7 +229,7 @@ pub fn rewrite_local_addresses(
     let mut used = vec![false; rewrites.len()];
     for (path, kind) in socket_images(images_dir)? {
         let bytes = read(&path)?;
-        let edited = edit_image(&path, &bytes, &kind, rewrites, &mut |sock, rule| {
+        let mut visit = |sock: &InetSocket, rule: Option<(usize, &InetSocket)>| {
             if let Some((rule, after)) = rule {
                 used[rule] = true;
                 summary.rewritten.push(RewrittenSocket {
@@ -231,6 +238,9 @@ pub fn rewrite_local_addresses(
                     after: after.clone(),
                 });
             }
+        };
+        let edited = edit_image(&path, &bytes, &kind, &mut |msg| {
+            edit_inet(msg, rewrites, &mut visit)
         })?;
         if let Some(new) = edited {
             write_atomically(&path, &new)?;
@@ -239,6 +249,52 @@ pub fn rewrite_local_addresses(
     }
     summary.unmatched = (0..rewrites.len()).filter(|&i| !used[i]).collect();
     Ok(summary)
+}
+
+/// A socket whose receive buffer [`raise_receive_buffers`] raised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaisedBuffer {
+    pub socket: InetSocket,
+    /// `so_rcvbuf` as the image had it: the size `getsockopt(SO_RCVBUF)`
+    /// reported on the dumped host, twice what `setsockopt` takes.
+    pub before: u32,
+}
+
+/// Gives every socket of protocol `proto` (e.g. [`IPPROTO_UDP`]) whose
+/// receive buffer in the images in `images_dir` is under `at_least` a
+/// receive buffer of `at_least` (in `getsockopt` terms: CRIU halves it for
+/// `SO_RCVBUFFORCE`). CRIU then restores them that wide, and whoever
+/// restored them can give each its own size back later from what this
+/// returns. Each changed file is replaced atomically, as by
+/// [`rewrite_local_addresses`].
+pub fn raise_receive_buffers(
+    images_dir: &Path,
+    proto: u8,
+    at_least: u32,
+) -> Result<Vec<RaisedBuffer>, ImageError> {
+    let mut raised = Vec::new();
+    for (path, kind) in socket_images(images_dir)? {
+        let bytes = read(&path)?;
+        let edited = edit_image(&path, &bytes, &kind, &mut |msg| {
+            let entry = InetEntry::parse(msg)?;
+            if entry.proto != u32::from(proto) {
+                return Ok(None);
+            }
+            let before = socket::receive_buffer(msg)?;
+            if before >= at_least {
+                return Ok(None);
+            }
+            raised.push(RaisedBuffer {
+                socket: entry.to_socket(),
+                before,
+            });
+            Ok(Some(socket::replace_receive_buffer(msg, at_least)?))
+        })?;
+        if let Some(new) = edited {
+            write_atomically(&path, &new)?;
+        }
+    }
+    Ok(raised)
 }
 
 /// The socket images present in `dir`.
@@ -274,18 +330,21 @@ fn read(path: &Path) -> Result<Vec<u8>, ImageError> {
     })
 }
 
-/// What a visitor of [`edit_image`] sees for each socket: the socket, and
-/// the rewrite applied with the result, if any.
+/// What a visitor of [`rewrite_local_addresses`] sees for each socket: the
+/// socket, and the rewrite applied with the result, if any.
 type Visit<'v> = dyn FnMut(&InetSocket, Option<(usize, &InetSocket)>) + 'v;
 
-/// Walks every inet socket of one image, applying the first matching
-/// rewrite to each. Returns the new file contents if anything changed.
+/// What [`edit_image`] does to one `inet_sk_entry`: its new encoding, or
+/// `None` to keep it as it is.
+type EditInet<'e> = dyn FnMut(&[u8]) -> Result<Option<Vec<u8>>, Fault> + 'e;
+
+/// Walks every inet socket of one image through `edit`. Returns the new
+/// file contents if anything changed.
 fn edit_image(
     path: &Path,
     bytes: &[u8],
     kind: &ImageKind,
-    rewrites: &[LocalAddressRewrite],
-    visit: &mut Visit<'_>,
+    edit: &mut EditInet<'_>,
 ) -> Result<Option<Vec<u8>>, ImageError> {
     let framed = image::frame(path, bytes, kind)?;
     let mut out: Vec<u8> = Vec::new();
@@ -294,15 +353,13 @@ fn edit_image(
     for entry in &framed.entries {
         let fault = |f: Fault| to_image_error(path, entry.payload_offset, f);
         let new_payload = match kind.entries {
-            EntryKind::InetSkEntry => edit_inet(entry.payload, rewrites, visit).map_err(fault)?,
+            EntryKind::InetSkEntry => edit(entry.payload).map_err(fault)?,
             EntryKind::FileEntry => {
                 match socket::isk_of_file_entry(entry.payload).map_err(fault)? {
                     None => None,
                     Some(isk) => {
                         let inner = isk.bytes().map_err(|e| fault(e.into()))?;
-                        match edit_inet(inner, rewrites, visit)
-                            .map_err(|f| fault(f.shifted(isk.value_offset)))?
-                        {
+                        match edit(inner).map_err(|f| fault(f.shifted(isk.value_offset)))? {
                             None => None,
                             Some(new_isk) => Some(
                                 socket::replace_isk(entry.payload, &new_isk)

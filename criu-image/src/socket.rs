@@ -19,6 +19,10 @@ const SRC_PORT: u32 = 7;
 const DST_PORT: u32 = 8;
 const SRC_ADDR: u32 = 11;
 const DST_ADDR: u32 = 12;
+const OPTS: u32 = 14;
+
+// Field number of sk_opts_entry (sk-opts.proto) holding the receive buffer.
+const SO_RCVBUF: u32 = 2;
 
 /// The required scalar fields read, in the order of [`InetEntry::parse`].
 const REQUIRED: [(u32, &str); 8] = [
@@ -347,3 +351,60 @@ pub(crate) fn replace_isk(msg: &[u8], isk: &[u8]) -> Result<Vec<u8>, WireError> 
 
 /// The field number of `src_addr`, for [`replace_repeated_uint32`].
 pub(crate) const SRC_ADDR_FIELD: u32 = SRC_ADDR;
+
+/// `so_rcvbuf` of the entry's `opts` (both required in sk-inet.proto and
+/// sk-opts.proto; the last occurrence wins, as protobuf says).
+pub(crate) fn receive_buffer(msg: &[u8]) -> Result<u32, Fault> {
+    let mut found = None;
+    for field in Fields::new(msg) {
+        let field = field?;
+        if field.number != OPTS {
+            continue;
+        }
+        let opts = field.bytes()?;
+        for inner in Fields::new(opts) {
+            let inner =
+                inner.map_err(|e| WireError::new(field.value_offset + e.offset, e.problem))?;
+            if inner.number == SO_RCVBUF {
+                found = Some(
+                    inner
+                        .uint32()
+                        .map_err(|e| WireError::new(field.value_offset + e.offset, e.problem))?,
+                );
+            }
+        }
+    }
+    found.ok_or_else(|| Fault::Socket {
+        offset: 0,
+        problem: "required field opts.so_rcvbuf is missing".to_owned(),
+    })
+}
+
+/// `msg` (an `inet_sk_entry` that passed [`receive_buffer`]) with every
+/// `opts.so_rcvbuf` set to `value`; every other byte is copied, and the
+/// length prefix of `opts` re-encoded.
+pub(crate) fn replace_receive_buffer(msg: &[u8], value: u32) -> Result<Vec<u8>, WireError> {
+    let mut out = Vec::with_capacity(msg.len() + 8);
+    for field in Fields::new(msg) {
+        let field = field?;
+        if field.number != OPTS {
+            out.extend_from_slice(field.raw);
+            continue;
+        }
+        let opts = field.bytes()?;
+        let mut new_opts = Vec::with_capacity(opts.len() + 5);
+        for inner in Fields::new(opts) {
+            let inner =
+                inner.map_err(|e| WireError::new(field.value_offset + e.offset, e.problem))?;
+            if inner.number == SO_RCVBUF {
+                new_opts.extend_from_slice(inner.tag);
+                encode_varint(u64::from(value), &mut new_opts);
+            } else {
+                new_opts.extend_from_slice(inner.raw);
+            }
+        }
+        out.extend_from_slice(field.tag);
+        encode_len(&new_opts, &mut out);
+    }
+    Ok(out)
+}

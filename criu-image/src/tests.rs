@@ -66,6 +66,8 @@ struct Sock {
     sport: u16,
     dport: u16,
     packed: bool,
+    /// `opts.so_rcvbuf`.
+    rcvbuf: u32,
 }
 
 impl Sock {
@@ -80,6 +82,17 @@ impl Sock {
             sport: src.port(),
             dport: dst.map_or(0, |d| d.port()),
             packed: false,
+            rcvbuf: 131_072,
+        }
+    }
+
+    /// An unconnected UDP socket (state 7, no peer).
+    fn udp4(id: u32, src: SocketAddrV4, rcvbuf: u32) -> Self {
+        Self {
+            proto: 17,
+            state: 7,
+            rcvbuf,
+            ..Self::tcp4(id, src, None)
         }
     }
 
@@ -103,7 +116,7 @@ impl Sock {
         let fown = Msg::default().varint(1, 0).varint(2, 0).varint(3, 0).0;
         let opts = Msg::default()
             .varint(1, 212_992)
-            .varint(2, 131_072)
+            .varint(2, u64::from(self.rcvbuf))
             .varint(3, 0)
             .varint(4, 0)
             .0;
@@ -269,6 +282,94 @@ fn rewrites_only_the_matched_socket_and_keeps_the_rest_byte_for_byte() {
         r.after.remote,
         Some(SocketAddr::V4(sa("198.18.201.9:5432")))
     );
+}
+
+#[test]
+fn raises_only_narrower_receive_buffers_of_the_protocol_asked() {
+    const WIDE: u32 = 8 << 20;
+    let narrow = Sock::udp4(3, sa("198.18.0.100:7000"), 212_992);
+    let already_wide = Sock::udp4(4, sa("198.18.0.100:7001"), 16 << 20);
+    let tcp = tcp_conn();
+    let mut legacy = Sock::udp4(5, sa("198.18.0.100:7002"), 4_608);
+    legacy.packed = true;
+    let entries = vec![
+        reg_file_entry(1),
+        file_entry(&narrow.encode(), 3),
+        file_entry(&already_wide.encode(), 4),
+        file_entry(&tcp.encode(), 7),
+    ];
+    let fx = Fixture::files(entries.clone());
+    let inetsk = Fixture::with(&INETSK, vec![legacy.encode()]);
+
+    let raised = raise_receive_buffers(fx.path(), IPPROTO_UDP, WIDE).unwrap();
+
+    // The varint grows from 3 to 4 bytes: opts, isk and the entry's size
+    // are re-encoded; everything else is the same bytes.
+    let widened = Sock {
+        rcvbuf: WIDE,
+        ..narrow.clone()
+    };
+    let expected = image_bytes(
+        FILES.magic,
+        &[
+            entries[0].clone(),
+            file_entry(&widened.encode(), 3),
+            entries[2].clone(),
+            entries[3].clone(),
+        ],
+    );
+    assert_eq!(fx.read(&FILES), expected);
+    assert_eq!(raised.len(), 1, "{raised:?}");
+    assert_eq!(raised[0].before, 212_992);
+    assert_eq!(raised[0].socket.local_v4(), Some(sa("198.18.0.100:7000")));
+    assert_eq!(raised[0].socket.proto, 17);
+    assert_eq!(
+        socket::receive_buffer(&widened.encode()).unwrap(),
+        WIDE,
+        "the field CRIU restores from"
+    );
+
+    // A second pass finds nothing to do and writes nothing.
+    let again = raise_receive_buffers(fx.path(), IPPROTO_UDP, WIDE).unwrap();
+    assert!(again.is_empty(), "{again:?}");
+    assert_eq!(fx.read(&FILES), expected);
+
+    // The legacy inetsk.img form too.
+    let raised = raise_receive_buffers(inetsk.path(), IPPROTO_UDP, WIDE).unwrap();
+    assert_eq!(raised.len(), 1);
+    assert_eq!(raised[0].before, 4_608);
+    let widened = Sock {
+        rcvbuf: WIDE,
+        ..legacy
+    };
+    assert_eq!(
+        inetsk.read(&INETSK),
+        image_bytes(INETSK.magic, &[widened.encode()])
+    );
+}
+
+#[test]
+fn a_socket_without_its_receive_buffer_is_an_error_naming_the_field() {
+    // opts without so_rcvbuf: CRIU's restore would reject it too.
+    let opts = Msg::default().varint(1, 212_992).0;
+    let bare = Msg::default()
+        .varint(1, 3)
+        .varint(2, 0x1003)
+        .varint(3, 2)
+        .varint(4, 2)
+        .varint(5, 17)
+        .varint(6, 7)
+        .varint(7, 7000)
+        .varint(8, 0)
+        .repeated(11, &[ipv4_word(Ipv4Addr::new(198, 18, 0, 100))], false)
+        .repeated(12, &[0], false)
+        .bytes(14, &opts)
+        .0;
+    let fx = Fixture::files(vec![file_entry(&bare, 3)]);
+    let before = fx.read(&FILES);
+    let err = raise_receive_buffers(fx.path(), IPPROTO_UDP, 8 << 20).unwrap_err();
+    assert!(err.to_string().contains("so_rcvbuf"), "{err}");
+    assert_eq!(fx.read(&FILES), before, "nothing written");
 }
 
 #[test]
@@ -635,6 +736,7 @@ fn truncated_and_corrupted_images_never_panic() {
             reg_file_entry(1),
             file_entry(&tcp_conn().encode(), 7),
             file_entry(&mapped.encode(), 3),
+            file_entry(&Sock::udp4(4, sa("198.18.0.100:7000"), 4_608).encode(), 4),
         ],
     );
     let rewrites = [
@@ -650,6 +752,10 @@ fn truncated_and_corrupted_images_never_panic() {
         match rewritten {
             Ok(_) => assert!(listed.is_ok()),
             Err(_) => assert_eq!(fs::read(&file).unwrap(), bytes),
+        }
+        fs::write(&file, bytes).unwrap();
+        if raise_receive_buffers(dir.path(), IPPROTO_UDP, 8 << 20).is_err() {
+            assert_eq!(fs::read(&file).unwrap(), bytes);
         }
     };
     for len in 0..valid.len() {

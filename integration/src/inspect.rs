@@ -14,6 +14,12 @@ pub enum InspectError {
     Read(std::io::Error),
     #[error("unparsable line in /proc/net/tcp: {0:?}")]
     Parse(String),
+    #[error("{op} of process {pid}: {source}")]
+    Process {
+        op: &'static str,
+        pid: i32,
+        source: std::io::Error,
+    },
 }
 
 /// TCP states as numbered in `include/net/tcp_states.h`.
@@ -78,6 +84,41 @@ fn parse_addr(s: &str) -> Option<SocketAddrV4> {
     let ip = u32::from_str_radix(ip, 16).ok()?;
     let port = u16::from_str_radix(port, 16).ok()?;
     Some(SocketAddrV4::new(Ipv4Addr::from(ip.to_ne_bytes()), port))
+}
+
+/// Every socket descriptor of process `pid`, duplicated into this process
+/// (`pidfd_getfd`): the same sockets, to ask or set options on. Descriptors
+/// closed meanwhile are left out.
+pub fn sockets_of(pid: i32) -> Result<Vec<std::os::fd::OwnedFd>, InspectError> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let err = |op| move |source| InspectError::Process { op, pid, source };
+    // SAFETY: a plain system call; a returned descriptor is new and ours.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(err("pidfd_open")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: pidfd_open returned a new descriptor, owned from here on.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let mut sockets = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(err("listing the fds"))? {
+        let entry = entry.map_err(err("listing the fds"))?;
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !target.to_string_lossy().starts_with("socket:[") {
+            continue;
+        }
+        let Ok(n) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        // SAFETY: a plain system call; a returned descriptor is new and ours.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0) };
+        if fd >= 0 {
+            // SAFETY: pidfd_getfd returned a new descriptor.
+            sockets.push(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+        }
+    }
+    Ok(sockets)
 }
 
 #[cfg(test)]

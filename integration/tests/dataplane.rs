@@ -194,6 +194,8 @@ fn udp_clients_lose_no_datagram_across_a_migration() {
         let mut node2 = cluster.control("node2").await.expect("control node2");
         let pid = run(&mut node1, dve_server()).await;
         wait_for_process(&mut node1, pid, |p| p.udp_sockets == 1).await;
+        let own_buffer = udp_receive_buffer(pid);
+        assert!(own_buffer < CATCH_UP_BUFFER, "{own_buffer}");
         let players = UdpClients::start(
             cluster.netns_path("client1"),
             SocketAddrV4::new(SHARED_IP, PORT),
@@ -208,12 +210,25 @@ fn udp_clients_lose_no_datagram_across_a_migration() {
 
         let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Iterative).await;
         assert_eq!(report.udp_sockets, 1, "{report:#?}");
+        // Restored with room for the replay and the catch-up (the images
+        // said so); its own size comes back a few seconds later.
+        let restored_with = udp_receive_buffer(report.destination_pid);
+        assert!(restored_with >= CATCH_UP_BUFFER, "{restored_with}");
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
 
         let seen = players.echoed();
         players
             .wait_for_echoes(seen + 24 * 10, Duration::from_secs(10))
             .expect("echoes from node2");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while udp_receive_buffer(report.destination_pid) != own_buffer {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the UDP socket kept {} bytes of receive buffer, its own was {own_buffer}",
+                udp_receive_buffer(report.destination_pid)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         let udp = players.stop().expect("UDP report");
         eprintln!("{udp}");
         assert_eq!(udp.lost(), 0, "{udp}");
@@ -221,6 +236,23 @@ fn udp_clients_lose_no_datagram_across_a_migration() {
         assert_eq!(udp.corrupt(), 0, "{udp}");
         assert!(udp.received() > 24 * 20, "{udp}");
     });
+}
+
+/// The receive buffer a destination gives a migrated process's UDP
+/// sockets for the replay and the catch-up (ferryd's `UDP_CATCH_UP_BUFFER`,
+/// as `getsockopt` reports it).
+const CATCH_UP_BUFFER: i32 = 8 << 20;
+
+/// SO_RCVBUF of the one UDP socket of process `pid`.
+fn udp_receive_buffer(pid: i32) -> i32 {
+    use nix::sys::socket::{SockType, getsockopt, sockopt};
+    let udp: Vec<_> = ferry_integration::inspect::sockets_of(pid)
+        .expect("the process's sockets")
+        .into_iter()
+        .filter(|fd| getsockopt(fd, sockopt::SockType).ok() == Some(SockType::Datagram))
+        .collect();
+    assert_eq!(udp.len(), 1, "process {pid} has {} UDP sockets", udp.len());
+    getsockopt(&udp[0], sockopt::RcvBuf).expect("SO_RCVBUF") as i32
 }
 
 /// Sends a SYN and a datagram to a port nobody owns, from `client`: no node

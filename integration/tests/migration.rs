@@ -820,37 +820,9 @@ fn connections_of(
     pid: i32,
 ) -> std::collections::BTreeMap<(std::net::SocketAddr, std::net::SocketAddr), std::os::fd::OwnedFd>
 {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    // SAFETY: plain system calls; a returned descriptor is new and ours.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    assert!(
-        pidfd >= 0,
-        "pidfd_open({pid}): {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: pidfd_open returned a new descriptor, owned from here on.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    use std::os::fd::AsRawFd;
     let mut conns = std::collections::BTreeMap::new();
-    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("the process's fds") {
-        let entry = entry.expect("fd entry");
-        let Ok(target) = std::fs::read_link(entry.path()) else {
-            continue;
-        };
-        if !target.to_string_lossy().starts_with("socket:[") {
-            continue;
-        }
-        let n: i32 = entry
-            .file_name()
-            .to_string_lossy()
-            .parse()
-            .expect("fd number");
-        // SAFETY: as above.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0) };
-        if fd < 0 {
-            continue;
-        }
-        // SAFETY: pidfd_getfd returned a new descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    for fd in ferry_integration::inspect::sockets_of(pid).expect("the process's sockets") {
         let local =
             nix::sys::socket::getsockname::<nix::sys::socket::SockaddrStorage>(fd.as_raw_fd());
         let remote =

@@ -438,6 +438,11 @@ pub struct Incoming {
     /// Collective socket migration: the connections ferryd rebuilt, in
     /// repair mode until the commit resumes them.
     rebuilt: Option<crate::sockstate::Rebuilt>,
+    /// The UDP sockets whose receive buffer the images were given for the
+    /// replay and catch-up (`UDP_CATCH_UP_BUFFER`), with their own size,
+    /// given back `UDP_CATCH_UP` after the resume. `None` until the restore
+    /// raised them (once: a raised image has nothing left to raise).
+    udp_buffers: Option<Vec<(std::net::SocketAddr, i32)>>,
     /// Pre-copy (protocol 5): the pages received while the process still
     /// ran on the source.
     pages: Arc<std::sync::Mutex<PageStore>>,
@@ -667,6 +672,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<bool, En
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
         rebuilt: None,
+        udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
         tunnel: None,
@@ -921,6 +927,29 @@ pub async fn restore(
             .await
             .map_err(|e| EngineError::Internal(e.to_string()))??;
     }
+    // UDP sockets come back with room for the replay and the catch-up
+    // (see `sockstate::give_back_udp_buffers`). After the in-cluster
+    // rewrite: the addresses recorded are the ones they are restored on.
+    let has_udp = inc.ports.iter().any(|p| p.transport == Transport::Udp);
+    if has_udp && inc.udp_buffers.is_none() {
+        let images = inc.images();
+        let raised = tokio::task::spawn_blocking(move || {
+            ferry_criu_image::raise_receive_buffers(
+                &images,
+                ferry_criu_image::IPPROTO_UDP,
+                UDP_CATCH_UP_BUFFER as u32,
+            )
+        })
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))?
+        .map_err(|e| EngineError::BadImage(format!("raising the UDP receive buffers: {e}")))?;
+        inc.udp_buffers = Some(
+            raised
+                .into_iter()
+                .map(|r| (r.socket.local, r.before as i32))
+                .collect(),
+        );
+    }
     let image_scan = scan_started.elapsed();
 
     // Collective sockets: the connections TransferSockets rebuilt (on
@@ -1121,19 +1150,9 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // (their window probes, and bytes the source never sent, must get
     // out), and before the replay feeds them.
     let mut rebuilt = inc.rebuilt.take();
-    // UDP sockets get room for what the replay pours into them and for the
-    // process's first moments (see `sockstate::widen_udp_buffers`); their
-    // own size comes back a little later.
-    // Only a process with UDP ports is scanned for them: the scan takes
-    // every descriptor of the tree, inside the freeze.
-    let has_udp = inc.ports.iter().any(|p| p.transport == Transport::Udp);
-    let widened = if has_udp {
-        crate::sockstate::widen_udp_buffers(&process::process_tree(pid), UDP_CATCH_UP_BUFFER)
-            .map_err(|e| tracing::warn!(error = %e, "widening the UDP receive buffers"))
-            .ok()
-    } else {
-        None
-    };
+    // UDP sockets were restored with room for what the replay pours into
+    // them; their own size comes back after the catch-up.
+    let udp_buffers = inc.udp_buffers.take().filter(|b| !b.is_empty());
     let replay = if inc.armed {
         agent.reserve_ports(&inc.ports, PortState::Releasing);
         let replayed = match agent.apply_ownership().await {
@@ -1176,10 +1195,24 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         None
     };
     let resumed_at = Instant::now();
-    if let Some(w) = widened {
+    if let Some(before) = udp_buffers {
         tokio::spawn(async move {
             tokio::time::sleep(UDP_CATCH_UP).await;
-            let _ = tokio::task::spawn_blocking(move || w.restore()).await;
+            let given = tokio::task::spawn_blocking(move || {
+                crate::sockstate::give_back_udp_buffers(
+                    &process::process_tree(pid),
+                    UDP_CATCH_UP_BUFFER,
+                    &before,
+                )
+            })
+            .await;
+            match given {
+                Ok(Ok(n)) => tracing::debug!(pid, sockets = n, "UDP receive buffers given back"),
+                Ok(Err(e)) => {
+                    tracing::warn!(pid, error = %e, "giving back the UDP receive buffers")
+                }
+                Err(e) => tracing::warn!(pid, error = %e, "UDP buffer task"),
+            }
         });
     }
     // Remembered for a restart of this agent, now the freeze is over.

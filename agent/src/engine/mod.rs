@@ -57,7 +57,10 @@
 //!   CRIU as inherited descriptors). Its success is the destination's confirmation.
 //!   Before that it rewrites the process's connections to other cluster
 //!   nodes to its own cluster address and holds them (nothing in or out);
-//!   the response lists them (see [`crate::translation`]).
+//!   the response lists them (see [`crate::translation`]). It also raises
+//!   the receive buffer of the process's UDP sockets in the images, so that
+//!   CRIU restores them with room for the replay and the catch-up (their
+//!   own size comes back 2 s after the resume).
 //! - **Translate** (only with such connections): the source has each
 //!   peer's node rewrite those flows (`Peer.AddTranslations`); an abort
 //!   from here on undoes it (`RemoveTranslations`) before the process
@@ -65,9 +68,7 @@
 //! - **Discard**: the source kills its stopped copy (sockets in repair mode
 //!   close silently) and releases the ports. This is the commit point.
 //! - **Commit**: carries the source's delivered log (and, from protocol 4,
-//!   the UDP datagrams the process left unread). The destination widens the
-//!   restored process's UDP receive buffers for the replay and the catch-up
-//!   (their own size comes back 2 s later), drops
+//!   the UDP datagrams the process left unread). The destination drops
 //!   its holds on in-cluster connections, opens
 //!   egress, replays the captured packets into its stack in arrival order
 //!   while the process is still stopped (the kernel queues and ACKs them;

@@ -186,7 +186,7 @@ pub(super) fn for_each_socket(
     Ok(())
 }
 
-fn addr(s: SockaddrStorage) -> Option<SocketAddr> {
+pub(super) fn addr(s: SockaddrStorage) -> Option<SocketAddr> {
     if let Some(v4) = s.as_sockaddr_in() {
         return Some(SocketAddr::V4((*v4).into()));
     }

@@ -50,7 +50,7 @@ use std::net::SocketAddr;
 pub use extract::{Held, StoppedSockets, take_sockets, unsupported_sockets};
 pub use rebuild::{Rebuilt, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};
-pub use udp::{WidenedBuffers, datagram_key, key_of_packet, unread_datagrams, widen_udp_buffers};
+pub use udp::{datagram_key, give_back_udp_buffers, key_of_packet, unread_datagrams};
 
 use ferry_proto::v1 as pb;
 

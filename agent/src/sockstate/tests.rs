@@ -403,27 +403,53 @@ fn sockets_of_a_family_criu_cannot_dump_are_found() {
     assert!(!found.iter().any(|(i, _)| *i == unbound_ino));
 }
 
+/// The destination restores UDP sockets with a raised receive buffer (the
+/// images say so) and gives each its own size back after the catch-up,
+/// unless the process resized it meanwhile.
 #[test]
-fn udp_buffers_are_widened_for_the_catch_up_and_given_back() {
+fn udp_buffers_raised_for_the_catch_up_are_given_back() {
     use std::net::UdpSocket;
-    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let before = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
+    let get = |s: &UdpSocket| sys::get_int(s.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
+    let force = |s: &UdpSocket, v: i32| {
+        sys::set_int(s.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, v).unwrap()
+    };
+    let raised = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let resized = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let unlisted = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let before = get(&raised);
+    // As CRIU restores them from raised images: SO_RCVBUFFORCE of half.
+    for s in [&raised, &resized, &unlisted] {
+        force(s, 4 << 20);
+    }
+    let widened = get(&raised);
+    assert_eq!(widened, 8 << 20);
+    // The process set its own size since.
+    force(&resized, 1 << 20);
+    let resized_to = get(&resized);
     let mut child = std::process::Command::new("sleep")
         .arg("30")
         .stdin(std::process::Stdio::from(
-            sock.as_fd().try_clone_to_owned().unwrap(),
+            raised.as_fd().try_clone_to_owned().unwrap(),
+        ))
+        .stdout(std::process::Stdio::from(
+            resized.as_fd().try_clone_to_owned().unwrap(),
+        ))
+        .stderr(std::process::Stdio::from(
+            unlisted.as_fd().try_clone_to_owned().unwrap(),
         ))
         .spawn()
         .unwrap();
-    let widened = widen_udp_buffers(&[child.id() as i32], 8 << 20);
+    let list = [
+        (raised.local_addr().unwrap(), before),
+        (resized.local_addr().unwrap(), before),
+    ];
+    let given_back = give_back_udp_buffers(&[child.id() as i32], widened, &list);
     let _ = child.kill();
     let _ = child.wait();
-    let widened = widened.expect("widening");
-    let during = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
-    assert!(during >= 8 << 20, "{before} -> {during}");
-    widened.restore();
-    let after = sys::get_int(sock.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF).unwrap();
-    assert_eq!(after, before);
+    assert_eq!(given_back.expect("giving back"), 1);
+    assert_eq!(get(&raised), before);
+    assert_eq!(get(&resized), resized_to);
+    assert_eq!(get(&unlisted), widened);
 }
 
 /// Options the process set (and a buffer size it locked) come back on the

@@ -15,7 +15,7 @@
 //! destination from the captured IPv4 packet.
 
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use nix::sys::socket::{SockaddrStorage, getsockname};
@@ -137,65 +137,62 @@ fn empty_sockaddr_in() -> libc::sockaddr_in {
     }
 }
 
-/// UDP receive buffers widened for the catch-up after a migration, and
-/// what they were.
-pub struct WidenedBuffers {
-    sockets: Vec<(std::os::fd::OwnedFd, i32)>,
-}
-
-/// Widens the receive buffer of every UDP socket of the restored tree to
-/// at least `bytes` (SO_RCVBUFFORCE), for the replay of what arrived
-/// during the freeze (queued while the process is still stopped) and the
-/// process's first moments, when it reads slower than its clients send.
-/// A socket left at the default holds ~160 small datagrams: 8 ms of 1024
-/// players at 20 Hz.
-pub fn widen_udp_buffers(tree: &[i32], bytes: i32) -> Result<WidenedBuffers, SockStateError> {
-    let mut sockets = Vec::new();
+/// Gives the UDP sockets of a restored tree their own receive buffer back
+/// after the catch-up that followed the replay. The destination restored
+/// them wider: it raised `so_rcvbuf` in the images before CRIU's restore
+/// (`ferry_criu_image::raise_receive_buffers`), because the replay pours
+/// every datagram of the freeze into a socket whose process is still
+/// stopped, and the process then reads slower than its clients send for a
+/// moment. A socket left at the default holds ~160 small datagrams: 8 ms of
+/// 1024 players at 20 Hz. Done in the images, this costs nothing in the
+/// freeze; a scan of the tree's descriptors at the commit took ~10 ms at a
+/// thousand connections.
+///
+/// `before` holds each raised socket's local address and its size as the
+/// images had it (what `getsockopt(SO_RCVBUF)` reports). A socket whose
+/// buffer is no longer `widened` was resized by its process since: it keeps
+/// that. Returns how many sockets got their size back.
+pub fn give_back_udp_buffers(
+    tree: &[i32],
+    widened: i32,
+    before: &[(SocketAddr, i32)],
+) -> Result<usize, SockStateError> {
+    let mut left: Vec<(SocketAddr, i32)> = before.to_vec();
     let mut seen = HashSet::new();
+    let mut given_back = 0;
     super::extract::for_each_socket(tree, |inode, fd| {
-        if super::extract::kind_of(fd.as_fd()) != super::extract::SocketKind::Udp
+        if left.is_empty()
+            || super::extract::kind_of(fd.as_fd()) != super::extract::SocketKind::Udp
             || !seen.insert(inode)
         {
             return Ok(());
         }
+        let Some(local) = getsockname::<SockaddrStorage>(fd.as_raw_fd())
+            .ok()
+            .and_then(super::extract::addr)
+        else {
+            return Ok(());
+        };
+        let Some(i) = left.iter().position(|(a, _)| *a == local) else {
+            return Ok(());
+        };
+        let (_, size) = left.swap_remove(i);
         let err = |op: &'static str| {
             move |source: std::io::Error| SockStateError::Sys {
                 op,
-                conn: format!("UDP socket inode {inode}"),
+                conn: format!("UDP socket {local}"),
                 source,
             }
         };
-        // getsockopt reports twice what setsockopt takes.
-        let before = sys::get_int(fd.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF)
+        let now = sys::get_int(fd.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF)
             .map_err(err("SO_RCVBUF"))?;
-        if before < bytes {
-            sys::set_int(
-                fd.as_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                bytes / 2,
-            )
-            .map_err(err("SO_RCVBUFFORCE"))?;
-            sockets.push((fd, before));
+        if now == widened {
+            // getsockopt reports twice what setsockopt takes.
+            sys::set_int(fd.as_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, size / 2)
+                .map_err(err("SO_RCVBUFFORCE"))?;
+            given_back += 1;
         }
         Ok(())
     })?;
-    Ok(WidenedBuffers { sockets })
-}
-
-impl WidenedBuffers {
-    /// Gives each socket its own buffer size back. Datagrams queued beyond
-    /// it stay queued; only new ones wait for room.
-    pub fn restore(self) {
-        for (fd, before) in self.sockets {
-            if let Err(e) = sys::set_int(
-                fd.as_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                before / 2,
-            ) {
-                tracing::warn!(error = %e, "restoring a UDP receive buffer");
-            }
-        }
-    }
+    Ok(given_back)
 }
