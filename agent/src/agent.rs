@@ -33,6 +33,9 @@ pub struct Agent {
     reserved: Mutex<BTreeMap<PortKey, PortState>>,
     /// Packets kept for migrations under way, by migration.
     pub capture: CaptureStore,
+    /// Serialises [`Self::drain_capture`]: packets go into their sessions
+    /// in the order they left the ring, whoever drains.
+    draining: Mutex<()>,
     /// Translation and hold rules for in-cluster connections, on the
     /// cluster interface.
     flows: Mutex<Box<dyn FlowRules>>,
@@ -105,6 +108,9 @@ enum Claim {
     OwnedBy(String),
 }
 
+/// How often [`Agent::drain_while_capturing`] empties the capture ring.
+const BACKGROUND_DRAIN_EVERY: Duration = Duration::from_millis(2);
+
 /// At most this many drain-and-replay passes before the ports open.
 const REPLAY_PASSES: usize = 3;
 /// A pass that found fewer packets than this was the last before opening.
@@ -153,6 +159,7 @@ impl Agent {
             ownership: Mutex::new(Ownership::new(filter)),
             reserved: Mutex::new(Default::default()),
             capture: CaptureStore::default(),
+            draining: Mutex::new(()),
             flows: Mutex::new(flows),
             translation_log: Default::default(),
             persisting: Mutex::new(()),
@@ -483,6 +490,7 @@ impl Agent {
 
     /// Moves everything in the capture ring into the capture sessions.
     pub fn drain_capture(&self) {
+        let _in_order = lock(&self.draining);
         let mut packets = Vec::new();
         self.ownership().drain(&mut |p| packets.push(p));
         if packets.is_empty() {
@@ -491,6 +499,32 @@ impl Agent {
         let stray = self.capture.route(packets);
         if stray > 0 {
             tracing::debug!(stray, "captured packets of no migration dropped");
+        }
+    }
+
+    /// Drains the capture ring every [`BACKGROUND_DRAIN_EVERY`], on a thread
+    /// of its own, for as long as the capture session `id` is open. The
+    /// destination starts it at Arm: what arrives during the freeze is then
+    /// in its session by the commit, instead of thousands of packets taken
+    /// from the ring inside it (~5 ms at 1024 connections, 11-17 ms with a
+    /// bulk stream beside them), and the ring never fills.
+    pub fn drain_while_capturing(self: &Arc<Self>, id: &str) {
+        let (agent, id) = (Arc::downgrade(self), id.to_owned());
+        let spawned = std::thread::Builder::new()
+            .name("capture-drain".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(BACKGROUND_DRAIN_EVERY);
+                    let Some(agent) = agent.upgrade() else { return };
+                    if !agent.capture.is_open(&id) {
+                        return;
+                    }
+                    agent.drain_capture();
+                }
+            });
+        if let Err(e) = spawned {
+            // The commit drains whatever is left: slower, not wrong.
+            tracing::warn!(error = %e, "starting the capture drain thread");
         }
     }
 

@@ -82,6 +82,11 @@ impl CaptureStore {
         session.ports.extend(ports);
     }
 
+    /// Whether the session of `id` is open.
+    pub fn is_open(&self, id: &str) -> bool {
+        self.lock().contains_key(id)
+    }
+
     /// Ends the session of `id`, dropping whatever it still holds; returns
     /// how many captured packets that was.
     pub fn close(&self, id: &str) -> usize {

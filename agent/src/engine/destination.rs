@@ -728,6 +728,7 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<(), EngineError>
     agent
         .capture
         .open(&inc.migration_id, inc.ports.iter().copied());
+    agent.drain_while_capturing(&inc.migration_id);
     agent.reserve_ports(&inc.ports, PortState::Capturing);
     inc.armed = true;
     // No procfs read here: this is on the path to the freeze.
@@ -1750,6 +1751,52 @@ mod tests {
             f.replayed.0.lock().unwrap().is_empty(),
             "nothing replayed on abort"
         );
+    }
+
+    /// The destination drains the ring in the background while it
+    /// captures, and the commit drains too: whoever drains, packets reach
+    /// their session in ring order, and the background drain alone takes
+    /// everything in.
+    #[test]
+    fn packets_drained_in_the_background_keep_their_order() {
+        const PACKETS: usize = 20_000;
+        let f = fixture();
+        let port = PortKey {
+            transport: Transport::Tcp,
+            port: 7000,
+        };
+        f.agent.capture.open("m", [port]);
+        f.agent.drain_while_capturing("m");
+        let ring = f.filter.1.clone();
+        let producer = std::thread::spawn(move || {
+            for chunk in (0..PACKETS).collect::<Vec<_>>().chunks(7) {
+                let mut r = ring.lock().unwrap();
+                r.extend(chunk.iter().map(|i| captured(7000, &i.to_le_bytes())));
+            }
+        });
+        // Foreground drains race the background thread meanwhile.
+        while !producer.is_finished() {
+            f.agent.drain_capture();
+        }
+        producer.join().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f.filter.1.lock().unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "the background drain stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let got: Vec<usize> = f
+            .agent
+            .capture
+            .take_captured("m")
+            .iter()
+            .map(|p| usize::from_le_bytes(p.data.as_slice().try_into().unwrap()))
+            .collect();
+        assert_eq!(got.len(), PACKETS);
+        assert!(
+            got.windows(2).all(|w| w[0] + 1 == w[1]),
+            "packets out of ring order"
+        );
+        f.agent.capture.close("m");
     }
 
     #[test]
