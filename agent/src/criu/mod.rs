@@ -8,6 +8,7 @@
 mod cache;
 mod error;
 pub mod lazy;
+mod spawn;
 mod swrk;
 mod version;
 

@@ -7,9 +7,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -345,15 +343,8 @@ fn run(
     // phase boundaries inside CRIU.
     opts.set_notify_scripts(true);
 
-    let mut cmd = Command::new(criu);
-    cmd.arg("swrk")
-        .arg(CHILD_SOCKET_FD.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    // Inherited descriptors keep their numbers in the child: clearing
-    // FD_CLOEXEC there is all it takes. Copied before the fork, so the
-    // child allocates nothing.
+    // Inherited descriptors keep their numbers in the child; the RPC
+    // socket goes to CHILD_SOCKET_FD (its source is above it: dup_high).
     let Inherited { kept, handed_over } = inherited;
     let inherited: Vec<RawFd> = kept
         .iter()
@@ -365,31 +356,20 @@ fn run(
             "an inherited descriptor is {CHILD_SOCKET_FD}, the child's RPC socket"
         )));
     }
-    // SAFETY: the closure runs in the forked child before exec and only
-    // calls dup2() and fcntl(), which are async-signal-safe; the source is
-    // above the target number (dup_high), and dup2 clears FD_CLOEXEC on the
-    // target so CRIU inherits it.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::dup2(s, CHILD_SOCKET_FD) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            for &fd in &inherited {
-                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    let child = cmd.spawn().map_err(|source| CriuError::Spawn {
+    let child = super::spawn::spawn(
+        criu,
+        &["swrk", &CHILD_SOCKET_FD.to_string()],
+        &[(s, CHILD_SOCKET_FD)],
+        &inherited,
+    )
+    .map_err(|source| CriuError::Spawn {
         path: criu.to_owned(),
         source,
     })?;
     drop(theirs);
     drop(handed_over);
     if let Some(p) = criu_pid {
-        p.store(child.id() as i32, Ordering::SeqCst);
+        p.store(child.id(), Ordering::SeqCst);
     }
 
     let result = converse(&ours, kind, opts, on_notify);
@@ -411,10 +391,10 @@ fn run(
 
 /// Waits for the CRIU child's exit off the caller's path (inline if no
 /// thread can be started), so that it never stays a zombie.
-fn reap_in_background(child: std::process::Child) {
-    fn reap(slot: &std::sync::Mutex<Option<std::process::Child>>) {
+fn reap_in_background(child: super::spawn::SpawnedChild) {
+    fn reap(slot: &std::sync::Mutex<Option<super::spawn::SpawnedChild>>) {
         let child = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(mut child) = child
+        if let Some(child) = child
             && let Err(e) = child.wait()
         {
             tracing::warn!(error = %e, "waiting for CRIU");
