@@ -47,6 +47,12 @@ pub struct Agent {
     /// What this node's translations changed per migration, for aborts.
     pub translation_log: crate::engine::translations::TranslationLog,
     replayer: Mutex<Box<dyn PacketReplayer>>,
+    /// Replayers for the other lanes of a parallel replay (see
+    /// [`Self::replay_pass`]), cloned from `replayer` when first needed.
+    lane_replayers: Mutex<Vec<Box<dyn PacketReplayer>>>,
+    /// How many threads replay a large batch: one per CPU, at most
+    /// [`MAX_REPLAY_LANES`].
+    replay_lanes: usize,
     replay_totals: Mutex<ReplayTotals>,
     /// The one incoming migration this node may be receiving.
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
@@ -111,10 +117,53 @@ enum Claim {
 /// How often [`Agent::drain_while_capturing`] empties the capture ring.
 const BACKGROUND_DRAIN_EVERY: Duration = Duration::from_millis(2);
 
+/// At most this many threads replay one batch.
+const MAX_REPLAY_LANES: usize = 4;
+/// Batches of fewer segments than this are replayed by one thread: a
+/// thread costs more than it saves on them.
+const PARALLEL_REPLAY_MIN: usize = 256;
+
 /// At most this many drain-and-replay passes before the ports open.
 const REPLAY_PASSES: usize = 3;
 /// A pass that found fewer packets than this was the last before opening.
 const REPLAY_TRICKLE: usize = 64;
+
+/// What one replay thread did.
+#[derive(Debug, Default)]
+struct LaneDone {
+    replayed: u64,
+    segments: u64,
+    failed: u64,
+}
+
+impl LaneDone {
+    fn add(&mut self, other: LaneDone) {
+        self.replayed += other.replayed;
+        self.segments += other.segments;
+        self.failed += other.failed;
+    }
+}
+
+/// Replays `joined` in order through `replayer`.
+fn replay_lane<'a>(
+    replayer: &mut dyn PacketReplayer,
+    joined: impl Iterator<Item = &'a ferry_ebpf::coalesce::Joined>,
+) -> LaneDone {
+    let mut done = LaneDone::default();
+    for j in joined {
+        match replayer.replay(&j.packet) {
+            Ok(()) => {
+                done.replayed += j.packets as u64;
+                done.segments += 1;
+            }
+            Err(e) => {
+                done.failed += j.packets as u64;
+                tracing::warn!(packets = j.packets, error = %e, "replaying captured packets");
+            }
+        }
+    }
+    done
+}
 
 /// Captured packets replayed by this agent since it started.
 #[derive(Debug, Clone, Copy, Default)]
@@ -165,6 +214,10 @@ impl Agent {
             persisting: Mutex::new(()),
             claims: Mutex::new(BTreeMap::new()),
             replayer: Mutex::new(replayer),
+            lane_replayers: Mutex::new(Vec::new()),
+            replay_lanes: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(MAX_REPLAY_LANES),
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
             incoming_sockets: std::sync::Mutex::new(None),
@@ -619,19 +672,64 @@ impl Agent {
         // Each connection's consecutive segments enter the stack as one
         // (ferry_ebpf::coalesce says why): the replay is inside the freeze.
         let joined = ferry_ebpf::coalesce::coalesce(fresh.map(|p| p.data.as_slice()));
-        let mut replayer = lock(&self.replayer);
-        for j in joined {
-            match replayer.replay(&j.packet) {
-                Ok(()) => {
-                    stats.replayed += j.packets as u64;
-                    stats.replayed_segments += 1;
-                }
+        let mut main = lock(&self.replayer);
+        let mut others = lock(&self.lane_replayers);
+        let mut lanes = if joined.len() >= PARALLEL_REPLAY_MIN {
+            self.replay_lanes
+        } else {
+            1
+        };
+        while others.len() + 1 < lanes {
+            match main.try_clone() {
+                Ok(r) => others.push(r),
                 Err(e) => {
-                    stats.failed += j.packets as u64;
-                    tracing::warn!(packets = j.packets, error = %e, "replaying captured packets");
+                    tracing::warn!(error = %e, "a replayer for another thread");
+                    break;
                 }
             }
         }
+        lanes = lanes.min(others.len() + 1);
+        // A replayed segment costs its whole receive path (and the ACK's
+        // way out) on the CPU that sends it: with the process stopped the
+        // other CPUs are mostly idle, so a large batch is cut by connection
+        // (`capture::lane_of`) and replayed on one thread per CPU.
+        let done = if lanes == 1 {
+            replay_lane(&mut **main, joined.iter())
+        } else {
+            let mut split: Vec<Vec<&ferry_ebpf::coalesce::Joined>> = vec![Vec::new(); lanes];
+            for j in &joined {
+                split[crate::capture::lane_of(&j.packet, lanes)].push(j);
+            }
+            let mut split = split.into_iter();
+            let first = split.next().unwrap_or_default();
+            std::thread::scope(|s| {
+                let threads: Vec<_> = others
+                    .iter_mut()
+                    .zip(split)
+                    .map(|(r, lane)| {
+                        let packets: usize = lane.iter().map(|j| j.packets).sum();
+                        (
+                            packets,
+                            s.spawn(move || replay_lane(&mut **r, lane.into_iter())),
+                        )
+                    })
+                    .collect();
+                let mut done = replay_lane(&mut **main, first.into_iter());
+                for (packets, t) in threads {
+                    done.add(t.join().unwrap_or_else(|_| {
+                        tracing::error!(packets, "a replay thread panicked");
+                        LaneDone {
+                            failed: packets as u64,
+                            ..LaneDone::default()
+                        }
+                    }));
+                }
+                done
+            })
+        };
+        stats.replayed += done.replayed;
+        stats.replayed_segments += done.segments;
+        stats.failed += done.failed;
     }
 
     /// The data plane's counters, with the agent's replay totals.

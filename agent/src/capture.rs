@@ -195,7 +195,7 @@ impl DeliveredLog {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn pkt(kind: CaptureKind, port: u16, data: &[u8]) -> CapturedPacket {
@@ -248,6 +248,56 @@ mod tests {
             .map(|p| p.data)
             .collect();
         assert_eq!(kept, vec![b"this one".to_vec()]);
+    }
+
+    /// A pure ACK from `src_port` to 198.18.0.100:7000 (coalescing passes
+    /// it through unchanged).
+    pub(crate) fn tcp_ack(src_port: u16, ack: u32) -> Vec<u8> {
+        let mut p = vec![0u8; 40];
+        p[..10].copy_from_slice(&[0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, 6]);
+        p[12..16].copy_from_slice(&[198, 18, 0, 2]);
+        p[16..20].copy_from_slice(&[198, 18, 0, 100]);
+        p[20..22].copy_from_slice(&src_port.to_be_bytes());
+        p[22..24].copy_from_slice(&7000u16.to_be_bytes());
+        p[28..32].copy_from_slice(&ack.to_be_bytes());
+        p[32] = 0x50;
+        p[33] = 0x10;
+        p
+    }
+
+    #[test]
+    fn a_connection_always_takes_the_same_lane_and_the_rest_lane_0() {
+        for lanes in [2, 3, 4] {
+            let mut per_lane = vec![0usize; lanes];
+            for port in 10_000..11_000u16 {
+                let lane = lane_of(&tcp_ack(port, 1), lanes);
+                assert_eq!(lane, lane_of(&tcp_ack(port, 99), lanes), "port {port}");
+                per_lane[lane] += 1;
+            }
+            // A thousand connections spread over every lane.
+            for n in &per_lane {
+                assert!(*n > 1000 / lanes / 2, "{per_lane:?}");
+            }
+        }
+        let mut udp = tcp_ack(10_000, 1);
+        udp[9] = 17;
+        let mut fragment = tcp_ack(10_001, 1);
+        fragment[6] = 0x20; // more fragments
+        let mut later_fragment = tcp_ack(10_001, 1);
+        later_fragment[7] = 0x10; // offset 128
+        let mut options = tcp_ack(10_002, 1);
+        options[0] = 0x4f; // 60 bytes of IP header in a 40-byte packet
+        for (what, p) in [
+            ("udp", udp),
+            ("fragment", fragment),
+            ("later fragment", later_fragment),
+            ("IP options past the end", options),
+            ("ipv6", vec![0x60; 60]),
+            ("short", vec![0x45; 19]),
+        ] {
+            assert_eq!(lane_of(&p, 4), 0, "{what}");
+        }
+        assert_eq!(lane_of(&tcp_ack(10_003, 1), 1), 0);
     }
 
     #[test]
@@ -309,12 +359,50 @@ mod tests {
 /// tests.
 pub trait PacketReplayer: Send {
     fn replay(&mut self, packet: &[u8]) -> Result<(), String>;
+    /// Another replayer into the same stack, for another thread.
+    fn try_clone(&self) -> Result<Box<dyn PacketReplayer>, String>;
 }
 
 impl PacketReplayer for ferry_ebpf::Replayer {
     fn replay(&mut self, packet: &[u8]) -> Result<(), String> {
         ferry_ebpf::Replayer::replay(self, packet).map_err(|e| e.to_string())
     }
+
+    fn try_clone(&self) -> Result<Box<dyn PacketReplayer>, String> {
+        ferry_ebpf::Replayer::try_clone(self)
+            .map(|r| Box::new(r) as Box<dyn PacketReplayer>)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Which of `lanes` replay threads takes `packet`. A TCP segment goes by
+/// its connection (addresses and ports, hashed), so each connection's
+/// segments enter the stack in their order, from one thread; segments of
+/// different connections may interleave, which no socket can tell. The
+/// rest goes to lane 0 in arrival order: UDP (datagrams from many peers
+/// into one socket keep the order they arrived in), fragments (a fragment
+/// carries no ports; TCP reorders the rare fragmented segment itself), other
+/// protocols and anything malformed.
+pub fn lane_of(packet: &[u8], lanes: usize) -> usize {
+    if lanes <= 1 || packet.len() < 20 || packet[0] >> 4 != 4 || packet[9] != 6 {
+        return 0;
+    }
+    let ihl = usize::from(packet[0] & 0x0f) * 4;
+    let fragment = u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff != 0;
+    if ihl < 20 || fragment || packet.len() < ihl + 4 {
+        return 0;
+    }
+    // FNV-1a over the addresses and ports, then a finaliser (MurmurHash3's)
+    // so that the low bits, which pick the lane, depend on every byte.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in packet[12..20].iter().chain(&packet[ihl..ihl + 4]) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    (h % lanes as u64) as usize
 }
 
 #[cfg(any(test, feature = "fuzzing"))]
@@ -329,6 +417,11 @@ pub mod fake {
         fn replay(&mut self, packet: &[u8]) -> Result<(), String> {
             self.0.lock().unwrap().push(packet.to_vec());
             Ok(())
+        }
+
+        /// Records into the same list.
+        fn try_clone(&self) -> Result<Box<dyn super::PacketReplayer>, String> {
+            Ok(Box::new(self.clone()))
         }
     }
 }

@@ -99,6 +99,14 @@ impl Replayer {
         })
     }
 
+    /// Another replayer on the same raw socket, for a second thread.
+    pub fn try_clone(&self) -> Result<Self, ReplayError> {
+        Ok(Self {
+            fd: self.fd.try_clone().map_err(ReplayError::Socket)?,
+            buf: Vec::with_capacity(65536),
+        })
+    }
+
     /// Hands one IPv4 packet (header included) to the stack as received.
     pub fn replay(&mut self, packet: &[u8]) -> Result<(), ReplayError> {
         self.buf.clear();

@@ -1799,6 +1799,48 @@ mod tests {
         f.agent.capture.close("m");
     }
 
+    /// A batch large enough to be replayed on several threads: every
+    /// segment once, each connection's in its order.
+    #[test]
+    fn a_large_replay_keeps_each_connections_order() {
+        const CONNECTIONS: u16 = 300;
+        const EACH: u32 = 4;
+        let f = fixture();
+        let port = PortKey {
+            transport: Transport::Tcp,
+            port: 7000,
+        };
+        f.agent.capture.open("m", [port]);
+        {
+            let mut ring = f.filter.1.lock().unwrap();
+            for ack in 0..EACH {
+                for c in 0..CONNECTIONS {
+                    ring.push(captured(
+                        7000,
+                        &crate::capture::tests::tcp_ack(20_000 + c, ack),
+                    ));
+                }
+            }
+        }
+        let stats = f.agent.replay_and_open("m", &[], &[], || Ok(())).unwrap();
+        let total = u64::from(CONNECTIONS) * u64::from(EACH);
+        assert_eq!(
+            (stats.replayed, stats.replayed_segments, stats.failed),
+            (total, total, 0)
+        );
+        let replayed = f.replayed.0.lock().unwrap();
+        assert_eq!(replayed.len() as u64, total);
+        let mut next = std::collections::HashMap::new();
+        for p in replayed.iter() {
+            let conn = u16::from_be_bytes([p[20], p[21]]);
+            let ack = u32::from_be_bytes([p[28], p[29], p[30], p[31]]);
+            let want = next.entry(conn).or_insert(0u32);
+            assert_eq!(ack, *want, "connection {conn} out of order");
+            *want += 1;
+        }
+        assert!(next.values().all(|&n| n == EACH));
+    }
+
     #[test]
     fn replay_skips_what_the_source_delivered_and_opens_between_batches() {
         let f = fixture();

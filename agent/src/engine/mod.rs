@@ -73,7 +73,8 @@
 //!   egress, replays the captured packets into its stack in arrival order
 //!   while the process is still stopped (the kernel queues and ACKs them;
 //!   each connection's consecutive segments joined into one, see
-//!   `ferry_ebpf::coalesce`),
+//!   `ferry_ebpf::coalesce`; a large batch is cut by connection and
+//!   replayed on one thread per CPU, see `capture::lane_of`),
 //!   skipping those the log says the source handled (the longest prefix of
 //!   the capture matching the log's end; collectively rebuilt connections
 //!   leave repair mode just before, and only then may send),
