@@ -1753,6 +1753,11 @@ mod tests {
         );
     }
 
+    const TCP_7000: PortKey = PortKey {
+        transport: Transport::Tcp,
+        port: 7000,
+    };
+
     /// The destination drains the ring in the background while it
     /// captures, and the commit drains too: whoever drains, packets reach
     /// their session in ring order, and the background drain alone takes
@@ -1761,11 +1766,7 @@ mod tests {
     fn packets_drained_in_the_background_keep_their_order() {
         const PACKETS: usize = 20_000;
         let f = fixture();
-        let port = PortKey {
-            transport: Transport::Tcp,
-            port: 7000,
-        };
-        f.agent.capture.open("m", [port]);
+        f.agent.capture.open("m", [TCP_7000]);
         f.agent.drain_while_capturing("m");
         let ring = f.filter.1.clone();
         let producer = std::thread::spawn(move || {
@@ -1806,11 +1807,7 @@ mod tests {
         const CONNECTIONS: u16 = 300;
         const EACH: u32 = 4;
         let f = fixture();
-        let port = PortKey {
-            transport: Transport::Tcp,
-            port: 7000,
-        };
-        f.agent.capture.open("m", [port]);
+        f.agent.capture.open("m", [TCP_7000]);
         {
             let mut ring = f.filter.1.lock().unwrap();
             for ack in 0..EACH {
@@ -1844,11 +1841,7 @@ mod tests {
     #[test]
     fn replay_skips_what_the_source_delivered_and_opens_between_batches() {
         let f = fixture();
-        let port = PortKey {
-            transport: Transport::Tcp,
-            port: 7000,
-        };
-        f.agent.capture.open("m", [port]);
+        f.agent.capture.open("m", [TCP_7000]);
         f.filter.1.lock().unwrap().extend([
             captured(7000, b"p1"),
             captured(7000, b"p2"),
