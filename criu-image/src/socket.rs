@@ -352,6 +352,19 @@ pub(crate) fn replace_isk(msg: &[u8], isk: &[u8]) -> Result<Vec<u8>, WireError> 
 /// The field number of `src_addr`, for [`replace_repeated_uint32`].
 pub(crate) const SRC_ADDR_FIELD: u32 = SRC_ADDR;
 
+/// The entry's `proto` (the last occurrence, as protobuf says), without
+/// decoding the rest.
+pub(crate) fn protocol(msg: &[u8]) -> Result<Option<u32>, WireError> {
+    let mut found = None;
+    for field in Fields::new(msg) {
+        let field = field?;
+        if field.number == PROTO {
+            found = Some(field.uint32()?);
+        }
+    }
+    Ok(found)
+}
+
 /// `so_rcvbuf` of the entry's `opts` (both required in sk-inet.proto and
 /// sk-opts.proto; the last occurrence wins, as protobuf says).
 pub(crate) fn receive_buffer(msg: &[u8]) -> Result<u32, Fault> {
