@@ -17,8 +17,9 @@
 //! Per migration: the freeze and its parts (from the migration report),
 //! bytes sent while frozen, the median client's gap and the worst one, TCP
 //! retransmission timeouts at the clients, UDP datagrams lost. Prints one
-//! row per migration, then medians and p95 per count and mode; writes CSV
-//! and Markdown to `--out` (default `target/bench/freeze`).
+//! row per migration, then medians and p95 per count and mode; writes CSV,
+//! Markdown and an SVG chart of the freeze against the connection count to
+//! `--out` (default `target/bench/freeze`).
 
 use std::fmt::Write as _;
 use std::net::SocketAddrV4;
@@ -185,8 +186,9 @@ fn bench(args: &Args) -> Result<()> {
     }
     std::fs::write(args.out.join("freeze_parts.csv"), parts_csv)?;
     std::fs::write(args.out.join("freeze.md"), &report)?;
+    std::fs::write(args.out.join("freeze.svg"), plot(&rows, args, &modes))?;
     println!(
-        "written: {0}/freeze.csv, {0}/freeze_parts.csv, {0}/freeze.md",
+        "written: {0}/freeze.csv, {0}/freeze_parts.csv, {0}/freeze.md, {0}/freeze.svg",
         args.out.display()
     );
     Ok(())
@@ -323,6 +325,49 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     }
     let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
     v[rank.clamp(1, v.len()) - 1]
+}
+
+/// The freeze's median and p95 against the number of connections, a line
+/// for each per mode (seed 000 Fig. 5b/5c).
+fn plot(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) -> String {
+    use ferry_policy::sim::svg::{Chart, Series};
+    let mut series = Vec::new();
+    for &(mode, _) in modes {
+        let mut medians = Vec::new();
+        let mut p95s = Vec::new();
+        for &tcp in &args.tcp {
+            let mut v: Vec<f64> = rows
+                .iter()
+                .filter(|r| r.tcp == tcp && r.mode == mode)
+                .map(|r| r.freeze_ms)
+                .collect();
+            if v.is_empty() {
+                continue;
+            }
+            v.sort_by(f64::total_cmp);
+            medians.push((tcp as f64, median(&v)));
+            p95s.push((tcp as f64, percentile(&v, 95.0)));
+        }
+        series.push(Series {
+            name: format!("{mode}, median"),
+            points: medians,
+        });
+        series.push(Series {
+            name: format!("{mode}, p95"),
+            points: p95s,
+        });
+    }
+    Chart {
+        title: format!(
+            "Freeze time by established TCP connections ({} migrations each)",
+            args.runs
+        ),
+        x_label: "established TCP connections".into(),
+        y_label: "freeze (ms)".into(),
+        y_range: None,
+        series,
+    }
+    .render()
 }
 
 fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) -> String {
