@@ -121,6 +121,33 @@ pub fn sockets_of(pid: i32) -> Result<Vec<std::os::fd::OwnedFd>, InspectError> {
     Ok(sockets)
 }
 
+/// Process `pid`'s descriptor table: each descriptor's number and what it
+/// is, as /proc/PID/fd links it, without the inode numbers that differ
+/// between nodes ("socket", "pipe", "anon_inode:[pidfd]", a path...). A
+/// migrated process must come back with exactly the table it had.
+pub fn descriptor_table(pid: i32) -> Result<std::collections::BTreeMap<i32, String>, InspectError> {
+    let err = |op| move |source| InspectError::Process { op, pid, source };
+    let mut table = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(err("listing the fds"))? {
+        let entry = entry.map_err(err("listing the fds"))?;
+        let Ok(n) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        let target = target.to_string_lossy().into_owned();
+        let kind = match target.split_once(":[") {
+            Some((kind, rest)) if rest.trim_end_matches(']').parse::<u64>().is_ok() => {
+                kind.to_owned()
+            }
+            _ => target,
+        };
+        table.insert(n, kind);
+    }
+    Ok(table)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

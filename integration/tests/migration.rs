@@ -939,6 +939,7 @@ fn connection_options_survive_the_migration() {
         let before = read(&conns);
         drop(conns);
         let verified_before = client.verified_per_connection();
+        let table_before = ferry_integration::inspect::descriptor_table(pid).expect("fd table");
 
         let report = migrate_committed(
             &mut node1,
@@ -964,6 +965,13 @@ fn connection_options_survive_the_migration() {
             p.tcp_established == 8 && p.state == "running"
         })
         .await;
+        // Nothing CRIU or ferryd used on the way is left in the process
+        // (the pidfd CRIU's restore took the connections by was once).
+        assert_eq!(
+            ferry_integration::inspect::descriptor_table(report.destination_pid).expect("fd table"),
+            table_before,
+            "the descriptor table after the migration"
+        );
         let after = read(&connections_of(report.destination_pid));
         assert_eq!(after.len(), 8, "{:?}", after.keys());
         for (k, b) in &before {

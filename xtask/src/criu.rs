@@ -102,11 +102,13 @@ const PATCHES: &[Patch] = &[
     // Connections handed over as `ferry-tcp:[<ino>]` stay in CRIU's
     // process and the restored task takes each by pidfd_getfd(), instead
     // of through CRIU's fdstore, whose lookups are quadratic (~6 ms of the
-    // restore at 1024 connections, measured A/B in docs/results.md).
+    // restore at 1024 connections, measured A/B in docs/results.md). Its
+    // pidfd is closed before the tasks resume since mark "2" (the first
+    // version leaked it into the restored process).
     Patch {
         what: "inherited connections taken by pidfd",
         text: include_str!("../criu/inherited-connections-by-pidfd.patch"),
-        mark: "ferry-tcp-by-pidfd",
+        mark: "ferry-tcp-by-pidfd2",
     },
     // A dump asked to (`ferry:tcp-opts-by-caller`) records established
     // connections without their socket options, which ferryd carries; the

@@ -90,8 +90,11 @@ pub const INHERITED_TCP_MARK: &str = "ferry-inherited-tcp";
 
 /// The mark of `xtask/criu/inherited-connections-by-pidfd.patch`:
 /// connections handed over as `ferry-tcp:[<ino>]` are taken from CRIU's
-/// process by pidfd (no fdstore, no linear search).
-pub const TCP_BY_PIDFD_MARK: &str = "ferry-tcp-by-pidfd";
+/// process by pidfd (no fdstore, no linear search). "2": the version that
+/// closes that pidfd before the tasks resume; a build of the first one
+/// (which left it open in the restored process, one more per migration)
+/// is not used for it, and its connections go through the fdstore.
+pub const TCP_BY_PIDFD_MARK: &str = "ferry-tcp-by-pidfd2";
 
 /// The mark of `xtask/criu/tcp-options-by-caller.patch`: a dump asked to
 /// (`ferry:tcp-opts-by-caller`) records established connections without
