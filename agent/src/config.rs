@@ -132,8 +132,10 @@ pub struct TokenConfig {
 pub struct MigrationConfig {
     /// How TCP connections move when a request does not say:
     /// "collective" (ferryd reads and rebuilds all established
-    /// connections in one batch, `sockstate`) or "iterative" (CRIU's own
-    /// path, one connection at a time). Collective: it wins at every
+    /// connections in one batch, `sockstate`), "incremental" (collective,
+    /// with what does not move read before the freeze,
+    /// `sockstate::preread`) or "iterative" (CRIU's own path, one
+    /// connection at a time). Collective: it wins at every
     /// connection count measured here (docs/results.md, `cargo xtask
     /// bench freeze`), and falls back to iterative by itself for sockets
     /// it cannot move.

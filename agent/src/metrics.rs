@@ -86,6 +86,7 @@ impl MigrationLabels {
             sockets: match pb::SocketMigration::try_from(report.sockets) {
                 Ok(pb::SocketMigration::Collective) => "collective",
                 Ok(pb::SocketMigration::Iterative) => "iterative",
+                Ok(pb::SocketMigration::Incremental) => "incremental",
                 _ => "unspecified",
             },
         }
@@ -126,6 +127,7 @@ impl Default for MigrationMetrics {
         let socket_paths = [
             pb::SocketMigration::Collective,
             pb::SocketMigration::Iterative,
+            pb::SocketMigration::Incremental,
         ];
         for (outcome, sockets) in outcomes
             .into_iter()

@@ -15,6 +15,11 @@ pub enum DataPlaneError {
         name: &'static str,
         source: aya::maps::MapError,
     },
+    #[error("cgroup {path}: {source}")]
+    Cgroup {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
     #[error("adding the clsact qdisc to {iface}: {source}")]
     Qdisc {
         iface: String,

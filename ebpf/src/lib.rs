@@ -18,10 +18,12 @@ mod maps;
 mod ownership;
 pub mod pin;
 mod replay;
+mod sockopt_watch;
 mod translate;
 mod translate_maps;
 
 pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
 pub use replay::{ReplayError, Replayer};
+pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
 pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};

@@ -12,7 +12,7 @@ use ferry_integration::managed::{
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    MigrateRequest, MigrationOutcome, MigrationReport, Strategy, migration_event,
+    MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration, Strategy, migration_event,
 };
 use tonic::transport::Channel;
 
@@ -881,6 +881,21 @@ fn connection_options_survive_the_migration() {
     if !ferry_integration::can_run("connection_options_survive_the_migration") {
         return;
     }
+    options_survive(SocketMigration::Collective);
+}
+
+/// The same through an incremental migration: the options are read before
+/// the freeze, with the setsockopt watch attached, and the freeze takes
+/// every connection from that read (none was touched since).
+#[test]
+fn connection_options_survive_an_incremental_migration() {
+    if !ferry_integration::can_run("connection_options_survive_an_incremental_migration") {
+        return;
+    }
+    options_survive(SocketMigration::Incremental);
+}
+
+fn options_survive(sockets: SocketMigration) {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
@@ -946,6 +961,7 @@ fn connection_options_survive_the_migration() {
             MigrateRequest {
                 pid,
                 destination_node: "node2".into(),
+                sockets: sockets as i32,
                 ..Default::default()
             },
         )
@@ -955,12 +971,23 @@ fn connection_options_survive_the_migration() {
             MigrationOutcome::Committed as i32,
             "{report:#?}"
         );
+        assert_eq!(report.sockets, sockets as i32, "{report:#?}");
         assert!(
             cluster
                 .log_text("node1")
                 .contains("socket options move with their state"),
             "the options did not take ferryd's path"
         );
+        if sockets == SocketMigration::Incremental {
+            assert_eq!(
+                (
+                    report.connections_preread,
+                    report.connections_read_in_freeze
+                ),
+                (8, 0),
+                "every connection taken from the read before the freeze"
+            );
+        }
         wait_for_process(&mut node2, report.destination_pid, |p| {
             p.tcp_established == 8 && p.state == "running"
         })

@@ -776,9 +776,10 @@ pub fn migrate_options(
         Ok(pb::SocketMigration::Unspecified) => None,
         Ok(pb::SocketMigration::Iterative) => Some(SocketMigration::Iterative),
         Ok(pb::SocketMigration::Collective) => Some(SocketMigration::Collective),
+        Ok(pb::SocketMigration::Incremental) => Some(SocketMigration::Incremental),
         Err(_) => {
             return Err(Status::invalid_argument(format!(
-                "sockets: {} is not a socket migration mode (1 iterative, 2 collective)",
+                "sockets: {} is not a socket migration mode (1 iterative, 2 collective, 3 incremental)",
                 req.sockets
             )));
         }

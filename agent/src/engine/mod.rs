@@ -5,9 +5,9 @@
 //! Source (`source.rs`), driven by `Control.Migrate`:
 //!
 //! ```text
-//! Validate ─> Prepare ─> (Pre-copy) ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Discard ─> Commit ─> Committed
-//!    │           │            │          │       │                      │          │            │
-//!    └─ error    └────────────┴──────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
+//! Validate ─> Prepare ─> (Pre-copy) ─> (Pre-read) ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Discard ─> Commit ─> Committed
+//!    │           │            │             │          │       │                      │          │            │
+//!    └─ error    └────────────┴─────────────┴──────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
 //! ```
 //!
 //! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
@@ -26,6 +26,16 @@
 //!   tracking ends; the Transfer then names those pages (`StoredPages`)
 //!   instead of carrying them. An abort ends tracking before the process
 //!   resumes: no write protection outlives a migration.
+//! - **Pre-read** (incremental socket migration only, no peer call): the
+//!   source attaches a setsockopt watch (a `cgroup/setsockopt` eBPF
+//!   program, `ferry_ebpf::SockoptWatch`) to the process tree's cgroups,
+//!   then reads what does not move of every established connection (its
+//!   addresses, SO_REUSEADDR and socket options) while the process runs
+//!   ([`crate::sockstate::Preread`]). Inside the freeze only connections
+//!   the watch saw a setsockopt call on, and new ones, are read whole. A
+//!   watch that cannot attach (no cgroup v2) turns the migration into a
+//!   collective one, with the reason in the report. The watch is detached
+//!   when the migration ends, whatever its outcome.
 //! - **Arm** (skipped with `[dataplane] capture = false`): the source starts
 //!   logging what it delivers to the process's ports (`Recording`), then
 //!   `Peer.Arm` makes the destination capture every packet to all of them

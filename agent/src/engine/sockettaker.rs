@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::process;
-use crate::sockstate::{self, Held, SockStateError, TcpConnectionState};
+use crate::sockstate::{self, Held, Preread, ReadCounts, SockStateError, TcpConnectionState};
 
 /// The most the reading after a dump waits for the dumped process's
 /// threads to take CRIU's SIGSTOP (only when nothing was read during it).
@@ -36,6 +36,17 @@ pub(super) struct ReadConnections {
     pub held: Arc<Held>,
     pub states: Result<Vec<TcpConnectionState>, SockStateError>,
     pub took: Duration,
+    /// Incremental: how the connections were read.
+    pub counts: Option<ReadCounts>,
+}
+
+/// An incremental migration's connections read before the freeze, and
+/// the watch that says which of them a setsockopt call touched since
+/// (attached before the read). The freeze reads the watch once and
+/// detaches it; an abort before that detaches it when this is dropped.
+pub(super) struct Incremental {
+    pub preread: Preread,
+    pub watch: std::sync::Mutex<Option<ferry_ebpf::SockoptWatch>>,
 }
 
 /// Where the connections' states go as soon as they are read: the task
@@ -53,7 +64,7 @@ pub(super) struct Taken {
 }
 
 /// What is read from the stopped tree's sockets.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct ReadPlan {
     pub pid: i32,
     /// The UDP datagrams left unread (capture on).
@@ -62,6 +73,8 @@ pub(super) struct ReadPlan {
     pub collective: bool,
     /// The connections' socket options too (CRIU's dump leaves them out).
     pub with_options: bool,
+    /// Incremental: what was read before the freeze.
+    pub incremental: Option<Arc<Incremental>>,
 }
 
 /// Reads the stopped tree's sockets once per dump, during it when it can.
@@ -97,7 +110,7 @@ impl SocketTaker {
         if !self.during_dump || !self.has_work() || self.reading.is_some() || self.thawed {
             return;
         }
-        let (plan, states_to) = (self.plan, self.states_to.take());
+        let (plan, states_to) = (self.plan.clone(), self.states_to.take());
         let spawned = std::thread::Builder::new()
             .name("ferry-sockets".into())
             .spawn(move || read(plan, states_to));
@@ -166,7 +179,7 @@ impl SocketTaker {
                 tracing::warn!(pid = self.plan.pid, error = %e, "the process's group stop was not seen; its sockets are read anyway")
             }
         }
-        read(self.plan, self.states_to.take())
+        read(self.plan.clone(), self.states_to.take())
     }
 
     fn join(&mut self) -> Option<Taken> {
@@ -187,11 +200,35 @@ fn read(plan: ReadPlan, states_to: Option<StatesTo>) -> Taken {
         capture,
         collective,
         with_options,
+        incremental,
     } = plan;
     if !capture && !collective {
         return Taken::default();
     }
-    let sockets = sockstate::take_sockets(&process::process_tree(pid));
+    // The tree is stopped: no setsockopt call of its own can come after
+    // this read of the watch, whose work is then done. Detached at once,
+    // on a thread of its own: until then every setsockopt call in its
+    // cgroups runs it, and ferryd's own repair calls and the destination's
+    // rebuild and restore (on this node too, in a test cluster) are tens
+    // of thousands.
+    let preread = incremental.as_ref().and_then(|inc| {
+        let watch = inc.watch.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        let touched = watch.touched();
+        let _ = std::thread::Builder::new()
+            .name("ferry-sockopt-off".into())
+            .spawn(move || drop(watch));
+        match touched {
+            Ok(touched) => Some((&inc.preread, touched)),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the setsockopt watch; every connection is read whole");
+                None
+            }
+        }
+    });
+    let sockets = sockstate::take_sockets(
+        &process::process_tree(pid),
+        preread.as_ref().map(|(p, _)| *p),
+    );
     let unread = match &sockets {
         Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
         Err(e) if capture => Err(e.to_string()),
@@ -208,11 +245,20 @@ fn read(plan: ReadPlan, states_to: Option<StatesTo>) -> Taken {
         Ok(s) => {
             let started = Instant::now();
             let held = Arc::new(s.into_held());
-            let states = held.extract(with_options);
+            let (states, counts) = match &preread {
+                Some((p, touched)) => {
+                    match held.extract_incremental(with_options, Some((p, touched))) {
+                        Ok((states, counts)) => (Ok(states), Some(counts)),
+                        Err(e) => (Err(e), None),
+                    }
+                }
+                None => (held.extract(with_options), None),
+            };
             let read = ReadConnections {
                 held: held.clone(),
                 states,
                 took: started.elapsed(),
+                counts,
             };
             (Some(held), Ok(read))
         }

@@ -25,7 +25,7 @@ use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::{self, SocketMigration};
 
 use super::precopy::{Convergence, MemoryStrategy, Precopy};
-use super::sockettaker::{ReadConnections, ReadPlan, SocketTaker, Taken};
+use super::sockettaker::{Incremental, ReadConnections, ReadPlan, SocketTaker, Taken};
 use super::{EngineError, images, new_migration_id, pagetunnel, rollback};
 
 /// What a migration request may choose; `None`: the agent's `[migration]`
@@ -398,6 +398,9 @@ struct Run {
     /// end of the dump, with a CRIU lacking ferry's patch). Turned back on an
     /// abort; closed (silently) after the commit.
     held: Option<Arc<sockstate::Held>>,
+    /// Incremental socket migration: the connections read before the
+    /// freeze, and the setsockopt watch attached until the migration ends.
+    incremental: Option<Arc<Incremental>>,
     /// Collective socket migration: the transfer of the connections'
     /// states, started with the dump.
     sockets_sending: Option<tokio::task::JoinHandle<SocketsSent>>,
@@ -432,9 +435,16 @@ const MAX_LOCAL_RANGES: usize = 200_000;
 /// answer PostCopyStatus once the page server's connection is gone.
 const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
 
-/// What the socket transfer of a collective migration answers: the
-/// message's size and the destination's reply.
-type SocketsSent = Result<Option<(u64, ferry_proto::v1::TransferSocketsResponse)>, EngineError>;
+/// What the socket transfer of a collective migration answers.
+struct SentSockets {
+    /// The message's size.
+    bytes: u64,
+    answer: ferry_proto::v1::TransferSocketsResponse,
+    /// Incremental: how the connections were read.
+    counts: Option<sockstate::ReadCounts>,
+}
+
+type SocketsSent = Result<Option<SentSockets>, EngineError>;
 
 /// Sends the connections' states to the destination in one message as
 /// soon as the socket reader has them, which is during the dump.
@@ -459,8 +469,12 @@ async fn send_sockets(
         held = read.held.len(),
         queued_bytes = queued,
         ms = read.took.as_secs_f64() * 1000.0,
+        preread = read.counts.map(|c| c.preread),
+        touched = read.counts.map(|c| c.touched),
+        unknown = read.counts.map(|c| c.unknown),
         "TCP connections read in one batch"
     );
+    let counts = read.counts;
     let req = ferry_proto::v1::TransferSocketsRequest {
         migration_id,
         source_node,
@@ -468,7 +482,11 @@ async fn send_sockets(
     };
     let bytes = prost::Message::encoded_len(&req) as u64;
     match tokio::time::timeout(deadline, peer.transfer_sockets(req)).await {
-        Ok(Ok(r)) => Ok(Some((bytes, r.into_inner()))),
+        Ok(Ok(r)) => Ok(Some(SentSockets {
+            bytes,
+            answer: r.into_inner(),
+            counts,
+        })),
         Ok(Err(s)) => Err(peer_error(&destination.name, s)),
         Err(_) => Err(silent(&destination, "the socket transfer", deadline)),
     }
@@ -610,6 +628,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             draining: None,
             translated: Vec::new(),
             held: None,
+            incremental: None,
             sockets_sending: None,
             precopy: None,
             page_server: None,
@@ -728,6 +747,36 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     }
 
+    // Incremental: what of the connections does not move is read now,
+    // while the process runs, with the setsockopt watch attached first.
+    honour_cancel!();
+    if run.p.socket_migration == SocketMigration::Incremental {
+        run.phase("sockets pre-read").await;
+        let with_options = options_by_ferryd(
+            true,
+            run.p.destination_takes_tcp_options,
+            &run.agent.config.criu_path,
+        );
+        match tokio::task::spawn_blocking(move || preread(pid, with_options)).await {
+            Ok(Ok(inc)) => {
+                tracing::info!(
+                    connections = inc.preread.len(),
+                    with_options,
+                    "connections read before the freeze; setsockopt watch attached"
+                );
+                run.incremental = Some(Arc::new(inc));
+            }
+            Ok(Err(why)) => {
+                tracing::warn!(pid, reason = %why, "incremental socket migration unavailable; collective instead");
+                run.p.socket_migration = SocketMigration::Collective;
+                run.p.socket_note = Some(format!("incremental: {why}; collective instead"));
+                run.report.sockets = SocketMigration::Collective.to_pb() as i32;
+                run.report.sockets_note = run.p.socket_note.clone().unwrap_or_default();
+            }
+            Err(e) => return Stop::BeforeCommit(EngineError::Internal(e.to_string())),
+        }
+    }
+
     // Arm: from here on the destination keeps every packet for the
     // process's ports. Until the freeze this node still serves them, and
     // logs what it delivers, so the destination can skip those.
@@ -785,9 +834,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         images_dir: images.clone(),
         log_dir: dir.to_owned(),
         log_level: run.agent.config.criu_log_level,
-        tcp_connections: match run.p.socket_migration {
-            SocketMigration::Iterative => criu::TcpConnections::Dump,
-            SocketMigration::Collective => criu::TcpConnections::Skip,
+        tcp_connections: if run.p.socket_migration.is_collective() {
+            criu::TcpConnections::Skip
+        } else {
+            criu::TcpConnections::Dump
         },
         lazy: lazy.clone(),
         criu_pid: Some(criu_pid.clone()),
@@ -799,7 +849,8 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // destination has every page.
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Taken>();
     let capture = run.capture;
-    let collective = run.p.socket_migration == SocketMigration::Collective;
+    let collective = run.p.socket_migration.is_collective();
+    let incremental = run.incremental.clone();
     let takes_tcp_options = run.p.destination_takes_tcp_options;
     // Collective: the connections' states go to the destination as soon as
     // they are read, which is during the dump (`sockettaker.rs`).
@@ -819,9 +870,8 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             // options to ferryd: CRIU's dump records the connections
             // without them and ferryd reads them with their state.
             let mut req = req;
-            req.tcp_options_by_caller = collective
-                && takes_tcp_options
-                && criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
+            req.tcp_options_by_caller =
+                options_by_ferryd(collective, takes_tcp_options, &criu_path);
             if req.tcp_options_by_caller {
                 tracing::info!(
                     "the connections' socket options move with their state, not in CRIU's images"
@@ -832,6 +882,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 capture,
                 collective,
                 with_options: req.tcp_options_by_caller,
+                incremental,
             };
             let mut taker = Some(SocketTaker::new(
                 plan,
@@ -1092,8 +1143,16 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         run.report.freeze_pages = run.report.dumped_pages - run.report.precopied_pages;
     }
     match sockets {
-        Ok(Some((sent_bytes, answer))) => {
-            run.report.bytes_transferred += sent_bytes;
+        Ok(Some(SentSockets {
+            bytes,
+            answer,
+            counts,
+        })) => {
+            run.report.bytes_transferred += bytes;
+            if let Some(c) = counts {
+                run.report.connections_preread = c.preread;
+                run.report.connections_read_in_freeze = c.touched + c.unknown;
+            }
             tracing::info!(
                 connections = answer.connections,
                 rebuild_ms = answer.rebuild_us as f64 / 1000.0,
@@ -1113,7 +1172,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     run.phase("restore").await;
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
-        collective_sockets: run.p.socket_migration == SocketMigration::Collective,
+        collective_sockets: run.p.socket_migration.is_collective(),
         lazy_pages: run.page_server.is_some(),
         local_pages,
     });
@@ -1669,6 +1728,38 @@ async fn finish(run: &mut Run, stop: Stop) {
 }
 
 /// Images and logs hold process memory: root only.
+/// Whether ferryd reads and carries the connections' socket options
+/// (collective, the destination takes them, and this node's CRIU leaves
+/// them out). The pre-read and the dump must agree on it.
+fn options_by_ferryd(collective: bool, destination_takes: bool, criu: &std::path::Path) -> bool {
+    collective && destination_takes && criu::has_patch(criu, criu::OPTS_BY_CALLER_MARK)
+}
+
+/// Attaches the setsockopt watch to the cgroups of `pid`'s tree, then
+/// reads its connections (in that order: a call racing with the read is
+/// seen). Blocking. The error says why incremental mode cannot be used.
+fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
+    let tree = process::process_tree(pid);
+    let cgroups = tree
+        .iter()
+        .map(|&p| ferry_ebpf::cgroup_v2_dir(p).map_err(|e| format!("process {p}'s cgroup v2: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut watch = ferry_ebpf::SockoptWatch::attach(&cgroups)
+        .map_err(|e| format!("attaching the setsockopt watch: {e}"))?;
+    let preread = sockstate::Preread::of_tree(&tree, with_options)
+        .map_err(|e| format!("reading the connections: {e}"))?;
+    // Calls elsewhere on the node cost no map update from here on.
+    if let Some(netns) = preread.only_netns() {
+        watch
+            .only_netns(netns)
+            .map_err(|e| format!("narrowing the setsockopt watch: {e}"))?;
+    }
+    Ok(Incremental {
+        preread,
+        watch: std::sync::Mutex::new(Some(watch)),
+    })
+}
+
 pub fn set_private(dir: &std::path::Path) {
     use std::os::unix::fs::PermissionsExt;
     if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {

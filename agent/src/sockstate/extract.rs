@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
 
+use ferry_ebpf::Touched;
+
+use super::preread::{Preread, PrereadConnection};
 use super::sys::{self, RepairWindow};
 use super::{SockStateError, TcpConnectionState, state_name};
 
@@ -104,14 +107,29 @@ pub struct StoppedSockets {
 /// tree `tree` (root first) into ferryd with `pidfd_getfd`. Call it with
 /// the tree stopped: the descriptor tables must not change under it. A
 /// socket shared by several processes of the tree is taken once.
-pub fn take_sockets(tree: &[i32]) -> Result<StoppedSockets, SockStateError> {
+/// `preread`: connections read before the freeze, each told by one call
+/// (its TCP state) instead of three.
+pub fn take_sockets(
+    tree: &[i32],
+    preread: Option<&Preread>,
+) -> Result<StoppedSockets, SockStateError> {
     let mut taken = StoppedSockets {
         tcp: Vec::new(),
         udp: Vec::new(),
     };
     let mut seen = HashSet::new();
     for_each_socket(tree, |inode, fd| {
-        let list = match kind_of(fd.as_fd()) {
+        let known = preread
+            .and_then(|p| p.get(inode))
+            .and_then(|_| sys::tcp_info_head(fd.as_fd()).ok());
+        let kind = match known {
+            // 10 LISTEN, 7 CLOSE. A socket that is no TCP one (its inode
+            // number was reused) fails TCP_INFO and is asked in full.
+            Some(head) if head[0] != 10 && head[0] != 7 => SocketKind::TcpConnected,
+            Some(_) => SocketKind::Other,
+            None => kind_of(fd.as_fd()),
+        };
+        let list = match kind {
             SocketKind::TcpConnected => &mut taken.tcp,
             SocketKind::Udp => &mut taken.udp,
             SocketKind::Other => return Ok(()),
@@ -223,17 +241,42 @@ impl Held {
     /// between its size and its bytes being read.
     /// `with_options`: their socket options too ([`super::options`]).
     pub fn extract(&self, with_options: bool) -> Result<Vec<TcpConnectionState>, SockStateError> {
+        self.extract_incremental(with_options, None)
+            .map(|(states, _)| states)
+    }
+
+    /// [`Held::extract`], taking what `preread` holds of a connection
+    /// instead of reading it again, unless `touched` says a setsockopt call
+    /// was made on it since ([`super::preread`]).
+    pub fn extract_incremental(
+        &self,
+        with_options: bool,
+        preread: Option<(&Preread, &Touched)>,
+    ) -> Result<(Vec<TcpConnectionState>, ReadCounts), SockStateError> {
         let threads = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)
             .clamp(1, 4);
         let per = self.conns.len().div_ceil(threads).max(1);
-        let parts: Vec<Result<Vec<TcpConnectionState>, SockStateError>> = std::thread::scope(|s| {
+        type Part = Result<(Vec<TcpConnectionState>, ReadCounts), SockStateError>;
+        let parts: Vec<Part> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .conns
                 .chunks(per)
                 .map(|chunk| {
-                    s.spawn(move || chunk.iter().map(|c| extract_one(c, with_options)).collect())
+                    s.spawn(move || {
+                        let mut counts = ReadCounts::default();
+                        let states = chunk
+                            .iter()
+                            .map(|c| {
+                                let pre = preread.and_then(|(p, touched)| {
+                                    usable(p, touched, c, with_options, &mut counts)
+                                });
+                                extract_one(c, with_options, pre)
+                            })
+                            .collect::<Result<Vec<_>, _>>()?;
+                        Ok((states, counts))
+                    })
                 })
                 .collect();
             handles
@@ -250,10 +293,15 @@ impl Held {
                 .collect()
         });
         let mut all = Vec::with_capacity(self.conns.len());
+        let mut counts = ReadCounts::default();
         for part in parts {
-            all.extend(part?);
+            let (states, c) = part?;
+            all.extend(states);
+            counts.preread += c.preread;
+            counts.touched += c.touched;
+            counts.unknown += c.unknown;
         }
-        Ok(all)
+        Ok((all, counts))
     }
 
     /// Turns repair off again (an abort: the process resumes on the
@@ -289,17 +337,63 @@ impl Held {
     }
 }
 
+/// How an incremental extraction read the connections.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadCounts {
+    /// Taken from the pre-read.
+    pub preread: u32,
+    /// Pre-read, but touched by a setsockopt call since: read whole.
+    pub touched: u32,
+    /// Not pre-read (opened since, or left out): read whole.
+    pub unknown: u32,
+}
+
+/// What the pre-read holds of `c`, if it can stand for a read now.
+fn usable<'p>(
+    preread: &'p Preread,
+    touched: &Touched,
+    c: &HeldConnection,
+    with_options: bool,
+    counts: &mut ReadCounts,
+) -> Option<&'p PrereadConnection> {
+    match preread.known(c.inode, c.fd.as_fd()) {
+        Some(p) if with_options && p.options.is_none() => {
+            counts.unknown += 1;
+            None
+        }
+        Some(p) if touched.may_have_changed(&p.watched()) => {
+            counts.touched += 1;
+            None
+        }
+        Some(p) => {
+            counts.preread += 1;
+            Some(p)
+        }
+        None => {
+            counts.unknown += 1;
+            None
+        }
+    }
+}
+
+/// Reads one connection; `pre`: what need not be read again.
 fn extract_one(
     c: &HeldConnection,
     with_options: bool,
+    pre: Option<&PrereadConnection>,
 ) -> Result<TcpConnectionState, SockStateError> {
     let fd = c.fd.as_fd();
-    let local = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
-        .ok()
-        .and_then(addr);
-    let remote = getpeername::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
-        .ok()
-        .and_then(addr);
+    let (local, remote) = match pre {
+        Some(p) => (Some(p.local), Some(p.remote)),
+        None => (
+            getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+                .ok()
+                .and_then(addr),
+            getpeername::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+                .ok()
+                .and_then(addr),
+        ),
+    };
     let conn = match (local, remote) {
         (Some(l), Some(r)) => format!("{l} -> {r}"),
         _ => format!("inode {}", c.inode),
@@ -315,16 +409,32 @@ fn extract_one(
             source: std::io::Error::other("not an IPv4/IPv6 connection"),
         });
     };
-    let reuseaddr = sys::get_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR)
-        .map_err(err("reading SO_REUSEADDR"))?;
-    c.reuseaddr.store(reuseaddr != 0, Ordering::SeqCst);
+    let reuseaddr = match pre {
+        Some(p) => p.reuseaddr,
+        None => {
+            sys::get_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR)
+                .map_err(err("reading SO_REUSEADDR"))?
+                != 0
+        }
+    };
+    c.reuseaddr.store(reuseaddr, Ordering::SeqCst);
+    // The kernel tunes a buffer whose size the process did not set.
     let sndbuf =
         sys::get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).map_err(err("reading SO_SNDBUF"))?;
     // Before repair goes on: TCP_REPAIR is no option of the process's.
-    let socket_options = if with_options {
-        Some(super::options::read(fd, local.is_ipv6()).map_err(err("reading the socket options"))?)
-    } else {
-        None
+    let socket_options = match (with_options, pre.and_then(|p| p.options.as_ref())) {
+        (false, _) => None,
+        (true, Some(o)) => {
+            let mut o = o.clone();
+            if o.buf_lock & super::options::RCVBUF_LOCKED == 0 {
+                o.rcvbuf = sys::get_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF)
+                    .map_err(err("reading SO_RCVBUF"))? as u32;
+            }
+            Some(o)
+        }
+        (true, None) => Some(
+            super::options::read(fd, local.is_ipv6()).map_err(err("reading the socket options"))?,
+        ),
     };
 
     sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)
@@ -396,7 +506,7 @@ fn extract_one(
         recv_wscale,
         timestamp,
         window,
-        reuseaddr: reuseaddr != 0,
+        reuseaddr,
         sndbuf: sndbuf.max(0) as u32,
         socket_options,
     })

@@ -35,19 +35,30 @@
 //!    ([`Rebuilt::resume`]). Until then the rebuilt sockets are inert: no
 //!    retransmission timer runs down while the process is frozen.
 //!
+//! Incremental collective migration ([`preread`], seed 000 §III-C's
+//! tracking during pre-copy) moves most of step 2 out of the freeze: what
+//! does not change while a connection lives (its addresses, SO_REUSEADDR,
+//! the options of step 4) is read before it, with a setsockopt watch
+//! (`ferry_ebpf::SockoptWatch`) attached first; the freeze reads it again
+//! only for connections a setsockopt call was made on since, and for new
+//! ones, and reads the rest (TCP state, queues, unlocked buffer sizes) of
+//! every connection as before.
+//!
 //! Only ESTABLISHED connections are handled this way; a process holding
 //! others (half-closed, connecting) is migrated with CRIU's own per-socket
 //! path, chosen before the freeze ([`choose`]).
 
 mod extract;
 pub mod options;
+mod preread;
 mod rebuild;
 pub(crate) mod sys;
 mod udp;
 
 use std::net::SocketAddr;
 
-pub use extract::{Held, StoppedSockets, take_sockets, unsupported_sockets};
+pub use extract::{Held, ReadCounts, StoppedSockets, take_sockets, unsupported_sockets};
+pub use preread::{Preread, PrereadConnection};
 pub use rebuild::{Rebuilt, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};
 pub use udp::{datagram_key, give_back_udp_buffers, key_of_packet, unread_datagrams};
@@ -91,6 +102,9 @@ pub enum SocketMigration {
     Iterative,
     /// ferryd's: all connections in one batch ([module docs](self)).
     Collective,
+    /// Collective, with what does not move read before the freeze and
+    /// read again only where a setsockopt call was seen ([`preread`]).
+    Incremental,
 }
 
 impl SocketMigration {
@@ -98,6 +112,7 @@ impl SocketMigration {
         match self {
             Self::Iterative => "iterative",
             Self::Collective => "collective",
+            Self::Incremental => "incremental",
         }
     }
 
@@ -105,7 +120,14 @@ impl SocketMigration {
         match self {
             Self::Iterative => pb::SocketMigration::Iterative,
             Self::Collective => pb::SocketMigration::Collective,
+            Self::Incremental => pb::SocketMigration::Incremental,
         }
+    }
+
+    /// Whether ferryd moves the connections (collective, incremental or
+    /// not).
+    pub fn is_collective(self) -> bool {
+        self != Self::Iterative
     }
 }
 

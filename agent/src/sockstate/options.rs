@@ -20,6 +20,10 @@ use super::sys;
 const SO_BUF_LOCK: libc::c_int = 72;
 const IPV6_FREEBIND: libc::c_int = 78;
 
+/// The receive buffer's bit in SO_BUF_LOCK (SOCK_RCVBUF_LOCK): its size
+/// was set by the process, and the kernel no longer tunes it.
+pub const RCVBUF_LOCKED: u32 = 2;
+
 /// Reads them all (about thirty getsockopt calls).
 pub fn read(fd: BorrowedFd<'_>, ipv6: bool) -> io::Result<TcpSocketOptions> {
     let int = |level, opt| sys::get_int(fd, level, opt);

@@ -346,7 +346,7 @@ fn unread_datagrams_are_named_and_left_in_the_queue() {
         ))
         .spawn()
         .unwrap();
-    let keys = take_sockets(&[child.id() as i32]).and_then(|s| unread_datagrams(&s));
+    let keys = take_sockets(&[child.id() as i32], None).and_then(|s| unread_datagrams(&s));
     let _ = child.kill();
     let _ = child.wait();
     let keys = keys.expect("peek");
@@ -488,4 +488,71 @@ fn socket_options_carried_by_ferryd_come_back() {
     assert_eq!(state.socket_options.as_ref(), Some(&before));
     let after = super::options::read(moved.as_fd(), false).unwrap();
     assert_eq!(after, before);
+}
+
+/// Incremental: a connection read before the freeze and untouched since
+/// is taken from that read, one a setsockopt call was made on since (seen
+/// by the real watch, in the kernel) and one opened since are read whole,
+/// and all three come out as a whole read of them now would.
+#[test]
+fn an_incremental_read_takes_only_untouched_connections_from_the_preread() {
+    let dup = |s: &TcpStream| -> OwnedFd { s.as_fd().try_clone_to_owned().unwrap() };
+    let (_c1, untouched) = pair();
+    let (_c2, touched) = pair();
+    untouched.set_nodelay(true).unwrap();
+    // Before the watch and the pre-read: in the pre-read.
+    touched.set_ttl(40).unwrap();
+
+    let cgroup = ferry_ebpf::cgroup_v2_dir(std::process::id() as i32).expect("our cgroup v2");
+    let watch = ferry_ebpf::SockoptWatch::attach(&[cgroup]).expect("attach the watch");
+    let pre = Preread::of_descriptors(
+        vec![
+            (inode_of(&untouched), dup(&untouched)),
+            (inode_of(&touched), dup(&touched)),
+        ],
+        true,
+    );
+    assert_eq!(pre.len(), 2);
+    // After the pre-read, while the process would still run.
+    touched.set_ttl(33).unwrap();
+    sys::set_int(touched.as_fd(), libc::SOL_SOCKET, libc::SO_PRIORITY, 4).unwrap();
+    let (_c3, opened_since) = pair();
+    opened_since.set_nodelay(true).unwrap();
+
+    let conns = [&untouched, &touched, &opened_since];
+    let expected: Vec<_> = conns
+        .iter()
+        .map(|s| {
+            (
+                s.local_addr().unwrap(),
+                s.peer_addr().unwrap(),
+                super::options::read(s.as_fd(), false).unwrap(),
+            )
+        })
+        .collect();
+    let held = Held::from_descriptors(conns.iter().map(|s| (inode_of(s), dup(s))).collect());
+    let seen = watch.touched().expect("read the watch");
+    let (states, counts) = held
+        .extract_incremental(true, Some((&pre, &seen)))
+        .expect("extract");
+    held.resume().expect("repair off again");
+    assert_eq!(
+        counts,
+        ReadCounts {
+            preread: 1,
+            touched: 1,
+            unknown: 1
+        }
+    );
+    for (state, (local, remote, options)) in states.iter().zip(&expected) {
+        assert_eq!((state.local, state.remote), (*local, *remote));
+        assert_eq!(
+            state.socket_options.as_ref(),
+            Some(options),
+            "{}",
+            state.name()
+        );
+    }
+    assert_eq!(states[1].socket_options.as_ref().unwrap().ttl, 33);
+    assert_eq!(states[1].socket_options.as_ref().unwrap().priority, 4);
 }

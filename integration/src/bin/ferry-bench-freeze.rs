@@ -12,7 +12,10 @@
 //!   per connection;
 //! - collective: ferryd reads every connection's state in one batch and
 //!   sends it in one message; the destination rebuilds them all before
-//!   CRIU restores the rest (`ferry_agent::sockstate`).
+//!   CRIU restores the rest (`ferry_agent::sockstate`);
+//! - incremental: collective, with the connections' addresses and options
+//!   read before the freeze (a setsockopt watch says which to read again
+//!   in it, `sockstate::preread`).
 //!
 //! Per migration: the freeze and its parts (from the migration report),
 //! bytes sent while frozen, the median client's gap and the worst one, TCP
@@ -40,7 +43,7 @@ const INTERVAL: Duration = Duration::from_millis(50);
 #[derive(Debug, Parser)]
 #[command(
     name = "ferry-bench-freeze",
-    about = "freeze time at scale: iterative vs collective socket migration"
+    about = "freeze time at scale: iterative, collective and incremental socket migration"
 )]
 struct Args {
     /// Migrations per connection count and mode.
@@ -52,8 +55,12 @@ struct Args {
     /// UDP players beside them.
     #[arg(long, default_value_t = 24)]
     udp: usize,
-    /// Socket modes, comma-separated (iterative, collective).
-    #[arg(long, value_delimiter = ',', default_value = "iterative,collective")]
+    /// Socket modes, comma-separated (iterative, collective, incremental).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "iterative,collective,incremental"
+    )]
     modes: Vec<String>,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
@@ -121,7 +128,8 @@ fn mode_of(name: &str) -> Result<(&'static str, SocketMigration)> {
     match name {
         "iterative" => Ok(("iterative", SocketMigration::Iterative)),
         "collective" => Ok(("collective", SocketMigration::Collective)),
-        other => bail!("--modes: {other:?} is not iterative or collective"),
+        "incremental" => Ok(("incremental", SocketMigration::Incremental)),
+        other => bail!("--modes: {other:?} is not iterative, collective or incremental"),
     }
 }
 
@@ -225,7 +233,16 @@ async fn migrations(
     let target = SocketAddrV4::new(cluster.public_addr(), PORT);
     let clients = [cluster.netns_path("client1"), cluster.netns_path("client2")];
     for run in 0..args.runs {
-        for &(mode_name, mode) in modes {
+        // The server moves node1 -> node2 -> node1 ...: with an even number
+        // of modes in a fixed order, each mode would always move the same
+        // way. Every other run takes them in reverse, so each mode moves
+        // both ways.
+        let order: Vec<_> = if run % 2 == 1 && modes.len().is_multiple_of(2) {
+            modes.iter().rev().copied().collect()
+        } else {
+            modes.to_vec()
+        };
+        for (mode_name, mode) in order {
             let tcp = SeqClient::start(clients[0].clone(), target, tcp_count, INTERVAL, 256)?;
             let udp = UdpClients::start(clients[1].clone(), target, args.udp, INTERVAL, 96)?;
             tcp.wait_until_flowing(Duration::from_secs(30))?;

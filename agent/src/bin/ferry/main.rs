@@ -110,9 +110,11 @@ enum Command {
         #[arg(long)]
         to: String,
         /// How TCP connections move: "collective" (all in one batch, by
-        /// ferryd) or "iterative" (CRIU's, one by one); default: the
-        /// agent's `[migration] sockets`.
-        #[arg(long, value_parser = ["collective", "iterative"])]
+        /// ferryd), "incremental" (collective, with their addresses and
+        /// options read before the freeze and a setsockopt watch saying
+        /// which to read again) or "iterative" (CRIU's, one by one);
+        /// default: the agent's `[migration] sockets`.
+        #[arg(long, value_parser = ["collective", "incremental", "iterative"])]
         sockets: Option<String>,
         /// How memory moves: "total-copy" (all in the freeze), "pre-copy"
         /// or "queued-pre-copy" (rounds while the process runs),
@@ -151,7 +153,7 @@ enum Command {
         #[arg(long, value_parser = ["total-copy", "pre-copy", "queued-pre-copy", "post-copy", "assisted-post-copy"])]
         strategy: Option<String>,
         /// How TCP connections move (as for migrate).
-        #[arg(long, value_parser = ["collective", "iterative"])]
+        #[arg(long, value_parser = ["collective", "incremental", "iterative"])]
         sockets: Option<String>,
     },
     /// Cordon this node (or --node): it takes no incoming migration,
@@ -987,6 +989,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
     let sockets = match pb::SocketMigration::try_from(r.sockets) {
         Ok(pb::SocketMigration::Collective) => "collective",
         Ok(pb::SocketMigration::Iterative) => "iterative",
+        Ok(pb::SocketMigration::Incremental) => "incremental",
         _ => "unknown",
     };
     let strategy = match pb::Strategy::try_from(r.strategy) {
@@ -998,7 +1001,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         _ => "unknown",
     };
     if as_json {
-        let v = json!({
+        let mut v = json!({
             "migration_id": r.migration_id, "outcome": outcome, "error": r.error,
             "strategy": strategy, "source_node": r.source_node, "destination_node": r.destination_node,
             "source_pid": r.source_pid, "destination_pid": r.destination_pid,
@@ -1026,6 +1029,10 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
                 "replay_time_ms": ms(s.replay_time_us),
             })),
         });
+        // Apart: one more field in the literal above is past json!'s
+        // recursion limit.
+        v["connections_preread"] = json!(r.connections_preread);
+        v["connections_read_in_freeze"] = json!(r.connections_read_in_freeze);
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -1087,6 +1094,12 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         r.ports.iter().map(port_str).collect::<Vec<_>>().join(",")
     );
     println!("  socket migration    {sockets}");
+    if r.sockets == pb::SocketMigration::Incremental as i32 {
+        println!(
+            "                      {} connections read before the freeze, {} read whole in it",
+            r.connections_preread, r.connections_read_in_freeze
+        );
+    }
     if !r.sockets_note.is_empty() {
         println!("                      ({})", r.sockets_note);
     }
@@ -1219,6 +1232,7 @@ fn strategy_arg(s: Option<&str>) -> pb::Strategy {
 fn sockets_arg(s: Option<&str>) -> pb::SocketMigration {
     match s {
         Some("collective") => pb::SocketMigration::Collective,
+        Some("incremental") => pb::SocketMigration::Incremental,
         Some("iterative") => pb::SocketMigration::Iterative,
         _ => pb::SocketMigration::Unspecified,
     }
