@@ -161,6 +161,9 @@ pub struct MigrationConfig {
 /// The most a request or the config may ask for.
 pub const MAX_DOWNTIME_BUDGET_MS: u32 = 60_000;
 pub const MAX_PRECOPY_ROUNDS: u32 = 1000;
+/// The longest drain before freeze a request may ask for: the wait is part
+/// of the freeze.
+pub const MAX_DRAIN_SEND_QUEUES_MS: u32 = 2000;
 
 impl Default for MigrationConfig {
     fn default() -> Self {

@@ -10,13 +10,14 @@ use std::time::Duration;
 use ferry_integration::answer_watch::AnswerWatch;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    data_plane, migrate_with, process_state, run, runtime, wait_for_process, wait_until_gone,
+    data_plane, migrate_request, migrate_with, process_state, run, runtime, wait_for_process,
+    wait_until_gone,
 };
 use ferry_integration::netns::run_in;
 use ferry_integration::nstat::Nstat;
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::control_client::ControlClient;
-use ferry_proto::v1::{MigrationOutcome, MigrationReport, SocketMigration};
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration};
 use tonic::transport::Channel;
 
 const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
@@ -176,6 +177,101 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         dve_report.assert_clean();
         bulk_report.assert_clean();
         assert_eq!(dve_report.connections.len(), 1024);
+    });
+}
+
+/// Drain before freeze (issue 6): a bulk stream to a client with a small
+/// receive window keeps the server's send queue full (the echo waits for
+/// the client's window). Asked to drain, the source lets that queue empty
+/// with the server stopped and its packets still flowing, and only then
+/// cuts the ports off and reads the connections: the queue had bytes when
+/// the drain began, and the freeze carried none. Every byte still arrives
+/// once and in order, and no connection is reset.
+#[test]
+fn a_drained_bulk_stream_enters_the_freeze_with_its_send_queue_empty() {
+    if !ferry_integration::can_run(
+        "a_drained_bulk_stream_enters_the_freeze_with_its_send_queue_empty",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 2)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = run(&mut node1, dve_server()).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let target = SocketAddrV4::new(SHARED_IP, PORT);
+        let dve = SeqClient::dve(cluster.netns_path("client1"), target, 16).expect("16 clients");
+        // Inside the client's namespace (the test's own): a small window.
+        run_in(&cluster.netns_path("client2"), || {
+            std::fs::write("/proc/sys/net/ipv4/tcp_rmem", "4096 8192 8192")
+        })
+        .expect("entering client2")
+        .expect("setting client2's tcp_rmem");
+        let bulk = SeqClient::start(
+            cluster.netns_path("client2"),
+            target,
+            1,
+            Duration::ZERO,
+            16384,
+        )
+        .expect("bulk client");
+        dve.wait_until_flowing(Duration::from_secs(20))
+            .expect("DVE traffic");
+        bulk.wait_until_flowing(Duration::from_secs(20))
+            .expect("bulk traffic");
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 17).await;
+        let before = Nstat::read(&cluster.netns_path("client2")).unwrap();
+        let dve_before = dve.verified_per_connection();
+        let bulk_before = bulk.verified_per_connection();
+
+        let (report, status) = migrate_request(
+            &mut node1,
+            MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                sockets: SocketMigration::Collective as i32,
+                drain_send_queues_ms: 1000,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("migration starts");
+        assert!(status.is_none(), "{status:?}\n{report:#?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        eprintln!(
+            "drained {} bytes in {:.1} ms, {} left; {} bytes of send queues in the freeze; freeze {:.1} ms",
+            report.drain_bytes_at_start,
+            report.drain_time_us as f64 / 1000.0,
+            report.drain_bytes_left,
+            report.tcp_send_queue_bytes,
+            report.freeze_time_us as f64 / 1000.0
+        );
+        assert!(
+            report.drain_bytes_at_start > 0,
+            "the bulk stream's echo had nothing queued: {report:#?}"
+        );
+        assert_eq!(report.drain_bytes_left, 0, "{report:#?}");
+        assert_eq!(report.tcp_send_queue_bytes, 0, "{report:#?}");
+        assert!(report.drain_time_us <= report.freeze_time_us);
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+        wait_until_gone(pid);
+
+        dve.wait_until_each_passes(&dve_before, 20, Duration::from_secs(30))
+            .expect("every DVE client exchanges messages after the migration");
+        bulk.wait_until_each_passes(&bulk_before, 200, Duration::from_secs(30))
+            .expect("the bulk stream goes on");
+        let d = Nstat::read(&cluster.netns_path("client2"))
+            .unwrap()
+            .since(&before);
+        assert_eq!(d.get("TcpEstabResets"), 0, "connections reset\n{d}");
+        dve.stop().assert_clean();
+        bulk.stop().assert_clean();
     });
 }
 

@@ -476,6 +476,13 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
                 },
                 "max_rounds",
             ),
+            (
+                MigrateRequest {
+                    drain_send_queues_ms: 60_000,
+                    ..Default::default()
+                },
+                "drain_send_queues_ms",
+            ),
         ] {
             let req = MigrateRequest {
                 pid,

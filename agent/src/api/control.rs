@@ -772,6 +772,13 @@ pub fn migrate_options(
             crate::config::MAX_PRECOPY_ROUNDS
         )));
     }
+    if req.drain_send_queues_ms > crate::config::MAX_DRAIN_SEND_QUEUES_MS {
+        return Err(Status::invalid_argument(format!(
+            "drain_send_queues_ms: {} is above {}",
+            req.drain_send_queues_ms,
+            crate::config::MAX_DRAIN_SEND_QUEUES_MS
+        )));
+    }
     let sockets = match pb::SocketMigration::try_from(req.sockets) {
         Ok(pb::SocketMigration::Unspecified) => None,
         Ok(pb::SocketMigration::Iterative) => Some(SocketMigration::Iterative),
@@ -802,6 +809,8 @@ pub fn migrate_options(
             .then(|| std::time::Duration::from_millis(u64::from(req.downtime_budget_ms))),
         max_rounds: (req.max_rounds > 0).then_some(req.max_rounds),
         throttle,
+        drain_send_queues: (req.drain_send_queues_ms > 0)
+            .then(|| std::time::Duration::from_millis(u64::from(req.drain_send_queues_ms))),
     };
     Ok((req.pid, req.destination_node.clone(), options))
 }

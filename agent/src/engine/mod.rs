@@ -50,6 +50,13 @@
 //!   mode; then the log of what the source delivered since Arm is taken.
 //!   A CRIU that never sends `pre-dump` aborts the migration: the ports
 //!   would not have been frozen.
+//!   Drain before freeze (`MigrateRequest.drain_send_queues_ms`): the
+//!   ports stay open at `pre-dump`; at `query-ext-files`, with the tree
+//!   stopped, the source waits (bounded) for the send queues of its TCP
+//!   connections to empty while packets still flow, and only then cuts the
+//!   ports off and reads the sockets. The freeze still starts at
+//!   `pre-dump`: the wait is part of it (reported as `drain_time_us`). A
+//!   CRIU that never sends `query-ext-files` then aborts the migration.
 //!   With collective socket migration (the default from protocol 4, see
 //!   [`crate::sockstate`]) CRIU dumps with `--tcp-close` instead: it
 //!   records each connection's file and options but not its TCP state.

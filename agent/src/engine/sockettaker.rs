@@ -107,13 +107,26 @@ impl SocketTaker {
     /// CRIU froze the tree (`query-ext-files`): the reading starts on its
     /// own thread.
     pub fn tree_frozen(&mut self) {
+        self.tree_frozen_taken(None);
+    }
+
+    /// Takes the frozen tree's sockets into ferryd now (for a drain before
+    /// the freeze, which needs the connections before the reading).
+    pub fn take_now(&self) -> Result<sockstate::StoppedSockets, SockStateError> {
+        let preread = self.plan.incremental.as_ref().map(|i| &i.preread);
+        sockstate::take_sockets(&process::process_tree(self.plan.pid), preread)
+    }
+
+    /// [`SocketTaker::tree_frozen`], with the sockets already taken (by
+    /// [`SocketTaker::take_now`]) when `taken` is given.
+    pub fn tree_frozen_taken(&mut self, taken: Option<sockstate::StoppedSockets>) {
         if !self.during_dump || !self.has_work() || self.reading.is_some() || self.thawed {
             return;
         }
         let (plan, states_to) = (self.plan.clone(), self.states_to.take());
         let spawned = std::thread::Builder::new()
             .name("ferry-sockets".into())
-            .spawn(move || read(plan, states_to));
+            .spawn(move || read(plan, states_to, taken));
         match spawned {
             Ok(handle) => self.reading = Some(handle),
             // The channel went with the closure: the sender then reports
@@ -179,7 +192,7 @@ impl SocketTaker {
                 tracing::warn!(pid = self.plan.pid, error = %e, "the process's group stop was not seen; its sockets are read anyway")
             }
         }
-        read(self.plan.clone(), self.states_to.take())
+        read(self.plan.clone(), self.states_to.take(), None)
     }
 
     fn join(&mut self) -> Option<Taken> {
@@ -191,10 +204,15 @@ impl SocketTaker {
     }
 }
 
-/// Takes the stopped tree's sockets into ferryd in one pass, peeks at the
-/// UDP queues (capture) and reads every connection (collective), whose
-/// states go to `states_to` at once. Blocking.
-fn read(plan: ReadPlan, states_to: Option<StatesTo>) -> Taken {
+/// Takes the stopped tree's sockets into ferryd in one pass (unless
+/// `taken` holds them), peeks at the UDP queues (capture) and reads every
+/// connection (collective), whose states go to `states_to` at once.
+/// Blocking.
+fn read(
+    plan: ReadPlan,
+    states_to: Option<StatesTo>,
+    taken: Option<sockstate::StoppedSockets>,
+) -> Taken {
     let ReadPlan {
         pid,
         capture,
@@ -225,10 +243,13 @@ fn read(plan: ReadPlan, states_to: Option<StatesTo>) -> Taken {
             }
         }
     });
-    let sockets = sockstate::take_sockets(
-        &process::process_tree(pid),
-        preread.as_ref().map(|(p, _)| *p),
-    );
+    let sockets = match taken {
+        Some(s) => Ok(s),
+        None => sockstate::take_sockets(
+            &process::process_tree(pid),
+            preread.as_ref().map(|(p, _)| *p),
+        ),
+    };
     let unread = match &sockets {
         Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
         Err(e) if capture => Err(e.to_string()),

@@ -43,6 +43,9 @@ pub struct MigrationOptions {
     /// Pre-copy: slow down a process that writes faster than its pages
     /// cross.
     pub throttle: Option<bool>,
+    /// Drain before freeze: wait at most this long, with the process
+    /// stopped and its packets still flowing, for its send queues to empty.
+    pub drain_send_queues: Option<Duration>,
 }
 
 /// A migration that passed validation and holds the destination's
@@ -62,6 +65,8 @@ pub struct Prepared {
     /// The destination sets the connections' socket options itself
     /// (`PrepareResponse.takes_tcp_options`).
     destination_takes_tcp_options: bool,
+    /// Drain before freeze, and its bound.
+    drain_send_queues: Option<Duration>,
     /// How the memory moves, and when pre-copy rounds stop.
     strategy: MemoryStrategy,
     convergence: Convergence,
@@ -271,6 +276,7 @@ pub async fn prepare(
                 socket_migration,
                 socket_note,
                 destination_takes_tcp_options,
+                drain_send_queues: options.drain_send_queues,
                 strategy,
                 convergence,
                 started,
@@ -442,6 +448,8 @@ struct SentSockets {
     answer: ferry_proto::v1::TransferSocketsResponse,
     /// Incremental: how the connections were read.
     counts: Option<sockstate::ReadCounts>,
+    /// Bytes in the connections' send queues.
+    send_queued: u64,
 }
 
 type SocketsSent = Result<Option<SentSockets>, EngineError>;
@@ -475,6 +483,7 @@ async fn send_sockets(
         "TCP connections read in one batch"
     );
     let counts = read.counts;
+    let send_queued = states.iter().map(|c| c.send_queue.len() as u64).sum();
     let req = ferry_proto::v1::TransferSocketsRequest {
         migration_id,
         source_node,
@@ -486,6 +495,7 @@ async fn send_sockets(
             bytes,
             answer: r.into_inner(),
             counts,
+            send_queued,
         })),
         Ok(Err(s)) => Err(peer_error(&destination.name, s)),
         Err(_) => Err(silent(&destination, "the socket transfer", deadline)),
@@ -851,6 +861,8 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let capture = run.capture;
     let collective = run.p.socket_migration.is_collective();
     let incremental = run.incremental.clone();
+    let drain = run.p.drain_send_queues;
+    let drained = Arc::new(std::sync::Mutex::new(None::<sockstate::Flushed>));
     let takes_tcp_options = run.p.destination_takes_tcp_options;
     // Collective: the connections' states go to the destination as soon as
     // they are read, which is during the dump (`sockettaker.rs`).
@@ -858,6 +870,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let criu_path = run.agent.config.criu_path.clone();
     let mut dump_task = tokio::task::spawn_blocking({
         let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
+        let drained = drained.clone();
         let is_lazy = lazy.is_some();
         let mut ready_tx = Some(ready_tx);
         // Pre-copy's throttle, if the rounds converged with it: on until
@@ -889,12 +902,60 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 during_dump,
                 collective.then_some(states_to),
             ));
+            // Drain before freeze: the ports are cut off only once CRIU has
+            // stopped the tree and its send queues emptied (or the bound
+            // passed). Only with ferry's CRIU, which says query-ext-files
+            // as it freezes the tree and network-unlock before it lets a
+            // failed dump's tree run again.
+            let drain = drain.filter(|_| {
+                if !during_dump {
+                    tracing::warn!(
+                        "drain before freeze needs ferry's patched CRIU (dump rollback notified): not drained"
+                    );
+                }
+                during_dump
+            });
+            let mut ports_frozen = false;
+            let freeze_ports = |ports_frozen: &mut bool| -> Result<(), String> {
+                agent.set_lifecycle(pid, out_stage(&id, OutStage::Frozen { capture }));
+                *ports_frozen = true;
+                agent.reconcile_ownership().map_err(|e| e.to_string())?;
+                tracing::info!("ports frozen");
+                Ok(())
+            };
             let dumped = criu::dump(&req, &mut |script| {
                 match script {
                     // Sent right after CRIU froze the tree.
                     "query-ext-files" => {
+                        let Some(bound) = drain.filter(|_| !ports_frozen) else {
+                            if let Some(t) = taker.as_mut() {
+                                t.tree_frozen();
+                            }
+                            return Ok(());
+                        };
+                        // The tree is stopped, its packets still flow: what
+                        // it wrote leaves, the peers' ACKs come back.
+                        let taken = taker.as_ref().map(|t| t.take_now());
+                        match &taken {
+                            Some(Ok(sockets)) => {
+                                let flushed =
+                                    sockstate::flush_send_queues(sockets.tcp_descriptors(), bound);
+                                tracing::info!(
+                                    bytes_at_start = flushed.bytes_at_start,
+                                    bytes_left = flushed.bytes_left,
+                                    waited_ms = flushed.waited.as_secs_f64() * 1000.0,
+                                    "send queues drained before the freeze"
+                                );
+                                *drained.lock().unwrap_or_else(|p| p.into_inner()) = Some(flushed);
+                            }
+                            Some(Err(e)) => {
+                                tracing::warn!(error = %e, "taking the connections to drain them: not drained")
+                            }
+                            None => {}
+                        }
+                        freeze_ports(&mut ports_frozen)?;
                         if let Some(t) = taker.as_mut() {
-                            t.tree_frozen();
+                            t.tree_frozen_taken(taken.and_then(Result::ok));
                         }
                         return Ok(());
                     }
@@ -918,14 +979,25 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 // SIGCONT wakes the process at once: CRIU never finds it
                 // stopped by the throttle (it would restore it stopped).
                 drop(throttle.take());
-                agent.set_lifecycle(pid, out_stage(&id, OutStage::Frozen { capture }));
                 // Set before the filter changes: if that fails half-way,
                 // the abort still reports the time the process was cut off.
+                // The process stops here, also when its ports are cut off
+                // later (a drain).
                 *frozen_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-                agent.reconcile_ownership().map_err(|e| e.to_string())?;
-                tracing::info!("ports frozen");
-                Ok(())
+                if drain.is_some() {
+                    return Ok(());
+                }
+                freeze_ports(&mut ports_frozen)
             });
+            if dumped.is_ok() && !ports_frozen {
+                // A drain waited for query-ext-files, which never came.
+                return Err(criu::CriuError::Failed {
+                    operation: "dump",
+                    reason: "CRIU froze the tree without its query-ext-files notification: \
+                             the ports were never cut off for the drain before the freeze"
+                        .into(),
+                });
+            }
             let dumped = match dumped {
                 Ok(d) => d,
                 Err(e) => {
@@ -1012,6 +1084,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     };
     run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(f) = *drained.lock().unwrap_or_else(|p| p.into_inner()) {
+        run.report.drain_time_us = f.waited.as_micros() as u64;
+        run.report.drain_bytes_at_start = f.bytes_at_start;
+        run.report.drain_bytes_left = f.bytes_left;
+    }
     let dump_end = Instant::now();
     match dumped {
         Ok(Ok((notes, taken))) => {
@@ -1147,8 +1224,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             bytes,
             answer,
             counts,
+            send_queued,
         })) => {
             run.report.bytes_transferred += bytes;
+            run.report.tcp_send_queue_bytes = send_queued;
             if let Some(c) = counts {
                 run.report.connections_preread = c.preread;
                 run.report.connections_read_in_freeze = c.touched + c.unknown;

@@ -49,6 +49,7 @@
 //! path, chosen before the freeze ([`choose`]).
 
 mod extract;
+mod flush;
 pub mod options;
 mod preread;
 mod rebuild;
@@ -58,6 +59,7 @@ mod udp;
 use std::net::SocketAddr;
 
 pub use extract::{Held, ReadCounts, StoppedSockets, take_sockets, unsupported_sockets};
+pub use flush::{Flushed, flush_send_queues};
 pub use preread::{Preread, PrereadConnection};
 pub use rebuild::{Rebuilt, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};

@@ -556,3 +556,48 @@ fn an_incremental_read_takes_only_untouched_connections_from_the_preread() {
     assert_eq!(states[1].socket_options.as_ref().unwrap().ttl, 33);
     assert_eq!(states[1].socket_options.as_ref().unwrap().priority, 4);
 }
+
+/// Drain before freeze: a send queue the peer reads empties within the
+/// bound and the wait says so; one whose peer reads nothing is left after
+/// the bound with its bytes counted.
+#[test]
+fn send_queues_drain_while_the_peer_reads_and_the_wait_is_bounded() {
+    let (mut reader, server) = pair();
+    let (_idle, stuck) = pair();
+    let chunk = vec![7u8; 64 * 1024];
+    // Without a reader these fill the queues (the writes do not block:
+    // both sockets are non-blocking for them).
+    server.set_nonblocking(true).unwrap();
+    stuck.set_nonblocking(true).unwrap();
+    let mut written = 0usize;
+    for _ in 0..8 {
+        written += (&server).write(&chunk).unwrap_or(0);
+    }
+    for _ in 0..64 {
+        if (&stuck).write(&chunk).is_err() {
+            break;
+        }
+    }
+    assert!(written > 0);
+    let reading = std::thread::spawn(move || {
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        while got < written {
+            // Slowly: the drain must wait for it.
+            std::thread::sleep(Duration::from_millis(5));
+            got += reader.read(&mut buf).expect("reading");
+        }
+        got
+    });
+    let flushed = flush_send_queues([server.as_fd()], Duration::from_secs(10));
+    assert_eq!(reading.join().unwrap(), written);
+    assert_eq!(flushed.bytes_left, 0, "{flushed:?}");
+    assert!(flushed.bytes_at_start > 0, "{flushed:?}");
+    assert!(flushed.waited < Duration::from_secs(10), "{flushed:?}");
+
+    let bound = Duration::from_millis(60);
+    let flushed = flush_send_queues([stuck.as_fd(), server.as_fd()], bound);
+    assert!(flushed.bytes_left > 0, "{flushed:?}");
+    assert_eq!(flushed.bytes_left, flushed.bytes_at_start, "{flushed:?}");
+    assert!(flushed.waited >= bound, "{flushed:?}");
+}

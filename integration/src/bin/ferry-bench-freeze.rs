@@ -32,10 +32,12 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{migrate_with, run, wait_for_process};
+use ferry_integration::managed::{migrate_request, run, wait_for_process};
 use ferry_integration::nstat::Nstat;
 use ferry_integration::workload::{SeqClient, UdpClients};
-use ferry_proto::v1::{MigrationOutcome, MigrationReport, SocketMigration};
+use ferry_proto::v1::{
+    MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration, Strategy,
+};
 
 const PORT: u16 = 7000;
 const INTERVAL: Duration = Duration::from_millis(50);
@@ -62,6 +64,14 @@ struct Args {
         default_value = "iterative,collective,incremental"
     )]
     modes: Vec<String>,
+    /// Bulk streams beside them (16 KiB messages, back to back, echoed):
+    /// what keeps the server's send queues full.
+    #[arg(long, default_value_t = 0)]
+    bulk: usize,
+    /// Drain before freeze: the most ms each migration waits for the
+    /// server's send queues to empty (0: off).
+    #[arg(long, default_value_t = 0)]
+    drain_ms: u32,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
 }
@@ -82,11 +92,14 @@ struct Row {
     gap_max_ms: f64,
     rtos: u64,
     udp_lost: u64,
+    /// Drain before freeze: its wait and the bytes it left queued.
+    drain_ms: f64,
+    drain_left: u64,
     /// Every part of the freeze the migration report names, in its order.
     parts: Vec<(String, f64)>,
 }
 
-const HEADER: [&str; 14] = [
+const HEADER: [&str; 16] = [
     "tcp",
     "mode",
     "run",
@@ -101,6 +114,8 @@ const HEADER: [&str; 14] = [
     "gap_max_ms",
     "tcp_rtos",
     "udp_lost",
+    "drain_ms",
+    "drain_left_bytes",
 ];
 
 impl Row {
@@ -120,6 +135,8 @@ impl Row {
             format!("{:.1}", self.gap_max_ms),
             self.rtos.to_string(),
             self.udp_lost.to_string(),
+            format!("{:.1}", self.drain_ms),
+            self.drain_left.to_string(),
         ]
     }
 }
@@ -245,16 +262,35 @@ async fn migrations(
         for (mode_name, mode) in order {
             let tcp = SeqClient::start(clients[0].clone(), target, tcp_count, INTERVAL, 256)?;
             let udp = UdpClients::start(clients[1].clone(), target, args.udp, INTERVAL, 96)?;
+            let bulk = (args.bulk > 0)
+                .then(|| {
+                    SeqClient::start(clients[1].clone(), target, args.bulk, Duration::ZERO, 16384)
+                })
+                .transpose()?;
             tcp.wait_until_flowing(Duration::from_secs(30))?;
+            if let Some(b) = &bulk {
+                b.wait_until_flowing(Duration::from_secs(30))?;
+            }
+            let bulk_before = bulk.as_ref().map(|b| b.verified_per_connection());
             udp.wait_for_echoes(args.udp as u64 * 10, Duration::from_secs(10))
                 .map_err(anyhow::Error::msg)?;
             let before = Nstat::read(&clients[0])?;
             let tcp_before = tcp.verified_per_connection();
 
             let to = nodes[1 - here];
-            let (report, status) = migrate_with(&mut control, pid, to, mode)
-                .await
-                .context("starting the migration")?;
+            let (report, status) = migrate_request(
+                &mut control,
+                MigrateRequest {
+                    pid,
+                    destination_node: to.into(),
+                    strategy: Strategy::TotalCopy as i32,
+                    sockets: mode as i32,
+                    drain_send_queues_ms: args.drain_ms,
+                    ..Default::default()
+                },
+            )
+            .await
+            .context("starting the migration")?;
             if status.is_some() || report.outcome != MigrationOutcome::Committed as i32 {
                 bail!(
                     "{tcp_count} connections, {mode_name}, run {run}: migration failed: {status:?} {}",
@@ -274,11 +310,23 @@ async fn migrations(
             wait_for_process(&mut control, pid, |p| p.state == "running").await;
 
             tcp.wait_until_each_passes(&tcp_before, 20, Duration::from_secs(30))?;
+            if let (Some(b), Some(before)) = (&bulk, &bulk_before) {
+                b.wait_until_each_passes(before, 200, Duration::from_secs(30))?;
+            }
             let seen = udp.echoed();
             udp.wait_for_echoes(seen + args.udp as u64 * 20, Duration::from_secs(30))
                 .map_err(anyhow::Error::msg)?;
             let after = Nstat::read(&clients[0])?;
             let tcp_report = tcp.stop();
+            if let Some(b) = bulk {
+                let r = b.stop();
+                if !r.failures().is_empty() {
+                    bail!(
+                        "{tcp_count} connections, {mode_name}, run {run}: bulk streams failed: {:?}",
+                        r.failures()
+                    );
+                }
+            }
             let udp_report = udp.stop()?;
             if !tcp_report.failures().is_empty() {
                 bail!(
@@ -312,6 +360,8 @@ async fn migrations(
                     .max(udp_report.max_gap().as_secs_f64() * 1e3),
                 rtos: after.since(&before).get("TcpExtTCPTimeouts"),
                 udp_lost: udp_report.lost(),
+                drain_ms: report.drain_time_us as f64 / 1e3,
+                drain_left: report.drain_bytes_left,
                 parts: report
                     .freeze_parts
                     .iter()
@@ -438,14 +488,17 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     parts_table(&mut t, rows, args, modes);
     let _ = writeln!(
         t,
-        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {}` (root; 2 cores here).",
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
         args.runs,
         args.tcp
             .iter()
             .map(|n| n.to_string())
             .collect::<Vec<_>>()
             .join(","),
-        args.udp
+        args.udp,
+        args.bulk,
+        args.drain_ms,
+        args.modes.join(",")
     );
     t
 }
