@@ -243,6 +243,7 @@ fn read(
             }
         }
     });
+    let take_started = Instant::now();
     let sockets = match taken {
         Some(s) => Ok(s),
         None => sockstate::take_sockets(
@@ -250,6 +251,10 @@ fn read(
             preread.as_ref().map(|(p, _)| *p),
         ),
     };
+    tracing::debug!(
+        ms = take_started.elapsed().as_secs_f64() * 1000.0,
+        "the tree's sockets taken"
+    );
     let unread = match &sockets {
         Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
         Err(e) if capture => Err(e.to_string()),

@@ -935,7 +935,12 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                         };
                         // The tree is stopped, its packets still flow: what
                         // it wrote leaves, the peers' ACKs come back.
+                        let take_started = Instant::now();
                         let taken = taker.as_ref().map(|t| t.take_now());
+                        tracing::debug!(
+                            ms = take_started.elapsed().as_secs_f64() * 1000.0,
+                            "the tree's sockets taken for the drain"
+                        );
                         match &taken {
                             Some(Ok(sockets)) => {
                                 let flushed =

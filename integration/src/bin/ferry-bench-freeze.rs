@@ -92,14 +92,18 @@ struct Row {
     gap_max_ms: f64,
     rtos: u64,
     udp_lost: u64,
-    /// Drain before freeze: its wait and the bytes it left queued.
+    /// Drain before freeze: its wait, the bytes queued when it began and
+    /// those it left.
     drain_ms: f64,
+    drain_start: u64,
     drain_left: u64,
+    /// Bytes of the connections' send queues the freeze carried.
+    send_queues: u64,
     /// Every part of the freeze the migration report names, in its order.
     parts: Vec<(String, f64)>,
 }
 
-const HEADER: [&str; 16] = [
+const HEADER: [&str; 18] = [
     "tcp",
     "mode",
     "run",
@@ -115,7 +119,9 @@ const HEADER: [&str; 16] = [
     "tcp_rtos",
     "udp_lost",
     "drain_ms",
+    "drain_start_bytes",
     "drain_left_bytes",
+    "send_queue_bytes_in_freeze",
 ];
 
 impl Row {
@@ -136,7 +142,9 @@ impl Row {
             self.rtos.to_string(),
             self.udp_lost.to_string(),
             format!("{:.1}", self.drain_ms),
+            self.drain_start.to_string(),
             self.drain_left.to_string(),
+            self.send_queues.to_string(),
         ]
     }
 }
@@ -361,7 +369,9 @@ async fn migrations(
                 rtos: after.since(&before).get("TcpExtTCPTimeouts"),
                 udp_lost: udp_report.lost(),
                 drain_ms: report.drain_time_us as f64 / 1e3,
+                drain_start: report.drain_bytes_at_start,
                 drain_left: report.drain_bytes_left,
+                send_queues: report.tcp_send_queue_bytes,
                 parts: report
                     .freeze_parts
                     .iter()
