@@ -39,3 +39,15 @@ pub enum DataPlaneError {
     )]
     RuleConflict { rule: String, existing: String },
 }
+
+/// `DataPlaneError::Program` for program `name`, as a `map_err` argument.
+pub(crate) fn prog_err(
+    name: &'static str,
+) -> impl Fn(aya::programs::ProgramError) -> DataPlaneError {
+    move |source| DataPlaneError::Program { name, source }
+}
+
+/// `DataPlaneError::Map` for map `name`, as a `map_err` argument.
+pub(crate) fn map_err(name: &'static str) -> impl Fn(aya::maps::MapError) -> DataPlaneError {
+    move |source| DataPlaneError::Map { name, source }
+}

@@ -19,6 +19,7 @@ use aya::util::KernelVersion;
 use aya::{Ebpf, include_bytes_aligned};
 
 use crate::DataPlaneError;
+use crate::error::prog_err;
 use crate::maps::{self, PortKey};
 use crate::pin::{MapSpec, PinDir};
 
@@ -286,10 +287,6 @@ fn counters_err(source: MapError) -> DataPlaneError {
         name: COUNTERS_MAP,
         source,
     }
-}
-
-fn prog_err(name: &'static str) -> impl Fn(aya::programs::ProgramError) -> DataPlaneError {
-    move |source| DataPlaneError::Program { name, source }
 }
 
 fn link_err(name: &'static str) -> impl Fn(aya::programs::links::LinkError) -> DataPlaneError {

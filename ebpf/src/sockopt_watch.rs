@@ -30,6 +30,7 @@ use aya::programs::{CgroupAttachMode, CgroupSockopt};
 use aya::{Ebpf, include_bytes_aligned};
 
 use crate::DataPlaneError;
+use crate::error::{map_err, prog_err};
 
 static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/sockopts.bpf.o"));
 
@@ -149,14 +150,8 @@ impl SockoptWatch {
             .program_mut(PROGRAM)
             .ok_or(DataPlaneError::Missing(PROGRAM))?
             .try_into()
-            .map_err(|source| DataPlaneError::Program {
-                name: PROGRAM,
-                source,
-            })?;
-        prog.load().map_err(|source| DataPlaneError::Program {
-            name: PROGRAM,
-            source,
-        })?;
+            .map_err(prog_err(PROGRAM))?;
+        prog.load().map_err(prog_err(PROGRAM))?;
         let mut attached = Vec::new();
         for dir in cgroups {
             if attached.contains(dir) {
@@ -170,10 +165,7 @@ impl SockoptWatch {
             // it and always attaches it beside other programs, as with
             // BPF_F_ALLOW_MULTI; "Single" is aya's name for no flags.
             prog.attach(file, CgroupAttachMode::Single)
-                .map_err(|source| DataPlaneError::Program {
-                    name: PROGRAM,
-                    source,
-                })?;
+                .map_err(prog_err(PROGRAM))?;
             attached.push(dir.clone());
         }
         Ok(Self {
@@ -188,12 +180,7 @@ impl SockoptWatch {
             .ebpf
             .program(PROGRAM)
             .ok_or(DataPlaneError::Missing(PROGRAM))?;
-        prog.info()
-            .map(|i| i.id())
-            .map_err(|source| DataPlaneError::Program {
-                name: PROGRAM,
-                source,
-            })
+        prog.info().map(|i| i.id()).map_err(prog_err(PROGRAM))
     }
 
     /// From now on, records only connections of the network namespace
@@ -205,15 +192,8 @@ impl SockoptWatch {
             .ebpf
             .map_mut(NETNS_MAP)
             .ok_or(DataPlaneError::Missing(NETNS_MAP))?;
-        let mut cfg: Array<&mut MapData, u64> =
-            Array::try_from(map).map_err(|source| DataPlaneError::Map {
-                name: NETNS_MAP,
-                source,
-            })?;
-        cfg.set(0, netns, 0).map_err(|source| DataPlaneError::Map {
-            name: NETNS_MAP,
-            source,
-        })
+        let mut cfg: Array<&mut MapData, u64> = Array::try_from(map).map_err(map_err(NETNS_MAP))?;
+        cfg.set(0, netns, 0).map_err(map_err(NETNS_MAP))
     }
 
     /// The cgroups it is attached to.
@@ -224,28 +204,16 @@ impl SockoptWatch {
     /// The connections touched since the attach.
     pub fn touched(&self) -> Result<Touched, DataPlaneError> {
         let map = |name: &'static str| self.ebpf.map(name).ok_or(DataPlaneError::Missing(name));
-        let touched: HashMap<&MapData, SockoptKey, u32> = HashMap::try_from(map(TOUCHED_MAP)?)
-            .map_err(|source| DataPlaneError::Map {
-                name: TOUCHED_MAP,
-                source,
-            })?;
+        let touched: HashMap<&MapData, SockoptKey, u32> =
+            HashMap::try_from(map(TOUCHED_MAP)?).map_err(map_err(TOUCHED_MAP))?;
         let lost: Array<&MapData, u64> =
-            Array::try_from(map(LOST_MAP)?).map_err(|source| DataPlaneError::Map {
-                name: LOST_MAP,
-                source,
-            })?;
+            Array::try_from(map(LOST_MAP)?).map_err(map_err(LOST_MAP))?;
         let mut out = Touched {
-            lost: lost.get(&0, 0).map_err(|source| DataPlaneError::Map {
-                name: LOST_MAP,
-                source,
-            })?,
+            lost: lost.get(&0, 0).map_err(map_err(LOST_MAP))?,
             ..Touched::default()
         };
         for key in touched.keys() {
-            let key = key.map_err(|source| DataPlaneError::Map {
-                name: TOUCHED_MAP,
-                source,
-            })?;
+            let key = key.map_err(map_err(TOUCHED_MAP))?;
             if let Some(c) = WatchedConnection::from_key(&key) {
                 out.connections.insert(c);
             }

@@ -37,6 +37,7 @@ use aya::programs::{SchedClassifier, TcAttachType, tc};
 use aya::util::KernelVersion;
 use aya::{Ebpf, include_bytes_aligned};
 
+use crate::error::{map_err, prog_err};
 use crate::pin::{MapSpec, PinDir};
 use crate::translate_maps::{self as maps, XlateKey, XlateRule};
 use crate::{DataPlaneError, Protocol};
@@ -375,14 +376,6 @@ impl fmt::Debug for Translator {
             .field("pins", &self.pins)
             .finish_non_exhaustive()
     }
-}
-
-fn map_err(name: &'static str) -> impl Fn(MapError) -> DataPlaneError {
-    move |source| DataPlaneError::Map { name, source }
-}
-
-fn prog_err(name: &'static str) -> impl Fn(aya::programs::ProgramError) -> DataPlaneError {
-    move |source| DataPlaneError::Program { name, source }
 }
 
 /// Before tcx (Linux 6.6) programs attach through the clsact qdisc; aya

@@ -405,7 +405,8 @@ struct Run {
     /// abort; closed (silently) after the commit.
     held: Option<Arc<sockstate::Held>>,
     /// Incremental socket migration: the connections read before the
-    /// freeze, and the setsockopt watch attached until the migration ends.
+    /// freeze, and the setsockopt watch (detached by the freeze's reader,
+    /// or when this is dropped after an earlier abort).
     incremental: Option<Arc<Incremental>>,
     /// Collective socket migration: the transfer of the connections'
     /// states, started with the dump.
@@ -1811,7 +1812,6 @@ async fn finish(run: &mut Run, stop: Stop) {
     }
 }
 
-/// Images and logs hold process memory: root only.
 /// Whether ferryd reads and carries the connections' socket options
 /// (collective, the destination takes them, and this node's CRIU leaves
 /// them out). The pre-read and the dump must agree on it.
@@ -1844,6 +1844,7 @@ fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
     })
 }
 
+/// Images and logs hold process memory: root only.
 pub fn set_private(dir: &std::path::Path) {
     use std::os::unix::fs::PermissionsExt;
     if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {

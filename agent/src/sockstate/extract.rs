@@ -143,12 +143,12 @@ pub fn take_sockets(
 }
 
 impl StoppedSockets {
-    /// The UDP sockets, for `udp::unread_datagrams`.
     /// The connections (TCP, neither listening nor closed).
     pub fn tcp_descriptors(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
         self.tcp.iter().map(|(_, fd)| fd.as_fd())
     }
 
+    /// The UDP sockets, for `udp::unread_datagrams`.
     pub(super) fn udp(&self) -> &[(u64, OwnedFd)] {
         &self.udp
     }

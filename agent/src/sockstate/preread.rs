@@ -3,7 +3,7 @@
 //! state tracked during pre-copy, so the freeze carries only what changed).
 //!
 //! Of the ~45 system calls a connection costs in the freeze
-//! ([`Held::extract`](super::Held::extract)), ~35 read what does not move
+//! ([`Held::extract`](super::Held::extract)), ~30 read what does not move
 //! while a connection lives, or moves only when the process says so: its
 //! addresses, SO_REUSEADDR and the ~30 socket options ferryd carries. The
 //! source reads them here, before the freeze, with a setsockopt watch
@@ -60,8 +60,6 @@ impl PrereadConnection {
 #[derive(Debug, Default)]
 pub struct Preread {
     by_inode: HashMap<u64, PrereadConnection>,
-    /// Whether the options were read.
-    with_options: bool,
 }
 
 impl Preread {
@@ -94,10 +92,7 @@ impl Preread {
                 }
             }
         }
-        Self {
-            by_inode,
-            with_options,
-        }
+        Self { by_inode }
     }
 
     pub fn len(&self) -> usize {
@@ -114,10 +109,6 @@ impl Preread {
         let mut all = self.by_inode.values().map(|c| c.netns);
         let first = all.next()?;
         all.all(|n| n == first).then_some(first)
-    }
-
-    pub fn with_options(&self) -> bool {
-        self.with_options
     }
 
     /// The connection with inode `inode`, if `fd` is the very socket read
