@@ -86,17 +86,18 @@
 //!   close silently) and releases the ports. This is the commit point.
 //! - **Commit**: carries the source's delivered log (and, from protocol 4,
 //!   the UDP datagrams the process left unread). The destination drops
-//!   its holds on in-cluster connections, opens
-//!   egress, replays the captured packets into its stack in arrival order
-//!   while the process is still stopped (the kernel queues and ACKs them;
-//!   each connection's consecutive segments joined into one, see
+//!   its holds on in-cluster connections, opens egress, takes collectively
+//!   rebuilt connections out of repair mode (only then may they send),
+//!   resumes the process, and then replays the captured packets into its
+//!   stack in arrival order while ingress stays captured (each
+//!   connection's consecutive segments joined into one, see
 //!   `ferry_ebpf::coalesce`; a large batch is cut by connection and
-//!   replayed on one thread per CPU, see `capture::lane_of`),
-//!   skipping those the log says the source handled (the longest prefix of
-//!   the capture matching the log's end; collectively rebuilt connections
-//!   leave repair mode just before, and only then may send),
-//!   lets the ports pass packets,
-//!   replays the last few captured meanwhile, then resumes the process.
+//!   replayed on one thread per CPU, see `capture::lane_of`), skipping
+//!   those the log says the source handled (the longest prefix of the
+//!   capture matching the log's end); then it lets the ports pass packets
+//!   and replays the last few captured meanwhile. The answer carries how
+//!   long the process had been running (`running_for_us`), which the
+//!   source takes off its freeze.
 //! - **Abort**, from any step before Discard: the destination drops images,
 //!   captured packets and any restored copy; the source takes its sockets
 //!   out of repair mode (the collectively read ones with their own

@@ -1322,6 +1322,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let discard_end = Instant::now();
     run.phase("commit").await;
     let mut last_err = None;
+    let mut running_for = Duration::ZERO;
     for attempt in 0..5 {
         match run
             .p
@@ -1337,6 +1338,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 let r = r.into_inner();
                 run.report.destination_pid = r.pid;
                 run.report.replay = r.replay;
+                running_for = Duration::from_micros(r.running_for_us);
                 last_err = None;
                 break;
             }
@@ -1353,9 +1355,22 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     }
     let commit_end = Instant::now();
-    run.report.freeze_time_us = (commit_end - freeze_start).as_micros() as u64;
+    // The freeze ends when the process ran again on the destination: what
+    // the destination did after its resume (a replay, the answer) is not
+    // freeze. The answer's way back still counts, a little too long.
+    let resumed = commit_end
+        .checked_sub(running_for)
+        .unwrap_or(commit_end)
+        .max(discard_end);
+    run.report.freeze_time_us = (resumed - freeze_start).as_micros() as u64;
     let us = |from: Instant, to: Instant| (to - from).as_micros() as u64;
-    let replay_us = run.report.replay.map(|r| r.replay_time_us).unwrap_or(0);
+    // Only the part of the replay the process waited for.
+    let replay_us = run
+        .report
+        .replay
+        .map(|r| r.replay_time_us)
+        .unwrap_or(0)
+        .saturating_sub(running_for.as_micros() as u64);
     let restore_rpc_us = us(transfer_end, restore_end);
     run.report.freeze_parts = [
         ("dump (CRIU, process stopped)", us(freeze_start, dump_end)),
@@ -1381,7 +1396,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         ("commit: replay", replay_us),
         (
             "commit: other",
-            us(discard_end, commit_end).saturating_sub(replay_us),
+            us(discard_end, resumed).saturating_sub(replay_us),
         ),
     ]
     .into_iter()
