@@ -31,6 +31,7 @@ pub mod netns;
 pub mod nstat;
 pub mod paths;
 pub mod peer;
+pub mod pg_session;
 pub mod postgres;
 pub mod privilege;
 pub mod prometheus;

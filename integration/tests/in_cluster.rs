@@ -3,76 +3,33 @@
 //! session after each migration, with no reconnect. Root only; skipped with
 //! a reason otherwise.
 
-use std::io::Read;
-use std::net::{SocketAddrV4, TcpStream};
-use std::time::{Duration, Instant};
+use std::net::SocketAddrV4;
+use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
     data_plane, migrate, migrate_with, run, runtime, wait_for_process, wait_until_gone,
 };
-use ferry_integration::netns::run_in;
+use ferry_integration::pg_session::{self, SessionStatus};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
 use ferry_proto::v1::{MigrationOutcome, SocketMigration};
 
 const STATUS_PORT: u16 = 7300;
 
-/// The session's status line, read from a client through the shared
-/// public address (whichever node owns the port answers).
-#[derive(Debug, Clone, PartialEq)]
-struct Status {
-    backend_pid: i64,
-    client_addr: String,
-    client_port: i64,
-    queries_ok: u64,
-    queries_failed: u64,
-    last_counter: i64,
-    last_error: Option<String>,
-}
-
-fn status(cluster: &Cluster) -> Result<Status, String> {
-    let target = SocketAddrV4::new(cluster.public_addr(), STATUS_PORT);
-    let line = run_in(&cluster.netns_path("client1"), move || {
-        let mut s = TcpStream::connect_timeout(&target.into(), Duration::from_secs(2))
-            .map_err(|e| format!("connect {target}: {e}"))?;
-        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-        let mut line = String::new();
-        s.read_to_string(&mut line)
-            .map_err(|e| format!("read {target}: {e}"))?;
-        Ok::<_, String>(line)
-    })
-    .map_err(|e| e.to_string())??;
-    let v: serde_json::Value =
-        serde_json::from_str(line.trim()).map_err(|e| format!("{line:?}: {e}"))?;
-    let num = |k: &str| {
-        v[k].as_i64()
-            .ok_or_else(|| format!("{k} missing in {line}"))
-    };
-    Ok(Status {
-        backend_pid: num("backend_pid")?,
-        client_addr: v["client_addr"].as_str().unwrap_or_default().to_owned(),
-        client_port: num("client_port")?,
-        queries_ok: num("queries_ok")? as u64,
-        queries_failed: num("queries_failed")? as u64,
-        last_counter: num("last_counter")?,
-        last_error: v["last_error"].as_str().map(str::to_owned),
-    })
+fn status_target(cluster: &Cluster) -> SocketAddrV4 {
+    SocketAddrV4::new(cluster.public_addr(), STATUS_PORT)
 }
 
 /// Waits until the session has answered `n` more queries than `since`.
-fn wait_for_queries(cluster: &Cluster, since: u64, n: u64) -> Status {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut last = Err("no status yet".to_owned());
-    while Instant::now() < deadline {
-        last = status(cluster);
-        if let Ok(s) = &last
-            && s.queries_ok >= since + n
-        {
-            return s.clone();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("the session did not answer {n} more queries than {since}: {last:?}");
+fn wait_for_queries(cluster: &Cluster, since: u64, n: u64) -> SessionStatus {
+    pg_session::wait_for_queries(
+        &cluster.netns_path("client1"),
+        status_target(cluster),
+        since,
+        n,
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]

@@ -19,7 +19,7 @@ pub const BENCHES: [(&str, &str, &str); 4] = [
     (
         "freeze",
         "ferry-bench-freeze",
-        "freeze time and its parts at 16..1024 connections: iterative (CRIU), collective and incremental socket migration",
+        "freeze time and its parts at 16..4096 connections with a database session, and a UDP-only server: iterative (CRIU), collective and incremental socket migration",
     ),
     (
         "algorithms",

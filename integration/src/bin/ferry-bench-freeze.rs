@@ -2,11 +2,17 @@
 //! for each way of moving TCP connections, over a sweep of connection
 //! counts.
 //!
-//! Per connection count: a 2-node cluster (capture and replay on), the DVE
+//! Per connection count: a 3-node cluster (capture and replay on), the DVE
 //! server (`ferry-dve-server`, TCP and UDP echo on one port), `--tcp`
 //! DVE clients sending 256 bytes every 50 ms and `--udp` players at 20 Hz,
-//! fresh for every migration. The server moves node1 -> node2 -> node1 ...,
-//! `--runs` times per socket mode:
+//! fresh for every migration. The server holds one session to a
+//! PostgreSQL server on node3 (Debian's, started here): its child
+//! `ferry-pg-session` queries it every 50 ms, and every migration must
+//! keep that very session (same backend PID, no failed query); `--db
+//! false` leaves it out. Then, per `--udp-only` count, a UDP server alone
+//! (the seed's OpenArena setup): that many players, no TCP client. The
+//! server moves node1 -> node2 -> node1 ..., `--runs` times per socket
+//! mode:
 //!
 //! - iterative: CRIU's own path, one connection at a time, one image file
 //!   per connection;
@@ -34,12 +40,16 @@ use clap::Parser;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
 use ferry_integration::nstat::Nstat;
+use ferry_integration::pg_session::{SessionStatus, wait_for_queries};
+use ferry_integration::postgres::{PG_PORT, PostgresServer};
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::{
     MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration, Strategy,
 };
 
 const PORT: u16 = 7000;
+/// Where the database session's status is served.
+const SESSION_PORT: u16 = 7300;
 const INTERVAL: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Parser)]
@@ -52,11 +62,18 @@ struct Args {
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// TCP connection counts, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024")]
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024,4096")]
     tcp: Vec<usize>,
     /// UDP players beside them.
     #[arg(long, default_value_t = 24)]
     udp: usize,
+    /// UDP player counts of the UDP-only server, comma-separated (none:
+    /// `--udp-only=`).
+    #[arg(long, default_value = "24,1024", value_parser = counts)]
+    udp_only: Counts,
+    /// The server's session to PostgreSQL on node3.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    db: bool,
     /// Socket modes, comma-separated (iterative, collective, incremental).
     #[arg(
         long,
@@ -76,9 +93,22 @@ struct Args {
     out: PathBuf,
 }
 
+/// A comma-separated list of counts that may be empty.
+#[derive(Debug, Clone)]
+struct Counts(Vec<usize>);
+
+fn counts(s: &str) -> Result<Counts, String> {
+    s.split(',')
+        .filter(|c| !c.trim().is_empty())
+        .map(|c| c.trim().parse().map_err(|e| format!("{c:?}: {e}")))
+        .collect::<Result<_, _>>()
+        .map(Counts)
+}
+
 #[derive(Debug, Clone)]
 struct Row {
     tcp: usize,
+    udp: usize,
     mode: &'static str,
     run: usize,
     freeze_ms: f64,
@@ -103,8 +133,9 @@ struct Row {
     parts: Vec<(String, f64)>,
 }
 
-const HEADER: [&str; 18] = [
+const HEADER: [&str; 19] = [
     "tcp",
+    "udp",
     "mode",
     "run",
     "freeze_ms",
@@ -128,6 +159,7 @@ impl Row {
     fn cells(&self) -> Vec<String> {
         vec![
             self.tcp.to_string(),
+            self.udp.to_string(),
             self.mode.to_owned(),
             self.run.to_string(),
             format!("{:.1}", self.freeze_ms),
@@ -174,8 +206,11 @@ fn main() -> std::process::ExitCode {
 }
 
 fn bench(args: &Args) -> Result<()> {
-    if args.runs == 0 || args.tcp.is_empty() || args.tcp.contains(&0) {
-        bail!("--runs and every --tcp count must be at least 1");
+    if args.runs == 0 || args.tcp.contains(&0) || args.udp_only.0.contains(&0) {
+        bail!("--runs and every --tcp and --udp-only count must be at least 1");
+    }
+    if args.tcp.is_empty() && args.udp_only.0.is_empty() {
+        bail!("nothing to measure: --tcp and --udp-only are both empty");
     }
     let modes = args
         .modes
@@ -187,16 +222,40 @@ fn bench(args: &Args) -> Result<()> {
         .enable_all()
         .build()?;
     println!(
-        "bench freeze: {} migrations per count and mode; TCP clients {:?} (256 B / 50 ms), {} UDP players (20 Hz)\n",
-        args.runs, args.tcp, args.udp
+        "bench freeze: {} migrations per count and mode; TCP clients {:?} (256 B / 50 ms) with {} UDP players (20 Hz){}; UDP-only servers with {:?} players\n",
+        args.runs,
+        args.tcp,
+        args.udp,
+        if args.db {
+            " and a database session"
+        } else {
+            ""
+        },
+        args.udp_only.0
     );
     println!("{}", HEADER.join("\t"));
     let mut rows = Vec::new();
-    for &tcp in &args.tcp {
+    let scenarios = args
+        .tcp
+        .iter()
+        .map(|&tcp| (tcp, args.udp))
+        .chain(args.udp_only.0.iter().map(|&udp| (0, udp)));
+    for (tcp, udp) in scenarios {
         // One cluster per count: the modes alternate migration by
         // migration on it, so both see the same machine state.
-        let cluster = Cluster::start(ClusterSpec::new(2, 2)).context("cluster")?;
-        rt.block_on(migrations(&cluster, tcp, &modes, args, &mut rows))?;
+        let cluster = Cluster::start(ClusterSpec::new(3, 2)).context("cluster")?;
+        let db = if args.db && tcp > 0 {
+            let addr = SocketAddrV4::new(cluster.node_cluster_addr("node3"), PG_PORT);
+            Some(PostgresServer::start(&cluster.netns_path("node3"), addr).context("PostgreSQL")?)
+        } else {
+            None
+        };
+        let scenario = Scenario {
+            tcp,
+            udp,
+            db: db.as_ref().map(|d| d.addr()),
+        };
+        rt.block_on(migrations(&cluster, scenario, &modes, args, &mut rows))?;
     }
     let report = tables(&rows, args, &modes);
     println!("\n{report}");
@@ -207,13 +266,13 @@ fn bench(args: &Args) -> Result<()> {
         csv += &(r.cells().join(",") + "\n");
     }
     std::fs::write(args.out.join("freeze.csv"), csv)?;
-    let mut parts_csv = String::from("tcp,mode,run,part,ms\n");
+    let mut parts_csv = String::from("tcp,udp,mode,run,part,ms\n");
     for r in &rows {
         for (part, ms) in &r.parts {
             let _ = writeln!(
                 parts_csv,
-                "{},{},{},\"{part}\",{ms:.2}",
-                r.tcp, r.mode, r.run
+                "{},{},{},{},\"{part}\",{ms:.2}",
+                r.tcp, r.udp, r.mode, r.run
             );
         }
     }
@@ -236,27 +295,71 @@ fn part(report: &MigrationReport, prefix: &str) -> f64 {
         .sum()
 }
 
+/// What one cluster of the sweep serves.
+#[derive(Debug, Clone, Copy)]
+struct Scenario {
+    /// DVE clients (0: a UDP-only server).
+    tcp: usize,
+    udp: usize,
+    /// The PostgreSQL server the DVE server holds a session to.
+    db: Option<SocketAddrV4>,
+}
+
 async fn migrations(
     cluster: &Cluster,
-    tcp_count: usize,
+    scenario: Scenario,
     modes: &[(&'static str, SocketMigration)],
     args: &Args,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
+    let Scenario {
+        tcp: tcp_count,
+        udp: udp_count,
+        db,
+    } = scenario;
     let nodes = ["node1", "node2"];
     let mut here = 0;
     let mut control = cluster.control(nodes[here]).await?;
-    let server = vec![
+    let mut server = vec![
         ferry_integration::bin_path("ferry-dve-server")
             .display()
             .to_string(),
         "--port".into(),
         PORT.to_string(),
     ];
+    let session_target = SocketAddrV4::new(cluster.public_addr(), SESSION_PORT);
+    if let Some(db) = db {
+        server.extend([
+            "--".into(),
+            ferry_integration::bin_path("ferry-pg-session")
+                .display()
+                .to_string(),
+            "--pg".into(),
+            db.to_string(),
+            "--serve".into(),
+            session_target.to_string(),
+            "--interval-ms".into(),
+            "50".into(),
+        ]);
+    }
+    let listening = if db.is_some() { 2 } else { 1 };
     let mut pid = run(&mut control, server).await;
-    wait_for_process(&mut control, pid, |p| p.tcp_listening == 1).await;
+    wait_for_process(&mut control, pid, |p| p.tcp_listening == listening).await;
     let target = SocketAddrV4::new(cluster.public_addr(), PORT);
     let clients = [cluster.netns_path("client1"), cluster.netns_path("client2")];
+    let session_ok = |s: &SessionStatus, first: &SessionStatus| -> Result<()> {
+        if s.backend_pid != first.backend_pid || s.queries_failed != 0 || s.last_error.is_some() {
+            bail!("the database session did not survive: {s:?} (first {first:?})");
+        }
+        Ok(())
+    };
+    let session_first = match db {
+        Some(_) => Some(
+            wait_for_queries(&clients[0], session_target, 0, 5, Duration::from_secs(30))
+                .map_err(anyhow::Error::msg)?,
+        ),
+        None => None,
+    };
     for run in 0..args.runs {
         // The server moves node1 -> node2 -> node1 ...: with an even number
         // of modes in a fixed order, each mode would always move the same
@@ -268,22 +371,41 @@ async fn migrations(
             modes.to_vec()
         };
         for (mode_name, mode) in order {
-            let tcp = SeqClient::start(clients[0].clone(), target, tcp_count, INTERVAL, 256)?;
-            let udp = UdpClients::start(clients[1].clone(), target, args.udp, INTERVAL, 96)?;
-            let bulk = (args.bulk > 0)
+            let tcp = (tcp_count > 0)
+                .then(|| SeqClient::start(clients[0].clone(), target, tcp_count, INTERVAL, 256))
+                .transpose()?;
+            let udp = UdpClients::start(clients[1].clone(), target, udp_count, INTERVAL, 96)?;
+            let bulk = (args.bulk > 0 && tcp_count > 0)
                 .then(|| {
                     SeqClient::start(clients[1].clone(), target, args.bulk, Duration::ZERO, 16384)
                 })
                 .transpose()?;
-            tcp.wait_until_flowing(Duration::from_secs(30))?;
+            if let Some(tcp) = &tcp {
+                tcp.wait_until_flowing(Duration::from_secs(30))?;
+            }
             if let Some(b) = &bulk {
                 b.wait_until_flowing(Duration::from_secs(30))?;
             }
             let bulk_before = bulk.as_ref().map(|b| b.verified_per_connection());
-            udp.wait_for_echoes(args.udp as u64 * 10, Duration::from_secs(10))
+            udp.wait_for_echoes(udp_count as u64 * 10, Duration::from_secs(10))
                 .map_err(anyhow::Error::msg)?;
             let before = Nstat::read(&clients[0])?;
-            let tcp_before = tcp.verified_per_connection();
+            let tcp_before = tcp.as_ref().map(|t| t.verified_per_connection());
+            let session_before = match &session_first {
+                Some(first) => {
+                    let s = wait_for_queries(
+                        &clients[0],
+                        session_target,
+                        0,
+                        1,
+                        Duration::from_secs(10),
+                    )
+                    .map_err(anyhow::Error::msg)?;
+                    session_ok(&s, first)?;
+                    Some(s)
+                }
+                None => None,
+            };
 
             let to = nodes[1 - here];
             let (report, status) = migrate_request(
@@ -317,15 +439,29 @@ async fn migrations(
             control = cluster.control(nodes[here]).await?;
             wait_for_process(&mut control, pid, |p| p.state == "running").await;
 
-            tcp.wait_until_each_passes(&tcp_before, 20, Duration::from_secs(30))?;
+            if let (Some(tcp), Some(before)) = (&tcp, &tcp_before) {
+                tcp.wait_until_each_passes(before, 20, Duration::from_secs(30))?;
+            }
+            if let (Some(first), Some(before)) = (&session_first, &session_before) {
+                let s = wait_for_queries(
+                    &clients[0],
+                    session_target,
+                    before.queries_ok,
+                    5,
+                    Duration::from_secs(30),
+                )
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("{tcp_count} connections, {mode_name}, run {run}"))?;
+                session_ok(&s, first)?;
+            }
             if let (Some(b), Some(before)) = (&bulk, &bulk_before) {
                 b.wait_until_each_passes(before, 200, Duration::from_secs(30))?;
             }
             let seen = udp.echoed();
-            udp.wait_for_echoes(seen + args.udp as u64 * 20, Duration::from_secs(30))
+            udp.wait_for_echoes(seen + udp_count as u64 * 20, Duration::from_secs(30))
                 .map_err(anyhow::Error::msg)?;
             let after = Nstat::read(&clients[0])?;
-            let tcp_report = tcp.stop();
+            let tcp_report = tcp.map(|t| t.stop());
             if let Some(b) = bulk {
                 let r = b.stop();
                 if !r.failures().is_empty() {
@@ -336,21 +472,24 @@ async fn migrations(
                 }
             }
             let udp_report = udp.stop()?;
-            if !tcp_report.failures().is_empty() {
+            if let Some(r) = &tcp_report
+                && !r.failures().is_empty()
+            {
                 bail!(
                     "{tcp_count} connections, {mode_name}, run {run}: TCP streams failed: {:?}",
-                    tcp_report.failures()
+                    r.failures()
                 );
             }
             let mut gaps: Vec<f64> = tcp_report
-                .connections
                 .iter()
+                .flat_map(|r| &r.connections)
                 .filter_map(|c| c.max_gap.as_ref())
                 .map(|g| g.duration.as_secs_f64() * 1e3)
                 .collect();
             gaps.sort_by(f64::total_cmp);
             let row = Row {
                 tcp: tcp_count,
+                udp: udp_count,
                 mode: mode_name,
                 run,
                 freeze_ms: report.freeze_time_us as f64 / 1e3,
@@ -451,8 +590,14 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "{} migrations per connection count and mode ({} UDP players beside the TCP clients); medians, p95 of the freeze.\n",
-        args.runs, args.udp
+        "{} migrations per connection count and mode ({} UDP players beside the TCP clients{}); medians, p95 of the freeze.\n",
+        args.runs,
+        args.udp,
+        if args.db {
+            ", and the server's session to PostgreSQL on another node, kept through every migration"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(
         t,
@@ -495,22 +640,73 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
             );
         }
     }
+    udp_table(&mut t, rows, args, modes);
     parts_table(&mut t, rows, args, modes);
-    let _ = writeln!(
-        t,
-        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
-        args.runs,
-        args.tcp
-            .iter()
+    let list = |v: &[usize]| {
+        v.iter()
             .map(|n| n.to_string())
             .collect::<Vec<_>>()
-            .join(","),
+            .join(",")
+    };
+    let _ = writeln!(
+        t,
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {} --udp-only {} --db {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
+        args.runs,
+        list(&args.tcp),
         args.udp,
+        list(&args.udp_only.0),
+        args.db,
         args.bulk,
         args.drain_ms,
         args.modes.join(",")
     );
     t
+}
+
+/// The UDP-only server's rows: no TCP client, so no TCP gap or RTO.
+fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) {
+    if args.udp_only.0.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        t,
+        "\nThe UDP server alone (players at 20 Hz, no TCP client), medians, p95 of the freeze:\n"
+    );
+    let _ = writeln!(
+        t,
+        "| UDP players | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | worst gap (ms) | UDP lost |"
+    );
+    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for &udp in &args.udp_only.0 {
+        for &(mode, _) in modes {
+            let rs: Vec<&Row> = rows
+                .iter()
+                .filter(|r| r.tcp == 0 && r.udp == udp && r.mode == mode)
+                .collect();
+            if rs.is_empty() {
+                continue;
+            }
+            let med = |f: &dyn Fn(&Row) -> f64| {
+                let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
+                v.sort_by(f64::total_cmp);
+                median(&v)
+            };
+            let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
+            let _ = writeln!(
+                t,
+                "| {udp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |",
+                med(&|r| r.freeze_ms),
+                percentile(&freezes, 95.0),
+                med(&|r| r.dump_ms),
+                med(&|r| r.transfer_ms),
+                med(&|r| r.restore_ms),
+                med(&|r| r.replay_ms),
+                med(&|r| r.frozen_bytes as f64),
+                med(&|r| r.gap_max_ms),
+                med(&|r| r.udp_lost as f64),
+            );
+        }
+    }
 }
 
 /// Medians of every part of the freeze, one column per count and mode: the

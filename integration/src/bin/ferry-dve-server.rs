@@ -10,6 +10,12 @@
 //! eventfd state to carry), EINTR retried, a failing connection only closes
 //! itself, and nothing is written after start (stdio is /dev/null under
 //! the agent).
+//!
+//! `ferry-dve-server --port 7000 -- ferry-pg-session --pg ...` also starts
+//! the command after `--` as its child, before it serves: a zone server's
+//! database session, which moves with it (a migration takes the whole
+//! process tree). The child is never waited for; if it ends, it stays a
+//! zombie the test can see.
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -31,6 +37,9 @@ struct Args {
     /// Address to bind.
     #[arg(long, default_value_t = Ipv4Addr::UNSPECIFIED)]
     bind: Ipv4Addr,
+    /// A command to start as this server's child (after `--`).
+    #[arg(last = true)]
+    companion: Vec<String>,
 }
 
 /// Stop reading a connection whose echo is this far behind (its client
@@ -64,6 +73,16 @@ fn main() -> ExitCode {
     {
         eprintln!("ferry-dve-server: {e}");
         return ExitCode::FAILURE;
+    }
+    if let Some((program, rest)) = args.companion.split_first() {
+        let started = std::process::Command::new(program)
+            .args(rest)
+            .stdin(std::process::Stdio::null())
+            .spawn();
+        if let Err(e) = started {
+            eprintln!("ferry-dve-server: starting {program}: {e}");
+            return ExitCode::FAILURE;
+        }
     }
     serve(&listener, &udp)
 }
