@@ -1096,7 +1096,10 @@ pub async fn restore(
 }
 
 pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResponse, EngineError> {
+    let entered = Instant::now();
     let mut slot = agent.incoming.lock().await;
+    let us = move || entered.elapsed().as_micros() as u64;
+    tracing::debug!(us = us(), "commit: slot taken");
     let inc = expect(&mut slot, &req.migration_id, &["restored"], "commit")?;
     let IncomingState::Restored { pid } = inc.state else {
         return Err(EngineError::Internal("restored slot without a PID".into()));
@@ -1137,6 +1140,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // The source had the peers' nodes translate before it sent Commit: the
     // in-cluster connections may flow from here on.
     release_holds(agent, &inc.in_cluster).await;
+    tracing::debug!(us = us(), "commit: in-cluster holds released");
     // Open egress first: the ACKs (and window updates) the stack sends for
     // replayed segments must get out. Ingress stays captured while the
     // packets captured so far are replayed, so none is overtaken; then the
@@ -1163,10 +1167,13 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 let delivered = req.delivered_digests;
                 let unread = req.unread_datagrams;
                 let rebuilt = rebuilt.take();
+                tracing::debug!(us = us(), "commit: ports opened for egress");
                 let resumed = tokio::task::spawn_blocking(move || {
                     resume_rebuilt(rebuilt);
+                    tracing::debug!(us = us(), "commit: rebuilt connections out of repair mode");
                     resume(pid);
                     let resumed_at = Instant::now();
+                    tracing::debug!(us = us(), "commit: process resumed");
                     let r = a.replay_and_open(&id, &delivered, &unread, || {
                         a.release_ports(&ports);
                         a.reconcile_ownership()
