@@ -39,8 +39,9 @@ pub struct Agent {
     /// Translation and hold rules for in-cluster connections, on the
     /// cluster interface.
     flows: Mutex<Box<dyn FlowRules>>,
-    /// The peers' verdict on ports this node's processes opened: free to
-    /// own, or owned by another node (refused here).
+    /// Ports this node's processes opened, on their way to being owned:
+    /// being asked about, free to own, owned by another node (refused
+    /// here), or claimed by another node at the same time (asked again).
     claims: Mutex<BTreeMap<PortKey, Claim>>,
     /// Serialises [`Self::persist`].
     persisting: Mutex<()>,
@@ -107,11 +108,32 @@ pub enum ProcessEnd {
 /// The file whose presence says the node is cordoned.
 const CORDON_FILE: &str = "cordoned";
 
-/// What the peers said of a port a managed process opened here.
+/// Where a port a managed process opened here stands: the claim protocol
+/// of [`Agent::check_claims`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Claim {
+    /// The peers are being asked.
+    Claiming,
+    /// No peer owns or claims it: owned here at the next ownership pass.
     Free,
+    /// Another node owns it: refused here.
     OwnedBy(String),
+    /// Another node claimed it in the same round: not owned here, asked
+    /// again after a random delay.
+    Contested { with: String, retry_at: Instant },
+}
+
+/// The range of the random delay before a contested port is claimed again.
+/// Two nodes that saw each other's claim both back off; the first to come
+/// back finds the other not claiming and takes the port.
+const CONTESTED_RETRY_MS: std::ops::Range<u64> = 50..1000;
+
+/// A peer's answer on ports this node claims.
+#[derive(Debug, Clone, Default)]
+struct PeerAnswer {
+    node: String,
+    owned: BTreeSet<PortKey>,
+    claiming: BTreeSet<PortKey>,
 }
 
 /// How often [`Agent::drain_while_capturing`] empties the capture ring.
@@ -406,26 +428,109 @@ impl Agent {
         let wanted = self.registry().desired_ports();
         let owned: BTreeSet<PortKey> = self.ownership().current().keys().copied().collect();
         let reserved = lock(&self.reserved);
+        let mut claims = lock(&self.claims);
         // Forget verdicts on ports no process holds any more.
-        lock(&self.claims).retain(|p, _| wanted.contains_key(p));
+        claims.retain(|p, _| wanted.contains_key(p));
+        let now = Instant::now();
         wanted
             .iter()
             .filter(|(p, s)| **s == PortState::Owned && !reserved.contains_key(p))
             .map(|(p, _)| *p)
             .filter(|p| !owned.contains(p))
+            .filter(|p| {
+                !matches!(claims.get(p), Some(Claim::Contested { retry_at, .. }) if *retry_at > now)
+            })
             .collect()
     }
 
-    /// Asks every peer (concurrently, briefly) which of `ports` it owns and
-    /// records the verdicts: a port another node owns is refused here (an
-    /// error in the log and in `ListProcesses`), the others may be owned.
+    /// What this node says of `asked` to a peer that claims them: those it
+    /// owns (in any state), and those it is claiming itself (asking, or
+    /// found free and not owned yet). Answering "claiming" until the port
+    /// is owned is what keeps two simultaneous claims from both winning.
+    pub fn ownership_answer(&self, asked: &[PortKey]) -> (Vec<PortKey>, Vec<PortKey>) {
+        let owned = self.owned_ports();
+        let claims = lock(&self.claims);
+        let mine = asked
+            .iter()
+            .filter(|p| owned.contains(p))
+            .copied()
+            .collect();
+        let claiming = asked
+            .iter()
+            .filter(|p| !owned.contains(p))
+            .filter(|p| matches!(claims.get(p), Some(Claim::Claiming | Claim::Free)))
+            .copied()
+            .collect();
+        (mine, claiming)
+    }
+
+    /// Marks `ports` as being claimed, before the peers are asked: from
+    /// here on this node answers "claiming" for them.
+    fn begin_claims(&self, ports: &[PortKey]) {
+        let mut claims = lock(&self.claims);
+        for p in ports {
+            // A port found free and not owned yet stays free: re-asking
+            // must not make it look unclaimed to the ownership pass.
+            if claims.get(p) != Some(&Claim::Free) {
+                claims.insert(*p, Claim::Claiming);
+            }
+        }
+    }
+
+    /// Records the verdicts on `ports` from the peers' answers: (peer,
+    /// ports it owns, ports it claims).
+    fn settle_claims(&self, ports: &[PortKey], answers: &[PeerAnswer]) {
+        let mut claims = lock(&self.claims);
+        for port in ports {
+            let owner = answers.iter().find(|a| a.owned.contains(port));
+            let rival = answers.iter().find(|a| a.claiming.contains(port));
+            let verdict = match (owner, rival) {
+                (Some(a), _) => Claim::OwnedBy(a.node.clone()),
+                (None, Some(a)) => Claim::Contested {
+                    with: a.node.clone(),
+                    retry_at: Instant::now()
+                        + Duration::from_millis(rand::random_range(CONTESTED_RETRY_MS)),
+                },
+                (None, None) => Claim::Free,
+            };
+            let before = claims.insert(*port, verdict.clone());
+            match (&before, &verdict) {
+                (Some(Claim::OwnedBy(_)), Claim::Free) => {
+                    tracing::info!(%port, "port no longer owned elsewhere: owned here now")
+                }
+                (b, Claim::OwnedBy(node)) if b.as_ref() != Some(&verdict) => tracing::error!(
+                    %port,
+                    owner = %node,
+                    "a managed process opened a port another node owns: refused, packets stay with {node}"
+                ),
+                (_, Claim::Contested { with, .. }) => tracing::info!(
+                    %port,
+                    rival = %with,
+                    "another node claims this port at the same time: both back off, asked again shortly"
+                ),
+                _ => {}
+            }
+        }
+    }
+
+    /// Asks every peer (concurrently, briefly) which of `ports` it owns or
+    /// claims, and records the verdicts: a port another node owns is
+    /// refused here (an error in the log and in `ListProcesses`); a port
+    /// another node claims at the same time is contested (neither takes it
+    /// now; each asks again after a random delay); the others may be owned.
+    ///
+    /// Two claims never both win: each node marks its claim before it
+    /// asks, and answers "claiming" until the port is owned. Of two claims
+    /// racing, the later one to mark asks after the earlier marked, so it
+    /// sees the earlier one (claiming or owning) and does not take the
+    /// port. `ports_race_and_never_both_win` checks every interleaving.
+    ///
     /// A peer that does not answer in time is taken as owning none of
     /// them: refusing would leave a port nobody serves whenever any node
-    /// is down. Two nodes claiming the same new port within one such round
-    /// trip can both win; membership with leases (load-balancing issue)
-    /// closes that window.
+    /// is down.
     pub async fn check_claims(self: &Arc<Self>, ports: Vec<PortKey>) {
         const ASK_TIMEOUT: Duration = Duration::from_millis(500);
+        self.begin_claims(&ports);
         let req = ferry_proto::v1::PortOwnershipRequest {
             ports: ports
                 .iter()
@@ -448,39 +553,25 @@ impl Agent {
             }
         });
         let answers = futures::future::join_all(asks).await;
-        let mut owners: BTreeMap<PortKey, String> = BTreeMap::new();
+        let keys = |ports: &[ferry_proto::v1::Port]| -> BTreeSet<PortKey> {
+            ports
+                .iter()
+                .filter_map(|p| crate::engine::destination::port_from_pb(p).ok())
+                .collect()
+        };
+        let mut heard = Vec::new();
         for (peer, answer) in answers {
             match answer {
-                Ok(Ok(r)) => {
-                    for p in &r.owned {
-                        if let Ok(k) = crate::engine::destination::port_from_pb(p) {
-                            owners.entry(k).or_insert_with(|| peer.clone());
-                        }
-                    }
-                }
+                Ok(Ok(r)) => heard.push(PeerAnswer {
+                    node: peer,
+                    owned: keys(&r.owned),
+                    claiming: keys(&r.claiming),
+                }),
                 Ok(Err(e)) => tracing::warn!(peer = %peer, error = %e, "asking who owns new ports"),
                 Err(_) => tracing::warn!(peer = %peer, "no answer on port ownership in time"),
             }
         }
-        let mut claims = lock(&self.claims);
-        for port in ports {
-            let verdict = match owners.remove(&port) {
-                Some(node) => Claim::OwnedBy(node),
-                None => Claim::Free,
-            };
-            let before = claims.insert(port, verdict.clone());
-            match (&before, &verdict) {
-                (Some(Claim::OwnedBy(_)), Claim::Free) => {
-                    tracing::info!(%port, "port no longer owned elsewhere: owned here now")
-                }
-                (b, Claim::OwnedBy(node)) if b.as_ref() != Some(&verdict) => tracing::error!(
-                    %port,
-                    owner = %node,
-                    "a managed process opened a port another node owns: refused, packets stay with {node}"
-                ),
-                _ => {}
-            }
-        }
+        self.settle_claims(&ports, &heard);
     }
 
     /// The nodes that own ports this node's processes hold, by port.
@@ -489,7 +580,8 @@ impl Agent {
             .iter()
             .filter_map(|(p, c)| match c {
                 Claim::OwnedBy(n) => Some((*p, n.clone())),
-                Claim::Free => None,
+                // Transient: asked again within a second.
+                Claim::Claiming | Claim::Free | Claim::Contested { .. } => None,
             })
             .collect()
     }
@@ -1147,4 +1239,154 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use super::*;
+    use crate::engine::destination::fixture::Fixture;
+    use crate::process::{SocketSummary, Transport};
+
+    const PORT: PortKey = PortKey {
+        transport: Transport::Tcp,
+        port: 7000,
+    };
+
+    /// An agent whose managed process opened [`PORT`].
+    fn node_with_a_process_on_the_port() -> Fixture {
+        let f = Fixture::new(&[]);
+        f.agent.adopt(ManagedProcess {
+            pid: 4242,
+            argv: vec!["local".into()],
+            origin: Origin::Run,
+            lifecycle: Lifecycle::Running,
+            sockets: SocketSummary {
+                ports: [PORT].into(),
+                ..Default::default()
+            },
+        });
+        f
+    }
+
+    /// One node's steps of a claim, in their order.
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        Mark,
+        Ask,
+        Settle,
+        Own,
+    }
+    const STEPS: [Step; 4] = [Step::Mark, Step::Ask, Step::Settle, Step::Own];
+
+    /// Every way of interleaving two nodes' four steps: which node takes
+    /// each of the 8 turns.
+    fn interleavings() -> Vec<Vec<usize>> {
+        (0u32..256)
+            .filter(|m| m.count_ones() == 4)
+            .map(|m| (0..8).map(|i| ((m >> i) & 1) as usize).collect())
+            .collect()
+    }
+
+    fn step(me: &Agent, other: &Agent, other_name: &str, s: Step, heard: &mut Vec<PeerAnswer>) {
+        match s {
+            Step::Mark => me.begin_claims(&[PORT]),
+            Step::Ask => {
+                let (owned, claiming) = other.ownership_answer(&[PORT]);
+                heard.push(PeerAnswer {
+                    node: other_name.into(),
+                    owned: owned.into_iter().collect(),
+                    claiming: claiming.into_iter().collect(),
+                });
+            }
+            Step::Settle => me.settle_claims(&[PORT], heard),
+            Step::Own => me.reconcile_ownership().unwrap(),
+        }
+    }
+
+    #[tokio::test]
+    async fn ports_race_and_never_both_win() {
+        let orders = interleavings();
+        assert_eq!(orders.len(), 70);
+        let mut outcomes = BTreeMap::new();
+        for order in orders {
+            let nodes = [
+                node_with_a_process_on_the_port(),
+                node_with_a_process_on_the_port(),
+            ];
+            let names = ["node-a", "node-b"];
+            let mut next = [0usize; 2];
+            let mut heard = [Vec::new(), Vec::new()];
+            for &who in &order {
+                let other = 1 - who;
+                step(
+                    &nodes[who].agent,
+                    &nodes[other].agent,
+                    names[other],
+                    STEPS[next[who]],
+                    &mut heard[who],
+                );
+                next[who] += 1;
+            }
+            let owns = nodes
+                .each_ref()
+                .map(|n| n.agent.owned_ports().contains(&PORT));
+            assert!(!(owns[0] && owns[1]), "both own the port after {order:?}");
+            *outcomes.entry(owns).or_insert(0) += 1;
+        }
+        // Run one after the other, the first takes the port and the second
+        // is refused; neither is the only outcome.
+        assert!(outcomes.contains_key(&[true, false]), "{outcomes:?}");
+        assert!(outcomes.contains_key(&[false, true]), "{outcomes:?}");
+        assert!(outcomes.contains_key(&[false, false]), "{outcomes:?}");
+    }
+
+    #[tokio::test]
+    async fn a_claim_after_anothers_takes_nothing_and_names_the_owner() {
+        let a = node_with_a_process_on_the_port();
+        let b = node_with_a_process_on_the_port();
+        let mut heard = Vec::new();
+        for s in STEPS {
+            step(&a.agent, &b.agent, "node-b", s, &mut heard);
+        }
+        assert!(a.agent.owned_ports().contains(&PORT));
+        let mut heard = Vec::new();
+        for s in STEPS {
+            step(&b.agent, &a.agent, "node-a", s, &mut heard);
+        }
+        assert!(!b.agent.owned_ports().contains(&PORT));
+        assert_eq!(
+            b.agent.port_conflicts(),
+            [(PORT, "node-a".to_owned())].into()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_contested_port_is_asked_again_only_after_its_delay() {
+        let a = node_with_a_process_on_the_port();
+        let b = node_with_a_process_on_the_port();
+        // Both mark, then both ask: each sees the other claiming.
+        a.agent.begin_claims(&[PORT]);
+        b.agent.begin_claims(&[PORT]);
+        let (owned, claiming) = b.agent.ownership_answer(&[PORT]);
+        assert_eq!((owned.len(), claiming.as_slice()), (0, &[PORT][..]));
+        let heard = vec![PeerAnswer {
+            node: "node-b".into(),
+            owned: owned.into_iter().collect(),
+            claiming: claiming.into_iter().collect(),
+        }];
+        a.agent.settle_claims(&[PORT], &heard);
+        a.agent.reconcile_ownership().unwrap();
+        assert!(!a.agent.owned_ports().contains(&PORT));
+        // Backing off, it neither claims (a peer asking finds it silent)
+        // nor is asked about again before its delay.
+        assert_eq!(a.agent.ownership_answer(&[PORT]), (vec![], vec![]));
+        assert!(a.agent.unclaimed_ports().is_empty());
+        // Once the delay passed, it is claimed again.
+        if let Some(Claim::Contested { retry_at, .. }) = lock(&a.agent.claims).get_mut(&PORT) {
+            *retry_at = Instant::now();
+        } else {
+            panic!("not contested: {:?}", lock(&a.agent.claims).get(&PORT));
+        }
+        assert_eq!(a.agent.unclaimed_ports(), vec![PORT]);
+    }
 }

@@ -312,12 +312,15 @@ impl Peer for PeerService {
             .iter()
             .map(crate::engine::destination::port_from_pb)
             .collect::<Result<Vec<_>, _>>()?;
-        let owned = self.agent.owned_ports();
+        let (owned, claiming) = self.agent.ownership_answer(&asked);
         Ok(Response::new(PortOwnershipResponse {
             node: self.agent.node().to_owned(),
-            owned: asked
+            owned: owned
                 .iter()
-                .filter(|p| owned.contains(p))
+                .map(crate::engine::source::port_to_pb)
+                .collect(),
+            claiming: claiming
+                .iter()
                 .map(crate::engine::source::port_to_pb)
                 .collect(),
         }))
