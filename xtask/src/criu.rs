@@ -118,6 +118,15 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/tcp-options-by-caller.patch"),
         mark: "ferry-opts-by-caller",
     },
+    // The connections are handed over as one table (`ferry-tcp-table`, a
+    // memfd naming ferryd and each connection's descriptor there) instead
+    // of one inherited descriptor each; the restored task takes them from
+    // ferryd by pidfd_getfd().
+    Patch {
+        what: "handed-over connections as one table",
+        text: include_str!("../criu/connections-table.patch"),
+        mark: "ferry-tcp-table1",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

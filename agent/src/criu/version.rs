@@ -101,6 +101,12 @@ pub const TCP_BY_PIDFD_MARK: &str = "ferry-tcp-by-pidfd2";
 /// their socket options, which ferryd carries; the restore skips them.
 pub const OPTS_BY_CALLER_MARK: &str = "ferry-opts-by-caller";
 
+/// The mark of `xtask/criu/connections-table.patch`: the connections are
+/// handed over as one table (`ferry-tcp-table`, a memfd naming ferryd's
+/// PID and each connection's descriptor there), and the restored task
+/// takes them from ferryd by pidfd; CRIU inherits one descriptor.
+pub const TCP_TABLE_MARK: &str = "ferry-tcp-table1";
+
 /// ferry's patches to CRIU, by their mark, with what each is for.
 pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
@@ -126,6 +132,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         OPTS_BY_CALLER_MARK,
         "connection options carried by ferryd (a shorter dump and restore)",
+    ),
+    (
+        TCP_TABLE_MARK,
+        "handed-over connections as one table (a shorter CRIU start-up)",
     ),
 ];
 
@@ -229,6 +239,7 @@ mod tests {
                 "socket flags without fdinfo (a shorter dump)",
                 "inherited connections taken by pidfd (a shorter restore)",
                 "connection options carried by ferryd (a shorter dump and restore)",
+                "handed-over connections as one table (a shorter CRIU start-up)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

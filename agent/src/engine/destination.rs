@@ -8,7 +8,7 @@
 //! CRIU's lazy-pages daemon first; Commit hands it to a watcher which kills
 //! the process if the daemon fails, and answers `PostCopyStatus`.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +26,7 @@ use crate::criu;
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
 use crate::ownership::PortState;
 use crate::process::{self, PortKey, SocketSummary, Transport};
+use crate::sockstate::Handover;
 use crate::translation::{self, InClusterFlow};
 
 use super::localpages::LocalPages;
@@ -956,6 +957,9 @@ pub async fn restore(
     // Collective sockets: the connections TransferSockets rebuilt (on
     // this node's cluster address where they were in-cluster ones, which
     // must be the ones the images name) are handed to CRIU.
+    // The table of a collective restore's connections (a CRIU with ferry's
+    // connections-table patch): open until CRIU has read it.
+    let mut connection_table: Option<OwnedFd> = None;
     let inherited_tcp = if req.collective_sockets {
         let taken = lock_sockets(agent).take();
         let sockets = match taken {
@@ -985,12 +989,19 @@ pub async fn restore(
                 )));
             }
         }
-        let by_pidfd = sockets.by_pidfd;
-        let fds = sockets
-            .rebuilt
-            .as_ref()
-            .map(|r| r.inherit_fds(by_pidfd))
-            .unwrap_or_default();
+        let fds = match (&sockets.rebuilt, sockets.handover) {
+            (None, _) => Vec::new(),
+            (Some(r), Handover::Table) => {
+                let table = r.connection_table()?;
+                let fds = vec![(
+                    crate::sockstate::CONNECTION_TABLE_KEY.to_owned(),
+                    table.as_raw_fd(),
+                )];
+                connection_table = Some(table);
+                fds
+            }
+            (Some(r), h) => r.inherit_fds(h == Handover::ByPidfd),
+        };
         inc.rebuilt = sockets.rebuilt;
         Some(fds)
     } else {
@@ -1057,6 +1068,7 @@ pub async fn restore(
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))?;
     inc.rebuilt = rebuilt;
+    drop(connection_table);
     let (outcome, notes) = match restored {
         Ok(r) => r,
         Err(e) => {
@@ -1293,8 +1305,8 @@ pub struct RebuiltSockets {
     /// (local, remote) of each, after the move of in-cluster ones.
     relocated: Vec<(std::net::SocketAddr, std::net::SocketAddr)>,
     rebuilt: Option<crate::sockstate::Rebuilt>,
-    /// This node's CRIU takes them by pidfd (`Rebuilt::inherit_fds`).
-    by_pidfd: bool,
+    /// How this node's CRIU takes them.
+    handover: Handover,
 }
 
 impl RebuiltSockets {
@@ -1304,7 +1316,7 @@ impl RebuiltSockets {
             from: from.to_owned(),
             relocated: Vec::new(),
             rebuilt: None,
-            by_pidfd: false,
+            handover: Handover::Fdstore,
         }
     }
 }
@@ -1397,12 +1409,23 @@ pub async fn transfer_sockets(
     // here, before the restore: the source rolls back and the connections
     // live on there.
     let criu_path = agent.config.criu_path.clone();
-    let by_pidfd = tokio::task::spawn_blocking(move || {
+    let handover = tokio::task::spawn_blocking(move || {
         criu::require_patch(&criu_path, criu::INHERITED_TCP_MARK)?;
         if with_options != 0 {
             criu::require_patch(&criu_path, criu::OPTS_BY_CALLER_MARK)?;
         }
-        Ok::<_, criu::CriuError>(criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK))
+        // The table path builds on the pidfd one (its inode table and
+        // service fd).
+        let by_pidfd = criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK);
+        Ok::<_, criu::CriuError>(
+            if by_pidfd && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK) {
+                Handover::Table
+            } else if by_pidfd {
+                Handover::ByPidfd
+            } else {
+                Handover::Fdstore
+            },
+        )
     })
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))??;
@@ -1417,6 +1440,7 @@ pub async fn transfer_sockets(
         migration = %req.migration_id,
         connections,
         ms = took.as_secs_f64() * 1000.0,
+        ?handover,
         "TCP connections rebuilt in one batch"
     );
     // Replaces (and so closes, silently) whatever an earlier migration
@@ -1426,7 +1450,7 @@ pub async fn transfer_sockets(
         from: req.source_node,
         relocated,
         rebuilt: Some(rebuilt),
-        by_pidfd,
+        handover,
     });
     Ok(ferry_proto::v1::TransferSocketsResponse {
         connections,

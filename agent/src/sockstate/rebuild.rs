@@ -23,6 +23,27 @@ struct RebuiltConnection {
     ipv6: bool,
 }
 
+/// The inherit-fd key of [`Rebuilt::connection_table`].
+pub const CONNECTION_TABLE_KEY: &str = "ferry-tcp-table";
+/// The connection table's magic number: "FTT1" read as a native-endian
+/// 32-bit word on little-endian machines.
+const CONNECTION_TABLE_MAGIC: u32 = 0x3154_5446;
+
+/// How the rebuilt connections reach CRIU's restore, by what this node's
+/// CRIU build can take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handover {
+    /// One inherited descriptor each, `socket:[<ino>]`, through CRIU's
+    /// fdstore.
+    Fdstore,
+    /// One inherited descriptor each, `ferry-tcp:[<ino>]`, kept in CRIU's
+    /// process and taken from it by pidfd.
+    ByPidfd,
+    /// One table ([`Rebuilt::connection_table`]); the connections stay in
+    /// ferryd and are taken from it by pidfd.
+    Table,
+}
+
 /// Connections rebuilt in this node's network namespace, still in repair
 /// mode (inert: no timer runs, nothing is sent). ferryd keeps its own
 /// descriptors until [`Rebuilt::resume`]; dropping them earlier closes
@@ -290,6 +311,55 @@ impl Rebuilt {
             .iter()
             .map(|c| (format!("{prefix}:[{}]", c.inode), c.fd.as_raw_fd()))
             .collect()
+    }
+
+    /// The connections as one table for CRIU's restore (a CRIU with
+    /// ferry's connections-table patch), inherited as
+    /// [`CONNECTION_TABLE_KEY`]: a memfd holding a head (magic "FTT1",
+    /// this process's PID, the count, a reserved word) and, per
+    /// connection, its inode on the source and ferryd's descriptor number
+    /// for it, all native-endian 32-bit. The restored task takes each
+    /// connection from this process by `pidfd_getfd()`: ferryd must keep
+    /// them open until the restore ends, which [`Rebuilt`] does.
+    pub fn connection_table(&self) -> Result<OwnedFd, SockStateError> {
+        use std::io::Write;
+        let err = |op: &'static str| {
+            move |source: std::io::Error| SockStateError::Sys {
+                op,
+                conn: "the connection table".into(),
+                source,
+            }
+        };
+        let mut bytes = Vec::with_capacity(16 + 8 * self.conns.len());
+        bytes.extend_from_slice(&CONNECTION_TABLE_MAGIC.to_ne_bytes());
+        bytes.extend_from_slice(&(std::process::id() as i32).to_ne_bytes());
+        bytes.extend_from_slice(&(self.conns.len() as u32).to_ne_bytes());
+        bytes.extend_from_slice(&0u32.to_ne_bytes());
+        for c in &self.conns {
+            let inode = u32::try_from(c.inode).map_err(|_| SockStateError::Sys {
+                op: "the connection table",
+                conn: c.name.clone(),
+                source: std::io::Error::other(format!(
+                    "inode {} does not fit CRIU's 32-bit inode field",
+                    c.inode
+                )),
+            })?;
+            bytes.extend_from_slice(&inode.to_ne_bytes());
+            bytes.extend_from_slice(&c.fd.as_raw_fd().to_ne_bytes());
+        }
+        // SAFETY: memfd_create reads a NUL-terminated name and returns a
+        // new descriptor (or -1); nothing else is touched.
+        let raw = unsafe { libc::memfd_create(c"ferry-tcp-table".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(err("memfd_create")(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `raw` was just returned by memfd_create and is owned by
+        // nothing else.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        std::fs::File::from(fd.try_clone().map_err(err("dup"))?)
+            .write_all(&bytes)
+            .map_err(err("writing the connection table"))?;
+        Ok(fd)
     }
 
     /// Turns repair off (without the kernel's window probe), gives back

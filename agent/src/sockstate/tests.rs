@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
@@ -86,6 +86,17 @@ fn migrate_altered(
         rebuilt.inherit_fds(true)[0].0,
         format!("ferry-tcp:[{inode}]")
     );
+    // The table CRIU's connections-table patch reads: head, then inode
+    // and this process's descriptor of the socket.
+    let table_fd = rebuilt.connection_table().unwrap();
+    let table = std::fs::read(format!("/proc/self/fd/{}", table_fd.as_raw_fd())).unwrap();
+    let word = |i: usize| u32::from_ne_bytes(table[4 * i..4 * i + 4].try_into().unwrap());
+    assert_eq!(table.len(), 24);
+    assert_eq!(&table[..4], b"FTT1");
+    assert_eq!(word(1), std::process::id());
+    assert_eq!((word(2), word(3)), (1, 0));
+    assert_eq!(word(4) as u64, inode);
+    assert_eq!(word(5) as i32, fds[0].1);
     assert_eq!(rebuilt.has_options(), with_options);
     rebuilt.apply_options().expect("options set");
     // The stream outlives `rebuilt.resume()`, which closes ferryd's copies.

@@ -25,7 +25,9 @@
 //!
 //! Per migration: the freeze and its parts (from the migration report),
 //! bytes sent while frozen, the median client's gap and the worst one, TCP
-//! retransmission timeouts at the clients, UDP datagrams lost. Prints one
+//! retransmission timeouts at the clients, UDP datagrams lost, and packets
+//! the machine's input backlog dropped meanwhile (the rig's veth pairs
+//! under a burst, not ferry). Prints one
 //! row per migration, then medians and p95 per count and mode; writes CSV,
 //! Markdown and an SVG chart of the freeze against the connection count to
 //! `--out` (default `target/bench/freeze`).
@@ -39,7 +41,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
-use ferry_integration::nstat::Nstat;
+use ferry_integration::nstat::{Nstat, backlog_drops};
 use ferry_integration::pg_session::{SessionStatus, wait_for_queries};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
 use ferry_integration::workload::{SeqClient, UdpClients};
@@ -129,11 +131,14 @@ struct Row {
     drain_left: u64,
     /// Bytes of the connections' send queues the freeze carried.
     send_queues: u64,
+    /// Packets the machine's input backlog dropped meanwhile (the test
+    /// rig's veth pairs, not ferry: `nstat::backlog_drops`).
+    backlog_drops: u64,
     /// Every part of the freeze the migration report names, in its order.
     parts: Vec<(String, f64)>,
 }
 
-const HEADER: [&str; 19] = [
+const HEADER: [&str; 20] = [
     "tcp",
     "udp",
     "mode",
@@ -153,6 +158,7 @@ const HEADER: [&str; 19] = [
     "drain_start_bytes",
     "drain_left_bytes",
     "send_queue_bytes_in_freeze",
+    "backlog_drops",
 ];
 
 impl Row {
@@ -177,6 +183,7 @@ impl Row {
             self.drain_start.to_string(),
             self.drain_left.to_string(),
             self.send_queues.to_string(),
+            self.backlog_drops.to_string(),
         ]
     }
 }
@@ -390,6 +397,7 @@ async fn migrations(
             udp.wait_for_echoes(udp_count as u64 * 10, Duration::from_secs(10))
                 .map_err(anyhow::Error::msg)?;
             let before = Nstat::read(&clients[0])?;
+            let drops_before = backlog_drops()?;
             let tcp_before = tcp.as_ref().map(|t| t.verified_per_connection());
             let session_before = match &session_first {
                 Some(first) => {
@@ -461,6 +469,7 @@ async fn migrations(
             udp.wait_for_echoes(seen + udp_count as u64 * 20, Duration::from_secs(30))
                 .map_err(anyhow::Error::msg)?;
             let after = Nstat::read(&clients[0])?;
+            let drops = backlog_drops()?.saturating_sub(drops_before);
             let tcp_report = tcp.map(|t| t.stop());
             if let Some(b) = bulk {
                 let r = b.stop();
@@ -511,6 +520,7 @@ async fn migrations(
                 drain_start: report.drain_bytes_at_start,
                 drain_left: report.drain_bytes_left,
                 send_queues: report.tcp_send_queue_bytes,
+                backlog_drops: drops,
                 parts: report
                     .freeze_parts
                     .iter()
@@ -601,11 +611,11 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     );
     let _ = writeln!(
         t,
-        "| TCP conns | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | image files | TCP gap, median client (ms) | worst gap (ms) | TCP RTOs | UDP lost |"
+        "| TCP conns | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | image files | TCP gap, median client (ms) | worst gap (ms) | TCP RTOs | UDP lost | backlog drops |"
     );
     let _ = writeln!(
         t,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for &tcp in &args.tcp {
         for &(mode, _) in modes {
@@ -624,7 +634,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
             let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
             let _ = writeln!(
                 t,
-                "| {tcp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} |",
+                "| {tcp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
                 med(&|r| r.freeze_ms),
                 percentile(&freezes, 95.0),
                 med(&|r| r.dump_ms),
@@ -637,6 +647,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
                 med(&|r| r.gap_max_ms),
                 med(&|r| r.rtos as f64),
                 med(&|r| r.udp_lost as f64),
+                med(&|r| r.backlog_drops as f64),
             );
         }
     }
@@ -674,9 +685,9 @@ fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, 
     );
     let _ = writeln!(
         t,
-        "| UDP players | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | worst gap (ms) | UDP lost |"
+        "| UDP players | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | worst gap (ms) | UDP lost | backlog drops |"
     );
-    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &udp in &args.udp_only.0 {
         for &(mode, _) in modes {
             let rs: Vec<&Row> = rows
@@ -694,7 +705,7 @@ fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, 
             let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
             let _ = writeln!(
                 t,
-                "| {udp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |",
+                "| {udp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0} |",
                 med(&|r| r.freeze_ms),
                 percentile(&freezes, 95.0),
                 med(&|r| r.dump_ms),
@@ -704,6 +715,7 @@ fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, 
                 med(&|r| r.frozen_bytes as f64),
                 med(&|r| r.gap_max_ms),
                 med(&|r| r.udp_lost as f64),
+                med(&|r| r.backlog_drops as f64),
             );
         }
     }
