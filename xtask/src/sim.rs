@@ -248,6 +248,7 @@ fn timeline_chart(
         x_label: "seconds since the first spike".into(),
         y_label: y_label.into(),
         y_range: None,
+        x_log2: false,
         series: results
             .iter()
             .map(|v| Series {
@@ -346,6 +347,7 @@ fn run_dve(args: &SimArgs) -> Result<()> {
             x_label: "seconds".into(),
             y_label: "CPU utilisation (%)".into(),
             y_range: Some((0.0, 100.0)),
+            x_log2: false,
             series: (0..nodes)
                 .map(|n| Series {
                     name: format!("node{}", n + 1),
@@ -364,6 +366,7 @@ fn run_dve(args: &SimArgs) -> Result<()> {
                 x_label: "seconds".into(),
                 y_label: "zone servers".into(),
                 y_range: None,
+                x_log2: false,
                 series: (0..nodes)
                     .map(|n| Series {
                         name: format!("node{}", n + 1),

@@ -93,6 +93,10 @@ struct Args {
     drain_ms: u32,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
+    /// Migrate nothing: draw `--out`/freeze.svg again from the freeze.csv
+    /// of an earlier run (its counts, modes and runs).
+    #[arg(long)]
+    replot: Option<PathBuf>,
 }
 
 /// A comma-separated list of counts that may be empty.
@@ -199,6 +203,18 @@ fn mode_of(name: &str) -> Result<(&'static str, SocketMigration)> {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    if let Some(csv) = &args.replot {
+        return match replot(csv, &args.out) {
+            Ok(svg) => {
+                println!("written: {}", svg.display());
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("bench freeze --replot failed: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(reason) = ferry_integration::skip_reason() {
         eprintln!("bench freeze needs {reason}");
         return std::process::ExitCode::FAILURE;
@@ -210,6 +226,53 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Draws the chart of a saved freeze.csv (its `tcp`, `mode`, `run` and
+/// `freeze_ms` columns; the UDP-only rows, tcp 0, are not on it).
+fn replot(csv: &std::path::Path, out: &std::path::Path) -> Result<PathBuf> {
+    let text =
+        std::fs::read_to_string(csv).with_context(|| format!("reading {}", csv.display()))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().context("an empty CSV")?.split(',').collect();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .with_context(|| format!("{}: no column {name}", csv.display()))
+    };
+    let (tcp, mode, run, freeze) = (col("tcp")?, col("mode")?, col("run")?, col("freeze_ms")?);
+    let mut freezes = Vec::new();
+    let (mut counts, mut modes, mut runs) = (Vec::new(), Vec::<String>::new(), 0);
+    for (i, line) in lines.enumerate() {
+        let cells: Vec<&str> = line.split(',').collect();
+        let cell = |c: usize| {
+            cells
+                .get(c)
+                .copied()
+                .with_context(|| format!("{} line {}: too few columns", csv.display(), i + 2))
+        };
+        let n: usize = cell(tcp)?.parse().context("tcp")?;
+        let r: usize = cell(run)?.parse().context("run")?;
+        let ms: f64 = cell(freeze)?.parse().context("freeze_ms")?;
+        let m = cell(mode)?.to_owned();
+        if n == 0 {
+            continue;
+        }
+        if !counts.contains(&n) {
+            counts.push(n);
+        }
+        if !modes.contains(&m) {
+            modes.push(m.clone());
+        }
+        runs = runs.max(r + 1);
+        freezes.push((n, m, ms));
+    }
+    let modes: Vec<&str> = modes.iter().map(String::as_str).collect();
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let svg = out.join("freeze.svg");
+    std::fs::write(&svg, plot(&freezes, &counts, &modes, runs))?;
+    Ok(svg)
 }
 
 fn bench(args: &Args) -> Result<()> {
@@ -285,7 +348,16 @@ fn bench(args: &Args) -> Result<()> {
     }
     std::fs::write(args.out.join("freeze_parts.csv"), parts_csv)?;
     std::fs::write(args.out.join("freeze.md"), &report)?;
-    std::fs::write(args.out.join("freeze.svg"), plot(&rows, args, &modes))?;
+    let freezes: Vec<_> = rows
+        .iter()
+        .filter(|r| r.tcp > 0)
+        .map(|r| (r.tcp, r.mode.to_owned(), r.freeze_ms))
+        .collect();
+    let mode_names: Vec<&str> = modes.iter().map(|(m, _)| *m).collect();
+    std::fs::write(
+        args.out.join("freeze.svg"),
+        plot(&freezes, &args.tcp, &mode_names, args.runs),
+    )?;
     println!(
         "written: {0}/freeze.csv, {0}/freeze_parts.csv, {0}/freeze.md, {0}/freeze.svg",
         args.out.display()
@@ -555,17 +627,18 @@ fn percentile(values: &[f64], p: f64) -> f64 {
 
 /// The freeze's median and p95 against the number of connections, a line
 /// for each per mode (seed 000 Fig. 5b/5c).
-fn plot(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) -> String {
+/// `freezes`: (TCP connections, mode, freeze in ms) per migration.
+fn plot(freezes: &[(usize, String, f64)], counts: &[usize], modes: &[&str], runs: usize) -> String {
     use ferry_policy::sim::svg::{Chart, Series};
     let mut series = Vec::new();
-    for &(mode, _) in modes {
+    for &mode in modes {
         let mut medians = Vec::new();
         let mut p95s = Vec::new();
-        for &tcp in &args.tcp {
-            let mut v: Vec<f64> = rows
+        for &tcp in counts {
+            let mut v: Vec<f64> = freezes
                 .iter()
-                .filter(|r| r.tcp == tcp && r.mode == mode)
-                .map(|r| r.freeze_ms)
+                .filter(|(n, m, _)| *n == tcp && m == mode)
+                .map(|(_, _, ms)| *ms)
                 .collect();
             if v.is_empty() {
                 continue;
@@ -584,13 +657,11 @@ fn plot(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) ->
         });
     }
     Chart {
-        title: format!(
-            "Freeze time by established TCP connections ({} migrations each)",
-            args.runs
-        ),
+        title: format!("Freeze time by established TCP connections ({runs} migrations each)"),
         x_label: "established TCP connections".into(),
         y_label: "freeze (ms)".into(),
         y_range: None,
+        x_log2: true,
         series,
     }
     .render()

@@ -16,6 +16,10 @@ pub struct Chart {
     pub y_label: String,
     /// Fixed y range; None fits the data.
     pub y_range: Option<(f64, f64)>,
+    /// x on a base-2 logarithmic scale, ticked at powers of two (for
+    /// counts that double, like 16..4096 connections). Points with x <= 0
+    /// are left out.
+    pub x_log2: bool,
     pub series: Vec<Series>,
 }
 
@@ -52,14 +56,21 @@ impl Chart {
         let (left, right, top, bottom) = (70.0, 170.0, 40.0, 50.0);
         let pw = w - left - right;
         let ph = h - top - bottom;
-        let all = self.series.iter().flat_map(|s| s.points.iter());
+        // Where x lies on the axis: itself, or its base-2 logarithm.
+        let log = self.x_log2;
+        let ax = move |x: f64| if log { x.log2() } else { x };
+        let all = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter())
+            .map(|&(x, y)| (ax(x), y));
         let (mut x0, mut x1, mut y0, mut y1) = (
             f64::INFINITY,
             f64::NEG_INFINITY,
             f64::INFINITY,
             f64::NEG_INFINITY,
         );
-        for &(x, y) in all {
+        for (x, y) in all {
             if x.is_finite() && y.is_finite() {
                 x0 = x0.min(x);
                 x1 = x1.max(x);
@@ -113,10 +124,15 @@ impl Chart {
             );
             y += step;
         }
-        let step = tick_step(x1 - x0, 8.0);
+        let step = if log { 1.0 } else { tick_step(x1 - x0, 8.0) };
         let mut x = (x0 / step).ceil() * step;
         while x <= x1 + step * 1e-9 {
             let px = sx(x);
+            let label = if log {
+                format!("{:.0}", x.exp2())
+            } else {
+                fmt_tick(x, step)
+            };
             let _ = writeln!(
                 s,
                 r##"<line x1="{px:.1}" y1="{top}" x2="{px:.1}" y2="{:.1}" stroke="#eee"/>"##,
@@ -124,9 +140,8 @@ impl Chart {
             );
             let _ = writeln!(
                 s,
-                r#"<text x="{px:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+                r#"<text x="{px:.1}" y="{:.1}" text-anchor="middle">{label}</text>"#,
                 top + ph + 16.0,
-                fmt_tick(x, step)
             );
             x += step;
         }
@@ -151,9 +166,10 @@ impl Chart {
         for (i, series) in self.series.iter().enumerate() {
             let colour = COLOURS[i % COLOURS.len()];
             let mut d = String::new();
-            for (j, &(x, y)) in series
+            for (j, (x, y)) in series
                 .points
                 .iter()
+                .map(|&(x, y)| (ax(x), y))
                 .filter(|(x, y)| x.is_finite() && y.is_finite())
                 .enumerate()
             {
@@ -209,6 +225,7 @@ mod tests {
             x_label: "t".into(),
             y_label: "y".into(),
             y_range: Some((0.0, 1.0)),
+            x_log2: false,
             series: vec![
                 Series {
                     name: "one".into(),
@@ -225,6 +242,29 @@ mod tests {
         assert!(svg.contains("a &lt; b"));
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
         assert!(!svg.contains("NaN"));
+    }
+
+    #[test]
+    fn a_log2_axis_is_ticked_at_powers_of_two() {
+        let chart = Chart {
+            title: "freeze".into(),
+            x_label: "connections".into(),
+            y_label: "ms".into(),
+            y_range: None,
+            x_log2: true,
+            series: vec![Series {
+                name: "median".into(),
+                points: vec![(16.0, 40.0), (1024.0, 90.0), (4096.0, 300.0), (0.0, 1.0)],
+            }],
+        };
+        let svg = chart.render();
+        for tick in [16, 32, 64, 128, 256, 512, 1024, 2048, 4096] {
+            assert!(svg.contains(&format!(">{tick}</text>")), "{tick} missing");
+        }
+        assert!(!svg.contains(">8</text>") && !svg.contains(">8192</text>"));
+        // The point at 0 has no logarithm: left out, not drawn at -inf.
+        assert!(!svg.contains("inf") && !svg.contains("NaN"));
+        assert_eq!(svg.matches(" L").count(), 2, "{svg}");
     }
 
     #[test]
