@@ -1245,7 +1245,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 mod claim_tests {
     use super::*;
     use crate::engine::destination::fixture::Fixture;
-    use crate::process::{SocketSummary, Transport};
+    use crate::process::Transport;
 
     const PORT: PortKey = PortKey {
         transport: Transport::Tcp,
@@ -1255,16 +1255,7 @@ mod claim_tests {
     /// An agent whose managed process opened [`PORT`].
     fn node_with_a_process_on_the_port() -> Fixture {
         let f = Fixture::new(&[]);
-        f.agent.adopt(ManagedProcess {
-            pid: 4242,
-            argv: vec!["local".into()],
-            origin: Origin::Run,
-            lifecycle: Lifecycle::Running,
-            sockets: SocketSummary {
-                ports: [PORT].into(),
-                ..Default::default()
-            },
-        });
+        f.adopt_local(4242, &[PORT]);
         f
     }
 

@@ -1577,6 +1577,22 @@ peer_listen = "198.19.0.2:7100"
                 dir,
             }
         }
+
+        /// Registers a process that runs here (started by `ferry run`)
+        /// holding `ports`.
+        pub fn adopt_local(&self, pid: i32, ports: &[crate::process::PortKey]) {
+            use crate::managed::{Lifecycle, ManagedProcess, Origin};
+            self.agent.adopt(ManagedProcess {
+                pid,
+                argv: vec!["local".into()],
+                origin: Origin::Run,
+                lifecycle: Lifecycle::Running,
+                sockets: crate::process::SocketSummary {
+                    ports: ports.iter().copied().collect(),
+                    ..Default::default()
+                },
+            });
+        }
     }
 }
 
@@ -1711,16 +1727,7 @@ mod tests {
             transport: Transport::Tcp,
             port: 7000,
         };
-        f.agent.adopt(ManagedProcess {
-            pid: 4242,
-            argv: vec!["local".into()],
-            origin: Origin::Run,
-            lifecycle: Lifecycle::Running,
-            sockets: SocketSummary {
-                ports: [port].into(),
-                ..Default::default()
-            },
-        });
+        f.adopt_local(4242, &[port]);
         // No peer owns it (none answers here): owned.
         f.agent.check_claims(vec![port]).await;
         f.agent.apply_ownership().await.unwrap();

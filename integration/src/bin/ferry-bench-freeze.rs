@@ -697,28 +697,23 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
             if rs.is_empty() {
                 continue;
             }
-            let med = |f: &dyn Fn(&Row) -> f64| {
-                let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
-                v.sort_by(f64::total_cmp);
-                median(&v)
-            };
-            let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
+            let m = Summary::of(&rs);
             let _ = writeln!(
                 t,
                 "| {tcp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
-                med(&|r| r.freeze_ms),
-                percentile(&freezes, 95.0),
-                med(&|r| r.dump_ms),
-                med(&|r| r.transfer_ms),
-                med(&|r| r.restore_ms),
-                med(&|r| r.replay_ms),
-                med(&|r| r.frozen_bytes as f64),
-                med(&|r| r.image_files as f64),
-                med(&|r| r.gap_median_ms),
-                med(&|r| r.gap_max_ms),
-                med(&|r| r.rtos as f64),
-                med(&|r| r.udp_lost as f64),
-                med(&|r| r.backlog_drops as f64),
+                m.freeze,
+                m.freeze_p95,
+                m.dump,
+                m.transfer,
+                m.restore,
+                m.replay,
+                m.bytes,
+                m.image_files,
+                m.gap_median,
+                m.gap_max,
+                m.rtos,
+                m.udp_lost,
+                m.backlog_drops,
             );
         }
     }
@@ -745,6 +740,50 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     t
 }
 
+/// The medians of one count and mode's migrations, and the p95 of their
+/// freeze.
+struct Summary {
+    freeze: f64,
+    freeze_p95: f64,
+    dump: f64,
+    transfer: f64,
+    restore: f64,
+    replay: f64,
+    bytes: f64,
+    image_files: f64,
+    gap_median: f64,
+    gap_max: f64,
+    rtos: f64,
+    udp_lost: f64,
+    backlog_drops: f64,
+}
+
+impl Summary {
+    fn of(rs: &[&Row]) -> Self {
+        let med = |f: fn(&Row) -> f64| {
+            let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
+            v.sort_by(f64::total_cmp);
+            median(&v)
+        };
+        let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
+        Self {
+            freeze: med(|r| r.freeze_ms),
+            freeze_p95: percentile(&freezes, 95.0),
+            dump: med(|r| r.dump_ms),
+            transfer: med(|r| r.transfer_ms),
+            restore: med(|r| r.restore_ms),
+            replay: med(|r| r.replay_ms),
+            bytes: med(|r| r.frozen_bytes as f64),
+            image_files: med(|r| r.image_files as f64),
+            gap_median: med(|r| r.gap_median_ms),
+            gap_max: med(|r| r.gap_max_ms),
+            rtos: med(|r| r.rtos as f64),
+            udp_lost: med(|r| r.udp_lost as f64),
+            backlog_drops: med(|r| r.backlog_drops as f64),
+        }
+    }
+}
+
 /// The UDP-only server's rows: no TCP client, so no TCP gap or RTO.
 fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) {
     if args.udp_only.0.is_empty() {
@@ -768,25 +807,20 @@ fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, 
             if rs.is_empty() {
                 continue;
             }
-            let med = |f: &dyn Fn(&Row) -> f64| {
-                let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
-                v.sort_by(f64::total_cmp);
-                median(&v)
-            };
-            let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
+            let m = Summary::of(&rs);
             let _ = writeln!(
                 t,
                 "| {udp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0} |",
-                med(&|r| r.freeze_ms),
-                percentile(&freezes, 95.0),
-                med(&|r| r.dump_ms),
-                med(&|r| r.transfer_ms),
-                med(&|r| r.restore_ms),
-                med(&|r| r.replay_ms),
-                med(&|r| r.frozen_bytes as f64),
-                med(&|r| r.gap_max_ms),
-                med(&|r| r.udp_lost as f64),
-                med(&|r| r.backlog_drops as f64),
+                m.freeze,
+                m.freeze_p95,
+                m.dump,
+                m.transfer,
+                m.restore,
+                m.replay,
+                m.bytes,
+                m.gap_max,
+                m.udp_lost,
+                m.backlog_drops,
             );
         }
     }
