@@ -231,7 +231,7 @@ listen = "198.19.0.1:9464"
             "http://198.19.0.1:9464/metrics",
             "node2 198.19.0.2:7100",
             "membership    off",
-            "moved collective",
+            "moved incremental",
             "pins in /sys/fs/bpf/ferry/node1",
             crate::config::DEFAULT_CRIU_PATH,
         ] {

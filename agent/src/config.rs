@@ -135,10 +135,10 @@ pub struct MigrationConfig {
     /// connections in one batch, `sockstate`), "incremental" (collective,
     /// with what does not move read before the freeze,
     /// `sockstate::preread`) or "iterative" (CRIU's own path, one
-    /// connection at a time). Collective: it wins at every
-    /// connection count measured here (docs/results.md, `cargo xtask
-    /// bench freeze`), and falls back to iterative by itself for sockets
-    /// it cannot move.
+    /// connection at a time). Incremental: its freeze was the shortest in
+    /// every comparison measured here (docs/results.md, `cargo xtask bench
+    /// freeze`); it falls back to collective by itself without cgroup v2,
+    /// and collective to iterative for sockets it cannot move.
     pub sockets: crate::sockstate::SocketMigration,
     /// How memory moves when a request does not say: "total-copy" (all in
     /// the freeze), "pre-copy" or "queued-pre-copy" (rounds while the
@@ -168,7 +168,7 @@ pub const MAX_DRAIN_SEND_QUEUES_MS: u32 = 2000;
 impl Default for MigrationConfig {
     fn default() -> Self {
         Self {
-            sockets: crate::sockstate::SocketMigration::Collective,
+            sockets: crate::sockstate::SocketMigration::Incremental,
             strategy: crate::engine::precopy::MemoryStrategy::TotalCopy,
             downtime_budget_ms: 30,
             max_rounds: 10,
