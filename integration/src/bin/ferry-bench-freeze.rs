@@ -63,9 +63,9 @@ struct Args {
     /// Migrations per connection count and mode.
     #[arg(long, default_value_t = 5)]
     runs: usize,
-    /// TCP connection counts, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024,4096")]
-    tcp: Vec<usize>,
+    /// TCP connection counts, comma-separated (none: `--tcp=`).
+    #[arg(long, default_value = "16,64,256,1024,4096", value_parser = counts)]
+    tcp: Counts,
     /// UDP players beside them.
     #[arg(long, default_value_t = 24)]
     udp: usize,
@@ -276,10 +276,10 @@ fn replot(csv: &std::path::Path, out: &std::path::Path) -> Result<PathBuf> {
 }
 
 fn bench(args: &Args) -> Result<()> {
-    if args.runs == 0 || args.tcp.contains(&0) || args.udp_only.0.contains(&0) {
+    if args.runs == 0 || args.tcp.0.contains(&0) || args.udp_only.0.contains(&0) {
         bail!("--runs and every --tcp and --udp-only count must be at least 1");
     }
-    if args.tcp.is_empty() && args.udp_only.0.is_empty() {
+    if args.tcp.0.is_empty() && args.udp_only.0.is_empty() {
         bail!("nothing to measure: --tcp and --udp-only are both empty");
     }
     let modes = args
@@ -294,7 +294,7 @@ fn bench(args: &Args) -> Result<()> {
     println!(
         "bench freeze: {} migrations per count and mode; TCP clients {:?} (256 B / 50 ms) with {} UDP players (20 Hz){}; UDP-only servers with {:?} players\n",
         args.runs,
-        args.tcp,
+        args.tcp.0,
         args.udp,
         if args.db {
             " and a database session"
@@ -307,6 +307,7 @@ fn bench(args: &Args) -> Result<()> {
     let mut rows = Vec::new();
     let scenarios = args
         .tcp
+        .0
         .iter()
         .map(|&tcp| (tcp, args.udp))
         .chain(args.udp_only.0.iter().map(|&udp| (0, udp)));
@@ -356,7 +357,7 @@ fn bench(args: &Args) -> Result<()> {
     let mode_names: Vec<&str> = modes.iter().map(|(m, _)| *m).collect();
     std::fs::write(
         args.out.join("freeze.svg"),
-        plot(&freezes, &args.tcp, &mode_names, args.runs),
+        plot(&freezes, &args.tcp.0, &mode_names, args.runs),
     )?;
     println!(
         "written: {0}/freeze.csv, {0}/freeze_parts.csv, {0}/freeze.md, {0}/freeze.svg",
@@ -688,7 +689,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
         t,
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
-    for &tcp in &args.tcp {
+    for &tcp in &args.tcp.0 {
         for &(mode, _) in modes {
             let rs: Vec<&Row> = rows
                 .iter()
@@ -729,7 +730,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
         t,
         "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {} --udp-only {} --db {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
         args.runs,
-        list(&args.tcp),
+        list(&args.tcp.0),
         args.udp,
         list(&args.udp_only.0),
         args.db,
@@ -844,6 +845,7 @@ fn parts_table(
     }
     let columns: Vec<(usize, &str)> = args
         .tcp
+        .0
         .iter()
         .flat_map(|&tcp| modes.iter().map(move |&(mode, _)| (tcp, mode)))
         .filter(|&(tcp, mode)| rows.iter().any(|r| r.tcp == tcp && r.mode == mode))
