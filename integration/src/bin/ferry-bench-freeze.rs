@@ -728,7 +728,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     };
     let _ = writeln!(
         t,
-        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp {} --udp {} --udp-only {} --db {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
         args.runs,
         list(&args.tcp.0),
         args.udp,
