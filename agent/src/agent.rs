@@ -119,8 +119,8 @@ enum Claim {
     /// Another node owns it: refused here.
     OwnedBy(String),
     /// Another node claimed it in the same round: not owned here, asked
-    /// again after a random delay.
-    Contested { with: String, retry_at: Instant },
+    /// again once `retry_at` (a random delay) has passed.
+    Contested { retry_at: Instant },
 }
 
 /// The range of the random delay before a contested port is claimed again.
@@ -486,11 +486,17 @@ impl Agent {
             let rival = answers.iter().find(|a| a.claiming.contains(port));
             let verdict = match (owner, rival) {
                 (Some(a), _) => Claim::OwnedBy(a.node.clone()),
-                (None, Some(a)) => Claim::Contested {
-                    with: a.node.clone(),
-                    retry_at: Instant::now()
-                        + Duration::from_millis(rand::random_range(CONTESTED_RETRY_MS)),
-                },
+                (None, Some(a)) => {
+                    tracing::info!(
+                        %port,
+                        rival = %a.node,
+                        "another node claims this port at the same time: both back off, asked again shortly"
+                    );
+                    Claim::Contested {
+                        retry_at: Instant::now()
+                            + Duration::from_millis(rand::random_range(CONTESTED_RETRY_MS)),
+                    }
+                }
                 (None, None) => Claim::Free,
             };
             let before = claims.insert(*port, verdict.clone());
@@ -502,11 +508,6 @@ impl Agent {
                     %port,
                     owner = %node,
                     "a managed process opened a port another node owns: refused, packets stay with {node}"
-                ),
-                (_, Claim::Contested { with, .. }) => tracing::info!(
-                    %port,
-                    rival = %with,
-                    "another node claims this port at the same time: both back off, asked again shortly"
                 ),
                 _ => {}
             }

@@ -23,6 +23,19 @@ use tonic::transport::Channel;
 const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
 const PORT: u16 = 7000;
 
+/// One client in client2 sending 16 KiB messages back to back: a stream
+/// that keeps a core and the server's queues busy.
+fn bulk_stream(cluster: &Cluster, target: SocketAddrV4) -> SeqClient {
+    SeqClient::start(
+        cluster.netns_path("client2"),
+        target,
+        1,
+        Duration::ZERO,
+        16384,
+    )
+    .expect("bulk client")
+}
+
 fn dve_server() -> Vec<String> {
     vec![
         env!("CARGO_BIN_EXE_ferry-dve-server").to_owned(),
@@ -127,14 +140,7 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
             256,
         )
         .expect("1024 clients");
-        let bulk = SeqClient::start(
-            cluster.netns_path("client2"),
-            target,
-            1,
-            Duration::ZERO,
-            16384,
-        )
-        .expect("bulk client");
+        let bulk = bulk_stream(&cluster, target);
         dve.wait_until_flowing(Duration::from_secs(20))
             .expect("DVE traffic");
         bulk.wait_until_flowing(Duration::from_secs(20))
@@ -219,14 +225,7 @@ fn a_drained_bulk_stream_enters_the_freeze_with_its_send_queue_empty() {
         })
         .expect("entering client2")
         .expect("setting client2's tcp_rmem");
-        let bulk = SeqClient::start(
-            cluster.netns_path("client2"),
-            target,
-            1,
-            Duration::ZERO,
-            16384,
-        )
-        .expect("bulk client");
+        let bulk = bulk_stream(&cluster, target);
         dve.wait_until_flowing(Duration::from_secs(20))
             .expect("DVE traffic");
         bulk.wait_until_flowing(Duration::from_secs(20))

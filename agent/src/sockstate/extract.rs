@@ -258,44 +258,20 @@ impl Held {
         with_options: bool,
         preread: Option<(&Preread, &Touched)>,
     ) -> Result<(Vec<TcpConnectionState>, ReadCounts), SockStateError> {
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .clamp(1, 4);
-        let per = self.conns.len().div_ceil(threads).max(1);
-        type Part = Result<(Vec<TcpConnectionState>, ReadCounts), SockStateError>;
-        let parts: Vec<Part> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .conns
-                .chunks(per)
-                .map(|chunk| {
-                    s.spawn(move || {
-                        let mut counts = ReadCounts::default();
-                        let states = chunk
-                            .iter()
-                            .map(|c| {
-                                let pre = preread.and_then(|(p, touched)| {
-                                    usable(p, touched, c, with_options, &mut counts)
-                                });
-                                extract_one(c, with_options, pre)
-                            })
-                            .collect::<Result<Vec<_>, _>>()?;
-                        Ok((states, counts))
-                    })
+        let chunks = self
+            .conns
+            .chunks(super::spread::chunk_len(self.conns.len()));
+        let parts = super::spread::on_threads(chunks, "extract", |chunk| {
+            let mut counts = ReadCounts::default();
+            let states = chunk
+                .iter()
+                .map(|c| {
+                    let pre = preread
+                        .and_then(|(p, touched)| usable(p, touched, c, with_options, &mut counts));
+                    extract_one(c, with_options, pre)
                 })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(SockStateError::Sys {
-                            op: "extract",
-                            conn: "?".into(),
-                            source: std::io::Error::other("extraction thread panicked"),
-                        })
-                    })
-                })
-                .collect()
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((states, counts))
         });
         let mut all = Vec::with_capacity(self.conns.len());
         let mut counts = ReadCounts::default();

@@ -53,6 +53,7 @@ mod flush;
 pub mod options;
 mod preread;
 mod rebuild;
+mod spread;
 pub(crate) mod sys;
 mod udp;
 

@@ -8,6 +8,7 @@ use nix::sys::socket::{
     AddressFamily, SockFlag, SockProtocol, SockType, SockaddrIn, SockaddrIn6, bind, connect, socket,
 };
 
+use super::spread;
 use super::sys::{self, RepairOpt};
 use super::{SockStateError, TcpConnectionState};
 
@@ -79,32 +80,13 @@ fn connect_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
 /// namespace. All or nothing: on an error, the ones already built are
 /// closed (silently, in repair mode).
 pub fn rebuild(states: &[TcpConnectionState]) -> Result<Rebuilt, SockStateError> {
-    // Spread over the cores: each connection is a dozen system calls, all
-    // in the kernel, and independent of the others. The threads share this
-    // process's network namespace (ferryd runs in its node's).
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .clamp(1, 4);
-    let per = states.len().div_ceil(threads).max(1);
-    let parts: Vec<Result<Vec<RebuiltConnection>, SockStateError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = states
-            .chunks(per)
-            .map(|chunk| s.spawn(move || chunk.iter().map(rebuild_one).collect()))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(SockStateError::Sys {
-                        op: "rebuild",
-                        conn: "?".into(),
-                        source: std::io::Error::other("rebuild thread panicked"),
-                    })
-                })
-            })
-            .collect()
-    });
+    // Spread over the cores (ferryd's threads are in its node's network
+    // namespace, where the connections belong).
+    let parts = spread::on_threads(
+        states.chunks(spread::chunk_len(states.len())),
+        "rebuild",
+        |chunk| chunk.iter().map(rebuild_one).collect::<Result<Vec<_>, _>>(),
+    );
     let mut conns = Vec::with_capacity(states.len());
     for part in parts {
         conns.extend(part?);
@@ -371,50 +353,19 @@ impl Rebuilt {
     /// At 1024 connections, 12 commits each: medians 5.6 ms on one thread,
     /// 4.5 on two.
     pub fn resume(self) -> Result<(), SockStateError> {
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .clamp(1, 4);
-        let per = self.conns.len().div_ceil(threads).max(1);
-        let mut conns = self.conns;
-        let mut parts = Vec::with_capacity(threads);
-        while conns.len() > per {
-            let rest = conns.split_off(per);
-            parts.push(std::mem::replace(&mut conns, rest));
-        }
-        parts.push(conns);
-        let firsts: Vec<Option<SockStateError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = parts
-                .into_iter()
-                .map(|part| {
-                    s.spawn(move || {
-                        let mut first = None;
-                        // Each descriptor closes as its connection is done.
-                        for c in part {
-                            if let Err(e) = resume_one(&c)
-                                && first.is_none()
-                            {
-                                first = Some(e);
-                            }
-                        }
-                        first
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Some(SockStateError::Sys {
-                            op: "resume",
-                            conn: "?".into(),
-                            source: std::io::Error::other("resume thread panicked"),
-                        })
-                    })
-                })
-                .collect()
+        let parts = spread::on_threads(spread::owned_parts(self.conns), "resume", |part| {
+            let mut first = None;
+            // Each descriptor closes as its connection is done.
+            for c in part {
+                if let Err(e) = resume_one(&c)
+                    && first.is_none()
+                {
+                    first = Some(e);
+                }
+            }
+            first.map_or(Ok(()), Err)
         });
-        firsts.into_iter().flatten().next().map_or(Ok(()), Err)
+        parts.into_iter().find(Result::is_err).unwrap_or(Ok(()))
     }
 }
 
