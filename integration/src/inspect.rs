@@ -123,8 +123,11 @@ pub fn sockets_of(pid: i32) -> Result<Vec<std::os::fd::OwnedFd>, InspectError> {
 
 /// Process `pid`'s descriptor table: each descriptor's number and what it
 /// is, as /proc/PID/fd links it, without the inode numbers that differ
-/// between nodes ("socket", "pipe", "anon_inode:[pidfd]", a path...). A
-/// migrated process must come back with exactly the table it had.
+/// between nodes ("socket", "pipe", "anon_inode:[pidfd]", a path...), and
+/// its flags as /proc/PID/fdinfo gives them (octal: the file's status
+/// flags, O_NONBLOCK among them, and O_CLOEXEC for the descriptor's
+/// close-on-exec), e.g. "socket flags 02004002". A migrated process must
+/// come back with exactly the table it had.
 pub fn descriptor_table(pid: i32) -> Result<std::collections::BTreeMap<i32, String>, InspectError> {
     let err = |op| move |source| InspectError::Process { op, pid, source };
     let mut table = std::collections::BTreeMap::new();
@@ -143,7 +146,15 @@ pub fn descriptor_table(pid: i32) -> Result<std::collections::BTreeMap<i32, Stri
             }
             _ => target,
         };
-        table.insert(n, kind);
+        // Gone since the listing: left out, like a link that cannot be read.
+        let Ok(info) = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{n}")) else {
+            continue;
+        };
+        let flags = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .map_or("?", str::trim);
+        table.insert(n, format!("{kind} flags {flags}"));
     }
     Ok(table)
 }

@@ -107,6 +107,11 @@ async fn migrate_committed(
 /// plus one bulk stream, to a single-threaded server that migrates. Every
 /// byte comes back once and in order, no connection is reset or aborted,
 /// and every client goes on exchanging messages with the destination.
+/// The server comes back with the descriptor table it had: each of the
+/// 1025 connections at its number, non-blocking, and every other one kept
+/// open across exec (`--keep-on-exec-every 2`): with ferry's CRIU the
+/// connections never pass through CRIU's images, and their flags must
+/// still come back.
 ///
 /// And no client takes a retransmission timeout (`TcpExtTCPTimeouts` in
 /// each client namespace, before and after): capture and replay drop
@@ -129,7 +134,9 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node2 = cluster.control("node2").await.expect("control node2");
-        let pid = run(&mut node1, dve_server()).await;
+        let mut server = dve_server();
+        server.extend(["--keep-on-exec-every".into(), "2".into()]);
+        let pid = run(&mut node1, server).await;
         wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
         let target = SocketAddrV4::new(SHARED_IP, PORT);
         let dve = SeqClient::start(
@@ -152,6 +159,19 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         ];
         let dve_before = dve.verified_per_connection();
         let bulk_before = bulk.verified_per_connection();
+        let table_before = ferry_integration::inspect::descriptor_table(pid).expect("fd table");
+        let sockets_with = |flags: &str| {
+            table_before
+                .values()
+                .filter(|k| k.starts_with("socket flags") && k.ends_with(flags))
+                .count()
+        };
+        // O_RDWR|O_NONBLOCK, with and without O_CLOEXEC: half of the 1025
+        // connections each (the listener and the UDP socket too).
+        assert!(
+            sockets_with(" 02004002") >= 512 && sockets_with(" 04002") >= 512,
+            "{table_before:?}"
+        );
 
         let report =
             migrate_committed(&mut node1, pid, "node2", SocketMigration::Incremental).await;
@@ -160,6 +180,11 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
         // The source copy is dead (the commit waited for that) and reaped.
         wait_until_gone(pid);
+        assert_eq!(
+            ferry_integration::inspect::descriptor_table(report.destination_pid).expect("fd table"),
+            table_before,
+            "the descriptor table after the migration"
+        );
 
         dve.wait_until_each_passes(&dve_before, 20, Duration::from_secs(30))
             .expect("every DVE client exchanges messages after the migration");

@@ -127,6 +127,16 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/connections-table.patch"),
         mark: "ferry-tcp-table1",
     },
+    // A dump asked to (`ferry:conns-out`) keeps the connections ferryd
+    // moves out of CRIU altogether: each is recorded by descriptor number,
+    // inode and flags (a new parasite command; no connection leaves the
+    // task), and the restore installs them from ferryd's table at those
+    // numbers before any other descriptor.
+    Patch {
+        what: "connections kept out of the images",
+        text: include_str!("../criu/connections-out-of-images.patch"),
+        mark: "ferry-conns-out1",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

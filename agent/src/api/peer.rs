@@ -155,8 +155,8 @@ impl Peer for PeerService {
         request: Request<PrepareRequest>,
     ) -> Result<Response<PrepareResponse>, Status> {
         claims_own_name(&request, "source_node", &request.get_ref().source_node)?;
-        let takes_tcp_options = destination::prepare(&self.agent, request.into_inner()).await?;
-        Ok(Response::new(PrepareResponse { takes_tcp_options }))
+        let takes = destination::prepare(&self.agent, request.into_inner()).await?;
+        Ok(Response::new(takes))
     }
 
     async fn arm(&self, request: Request<ArmRequest>) -> Result<Response<ArmResponse>, Status> {

@@ -22,7 +22,7 @@ pub use swrk::{
     restore,
 };
 pub use version::{
-    CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES, INHERITED_TCP_MARK, MIN_CRIU_VERSION,
-    OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK, TCP_TABLE_MARK, has_patch, missing_patches,
-    probe_version, require_patch,
+    CONNS_OUT_IMAGE_PREFIX, CONNS_OUT_MARK, CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES,
+    INHERITED_TCP_MARK, MIN_CRIU_VERSION, OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK, TCP_TABLE_MARK,
+    has_patch, missing_patches, probe_version, require_patch,
 };

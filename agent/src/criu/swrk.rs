@@ -47,10 +47,17 @@ pub struct DumpRequest {
     /// patch: established connections are dumped without their socket
     /// options, which the caller reads and carries.
     pub tcp_options_by_caller: bool,
+    /// With `tcp_options_by_caller` and ferry's connections-out-of-images
+    /// patch: those connections are kept out of the images altogether
+    /// (`ferry-conns-<files id>.img` records their descriptors), and the
+    /// restore must get every one of them from ferryd's table.
+    pub connections_out: bool,
 }
 
 /// The external key that asks ferry's patched CRIU for that.
 const TCP_OPTIONS_BY_CALLER: &str = "ferry:tcp-opts-by-caller";
+/// The external key for `connections_out`.
+const CONNECTIONS_OUT: &str = "ferry:conns-out";
 
 /// CRIU's page server for a lazy dump.
 ///
@@ -133,6 +140,9 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     }
     if req.tcp_options_by_caller {
         opts.external.push(TCP_OPTIONS_BY_CALLER.to_owned());
+        if req.connections_out {
+            opts.external.push(CONNECTIONS_OUT.to_owned());
+        }
     }
     opts.set_network_lock(Criu_network_lock_method::SKIP);
     opts.set_leave_stopped(true);

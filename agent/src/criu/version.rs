@@ -107,6 +107,17 @@ pub const OPTS_BY_CALLER_MARK: &str = "ferry-opts-by-caller";
 /// takes them from ferryd by pidfd; CRIU inherits one descriptor.
 pub const TCP_TABLE_MARK: &str = "ferry-tcp-table1";
 
+/// The mark of `xtask/criu/connections-out-of-images.patch`: a dump asked
+/// to (`ferry:conns-out`) keeps the connections ferryd moves out of the
+/// images (each recorded by descriptor number, inode and flags in
+/// `ferry-conns-<files id>.img`, never passed out of the task), and the
+/// restore installs them from ferryd's table at those numbers.
+pub const CONNS_OUT_MARK: &str = "ferry-conns-out1";
+
+/// How the files of that patch are named in an image directory
+/// (`ferry-conns-<files id>.img`).
+pub const CONNS_OUT_IMAGE_PREFIX: &str = "ferry-conns-";
+
 /// ferry's patches to CRIU, by their mark, with what each is for.
 pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
@@ -136,6 +147,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         TCP_TABLE_MARK,
         "handed-over connections as one table (a shorter CRIU start-up)",
+    ),
+    (
+        CONNS_OUT_MARK,
+        "connections kept out of the images (a shorter dump and restore)",
     ),
 ];
 
@@ -240,6 +255,7 @@ mod tests {
                 "inherited connections taken by pidfd (a shorter restore)",
                 "connection options carried by ferryd (a shorter dump and restore)",
                 "handed-over connections as one table (a shorter CRIU start-up)",
+                "connections kept out of the images (a shorter dump and restore)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

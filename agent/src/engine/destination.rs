@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{
     self as pb, AbortRequest, ArmRequest, CommitRequest, CommitResponse, ImageChunk,
-    PrepareRequest, RestoreRequest, RestoreResponse, TransferImagesResponse,
+    PrepareRequest, PrepareResponse, RestoreRequest, RestoreResponse, TransferImagesResponse,
 };
 use futures::StreamExt;
 use nix::sys::signal::{Signal, kill};
@@ -589,6 +589,15 @@ fn take_in_cluster(
     let here = agent.config.cluster.address;
     let (source, nodes) = in_cluster_addresses(agent, from)?;
     let flows = translation::rewrite_in_cluster(images, source, here, &nodes)?;
+    hold_in_cluster(agent, flows)
+}
+
+/// Holds `flows` until the commit (blocking: BPF map updates). All holds
+/// or none.
+fn hold_in_cluster(
+    agent: &Agent,
+    flows: Vec<InClusterFlow>,
+) -> Result<Vec<InClusterFlow>, EngineError> {
     let mut rules = agent.flows();
     for (i, f) in flows.iter().enumerate() {
         if let Err(e) = rules.add(f.hold()) {
@@ -602,10 +611,57 @@ fn take_in_cluster(
     Ok(flows)
 }
 
-/// Reserves this node for the migration. Answers whether this node sets
-/// the connections' socket options itself (`PrepareResponse.takes_tcp_options`:
-/// its CRIU restores images whose connections were dumped without them).
-pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<bool, EngineError> {
+/// The in-cluster connections among those TransferSockets rebuilt
+/// (`relocated`: their ends after `relocate_in_cluster`), for images that
+/// keep the connections out: there, no image names them. A relocated
+/// connection's local end is this node's cluster address, which no socket
+/// on the source can have had; it had the source's.
+fn rebuilt_in_cluster(
+    agent: &Agent,
+    from: &str,
+    relocated: &[(std::net::SocketAddr, std::net::SocketAddr)],
+) -> Result<Vec<InClusterFlow>, EngineError> {
+    use std::net::SocketAddr;
+    let here = agent.config.cluster.address;
+    let (source, nodes) = in_cluster_addresses(agent, from)?;
+    Ok(relocated
+        .iter()
+        .filter_map(|(local, remote)| match (local, remote) {
+            (SocketAddr::V4(local), SocketAddr::V4(remote))
+                if *local.ip() == here && nodes.contains(remote.ip()) =>
+            {
+                Some(InClusterFlow {
+                    protocol: ferry_ebpf::Protocol::Tcp,
+                    old_local: std::net::SocketAddrV4::new(source, local.port()),
+                    new_local: *local,
+                    remote: *remote,
+                })
+            }
+            _ => None,
+        })
+        .collect())
+}
+
+/// Whether the images keep connections out (ferry's connections-out
+/// patch: `ferry-conns-<files id>.img` lists their descriptors).
+fn images_keep_connections_out(images: &std::path::Path) -> Result<bool, EngineError> {
+    let entries = std::fs::read_dir(images)
+        .map_err(EngineError::io(format!("listing {}", images.display())))?;
+    Ok(entries.flatten().any(|e| {
+        e.file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(criu::CONNS_OUT_IMAGE_PREFIX))
+    }))
+}
+
+/// Reserves this node for the migration. Answers what this node's CRIU
+/// restores: images whose connections were dumped without their socket
+/// options (`PrepareResponse.takes_tcp_options`), or kept out of them
+/// altogether (`takes_connections_out`).
+pub async fn prepare(
+    agent: &Arc<Agent>,
+    req: PrepareRequest,
+) -> Result<PrepareResponse, EngineError> {
     if !ferry_proto::PEER_PROTOCOL_VERSIONS.contains(&req.protocol_version) {
         return Err(EngineError::NoCommonVersion {
             node: req.source_node.clone(),
@@ -626,9 +682,19 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<bool, En
         .collect::<Result<Vec<_>, _>>()?;
     agent.refuse_if_cordoned()?;
     let criu_path = agent.config.criu_path.clone();
-    let takes_tcp_options = tokio::task::spawn_blocking(move || {
-        criu::probe_version(&criu_path)
-            .map(|_| criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK))
+    let takes = tokio::task::spawn_blocking(move || {
+        criu::probe_version(&criu_path).map(|_| {
+            let takes_tcp_options = criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
+            PrepareResponse {
+                takes_tcp_options,
+                // It builds on the options patch and on the table (the
+                // connections it installs come from ferryd's table).
+                takes_connections_out: takes_tcp_options
+                    && criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK)
+                    && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK)
+                    && criu::has_patch(&criu_path, criu::CONNS_OUT_MARK),
+            }
+        })
     })
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))??;
@@ -681,7 +747,7 @@ pub async fn prepare(agent: &Arc<Agent>, req: PrepareRequest) -> Result<bool, En
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
     });
-    Ok(takes_tcp_options)
+    Ok(takes)
 }
 
 /// Refuses ports that this node serves already (other than `ours`, the
@@ -988,6 +1054,26 @@ pub async fn restore(
                     f.old_local, f.remote, f.new_local
                 )));
             }
+        }
+        // Connections kept out of the images: this node's CRIU installs
+        // them from the table, and the in-cluster ones among them are
+        // known from the rebuild alone.
+        if images_keep_connections_out(&inc.images())? {
+            if sockets.handover != Handover::Table
+                || !criu::has_patch(&agent.config.criu_path, criu::CONNS_OUT_MARK)
+            {
+                return Err(criu::CriuError::Unpatched {
+                    path: agent.config.criu_path.clone(),
+                    what: "connections kept out of the images",
+                }
+                .into());
+            }
+            let fresh: Vec<_> = rebuilt_in_cluster(agent, &inc.from, &sockets.relocated)?
+                .into_iter()
+                .filter(|f| !inc.in_cluster.contains(f))
+                .collect();
+            let held = hold_in_cluster(agent, fresh)?;
+            inc.in_cluster.extend(held);
         }
         let fds = match (&sockets.rebuilt, sockets.handover) {
             (None, _) => Vec::new(),

@@ -65,6 +65,9 @@ pub struct Prepared {
     /// The destination sets the connections' socket options itself
     /// (`PrepareResponse.takes_tcp_options`).
     destination_takes_tcp_options: bool,
+    /// The destination's CRIU installs connections kept out of the images
+    /// (`PrepareResponse.takes_connections_out`).
+    destination_takes_connections_out: bool,
     /// Drain before freeze, and its bound.
     drain_send_queues: Option<Duration>,
     /// How the memory moves, and when pre-copy rounds stop.
@@ -255,12 +258,12 @@ pub async fn prepare(
             peer,
             hello.protocol_version,
             sockets,
-            prepared.takes_tcp_options,
+            prepared,
         ))
     }
     .await;
     match result {
-        Ok((peer, protocol_version, sockets, destination_takes_tcp_options)) => {
+        Ok((peer, protocol_version, sockets, prepared)) => {
             let (socket_migration, socket_note) =
                 sockstate::choose(wanted_sockets, sockets.tcp_other, protocol_version);
             if let Some(why) = &socket_note {
@@ -275,7 +278,8 @@ pub async fn prepare(
                 sockets,
                 socket_migration,
                 socket_note,
-                destination_takes_tcp_options,
+                destination_takes_tcp_options: prepared.takes_tcp_options,
+                destination_takes_connections_out: prepared.takes_connections_out,
                 drain_send_queues: options.drain_send_queues,
                 strategy,
                 convergence,
@@ -853,6 +857,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         lazy: lazy.clone(),
         criu_pid: Some(criu_pid.clone()),
         tcp_options_by_caller: false,
+        connections_out: false,
     };
     let frozen_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     // Post-copy: CRIU says "status-ready" once the images are written and
@@ -865,6 +870,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let drain = run.p.drain_send_queues;
     let drained = Arc::new(std::sync::Mutex::new(None::<sockstate::Flushed>));
     let takes_tcp_options = run.p.destination_takes_tcp_options;
+    let takes_connections_out = run.p.destination_takes_connections_out;
     // Collective: the connections' states go to the destination as soon as
     // they are read, which is during the dump (`sockettaker.rs`).
     let (states_to, states_from) = tokio::sync::oneshot::channel();
@@ -890,6 +896,14 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 tracing::info!(
                     "the connections' socket options move with their state, not in CRIU's images"
                 );
+                // And both ends' CRIU can leave the connections out of the
+                // images altogether: the dump never passes them out of the
+                // process, the restore installs ferryd's at their numbers.
+                req.connections_out =
+                    takes_connections_out && criu::has_patch(&criu_path, criu::CONNS_OUT_MARK);
+                if req.connections_out {
+                    tracing::info!("the connections are kept out of CRIU's images");
+                }
             }
             let plan = ReadPlan {
                 pid,

@@ -37,6 +37,12 @@ struct Args {
     /// Address to bind.
     #[arg(long, default_value_t = Ipv4Addr::UNSPECIFIED)]
     bind: Ipv4Addr,
+    /// Keep every Nth accepted connection open across exec (FD_CLOEXEC
+    /// cleared), as a server that hands connections to the programs it
+    /// runs would; 0: none. A migration must give back each descriptor's
+    /// flags as they were.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    keep_on_exec_every: u32,
     /// A command to start as this server's child (after `--`).
     #[arg(last = true)]
     companion: Vec<String>,
@@ -84,11 +90,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    serve(&listener, &udp)
+    serve(&listener, &udp, args.keep_on_exec_every)
 }
 
-fn serve(listener: &TcpListener, udp: &UdpSocket) -> ExitCode {
+fn serve(listener: &TcpListener, udp: &UdpSocket, keep_on_exec_every: u32) -> ExitCode {
     let mut conns: HashMap<RawFd, Conn> = HashMap::new();
+    let mut accepted = 0u64;
     let mut buf = vec![0u8; READ_CHUNK];
     let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
@@ -122,7 +129,7 @@ fn serve(listener: &TcpListener, udp: &UdpSocket) -> ExitCode {
             continue;
         }
         if fds[0].revents != 0 {
-            accept_all(listener, &mut conns);
+            accept_all(listener, &mut conns, &mut accepted, keep_on_exec_every);
         }
         if fds[1].revents != 0 {
             echo_datagrams(udp, &mut buf);
@@ -142,12 +149,26 @@ fn serve(listener: &TcpListener, udp: &UdpSocket) -> ExitCode {
     }
 }
 
-fn accept_all(listener: &TcpListener, conns: &mut HashMap<RawFd, Conn>) {
+fn accept_all(
+    listener: &TcpListener,
+    conns: &mut HashMap<RawFd, Conn>,
+    accepted: &mut u64,
+    keep_on_exec_every: u32,
+) {
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
                 if stream.set_nonblocking(true).is_err() {
                     continue;
+                }
+                *accepted += 1;
+                if keep_on_exec_every != 0
+                    && (*accepted).is_multiple_of(u64::from(keep_on_exec_every))
+                {
+                    // SAFETY: F_SETFD on a descriptor this process owns.
+                    if unsafe { libc::fcntl(stream.as_raw_fd(), libc::F_SETFD, 0) } != 0 {
+                        continue;
+                    }
                 }
                 let _ = stream.set_nodelay(true);
                 conns.insert(
