@@ -21,8 +21,15 @@
 //!    them to CRIU as inherited descriptors (ferry's patches to CRIU,
 //!    `xtask/criu/`: `ferry-tcp:[<inode>]`, which CRIU keeps in its own
 //!    process and the restored task takes by pidfd; `socket:[<inode>]`
-//!    through CRIU's fdstore with an older build), and CRIU restores the
-//!    rest of the descriptor table;
+//!    through CRIU's fdstore with an older build; one table naming
+//!    ferryd's descriptors, [`CONNECTION_TABLE_KEY`], with a newer one),
+//!    and CRIU restores the rest of the descriptor table. With ferry's
+//!    connections-out-of-images patch on both ends
+//!    (`PrepareResponse.takes_connections_out`) CRIU never handles the
+//!    connections at all: its dump records each by descriptor number,
+//!    inode and flags only (asked of the task, the connection never
+//!    leaving it), and its restore installs ferryd's at those numbers
+//!    before any other descriptor;
 //! 4. the sockets' options: when both ends' CRIU has ferry's
 //!    tcp-options-by-caller patch (`PrepareResponse.takes_tcp_options`),
 //!    CRIU's dump records the connections without them and ferryd reads
