@@ -876,6 +876,22 @@ fn set_opt<T: Copy>(fd: &std::os::fd::OwnedFd, level: i32, opt: i32, v: T) {
     );
 }
 
+/// Gives the socket `fd` (a duplicate: the owner is the open file's) the
+/// SIGIO owner `pid`.
+fn set_owner(fd: &std::os::fd::OwnedFd, pid: i32) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_SETOWN on a descriptor this process owns.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETOWN, pid) };
+    assert_eq!(r, 0, "F_SETOWN: {}", std::io::Error::last_os_error());
+}
+
+/// The socket's SIGIO owner (0: none).
+fn owner(fd: &std::os::fd::OwnedFd) -> i32 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GETOWN on a descriptor this process owns.
+    unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETOWN) }
+}
+
 /// The options a process gave its connections (here set through
 /// pidfd_getfd, each connection its own values) are the ones its
 /// connections have after a migration. With a CRIU carrying ferry's
@@ -883,6 +899,11 @@ fn set_opt<T: Copy>(fd: &std::os::fd::OwnedFd, level: i32, opt: i32, v: T) {
 /// them: ferryd reads them beside the dump and sets them on the rebuilt
 /// sockets; without that, the connections would come back with a new
 /// socket's defaults and this fails.
+///
+/// One connection also has an owner for SIGIO (F_SETOWN, the server
+/// itself): ferry's CRIU keeps such a connection in its images (the
+/// owner is CRIU's to restore) while the others stay out of them, and it
+/// comes back owned by the restored server, the others by nobody.
 #[test]
 fn connection_options_survive_the_migration() {
     if !ferry_integration::can_run("connection_options_survive_the_migration") {
@@ -947,6 +968,8 @@ fn options_survive(sockets: SocketMigration) {
             // A size set by the process: locked, so it cannot drift.
             set_opt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, 65536 + 4096 * i);
         }
+        let owned = *conns.keys().next().expect("a connection");
+        set_owner(&conns[&owned], pid);
         let read = |conns: &std::collections::BTreeMap<_, std::os::fd::OwnedFd>| {
             conns
                 .iter()
@@ -1006,7 +1029,16 @@ fn options_survive(sockets: SocketMigration) {
             table_before,
             "the descriptor table after the migration"
         );
-        let after = read(&connections_of(report.destination_pid));
+        let moved = connections_of(report.destination_pid);
+        for (k, fd) in &moved {
+            let want = if *k == owned {
+                report.destination_pid
+            } else {
+                0
+            };
+            assert_eq!(owner(fd), want, "the SIGIO owner of {k:?}");
+        }
+        let after = read(&moved);
         assert_eq!(after.len(), 8, "{:?}", after.keys());
         for (k, b) in &before {
             let a = after
