@@ -469,8 +469,8 @@ fn extract_one(
     let send_seq =
         sys::get_int(fd, libc::SOL_TCP, sys::TCP_QUEUE_SEQ).map_err(err("TCP_QUEUE_SEQ"))? as u32;
     let send_queue = sys::peek_queue(fd, outq).map_err(err("reading the send queue"))?;
-    sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR_QUEUE, sys::TCP_NO_QUEUE)
-        .map_err(err("deselecting the queues"))?;
+    // The send queue stays selected: a selection counts only in repair
+    // mode, and the next reader (a later migration) selects its own.
 
     Ok(TcpConnectionState {
         inode: c.inode,

@@ -219,13 +219,7 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
             tracing::debug!(conn = %name, sent, sndbuf = c.sndbuf, grown_to = size, "send buffer grown for the bytes in flight");
         }
     }
-    sys::set_int(
-        sock,
-        libc::SOL_TCP,
-        sys::TCP_REPAIR_QUEUE,
-        sys::TCP_NO_QUEUE,
-    )
-    .map_err(err("deselecting the queues"))?;
+    // A queue stays selected: the selection counts only in repair mode.
     sys::set_struct(sock, libc::SOL_TCP, sys::TCP_REPAIR_WINDOW, &c.window)
         .map_err(err("TCP_REPAIR_WINDOW"))?;
 
