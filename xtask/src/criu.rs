@@ -135,7 +135,7 @@ const PATCHES: &[Patch] = &[
     Patch {
         what: "connections kept out of the images",
         text: include_str!("../criu/connections-out-of-images.patch"),
-        mark: "ferry-conns-out1",
+        mark: "ferry-conns-out2",
     },
 ];
 

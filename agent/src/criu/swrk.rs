@@ -186,6 +186,17 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
 /// Restores the images; the restored tree is a child of this process
 /// (`rst_sibling`) and is left stopped.
 pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), CriuError> {
+    restore_on(req, None)
+}
+
+/// [`restore`] on `worker`, a CRIU started ahead for it
+/// ([`start_restore_worker`] with the same directories), when it inherited
+/// exactly the descriptors the request names; otherwise on a CRIU started
+/// now.
+pub fn restore_on(
+    req: &RestoreRequest,
+    worker: Option<Worker>,
+) -> Result<(RestoreOutcome, Notifications), CriuError> {
     let mut opts = Criu_opts::new();
     let mut inherited = Vec::new();
     match &req.inherited_tcp {
@@ -208,19 +219,20 @@ pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), 
     if req.lazy_pages {
         opts.set_lazy_pages(true);
     }
-    let (resp, notes) = run(
-        &req.criu,
-        Criu_req_type::RESTORE,
-        opts,
-        &req.images_dir,
-        &req.log_dir,
-        Inherited {
-            kept: &inherited,
-            handed_over: Vec::new(),
-        },
-        &mut |_| Ok(()),
-        None,
-    )?;
+    let mut worker = match worker {
+        Some(w) if w.inherited == inherited => w,
+        _ => Worker::start(
+            &req.criu,
+            &req.images_dir,
+            &req.log_dir,
+            Inherited {
+                kept: &inherited,
+                handed_over: Vec::new(),
+            },
+        )?,
+    };
+    let (resp, notes) = worker.converse(Criu_req_type::RESTORE, opts, &mut |_| Ok(()))?;
+    drop(worker);
     check(&resp, "restore", &req.log_dir.join("restore.log"))?;
     let pid = resp.restore.as_ref().map(|r| r.pid()).unwrap_or(0);
     if pid <= 0 {
@@ -318,85 +330,177 @@ struct Inherited<'a> {
 fn run(
     criu: &Path,
     kind: Criu_req_type,
-    mut opts: Criu_opts,
+    opts: Criu_opts,
     images_dir: &Path,
     log_dir: &Path,
     inherited: Inherited<'_>,
     on_notify: NotifyHook<'_>,
     criu_pid: Option<&AtomicI32>,
 ) -> Result<(Criu_resp, Notifications), CriuError> {
-    let (ours, theirs) = socketpair(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        None,
-        SockFlag::SOCK_CLOEXEC,
-    )
-    .map_err(|e| CriuError::Rpc(format!("socketpair: {e}")))?;
-    // The socketpair's own descriptor for CRIU's end goes at once: kept
-    // (shadowed) until this function returns, it would keep CRIU's end
-    // open in this process, and a CRIU that dies without answering (killed
-    // while it serves lazy pages) would leave `converse` waiting forever.
-    let theirs = {
-        let high = dup_high(&theirs)?;
-        drop(theirs);
-        high
-    };
-    let s = theirs.as_raw_fd();
-    // CRIU opens images_dir_fd and work_dir_fd as /proc/<requester>/fd/N,
-    // the requester being the socket's peer: these are OUR descriptor
-    // numbers, and they must stay open until CRIU answers.
-    let images = open_dir(images_dir)?;
-    let work = open_dir(log_dir)?;
-    opts.set_images_dir_fd(images.as_raw_fd());
-    opts.set_work_dir_fd(work.as_raw_fd());
-    // Notifications (pre-dump, post-dump, post-restore, ...) give ferry the
-    // phase boundaries inside CRIU.
-    opts.set_notify_scripts(true);
-
-    // Inherited descriptors keep their numbers in the child; the RPC
-    // socket goes to CHILD_SOCKET_FD (its source is above it: dup_high).
-    let Inherited { kept, handed_over } = inherited;
-    let inherited: Vec<RawFd> = kept
-        .iter()
-        .copied()
-        .chain(handed_over.iter().map(|f| f.as_raw_fd()))
-        .collect();
-    if inherited.contains(&CHILD_SOCKET_FD) {
-        return Err(CriuError::Rpc(format!(
-            "an inherited descriptor is {CHILD_SOCKET_FD}, the child's RPC socket"
-        )));
-    }
-    let child = super::spawn::spawn(
-        criu,
-        &["swrk", &CHILD_SOCKET_FD.to_string()],
-        &[(s, CHILD_SOCKET_FD)],
-        &inherited,
-    )
-    .map_err(|source| CriuError::Spawn {
-        path: criu.to_owned(),
-        source,
-    })?;
-    drop(theirs);
-    drop(handed_over);
+    let mut worker = Worker::start(criu, images_dir, log_dir, inherited)?;
     if let Some(p) = criu_pid {
-        p.store(child.id(), Ordering::SeqCst);
+        p.store(worker.pid(), Ordering::SeqCst);
     }
-
-    let result = converse(&ours, kind, opts, on_notify);
+    let result = worker.converse(kind, opts, on_notify);
     // Cleared before the wait reaps it: a PID published to a killer must
     // never name a reaped (and maybe reused) process.
     if let Some(p) = criu_pid {
         p.store(0, Ordering::SeqCst);
     }
-    // Closing our end ends the swrk session; CRIU then exits. Its answer
-    // is all the caller waits for: its exit (closing what it holds, a
-    // thousand inherited connections on a collective restore: 30 perf
-    // samples at 5 kHz, ~6 ms of CPU, in one profile) is waited for on a
-    // thread of its own.
-    drop(ours);
-    drop((images, work));
-    reap_in_background(child);
+    drop(worker);
     result
+}
+
+/// A CRIU service worker (`criu swrk`) and this process's end of its
+/// session. Started ahead of its request ([`start_restore_worker`]), its
+/// exec and dynamic loading (a few milliseconds) are not inside the
+/// freeze; what the descriptors it inherited hold may come later (the
+/// connection table is written just before the restore). Dropped, it
+/// ends: its session closes, CRIU exits, and it is reaped off the
+/// caller's path.
+pub struct Worker {
+    child: Option<super::spawn::SpawnedChild>,
+    ours: Option<OwnedFd>,
+    /// CRIU opens images_dir_fd and work_dir_fd as /proc/<requester>/fd/N,
+    /// the requester being the socket's peer: these are OUR descriptor
+    /// numbers, and they must stay open until CRIU answers.
+    images: OwnedFd,
+    work: OwnedFd,
+    /// The descriptors it inherited, at the same numbers as here.
+    inherited: Vec<RawFd>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("pid", &self.pid())
+            .field("inherited", &self.inherited)
+            .finish()
+    }
+}
+
+/// Starts CRIU ahead of a restore from `images_dir` (its log in
+/// `log_dir`), inheriting `kept` (at the same numbers), for
+/// [`restore_on`].
+pub fn start_restore_worker(
+    criu: &Path,
+    images_dir: &Path,
+    log_dir: &Path,
+    kept: &[RawFd],
+) -> Result<Worker, CriuError> {
+    Worker::start(
+        criu,
+        images_dir,
+        log_dir,
+        Inherited {
+            kept,
+            handed_over: Vec::new(),
+        },
+    )
+}
+
+impl Worker {
+    fn start(
+        criu: &Path,
+        images_dir: &Path,
+        log_dir: &Path,
+        inherited: Inherited<'_>,
+    ) -> Result<Self, CriuError> {
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| CriuError::Rpc(format!("socketpair: {e}")))?;
+        // The socketpair's own descriptor for CRIU's end goes at once:
+        // kept (shadowed) until the session ends, it would keep CRIU's end
+        // open in this process, and a CRIU that dies without answering
+        // (killed while it serves lazy pages) would leave `converse`
+        // waiting forever.
+        let theirs = {
+            let high = dup_high(&theirs)?;
+            drop(theirs);
+            high
+        };
+        let s = theirs.as_raw_fd();
+        let images = open_dir(images_dir)?;
+        let work = open_dir(log_dir)?;
+
+        // Inherited descriptors keep their numbers in the child; the RPC
+        // socket goes to CHILD_SOCKET_FD (its source is above it: dup_high).
+        let Inherited { kept, handed_over } = inherited;
+        let all: Vec<RawFd> = kept
+            .iter()
+            .copied()
+            .chain(handed_over.iter().map(|f| f.as_raw_fd()))
+            .collect();
+        if all.contains(&CHILD_SOCKET_FD) {
+            return Err(CriuError::Rpc(format!(
+                "an inherited descriptor is {CHILD_SOCKET_FD}, the child's RPC socket"
+            )));
+        }
+        let child = super::spawn::spawn(
+            criu,
+            &["swrk", &CHILD_SOCKET_FD.to_string()],
+            &[(s, CHILD_SOCKET_FD)],
+            &all,
+        )
+        .map_err(|source| CriuError::Spawn {
+            path: criu.to_owned(),
+            source,
+        })?;
+        drop(theirs);
+        drop(handed_over);
+        Ok(Self {
+            child: Some(child),
+            ours: Some(ours),
+            images,
+            work,
+            inherited: kept.to_vec(),
+        })
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
+    /// Sends the request and answers CRIU's notifications until its
+    /// response. Once per worker.
+    fn converse(
+        &mut self,
+        kind: Criu_req_type,
+        mut opts: Criu_opts,
+        on_notify: NotifyHook<'_>,
+    ) -> Result<(Criu_resp, Notifications), CriuError> {
+        let ours = self
+            .ours
+            .as_ref()
+            .ok_or_else(|| CriuError::Rpc("the CRIU worker's session is over".into()))?;
+        opts.set_images_dir_fd(self.images.as_raw_fd());
+        opts.set_work_dir_fd(self.work.as_raw_fd());
+        // Notifications (pre-dump, post-dump, post-restore, ...) give ferry
+        // the phase boundaries inside CRIU.
+        opts.set_notify_scripts(true);
+        let result = converse(ours, kind, opts, on_notify);
+        // One request per session: closing our end ends it.
+        self.ours = None;
+        result
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Closing our end ends the swrk session; CRIU then exits. Its
+        // answer is all the caller waits for: its exit (closing what it
+        // holds, a thousand inherited connections on a collective restore:
+        // 30 perf samples at 5 kHz, ~6 ms of CPU, in one profile) is waited
+        // for on a thread of its own.
+        self.ours = None;
+        if let Some(child) = self.child.take() {
+            reap_in_background(child);
+        }
+    }
 }
 
 /// Waits for the CRIU child's exit off the caller's path (inline if no

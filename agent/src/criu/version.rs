@@ -111,8 +111,10 @@ pub const TCP_TABLE_MARK: &str = "ferry-tcp-table1";
 /// to (`ferry:conns-out`) keeps the connections ferryd moves out of the
 /// images (each recorded by descriptor number, inode and flags in
 /// `ferry-conns-<files id>.img`, never passed out of the task), and the
-/// restore installs them from ferryd's table at those numbers.
-pub const CONNS_OUT_MARK: &str = "ferry-conns-out1";
+/// restore installs them from ferryd's table at those numbers. "2": the
+/// version that places the restored task's service fds above those
+/// numbers too (the first could put a service fd on a connection's).
+pub const CONNS_OUT_MARK: &str = "ferry-conns-out2";
 
 /// How the files of that patch are named in an image directory
 /// (`ferry-conns-<files id>.img`).

@@ -8,7 +8,7 @@
 //! CRIU's lazy-pages daemon first; Commit hands it to a watcher which kills
 //! the process if the daemon fails, and answers `PostCopyStatus`.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -439,6 +439,10 @@ pub struct Incoming {
     /// Collective socket migration: the connections ferryd rebuilt, in
     /// repair mode until the commit resumes them.
     rebuilt: Option<crate::sockstate::Rebuilt>,
+    /// The CRIU that will restore, started at Arm with the connection
+    /// table (still empty) inherited, so that its start is not in the
+    /// freeze. Dropped unused, it exits.
+    restore_worker: Option<RestoreWorker>,
     /// The UDP sockets whose receive buffer the images were given for the
     /// replay and catch-up (`UDP_CATCH_UP_BUFFER`), with their own size,
     /// given back `UDP_CATCH_UP` after the resume. `None` until the restore
@@ -739,6 +743,7 @@ pub async fn prepare(
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
         rebuilt: None,
+        restore_worker: None,
         udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
@@ -801,7 +806,44 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<(), EngineError>
     // No procfs read here: this is on the path to the freeze.
     agent.apply_ownership().await?;
     tracing::info!(migration = %req.migration_id, ports = inc.ports.len(), "capture armed");
+    if inc.restore_worker.is_none() {
+        let (criu, images, log_dir) = (
+            agent.config.criu_path.clone(),
+            inc.images(),
+            inc.dir.clone(),
+        );
+        let started =
+            tokio::task::spawn_blocking(move || RestoreWorker::start(&criu, &images, &log_dir))
+                .await
+                .map_err(|e| EngineError::Internal(e.to_string()))?;
+        match started {
+            Ok(w) => inc.restore_worker = Some(w),
+            // The restore starts its own CRIU then, as before.
+            Err(e) => tracing::warn!(error = %e, "starting CRIU ahead of the restore"),
+        }
+    }
     Ok(())
+}
+
+/// A CRIU started ahead of a restore (at Arm), and the connection table
+/// it inherited, empty until the restore writes it.
+#[derive(Debug)]
+struct RestoreWorker {
+    worker: criu::Worker,
+    table: OwnedFd,
+}
+
+impl RestoreWorker {
+    /// Blocking: a fork and an exec.
+    fn start(
+        criu: &std::path::Path,
+        images: &std::path::Path,
+        log_dir: &std::path::Path,
+    ) -> Result<Self, EngineError> {
+        let table = crate::sockstate::empty_connection_table()?;
+        let worker = criu::start_restore_worker(criu, images, log_dir, &[table.as_raw_fd()])?;
+        Ok(Self { worker, table })
+    }
 }
 
 fn expect<'a>(
@@ -1026,6 +1068,8 @@ pub async fn restore(
     // The table of a collective restore's connections (a CRIU with ferry's
     // connections-table patch): open until CRIU has read it.
     let mut connection_table: Option<OwnedFd> = None;
+    // The CRIU started at Arm, when the restore can use it.
+    let mut worker: Option<criu::Worker> = None;
     let inherited_tcp = if req.collective_sockets {
         let taken = lock_sockets(agent).take();
         let sockets = match taken {
@@ -1078,7 +1122,17 @@ pub async fn restore(
         let fds = match (&sockets.rebuilt, sockets.handover) {
             (None, _) => Vec::new(),
             (Some(r), Handover::Table) => {
-                let table = r.connection_table()?;
+                // Into the table the CRIU started at Arm inherited, if
+                // there is one (not for a post-copy, whose restore waits
+                // for its lazy-pages daemon first).
+                let table = match inc.restore_worker.take().filter(|_| lazy_from.is_none()) {
+                    Some(w) => {
+                        r.write_connection_table(w.table.as_fd())?;
+                        worker = Some(w.worker);
+                        w.table
+                    }
+                    None => r.connection_table()?,
+                };
                 let fds = vec![(
                     crate::sockstate::CONNECTION_TABLE_KEY.to_owned(),
                     table.as_raw_fd(),
@@ -1137,7 +1191,7 @@ pub async fn restore(
                 .as_ref()
                 .filter(|r| r.has_options())
                 .map(|r| s.spawn(move || r.apply_options()));
-            let restored = criu::restore(&creq);
+            let restored = criu::restore_on(&creq, worker);
             let options_set = options.map_or(Ok(()), |h| {
                 h.join().unwrap_or_else(|_| {
                     Err(crate::sockstate::SockStateError::Sys {

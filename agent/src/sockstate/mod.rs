@@ -69,7 +69,7 @@ use std::net::SocketAddr;
 pub use extract::{Held, ReadCounts, StoppedSockets, take_sockets, unsupported_sockets};
 pub use flush::{Flushed, flush_send_queues};
 pub use preread::{Preread, PrereadConnection};
-pub use rebuild::{CONNECTION_TABLE_KEY, Handover, Rebuilt, rebuild};
+pub use rebuild::{CONNECTION_TABLE_KEY, Handover, Rebuilt, empty_connection_table, rebuild};
 pub use sys::{RepairWindow, prepare_descriptor_table};
 pub use udp::{datagram_key, give_back_udp_buffers, key_of_packet, unread_datagrams};
 

@@ -24,6 +24,27 @@ struct RebuiltConnection {
     ipv6: bool,
 }
 
+fn table_err(op: &'static str) -> impl Fn(std::io::Error) -> SockStateError {
+    move |source| SockStateError::Sys {
+        op,
+        conn: "the connection table".into(),
+        source,
+    }
+}
+
+/// A new, empty file for [`Rebuilt::write_connection_table`] (a memfd).
+pub fn empty_connection_table() -> Result<OwnedFd, SockStateError> {
+    // SAFETY: memfd_create reads a NUL-terminated name and returns a new
+    // descriptor (or -1); nothing else is touched.
+    let raw = unsafe { libc::memfd_create(c"ferry-tcp-table".as_ptr(), libc::MFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(table_err("memfd_create")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `raw` was just returned by memfd_create and is owned by
+    // nothing else.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) })
+}
+
 /// The inherit-fd key of [`Rebuilt::connection_table`].
 pub const CONNECTION_TABLE_KEY: &str = "ferry-tcp-table";
 /// The connection table's magic number: "FTT1" read as a native-endian
@@ -298,14 +319,20 @@ impl Rebuilt {
     /// connection from this process by `pidfd_getfd()`: ferryd must keep
     /// them open until the restore ends, which [`Rebuilt`] does.
     pub fn connection_table(&self) -> Result<OwnedFd, SockStateError> {
-        use std::io::Write;
-        let err = |op: &'static str| {
-            move |source: std::io::Error| SockStateError::Sys {
-                op,
-                conn: "the connection table".into(),
-                source,
-            }
-        };
+        let fd = empty_connection_table()?;
+        self.write_connection_table(fd.as_fd())?;
+        Ok(fd)
+    }
+
+    /// Writes [`Rebuilt::connection_table`]'s content into `table`, an
+    /// [`empty_connection_table`] made earlier (one a CRIU started ahead
+    /// of the restore already inherited: it reads the table only once
+    /// asked to restore).
+    pub fn write_connection_table(
+        &self,
+        table: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<(), SockStateError> {
+        use std::os::unix::fs::FileExt;
         let mut bytes = Vec::with_capacity(16 + 8 * self.conns.len());
         bytes.extend_from_slice(&CONNECTION_TABLE_MAGIC.to_ne_bytes());
         bytes.extend_from_slice(&(std::process::id() as i32).to_ne_bytes());
@@ -323,19 +350,9 @@ impl Rebuilt {
             bytes.extend_from_slice(&inode.to_ne_bytes());
             bytes.extend_from_slice(&c.fd.as_raw_fd().to_ne_bytes());
         }
-        // SAFETY: memfd_create reads a NUL-terminated name and returns a
-        // new descriptor (or -1); nothing else is touched.
-        let raw = unsafe { libc::memfd_create(c"ferry-tcp-table".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(err("memfd_create")(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `raw` was just returned by memfd_create and is owned by
-        // nothing else.
-        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-        std::fs::File::from(fd.try_clone().map_err(err("dup"))?)
-            .write_all(&bytes)
-            .map_err(err("writing the connection table"))?;
-        Ok(fd)
+        let file = std::fs::File::from(table.try_clone_to_owned().map_err(table_err("dup"))?);
+        file.write_all_at(&bytes, 0)
+            .map_err(table_err("writing the connection table"))
     }
 
     /// Turns repair off (without the kernel's window probe), gives back
