@@ -439,7 +439,7 @@ pub struct Incoming {
     /// Collective socket migration: the connections ferryd rebuilt, in
     /// repair mode until the commit resumes them.
     rebuilt: Option<crate::sockstate::Rebuilt>,
-    /// The CRIU that will restore, started at Arm with the connection
+    /// The CRIU that will restore, started at Prepare with the connection
     /// table (still empty) inherited, so that its start is not in the
     /// freeze. Dropped unused, it exits.
     restore_worker: Option<RestoreWorker>,
@@ -727,6 +727,24 @@ pub async fn prepare(
     std::fs::create_dir_all(dir.join("images"))
         .map_err(EngineError::io(format!("creating {}", dir.display())))?;
     set_private(&dir);
+    // The CRIU that will restore, started now, well before the freeze:
+    // its fork and exec then neither lengthen the freeze nor crowd the
+    // cores just before it.
+    let restore_worker = {
+        let (criu, images, log_dir) = (
+            agent.config.criu_path.clone(),
+            dir.join("images"),
+            dir.clone(),
+        );
+        let started =
+            tokio::task::spawn_blocking(move || RestoreWorker::start(&criu, &images, &log_dir))
+                .await
+                .map_err(|e| EngineError::Internal(e.to_string()))?;
+        // Without it the restore starts its own CRIU, as before.
+        started
+            .inspect_err(|e| tracing::warn!(error = %e, "starting CRIU ahead of the restore"))
+            .ok()
+    };
     agent.reserve_ports(&ports, PortState::Frozen);
     if let Err(e) = agent.reconcile().await {
         agent.release_ports(&ports);
@@ -743,7 +761,7 @@ pub async fn prepare(
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
         rebuilt: None,
-        restore_worker: None,
+        restore_worker,
         udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
@@ -806,26 +824,10 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<(), EngineError>
     // No procfs read here: this is on the path to the freeze.
     agent.apply_ownership().await?;
     tracing::info!(migration = %req.migration_id, ports = inc.ports.len(), "capture armed");
-    if inc.restore_worker.is_none() {
-        let (criu, images, log_dir) = (
-            agent.config.criu_path.clone(),
-            inc.images(),
-            inc.dir.clone(),
-        );
-        let started =
-            tokio::task::spawn_blocking(move || RestoreWorker::start(&criu, &images, &log_dir))
-                .await
-                .map_err(|e| EngineError::Internal(e.to_string()))?;
-        match started {
-            Ok(w) => inc.restore_worker = Some(w),
-            // The restore starts its own CRIU then, as before.
-            Err(e) => tracing::warn!(error = %e, "starting CRIU ahead of the restore"),
-        }
-    }
     Ok(())
 }
 
-/// A CRIU started ahead of a restore (at Arm), and the connection table
+/// A CRIU started ahead of a restore (at Prepare), and the connection table
 /// it inherited, empty until the restore writes it.
 #[derive(Debug)]
 struct RestoreWorker {
@@ -1068,7 +1070,7 @@ pub async fn restore(
     // The table of a collective restore's connections (a CRIU with ferry's
     // connections-table patch): open until CRIU has read it.
     let mut connection_table: Option<OwnedFd> = None;
-    // The CRIU started at Arm, when the restore can use it.
+    // The CRIU started at Prepare, when the restore can use it.
     let mut worker: Option<criu::Worker> = None;
     let inherited_tcp = if req.collective_sockets {
         let taken = lock_sockets(agent).take();
@@ -1122,7 +1124,7 @@ pub async fn restore(
         let fds = match (&sockets.rebuilt, sockets.handover) {
             (None, _) => Vec::new(),
             (Some(r), Handover::Table) => {
-                // Into the table the CRIU started at Arm inherited, if
+                // Into the table the CRIU started at Prepare inherited, if
                 // there is one (not for a post-copy, whose restore waits
                 // for its lazy-pages daemon first).
                 let table = match inc.restore_worker.take().filter(|_| lazy_from.is_none()) {
