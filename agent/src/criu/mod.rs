@@ -19,7 +19,7 @@ pub use cache::{
 pub use error::CriuError;
 pub use swrk::{
     DumpRequest, LazyDump, Notifications, RestoreOutcome, RestoreRequest, TcpConnections, Worker,
-    dump, restore, restore_on, start_restore_worker,
+    dump, restore, start_restore_worker,
 };
 pub use version::{
     CONNS_OUT_IMAGE_PREFIX, CONNS_OUT_MARK, CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES,

@@ -184,16 +184,11 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
 }
 
 /// Restores the images; the restored tree is a child of this process
-/// (`rst_sibling`) and is left stopped.
-pub fn restore(req: &RestoreRequest) -> Result<(RestoreOutcome, Notifications), CriuError> {
-    restore_on(req, None)
-}
-
-/// [`restore`] on `worker`, a CRIU started ahead for it
-/// ([`start_restore_worker`] with the same directories), when it inherited
-/// exactly the descriptors the request names; otherwise on a CRIU started
-/// now.
-pub fn restore_on(
+/// (`rst_sibling`) and is left stopped. On `worker`, a CRIU started ahead
+/// for it ([`start_restore_worker`] with the same directories), when it
+/// inherited exactly the descriptors the request names; otherwise on a
+/// CRIU started now.
+pub fn restore(
     req: &RestoreRequest,
     worker: Option<Worker>,
 ) -> Result<(RestoreOutcome, Notifications), CriuError> {
@@ -380,8 +375,7 @@ impl std::fmt::Debug for Worker {
 }
 
 /// Starts CRIU ahead of a restore from `images_dir` (its log in
-/// `log_dir`), inheriting `kept` (at the same numbers), for
-/// [`restore_on`].
+/// `log_dir`), inheriting `kept` (at the same numbers), for [`restore`].
 pub fn start_restore_worker(
     criu: &Path,
     images_dir: &Path,

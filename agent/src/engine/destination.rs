@@ -615,37 +615,6 @@ fn hold_in_cluster(
     Ok(flows)
 }
 
-/// The in-cluster connections among those TransferSockets rebuilt
-/// (`relocated`: their ends after `relocate_in_cluster`), for images that
-/// keep the connections out: there, no image names them. A relocated
-/// connection's local end is this node's cluster address, which no socket
-/// on the source can have had; it had the source's.
-fn rebuilt_in_cluster(
-    agent: &Agent,
-    from: &str,
-    relocated: &[(std::net::SocketAddr, std::net::SocketAddr)],
-) -> Result<Vec<InClusterFlow>, EngineError> {
-    use std::net::SocketAddr;
-    let here = agent.config.cluster.address;
-    let (source, nodes) = in_cluster_addresses(agent, from)?;
-    Ok(relocated
-        .iter()
-        .filter_map(|(local, remote)| match (local, remote) {
-            (SocketAddr::V4(local), SocketAddr::V4(remote))
-                if *local.ip() == here && nodes.contains(remote.ip()) =>
-            {
-                Some(InClusterFlow {
-                    protocol: ferry_ebpf::Protocol::Tcp,
-                    old_local: std::net::SocketAddrV4::new(source, local.port()),
-                    new_local: *local,
-                    remote: *remote,
-                })
-            }
-            _ => None,
-        })
-        .collect())
-}
-
 /// Whether the images keep connections out (ferry's connections-out
 /// patch: `ferry-conns-<files id>.img` lists their descriptors).
 fn images_keep_connections_out(images: &std::path::Path) -> Result<bool, EngineError> {
@@ -1114,9 +1083,11 @@ pub async fn restore(
                 }
                 .into());
             }
-            let fresh: Vec<_> = rebuilt_in_cluster(agent, &inc.from, &sockets.relocated)?
-                .into_iter()
+            let fresh: Vec<_> = sockets
+                .in_cluster
+                .iter()
                 .filter(|f| !inc.in_cluster.contains(f))
+                .cloned()
                 .collect();
             let held = hold_in_cluster(agent, fresh)?;
             inc.in_cluster.extend(held);
@@ -1193,7 +1164,7 @@ pub async fn restore(
                 .as_ref()
                 .filter(|r| r.has_options())
                 .map(|r| s.spawn(move || r.apply_options()));
-            let restored = criu::restore_on(&creq, worker);
+            let restored = criu::restore(&creq, worker);
             let options_set = options.map_or(Ok(()), |h| {
                 h.join().unwrap_or_else(|_| {
                     Err(crate::sockstate::SockStateError::Sys {
@@ -1446,6 +1417,9 @@ pub struct RebuiltSockets {
     pub from: String,
     /// (local, remote) of each, after the move of in-cluster ones.
     relocated: Vec<(std::net::SocketAddr, std::net::SocketAddr)>,
+    /// The in-cluster ones, as moved: what images that keep the
+    /// connections out no longer name.
+    in_cluster: Vec<InClusterFlow>,
     rebuilt: Option<crate::sockstate::Rebuilt>,
     /// How this node's CRIU takes them.
     handover: Handover,
@@ -1457,6 +1431,7 @@ impl RebuiltSockets {
             migration_id: migration_id.to_owned(),
             from: from.to_owned(),
             relocated: Vec::new(),
+            in_cluster: Vec::new(),
             rebuilt: None,
             handover: Handover::Fdstore,
         }
@@ -1473,15 +1448,16 @@ fn lock_sockets(agent: &Agent) -> std::sync::MutexGuard<'_, Option<RebuiltSocket
 /// Gives the process's connections to other cluster nodes this node's
 /// cluster address, by the rule `translation::rewrite_in_cluster` applies
 /// to the images: local end on the source's cluster address, remote end on
-/// another node (this one is refused).
+/// another node (this one is refused). Returns the ones it moved.
 fn relocate_in_cluster(
     agent: &Agent,
     from: &str,
     states: &mut [crate::sockstate::TcpConnectionState],
-) -> Result<(), EngineError> {
+) -> Result<Vec<InClusterFlow>, EngineError> {
     use std::net::{IpAddr, SocketAddr};
     let here = agent.config.cluster.address;
     let (source, nodes) = in_cluster_addresses(agent, from)?;
+    let mut moved = Vec::new();
     for c in states {
         let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (c.local, c.remote) else {
             continue;
@@ -1493,21 +1469,35 @@ fn relocate_in_cluster(
             return Err(crate::translation::FlowError::PeerOnDestination { local, remote }.into());
         }
         if nodes.contains(remote.ip()) {
+            let new_local = std::net::SocketAddrV4::new(here, local.port());
             c.local = SocketAddr::new(IpAddr::V4(here), local.port());
+            moved.push(InClusterFlow {
+                protocol: ferry_ebpf::Protocol::Tcp,
+                old_local: local,
+                new_local,
+                remote,
+            });
         }
     }
-    Ok(())
+    Ok(moved)
 }
 
 /// What TransferSockets checks before it rebuilds anything: the
 /// connections, valid, with the in-cluster ones moved to this node's
-/// cluster address. Pure (the fuzz target runs it; the rebuild needs root).
+/// cluster address (and those, as moved). Pure (the fuzz target runs it;
+/// the rebuild needs root).
 pub fn sockets_to_rebuild(
     agent: &Agent,
     migration_id: &str,
     source_node: &str,
     tcp_connections: Vec<pb::TcpConnectionState>,
-) -> Result<Vec<crate::sockstate::TcpConnectionState>, EngineError> {
+) -> Result<
+    (
+        Vec<crate::sockstate::TcpConnectionState>,
+        Vec<InClusterFlow>,
+    ),
+    EngineError,
+> {
     if migration_id.is_empty() {
         return Err(EngineError::InvalidField {
             field: "migration_id",
@@ -1515,8 +1505,8 @@ pub fn sockets_to_rebuild(
         });
     }
     let mut states = crate::sockstate::from_pb_batch(tcp_connections)?;
-    relocate_in_cluster(agent, source_node, &mut states)?;
-    Ok(states)
+    let in_cluster = relocate_in_cluster(agent, source_node, &mut states)?;
+    Ok((states, in_cluster))
 }
 
 /// TransferSockets: rebuilds every connection at once, beside the image
@@ -1526,7 +1516,7 @@ pub async fn transfer_sockets(
     agent: &Arc<Agent>,
     req: ferry_proto::v1::TransferSocketsRequest,
 ) -> Result<ferry_proto::v1::TransferSocketsResponse, EngineError> {
-    let states = sockets_to_rebuild(
+    let (states, in_cluster) = sockets_to_rebuild(
         agent,
         &req.migration_id,
         &req.source_node,
@@ -1591,6 +1581,7 @@ pub async fn transfer_sockets(
         migration_id: req.migration_id,
         from: req.source_node,
         relocated,
+        in_cluster,
         rebuilt: Some(rebuilt),
         handover,
     });
