@@ -685,6 +685,22 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("sockets of {node}: {e}"))
     }
 
+    /// The TCP connections on `local_port` in the node, in any state
+    /// (closing ones too: a FIN_WAIT1 socket lingers for minutes), as
+    /// (peer, state). Panics if the node's sockets cannot be read.
+    pub fn tcp_connections_in_any_state(
+        &self,
+        node: &str,
+        local_port: u16,
+    ) -> Vec<(SocketAddrV4, u8)> {
+        inspect::tcp_sockets(&self.node(node).netns.path())
+            .unwrap_or_else(|e| panic!("sockets of {node}: {e}"))
+            .into_iter()
+            .filter(|e| e.state != inspect::TCP_LISTEN && e.local.port() == local_port)
+            .map(|e| (e.remote, e.state))
+            .collect()
+    }
+
     /// The nodes holding an ESTABLISHED socket on `local_port` connected to
     /// `peer` (normally exactly one).
     pub fn nodes_holding(&self, peer: SocketAddrV4, local_port: u16) -> Vec<String> {

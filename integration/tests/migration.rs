@@ -419,6 +419,16 @@ fn failed_restore_leaves_the_process_running_on_the_source() {
             process_state(pid)
         );
         assert!(list(&mut node2).await.is_empty(), "node2 kept a process");
+        // The connections node2 rebuilt were closed in repair mode, so
+        // silently, also those already out of it (`leave_repair_early`): a
+        // connection closed out of repair mode would linger in FIN_WAIT1,
+        // its FIN held at the unowned port, until the process came back to
+        // node2 and its rebuild collided with it.
+        assert_eq!(
+            cluster.tcp_connections_in_any_state("node2", ECHO_PORT),
+            Vec::new(),
+            "node2 kept a connection of the aborted migration"
+        );
         client
             .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
             .expect("connections flow again after the abort");

@@ -437,7 +437,8 @@ pub struct Incoming {
     /// directory being removed.
     discarded: Arc<std::sync::Mutex<bool>>,
     /// Collective socket migration: the connections ferryd rebuilt, in
-    /// repair mode until the commit resumes them.
+    /// repair mode until the restore takes most of them out of it
+    /// (`Rebuilt::leave_repair_early`) and the commit the rest.
     rebuilt: Option<crate::sockstate::Rebuilt>,
     /// The CRIU that will restore, started at Prepare with the connection
     /// table (still empty) inherited, so that its start is not in the
@@ -1160,10 +1161,27 @@ pub async fn restore(
     let rebuilt = inc.rebuilt.take();
     let (restored, options_set, rebuilt) = tokio::task::spawn_blocking(move || {
         let (restored, options_set) = std::thread::scope(|s| {
-            let options = rebuilt
-                .as_ref()
-                .filter(|r| r.has_options())
-                .map(|r| s.spawn(move || r.apply_options()));
+            // On the core CRIU's restore leaves idle: the connections'
+            // options, then repair mode off for those it can leave before
+            // the commit (`Rebuilt::leave_repair_early`).
+            let options = rebuilt.as_ref().map(|r| {
+                s.spawn(move || {
+                    let set = if r.has_options() {
+                        r.apply_options()
+                    } else {
+                        Ok(())
+                    };
+                    let started = Instant::now();
+                    let left = r.leave_repair_early();
+                    tracing::debug!(
+                        connections = left,
+                        of = r.len(),
+                        ms = started.elapsed().as_secs_f64() * 1000.0,
+                        "out of repair mode before the commit"
+                    );
+                    set
+                })
+            });
             let restored = criu::restore(&creq, worker);
             let options_set = options.map_or(Ok(()), |h| {
                 h.join().unwrap_or_else(|_| {
@@ -1276,9 +1294,10 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // the process answers the first replayed requests while the rest go
     // in, with no retransmission timeout either way. Whatever fails here,
     // the process was restored and is ours: it runs.
-    // Connections rebuilt by ferryd leave repair mode once egress is open
-    // (their window probes, and bytes the source never sent, must get
-    // out), and before the process and the replay use them.
+    // Connections rebuilt by ferryd with bytes the source never sent leave
+    // repair mode once egress is open (those bytes go out as they are
+    // queued), and before the process and the replay use them; the others
+    // left it beside the restore.
     let mut rebuilt = inc.rebuilt.take();
     // UDP sockets were restored with room for what the replay pours into
     // them; their own size comes back after the catch-up.
@@ -1291,14 +1310,16 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
                 let delivered = req.delivered_digests;
                 let unread = req.unread_datagrams;
-                let rebuilt = rebuilt.take();
+                let mut rebuilt = rebuilt.take();
                 tracing::debug!(us = us(), "commit: ports opened for egress");
                 let resumed = tokio::task::spawn_blocking(move || {
-                    resume_rebuilt(rebuilt);
+                    resume_rebuilt(&mut rebuilt);
                     tracing::debug!(us = us(), "commit: rebuilt connections out of repair mode");
                     resume(pid);
                     let resumed_at = Instant::now();
                     tracing::debug!(us = us(), "commit: process resumed");
+                    // ferryd's descriptors close after the freeze.
+                    drop(rebuilt);
                     let r = a.replay_and_open(&id, &delivered, &unread, || {
                         a.release_ports(&ports);
                         a.reconcile_ownership()
@@ -1319,7 +1340,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
             Err(e) => Err(e),
         };
         if resumed_early.is_none() {
-            resume_rebuilt(rebuilt.take());
+            resume_rebuilt(&mut rebuilt);
             resume(pid);
         }
         let stats = replayed?;
@@ -1335,7 +1356,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     } else {
         agent.release_ports(&inc.ports);
         let opened = agent.apply_ownership().await;
-        resume_rebuilt(rebuilt.take());
+        resume_rebuilt(&mut rebuilt);
         resume(pid);
         opened?;
         None
@@ -1591,10 +1612,12 @@ pub async fn transfer_sockets(
     })
 }
 
-/// Takes ferryd's rebuilt connections out of repair mode (blocking; a
-/// thousand connections take a few milliseconds).
-fn resume_rebuilt(rebuilt: Option<crate::sockstate::Rebuilt>) {
-    if let Some(r) = rebuilt
+/// Hands ferryd's rebuilt connections to the process: those still in
+/// repair mode leave it ([`crate::sockstate::Rebuilt::resume`]; blocking,
+/// milliseconds for a thousand). Dropping them afterwards only closes
+/// ferryd's descriptors.
+fn resume_rebuilt(rebuilt: &mut Option<crate::sockstate::Rebuilt>) {
+    if let Some(r) = rebuilt.as_mut()
         && let Err(e) = r.resume()
     {
         tracing::error!(error = %e, "taking the rebuilt connections out of repair mode");

@@ -99,19 +99,58 @@ fn migrate_altered(
     assert_eq!(word(5) as i32, fds[0].1);
     assert_eq!(rebuilt.has_options(), with_options);
     rebuilt.apply_options().expect("options set");
-    // The stream outlives `rebuilt.resume()`, which closes ferryd's copies.
+    // As the destination does beside CRIU's restore: out of repair mode
+    // unless bytes the source never sent wait to be queued at the commit.
+    let unsent = states[0].unsent > 0;
+    assert_eq!(rebuilt.leave_repair_early(), usize::from(!unsent));
+    // The stream outlives `rebuilt`, whose drop closes ferryd's copies.
     let mine = rebuilt
         .descriptors()
         .next()
         .unwrap()
         .try_clone_to_owned()
         .unwrap();
+    let mut rebuilt = rebuilt;
     rebuilt.resume().expect("resume");
+    drop(rebuilt);
     let stream = TcpStream::from(mine);
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
     (states.remove(0), stream)
+}
+
+/// An abort after the destination took a rebuilt connection out of repair
+/// mode early: dropping it must still close it silently, or the peer (here
+/// the client, in a cluster the peer behind the unowned port) gets a FIN
+/// and the closing socket lingers on the connection's address pair.
+#[test]
+fn a_rebuilt_connection_out_of_repair_mode_is_dropped_silently() {
+    let (client, server) = pair();
+    let inode = inode_of(&server);
+    let held = Held::from_descriptors(vec![(inode, server.as_fd().try_clone_to_owned().unwrap())]);
+    let states = held.extract(false).expect("extract");
+    drop(server);
+    drop(held);
+    wait_closed(inode);
+    let rebuilt = rebuild(&states).expect("rebuild");
+    let rebuilt_inode = std::fs::metadata(format!(
+        "/proc/self/fd/{}",
+        rebuilt.descriptors().next().unwrap().as_raw_fd()
+    ))
+    .unwrap()
+    .ino();
+    assert_eq!(rebuilt.leave_repair_early(), 1);
+    drop(rebuilt);
+    // Closed silently, the socket is gone at once; closed with a FIN, it
+    // would wait for the peer's in FIN_WAIT2 (and fail this after 5 s).
+    wait_closed(rebuilt_inode);
+    client.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    match (&client).read(&mut byte) {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        other => panic!("the peer saw the rebuilt connection close: {other:?}"),
+    }
 }
 
 #[test]
