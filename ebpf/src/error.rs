@@ -32,6 +32,10 @@ pub enum DataPlaneError {
         name: &'static str,
         source: aya::programs::links::LinkError,
     },
+    #[error("the kernel's BTF (needed to relocate the program): {0}")]
+    Btf(String),
+    #[error("reading the iterator: {0}")]
+    Iter(String),
     #[error("translation rule {rule}: {reason}")]
     InvalidRule { rule: String, reason: &'static str },
     #[error(

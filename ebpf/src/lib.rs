@@ -19,6 +19,7 @@ mod ownership;
 pub mod pin;
 mod replay;
 mod sockopt_watch;
+mod tcpstate;
 mod translate;
 mod translate_maps;
 
@@ -26,4 +27,5 @@ pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
 pub use replay::{ReplayError, Replayer};
 pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
+pub use tcpstate::{TcpKernelState, TcpStateReader};
 pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};

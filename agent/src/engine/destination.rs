@@ -437,9 +437,14 @@ pub struct Incoming {
     /// directory being removed.
     discarded: Arc<std::sync::Mutex<bool>>,
     /// Collective socket migration: the connections ferryd rebuilt, in
-    /// repair mode until the restore takes most of them out of it
-    /// (`Rebuilt::leave_repair_early`) and the commit the rest.
+    /// repair mode, until the Restore.
     rebuilt: Option<crate::sockstate::Rebuilt>,
+    /// From a successful Restore to the commit: the same connections,
+    /// leaving repair mode on a thread of their own
+    /// (`Rebuilt::leave_repair_early`); the commit takes them back and
+    /// turns the rest out. Dropped unjoined (an abort), the thread ends
+    /// and drops them, which closes them silently.
+    leaving: Option<std::thread::JoinHandle<crate::sockstate::Rebuilt>>,
     /// The CRIU that will restore, started at Prepare with the connection
     /// table (still empty) inherited, so that its start is not in the
     /// freeze. Dropped unused, it exits.
@@ -731,6 +736,7 @@ pub async fn prepare(
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
         rebuilt: None,
+        leaving: None,
         restore_worker,
         udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
@@ -1161,27 +1167,11 @@ pub async fn restore(
     let rebuilt = inc.rebuilt.take();
     let (restored, options_set, rebuilt) = tokio::task::spawn_blocking(move || {
         let (restored, options_set) = std::thread::scope(|s| {
-            // On the core CRIU's restore leaves idle: the connections'
-            // options, then repair mode off for those it can leave before
-            // the commit (`Rebuilt::leave_repair_early`).
-            let options = rebuilt.as_ref().map(|r| {
-                s.spawn(move || {
-                    let set = if r.has_options() {
-                        r.apply_options()
-                    } else {
-                        Ok(())
-                    };
-                    let started = Instant::now();
-                    let left = r.leave_repair_early();
-                    tracing::debug!(
-                        connections = left,
-                        of = r.len(),
-                        ms = started.elapsed().as_secs_f64() * 1000.0,
-                        "out of repair mode before the commit"
-                    );
-                    set
-                })
-            });
+            // On the core CRIU's restore leaves idle.
+            let options = rebuilt
+                .as_ref()
+                .filter(|r| r.has_options())
+                .map(|r| s.spawn(move || r.apply_options()));
             let restored = criu::restore(&creq, worker);
             let options_set = options.map_or(Ok(()), |h| {
                 h.join().unwrap_or_else(|_| {
@@ -1198,13 +1188,32 @@ pub async fn restore(
     })
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))?;
-    inc.rebuilt = rebuilt;
     drop(connection_table);
     let (outcome, notes) = match restored {
-        Ok(r) => r,
+        Ok(r) => {
+            // Out of repair mode before the commit, while the source
+            // translates and commits: not beside the restore, whose binds
+            // (a listening socket on the connections' port) need them in
+            // it (repair mode forces the port's reuse; taking it out and
+            // giving SO_REUSEADDR back leaves a moment without).
+            inc.leaving = rebuilt.map(|r| {
+                std::thread::spawn(move || {
+                    let started = Instant::now();
+                    let left = r.leave_repair_early();
+                    tracing::debug!(
+                        connections = left,
+                        of = r.len(),
+                        ms = started.elapsed().as_secs_f64() * 1000.0,
+                        "out of repair mode before the commit"
+                    );
+                    r
+                })
+            });
+            r
+        }
         Err(e) => {
             // Closed in repair mode: nothing reaches the peers.
-            inc.rebuilt = None;
+            drop(rebuilt);
             if let Some(mut d) = inc.lazy.take() {
                 let _ = d.child.kill().await;
                 tracing::warn!(log = %criu::lazy::log_tail(&d.work_dir.join(criu::lazy::LOG)), "restore failed; lazy-pages daemon killed");
@@ -1299,6 +1308,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // queued), and before the process and the replay use them; the others
     // left it beside the restore.
     let mut rebuilt = inc.rebuilt.take();
+    let leaving = inc.leaving.take();
     // UDP sockets were restored with room for what the replay pours into
     // them; their own size comes back after the catch-up.
     let udp_buffers = inc.udp_buffers.take().filter(|b| !b.is_empty());
@@ -1310,7 +1320,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
                 let delivered = req.delivered_digests;
                 let unread = req.unread_datagrams;
-                let mut rebuilt = rebuilt.take();
+                let mut rebuilt = rebuilt.take().or_else(|| joined(leaving));
                 tracing::debug!(us = us(), "commit: ports opened for egress");
                 let resumed = tokio::task::spawn_blocking(move || {
                     resume_rebuilt(&mut rebuilt);
@@ -1340,6 +1350,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
             Err(e) => Err(e),
         };
         if resumed_early.is_none() {
+            // The task took them (it resumed them, or died with them).
             resume_rebuilt(&mut rebuilt);
             resume(pid);
         }
@@ -1356,6 +1367,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     } else {
         agent.release_ports(&inc.ports);
         let opened = agent.apply_ownership().await;
+        let mut rebuilt = rebuilt.or_else(|| joined(leaving));
         resume_rebuilt(&mut rebuilt);
         resume(pid);
         opened?;
@@ -1610,6 +1622,21 @@ pub async fn transfer_sockets(
         connections,
         rebuild_us: took.as_micros() as u64,
     })
+}
+
+/// The connections a [`Incoming::leaving`] thread took out of repair mode
+/// (blocking until it is done: ~2 ms for a thousand, started at the end of
+/// the restore).
+fn joined(
+    leaving: Option<std::thread::JoinHandle<crate::sockstate::Rebuilt>>,
+) -> Option<crate::sockstate::Rebuilt> {
+    match leaving?.join() {
+        Ok(r) => Some(r),
+        Err(_) => {
+            tracing::error!("the thread taking the connections out of repair mode panicked");
+            None
+        }
+    }
 }
 
 /// Hands ferryd's rebuilt connections to the process: those still in

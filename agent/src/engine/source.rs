@@ -1859,8 +1859,16 @@ fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
         .collect::<Result<Vec<_>, _>>()?;
     let mut watch = ferry_ebpf::SockoptWatch::attach(&cgroups)
         .map_err(|e| format!("attaching the setsockopt watch: {e}"))?;
-    let preread = sockstate::Preread::of_tree(&tree, with_options)
+    let mut preread = sockstate::Preread::of_tree(&tree, with_options)
         .map_err(|e| format!("reading the connections: {e}"))?;
+    // Many connections: the freeze then reads them in one pass of the TCP
+    // state iterator; a kernel without it (or without BTF) reads each by
+    // its calls.
+    if preread.one_pass_pays()
+        && let Err(e) = preread.with_state_reader()
+    {
+        tracing::warn!(error = %e, "no TCP state iterator: each connection is read by its calls in the freeze");
+    }
     // Calls elsewhere on the node cost no map update from here on.
     if let Some(netns) = preread.only_netns() {
         watch

@@ -258,6 +258,17 @@ impl Held {
         with_options: bool,
         preread: Option<(&Preread, &Touched)>,
     ) -> Result<(Vec<TcpConnectionState>, ReadCounts), SockStateError> {
+        if let Some((p, touched)) = preread
+            && let Some(reader) = p.state_reader()
+        {
+            match self.extract_in_one_pass(with_options, p, touched, reader) {
+                Ok(r) => return Ok(r),
+                // Nothing was read: every connection is read by its calls.
+                Err(e) => {
+                    tracing::warn!(error = %e, "the TCP state iterator failed; reading each connection by its calls")
+                }
+            }
+        }
         let chunks = self
             .conns
             .chunks(super::spread::chunk_len(self.conns.len()));
@@ -316,6 +327,204 @@ impl Held {
         }
         first.map_or(Ok(()), Err)
     }
+}
+
+/// The connections' state in one pass of the TCP state iterator
+/// (`ferry_ebpf::TcpStateReader`), for those the pre-read knows and no
+/// setsockopt call touched since. Each costs repair mode on and
+/// TCP_TIMESTAMP (and a peek of a queue that holds bytes) instead of ~14
+/// calls; the others, and any the pass does not report as an established
+/// connection without urgent data, are read by their calls as before.
+/// Err only if the pass itself failed, before any state was taken from
+/// it.
+struct OnePass<'a> {
+    conn: &'a HeldConnection,
+    pre: Option<&'a PrereadConnection>,
+    timestamp: Option<u32>,
+}
+
+impl Held {
+    fn extract_in_one_pass(
+        &self,
+        with_options: bool,
+        preread: &Preread,
+        touched: &Touched,
+        reader: &std::sync::Mutex<ferry_ebpf::TcpStateReader>,
+    ) -> Result<(Vec<TcpConnectionState>, ReadCounts), String> {
+        let mut counts = ReadCounts::default();
+        let plan: Vec<OnePass<'_>> = self
+            .conns
+            .iter()
+            .map(|c| {
+                let pre = preread.get(c.inode).filter(|p| {
+                    !(touched.may_have_changed(&p.watched()) || with_options && p.options.is_none())
+                });
+                OnePass {
+                    conn: c,
+                    pre,
+                    timestamp: None,
+                }
+            })
+            .collect();
+        let started = std::time::Instant::now();
+        // Repair on, and the timestamp, for those the pass will read.
+        let chunk = super::spread::chunk_len(plan.len());
+        let mut plan = plan;
+        let parts = super::spread::on_threads(plan.chunks_mut(chunk), "repair on", |part| {
+            for one in part.iter_mut() {
+                let Some(pre) = one.pre else { continue };
+                let fd = one.conn.fd.as_fd();
+                if sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON).is_err() {
+                    one.pre = None;
+                    continue;
+                }
+                one.conn.repairing.store(true, Ordering::SeqCst);
+                one.conn.reuseaddr.store(pre.reuseaddr, Ordering::SeqCst);
+                if pre.handshake.options & sys::TCPI_OPT_TIMESTAMPS != 0 {
+                    match sys::get_int(fd, libc::SOL_TCP, sys::TCP_TIMESTAMP) {
+                        Ok(t) => one.timestamp = Some(t as u32),
+                        Err(_) => one.pre = None,
+                    }
+                }
+            }
+            Ok(())
+        });
+        for p in parts {
+            p.map_err(|e| e.to_string())?;
+        }
+        let repaired = started.elapsed();
+        let records: std::collections::HashMap<u64, ferry_ebpf::TcpKernelState> = reader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .read()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|r| (r.cookie, r))
+            .collect();
+        let passed = started.elapsed();
+        let parts = super::spread::on_threads(plan.chunks(chunk), "extract", |part| {
+            let mut counts = ReadCounts::default();
+            let states = part
+                .iter()
+                .map(|one| {
+                    let from_pass = one.pre.and_then(|pre| {
+                        let r = records.get(&pre.cookie)?;
+                        (u32::from(sys::TCP_ESTABLISHED) == r.state && r.urg_data == 0)
+                            .then_some((pre, r))
+                    });
+                    match from_pass {
+                        Some((pre, r)) => {
+                            counts.preread += 1;
+                            from_record(one.conn, pre, r, one.timestamp, with_options)
+                        }
+                        None => {
+                            let pre = preread.get(one.conn.inode).and_then(|_| {
+                                usable(preread, touched, one.conn, with_options, &mut counts)
+                            });
+                            if preread.get(one.conn.inode).is_none() {
+                                counts.unknown += 1;
+                            }
+                            extract_one(one.conn, with_options, pre)
+                        }
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((states, counts))
+        });
+        let mut all = Vec::with_capacity(self.conns.len());
+        for part in parts {
+            let (states, c) = part.map_err(|e| e.to_string())?;
+            all.extend(states);
+            counts.preread += c.preread;
+            counts.touched += c.touched;
+            counts.unknown += c.unknown;
+        }
+        tracing::debug!(
+            repair_on_ms = repaired.as_secs_f64() * 1000.0,
+            pass_ms = (passed - repaired).as_secs_f64() * 1000.0,
+            states_ms = (started.elapsed() - passed).as_secs_f64() * 1000.0,
+            reported = records.len(),
+            "connections read in one pass of the TCP state iterator"
+        );
+        Ok((all, counts))
+    }
+}
+
+/// A connection's state from the iterator's record of it, its pre-read,
+/// and its timestamp; only a queue that holds bytes is read (peeked).
+fn from_record(
+    c: &HeldConnection,
+    pre: &PrereadConnection,
+    r: &ferry_ebpf::TcpKernelState,
+    timestamp: Option<u32>,
+    with_options: bool,
+) -> Result<TcpConnectionState, SockStateError> {
+    let fd = c.fd.as_fd();
+    let err = |op: &'static str| {
+        let conn = format!("{} -> {}", pre.local, pre.remote);
+        move |source| SockStateError::Sys { op, conn, source }
+    };
+    let outq = r.outq();
+    let inq = r.inq();
+    let recv_queue = if inq > 0 {
+        sys::set_int(
+            fd,
+            libc::SOL_TCP,
+            sys::TCP_REPAIR_QUEUE,
+            sys::TCP_RECV_QUEUE,
+        )
+        .map_err(err("selecting the receive queue"))?;
+        sys::peek_queue(fd, inq).map_err(err("reading the receive queue"))?
+    } else {
+        Vec::new()
+    };
+    let send_queue = if outq > 0 {
+        sys::set_int(
+            fd,
+            libc::SOL_TCP,
+            sys::TCP_REPAIR_QUEUE,
+            sys::TCP_SEND_QUEUE,
+        )
+        .map_err(err("selecting the send queue"))?;
+        sys::peek_queue(fd, outq).map_err(err("reading the send queue"))?
+    } else {
+        Vec::new()
+    };
+    let socket_options = match (with_options, &pre.options) {
+        (true, Some(o)) => {
+            let mut o = o.clone();
+            if o.buf_lock & super::options::RCVBUF_LOCKED == 0 {
+                o.rcvbuf = r.rcvbuf.max(0) as u32;
+            }
+            Some(o)
+        }
+        _ => None,
+    };
+    Ok(TcpConnectionState {
+        inode: c.inode,
+        local: pre.local,
+        remote: pre.remote,
+        send_seq: r.write_seq,
+        recv_seq: r.rcv_nxt,
+        send_queue,
+        unsent: r.unsent().min(outq),
+        recv_queue,
+        mss_clamp: r.mss_clamp,
+        options: pre.handshake.options,
+        send_wscale: pre.handshake.send_wscale,
+        recv_wscale: pre.handshake.recv_wscale,
+        timestamp: timestamp.unwrap_or(0),
+        window: RepairWindow {
+            snd_wl1: r.snd_wl1,
+            snd_wnd: r.snd_wnd,
+            max_window: r.max_window,
+            rcv_wnd: r.rcv_wnd,
+            rcv_wup: r.rcv_wup,
+        },
+        reuseaddr: pre.reuseaddr,
+        sndbuf: r.sndbuf.max(0) as u32,
+        socket_options,
+    })
 }
 
 /// How an incremental extraction read the connections.

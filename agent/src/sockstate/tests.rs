@@ -651,3 +651,66 @@ fn send_queues_drain_while_the_peer_reads_and_the_wait_is_bounded() {
     assert_eq!(flushed.bytes_left, flushed.bytes_at_start, "{flushed:?}");
     assert!(flushed.waited >= bound, "{flushed:?}");
 }
+
+/// The freeze's read in one pass of the TCP state iterator must give, for
+/// every connection, the state the calls give: sequence numbers, queues
+/// (an unread receive queue, a send queue partly unsent), window, options,
+/// buffers. Read both ways from the same stopped connections.
+#[test]
+fn the_one_pass_read_gives_what_the_calls_give() {
+    let dup = |s: &TcpStream| -> OwnedFd { s.as_fd().try_clone_to_owned().unwrap() };
+    let (mut c1, idle) = pair();
+    let (_c2, unread) = pair();
+    let (mut c3, filled) = pair();
+    c1.write_all(b"ping").unwrap();
+    let mut four = [0u8; 4];
+    (&idle).read_exact(&mut four).unwrap();
+    _c2.try_clone()
+        .unwrap()
+        .write_all(b"bytes the server has not read")
+        .unwrap();
+    let pattern: Vec<u8> = (0..4_000_000u32).map(|i| (i % 251) as u8).collect();
+    let written = fill_send_queue(&filled, &pattern);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while sys::inq(unread.as_fd()).unwrap() < 29 {
+        assert!(std::time::Instant::now() < deadline, "bytes never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let conns = [&idle, &unread, &filled];
+    let mut pre =
+        Preread::of_descriptors(conns.iter().map(|s| (inode_of(s), dup(s))).collect(), true);
+    pre.with_state_reader()
+        .expect("load the TCP state iterator");
+    let held = Held::from_descriptors(conns.iter().map(|s| (inode_of(s), dup(s))).collect());
+    let nothing = ferry_ebpf::Touched::default();
+    let (one_pass, counts) = held
+        .extract_incremental(true, Some((&pre, &nothing)))
+        .expect("one pass");
+    assert_eq!(counts.preread, 3, "{counts:?}");
+    let by_calls = held.extract(true).expect("by the calls");
+    held.resume().expect("repair off again");
+    assert!(
+        !one_pass[2].send_queue.is_empty() && one_pass[2].unsent > 0,
+        "{}",
+        one_pass[2].send_queue.len()
+    );
+    assert_eq!(one_pass[1].recv_queue, b"bytes the server has not read");
+    for (a, b) in one_pass.iter().zip(&by_calls) {
+        // The TCP clock moved on between the two reads.
+        assert!(
+            b.timestamp.wrapping_sub(a.timestamp) < 1000,
+            "{} {}",
+            a.timestamp,
+            b.timestamp
+        );
+        let a = TcpConnectionState {
+            timestamp: b.timestamp,
+            ..a.clone()
+        };
+        assert_eq!(&a, b, "{}", b.name());
+    }
+    // The filled connection still delivers every byte, once and in order.
+    let mut got = vec![0u8; written];
+    c3.read_exact(&mut got).unwrap();
+    assert_eq!(got, pattern[..written]);
+}

@@ -1,0 +1,112 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * The state of a migrating process's TCP connections, read in one pass
+ * inside the freeze (issue 6: socket state collected in one batch).
+ *
+ * ferryd turns repair mode on for each connection (the process is stopped
+ * and its packets held, so nothing moves), then reads this iterator once:
+ * for every TCP socket of its network namespace whose cookie it asked for
+ * (FERRY_TCPSTATE_WANTED), one struct ferry_tcp_state with what ten
+ * getsockopt and ioctl calls per connection read otherwise, taken from
+ * the same kernel fields those calls read. The kernel structures are
+ * declared here with only the fields read, relocated against the running
+ * kernel's BTF (CO-RE) when the program loads. No bitfield is read (the
+ * options negotiated at the handshake, which never change, come from
+ * TCP_INFO before the freeze; the timestamp from TCP_TIMESTAMP): aya's
+ * loader misplaced them when tried.
+ */
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+
+#include "ferry_tcpstate.h"
+
+struct seq_file;
+
+struct bpf_iter_meta {
+	struct seq_file *seq;
+} __attribute__((preserve_access_index));
+
+struct sock_common {
+	unsigned char skc_state;
+	struct {
+		long long counter;
+	} skc_cookie;
+} __attribute__((preserve_access_index));
+
+struct sock {
+	struct sock_common __sk_common;
+	int sk_sndbuf;
+	int sk_rcvbuf;
+} __attribute__((preserve_access_index));
+
+struct tcp_options_received {
+	__u16 mss_clamp;
+} __attribute__((preserve_access_index));
+
+struct tcp_sock {
+	__u32 rcv_nxt;
+	__u32 copied_seq;
+	__u32 rcv_wup;
+	__u32 snd_nxt;
+	__u32 snd_una;
+	__u32 snd_wl1;
+	__u32 snd_wnd;
+	__u32 max_window;
+	__u32 write_seq;
+	__u32 rcv_wnd;
+	__u16 urg_data;
+	struct tcp_options_received rx_opt;
+} __attribute__((preserve_access_index));
+
+struct bpf_iter__tcp {
+	struct bpf_iter_meta *meta;
+	struct sock_common *sk_common;
+} __attribute__((preserve_access_index));
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, FERRY_TCPSTATE_WANTED_MAX);
+	__type(key, __u64);
+	__type(value, __u8);
+} FERRY_TCPSTATE_WANTED SEC(".maps");
+
+
+SEC("iter/tcp")
+int ferry_tcp_state(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	struct ferry_tcp_state out = {};
+	struct tcp_sock *tp;
+	struct sock *sk;
+
+	if (!skc)
+		return 0;
+	out.cookie = BPF_CORE_READ(skc, skc_cookie.counter);
+	if (!out.cookie || !bpf_map_lookup_elem(&FERRY_TCPSTATE_WANTED, &out.cookie))
+		return 0;
+	tp = bpf_skc_to_tcp_sock(skc);
+	if (!tp)
+		return 0;
+	sk = (struct sock *)tp;
+	out.state = BPF_CORE_READ(sk, __sk_common.skc_state);
+	out.write_seq = BPF_CORE_READ(tp, write_seq);
+	out.snd_una = BPF_CORE_READ(tp, snd_una);
+	out.snd_nxt = BPF_CORE_READ(tp, snd_nxt);
+	out.rcv_nxt = BPF_CORE_READ(tp, rcv_nxt);
+	out.copied_seq = BPF_CORE_READ(tp, copied_seq);
+	out.snd_wl1 = BPF_CORE_READ(tp, snd_wl1);
+	out.snd_wnd = BPF_CORE_READ(tp, snd_wnd);
+	out.max_window = BPF_CORE_READ(tp, max_window);
+	out.rcv_wnd = BPF_CORE_READ(tp, rcv_wnd);
+	out.rcv_wup = BPF_CORE_READ(tp, rcv_wup);
+	out.sndbuf = BPF_CORE_READ(sk, sk_sndbuf);
+	out.rcvbuf = BPF_CORE_READ(sk, sk_rcvbuf);
+	out.urg_data = BPF_CORE_READ(tp, urg_data);
+	out.mss_clamp = BPF_CORE_READ(tp, rx_opt.mss_clamp);
+
+	bpf_seq_write(ctx->meta->seq, &out, sizeof(out));
+	return 0;
+}
+
+char LICENSE[] SEC("license") = "GPL";

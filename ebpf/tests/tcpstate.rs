@@ -1,0 +1,155 @@
+//! The TCP state iterator in the real kernel: for each connection asked
+//! for, and for none other, it must report what the getsockopt and ioctl
+//! calls of TCP repair read, field by field. The connections live on the
+//! loopback of a network namespace the test creates (the iterator reads
+//! the calling thread's). Needs root.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use ferry_ebpf::{TcpKernelState, TcpStateReader};
+
+const SO_COOKIE: libc::c_int = 57;
+const TCP_REPAIR: libc::c_int = 19;
+const TCP_REPAIR_QUEUE: libc::c_int = 20;
+const TCP_QUEUE_SEQ: libc::c_int = 21;
+const TCP_REPAIR_WINDOW: libc::c_int = 29;
+const TCP_RECV_QUEUE: i32 = 1;
+const TCP_SEND_QUEUE: i32 = 2;
+const SIOCOUTQNSD: libc::c_ulong = 0x894B;
+
+fn get<T: Default + Copy>(fd: RawFd, level: i32, opt: i32) -> T {
+    let mut v = T::default();
+    let mut len = std::mem::size_of::<T>() as libc::socklen_t;
+    // SAFETY: `v` is a valid, writable T and `len` its size.
+    let r = unsafe { libc::getsockopt(fd, level, opt, (&raw mut v).cast(), &mut len) };
+    assert_eq!(
+        r,
+        0,
+        "getsockopt {level}/{opt}: {}",
+        std::io::Error::last_os_error()
+    );
+    v
+}
+
+fn set(fd: RawFd, level: i32, opt: i32, v: i32) {
+    // SAFETY: `v` is a valid i32 and its size is passed.
+    let r = unsafe { libc::setsockopt(fd, level, opt, (&raw const v).cast(), 4) };
+    assert_eq!(
+        r,
+        0,
+        "setsockopt {level}/{opt}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+fn ioctl(fd: RawFd, req: libc::c_ulong) -> u32 {
+    let mut v: libc::c_int = 0;
+    // SAFETY: these socket ioctls write one int.
+    let r = unsafe { libc::ioctl(fd, req, &mut v) };
+    assert_eq!(r, 0, "ioctl {req:#x}: {}", std::io::Error::last_os_error());
+    v as u32
+}
+
+/// What the calls read of `fd`, in repair mode, as the iterator's record.
+fn by_calls(fd: RawFd) -> TcpKernelState {
+    let info: [u8; 8] = get(fd, libc::SOL_TCP, libc::TCP_INFO);
+    let window: [u32; 5] = get(fd, libc::SOL_TCP, TCP_REPAIR_WINDOW);
+    set(fd, libc::SOL_TCP, TCP_REPAIR_QUEUE, TCP_RECV_QUEUE);
+    let rcv_nxt: u32 = get(fd, libc::SOL_TCP, TCP_QUEUE_SEQ);
+    set(fd, libc::SOL_TCP, TCP_REPAIR_QUEUE, TCP_SEND_QUEUE);
+    let write_seq: u32 = get(fd, libc::SOL_TCP, TCP_QUEUE_SEQ);
+    let outq = ioctl(fd, libc::TIOCOUTQ);
+    let unsent = ioctl(fd, SIOCOUTQNSD);
+    let inq = ioctl(fd, libc::FIONREAD);
+    TcpKernelState {
+        cookie: get(fd, libc::SOL_SOCKET, SO_COOKIE),
+        state: u32::from(info[0]),
+        write_seq,
+        snd_una: write_seq.wrapping_sub(outq),
+        snd_nxt: write_seq.wrapping_sub(unsent),
+        rcv_nxt,
+        copied_seq: rcv_nxt.wrapping_sub(inq),
+        snd_wl1: window[0],
+        snd_wnd: window[1],
+        max_window: window[2],
+        rcv_wnd: window[3],
+        rcv_wup: window[4],
+        sndbuf: get(fd, libc::SOL_SOCKET, libc::SO_SNDBUF),
+        rcvbuf: get(fd, libc::SOL_SOCKET, libc::SO_RCVBUF),
+        urg_data: 0,
+        mss_clamp: get::<i32>(fd, libc::SOL_TCP, libc::TCP_MAXSEG) as u32,
+        pad: 0,
+    }
+}
+
+#[test]
+fn the_iterator_reads_what_the_repair_calls_read() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (BPF, network namespaces)");
+        return;
+    }
+    std::thread::spawn(|| {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare the netns");
+        let up = Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .expect("ip");
+        assert!(up.success());
+        let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
+        let mut pairs = Vec::new();
+        for _ in 0..4 {
+            let client = TcpStream::connect(listener.local_addr().unwrap()).expect("connect");
+            let (server, _) = listener.accept().expect("accept");
+            pairs.push((client, server));
+        }
+        // Unread bytes at two servers; one server's bytes unread by its
+        // client; one connection left out of the request.
+        pairs[0].0.write_all(b"unread at the server").unwrap();
+        pairs[1].0.write_all(&[7u8; 3000]).unwrap();
+        pairs[2].1.write_all(b"unread at the client").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while ioctl(pairs[0].1.as_raw_fd(), libc::FIONREAD) < 20
+            || ioctl(pairs[1].1.as_raw_fd(), libc::FIONREAD) < 3000
+            || ioctl(pairs[2].1.as_raw_fd(), libc::TIOCOUTQ) != 0
+        {
+            assert!(Instant::now() < deadline, "bytes never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let asked: Vec<RawFd> = pairs[..3].iter().map(|(_, s)| s.as_raw_fd()).collect();
+        let mut reader = TcpStateReader::load().expect("load the iterator");
+        reader
+            .want(
+                asked
+                    .iter()
+                    .map(|&fd| get::<u64>(fd, libc::SOL_SOCKET, SO_COOKIE)),
+            )
+            .expect("ask");
+        for &fd in &asked {
+            set(fd, libc::SOL_TCP, TCP_REPAIR, 1);
+        }
+        let read = reader.read().expect("read the iterator");
+        assert_eq!(read.len(), 3, "{read:#?}");
+        for &fd in &asked {
+            let calls = by_calls(fd);
+            let it = read
+                .iter()
+                .find(|r| r.cookie == calls.cookie)
+                .unwrap_or_else(|| panic!("cookie {} not reported", calls.cookie));
+            assert_eq!(*it, calls);
+        }
+        assert_eq!(read.iter().map(TcpKernelState::inq).max(), Some(3000));
+        for &fd in &asked {
+            set(fd, libc::SOL_TCP, TCP_REPAIR, 0);
+        }
+        // The connections are whole after the read.
+        let mut got = [0u8; 20];
+        pairs[0].1.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"unread at the server");
+    })
+    .join()
+    .expect("namespace thread");
+}
