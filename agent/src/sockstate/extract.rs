@@ -466,30 +466,10 @@ fn from_record(
     };
     let outq = r.outq();
     let inq = r.inq();
-    let recv_queue = if inq > 0 {
-        sys::set_int(
-            fd,
-            libc::SOL_TCP,
-            sys::TCP_REPAIR_QUEUE,
-            sys::TCP_RECV_QUEUE,
-        )
-        .map_err(err("selecting the receive queue"))?;
-        sys::peek_queue(fd, inq).map_err(err("reading the receive queue"))?
-    } else {
-        Vec::new()
-    };
-    let send_queue = if outq > 0 {
-        sys::set_int(
-            fd,
-            libc::SOL_TCP,
-            sys::TCP_REPAIR_QUEUE,
-            sys::TCP_SEND_QUEUE,
-        )
-        .map_err(err("selecting the send queue"))?;
-        sys::peek_queue(fd, outq).map_err(err("reading the send queue"))?
-    } else {
-        Vec::new()
-    };
+    let recv_queue = repair_queue_bytes(fd, sys::TCP_RECV_QUEUE, inq)
+        .map_err(err("reading the receive queue"))?;
+    let send_queue =
+        repair_queue_bytes(fd, sys::TCP_SEND_QUEUE, outq).map_err(err("reading the send queue"))?;
     let socket_options = match (with_options, &pre.options) {
         (true, Some(o)) => {
             let mut o = o.clone();
@@ -525,6 +505,16 @@ fn from_record(
         sndbuf: r.sndbuf.max(0) as u32,
         socket_options,
     })
+}
+
+/// The `len` bytes of repair queue `queue` (selected, then peeked), or
+/// none without a call when it is empty.
+fn repair_queue_bytes(fd: BorrowedFd<'_>, queue: i32, len: u32) -> std::io::Result<Vec<u8>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR_QUEUE, queue)?;
+    sys::peek_queue(fd, len)
 }
 
 /// How an incremental extraction read the connections.
