@@ -1306,9 +1306,10 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // Connections rebuilt by ferryd with bytes the source never sent leave
     // repair mode once egress is open (those bytes go out as they are
     // queued), and before the process and the replay use them; the others
-    // left it beside the restore.
+    // left it after the restore, on a thread of their own
+    // (`Incoming::leaving`, joined here).
     let mut rebuilt = inc.rebuilt.take();
-    let leaving = inc.leaving.take();
+    let mut leaving = inc.leaving.take();
     // UDP sockets were restored with room for what the replay pours into
     // them; their own size comes back after the catch-up.
     let udp_buffers = inc.udp_buffers.take().filter(|b| !b.is_empty());
@@ -1320,9 +1321,10 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
                 let delivered = req.delivered_digests;
                 let unread = req.unread_datagrams;
-                let mut rebuilt = rebuilt.take().or_else(|| joined(leaving));
+                let (rebuilt, leaving) = (rebuilt.take(), leaving.take());
                 tracing::debug!(us = us(), "commit: ports opened for egress");
                 let resumed = tokio::task::spawn_blocking(move || {
+                    let mut rebuilt = rebuilt.or_else(|| joined(leaving));
                     resume_rebuilt(&mut rebuilt);
                     tracing::debug!(us = us(), "commit: rebuilt connections out of repair mode");
                     resume(pid);
@@ -1350,7 +1352,9 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
             Err(e) => Err(e),
         };
         if resumed_early.is_none() {
-            // The task took them (it resumed them, or died with them).
+            // Still here if the ports did not open; gone with the task if
+            // it died (it resumed them or dropped them).
+            let mut rebuilt = rebuilt.take().or_else(|| joined(leaving.take()));
             resume_rebuilt(&mut rebuilt);
             resume(pid);
         }
@@ -1367,7 +1371,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     } else {
         agent.release_ports(&inc.ports);
         let opened = agent.apply_ownership().await;
-        let mut rebuilt = rebuilt.or_else(|| joined(leaving));
+        let mut rebuilt = rebuilt.take().or_else(|| joined(leaving.take()));
         resume_rebuilt(&mut rebuilt);
         resume(pid);
         opened?;
