@@ -55,7 +55,7 @@ pub struct TcpKernelState {
     pub urg_data: u32,
     /// TCP_MAXSEG in repair mode.
     pub mss_clamp: u32,
-    pub pad: u32,
+    // The C struct's `pad` is this struct's tail padding (u64 alignment).
 }
 
 const _: () = assert!(size_of::<TcpKernelState>() == 72);
@@ -81,26 +81,26 @@ impl TcpKernelState {
         self.rcv_nxt.wrapping_sub(self.copied_seq)
     }
 
+    /// One record as the program wrote it (`bytes` holds at least one).
     fn parse(bytes: &[u8]) -> Self {
-        let u32_at = |o: usize| u32::from_ne_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let at = |o: usize| u32::from_ne_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
         Self {
-            cookie: u64::from_ne_bytes(bytes[0..8].try_into().expect("8 bytes")),
-            state: u32_at(8),
-            write_seq: u32_at(12),
-            snd_una: u32_at(16),
-            snd_nxt: u32_at(20),
-            rcv_nxt: u32_at(24),
-            copied_seq: u32_at(28),
-            snd_wl1: u32_at(32),
-            snd_wnd: u32_at(36),
-            max_window: u32_at(40),
-            rcv_wnd: u32_at(44),
-            rcv_wup: u32_at(48),
-            sndbuf: u32_at(52) as i32,
-            rcvbuf: u32_at(56) as i32,
-            urg_data: u32_at(60),
-            mss_clamp: u32_at(64),
-            pad: 0,
+            cookie: u64::from_ne_bytes(bytes[..8].try_into().expect("8 bytes")),
+            state: at(offset_of!(Self, state)),
+            write_seq: at(offset_of!(Self, write_seq)),
+            snd_una: at(offset_of!(Self, snd_una)),
+            snd_nxt: at(offset_of!(Self, snd_nxt)),
+            rcv_nxt: at(offset_of!(Self, rcv_nxt)),
+            copied_seq: at(offset_of!(Self, copied_seq)),
+            snd_wl1: at(offset_of!(Self, snd_wl1)),
+            snd_wnd: at(offset_of!(Self, snd_wnd)),
+            max_window: at(offset_of!(Self, max_window)),
+            rcv_wnd: at(offset_of!(Self, rcv_wnd)),
+            rcv_wup: at(offset_of!(Self, rcv_wup)),
+            sndbuf: at(offset_of!(Self, sndbuf)) as i32,
+            rcvbuf: at(offset_of!(Self, rcvbuf)) as i32,
+            urg_data: at(offset_of!(Self, urg_data)),
+            mss_clamp: at(offset_of!(Self, mss_clamp)),
         }
     }
 }

@@ -82,7 +82,6 @@ fn by_calls(fd: RawFd) -> TcpKernelState {
         rcvbuf: get(fd, libc::SOL_SOCKET, libc::SO_RCVBUF),
         urg_data: 0,
         mss_clamp: get::<i32>(fd, libc::SOL_TCP, libc::TCP_MAXSEG) as u32,
-        pad: 0,
     }
 }
 

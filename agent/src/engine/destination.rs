@@ -436,14 +436,11 @@ pub struct Incoming {
     /// writer thread draining what it had; it must not write into a
     /// directory being removed.
     discarded: Arc<std::sync::Mutex<bool>>,
-    /// Collective socket migration: the connections ferryd rebuilt, in
-    /// repair mode, until the Restore.
-    rebuilt: Option<crate::sockstate::Rebuilt>,
-    /// From a successful Restore to the commit: the same connections,
-    /// leaving repair mode on a thread of their own
-    /// (`Rebuilt::leave_repair_early`); the commit takes them back and
-    /// turns the rest out. Dropped unjoined (an abort), the thread ends
-    /// and drops them, which closes them silently.
+    /// Collective socket migration, from a successful Restore to the
+    /// commit: the connections ferryd rebuilt, leaving repair mode on a
+    /// thread of their own (`Rebuilt::leave_repair_early`); the commit
+    /// takes them back and turns the rest out. Dropped unjoined (an
+    /// abort), the thread ends and drops them, which closes them silently.
     leaving: Option<std::thread::JoinHandle<crate::sockstate::Rebuilt>>,
     /// The CRIU that will restore, started at Prepare with the connection
     /// table (still empty) inherited, so that its start is not in the
@@ -735,7 +732,6 @@ pub async fn prepare(
         armed: false,
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),
-        rebuilt: None,
         leaving: None,
         restore_worker,
         udp_buffers: None,
@@ -1048,6 +1044,8 @@ pub async fn restore(
     let mut connection_table: Option<OwnedFd> = None;
     // The CRIU started at Prepare, when the restore can use it.
     let mut worker: Option<criu::Worker> = None;
+    // The connections TransferSockets rebuilt, in repair mode.
+    let mut rebuilt: Option<crate::sockstate::Rebuilt> = None;
     let inherited_tcp = if req.collective_sockets {
         let taken = lock_sockets(agent).take();
         let sockets = match taken {
@@ -1122,7 +1120,7 @@ pub async fn restore(
             }
             (Some(r), h) => r.inherit_fds(h == Handover::ByPidfd),
         };
-        inc.rebuilt = sockets.rebuilt;
+        rebuilt = sockets.rebuilt;
         Some(fds)
     } else {
         None
@@ -1156,15 +1154,11 @@ pub async fn restore(
                 );
                 inc.lazy = Some(d);
             }
-            Err(e) => {
-                inc.rebuilt = None;
-                return Err(e.into());
-            }
+            Err(e) => return Err(e.into()),
         }
     }
     // Options ferryd carries go onto the connections beside CRIU's restore
     // (`Rebuilt::apply_options`); both end before the answer.
-    let rebuilt = inc.rebuilt.take();
     let (restored, options_set, rebuilt) = tokio::task::spawn_blocking(move || {
         let (restored, options_set) = std::thread::scope(|s| {
             // On the core CRIU's restore leaves idle.
@@ -1308,7 +1302,6 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     // queued), and before the process and the replay use them; the others
     // left it after the restore, on a thread of their own
     // (`Incoming::leaving`, joined here).
-    let mut rebuilt = inc.rebuilt.take();
     let mut leaving = inc.leaving.take();
     // UDP sockets were restored with room for what the replay pours into
     // them; their own size comes back after the catch-up.
@@ -1321,10 +1314,10 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
                 let delivered = req.delivered_digests;
                 let unread = req.unread_datagrams;
-                let (rebuilt, leaving) = (rebuilt.take(), leaving.take());
+                let leaving = leaving.take();
                 tracing::debug!(us = us(), "commit: ports opened for egress");
                 let resumed = tokio::task::spawn_blocking(move || {
-                    let mut rebuilt = rebuilt.or_else(|| joined(leaving));
+                    let mut rebuilt = joined(leaving);
                     resume_rebuilt(&mut rebuilt);
                     tracing::debug!(us = us(), "commit: rebuilt connections out of repair mode");
                     resume(pid);
@@ -1354,7 +1347,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         if resumed_early.is_none() {
             // Still here if the ports did not open; gone with the task if
             // it died (it resumed them or dropped them).
-            let mut rebuilt = rebuilt.take().or_else(|| joined(leaving.take()));
+            let mut rebuilt = joined(leaving.take());
             resume_rebuilt(&mut rebuilt);
             resume(pid);
         }
@@ -1371,7 +1364,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     } else {
         agent.release_ports(&inc.ports);
         let opened = agent.apply_ownership().await;
-        let mut rebuilt = rebuilt.take().or_else(|| joined(leaving.take()));
+        let mut rebuilt = joined(leaving.take());
         resume_rebuilt(&mut rebuilt);
         resume(pid);
         opened?;

@@ -10,7 +10,7 @@ use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
 
 use ferry_ebpf::Touched;
 
-use super::preread::{Preread, PrereadConnection};
+use super::preread::{Handshake, Preread, PrereadConnection};
 use super::sys::{self, RepairWindow};
 use super::{SockStateError, TcpConnectionState, state_name};
 
@@ -289,9 +289,7 @@ impl Held {
         for part in parts {
             let (states, c) = part?;
             all.extend(states);
-            counts.preread += c.preread;
-            counts.touched += c.touched;
-            counts.unknown += c.unknown;
+            counts += c;
         }
         Ok((all, counts))
     }
@@ -329,14 +327,8 @@ impl Held {
     }
 }
 
-/// The connections' state in one pass of the TCP state iterator
-/// (`ferry_ebpf::TcpStateReader`), for those the pre-read knows and no
-/// setsockopt call touched since. Each costs repair mode on and
-/// TCP_TIMESTAMP (and a peek of a queue that holds bytes) instead of ~14
-/// calls; the others, and any the pass does not report as an established
-/// connection without urgent data, are read by their calls as before.
-/// Err only if the pass itself failed, before any state was taken from
-/// it.
+/// One connection in [`Held::extract_in_one_pass`]: its pre-read, while
+/// the pass may still read it, and its TCP_TIMESTAMP.
 struct OnePass<'a> {
     conn: &'a HeldConnection,
     pre: Option<&'a PrereadConnection>,
@@ -344,6 +336,14 @@ struct OnePass<'a> {
 }
 
 impl Held {
+    /// The connections' state in one pass of the TCP state iterator
+    /// (`ferry_ebpf::TcpStateReader`), for those the pre-read knows and no
+    /// setsockopt call touched since. Each costs repair mode on and
+    /// TCP_TIMESTAMP (and a peek of a queue that holds bytes) instead of
+    /// ~14 calls; the others, and any the pass does not report as an
+    /// established connection without urgent data, are read by their
+    /// calls as before. Err only if the pass itself failed, before any
+    /// state was taken from it.
     fn extract_in_one_pass(
         &self,
         with_options: bool,
@@ -352,7 +352,7 @@ impl Held {
         reader: &std::sync::Mutex<ferry_ebpf::TcpStateReader>,
     ) -> Result<(Vec<TcpConnectionState>, ReadCounts), String> {
         let mut counts = ReadCounts::default();
-        let plan: Vec<OnePass<'_>> = self
+        let mut plan: Vec<OnePass<'_>> = self
             .conns
             .iter()
             .map(|c| {
@@ -369,7 +369,6 @@ impl Held {
         let started = std::time::Instant::now();
         // Repair on, and the timestamp, for those the pass will read.
         let chunk = super::spread::chunk_len(plan.len());
-        let mut plan = plan;
         let parts = super::spread::on_threads(plan.chunks_mut(chunk), "repair on", |part| {
             for one in part.iter_mut() {
                 let Some(pre) = one.pre else { continue };
@@ -418,12 +417,7 @@ impl Held {
                             from_record(one.conn, pre, r, one.timestamp, with_options)
                         }
                         None => {
-                            let pre = preread.get(one.conn.inode).and_then(|_| {
-                                usable(preread, touched, one.conn, with_options, &mut counts)
-                            });
-                            if preread.get(one.conn.inode).is_none() {
-                                counts.unknown += 1;
-                            }
+                            let pre = usable(preread, touched, one.conn, with_options, &mut counts);
                             extract_one(one.conn, with_options, pre)
                         }
                     }
@@ -435,9 +429,7 @@ impl Held {
         for part in parts {
             let (states, c) = part.map_err(|e| e.to_string())?;
             all.extend(states);
-            counts.preread += c.preread;
-            counts.touched += c.touched;
-            counts.unknown += c.unknown;
+            counts += c;
         }
         tracing::debug!(
             repair_on_ms = repaired.as_secs_f64() * 1000.0,
@@ -526,6 +518,14 @@ pub struct ReadCounts {
     pub touched: u32,
     /// Not pre-read (opened since, or left out): read whole.
     pub unknown: u32,
+}
+
+impl std::ops::AddAssign for ReadCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.preread += o.preread;
+        self.touched += o.touched;
+        self.unknown += o.unknown;
+    }
 }
 
 /// What the pre-read holds of `c`, if it can stand for a read now.
@@ -628,12 +628,11 @@ fn extract_one(
             state: state_name(head[0]),
         });
     }
-    let options = head[5] & (sys::TCPI_OPT_TIMESTAMPS | sys::TCPI_OPT_SACK | sys::TCPI_OPT_WSCALE);
-    let (send_wscale, recv_wscale) = if options & sys::TCPI_OPT_WSCALE != 0 {
-        (head[6] & 0x0f, head[6] >> 4)
-    } else {
-        (0, 0)
-    };
+    let Handshake {
+        options,
+        send_wscale,
+        recv_wscale,
+    } = Handshake::from_tcp_info(&head);
     let outq = sys::outq(fd).map_err(err("SIOCOUTQ"))?;
     let unsent = sys::outq_unsent(fd).map_err(err("SIOCOUTQNSD"))?;
     let inq = sys::inq(fd).map_err(err("SIOCINQ"))?;

@@ -140,11 +140,13 @@ impl Preread {
     /// faster than their calls: the pass walks the namespace's whole TCP
     /// hash table (its empty buckets too), the calls cost per connection.
     /// Measured here (262,144 buckets, two cores): the pass 4-5 ms with 17
-    /// connections and 4-8 ms with 1025; the calls ~11 µs per connection.
-    /// So from one connection per 512 buckets.
+    /// connections and 4-8 ms with 1025; the calls ~11 µs per connection,
+    /// so even at ~370 connections. Taken from one connection per 512
+    /// buckets, clear of that.
     pub fn one_pass_pays(&self) -> bool {
         // Since Linux 6.1; negative when the namespace shares the initial
-        // one's table. Older kernels size it from memory, like this one.
+        // one's table. Older kernels do not say: this machine's size is
+        // assumed.
         let buckets = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_ehash_entries")
             .ok()
             .and_then(|s| s.trim().parse::<i64>().ok())
