@@ -57,6 +57,12 @@ pub struct Agent {
     replay_totals: Mutex<ReplayTotals>,
     /// The one incoming migration this node may be receiving.
     pub incoming: tokio::sync::Mutex<Option<Incoming>>,
+    /// The id and source node of the incoming migration last prepared
+    /// here, set with `incoming` at Prepare and left after it ends (ids do
+    /// not repeat). The peer API checks a caller against it without
+    /// waiting for `incoming`, which TransferImages holds for its whole
+    /// stream, so that TransferSockets runs beside the images.
+    pub incoming_source: std::sync::Mutex<Option<(String, String)>>,
     /// Connections rebuilt for an incoming migration by TransferSockets,
     /// which runs while TransferImages holds `incoming`: taken by its
     /// Restore, dropped (closed silently) by its abort or the next one.
@@ -242,6 +248,7 @@ impl Agent {
                 .min(MAX_REPLAY_LANES),
             replay_totals: Mutex::new(ReplayTotals::default()),
             incoming: tokio::sync::Mutex::new(None),
+            incoming_source: std::sync::Mutex::new(None),
             incoming_sockets: std::sync::Mutex::new(None),
             postcopies: Default::default(),
             reports: Mutex::new(HashMap::new()),

@@ -49,6 +49,8 @@ pub struct Config {
     #[serde(default = "crate::criu::default_cache_dir")]
     pub criu_cache_dir: PathBuf,
     /// CRIU log verbosity (0-4); 4 is useful when a dump or restore fails.
+    /// CRIU's logs of a failed migration are kept in `<work_dir>/logs`; at
+    /// 4 those of every migration are, each step with its time.
     #[serde(default = "default_criu_log_level")]
     pub criu_log_level: i32,
     /// How long the source waits for the destination's answer to each step

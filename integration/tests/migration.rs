@@ -175,6 +175,52 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
     });
 }
 
+/// At CRIU log level 4 the agents keep CRIU's logs of a migration that
+/// committed, not only of one that failed: the source its dump's, the
+/// destination its restore's, each step with its time, in
+/// `<work_dir>/logs`.
+#[test]
+fn criu_logs_of_a_committed_migration_are_kept_at_log_level_4() {
+    if !ferry_integration::can_run("criu_logs_of_a_committed_migration_are_kept_at_log_level_4") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec {
+        extra_config: "criu_log_level = 4\n".into(),
+        ..ClusterSpec::new(2, 1)
+    })
+    .expect("cluster");
+    rt.block_on(async {
+        let EchoSetup { mut node1, pid, .. } = echo_setup(&cluster, 2).await;
+        let (report, status) = migrate(&mut node1, pid, "node2")
+            .await
+            .expect("migration starts");
+        assert!(status.is_none(), "{status:?}\n{report:#?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        let id = &report.migration_id;
+        for (node, log, last_step) in [
+            ("node1", "dump", "Dumping finished successfully"),
+            ("node2", "restore", "Restore finished successfully"),
+        ] {
+            let path = cluster
+                .work_dir(node)
+                .join("logs")
+                .join(format!("{id}-{log}.log"));
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("{node} kept no {log} log at {}: {e}", path.display()));
+            assert!(
+                text.contains(last_step),
+                "{}: no {last_step:?}",
+                path.display()
+            );
+        }
+    });
+}
+
 /// A CRIU for a test's cluster: ferry's own, run through a shell wrapper
 /// with `env` (`VAR=value`, or empty) in front. A patched CRIU is known by
 /// the marks its patches leave in the binary (`criu::has_patch`): the
@@ -547,7 +593,7 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
             .is_empty()
         {
             assert!(
-                std::time::Instant::now() < deadline,
+                Instant::now() < deadline,
                 "python never opened its vsock socket"
             );
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -1079,6 +1125,106 @@ fn some_connection(
         socket_options: options,
         ..Default::default()
     }
+}
+
+/// The destination rebuilds the connections while the images still
+/// stream in: TransferImages holds the incoming migration for its whole
+/// stream, and TransferSockets, which the source sends beside it inside the
+/// freeze, must not wait for it (the check of its caller did, which put the
+/// image transfer's ~10 ms at 1024 connections before every rebuild). As
+/// node1's agent: an image stream opened and kept open, its first file
+/// written on node2, then a TransferSockets that node2 answers before the
+/// stream ends.
+#[test]
+fn the_connections_are_rebuilt_while_the_images_still_stream_in() {
+    use ferry_proto::v1::{
+        AbortRequest, HelloRequest, ImageChunk, PrepareRequest, TransferSocketsRequest,
+    };
+    if !ferry_integration::can_run("the_connections_are_rebuilt_while_the_images_still_stream_in") {
+        return;
+    }
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let first_file = cluster
+        .work_dir("node2")
+        .join("incoming/beside/images/inventory.img");
+    let addr = cluster.peer_addr("node2");
+    let tls = cluster.tls().map(|t| t.client("node2", Some("node1")));
+    ferry_integration::peer::block_on_in(&cluster.netns_path("node1"), || async {
+        let mut peer = ferry_integration::peer::connect(addr, tls)
+            .await
+            .expect("peer service of node2");
+        let hello = peer
+            .hello(HelloRequest {
+                node: "node1".into(),
+                protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+            })
+            .await
+            .expect("hello")
+            .into_inner();
+        peer.prepare(PrepareRequest {
+            protocol_version: hello.protocol_version,
+            migration_id: "beside".into(),
+            source_node: "node1".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("prepare");
+
+        let (chunks, stream) = tokio::sync::mpsc::channel(4);
+        chunks
+            .send(ImageChunk {
+                migration_id: "beside".into(),
+                file_name: "inventory.img".into(),
+                offset: 0,
+                data: vec![0; 64],
+                ..Default::default()
+            })
+            .await
+            .expect("the stream's first chunk");
+        let mut images_peer = peer.clone();
+        let images = tokio::spawn(async move {
+            images_peer
+                .transfer_images(tokio_stream::wrappers::ReceiverStream::new(stream))
+                .await
+        });
+        // Once node2 wrote the first file, its TransferImages holds the
+        // incoming migration, and holds it until the stream ends.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !first_file.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "node2 never wrote the stream's first file"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let sockets = tokio::time::timeout(
+            Duration::from_secs(20),
+            peer.transfer_sockets(TransferSocketsRequest {
+                migration_id: "beside".into(),
+                source_node: "node1".into(),
+                tcp_connections: Vec::new(),
+            }),
+        )
+        .await
+        .expect("TransferSockets answered while the image stream is open")
+        .expect("TransferSockets accepted");
+        assert_eq!(sockets.into_inner().connections, 0);
+        assert!(!images.is_finished(), "the image stream ended early");
+
+        drop(chunks);
+        images
+            .await
+            .expect("the image stream's task")
+            .expect("the images accepted once the stream ends");
+        peer.abort(AbortRequest {
+            migration_id: "beside".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("abort");
+    })
+    .expect("in node1's namespace");
+    assert!(cluster.incoming_dir_is_empty("node2"));
 }
 
 /// Hello, Prepare and TransferSockets(`batch`) to node2 as node1's agent

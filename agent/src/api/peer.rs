@@ -88,20 +88,22 @@ impl PeerService {
 
     /// Refuses a step of incoming migration `migration_id` from any node but
     /// the one that prepared it.
-    async fn check_its_source<T>(
-        &self,
-        request: &Request<T>,
-        migration_id: &str,
-    ) -> Result<(), Status> {
+    fn check_its_source<T>(&self, request: &Request<T>, migration_id: &str) -> Result<(), Status> {
         let Some(node) = caller(request) else {
             return Ok(());
         };
-        let slot = self.agent.incoming.lock().await;
-        match slot.as_ref() {
-            Some(inc) if inc.migration_id == migration_id && inc.from != node => {
+        // Not the incoming slot: TransferImages holds it for its whole
+        // stream, and TransferSockets must not wait for that.
+        let prepared = self
+            .agent
+            .incoming_source
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match prepared {
+            Some((id, from)) if id == migration_id && from != node => {
                 Err(Status::permission_denied(format!(
-                    "migration_id: {migration_id} comes from {:?}, not {node:?}",
-                    inc.from
+                    "migration_id: {migration_id} comes from {from:?}, not {node:?}"
                 )))
             }
             _ => Ok(()),
@@ -160,8 +162,7 @@ impl Peer for PeerService {
     }
 
     async fn arm(&self, request: Request<ArmRequest>) -> Result<Response<ArmResponse>, Status> {
-        self.check_its_source(&request, &request.get_ref().migration_id)
-            .await?;
+        self.check_its_source(&request, &request.get_ref().migration_id)?;
         // Spawned: once started, the capture is either fully armed and
         // recorded in the slot, or not at all.
         let agent = self.agent.clone();
@@ -198,8 +199,7 @@ impl Peer for PeerService {
         request: Request<ferry_proto::v1::TransferSocketsRequest>,
     ) -> Result<Response<ferry_proto::v1::TransferSocketsResponse>, Status> {
         claims_own_name(&request, "source_node", &request.get_ref().source_node)?;
-        self.check_its_source(&request, &request.get_ref().migration_id)
-            .await?;
+        self.check_its_source(&request, &request.get_ref().migration_id)?;
         let agent = self.agent.clone();
         let req = request.into_inner();
         Ok(Response::new(
@@ -214,8 +214,7 @@ impl Peer for PeerService {
         &self,
         request: Request<RestoreRequest>,
     ) -> Result<Response<RestoreResponse>, Status> {
-        self.check_its_source(&request, &request.get_ref().migration_id)
-            .await?;
+        self.check_its_source(&request, &request.get_ref().migration_id)?;
         // Spawned, here and below: if the source gives up and cancels the
         // call, a step that started (a CRIU restore, a resume, a discard)
         // still runs to its end and records what it did.
@@ -233,8 +232,7 @@ impl Peer for PeerService {
         &self,
         request: Request<CommitRequest>,
     ) -> Result<Response<CommitResponse>, Status> {
-        self.check_its_source(&request, &request.get_ref().migration_id)
-            .await?;
+        self.check_its_source(&request, &request.get_ref().migration_id)?;
         let agent = self.agent.clone();
         let req = request.into_inner();
         Ok(Response::new(
@@ -249,8 +247,7 @@ impl Peer for PeerService {
         &self,
         request: Request<AbortRequest>,
     ) -> Result<Response<AbortResponse>, Status> {
-        self.check_its_source(&request, &request.get_ref().migration_id)
-            .await?;
+        self.check_its_source(&request, &request.get_ref().migration_id)?;
         let agent = self.agent.clone();
         let req = request.into_inner();
         finish(tokio::spawn(async move {

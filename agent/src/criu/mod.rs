@@ -8,6 +8,7 @@
 mod cache;
 mod error;
 pub mod lazy;
+mod sched_hooks;
 mod spawn;
 mod swrk;
 mod version;
@@ -17,6 +18,7 @@ pub use cache::{
     warm,
 };
 pub use error::CriuError;
+pub use sched_hooks::SchedHooks;
 pub use swrk::{
     DumpRequest, LazyDump, Notifications, RestoreOutcome, RestoreRequest, TcpConnections, Worker,
     dump, restore, start_restore_worker,

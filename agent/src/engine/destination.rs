@@ -446,6 +446,9 @@ pub struct Incoming {
     /// table (still empty) inherited, so that its start is not in the
     /// freeze. Dropped unused, it exits.
     restore_worker: Option<RestoreWorker>,
+    /// perf's scheduler hooks, held from Prepare until the slot ends, so
+    /// that the restore's breakpoints do not wait for a grace period.
+    _sched_hooks: Option<criu::SchedHooks>,
     /// The UDP sockets whose receive buffer the images were given for the
     /// replay and catch-up (`UDP_CATCH_UP_BUFFER`), with their own size,
     /// given back `UDP_CATCH_UP` after the resume. `None` until the restore
@@ -699,6 +702,9 @@ pub async fn prepare(
     std::fs::create_dir_all(dir.join("images"))
         .map_err(EngineError::io(format!("creating {}", dir.display())))?;
     set_private(&dir);
+    // perf's scheduler hooks on for the restore's breakpoints
+    // (`criu::SchedHooks`), beside CRIU's start.
+    let sched_hooks = tokio::task::spawn_blocking(criu::SchedHooks::hold);
     // The CRIU that will restore, started now, well before the freeze:
     // its fork and exec then neither lengthen the freeze nor crowd the
     // cores just before it.
@@ -717,12 +723,18 @@ pub async fn prepare(
             .inspect_err(|e| tracing::warn!(error = %e, "starting CRIU ahead of the restore"))
             .ok()
     };
+    let sched_hooks = super::held_sched_hooks(sched_hooks).await;
     agent.reserve_ports(&ports, PortState::Frozen);
     if let Err(e) = agent.reconcile().await {
         agent.release_ports(&ports);
         return Err(e);
     }
     tracing::info!(migration = %req.migration_id, from = %req.source_node, pid = req.source_pid, "incoming migration reserved");
+    *agent
+        .incoming_source
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) =
+        Some((req.migration_id.clone(), req.source_node.clone()));
     *slot = Some(Incoming {
         migration_id: req.migration_id,
         from: req.source_node,
@@ -734,6 +746,7 @@ pub async fn prepare(
         discarded: Arc::new(std::sync::Mutex::new(false)),
         leaving: None,
         restore_worker,
+        _sched_hooks: sched_hooks,
         udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
@@ -1426,7 +1439,12 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 running_for_us: running_for(),
             });
         }
+        let keep_logs = super::keeps_every_log(&agent.config)
+            .then(|| (agent.config.work_dir.clone(), req.migration_id.clone()));
         tokio::task::spawn_blocking(move || {
+            if let Some((work_dir, id)) = keep_logs {
+                super::keep_logs(&work_dir, &inc.dir, &id);
+            }
             if let Err(e) = std::fs::remove_dir_all(&inc.dir) {
                 tracing::warn!(dir = %inc.dir.display(), error = %e, "removing images");
             }
@@ -1540,8 +1558,9 @@ pub fn sockets_to_rebuild(
 }
 
 /// TransferSockets: rebuilds every connection at once, beside the image
-/// transfer (which holds the incoming slot meanwhile, so the result waits
-/// in its own), and keeps them for the Restore.
+/// transfer (which holds the incoming slot meanwhile, so neither this nor
+/// the peer API's check of its caller takes that slot, and the result
+/// waits in its own), and keeps them for the Restore.
 pub async fn transfer_sockets(
     agent: &Arc<Agent>,
     req: ferry_proto::v1::TransferSocketsRequest,

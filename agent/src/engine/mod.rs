@@ -366,9 +366,17 @@ impl From<EngineError> for tonic::Status {
     }
 }
 
-/// Moves the CRIU logs of a migration that did not commit out of its
-/// directory (about to be removed) into `<work_dir>/logs/`, so that the
-/// reason stays readable after the images are gone.
+/// Whether the CRIU logs of committed migrations are kept too: at log
+/// level 4 (debug), whose logs time every step of a dump and a restore.
+/// A failed migration's logs are kept at every level.
+pub(crate) fn keeps_every_log(config: &crate::config::Config) -> bool {
+    config.criu_log_level >= 4
+}
+
+/// Moves the CRIU logs of a migration out of its directory (about to be
+/// removed) into `<work_dir>/logs/`, so that they stay readable after the
+/// images are gone: a failed migration's reason, or (at log level 4) any
+/// migration's steps.
 pub fn keep_logs(work_dir: &std::path::Path, dir: &std::path::Path, migration_id: &str) {
     let logs = work_dir.join("logs");
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -385,6 +393,24 @@ pub fn keep_logs(work_dir: &std::path::Path, dir: &std::path::Path, migration_id
             tracing::warn!(from = %e.path().display(), error = %err, "keeping a CRIU log");
         } else {
             tracing::info!(log = %to.display(), "CRIU log kept");
+        }
+    }
+}
+
+/// The scheduler hooks opened by `open`, or none: without them CRIU's
+/// first breakpoint waits for a grace period, as it did before.
+pub(crate) async fn held_sched_hooks(
+    open: tokio::task::JoinHandle<std::io::Result<crate::criu::SchedHooks>>,
+) -> Option<crate::criu::SchedHooks> {
+    match open.await {
+        Ok(Ok(hooks)) => Some(hooks),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "perf's scheduler hooks not held: CRIU's first breakpoint may wait for a grace period in the freeze");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "holding perf's scheduler hooks");
+            None
         }
     }
 }

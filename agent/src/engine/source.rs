@@ -658,7 +658,9 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             .join(&run.p.migration_id);
         let outcome = drive(&mut run, &dir).await;
         finish(&mut run, outcome).await;
-        if run.report.outcome != MigrationOutcome::Committed as i32 {
+        if run.report.outcome != MigrationOutcome::Committed as i32
+            || super::keeps_every_log(&agent.config)
+        {
             super::keep_logs(&agent.config.work_dir, &dir, &run.p.migration_id);
         }
         if let Err(e) = std::fs::remove_dir_all(&dir)
@@ -717,6 +719,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         };
     }
     honour_cancel!();
+    // perf's scheduler hooks on for CRIU's breakpoints, so that their
+    // grace-period wait is not in the freeze (`criu::SchedHooks`); opened
+    // beside the steps before the dump, held until the migration ends.
+    let sched_hooks = tokio::task::spawn_blocking(criu::SchedHooks::hold);
 
     // Pre-copy: the memory crosses while the process runs.
     let pid = run.p.pid;
@@ -824,6 +830,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // too, for a resume on abort). CRIU's start-up thus runs while the
     // process still serves its clients.
     honour_cancel!();
+    let _sched_hooks = super::held_sched_hooks(sched_hooks).await;
     run.phase("dump").await;
     // Post-copy: the page server's connection, made before the freeze.
     // CRIU gets one end (this process closes its copy once CRIU runs), the

@@ -93,6 +93,11 @@ struct Args {
     drain_ms: u32,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
+    /// CRIU's log level in every agent (4: each step with its time, for
+    /// reading where a dump or restore goes; it slows both). With
+    /// `FERRY_TEST_LOG_DIR` set the logs are kept there.
+    #[arg(long)]
+    criu_log_level: Option<u8>,
     /// Migrate nothing: draw `--out`/freeze.svg again from the freeze.csv
     /// of an earlier run (its counts, modes and runs).
     #[arg(long)]
@@ -314,7 +319,11 @@ fn bench(args: &Args) -> Result<()> {
     for (tcp, udp) in scenarios {
         // One cluster per count: the modes alternate migration by
         // migration on it, so both see the same machine state.
-        let cluster = Cluster::start(ClusterSpec::new(3, 2)).context("cluster")?;
+        let mut spec = ClusterSpec::new(3, 2);
+        if let Some(level) = args.criu_log_level {
+            spec.extra_config = format!("criu_log_level = {level}\n");
+        }
+        let cluster = Cluster::start(spec).context("cluster")?;
         let db = if args.db && tcp > 0 {
             let addr = SocketAddrV4::new(cluster.node_cluster_addr("node3"), PG_PORT);
             Some(PostgresServer::start(&cluster.netns_path("node3"), addr).context("PostgreSQL")?)
