@@ -872,11 +872,13 @@ pub async fn transfer_images(
     // per open, write and close.
     let mut writer: Option<ImageWriterTask> = None;
     let mut id = String::new();
+    let mut first_chunk_at = None;
     let fed: Result<(), EngineError> = async {
         while let Some(chunk) = stream.next().await {
             let chunk = chunk
                 .map_err(|s| EngineError::BadImage(format!("stream broke: {}", s.message())))?;
             if writer.is_none() {
+                first_chunk_at = Some(Instant::now());
                 let inc = expect(
                     &mut slot,
                     &chunk.migration_id,
@@ -927,6 +929,7 @@ pub async fn transfer_images(
         fed?;
         return Err(EngineError::BadImage("no image chunk received".into()));
     };
+    let streamed = first_chunk_at.map(|t| t.elapsed());
     // The writer finishes before the slot's lock goes, whatever happened:
     // an abort waiting for that lock removes the image directory, and must
     // not race a thread still writing into it.
@@ -938,7 +941,15 @@ pub async fn transfer_images(
     let w = written??;
     let inc = expect(&mut slot, &id, &["reserved"], "image transfer")?;
     inc.state = IncomingState::Received;
-    tracing::info!(migration = %id, files = w.files, bytes = w.bytes, stored_bytes = w.stored_bytes, "images received");
+    tracing::info!(
+        migration = %id,
+        files = w.files,
+        bytes = w.bytes,
+        stored_bytes = w.stored_bytes,
+        streamed_ms = streamed.map(|d| d.as_secs_f64() * 1000.0),
+        written_ms = first_chunk_at.map(|t| t.elapsed().as_secs_f64() * 1000.0),
+        "images received"
+    );
     Ok(TransferImagesResponse {
         files: w.files,
         bytes: w.bytes,

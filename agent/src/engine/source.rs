@@ -1187,11 +1187,16 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     honour_cancel!();
     run.phase("transfer").await;
     let (tx, rx) = mpsc::channel(8);
+    let transfer_start = Instant::now();
     let reader = tokio::task::spawn_blocking({
         let images = images.clone();
         let id = run.p.migration_id.clone();
         let packing = images::Packing::for_version(run.p.protocol_version);
-        move || images::read_images(images, id, packing, &held_pages, tx)
+        move || {
+            let started = transfer_start.elapsed();
+            let read = images::read_images(images, id, packing, &held_pages, tx);
+            (read, started, transfer_start.elapsed())
+        }
     });
     let mut images_peer = run.p.peer.clone();
     let images_sent = tokio::time::timeout(
@@ -1230,7 +1235,15 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             return Stop::BeforeCommit(silent(&run.p.destination, "the image transfer", deadline));
         }
     };
-    let read = reader.await;
+    let read = reader.await.map(|(read, started, ended)| {
+        tracing::debug!(
+            reader_started_ms = started.as_secs_f64() * 1000.0,
+            read_ms = ended.as_secs_f64() * 1000.0,
+            answered_ms = transfer_start.elapsed().as_secs_f64() * 1000.0,
+            "images sent"
+        );
+        read
+    });
     let counts = match (read, sent) {
         (Ok(Ok(counts)), Ok(_)) => counts,
         (Ok(Err(e)), _) => return Stop::BeforeCommit(e),
