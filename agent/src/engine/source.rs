@@ -399,6 +399,11 @@ struct Run {
     /// In-cluster connections the peers' nodes translate for this
     /// migration, by node: undone on abort.
     translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
+    /// Connections to the nodes at the far end of the process's
+    /// connections, which may hold in-cluster peers, opened before the
+    /// freeze: translating them inside the freeze then costs no TCP and
+    /// TLS handshake. By node; taken by [`translate_in_cluster`].
+    peer_links: Vec<(String, PeerLink)>,
     /// The drain of this node's capture ring, running during the transfer:
     /// whoever needs the delivered log or the captured packets next waits
     /// for it first (the ring has one reader at a time).
@@ -642,6 +647,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             unread_datagrams: Vec::new(),
             draining: None,
             translated: Vec::new(),
+            peer_links: Vec::new(),
             held: None,
             incremental: None,
             sockets_sending: None,
@@ -723,6 +729,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // grace-period wait is not in the freeze (`criu::SchedHooks`); opened
     // beside the steps before the dump, held until the migration ends.
     let sched_hooks = tokio::task::spawn_blocking(criu::SchedHooks::hold);
+    run.peer_links = open_peer_links(&run.agent, &run.p.sockets.tcp_peers);
 
     // Pre-copy: the memory crosses while the process runs.
     let pid = run.p.pid;
@@ -1653,7 +1660,7 @@ async fn translate_in_cluster(
             .agent
             .peer(&node)
             .ok_or_else(|| EngineError::Internal(format!("no peer config for {node}")))?;
-        let mut client = run.agent.peer_client(&peer).await?;
+        let mut client = peer_link(run, &peer).await?;
         match tokio::time::timeout(deadline, client.add_translations(req)).await {
             Ok(Ok(r)) => {
                 tracing::info!(node = %node, rules = r.into_inner().rules, "in-cluster peers translate")
@@ -1663,6 +1670,49 @@ async fn translate_in_cluster(
         }
     }
     Ok(())
+}
+
+/// A peer connection being opened.
+type PeerLink = tokio::task::JoinHandle<Result<PeerClient<Channel>, EngineError>>;
+
+/// Starts connecting to every other node of the cluster that the process
+/// has a TCP connection to (`tcp_peers`): those are the nodes an in-cluster
+/// translation may go to.
+fn open_peer_links(
+    agent: &Arc<Agent>,
+    tcp_peers: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+) -> Vec<(String, PeerLink)> {
+    tcp_peers
+        .iter()
+        .filter(|ip| **ip != agent.config.cluster.address)
+        .filter_map(|ip| agent.peer_at(*ip))
+        .map(|peer| {
+            let agent = agent.clone();
+            let name = peer.name.clone();
+            (
+                name,
+                tokio::spawn(async move { agent.peer_client(&peer).await }),
+            )
+        })
+        .collect()
+}
+
+/// The connection to `peer` opened before the freeze, or a new one (none
+/// was opened, or it failed: connecting again gives the error now).
+async fn peer_link(run: &mut Run, peer: &PeerConfig) -> Result<PeerClient<Channel>, EngineError> {
+    if let Some(i) = run.peer_links.iter().position(|(n, _)| *n == peer.name) {
+        let (_, link) = run.peer_links.swap_remove(i);
+        match link.await {
+            Ok(Ok(client)) => return Ok(client),
+            Ok(Err(e)) => {
+                tracing::debug!(node = %peer.name, error = %e, "peer connection opened before the freeze failed; connecting again")
+            }
+            Err(e) => {
+                tracing::debug!(node = %peer.name, error = %e, "peer connection task failed; connecting again")
+            }
+        }
+    }
+    run.agent.peer_client(peer).await
 }
 
 /// Undoes [`translate_in_cluster`] (an abort): best effort, logged.
