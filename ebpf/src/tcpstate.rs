@@ -13,6 +13,7 @@
 
 use std::io::Read;
 use std::mem::{offset_of, size_of};
+use std::os::fd::AsFd;
 
 use aya::maps::{HashMap, MapData};
 use aya::programs::Iter;
@@ -24,6 +25,7 @@ use crate::error::{map_err, prog_err};
 static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tcpstate.bpf.o"));
 
 const PROGRAM: &str = "ferry_tcp_state";
+const TASK_PROGRAM: &str = "ferry_task_tcp_state";
 const WANTED_MAP: &str = "FERRY_TCPSTATE_WANTED";
 
 /// `struct ferry_tcp_state` (include/ferry_tcpstate.h): one connection, as
@@ -105,10 +107,13 @@ impl TcpKernelState {
     }
 }
 
-/// The loaded iterator and the cookies it reports.
+/// The loaded iterators and the cookies they report.
 pub struct TcpStateReader {
     ebpf: Ebpf,
     wanted: usize,
+    /// Whether the per-process iterator loaded and links with a task
+    /// filter (`bpf_sock_from_file`, Linux 5.11+; the filter, 6.1+).
+    by_task: bool,
 }
 
 impl std::fmt::Debug for TcpStateReader {
@@ -132,7 +137,34 @@ impl TcpStateReader {
             .try_into()
             .map_err(prog_err(PROGRAM))?;
         prog.load("tcp", &btf).map_err(prog_err(PROGRAM))?;
-        Ok(Self { ebpf, wanted: 0 })
+        // Loaded, and linked once to this process: a kernel before 6.1
+        // loads the program but refuses the link's task filter.
+        let by_task = match ebpf
+            .program_mut(TASK_PROGRAM)
+            .ok_or(DataPlaneError::Missing(TASK_PROGRAM))
+            .and_then(|p| <&mut Iter>::try_from(p).map_err(prog_err(TASK_PROGRAM)))
+            .and_then(|p| {
+                p.load("task_file", &btf).map_err(prog_err(TASK_PROGRAM))?;
+                let fd = p.fd().map_err(prog_err(TASK_PROGRAM))?;
+                iter_of_process(fd.as_fd(), std::process::id() as i32)
+                    .map_err(|e| DataPlaneError::Iter(format!("a task-filtered link: {e}")))
+            }) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!(error = %e, "the per-process TCP state iterator did not load; the namespace's is read");
+                false
+            }
+        };
+        Ok(Self {
+            ebpf,
+            wanted: 0,
+            by_task,
+        })
+    }
+
+    /// Whether [`Self::read_processes`] can read by process.
+    pub fn reads_by_process(&self) -> bool {
+        self.by_task
     }
 
     fn wanted_map(&mut self) -> Result<HashMap<&mut MapData, u64, u8>, DataPlaneError> {
@@ -157,6 +189,37 @@ impl TcpStateReader {
         Ok(())
     }
 
+    /// One pass over the descriptors of each process `pids` names: the
+    /// state of every connection asked for that one of them holds (once,
+    /// however many hold it). It costs their descriptors only, where
+    /// [`Self::read`] walks the namespace's whole hash table. Fails if
+    /// the iterator did not load or the kernel has no task filter for it
+    /// (before 6.1).
+    pub fn read_processes(&mut self, pids: &[i32]) -> Result<Vec<TcpKernelState>, DataPlaneError> {
+        if !self.by_task {
+            return Err(DataPlaneError::Iter(
+                "the per-process TCP state iterator is not loaded".into(),
+            ));
+        }
+        let prog: &mut Iter = self
+            .ebpf
+            .program_mut(TASK_PROGRAM)
+            .ok_or(DataPlaneError::Missing(TASK_PROGRAM))?
+            .try_into()
+            .map_err(prog_err(TASK_PROGRAM))?;
+        let prog_fd = prog.fd().map_err(prog_err(TASK_PROGRAM))?;
+        let record = size_of::<TcpKernelState>();
+        let mut bytes = Vec::with_capacity(record * self.wanted.max(1));
+        for &pid in pids {
+            let mut file = iter_of_process(prog_fd.as_fd(), pid)
+                .map_err(|e| DataPlaneError::Iter(format!("iterating process {pid}: {e}")))?;
+            file.read_to_end(&mut bytes)
+                .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
+        }
+        let mut seen = std::collections::HashSet::new();
+        Ok(records(&bytes)?.filter(|r| seen.insert(r.cookie)).collect())
+    }
+
     /// One pass over the calling thread's network namespace: the state of
     /// every connection asked for that still exists, in the kernel's hash
     /// order.
@@ -177,15 +240,107 @@ impl TcpStateReader {
         let mut bytes = Vec::with_capacity(record * self.wanted.max(1));
         file.read_to_end(&mut bytes)
             .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
-        if bytes.len() % record != 0 {
-            return Err(DataPlaneError::Iter(format!(
-                "{} bytes is no whole number of {record}-byte records",
-                bytes.len()
-            )));
-        }
-        Ok(bytes
-            .chunks_exact(record)
-            .map(TcpKernelState::parse)
-            .collect())
+        Ok(records(&bytes)?.collect())
     }
+}
+
+/// The records an iterator wrote.
+fn records(bytes: &[u8]) -> Result<impl Iterator<Item = TcpKernelState> + '_, DataPlaneError> {
+    let record = size_of::<TcpKernelState>();
+    if !bytes.len().is_multiple_of(record) {
+        return Err(DataPlaneError::Iter(format!(
+            "{} bytes is no whole number of {record}-byte records",
+            bytes.len()
+        )));
+    }
+    Ok(bytes.chunks_exact(record).map(TcpKernelState::parse))
+}
+
+/// `bpf(2)` commands and the attach type of iterator links
+/// (<linux/bpf.h>); aya's `Iter::attach` takes no link parameters, and the
+/// task filter is one.
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_ITER_CREATE: libc::c_long = 33;
+const BPF_TRACE_ITER: u32 = 28;
+
+/// `union bpf_iter_link_info`, its `task` member: iterate the threads of
+/// process `pid` only (Linux 6.1+).
+#[repr(C)]
+#[derive(Default)]
+struct IterTaskInfo {
+    tid: u32,
+    pid: u32,
+    pid_fd: u32,
+}
+
+/// `union bpf_attr` as BPF_LINK_CREATE reads it for an iterator.
+#[repr(C)]
+#[derive(Default)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    iter_info: u64,
+    iter_info_len: u32,
+    _pad: u32,
+}
+
+/// `union bpf_attr` as BPF_ITER_CREATE reads it.
+#[repr(C)]
+#[derive(Default)]
+struct IterCreateAttr {
+    link_fd: u32,
+    flags: u32,
+}
+
+/// Links the per-process iterator to process `pid` and opens it for
+/// reading; the link lives as long as the returned file.
+fn iter_of_process(prog: std::os::fd::BorrowedFd<'_>, pid: i32) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let info = IterTaskInfo {
+        pid: u32::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?,
+        ..Default::default()
+    };
+    let attr = LinkCreateAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        attach_type: BPF_TRACE_ITER,
+        iter_info: &info as *const IterTaskInfo as u64,
+        iter_info_len: size_of::<IterTaskInfo>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: `attr` and the `info` it points to are live, initialised
+    // and sized as passed; the kernel reads them and writes nothing back.
+    let link = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            &attr as *const LinkCreateAttr,
+            size_of::<LinkCreateAttr>() as u32,
+        )
+    };
+    if link < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: BPF_LINK_CREATE returned a new descriptor nothing else owns.
+    let link = unsafe { OwnedFd::from_raw_fd(link as i32) };
+    let attr = IterCreateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        flags: 0,
+    };
+    // SAFETY: as above, `attr` is live and sized as passed.
+    let iter = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_ITER_CREATE,
+            &attr as *const IterCreateAttr,
+            size_of::<IterCreateAttr>() as u32,
+        )
+    };
+    if iter < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: BPF_ITER_CREATE returned a new descriptor nothing else owns;
+    // it holds the link, whose own descriptor closes here.
+    Ok(unsafe { std::fs::File::from_raw_fd(iter as i32) })
 }

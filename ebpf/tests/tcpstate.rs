@@ -141,6 +141,24 @@ fn the_iterator_reads_what_the_repair_calls_read() {
             assert_eq!(*it, calls);
         }
         assert_eq!(read.iter().map(TcpKernelState::inq).max(), Some(3000));
+        // The per-process pass reads the same, from this process's
+        // descriptors, and nothing from a process that holds none of them.
+        assert!(
+            reader.reads_by_process(),
+            "the per-process iterator loads here"
+        );
+        let mut by_process = reader
+            .read_processes(&[std::process::id() as i32])
+            .expect("read this process's iterator");
+        let mut by_namespace = read.clone();
+        by_process.sort_by_key(|r| r.cookie);
+        by_namespace.sort_by_key(|r| r.cookie);
+        assert_eq!(by_process, by_namespace);
+        let mut other = Command::new("sleep").arg("30").spawn().expect("sleep");
+        let none = reader.read_processes(&[other.id() as i32]);
+        let _ = other.kill();
+        let _ = other.wait();
+        assert_eq!(none.expect("read another process's iterator"), vec![]);
         for &fd in &asked {
             set(fd, libc::SOL_TCP, TCP_REPAIR, 0);
         }

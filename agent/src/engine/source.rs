@@ -1931,12 +1931,10 @@ fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
         .map_err(|e| format!("attaching the setsockopt watch: {e}"))?;
     let mut preread = sockstate::Preread::of_tree(&tree, with_options)
         .map_err(|e| format!("reading the connections: {e}"))?;
-    // Many connections: the freeze then reads them in one pass of the TCP
-    // state iterator; a kernel without it (or without BTF) reads each by
-    // its calls.
-    if preread.one_pass_pays()
-        && let Err(e) = preread.with_state_reader()
-    {
+    // Enough connections: the freeze then reads them in one pass of the
+    // TCP state iterator; a kernel without it (or without BTF) reads each
+    // by its calls.
+    if let Err(e) = preread.with_state_reader() {
         tracing::warn!(error = %e, "no TCP state iterator: each connection is read by its calls in the freeze");
     }
     // Calls elsewhere on the node cost no map update from here on.

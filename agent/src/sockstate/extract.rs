@@ -392,14 +392,23 @@ impl Held {
             p.map_err(|e| e.to_string())?;
         }
         let repaired = started.elapsed();
-        let records: std::collections::HashMap<u64, ferry_ebpf::TcpKernelState> = reader
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .read()
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .map(|r| (r.cookie, r))
-            .collect();
+        let records: std::collections::HashMap<u64, ferry_ebpf::TcpKernelState> = {
+            let mut reader = reader.lock().unwrap_or_else(|p| p.into_inner());
+            let by_process = (reader.reads_by_process() && !preread.tree().is_empty())
+                .then(|| reader.read_processes(preread.tree()));
+            match by_process {
+                Some(Ok(records)) => records,
+                // The namespace's pass reads the same, slower.
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "per-process pass failed; the namespace's is read");
+                    reader.read().map_err(|e| e.to_string())?
+                }
+                None => reader.read().map_err(|e| e.to_string())?,
+            }
+        }
+        .into_iter()
+        .map(|r| (r.cookie, r))
+        .collect();
         let passed = started.elapsed();
         let parts = super::spread::on_threads(plan.chunks(chunk), "extract", |part| {
             let mut counts = ReadCounts::default();

@@ -655,9 +655,16 @@ fn send_queues_drain_while_the_peer_reads_and_the_wait_is_bounded() {
 /// The freeze's read in one pass of the TCP state iterator must give, for
 /// every connection, the state the calls give: sequence numbers, queues
 /// (an unread receive queue, a send queue partly unsent), window, options,
-/// buffers. Read both ways from the same stopped connections.
+/// buffers. Read both ways from the same stopped connections: the
+/// namespace's pass, and the pass over this process's descriptors.
 #[test]
 fn the_one_pass_read_gives_what_the_calls_give() {
+    one_pass_read_gives_what_the_calls_give(None);
+    let here = std::process::id() as i32;
+    one_pass_read_gives_what_the_calls_give(Some(vec![here]));
+}
+
+fn one_pass_read_gives_what_the_calls_give(tree: Option<Vec<i32>>) {
     let dup = |s: &TcpStream| -> OwnedFd { s.as_fd().try_clone_to_owned().unwrap() };
     let (mut c1, idle) = pair();
     let (_c2, unread) = pair();
@@ -677,10 +684,16 @@ fn the_one_pass_read_gives_what_the_calls_give() {
         std::thread::sleep(Duration::from_millis(1));
     }
     let conns = [&idle, &unread, &filled];
-    let mut pre =
-        Preread::of_descriptors(conns.iter().map(|s| (inode_of(s), dup(s))).collect(), true);
-    pre.with_state_reader()
-        .expect("load the TCP state iterator");
+    let pre = Preread::of_descriptors(conns.iter().map(|s| (inode_of(s), dup(s))).collect(), true);
+    let reader = ferry_ebpf::TcpStateReader::load().expect("load the TCP state iterator");
+    let mut pre = match tree {
+        Some(tree) => {
+            assert!(reader.reads_by_process(), "the per-process pass loads here");
+            pre.held_by(tree)
+        }
+        None => pre,
+    };
+    pre.keep_state_reader(reader).expect("ask the iterator");
     let held = Held::from_descriptors(conns.iter().map(|s| (inode_of(s), dup(s))).collect());
     let nothing = ferry_ebpf::Touched::default();
     let (one_pass, counts) = held
