@@ -297,7 +297,7 @@ struct IterCreateAttr {
 /// Links the per-process iterator to process `pid` and opens it for
 /// reading; the link lives as long as the returned file.
 fn iter_of_process(prog: std::os::fd::BorrowedFd<'_>, pid: i32) -> std::io::Result<std::fs::File> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::fd::AsRawFd;
     let info = IterTaskInfo {
         pid: u32::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?,
         ..Default::default()
@@ -309,38 +309,31 @@ fn iter_of_process(prog: std::os::fd::BorrowedFd<'_>, pid: i32) -> std::io::Resu
         iter_info_len: size_of::<IterTaskInfo>() as u32,
         ..Default::default()
     };
-    // SAFETY: `attr` and the `info` it points to are live, initialised
-    // and sized as passed; the kernel reads them and writes nothing back.
-    let link = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &attr as *const LinkCreateAttr,
-            size_of::<LinkCreateAttr>() as u32,
-        )
-    };
-    if link < 0 {
+    // `info`, which `attr` points to, lives until the call returns.
+    let link = bpf_new_fd(BPF_LINK_CREATE, &attr)?;
+    let iter = bpf_new_fd(
+        BPF_ITER_CREATE,
+        &IterCreateAttr {
+            link_fd: link.as_raw_fd() as u32,
+            flags: 0,
+        },
+    )?;
+    // The iterator holds the link; the link's own descriptor closes here.
+    Ok(std::fs::File::from(iter))
+}
+
+/// `bpf(cmd, attr)` for a command that answers with a new descriptor;
+/// `attr` is that command's `union bpf_attr` member (and whatever it
+/// points to is live).
+fn bpf_new_fd<T>(cmd: libc::c_long, attr: &T) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: `attr` is live, initialised and `size_of::<T>()` bytes, the
+    // size passed; the kernel reads that many (and what the caller says
+    // its pointers point to) and writes nothing back for these commands.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const T, size_of::<T>() as u32) };
+    if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // SAFETY: BPF_LINK_CREATE returned a new descriptor nothing else owns.
-    let link = unsafe { OwnedFd::from_raw_fd(link as i32) };
-    let attr = IterCreateAttr {
-        link_fd: link.as_raw_fd() as u32,
-        flags: 0,
-    };
-    // SAFETY: as above, `attr` is live and sized as passed.
-    let iter = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_ITER_CREATE,
-            &attr as *const IterCreateAttr,
-            size_of::<IterCreateAttr>() as u32,
-        )
-    };
-    if iter < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: BPF_ITER_CREATE returned a new descriptor nothing else owns;
-    // it holds the link, whose own descriptor closes here.
-    Ok(unsafe { std::fs::File::from_raw_fd(iter as i32) })
+    // SAFETY: the command returned a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -1137,9 +1137,7 @@ fn some_connection(
 /// stream ends.
 #[test]
 fn the_connections_are_rebuilt_while_the_images_still_stream_in() {
-    use ferry_proto::v1::{
-        AbortRequest, HelloRequest, ImageChunk, PrepareRequest, TransferSocketsRequest,
-    };
+    use ferry_proto::v1::{AbortRequest, ImageChunk, TransferSocketsRequest};
     if !ferry_integration::can_run("the_connections_are_rebuilt_while_the_images_still_stream_in") {
         return;
     }
@@ -1153,22 +1151,7 @@ fn the_connections_are_rebuilt_while_the_images_still_stream_in() {
         let mut peer = ferry_integration::peer::connect(addr, tls)
             .await
             .expect("peer service of node2");
-        let hello = peer
-            .hello(HelloRequest {
-                node: "node1".into(),
-                protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
-            })
-            .await
-            .expect("hello")
-            .into_inner();
-        peer.prepare(PrepareRequest {
-            protocol_version: hello.protocol_version,
-            migration_id: "beside".into(),
-            source_node: "node1".into(),
-            ..Default::default()
-        })
-        .await
-        .expect("prepare");
+        prepared_as_node1(&mut peer, "beside").await;
 
         let (chunks, stream) = tokio::sync::mpsc::channel(4);
         chunks
@@ -1227,6 +1210,32 @@ fn the_connections_are_rebuilt_while_the_images_still_stream_in() {
     assert!(cluster.incoming_dir_is_empty("node2"));
 }
 
+/// Hello and Prepare of migration `id` to `peer` as node1's agent would
+/// send them.
+async fn prepared_as_node1(
+    peer: &mut ferry_proto::v1::peer_client::PeerClient<tonic::transport::Channel>,
+    id: &str,
+) -> ferry_proto::v1::PrepareResponse {
+    use ferry_proto::v1::{HelloRequest, PrepareRequest};
+    let hello = peer
+        .hello(HelloRequest {
+            node: "node1".into(),
+            protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+        })
+        .await
+        .expect("hello")
+        .into_inner();
+    peer.prepare(PrepareRequest {
+        protocol_version: hello.protocol_version,
+        migration_id: id.into(),
+        source_node: "node1".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("prepare")
+    .into_inner()
+}
+
 /// Hello, Prepare and TransferSockets(`batch`) to node2 as node1's agent
 /// would send them, then Abort. Returns Prepare's `takes_tcp_options` and
 /// the transfer's refusal (panics if it was accepted).
@@ -1234,31 +1243,14 @@ fn transfer_refused(
     cluster: &Cluster,
     batch: Vec<ferry_proto::v1::TcpConnectionState>,
 ) -> (bool, tonic::Status) {
-    use ferry_proto::v1::{AbortRequest, HelloRequest, PrepareRequest, TransferSocketsRequest};
+    use ferry_proto::v1::{AbortRequest, TransferSocketsRequest};
     let addr = cluster.peer_addr("node2");
     let tls = cluster.tls().map(|t| t.client("node2", Some("node1")));
     ferry_integration::peer::block_on_in(&cluster.netns_path("node1"), || async {
         let mut peer = ferry_integration::peer::connect(addr, tls)
             .await
             .expect("peer service of node2");
-        let hello = peer
-            .hello(HelloRequest {
-                node: "node1".into(),
-                protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
-            })
-            .await
-            .expect("hello")
-            .into_inner();
-        let prepared = peer
-            .prepare(PrepareRequest {
-                protocol_version: hello.protocol_version,
-                migration_id: "batch".into(),
-                source_node: "node1".into(),
-                ..Default::default()
-            })
-            .await
-            .expect("prepare")
-            .into_inner();
+        let prepared = prepared_as_node1(&mut peer, "batch").await;
         let refused = peer
             .transfer_sockets(TransferSocketsRequest {
                 migration_id: "batch".into(),
