@@ -4,8 +4,9 @@
  * inside the freeze (issue 6: socket state collected in one batch).
  *
  * ferryd turns repair mode on for each connection (the process is stopped
- * and its packets held, so nothing moves), then reads this iterator once:
- * for every TCP socket of its network namespace whose cookie it asked for
+ * and its packets held, so nothing moves), then reads one iterator once:
+ * over the process's descriptors, or over its network namespace's TCP
+ * sockets. For every connection whose cookie it asked for
  * (FERRY_TCPSTATE_WANTED), one struct ferry_tcp_state with what ten
  * getsockopt and ioctl calls per connection read otherwise, taken from
  * the same kernel fields those calls read. The kernel structures are

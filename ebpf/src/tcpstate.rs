@@ -1,12 +1,15 @@
-//! The state of TCP connections read in one pass (c/tcpstate.bpf.c,
-//! `ferry_tcp_state`, an `iter/tcp` program).
+//! The state of TCP connections read in one pass (c/tcpstate.bpf.c:
+//! `ferry_task_tcp_state`, an `iter/task_file` program, and
+//! `ferry_tcp_state`, an `iter/tcp` one).
 //!
 //! Inside the freeze ferryd reads every connection of the migrating
 //! process: its sequence numbers, queue sizes, window, options, timestamp
 //! and buffer sizes, a dozen getsockopt and ioctl calls each, a thousand
-//! connections at a time. The iterator walks the network namespace's TCP
-//! sockets in the kernel and writes those same fields for the connections
-//! asked for ([`TcpStateReader::want`], by socket cookie) into one read.
+//! connections at a time. An iterator walks the process's descriptors
+//! ([`TcpStateReader::read_processes`]) or the network namespace's TCP
+//! sockets ([`TcpStateReader::read`]) in the kernel and writes those same
+//! fields for the connections asked for ([`TcpStateReader::want`], by
+//! socket cookie) into one read.
 //! Ask before the freeze (a map update per connection), read inside it,
 //! after turning repair mode on for each connection (TCP repair is what
 //! keeps the fields still). The namespace read is the calling thread's.
@@ -125,30 +128,25 @@ impl std::fmt::Debug for TcpStateReader {
 }
 
 impl TcpStateReader {
-    /// Loads the program, relocated against this kernel's BTF (blocking:
+    /// Loads the programs, relocated against this kernel's BTF (blocking:
     /// the verifier runs). Fails on a kernel without BTF or TCP iterators
     /// (before 5.9); the caller then reads each connection by its calls.
+    /// The per-process one is kept where the kernel takes it and its task
+    /// filter ([`Self::reads_by_process`]).
     pub fn load() -> Result<Self, DataPlaneError> {
         let btf = Btf::from_sys_fs().map_err(|e| DataPlaneError::Btf(e.to_string()))?;
         let mut ebpf = Ebpf::load(OBJECT)?;
-        let prog: &mut Iter = ebpf
-            .program_mut(PROGRAM)
-            .ok_or(DataPlaneError::Missing(PROGRAM))?
-            .try_into()
+        iter_program(&mut ebpf, PROGRAM)?
+            .load("tcp", &btf)
             .map_err(prog_err(PROGRAM))?;
-        prog.load("tcp", &btf).map_err(prog_err(PROGRAM))?;
         // Loaded, and linked once to this process: a kernel before 6.1
         // loads the program but refuses the link's task filter.
-        let by_task = match ebpf
-            .program_mut(TASK_PROGRAM)
-            .ok_or(DataPlaneError::Missing(TASK_PROGRAM))
-            .and_then(|p| <&mut Iter>::try_from(p).map_err(prog_err(TASK_PROGRAM)))
-            .and_then(|p| {
-                p.load("task_file", &btf).map_err(prog_err(TASK_PROGRAM))?;
-                let fd = p.fd().map_err(prog_err(TASK_PROGRAM))?;
-                iter_of_process(fd.as_fd(), std::process::id() as i32)
-                    .map_err(|e| DataPlaneError::Iter(format!("a task-filtered link: {e}")))
-            }) {
+        let by_task = match iter_program(&mut ebpf, TASK_PROGRAM).and_then(|p| {
+            p.load("task_file", &btf).map_err(prog_err(TASK_PROGRAM))?;
+            let fd = p.fd().map_err(prog_err(TASK_PROGRAM))?;
+            iter_of_process(fd.as_fd(), std::process::id() as i32)
+                .map_err(|e| DataPlaneError::Iter(format!("a task-filtered link: {e}")))
+        }) {
             Ok(_) => true,
             Err(e) => {
                 tracing::debug!(error = %e, "the per-process TCP state iterator did not load; the namespace's is read");
@@ -201,13 +199,9 @@ impl TcpStateReader {
                 "the per-process TCP state iterator is not loaded".into(),
             ));
         }
-        let prog: &mut Iter = self
-            .ebpf
-            .program_mut(TASK_PROGRAM)
-            .ok_or(DataPlaneError::Missing(TASK_PROGRAM))?
-            .try_into()
+        let prog_fd = iter_program(&mut self.ebpf, TASK_PROGRAM)?
+            .fd()
             .map_err(prog_err(TASK_PROGRAM))?;
-        let prog_fd = prog.fd().map_err(prog_err(TASK_PROGRAM))?;
         let record = size_of::<TcpKernelState>();
         let mut bytes = Vec::with_capacity(record * self.wanted.max(1));
         for &pid in pids {
@@ -224,12 +218,7 @@ impl TcpStateReader {
     /// every connection asked for that still exists, in the kernel's hash
     /// order.
     pub fn read(&mut self) -> Result<Vec<TcpKernelState>, DataPlaneError> {
-        let prog: &mut Iter = self
-            .ebpf
-            .program_mut(PROGRAM)
-            .ok_or(DataPlaneError::Missing(PROGRAM))?
-            .try_into()
-            .map_err(prog_err(PROGRAM))?;
+        let prog = iter_program(&mut self.ebpf, PROGRAM)?;
         let link_id = prog.attach().map_err(prog_err(PROGRAM))?;
         let link = prog.take_link(link_id).map_err(prog_err(PROGRAM))?;
         let mut file = link.into_file().map_err(|source| DataPlaneError::Link {
@@ -242,6 +231,17 @@ impl TcpStateReader {
             .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
         Ok(records(&bytes)?.collect())
     }
+}
+
+/// The iterator program `name` of the object.
+fn iter_program<'e>(
+    ebpf: &'e mut Ebpf,
+    name: &'static str,
+) -> Result<&'e mut Iter, DataPlaneError> {
+    ebpf.program_mut(name)
+        .ok_or(DataPlaneError::Missing(name))?
+        .try_into()
+        .map_err(prog_err(name))
 }
 
 /// The records an iterator wrote.

@@ -108,16 +108,14 @@ mod tests {
         assert_eq!(std::mem::size_of::<PerfEventAttrVer0>(), 64);
     }
 
+    // Only that the event opens: its descriptor is an OwnedFd, closed by
+    // the drop, and other tests (the destination's Prepare) open events
+    // too, so a closed number could be reused at once.
     #[test]
-    fn holding_opens_a_perf_event_and_dropping_closes_it() {
+    fn holding_opens_a_perf_event() {
         let hooks = SchedHooks::hold().expect("perf_event_open (as root)");
         let fd = hooks._event.as_raw_fd();
         let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).expect("the event's fd");
         assert_eq!(link.to_string_lossy(), "anon_inode:[perf_event]");
-        drop(hooks);
-        let gone = std::fs::read_link(format!("/proc/self/fd/{fd}"))
-            .map(|l| l.to_string_lossy() != "anon_inode:[perf_event]")
-            .unwrap_or(true);
-        assert!(gone, "the event's descriptor is still open after the drop");
     }
 }

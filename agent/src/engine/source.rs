@@ -729,7 +729,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // grace-period wait is not in the freeze (`criu::SchedHooks`); opened
     // beside the steps before the dump, held until the migration ends.
     let sched_hooks = tokio::task::spawn_blocking(criu::SchedHooks::hold);
-    run.peer_links = open_peer_links(&run.agent, &run.p.sockets.tcp_peers);
+    run.peer_links = open_peer_links(
+        &run.agent,
+        &run.p.sockets.tcp_peers,
+        &run.p.destination.name,
+    );
 
     // Pre-copy: the memory crosses while the process runs.
     let pid = run.p.pid;
@@ -1677,15 +1681,18 @@ type PeerLink = tokio::task::JoinHandle<Result<PeerClient<Channel>, EngineError>
 
 /// Starts connecting to every other node of the cluster that the process
 /// has a TCP connection to (`tcp_peers`): those are the nodes an in-cluster
-/// translation may go to.
+/// translation may go to. Not to `destination`, which the migration's own
+/// connection reaches.
 fn open_peer_links(
     agent: &Arc<Agent>,
     tcp_peers: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+    destination: &str,
 ) -> Vec<(String, PeerLink)> {
     tcp_peers
         .iter()
         .filter(|ip| **ip != agent.config.cluster.address)
         .filter_map(|ip| agent.peer_at(*ip))
+        .filter(|peer| peer.name != destination)
         .map(|peer| {
             let agent = agent.clone();
             let name = peer.name.clone();
@@ -1697,9 +1704,13 @@ fn open_peer_links(
         .collect()
 }
 
-/// The connection to `peer` opened before the freeze, or a new one (none
-/// was opened, or it failed: connecting again gives the error now).
+/// The connection to `peer` opened before the freeze (the migration's own
+/// for the destination), or a new one (none was opened, or it failed:
+/// connecting again gives the error now).
 async fn peer_link(run: &mut Run, peer: &PeerConfig) -> Result<PeerClient<Channel>, EngineError> {
+    if peer.name == run.p.destination.name {
+        return Ok(run.p.peer.clone());
+    }
     if let Some(i) = run.peer_links.iter().position(|(n, _)| *n == peer.name) {
         let (_, link) = run.peer_links.swap_remove(i);
         match link.await {

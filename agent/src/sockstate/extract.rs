@@ -394,7 +394,8 @@ impl Held {
         let repaired = started.elapsed();
         let records: std::collections::HashMap<u64, ferry_ebpf::TcpKernelState> = {
             let mut reader = reader.lock().unwrap_or_else(|p| p.into_inner());
-            let by_process = (reader.reads_by_process() && !preread.tree().is_empty())
+            let by_process = preread
+                .read_by_process(&reader)
                 .then(|| reader.read_processes(preread.tree()));
             match by_process {
                 Some(Ok(records)) => records,

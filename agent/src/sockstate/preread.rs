@@ -107,10 +107,10 @@ pub struct Preread {
 /// pass itself took 0.1 ms for 17 connections here, but the whole read
 /// did not get faster than by the calls (medians 1.55 and 1.3 ms, 12
 /// migrations each, within the noise); at 1025 it took 1.7-4.4 ms against
-/// 4.0-17.3 for the namespace's pass. From 64 the estimate (each
-/// connection ~11 µs by its calls, ~2 µs by repair on and TCP_TIMESTAMP
-/// plus its share of the pass) gives the pass a clear lead; below, the
-/// calls.
+/// 4.0-17.3 for the namespace's pass. 64 is chosen, not measured: there
+/// each connection costs ~11 µs by its calls against 1-6 µs by repair on
+/// and TCP_TIMESTAMP (measured at 1025) plus its share of a ~0.1 ms pass,
+/// a clear lead for the pass; below, the calls.
 pub const PER_PROCESS_PASS_FROM: usize = 64;
 
 impl Preread {
@@ -183,7 +183,7 @@ impl Preread {
             return Ok(false);
         }
         let reader = ferry_ebpf::TcpStateReader::load()?;
-        if !(reader.reads_by_process() && !self.tree.is_empty() || self.one_pass_pays()) {
+        if !(self.read_by_process(&reader) || self.one_pass_pays()) {
             return Ok(false);
         }
         self.keep_state_reader(reader)?;
@@ -211,6 +211,12 @@ impl Preread {
     /// The processes read, root first (none for [`Preread::of_descriptors`]).
     pub(super) fn tree(&self) -> &[i32] {
         &self.tree
+    }
+
+    /// Whether `reader` reads these connections by process (over the
+    /// tree's descriptors) rather than over the namespace's table.
+    pub(super) fn read_by_process(&self, reader: &ferry_ebpf::TcpStateReader) -> bool {
+        reader.reads_by_process() && !self.tree.is_empty()
     }
 
     pub(super) fn state_reader(&self) -> Option<&std::sync::Mutex<ferry_ebpf::TcpStateReader>> {
