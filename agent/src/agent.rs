@@ -67,6 +67,15 @@ pub struct Agent {
     /// which runs while TransferImages holds `incoming`: taken by its
     /// Restore, dropped (closed silently) by its abort or the next one.
     pub incoming_sockets: std::sync::Mutex<Option<crate::engine::destination::RebuiltSockets>>,
+    /// The incoming migration's sockets opened at Arm (its id, and its
+    /// slot's place for them), for TransferSockets, which does not take
+    /// `incoming`. Weak: they close with the slot.
+    pub incoming_staged: std::sync::Mutex<
+        Option<(
+            String,
+            std::sync::Weak<crate::engine::destination::StagedSlot>,
+        )>,
+    >,
     /// Post-copy migrations committed here whose pages still follow (and,
     /// for a while, how they ended): `Peer.PostCopyStatus`.
     pub postcopies: crate::engine::destination::PostCopies,
@@ -250,6 +259,7 @@ impl Agent {
             incoming: tokio::sync::Mutex::new(None),
             incoming_source: std::sync::Mutex::new(None),
             incoming_sockets: std::sync::Mutex::new(None),
+            incoming_staged: std::sync::Mutex::new(None),
             postcopies: Default::default(),
             reports: Mutex::new(HashMap::new()),
             membership: std::sync::OnceLock::new(),

@@ -538,7 +538,9 @@ async fn run_step(
             let mut req = pb::ArmRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             note_ports(&req.ports);
-            done(destination::arm(agent, req).await)
+            // The sockets it names are checked here, not opened: the
+            // peer API's `destination::stage` touches the system.
+            done(destination::arm(agent, req).await.map(drop))
         }
         Step::TransferImages => {
             let mut chunks = stream_of::<pb::ImageChunk>(msg);
@@ -1095,6 +1097,11 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let arm = pb::ArmRequest {
         migration_id: "m1".into(),
         ports: vec![port(pb::Protocol::Tcp, 7000), port(pb::Protocol::Udp, 7001)],
+        connections: vec![pb::StagedConnection {
+            inode: 4242,
+            local: "198.18.0.100:7000".into(),
+            remote: "198.18.1.2:40000".into(),
+        }],
     }
     .encode_to_vec();
     let images = delimited(&[

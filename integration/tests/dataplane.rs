@@ -176,6 +176,9 @@ fn a_thousand_tcp_clients_and_a_bulk_stream_lose_nothing_and_are_never_reset() {
         let report =
             migrate_committed(&mut node1, pid, "node2", SocketMigration::Incremental).await;
         assert_eq!(report.tcp_established, 1025, "{report:#?}");
+        // Every connection was rebuilt on the socket node2 opened for it at
+        // Arm, before the freeze.
+        assert_eq!(report.connections_staged, 1025, "{report:#?}");
         assert!(report.replay.unwrap().captured > 0);
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
         // The source copy is dead (the commit waited for that) and reaped.

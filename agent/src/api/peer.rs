@@ -167,10 +167,13 @@ impl Peer for PeerService {
         // recorded in the slot, or not at all.
         let agent = self.agent.clone();
         let req = request.into_inner();
-        finish(tokio::spawn(
+        let staging = finish(tokio::spawn(
             async move { destination::arm(&agent, req).await },
         ))
         .await?;
+        // Answered once the sockets are open: the source freezes the
+        // process right after, and the freeze's rebuild takes them.
+        destination::stage(staging).await;
         Ok(Response::new(ArmResponse {}))
     }
 

@@ -449,6 +449,10 @@ pub struct Incoming {
     /// perf's scheduler hooks, held from Prepare until the slot ends, so
     /// that the restore's breakpoints do not wait for a grace period.
     _sched_hooks: Option<criu::SchedHooks>,
+    /// Incremental (protocol 7): the connections' sockets opened at Arm,
+    /// until TransferSockets takes them; they close with the slot. The
+    /// agent's `incoming_staged` points here without keeping them.
+    staged: Arc<StagedSlot>,
     /// The UDP sockets whose receive buffer the images were given for the
     /// replay and catch-up (`UDP_CATCH_UP_BUFFER`), with their own size,
     /// given back `UDP_CATCH_UP` after the resume. `None` until the restore
@@ -747,6 +751,7 @@ pub async fn prepare(
         leaving: None,
         restore_worker,
         _sched_hooks: sched_hooks,
+        staged: Arc::default(),
         udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
@@ -784,17 +789,124 @@ fn refuse_owned_ports(
     Ok(())
 }
 
+/// Where an incoming migration's sockets opened at Arm wait for
+/// TransferSockets.
+pub type StagedSlot = std::sync::Mutex<Option<crate::sockstate::Staged>>;
+
+/// The connections Arm named, checked, and the slot their sockets go to:
+/// [`stage`] opens them (the peer API runs it after [`arm`]; the fuzz
+/// target, which must not touch the system, does not).
+#[derive(Debug)]
+pub struct Staging {
+    migration_id: String,
+    conns: Vec<crate::sockstate::ToStage>,
+    into: Arc<StagedSlot>,
+}
+
+/// Checks `ArmRequest.connections`: every entry's addresses, one family
+/// per connection, a non-zero inode, none twice. The errors name the entry
+/// and the field.
+pub fn connections_to_stage(
+    connections: &[ferry_proto::v1::StagedConnection],
+) -> Result<Vec<crate::sockstate::ToStage>, EngineError> {
+    let mut seen = std::collections::HashSet::with_capacity(connections.len());
+    connections
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let bad = |what: &str, reason: String| EngineError::InvalidField {
+                field: "connections",
+                reason: format!("[{i}].{what}: {reason}"),
+            };
+            let addr = |what: &str, s: &str| {
+                s.parse::<std::net::SocketAddr>()
+                    .map_err(|e| bad(what, format!("{s:?} is not an address:port ({e})")))
+            };
+            let local = addr("local", &c.local)?;
+            let remote = addr("remote", &c.remote)?;
+            if local.is_ipv4() != remote.is_ipv4() {
+                return Err(bad("remote", "local and remote differ in family".into()));
+            }
+            if c.inode == 0 {
+                return Err(bad("inode", "must not be 0".into()));
+            }
+            if !seen.insert(c.inode) {
+                return Err(bad("inode", format!("{} appears twice", c.inode)));
+            }
+            Ok(crate::sockstate::ToStage {
+                inode: c.inode,
+                local,
+                remote,
+            })
+        })
+        .collect()
+}
+
+/// Opens the sockets of the connections Arm named (blocking work, off the
+/// runtime), before the freeze. Never fails the migration: a socket not
+/// opened here is built whole by TransferSockets.
+pub async fn stage(staging: Staging) {
+    let Staging {
+        migration_id,
+        conns,
+        into,
+    } = staging;
+    if conns.is_empty() {
+        return;
+    }
+    let started = Instant::now();
+    let staged = match tokio::task::spawn_blocking(move || crate::sockstate::stage(&conns)).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "opening the connections' sockets ahead of the freeze");
+            return;
+        }
+    };
+    tracing::info!(
+        migration = %migration_id,
+        sockets = staged.len(),
+        ms = started.elapsed().as_secs_f64() * 1000.0,
+        "connections' sockets opened ahead of the freeze"
+    );
+    // A slot that ended meanwhile is held only here: the sockets close
+    // with it below.
+    *into.lock().unwrap_or_else(|p| p.into_inner()) = Some(staged);
+}
+
+/// The sockets opened at Arm for migration `migration_id`, if its slot
+/// still holds them (taken: a second TransferSockets builds whole).
+fn take_staged(agent: &Agent, migration_id: &str) -> Option<crate::sockstate::Staged> {
+    let slot = {
+        let staged = agent
+            .incoming_staged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match staged.as_ref() {
+            Some((id, slot)) if id == migration_id => slot.upgrade()?,
+            _ => return None,
+        }
+    };
+    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
 /// Starts capturing every packet to the migrating process's ports, all in
-/// this one call, just before the source freezes the process.
-pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<(), EngineError> {
+/// this one call, just before the source freezes the process. Returns the
+/// connections to open ahead of the freeze ([`stage`]), checked; those
+/// whose local end is the source's cluster address are left out (the
+/// rebuild moves them to this node's).
+pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<Staging, EngineError> {
     let ports = req
         .ports
         .iter()
         .map(port_from_pb)
         .collect::<Result<Vec<_>, _>>()?;
+    let mut conns = connections_to_stage(&req.connections)?;
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["reserved"], "arm")?;
     refuse_owned_ports(agent, &ports, &inc.ports)?;
+    if let Some(source) = agent.cluster_address_of(&inc.from) {
+        conns.retain(|c| c.local.ip() != std::net::IpAddr::V4(source));
+    }
     for p in &ports {
         if !inc.ports.contains(p) {
             inc.ports.push(*p);
@@ -809,7 +921,16 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<(), EngineError>
     // No procfs read here: this is on the path to the freeze.
     agent.apply_ownership().await?;
     tracing::info!(migration = %req.migration_id, ports = inc.ports.len(), "capture armed");
-    Ok(())
+    *agent
+        .incoming_staged
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) =
+        Some((inc.migration_id.clone(), Arc::downgrade(&inc.staged)));
+    Ok(Staging {
+        migration_id: inc.migration_id.clone(),
+        conns,
+        into: inc.staged.clone(),
+    })
 }
 
 /// A CRIU started ahead of a restore (at Prepare), and the connection table
@@ -866,7 +987,9 @@ pub async fn transfer_images(
     caller: Option<String>,
     mut stream: tonic::Streaming<ImageChunk>,
 ) -> Result<TransferImagesResponse, EngineError> {
+    let entered = Instant::now();
     let mut slot = agent.incoming.lock().await;
+    let slot_waited = entered.elapsed();
     // The files are written by a blocking thread, fed through a channel:
     // a thousand small images would otherwise cost a thread-pool round trip
     // per open, write and close.
@@ -946,6 +1069,8 @@ pub async fn transfer_images(
         files = w.files,
         bytes = w.bytes,
         stored_bytes = w.stored_bytes,
+        slot_waited_ms = slot_waited.as_secs_f64() * 1000.0,
+        first_chunk_ms = first_chunk_at.map(|t| (t - entered).as_secs_f64() * 1000.0),
         streamed_ms = streamed.map(|d| d.as_secs_f64() * 1000.0),
         written_ms = first_chunk_at.map(|t| t.elapsed().as_secs_f64() * 1000.0),
         "images received"
@@ -1622,15 +1747,18 @@ pub async fn transfer_sockets(
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))??;
     let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
+    let staged = take_staged(agent, &req.migration_id);
     let started = Instant::now();
-    let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states))
+    let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states, staged))
         .await
         .map_err(|e| EngineError::Internal(e.to_string()))??;
     let took = started.elapsed();
     let connections = rebuilt.len() as u32;
+    let staged = rebuilt.staged() as u32;
     tracing::info!(
         migration = %req.migration_id,
         connections,
+        staged,
         ms = took.as_secs_f64() * 1000.0,
         ?handover,
         "TCP connections rebuilt in one batch"
@@ -1648,6 +1776,7 @@ pub async fn transfer_sockets(
     Ok(ferry_proto::v1::TransferSocketsResponse {
         connections,
         rebuild_us: took.as_micros() as u64,
+        staged,
     })
 }
 
@@ -1960,6 +2089,103 @@ mod tests {
         }
     }
 
+    /// Arm's connections (protocol 7): a bad entry is refused with the
+    /// entry and field named, before anything is armed; good ones come back
+    /// to be opened, but those on the source's cluster address, which the
+    /// rebuild moves to this node's, are left out.
+    #[tokio::test]
+    async fn arm_checks_the_connections_it_names_and_leaves_the_in_cluster_ones_out() {
+        let f = Fixture::new(&[("node1", "198.19.0.1"), ("node3", "198.19.0.3")]);
+        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        let conn = |inode: u64, local: &str, remote: &str| pb::StagedConnection {
+            inode,
+            local: local.into(),
+            remote: remote.into(),
+        };
+        let good = conn(11, "198.18.0.100:7000", "198.18.1.2:40000");
+        let arm_with = |connections: Vec<pb::StagedConnection>| ArmRequest {
+            migration_id: "aaaa".into(),
+            ports: vec![pb::Port {
+                protocol: pb::Protocol::Tcp as i32,
+                port: 7000,
+            }],
+            connections,
+        };
+        for (bad, names) in [
+            (conn(12, "198.18.0.100", "198.18.1.2:1"), "[1].local"),
+            (conn(12, "198.18.0.100:7000", "[::1]:1"), "[1].remote"),
+            (conn(0, "198.18.0.100:7000", "198.18.1.2:1"), "[1].inode"),
+            (conn(11, "198.18.0.100:7000", "198.18.1.2:1"), "[1].inode"),
+        ] {
+            let err = arm(&f.agent, arm_with(vec![good.clone(), bad]))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("connections: {names}")),
+                "{err}"
+            );
+        }
+        assert!(
+            !f.filter
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|r| r.contains("Capturing")),
+            "a refused Arm armed a capture"
+        );
+        let in_cluster = conn(13, "198.19.0.1:5000", "198.19.0.3:5432");
+        let staging = arm(&f.agent, arm_with(vec![good, in_cluster]))
+            .await
+            .unwrap();
+        assert_eq!(
+            staging.conns,
+            vec![crate::sockstate::ToStage {
+                inode: 11,
+                local: "198.18.0.100:7000".parse().unwrap(),
+                remote: "198.18.1.2:40000".parse().unwrap(),
+            }]
+        );
+        assert!(Arc::ptr_eq(
+            &staging.into,
+            &f.agent
+                .incoming_staged
+                .lock()
+                .unwrap()
+                .as_ref()
+                .unwrap()
+                .1
+                .upgrade()
+                .unwrap()
+        ));
+        // The slot's end drops what was opened for it.
+        drop(staging);
+        abort(
+            &f.agent,
+            AbortRequest {
+                migration_id: "aaaa".into(),
+                reason: "test".into(),
+            },
+        )
+        .await
+        .unwrap();
+        assert!(take_staged(&f.agent, "aaaa").is_none());
+        assert!(
+            f.agent
+                .incoming_staged
+                .lock()
+                .unwrap()
+                .as_ref()
+                .unwrap()
+                .1
+                .upgrade()
+                .is_none(),
+            "the aborted slot's place for staged sockets outlived it"
+        );
+    }
+
     #[tokio::test]
     async fn arm_captures_every_port_in_one_call_and_abort_drops_the_capture() {
         let f = fixture();
@@ -1980,6 +2206,7 @@ mod tests {
                         port: 7001,
                     },
                 ],
+                connections: vec![],
             },
         )
         .await
@@ -1994,6 +2221,7 @@ mod tests {
             ArmRequest {
                 migration_id: "bbbb".into(),
                 ports: vec![],
+                connections: vec![],
             },
         )
         .await

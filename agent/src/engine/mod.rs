@@ -1,4 +1,4 @@
-//! The migration engine (the seed's `migd`), peer protocol version 6.
+//! The migration engine (the seed's `migd`), peer protocol version 7.
 //!
 //! # The migration as a state machine
 //!
@@ -40,7 +40,11 @@
 //!   logging what it delivers to the process's ports (`Recording`), then
 //!   `Peer.Arm` makes the destination capture every packet to all of them
 //!   in one call. From here no packet for the process is lost: the
-//!   broadcast cluster brings each one to both nodes.
+//!   broadcast cluster brings each one to both nodes. Incremental, from
+//!   protocol 7: Arm also names the connections pre-read (inode and ends),
+//!   and the destination opens their sockets before it answers (repair
+//!   mode, bound; [`crate::sockstate::stage()`]), so that the rebuild in
+//!   the freeze starts from them. They close with the incoming slot.
 //! - **Dump**, with the **Freeze** inside it: CRIU (`--tcp-established
 //!   --network-lock skip`) starts while the process still serves; at its
 //!   `pre-dump` notification, just before it seizes the process, the
@@ -116,6 +120,9 @@
 //! (`TransferPages`, `StoredPages` in the image stream); a source asks for
 //! a pre-copy strategy only from a destination that chose 5, and refuses
 //! the migration before touching anything otherwise (`precopy.rs`).
+//! Version 7 adds `ArmRequest.connections` and
+//! `TransferSocketsResponse.staged`; a source names the connections only
+//! to a destination that chose 7 (an older one would ignore them).
 //!
 //! # Post-copy (protocol 6)
 //!

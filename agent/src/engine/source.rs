@@ -824,9 +824,24 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         if let Err(e) = run.agent.apply_ownership().await {
             return Stop::BeforeCommit(e);
         }
+        // Protocol 7: the connections read before the freeze, whose
+        // sockets the destination opens now instead of inside it.
+        let connections = match &run.incremental {
+            Some(inc) if run.p.protocol_version >= ferry_proto::PEER_PROTOCOL_STAGED_SOCKETS => inc
+                .preread
+                .connections()
+                .map(|(inode, c)| ferry_proto::v1::StagedConnection {
+                    inode,
+                    local: c.local.to_string(),
+                    remote: c.remote.to_string(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         let arm = run.p.peer.arm(ArmRequest {
             migration_id: id.clone(),
             ports: ports.iter().map(port_to_pb).collect(),
+            connections,
         });
         match tokio::time::timeout(deadline, arm).await {
             Ok(Ok(_)) => {}
@@ -1283,8 +1298,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 run.report.connections_preread = c.preread;
                 run.report.connections_read_in_freeze = c.touched + c.unknown;
             }
+            run.report.connections_staged = answer.staged;
             tracing::info!(
                 connections = answer.connections,
+                staged = answer.staged,
                 rebuild_ms = answer.rebuild_us as f64 / 1000.0,
                 "destination rebuilt the connections"
             );

@@ -61,6 +61,7 @@ pub mod options;
 mod preread;
 mod rebuild;
 mod spread;
+mod stage;
 pub(crate) mod sys;
 mod udp;
 
@@ -70,6 +71,7 @@ pub use extract::{Held, ReadCounts, StoppedSockets, take_sockets, unsupported_so
 pub use flush::{Flushed, flush_send_queues};
 pub use preread::{Preread, PrereadConnection};
 pub use rebuild::{CONNECTION_TABLE_KEY, Handover, Rebuilt, empty_connection_table, rebuild};
+pub use stage::{Staged, ToStage, stage};
 pub use sys::{RepairWindow, prepare_descriptor_table};
 pub use udp::{datagram_key, give_back_udp_buffers, key_of_packet, unread_datagrams};
 

@@ -231,6 +231,12 @@ impl Preread {
         self.by_inode.is_empty()
     }
 
+    /// Every connection read, by inode: what the destination opens ahead
+    /// of the freeze ([`super::stage`]).
+    pub fn connections(&self) -> impl Iterator<Item = (u64, &PrereadConnection)> {
+        self.by_inode.iter().map(|(inode, c)| (*inode, c))
+    }
+
     /// The network namespace (cookie) of every connection read, when they
     /// share one.
     pub fn only_netns(&self) -> Option<u64> {

@@ -10,6 +10,7 @@ use nix::sys::socket::{
 };
 
 use super::spread;
+use super::stage::Staged;
 use super::sys::{self, RepairOpt};
 use super::{SockStateError, TcpConnectionState};
 
@@ -81,6 +82,9 @@ pub struct Rebuilt {
     conns: Vec<RebuiltConnection>,
     /// [`Rebuilt::resume`] ran: the sockets are the process's.
     resumed: bool,
+    /// Of `conns`, those finished on a socket opened ahead
+    /// ([`super::stage`]).
+    staged: usize,
 }
 
 impl Drop for Rebuilt {
@@ -124,16 +128,34 @@ fn connect_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
 }
 
 /// Rebuilds every connection of `states` in the caller's network
-/// namespace. All or nothing: on an error, the ones already built are
-/// closed (silently, in repair mode).
-pub fn rebuild(states: &[TcpConnectionState]) -> Result<Rebuilt, SockStateError> {
+/// namespace, each on the socket `staged` holds for it if any (opened
+/// before the freeze, [`super::stage`]). All or nothing: on an error, the
+/// ones already built are closed (silently, in repair mode). The staged
+/// sockets no connection took are closed.
+pub fn rebuild(
+    states: &[TcpConnectionState],
+    staged: Option<Staged>,
+) -> Result<Rebuilt, SockStateError> {
+    let mut staged = staged.unwrap_or_default();
+    let mut work: Vec<(&TcpConnectionState, Option<OwnedFd>)> = states
+        .iter()
+        .map(|c| (c, staged.take(c.inode, c.local, c.remote)))
+        .collect();
+    let taken = work.iter().filter(|(_, fd)| fd.is_some()).count();
     // Spread over the cores (ferryd's threads are in its node's network
-    // namespace, where the connections belong).
-    let parts = spread::on_threads(
-        states.chunks(spread::chunk_len(states.len())),
-        "rebuild",
-        |chunk| chunk.iter().map(rebuild_one).collect::<Result<Vec<_>, _>>(),
-    );
+    // namespace, where the connections belong), in owned parts: the staged
+    // descriptors move into the threads.
+    let chunk = spread::chunk_len(work.len());
+    let mut parts = Vec::new();
+    while !work.is_empty() {
+        let rest = work.split_off(chunk.min(work.len()));
+        parts.push(std::mem::replace(&mut work, rest));
+    }
+    let parts = spread::on_threads(parts, "rebuild", |part| {
+        part.into_iter()
+            .map(|(c, fd)| rebuild_one(c, fd))
+            .collect::<Result<Vec<_>, _>>()
+    });
     let mut conns = Vec::with_capacity(states.len());
     for part in parts {
         conns.extend(part?);
@@ -141,10 +163,51 @@ pub fn rebuild(states: &[TcpConnectionState]) -> Result<Rebuilt, SockStateError>
     Ok(Rebuilt {
         conns,
         resumed: false,
+        staged: taken,
     })
 }
 
-fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateError> {
+/// A new TCP socket of `local`'s family in repair mode, bound to `local`
+/// (repair mode binds even to an address:port in use: SK_FORCE_REUSE).
+/// What a rebuild needs before the connection's state; `conn` names it in
+/// errors.
+pub(super) fn open_bound(local: SocketAddr, conn: &str) -> Result<OwnedFd, SockStateError> {
+    let family = if local.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let nix_err = |op: &'static str| {
+        move |e: nix::Error| SockStateError::Sys {
+            op,
+            conn: conn.to_owned(),
+            source: std::io::Error::from(e),
+        }
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::Tcp,
+    )
+    .map_err(nix_err("socket"))?;
+    sys::set_int(fd.as_fd(), libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON).map_err(|source| {
+        SockStateError::Sys {
+            op: "turning repair on",
+            conn: conn.to_owned(),
+            source,
+        }
+    })?;
+    bind_to(&fd, local).map_err(nix_err("bind"))?;
+    Ok(fd)
+}
+
+/// Rebuilds one connection, on `staged` (its socket opened and bound
+/// ahead) or on a new socket.
+fn rebuild_one(
+    c: &TcpConnectionState,
+    staged: Option<OwnedFd>,
+) -> Result<RebuiltConnection, SockStateError> {
     let name = c.name();
     let err = |op: &'static str| {
         let conn = name.clone();
@@ -158,21 +221,11 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
             source: std::io::Error::from(e),
         }
     };
-    let family = if c.local.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
+    let fd = match staged {
+        Some(fd) => fd,
+        None => open_bound(c.local, &name)?,
     };
-    let fd = socket(
-        family,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::Tcp,
-    )
-    .map_err(nix_err("socket"))?;
     let sock = fd.as_fd();
-    sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)
-        .map_err(err("turning repair on"))?;
     // The source's send buffer size; CRIU's restore sets the same value
     // afterwards (it restores every socket's buffer sizes). What the source
     // held need not fit in it: the queues go in through `sys::queue_all`.
@@ -185,8 +238,6 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
         )
         .map_err(err("SO_SNDBUFFORCE"))?;
     }
-    // Repair mode binds even to an address:port in use (SK_FORCE_REUSE).
-    bind_to(&fd, c.local).map_err(nix_err("bind"))?;
 
     // The sequence numbers before the queued bytes: writing the queues
     // below advances them to where they were on the source.
@@ -288,6 +339,11 @@ fn rebuild_one(c: &TcpConnectionState) -> Result<RebuiltConnection, SockStateErr
 impl Rebuilt {
     pub fn len(&self) -> usize {
         self.conns.len()
+    }
+
+    /// How many were finished on a socket opened ahead of the freeze.
+    pub fn staged(&self) -> usize {
+        self.staged
     }
 
     pub fn is_empty(&self) -> bool {

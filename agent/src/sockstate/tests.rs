@@ -63,7 +63,29 @@ fn migrate_altered(
     with_options: bool,
     alter: impl FnOnce(&mut TcpConnectionState),
 ) -> (TcpConnectionState, TcpStream) {
+    migrate_staged(server, with_options, alter, None)
+}
+
+/// [`migrate_altered`], with a socket opened ahead (as at Arm, before the
+/// extract) for `stage` when given; the rebuild must take it exactly when
+/// its ends are the connection's.
+fn migrate_staged(
+    server: TcpStream,
+    with_options: bool,
+    alter: impl FnOnce(&mut TcpConnectionState),
+    stage: Option<ToStage>,
+) -> (TcpConnectionState, TcpStream) {
     let inode = inode_of(&server);
+    let staged = stage.map(|s| {
+        let staged = super::stage(&[s]);
+        assert_eq!(staged.len(), 1, "the socket for {s:?} opened ahead");
+        staged
+    });
+    let expect_staged = stage.is_some_and(|s| {
+        s.inode == inode
+            && s.local == server.local_addr().unwrap()
+            && s.remote == server.peer_addr().unwrap()
+    });
     let dup: OwnedFd = server.as_fd().try_clone_to_owned().unwrap();
     let held = Held::from_descriptors(vec![(inode, dup)]);
     let mut states = held.extract(with_options).expect("extract");
@@ -79,7 +101,12 @@ fn migrate_altered(
     let state = TcpConnectionState::from_pb(0, wire).expect("valid state");
     assert_eq!(state, states[0]);
     alter(&mut states[0]);
-    let rebuilt = rebuild(&states).expect("rebuild");
+    let rebuilt = rebuild(&states, staged).expect("rebuild");
+    assert_eq!(
+        rebuilt.staged(),
+        usize::from(expect_staged),
+        "the rebuild took the socket opened ahead: {stage:?}"
+    );
     let fds = rebuilt.inherit_fds(false);
     assert_eq!(fds[0].0, format!("socket:[{inode}]"));
     assert_eq!(
@@ -133,7 +160,7 @@ fn a_rebuilt_connection_out_of_repair_mode_is_dropped_silently() {
     drop(server);
     drop(held);
     wait_closed(inode);
-    let rebuilt = rebuild(&states).expect("rebuild");
+    let rebuilt = rebuild(&states, None).expect("rebuild");
     let rebuilt_inode = std::fs::metadata(format!(
         "/proc/self/fd/{}",
         rebuilt.descriptors().next().unwrap().as_raw_fd()
@@ -180,6 +207,41 @@ fn a_connection_with_unread_bytes_survives_a_rebuild() {
     let mut back = vec![0u8; 30];
     client.read_exact(&mut back).unwrap();
     assert_eq!(&back, b"answer from the rebuilt socket");
+}
+
+/// A connection finished on the socket opened for it before the freeze
+/// carries its bytes as one built whole does; a socket opened for other
+/// ends (the inode reused by another connection since) is not taken, and
+/// the connection is built whole.
+#[test]
+fn a_connection_finishes_on_the_socket_opened_ahead_for_its_ends_only() {
+    for same_ends in [true, false] {
+        let (mut client, server) = pair();
+        let mut ahead = ToStage {
+            inode: inode_of(&server),
+            local: server.local_addr().unwrap(),
+            remote: server.peer_addr().unwrap(),
+        };
+        if !same_ends {
+            ahead.remote.set_port(ahead.remote.port() ^ 1);
+        }
+        client.write_all(b"before|").unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while sys::inq(server.as_fd()).unwrap() < 7 {
+            assert!(std::time::Instant::now() < deadline, "bytes never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (state, mut moved) = migrate_staged(server, false, |_| {}, Some(ahead));
+        assert_eq!(state.recv_queue, b"before|");
+        client.write_all(b"after").unwrap();
+        let mut got = [0u8; 12];
+        moved.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"before|after", "same ends: {same_ends}");
+        moved.write_all(b"answer").unwrap();
+        let mut back = [0u8; 6];
+        client.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"answer", "same ends: {same_ends}");
+    }
 }
 
 /// Fills `server`'s send queue towards a `client` that does not read, until

@@ -1041,6 +1041,7 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         // recursion limit.
         v["connections_preread"] = json!(r.connections_preread);
         v["connections_read_in_freeze"] = json!(r.connections_read_in_freeze);
+        v["connections_staged"] = json!(r.connections_staged);
         v["drain_time_ms"] = json!(ms(r.drain_time_us));
         v["drain_bytes_at_start"] = json!(r.drain_bytes_at_start);
         v["drain_bytes_left"] = json!(r.drain_bytes_left);
@@ -1107,8 +1108,9 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
     println!("  socket migration    {sockets}");
     if r.sockets == pb::SocketMigration::Incremental as i32 {
         println!(
-            "                      {} connections read before the freeze, {} read whole in it",
-            r.connections_preread, r.connections_read_in_freeze
+            "                      {} connections read before the freeze, {} read whole in it, \
+             {} rebuilt on sockets opened before it",
+            r.connections_preread, r.connections_read_in_freeze, r.connections_staged
         );
     }
     if !r.sockets_note.is_empty() {
