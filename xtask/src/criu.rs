@@ -137,6 +137,14 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/connections-out-of-images.patch"),
         mark: "ferry-conns-out2",
     },
+    // The root task's cgroups are read by CRIU itself when the tree shares
+    // CRIU's cgroup namespace, instead of by the parasite (a round trip and
+    // a procfs mount in the stopped task per thread, in the freeze).
+    Patch {
+        what: "cgroups read without the parasite",
+        text: include_str!("../criu/cgroup-without-parasite.patch"),
+        mark: "ferry-cgroup-by-criu",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

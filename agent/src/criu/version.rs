@@ -154,6 +154,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         CONNS_OUT_MARK,
         "connections kept out of the images (a shorter dump and restore)",
     ),
+    (
+        "ferry-cgroup-by-criu",
+        "cgroups read without the parasite (a shorter dump)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -258,6 +262,7 @@ mod tests {
                 "connection options carried by ferryd (a shorter dump and restore)",
                 "handed-over connections as one table (a shorter CRIU start-up)",
                 "connections kept out of the images (a shorter dump and restore)",
+                "cgroups read without the parasite (a shorter dump)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.
