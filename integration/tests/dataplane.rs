@@ -445,11 +445,13 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
             256,
         )
         .expect("TCP clients");
+        // A datagram every 2 ms from each: the freeze (~10 ms here) always
+        // has some to capture and replay, which node2's counters must show.
         let udp = UdpClients::start(
             cluster.netns_path("client1"),
             target,
             4,
-            Duration::from_millis(20),
+            Duration::from_millis(2),
             64,
         )
         .expect("UDP clients");

@@ -411,12 +411,18 @@ fn drive(
         }
 
         let mut tasks = JoinSet::new();
+        let count = streams.len().max(1) as u32;
         for (id, (stream, local)) in streams.into_iter().enumerate() {
             let conn = Conn {
                 id,
                 local,
                 message_len: params.message_len,
                 interval: params.interval,
+                // Spread over one interval, as independent clients are:
+                // started together, every connection would send in the
+                // same instant, and a freeze shorter than the interval
+                // could fall between two bursts and see no packet at all.
+                first_after: params.interval * id as u32 / count,
                 started,
                 live: live.clone(),
             };
@@ -527,6 +533,8 @@ struct Conn {
     local: SocketAddrV4,
     message_len: usize,
     interval: Duration,
+    /// When its first message leaves, after the writers start.
+    first_after: Duration,
     started: Instant,
     live: Arc<Vec<Live>>,
 }
@@ -604,7 +612,10 @@ impl Conn {
         mut phase: watch::Receiver<Phase>,
     ) -> OwnedWriteHalf {
         let mut ticker = (!self.interval.is_zero()).then(|| {
-            let mut t = tokio::time::interval(self.interval);
+            let mut t = tokio::time::interval_at(
+                tokio::time::Instant::now() + self.first_after,
+                self.interval,
+            );
             // After a stall (a frozen server filling the send buffer) keep
             // the pace instead of bursting to catch up.
             t.set_missed_tick_behavior(MissedTickBehavior::Delay);
