@@ -1726,7 +1726,11 @@ pub async fn transfer_sockets(
     // here, before the restore: the source rolls back and the connections
     // live on there.
     let criu_path = agent.config.criu_path.clone();
-    let handover = tokio::task::spawn_blocking(move || {
+    let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
+    let staged = take_staged(agent, &req.migration_id);
+    // One blocking task for the check and the rebuild: inside the freeze a
+    // thread hand-off can wait milliseconds for a core.
+    let (handover, rebuilt, took) = tokio::task::spawn_blocking(move || {
         criu::require_patch(&criu_path, criu::INHERITED_TCP_MARK)?;
         if with_options != 0 {
             criu::require_patch(&criu_path, criu::OPTS_BY_CALLER_MARK)?;
@@ -1734,25 +1738,19 @@ pub async fn transfer_sockets(
         // The table path builds on the pidfd one (its inode table and
         // service fd).
         let by_pidfd = criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK);
-        Ok::<_, criu::CriuError>(
-            if by_pidfd && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK) {
-                Handover::Table
-            } else if by_pidfd {
-                Handover::ByPidfd
-            } else {
-                Handover::Fdstore
-            },
-        )
+        let handover = if by_pidfd && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK) {
+            Handover::Table
+        } else if by_pidfd {
+            Handover::ByPidfd
+        } else {
+            Handover::Fdstore
+        };
+        let started = Instant::now();
+        let rebuilt = crate::sockstate::rebuild(&states, staged)?;
+        Ok::<_, EngineError>((handover, rebuilt, started.elapsed()))
     })
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))??;
-    let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
-    let staged = take_staged(agent, &req.migration_id);
-    let started = Instant::now();
-    let rebuilt = tokio::task::spawn_blocking(move || crate::sockstate::rebuild(&states, staged))
-        .await
-        .map_err(|e| EngineError::Internal(e.to_string()))??;
-    let took = started.elapsed();
     let connections = rebuilt.len() as u32;
     let staged = rebuilt.staged() as u32;
     tracing::info!(
