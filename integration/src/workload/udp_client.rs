@@ -276,6 +276,17 @@ fn run(
     echoed: &AtomicU64,
 ) -> UdpReport {
     let started = Instant::now();
+    // The players send in slots spread over the interval (at most one slot
+    // per 5 ms), as independent players do: all at once, a thousand
+    // datagrams would land in the server's socket in one burst every
+    // interval, more than its default buffer holds.
+    let slots = (interval.as_millis() / 5).clamp(1, clients.len().max(1) as u128) as u32;
+    let due = |tick: u64| {
+        started
+            + interval * (tick / u64::from(slots)) as u32
+            + interval * (tick % u64::from(slots)) as u32 / slots
+    };
+    let mut tick = 0u64;
     let mut next = started;
     let mut stopped_at: Option<Instant> = None;
     let mut buf = vec![0u8; 2048];
@@ -302,7 +313,8 @@ fn run(
                 }
             }
             None if now >= next => {
-                for c in &mut clients {
+                let slot = (tick % u64::from(slots)) as usize;
+                for c in clients.iter_mut().skip(slot).step_by(slots as usize) {
                     let d = payload(c.id, c.sent, len);
                     // A send the kernel refuses (buffer full) is counted as
                     // sent: it shows up as lost.
@@ -310,7 +322,8 @@ fn run(
                     c.sent += 1;
                     c.seen.push(false);
                 }
-                next += interval;
+                tick += 1;
+                next = due(tick);
             }
             None => {}
         }
