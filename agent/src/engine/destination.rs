@@ -818,15 +818,8 @@ pub fn connections_to_stage(
                 field: "connections",
                 reason: format!("[{i}].{what}: {reason}"),
             };
-            let addr = |what: &str, s: &str| {
-                s.parse::<std::net::SocketAddr>()
-                    .map_err(|e| bad(what, format!("{s:?} is not an address:port ({e})")))
-            };
-            let local = addr("local", &c.local)?;
-            let remote = addr("remote", &c.remote)?;
-            if local.is_ipv4() != remote.is_ipv4() {
-                return Err(bad("remote", "local and remote differ in family".into()));
-            }
+            let (local, remote) = crate::sockstate::ends_from_pb(&c.local, &c.remote)
+                .map_err(|(what, reason)| bad(what, reason))?;
             if c.inode == 0 {
                 return Err(bad("inode", "must not be 0".into()));
             }
@@ -1945,6 +1938,19 @@ mod tests {
         Fixture::new(&[])
     }
 
+    /// The source's Abort of migration `id`, which must succeed.
+    async fn abort_test_migration(agent: &Arc<Agent>, id: &str) {
+        abort(
+            agent,
+            AbortRequest {
+                migration_id: id.into(),
+                reason: "test".into(),
+            },
+        )
+        .await
+        .unwrap();
+    }
+
     fn prepare_req(id: &str, port: u32) -> PrepareRequest {
         PrepareRequest {
             protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
@@ -1972,15 +1978,7 @@ mod tests {
         let dir = f.agent.config.work_dir.join("incoming/aaaa");
         assert!(dir.is_dir());
 
-        abort(
-            &f.agent,
-            AbortRequest {
-                migration_id: "aaaa".into(),
-                reason: "test".into(),
-            },
-        )
-        .await
-        .unwrap();
+        abort_test_migration(&f.agent, "aaaa").await;
         assert!(!dir.exists(), "images directory left behind");
         assert_eq!(
             f.filter.0.lock().unwrap().last().unwrap(),
@@ -2146,40 +2144,20 @@ mod tests {
                 remote: "198.18.1.2:40000".parse().unwrap(),
             }]
         );
-        assert!(Arc::ptr_eq(
-            &staging.into,
-            &f.agent
-                .incoming_staged
-                .lock()
-                .unwrap()
-                .as_ref()
-                .unwrap()
-                .1
-                .upgrade()
-                .unwrap()
-        ));
+        // What the agent points TransferSockets at: the slot's place.
+        let pointed = || {
+            let staged = f.agent.incoming_staged.lock().unwrap();
+            let (id, place) = staged.as_ref().expect("Arm registered its place");
+            assert_eq!(id, "aaaa");
+            place.upgrade()
+        };
+        assert!(Arc::ptr_eq(&staging.into, &pointed().unwrap()));
         // The slot's end drops what was opened for it.
         drop(staging);
-        abort(
-            &f.agent,
-            AbortRequest {
-                migration_id: "aaaa".into(),
-                reason: "test".into(),
-            },
-        )
-        .await
-        .unwrap();
+        abort_test_migration(&f.agent, "aaaa").await;
         assert!(take_staged(&f.agent, "aaaa").is_none());
         assert!(
-            f.agent
-                .incoming_staged
-                .lock()
-                .unwrap()
-                .as_ref()
-                .unwrap()
-                .1
-                .upgrade()
-                .is_none(),
+            pointed().is_none(),
             "the aborted slot's place for staged sockets outlived it"
         );
     }
@@ -2227,15 +2205,7 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
 
         f.filter.1.lock().unwrap().push(captured(7000, b"kept"));
-        abort(
-            &f.agent,
-            AbortRequest {
-                migration_id: "aaaa".into(),
-                reason: "test".into(),
-            },
-        )
-        .await
-        .unwrap();
+        abort_test_migration(&f.agent, "aaaa").await;
         let calls = f.filter.0.lock().unwrap().clone();
         assert!(
             calls.ends_with(&["remove 7000/tcp".into(), "remove 7001/udp".into()]),

@@ -254,15 +254,8 @@ impl TcpConnectionState {
             field,
             reason,
         };
-        let addr = |field: &'static str, s: &str| {
-            s.parse::<SocketAddr>()
-                .map_err(|e| bad(field, format!("{s:?} is not an address:port ({e})")))
-        };
-        let local = addr("local", &p.local)?;
-        let remote = addr("remote", &p.remote)?;
-        if local.is_ipv4() != remote.is_ipv4() {
-            return Err(bad("remote", "local and remote differ in family".into()));
-        }
+        let (local, remote) =
+            ends_from_pb(&p.local, &p.remote).map_err(|(field, reason)| bad(field, reason))?;
         if p.inode == 0 {
             return Err(bad("inode", "must not be 0".into()));
         }
@@ -336,6 +329,24 @@ impl TcpConnectionState {
             socket_options: p.socket_options,
         })
     }
+}
+
+/// A connection's two ends as a peer wrote them ("a.b.c.d:p" or
+/// "[v6]:p"), of one family. The error names the field ("local" or
+/// "remote") and says why.
+pub fn ends_from_pb(
+    local: &str,
+    remote: &str,
+) -> Result<(SocketAddr, SocketAddr), (&'static str, String)> {
+    let addr = |field: &'static str, s: &str| {
+        s.parse::<SocketAddr>()
+            .map_err(|e| (field, format!("{s:?} is not an address:port ({e})")))
+    };
+    let (local, remote) = (addr("local", local)?, addr("remote", remote)?);
+    if local.is_ipv4() != remote.is_ipv4() {
+        return Err(("remote", "local and remote differ in family".into()));
+    }
+    Ok((local, remote))
 }
 
 /// Checks a whole batch from a peer: every entry, and no inode twice.
