@@ -91,6 +91,11 @@ struct Args {
     /// server's send queues to empty (0: off).
     #[arg(long, default_value_t = 0)]
     drain_ms: u32,
+    /// Memory strategy of every migration: total-copy (the default),
+    /// pre-copy or queued-pre-copy (the pages then cross before the
+    /// freeze, which carries only those written since).
+    #[arg(long, default_value = "total-copy", value_parser = strategy)]
+    strategy: Strategy,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
     /// CRIU's log level in every agent (4: each step with its time, for
@@ -107,6 +112,18 @@ struct Args {
 /// A comma-separated list of counts that may be empty.
 #[derive(Debug, Clone)]
 struct Counts(Vec<usize>);
+
+/// A `--strategy` value: the proto name without its prefix, in kebab case.
+fn strategy(s: &str) -> Result<Strategy, String> {
+    match s {
+        "total-copy" => Ok(Strategy::TotalCopy),
+        "pre-copy" => Ok(Strategy::PreCopy),
+        "queued-pre-copy" => Ok(Strategy::QueuedPreCopy),
+        other => Err(format!(
+            "{other:?}: total-copy, pre-copy or queued-pre-copy (post-copy's freeze is not comparable)"
+        )),
+    }
+}
 
 fn counts(s: &str) -> Result<Counts, String> {
     s.split(',')
@@ -503,7 +520,7 @@ async fn migrations(
                 MigrateRequest {
                     pid,
                     destination_node: to.into(),
-                    strategy: Strategy::TotalCopy as i32,
+                    strategy: args.strategy as i32,
                     sockets: mode as i32,
                     drain_send_queues_ms: args.drain_ms,
                     ..Default::default()
@@ -737,7 +754,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     };
     let _ = writeln!(
         t,
-        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --drain-ms {} --modes {}` (root; 2 cores here).",
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --drain-ms {} --modes {} --strategy {}` (root; 2 cores here).",
         args.runs,
         list(&args.tcp.0),
         args.udp,
@@ -745,7 +762,12 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
         args.db,
         args.bulk,
         args.drain_ms,
-        args.modes.join(",")
+        args.modes.join(","),
+        match args.strategy {
+            Strategy::PreCopy => "pre-copy",
+            Strategy::QueuedPreCopy => "queued-pre-copy",
+            _ => "total-copy",
+        }
     );
     t
 }
