@@ -1950,6 +1950,7 @@ fn options_by_ferryd(collective: bool, destination_takes: bool, criu: &std::path
 /// reads its connections (in that order: a call racing with the read is
 /// seen). Blocking. The error says why incremental mode cannot be used.
 fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
+    let started = Instant::now();
     let tree = process::process_tree(pid);
     let cgroups = tree
         .iter()
@@ -1957,14 +1958,22 @@ fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
         .collect::<Result<Vec<_>, _>>()?;
     let mut watch = ferry_ebpf::SockoptWatch::attach(&cgroups)
         .map_err(|e| format!("attaching the setsockopt watch: {e}"))?;
+    let watched = started.elapsed();
     let mut preread = sockstate::Preread::of_tree(&tree, with_options)
         .map_err(|e| format!("reading the connections: {e}"))?;
+    let read = started.elapsed();
     // Enough connections: the freeze then reads them in one pass of the
     // TCP state iterator; a kernel without it (or without BTF) reads each
     // by its calls.
     if let Err(e) = preread.with_state_reader() {
         tracing::warn!(error = %e, "no TCP state iterator: each connection is read by its calls in the freeze");
     }
+    tracing::debug!(
+        watch_ms = watched.as_secs_f64() * 1000.0,
+        read_ms = (read - watched).as_secs_f64() * 1000.0,
+        state_reader_ms = (started.elapsed() - read).as_secs_f64() * 1000.0,
+        "pre-read steps"
+    );
     // Calls elsewhere on the node cost no map update from here on.
     if let Some(netns) = preread.only_netns() {
         watch
