@@ -159,6 +159,27 @@ fn the_iterator_reads_what_the_repair_calls_read() {
         let _ = other.kill();
         let _ = other.wait();
         assert_eq!(none.expect("read another process's iterator"), vec![]);
+        // Given back and taken again (the next migration's), the reader
+        // asks for nothing until told: the same pass reports no record.
+        let spare = TcpStateReader::spare();
+        reader.give_back();
+        assert_eq!(TcpStateReader::spare(), spare + 1, "kept for later");
+        let mut again = TcpStateReader::take().expect("take a reader");
+        assert_eq!(TcpStateReader::spare(), spare, "the kept one was taken");
+        assert_eq!(
+            again
+                .read_processes(&[std::process::id() as i32])
+                .expect("read with the reader taken again"),
+            vec![]
+        );
+        again
+            .want([get::<u64>(asked[1], libc::SOL_SOCKET, SO_COOKIE)])
+            .expect("ask again");
+        let one = again
+            .read_processes(&[std::process::id() as i32])
+            .expect("read one connection");
+        assert_eq!(one.len(), 1, "{one:#?}");
+        assert_eq!(one[0], by_calls(asked[1]));
         for &fd in &asked {
             set(fd, libc::SOL_TCP, TCP_REPAIR, 0);
         }
