@@ -26,6 +26,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 
 use aya::maps::{Array, HashMap, MapData};
+use aya::programs::cgroup_sockopt::CgroupSockoptLinkId;
 use aya::programs::{CgroupAttachMode, CgroupSockopt};
 use aya::{Ebpf, include_bytes_aligned};
 
@@ -126,11 +127,24 @@ impl Touched {
     }
 }
 
-/// `ferry_sockopt_watch` attached to some cgroups, until dropped.
+/// `ferry_sockopt_watch` attached to some cgroups, until dropped. Dropped,
+/// it detaches and its loaded program waits for the next watch (see
+/// [`SPARE`]).
 pub struct SockoptWatch {
-    ebpf: Ebpf,
+    /// `None` only while dropping.
+    ebpf: Option<Ebpf>,
     cgroups: Vec<PathBuf>,
+    links: Vec<CgroupSockoptLinkId>,
 }
+
+/// Loaded programs of earlier watches, detached, for the next ones:
+/// loading one (the verifier) and attaching it took 28-35 ms of CPU at
+/// every migration's pre-read, right before the freeze. At most
+/// [`SPARE_WATCHES`] are kept.
+static SPARE: std::sync::Mutex<Vec<Ebpf>> = std::sync::Mutex::new(Vec::new());
+
+/// The most detached programs kept for later watches.
+const SPARE_WATCHES: usize = 4;
 
 impl std::fmt::Debug for SockoptWatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -145,14 +159,18 @@ impl SockoptWatch {
     /// (cgroup v2; programs attached there by others stay and run too). Blocking: a load
     /// takes milliseconds.
     pub fn attach(cgroups: &[PathBuf]) -> Result<Self, DataPlaneError> {
-        let mut ebpf = Ebpf::load(OBJECT)?;
-        let prog: &mut CgroupSockopt = ebpf
-            .program_mut(PROGRAM)
-            .ok_or(DataPlaneError::Missing(PROGRAM))?
-            .try_into()
-            .map_err(prog_err(PROGRAM))?;
-        prog.load().map_err(prog_err(PROGRAM))?;
+        let spare = SPARE.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut ebpf = match spare.map(emptied) {
+            Some(Ok(ebpf)) => ebpf,
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "a spare setsockopt watch could not be emptied; loading one");
+                loaded()?
+            }
+            None => loaded()?,
+        };
+        let prog = program(&mut ebpf)?;
         let mut attached = Vec::new();
+        let mut links = Vec::new();
         for dir in cgroups {
             if attached.contains(dir) {
                 continue;
@@ -164,20 +182,31 @@ impl SockoptWatch {
             // A link (aya makes one on 5.7+): the kernel takes no flags for
             // it and always attaches it beside other programs, as with
             // BPF_F_ALLOW_MULTI; "Single" is aya's name for no flags.
-            prog.attach(file, CgroupAttachMode::Single)
-                .map_err(prog_err(PROGRAM))?;
+            links.push(
+                prog.attach(file, CgroupAttachMode::Single)
+                    .map_err(prog_err(PROGRAM))?,
+            );
             attached.push(dir.clone());
         }
         Ok(Self {
-            ebpf,
+            ebpf: Some(ebpf),
             cgroups: attached,
+            links,
         })
+    }
+
+    fn ebpf(&self) -> &Ebpf {
+        self.ebpf.as_ref().expect("taken only by drop")
+    }
+
+    fn ebpf_mut(&mut self) -> &mut Ebpf {
+        self.ebpf.as_mut().expect("taken only by drop")
     }
 
     /// The program's id in the kernel (`bpftool prog show id N`).
     pub fn program_id(&self) -> Result<u32, DataPlaneError> {
         let prog = self
-            .ebpf
+            .ebpf()
             .program(PROGRAM)
             .ok_or(DataPlaneError::Missing(PROGRAM))?;
         prog.info().map(|i| i.id()).map_err(prog_err(PROGRAM))
@@ -189,7 +218,7 @@ impl SockoptWatch {
     /// map update.
     pub fn only_netns(&mut self, netns: u64) -> Result<(), DataPlaneError> {
         let map = self
-            .ebpf
+            .ebpf_mut()
             .map_mut(NETNS_MAP)
             .ok_or(DataPlaneError::Missing(NETNS_MAP))?;
         let mut cfg: Array<&mut MapData, u64> = Array::try_from(map).map_err(map_err(NETNS_MAP))?;
@@ -203,7 +232,7 @@ impl SockoptWatch {
 
     /// The connections touched since the attach.
     pub fn touched(&self) -> Result<Touched, DataPlaneError> {
-        let map = |name: &'static str| self.ebpf.map(name).ok_or(DataPlaneError::Missing(name));
+        let map = |name: &'static str| self.ebpf().map(name).ok_or(DataPlaneError::Missing(name));
         let touched: HashMap<&MapData, SockoptKey, u32> =
             HashMap::try_from(map(TOUCHED_MAP)?).map_err(map_err(TOUCHED_MAP))?;
         let lost: Array<&MapData, u64> =
@@ -220,6 +249,72 @@ impl SockoptWatch {
         }
         Ok(out)
     }
+}
+
+/// Detaches, and keeps the loaded program for the next watch; one that
+/// does not detach is dropped whole (the kernel then detaches and unloads
+/// it).
+impl Drop for SockoptWatch {
+    fn drop(&mut self) {
+        let Some(mut ebpf) = self.ebpf.take() else {
+            return;
+        };
+        let detached = program(&mut ebpf).and_then(|prog| {
+            self.links
+                .drain(..)
+                .try_for_each(|l| prog.detach(l).map_err(prog_err(PROGRAM)))
+        });
+        match detached {
+            Ok(()) => {
+                let mut spare = SPARE.lock().unwrap_or_else(|p| p.into_inner());
+                if spare.len() < SPARE_WATCHES {
+                    spare.push(ebpf);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "detaching the setsockopt watch; dropped whole")
+            }
+        }
+    }
+}
+
+/// The object loaded, its program through the verifier.
+fn loaded() -> Result<Ebpf, DataPlaneError> {
+    let mut ebpf = Ebpf::load(OBJECT)?;
+    program(&mut ebpf)?.load().map_err(prog_err(PROGRAM))?;
+    Ok(ebpf)
+}
+
+fn program(ebpf: &mut Ebpf) -> Result<&mut CgroupSockopt, DataPlaneError> {
+    ebpf.program_mut(PROGRAM)
+        .ok_or(DataPlaneError::Missing(PROGRAM))?
+        .try_into()
+        .map_err(prog_err(PROGRAM))
+}
+
+/// A detached object of an earlier watch, its maps as a new one's: no
+/// connection touched, none lost, every namespace recorded.
+fn emptied(mut ebpf: Ebpf) -> Result<Ebpf, DataPlaneError> {
+    {
+        let map = ebpf
+            .map_mut(TOUCHED_MAP)
+            .ok_or(DataPlaneError::Missing(TOUCHED_MAP))?;
+        let mut touched: HashMap<&mut MapData, SockoptKey, u32> =
+            HashMap::try_from(map).map_err(map_err(TOUCHED_MAP))?;
+        let keys = touched
+            .keys()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map_err(TOUCHED_MAP))?;
+        for k in keys {
+            touched.remove(&k).map_err(map_err(TOUCHED_MAP))?;
+        }
+    }
+    for name in [LOST_MAP, NETNS_MAP] {
+        let map = ebpf.map_mut(name).ok_or(DataPlaneError::Missing(name))?;
+        let mut a: Array<&mut MapData, u64> = Array::try_from(map).map_err(map_err(name))?;
+        a.set(0, 0, 0).map_err(map_err(name))?;
+    }
+    Ok(ebpf)
 }
 
 /// The cgroup v2 directory of process `pid`: the unified hierarchy's

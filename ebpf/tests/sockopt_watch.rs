@@ -168,11 +168,34 @@ fn setsockopt_calls_are_recorded_per_connection_and_namespace() {
 
     assert!(ids_named_like_ours().contains(&id));
     drop(watch);
+    // Detached, the program stays loaded for the next watch, and the calls
+    // go on.
     assert!(
-        !ids_named_like_ours().contains(&id),
-        "the program is unloaded with its watch"
+        ids_named_like_ours().contains(&id),
+        "kept for the next watch"
     );
-    // And calls go on without it.
     one.server.set_nodelay(true).unwrap();
     assert!(one.server.nodelay().unwrap());
+    // The next watch takes it (no new load) as a new one: nothing touched,
+    // nothing lost, every namespace recorded again.
+    let watch = SockoptWatch::attach(&[dir_again()]).expect("attach again");
+    assert_eq!(
+        watch.program_id().expect("the program's id"),
+        id,
+        "the detached program is taken again"
+    );
+    let fresh = watch.touched().expect("read the new watch");
+    assert_eq!(fresh.lost, 0);
+    assert!(fresh.connections.is_empty(), "{:?}", fresh.connections);
+    two.server.set_ttl(33).unwrap();
+    assert_eq!(
+        watch.touched().expect("read the new watch").connections,
+        [seen_from(&two.server, two.netns)].into_iter().collect(),
+        "no longer narrowed to namespace one"
+    );
+    drop(watch);
+}
+
+fn dir_again() -> std::path::PathBuf {
+    cgroup_v2_dir(std::process::id() as i32).expect("this test's cgroup v2")
 }
