@@ -295,20 +295,7 @@ fn program(ebpf: &mut Ebpf) -> Result<&mut CgroupSockopt, DataPlaneError> {
 /// A detached object of an earlier watch, its maps as a new one's: no
 /// connection touched, none lost, every namespace recorded.
 fn emptied(mut ebpf: Ebpf) -> Result<Ebpf, DataPlaneError> {
-    {
-        let map = ebpf
-            .map_mut(TOUCHED_MAP)
-            .ok_or(DataPlaneError::Missing(TOUCHED_MAP))?;
-        let mut touched: HashMap<&mut MapData, SockoptKey, u32> =
-            HashMap::try_from(map).map_err(map_err(TOUCHED_MAP))?;
-        let keys = touched
-            .keys()
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(map_err(TOUCHED_MAP))?;
-        for k in keys {
-            touched.remove(&k).map_err(map_err(TOUCHED_MAP))?;
-        }
-    }
+    crate::clear_hash_map::<SockoptKey, u32>(&mut ebpf, TOUCHED_MAP)?;
     for name in [LOST_MAP, NETNS_MAP] {
         let map = ebpf.map_mut(name).ok_or(DataPlaneError::Missing(name))?;
         let mut a: Array<&mut MapData, u64> = Array::try_from(map).map_err(map_err(name))?;

@@ -174,14 +174,7 @@ impl TcpStateReader {
         if self.wanted == 0 {
             return Ok(());
         }
-        let mut map = self.wanted_map()?;
-        let keys = map
-            .keys()
-            .collect::<Result<Vec<u64>, _>>()
-            .map_err(map_err(WANTED_MAP))?;
-        for k in keys {
-            map.remove(&k).map_err(map_err(WANTED_MAP))?;
-        }
+        crate::clear_hash_map::<u64, u8>(&mut self.ebpf, WANTED_MAP)?;
         self.wanted = 0;
         Ok(())
     }
