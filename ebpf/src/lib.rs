@@ -15,6 +15,7 @@
 pub mod coalesce;
 mod error;
 mod maps;
+mod object;
 mod ownership;
 pub mod pin;
 mod replay;
@@ -29,23 +30,3 @@ pub use replay::{ReplayError, Replayer};
 pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
 pub use tcpstate::{TcpKernelState, TcpStateReader};
 pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};
-
-/// Removes every key of the hash map `name` of `ebpf`, whose keys are `K`
-/// and values `V` (a system call per key to list it and one to remove
-/// it): a loaded object made ready for another use.
-pub(crate) fn clear_hash_map<K: aya::Pod, V: aya::Pod>(
-    ebpf: &mut aya::Ebpf,
-    name: &'static str,
-) -> Result<(), DataPlaneError> {
-    let map = ebpf.map_mut(name).ok_or(DataPlaneError::Missing(name))?;
-    let mut map: aya::maps::HashMap<&mut aya::maps::MapData, K, V> =
-        aya::maps::HashMap::try_from(map).map_err(error::map_err(name))?;
-    let keys = map
-        .keys()
-        .collect::<Result<Vec<K>, _>>()
-        .map_err(error::map_err(name))?;
-    for k in keys {
-        map.remove(&k).map_err(error::map_err(name))?;
-    }
-    Ok(())
-}

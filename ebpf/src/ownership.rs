@@ -302,10 +302,7 @@ fn program<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut SchedClassifier, DataPlaneError> {
-    ebpf.program_mut(name)
-        .ok_or(DataPlaneError::Missing(name))?
-        .try_into()
-        .map_err(prog_err(name))
+    crate::object::program(ebpf, name)
 }
 
 /// Whether `link` still attaches a program at `direction` of `iface` (in

@@ -286,16 +286,13 @@ fn loaded() -> Result<Ebpf, DataPlaneError> {
 }
 
 fn program(ebpf: &mut Ebpf) -> Result<&mut CgroupSockopt, DataPlaneError> {
-    ebpf.program_mut(PROGRAM)
-        .ok_or(DataPlaneError::Missing(PROGRAM))?
-        .try_into()
-        .map_err(prog_err(PROGRAM))
+    crate::object::program(ebpf, PROGRAM)
 }
 
 /// A detached object of an earlier watch, its maps as a new one's: no
 /// connection touched, none lost, every namespace recorded.
 fn emptied(mut ebpf: Ebpf) -> Result<Ebpf, DataPlaneError> {
-    crate::clear_hash_map::<SockoptKey, u32>(&mut ebpf, TOUCHED_MAP)?;
+    crate::object::clear_hash_map::<SockoptKey, u32>(&mut ebpf, TOUCHED_MAP)?;
     for name in [LOST_MAP, NETNS_MAP] {
         let map = ebpf.map_mut(name).ok_or(DataPlaneError::Missing(name))?;
         let mut a: Array<&mut MapData, u64> = Array::try_from(map).map_err(map_err(name))?;

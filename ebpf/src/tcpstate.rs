@@ -174,7 +174,7 @@ impl TcpStateReader {
         if self.wanted == 0 {
             return Ok(());
         }
-        crate::clear_hash_map::<u64, u8>(&mut self.ebpf, WANTED_MAP)?;
+        crate::object::clear_hash_map::<u64, u8>(&mut self.ebpf, WANTED_MAP)?;
         self.wanted = 0;
         Ok(())
     }
@@ -289,10 +289,7 @@ fn iter_program<'e>(
     ebpf: &'e mut Ebpf,
     name: &'static str,
 ) -> Result<&'e mut Iter, DataPlaneError> {
-    ebpf.program_mut(name)
-        .ok_or(DataPlaneError::Missing(name))?
-        .try_into()
-        .map_err(prog_err(name))
+    crate::object::program(ebpf, name)
 }
 
 /// The records an iterator wrote.

@@ -399,11 +399,7 @@ fn program<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut SchedClassifier, DataPlaneError> {
-    let prog: &mut SchedClassifier = ebpf
-        .program_mut(name)
-        .ok_or(DataPlaneError::Missing(name))?
-        .try_into()
-        .map_err(prog_err(name))?;
+    let prog: &mut SchedClassifier = crate::object::program(ebpf, name)?;
     prog.load().map_err(prog_err(name))?;
     Ok(prog)
 }

@@ -216,7 +216,7 @@ pub struct TcpConnectionState {
 
 impl TcpConnectionState {
     pub fn name(&self) -> String {
-        format!("{} -> {}", self.local, self.remote)
+        conn_name(self.local, self.remote)
     }
 
     pub fn to_pb(&self) -> pb::TcpConnectionState {
@@ -329,6 +329,11 @@ impl TcpConnectionState {
             socket_options: p.socket_options,
         })
     }
+}
+
+/// How errors and logs name a connection: by its two ends.
+fn conn_name(local: SocketAddr, remote: SocketAddr) -> String {
+    format!("{local} -> {remote}")
 }
 
 /// A connection's two ends as a peer wrote them ("a.b.c.d:p" or

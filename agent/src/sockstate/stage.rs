@@ -89,7 +89,7 @@ pub fn stage(conns: &[ToStage]) -> Staged {
             let mut opened = Vec::with_capacity(chunk.len());
             let mut failed = Vec::new();
             for c in chunk {
-                match open_bound(c.local, &c.name()) {
+                match open_bound(c.local, &super::conn_name(c.local, c.remote)) {
                     Ok(fd) => opened.push((*c, fd)),
                     Err(e) => failed.push(e),
                 }
@@ -119,10 +119,4 @@ pub fn stage(conns: &[ToStage]) -> Staged {
         );
     }
     staged
-}
-
-impl ToStage {
-    fn name(&self) -> String {
-        format!("{} -> {}", self.local, self.remote)
-    }
 }

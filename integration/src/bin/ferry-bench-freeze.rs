@@ -39,15 +39,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use ferry_agent::engine::precopy::MemoryStrategy;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
 use ferry_integration::nstat::{Nstat, backlog_drops};
 use ferry_integration::pg_session::{SessionStatus, wait_for_queries};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
 use ferry_integration::workload::{SeqClient, UdpClients};
-use ferry_proto::v1::{
-    MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration, Strategy,
-};
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration};
 
 const PORT: u16 = 7000;
 /// Where the database session's status is served.
@@ -95,7 +94,7 @@ struct Args {
     /// pre-copy or queued-pre-copy (the pages then cross before the
     /// freeze, which carries only those written since).
     #[arg(long, default_value = "total-copy", value_parser = strategy)]
-    strategy: Strategy,
+    strategy: MemoryStrategy,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
     /// CRIU's log level in every agent (4: each step with its time, for
@@ -113,16 +112,18 @@ struct Args {
 #[derive(Debug, Clone)]
 struct Counts(Vec<usize>);
 
-/// A `--strategy` value: the proto name without its prefix, in kebab case.
-fn strategy(s: &str) -> Result<Strategy, String> {
-    match s {
-        "total-copy" => Ok(Strategy::TotalCopy),
-        "pre-copy" => Ok(Strategy::PreCopy),
-        "queued-pre-copy" => Ok(Strategy::QueuedPreCopy),
-        other => Err(format!(
-            "{other:?}: total-copy, pre-copy or queued-pre-copy (post-copy's freeze is not comparable)"
-        )),
-    }
+/// A `--strategy` value, by the agent's name for it: one whose freeze
+/// carries what is left of the memory (post-copy's carries none, and is
+/// not comparable).
+fn strategy(s: &str) -> Result<MemoryStrategy, String> {
+    [
+        MemoryStrategy::TotalCopy,
+        MemoryStrategy::PreCopy,
+        MemoryStrategy::QueuedPreCopy,
+    ]
+    .into_iter()
+    .find(|m| m.name() == s)
+    .ok_or_else(|| format!("{s:?}: total-copy, pre-copy or queued-pre-copy"))
 }
 
 fn counts(s: &str) -> Result<Counts, String> {
@@ -520,7 +521,7 @@ async fn migrations(
                 MigrateRequest {
                     pid,
                     destination_node: to.into(),
-                    strategy: args.strategy as i32,
+                    strategy: args.strategy.to_pb() as i32,
                     sockets: mode as i32,
                     drain_send_queues_ms: args.drain_ms,
                     ..Default::default()
@@ -763,11 +764,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
         args.bulk,
         args.drain_ms,
         args.modes.join(","),
-        match args.strategy {
-            Strategy::PreCopy => "pre-copy",
-            Strategy::QueuedPreCopy => "queued-pre-copy",
-            _ => "total-copy",
-        }
+        args.strategy.name()
     );
     t
 }
