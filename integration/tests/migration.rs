@@ -175,6 +175,109 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
     });
 }
 
+/// A process's CLOCK_MONOTONIC and CLOCK_BOOTTIME offsets (seconds) from
+/// /proc/PID/timens_offsets: those of its time namespace.
+fn clock_offsets(pid: i32) -> (f64, f64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/timens_offsets"))
+        .unwrap_or_else(|e| panic!("reading /proc/{pid}/timens_offsets: {e}"));
+    let offset = |clock: &str| {
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(clock))
+            .unwrap_or_else(|| panic!("no {clock} in {text:?}"));
+        let f: Vec<f64> = line
+            .split_whitespace()
+            .skip(1)
+            .map(|v| v.parse().expect("a number"))
+            .collect();
+        f[0] + f[1] / 1e9
+    };
+    (offset("monotonic"), offset("boottime"))
+}
+
+/// A process started in a time namespace of its own, a day ahead on
+/// CLOCK_MONOTONIC and two on CLOCK_BOOTTIME, keeps its clocks through two
+/// migrations: each restore sets its namespace's offsets so that its
+/// clocks go on from what they read at the dump (they stand still for the
+/// freeze, as CRIU does it), neither back to the host's nor forward. The
+/// source's CRIU reads the clocks from the namespace's offsets, without a
+/// process forked into it (ferry's CRIU patch `timens-from-offsets`): a
+/// clock read without the offsets would put the process a day back.
+#[test]
+fn a_process_in_a_time_namespace_keeps_its_clocks_across_migrations() {
+    if !ferry_integration::can_run(
+        "a_process_in_a_time_namespace_keeps_its_clocks_across_migrations",
+    ) {
+        return;
+    }
+    const DAY: f64 = 86_400.0;
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        // unshare enters the namespace and execs the server in it.
+        let pid = run(
+            &mut node1,
+            vec![
+                "unshare".into(),
+                "--time".into(),
+                "--monotonic".into(),
+                "86400".into(),
+                "--boottime".into(),
+                "172800".into(),
+                echo_server_bin(),
+                "--port".into(),
+                ECHO_PORT.to_string(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        assert_eq!(clock_offsets(pid), (DAY, 2.0 * DAY));
+        let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
+        let client = SeqClient::dve(cluster.netns_path("client1"), target, 4)
+            .expect("clients with traffic flowing");
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 4).await;
+
+        let (mut monotonic, mut boottime) = (DAY, 2.0 * DAY);
+        let mut at = pid;
+        for (from, to) in [(&mut node1, "node2"), (&mut node2, "node1")] {
+            let verified = client.verified_per_connection();
+            let report = migrate_committed(
+                from,
+                MigrateRequest {
+                    pid: at,
+                    destination_node: to.into(),
+                    ..Default::default()
+                },
+            )
+            .await;
+            at = report.destination_pid;
+            // The clocks stood still for at most the whole migration.
+            let took = report.total_time_us as f64 / 1e6;
+            let (m, b) = clock_offsets(at);
+            eprintln!(
+                "to {to}: offsets monotonic {m:.6} s, boottime {b:.6} s; migration {took:.3} s, freeze {:.1} ms",
+                report.freeze_time_us as f64 / 1e3
+            );
+            assert!(
+                m <= monotonic && m >= monotonic - took,
+                "CLOCK_MONOTONIC offset {m} after the migration to {to}, was {monotonic} ({took} s migration)"
+            );
+            assert!(
+                b <= boottime && b >= boottime - took,
+                "CLOCK_BOOTTIME offset {b} after the migration to {to}, was {boottime} ({took} s migration)"
+            );
+            (monotonic, boottime) = (m, b);
+            client
+                .wait_until_each_passes(&verified, 5, Duration::from_secs(20))
+                .expect("every connection exchanges messages after the migration");
+        }
+        let seq = client.stop();
+        seq.assert_clean();
+    });
+}
+
 /// At CRIU log level 4 the agents keep CRIU's logs of a migration that
 /// committed, not only of one that failed: the source its dump's, the
 /// destination its restore's, each step with its time, in

@@ -145,6 +145,22 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/cgroup-without-parasite.patch"),
         mark: "ferry-cgroup-by-criu",
     },
+    // A time namespace's clocks are read from its offsets by CRIU itself,
+    // instead of by a child forked into the namespace (a fork and a wait
+    // in the freeze, at every migration after the first).
+    Patch {
+        what: "time namespace dumped from its offsets",
+        text: include_str!("../criu/timens-from-offsets.patch"),
+        mark: "ferry-timens-offsets",
+    },
+    // A service worker reads the kernel's features before its request
+    // comes (a fork, a ptrace attach and CPUID's VM exits, out of the
+    // freeze for the workers ferryd starts ahead).
+    Patch {
+        what: "kernel features read before the request",
+        text: include_str!("../criu/kerndat-before-request.patch"),
+        mark: "ferry-kdat-ahead",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -158,6 +158,14 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "ferry-cgroup-by-criu",
         "cgroups read without the parasite (a shorter dump)",
     ),
+    (
+        "ferry-timens-offsets",
+        "time namespace dumped from its offsets (a shorter dump)",
+    ),
+    (
+        "ferry-kdat-ahead",
+        "kernel features read before the request (a shorter restore)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -263,6 +271,8 @@ mod tests {
                 "handed-over connections as one table (a shorter CRIU start-up)",
                 "connections kept out of the images (a shorter dump and restore)",
                 "cgroups read without the parasite (a shorter dump)",
+                "time namespace dumped from its offsets (a shorter dump)",
+                "kernel features read before the request (a shorter restore)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.
