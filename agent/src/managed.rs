@@ -64,6 +64,10 @@ pub enum OutStage {
     /// ports; the stopped copy here only backs CRIU's page server until
     /// every page is on the destination. No ports.
     PagesOnly,
+    /// From just before the Commit (the other strategies): the
+    /// destination owns the ports; the stopped copy here is killed once
+    /// the destination answered the Commit. No ports.
+    Released,
 }
 
 #[derive(Debug, Clone)]
@@ -188,7 +192,7 @@ impl Registry {
                     OutStage::Frozen { capture: true } => PortState::Capturing,
                     OutStage::Frozen { capture: false } => PortState::Frozen,
                     OutStage::Resuming => PortState::Releasing,
-                    OutStage::PagesOnly => continue,
+                    OutStage::PagesOnly | OutStage::Released => continue,
                 },
             };
             for port in &p.sockets.ports {
@@ -553,6 +557,37 @@ mod tests {
             lifecycle,
             sockets: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_copy_that_gave_up_its_ports_holds_none_until_it_goes() {
+        let port = |port| PortKey {
+            transport: process::Transport::Tcp,
+            port,
+        };
+        let mut reg = Registry::default();
+        for (pid, lifecycle) in [
+            (10, Lifecycle::Running),
+            (11, migrating(OutStage::Frozen { capture: true })),
+            (12, migrating(OutStage::Released)),
+            (13, migrating(OutStage::PagesOnly)),
+        ] {
+            let mut p = process(pid, lifecycle);
+            p.sockets.ports.insert(port(pid as u16));
+            reg.insert(p);
+        }
+        let ports = reg.desired_ports();
+        assert_eq!(
+            ports.into_iter().collect::<Vec<_>>(),
+            vec![
+                (port(10), PortState::Owned),
+                (port(11), PortState::Capturing)
+            ]
+        );
+        // Stopped by its migration: not forgotten when it dies by itself.
+        let exit = exit_from_wait_status(libc::SIGKILL);
+        assert!(reg.ended(12, &exit).is_none());
+        assert_eq!(reg.len(), 4);
     }
 
     fn migrating(stage: OutStage) -> Lifecycle {

@@ -5,7 +5,7 @@
 //! Source (`source.rs`), driven by `Control.Migrate`:
 //!
 //! ```text
-//! Validate ─> Prepare ─> (Pre-copy) ─> (Pre-read) ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Discard ─> Commit ─> Committed
+//! Validate ─> Prepare ─> (Pre-copy) ─> (Pre-read) ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Release ─> Commit ─> Discard ─> Committed
 //!    │           │            │             │          │       │                      │          │            │
 //!    └─ error    └────────────┴─────────────┴──────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
 //! ```
@@ -86,8 +86,9 @@
 //!   peer's node rewrite those flows (`Peer.AddTranslations`); an abort
 //!   from here on undoes it (`RemoveTranslations`) before the process
 //!   resumes on the source.
-//! - **Discard**: the source kills its stopped copy (sockets in repair mode
-//!   close silently) and releases the ports. This is the commit point.
+//! - **Release**: the source's stopped copy gives up its ports; it stays
+//!   stopped, its sockets in repair mode (nothing leaves them). This is
+//!   the commit point.
 //! - **Commit**: carries the source's delivered log (and, from protocol 4,
 //!   the UDP datagrams the process left unread). The destination drops
 //!   its holds on in-cluster connections, opens egress, takes collectively
@@ -102,7 +103,12 @@
 //!   and replays the last few captured meanwhile. The answer carries how
 //!   long the process had been running (`running_for_us`), which the
 //!   source takes off its freeze.
-//! - **Abort**, from any step before Discard: the destination drops images,
+//! - **Discard**: the answer in, the source kills its stopped copy (its
+//!   sockets close silently, in repair mode) and forgets it. The Commit
+//!   does not wait for that exit (a thousand descriptors closed, their
+//!   /proc entries dropped), whose CPU the destination needs inside the
+//!   freeze on a small machine.
+//! - **Abort**, from any step before Release: the destination drops images,
 //!   captured packets and any restored copy; the source takes its sockets
 //!   out of repair mode (the collectively read ones with their own
 //!   SO_REUSEADDR), resumes the process, replays what it captured
@@ -187,7 +193,7 @@
 //!
 //! Every committed migration's report cuts the freeze into its parts
 //! (`freeze_parts`: CRIU's dump, the transfer, the destination's image
-//! scan, CRIU's start-up and restore, translation, discard, replay, and
+//! scan, CRIU's start-up and restore, translation, release, replay, and
 //! what the RPCs around them cost), which add up to the freeze time.
 //!
 //! The destination's side is in `destination.rs`; its states are
