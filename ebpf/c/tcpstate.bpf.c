@@ -29,6 +29,7 @@ struct bpf_iter_meta {
 } __attribute__((preserve_access_index));
 
 struct sock_common {
+	unsigned short skc_family;
 	unsigned char skc_state;
 	struct {
 		long long counter;
@@ -39,6 +40,8 @@ struct sock {
 	struct sock_common __sk_common;
 	int sk_sndbuf;
 	int sk_rcvbuf;
+	__u16 sk_type;
+	__u16 sk_protocol;
 } __attribute__((preserve_access_index));
 
 struct tcp_options_received {
@@ -65,7 +68,14 @@ struct bpf_iter__tcp {
 	struct sock_common *sk_common;
 } __attribute__((preserve_access_index));
 
-struct file;
+struct inode {
+	unsigned long i_ino;
+} __attribute__((preserve_access_index));
+
+struct file {
+	struct inode *f_inode;
+} __attribute__((preserve_access_index));
+
 struct task_struct;
 
 struct socket {
@@ -153,6 +163,38 @@ int ferry_task_tcp_state(struct bpf_iter__task_file *ctx)
 	if (!sk)
 		return 0;
 	return emit(ctx->meta->seq, &sk->__sk_common);
+}
+
+/* Every socket descriptor of one process (the link's task filter, as
+ * above): ferryd takes the ones it migrates itself (pidfd_getfd) from this
+ * list, inside the freeze, instead of listing /proc/PID/fd and asking
+ * each descriptor what it is. */
+SEC("iter/task_file")
+int ferry_task_sockets(struct bpf_iter__task_file *ctx)
+{
+	struct ferry_task_socket out = {};
+	struct file *file = ctx->file;
+	struct socket *sock;
+	struct sock *sk;
+
+	if (!file)
+		return 0;
+	sock = bpf_sock_from_file(file);
+	if (!sock)
+		return 0;
+	out.fd = ctx->fd;
+	out.inode = BPF_CORE_READ(file, f_inode, i_ino);
+	sk = sock->sk;
+	/* A socket without its sock (being released) is listed as of no
+	 * family: ferryd leaves it to CRIU. */
+	if (sk) {
+		out.family = BPF_CORE_READ(sk, __sk_common.skc_family);
+		out.type = BPF_CORE_READ(sk, sk_type);
+		out.protocol = BPF_CORE_READ(sk, sk_protocol);
+		out.state = BPF_CORE_READ(sk, __sk_common.skc_state);
+	}
+	bpf_seq_write(ctx->meta->seq, &out, sizeof(out));
+	return 0;
 }
 
 char LICENSE[] SEC("license") = "GPL";

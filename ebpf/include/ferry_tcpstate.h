@@ -30,4 +30,17 @@ struct ferry_tcp_state {
 	__u32 pad;
 };
 
+/* One socket descriptor of a process (ferry_task_sockets): what ferryd
+ * otherwise learns by listing /proc/PID/fd and asking each descriptor
+ * (fstat, SO_DOMAIN, SO_PROTOCOL, TCP_INFO) before taking it. */
+struct ferry_task_socket {
+	__u64 inode;    /* fstat's st_ino */
+	__u32 fd;
+	__u16 family;   /* SO_DOMAIN */
+	__u16 type;     /* SO_TYPE */
+	__u16 protocol; /* SO_PROTOCOL */
+	__u8 state;     /* TCP_INFO tcpi_state (any socket's sk_state) */
+	__u8 pad[5];
+};
+
 #endif

@@ -29,6 +29,7 @@ static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tcpstat
 
 const PROGRAM: &str = "ferry_tcp_state";
 const TASK_PROGRAM: &str = "ferry_task_tcp_state";
+const TASK_SOCKETS_PROGRAM: &str = "ferry_task_sockets";
 const WANTED_MAP: &str = "FERRY_TCPSTATE_WANTED";
 
 /// `struct ferry_tcp_state` (include/ferry_tcpstate.h): one connection, as
@@ -110,11 +111,47 @@ impl TcpKernelState {
     }
 }
 
+/// `struct ferry_task_socket` (include/ferry_tcpstate.h): one socket
+/// descriptor of a process, as [`TcpStateReader::list_sockets`] lists it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TaskSocket {
+    /// The socket's inode (fstat's st_ino).
+    pub inode: u64,
+    /// The descriptor's number in the process.
+    pub fd: u32,
+    /// SO_DOMAIN (0: the socket had no sock, being released).
+    pub family: u16,
+    /// SO_TYPE.
+    pub kind: u16,
+    /// SO_PROTOCOL.
+    pub protocol: u16,
+    /// The socket's state (TCP_INFO's tcpi_state for a TCP one).
+    pub state: u8,
+}
+
+/// The size of one `struct ferry_task_socket`.
+const TASK_SOCKET_LEN: usize = 24;
+
+impl TaskSocket {
+    /// One record as the program wrote it (`bytes` holds at least one).
+    fn parse(bytes: &[u8]) -> Self {
+        let u16_at = |o: usize| u16::from_ne_bytes(bytes[o..o + 2].try_into().expect("2 bytes"));
+        Self {
+            inode: u64::from_ne_bytes(bytes[..8].try_into().expect("8 bytes")),
+            fd: u32::from_ne_bytes(bytes[8..12].try_into().expect("4 bytes")),
+            family: u16_at(12),
+            kind: u16_at(14),
+            protocol: u16_at(16),
+            state: bytes[18],
+        }
+    }
+}
+
 /// The loaded iterators and the cookies they report.
 pub struct TcpStateReader {
     ebpf: Ebpf,
     wanted: usize,
-    /// Whether the per-process iterator loaded and links with a task
+    /// Whether the per-process iterators loaded and link with a task
     /// filter (`bpf_sock_from_file`, Linux 5.11+; the filter, 6.1+).
     by_task: bool,
 }
@@ -192,12 +229,16 @@ impl TcpStateReader {
             .map_err(prog_err(PROGRAM))?;
         // Loaded, and linked once to this process: a kernel before 6.1
         // loads the program but refuses the link's task filter.
-        let by_task = match iter_program(&mut ebpf, TASK_PROGRAM).and_then(|p| {
-            p.load("task_file", &btf).map_err(prog_err(TASK_PROGRAM))?;
-            let fd = p.fd().map_err(prog_err(TASK_PROGRAM))?;
-            iter_of_process(fd.as_fd(), std::process::id() as i32)
-                .map_err(|e| DataPlaneError::Iter(format!("a task-filtered link: {e}")))
-        }) {
+        let by_task = match [TASK_PROGRAM, TASK_SOCKETS_PROGRAM]
+            .into_iter()
+            .try_for_each(|name| {
+                let p = iter_program(&mut ebpf, name)?;
+                p.load("task_file", &btf).map_err(prog_err(name))?;
+                let fd = p.fd().map_err(prog_err(name))?;
+                iter_of_process(fd.as_fd(), std::process::id() as i32)
+                    .map(drop)
+                    .map_err(|e| DataPlaneError::Iter(format!("a task-filtered link: {e}")))
+            }) {
             Ok(_) => true,
             Err(e) => {
                 tracing::debug!(error = %e, "the per-process TCP state iterator did not load; the namespace's is read");
@@ -211,9 +252,40 @@ impl TcpStateReader {
         })
     }
 
-    /// Whether [`Self::read_processes`] can read by process.
+    /// Whether [`Self::read_processes`] can read by process (and
+    /// [`Self::list_sockets`] list a process's sockets).
     pub fn reads_by_process(&self) -> bool {
         self.by_task
+    }
+
+    /// Every socket descriptor of process `pid` (its threads share its
+    /// descriptor table; a thread with a table of its own is listed too),
+    /// in one pass over its descriptors. Fails if the iterator did not
+    /// load or the kernel has no task filter for it (before 6.1).
+    pub fn list_sockets(&mut self, pid: i32) -> Result<Vec<TaskSocket>, DataPlaneError> {
+        if !self.by_task {
+            return Err(DataPlaneError::Iter(
+                "the per-process socket iterator is not loaded".into(),
+            ));
+        }
+        let prog_fd = iter_program(&mut self.ebpf, TASK_SOCKETS_PROGRAM)?
+            .fd()
+            .map_err(prog_err(TASK_SOCKETS_PROGRAM))?;
+        let mut file = iter_of_process(prog_fd.as_fd(), pid)
+            .map_err(|e| DataPlaneError::Iter(format!("iterating process {pid}: {e}")))?;
+        let mut bytes = Vec::with_capacity(TASK_SOCKET_LEN * 64);
+        file.read_to_end(&mut bytes)
+            .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
+        if !bytes.len().is_multiple_of(TASK_SOCKET_LEN) {
+            return Err(DataPlaneError::Iter(format!(
+                "{} bytes is no whole number of {TASK_SOCKET_LEN}-byte records",
+                bytes.len()
+            )));
+        }
+        Ok(bytes
+            .chunks_exact(TASK_SOCKET_LEN)
+            .map(TaskSocket::parse)
+            .collect())
     }
 
     fn wanted_map(&mut self) -> Result<HashMap<&mut MapData, u64, u8>, DataPlaneError> {

@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ferry_ebpf::{TcpKernelState, TcpStateReader};
+use ferry_ebpf::{TaskSocket, TcpKernelState, TcpStateReader};
 
 const SO_COOKIE: libc::c_int = 57;
 const TCP_REPAIR: libc::c_int = 19;
@@ -85,6 +85,30 @@ fn by_calls(fd: RawFd) -> TcpKernelState {
     }
 }
 
+/// A `sleep` holding no socket: spawned, and waited for (bounded) until
+/// its exec closed the descriptors it copied from this process (the spawn
+/// returns once the new program is mapped, before that).
+fn settled_sleep() -> std::process::Child {
+    let child = Command::new("sleep").arg("30").spawn().expect("sleep");
+    let fds = format!("/proc/{}/fd", child.id());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let holds_a_socket = || {
+        std::fs::read_dir(&fds)
+            .expect("sleep's descriptors")
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .any(|l| l.to_string_lossy().starts_with("socket:"))
+    };
+    while holds_a_socket() {
+        assert!(
+            Instant::now() < deadline,
+            "sleep kept this process's sockets"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child
+}
+
 #[test]
 fn the_iterator_reads_what_the_repair_calls_read() {
     if !nix::unistd::geteuid().is_root() {
@@ -154,7 +178,7 @@ fn the_iterator_reads_what_the_repair_calls_read() {
         by_process.sort_by_key(|r| r.cookie);
         by_namespace.sort_by_key(|r| r.cookie);
         assert_eq!(by_process, by_namespace);
-        let mut other = Command::new("sleep").arg("30").spawn().expect("sleep");
+        let mut other = settled_sleep();
         let none = reader.read_processes(&[other.id() as i32]);
         let _ = other.kill();
         let _ = other.wait();
@@ -187,6 +211,95 @@ fn the_iterator_reads_what_the_repair_calls_read() {
         let mut got = [0u8; 20];
         pairs[0].1.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"unread at the server");
+    })
+    .join()
+    .expect("namespace thread");
+}
+
+/// What the calls say of socket descriptor `fd`, as the listing's record.
+fn socket_by_calls(fd: RawFd) -> TaskSocket {
+    // SAFETY: an all-zero stat is a valid value for fstat to overwrite.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable stat.
+    assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0, "fstat {fd}");
+    let family = get::<i32>(fd, libc::SOL_SOCKET, libc::SO_DOMAIN) as u16;
+    let kind = get::<i32>(fd, libc::SOL_SOCKET, libc::SO_TYPE) as u16;
+    let protocol = get::<i32>(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL) as u16;
+    let state = if protocol == libc::IPPROTO_TCP as u16 {
+        get::<[u8; 8]>(fd, libc::SOL_TCP, libc::TCP_INFO)[0]
+    } else {
+        0
+    };
+    TaskSocket {
+        inode: st.st_ino,
+        fd: fd as u32,
+        family,
+        kind,
+        protocol,
+        state,
+    }
+}
+
+#[test]
+fn the_socket_listing_names_each_socket_descriptor_as_its_calls_do() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (BPF, network namespaces)");
+        return;
+    }
+    std::thread::spawn(|| {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare the netns");
+        let up = Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .expect("ip");
+        assert!(up.success());
+        let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
+        let client = TcpStream::connect(listener.local_addr().unwrap()).expect("connect");
+        let (server, _) = listener.accept().expect("accept");
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("udp");
+        let (unix_a, _unix_b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+        let file = std::fs::File::open("/proc/self/stat").expect("a file");
+        let mut reader = TcpStateReader::load().expect("load the iterators");
+        assert!(
+            reader.reads_by_process(),
+            "the per-process iterators load here"
+        );
+        let listed = reader
+            .list_sockets(std::process::id() as i32)
+            .expect("list this process's sockets");
+        // Other tests' threads may open and close descriptors meanwhile:
+        // only this test's are compared.
+        for fd in [
+            listener.as_raw_fd(),
+            client.as_raw_fd(),
+            server.as_raw_fd(),
+            udp.as_raw_fd(),
+            unix_a.as_raw_fd(),
+        ] {
+            let record = listed
+                .iter()
+                .find(|s| s.fd == fd as u32)
+                .unwrap_or_else(|| panic!("descriptor {fd} not listed: {listed:#?}"));
+            // No call reads the state of a socket that is no TCP one.
+            let mut record = *record;
+            if record.protocol != libc::IPPROTO_TCP as u16 {
+                record.state = 0;
+            }
+            assert_eq!(record, socket_by_calls(fd));
+        }
+        assert!(
+            !listed.iter().any(|s| s.fd == file.as_raw_fd() as u32),
+            "a file listed as a socket: {listed:#?}"
+        );
+        let state = |fd: RawFd| listed.iter().find(|s| s.fd == fd as u32).unwrap().state;
+        assert_eq!(state(listener.as_raw_fd()), 10, "LISTEN");
+        assert_eq!(state(server.as_raw_fd()), 1, "ESTABLISHED");
+        // A process without sockets lists none.
+        let mut other = settled_sleep();
+        let none = reader.list_sockets(other.id() as i32);
+        let _ = other.kill();
+        let _ = other.wait();
+        assert_eq!(none.expect("list another process's sockets"), vec![]);
     })
     .join()
     .expect("namespace thread");

@@ -253,6 +253,7 @@ fn read(
     };
     tracing::debug!(
         ms = take_started.elapsed().as_secs_f64() * 1000.0,
+        listed = sockets.as_ref().is_ok_and(|s| s.from_list()),
         "the tree's sockets taken"
     );
     let unread = match &sockets {

@@ -59,11 +59,19 @@ pub(super) fn kind_of(fd: BorrowedFd<'_>) -> SocketKind {
     }
     match sys::get_int(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL) {
         Ok(p) if p == libc::IPPROTO_TCP => match sys::tcp_info_head(fd) {
-            // 10 LISTEN, 7 CLOSE.
-            Ok(head) if head[0] != 10 && head[0] != 7 => SocketKind::TcpConnected,
+            Ok(head) if head[0] != sys::TCP_LISTEN && head[0] != sys::TCP_CLOSE => {
+                SocketKind::TcpConnected
+            }
             _ => SocketKind::Other,
         },
-        Ok(p) if p == libc::IPPROTO_UDP => SocketKind::Udp,
+        // A raw socket of protocol UDP is no UDP socket.
+        Ok(p)
+            if p == libc::IPPROTO_UDP
+                && sys::get_int(fd, libc::SOL_SOCKET, libc::SO_TYPE).ok()
+                    == Some(libc::SOCK_DGRAM) =>
+        {
+            SocketKind::Udp
+        }
         _ => SocketKind::Other,
     }
 }
@@ -101,6 +109,8 @@ pub fn unsupported_sockets(tree: &[i32]) -> Result<Vec<(u64, i32)>, SockStateErr
 pub struct StoppedSockets {
     tcp: Vec<(u64, OwnedFd)>,
     udp: Vec<(u64, OwnedFd)>,
+    /// Found in the iterator's list of the tree's sockets, not in /proc.
+    listed: bool,
 }
 
 /// Takes every connected TCP socket and every UDP socket of the process
@@ -113,9 +123,28 @@ pub fn take_sockets(
     tree: &[i32],
     preread: Option<&Preread>,
 ) -> Result<StoppedSockets, SockStateError> {
+    if let Some(reader) = preread.and_then(Preread::state_reader) {
+        let listed = {
+            let mut reader = reader.lock().unwrap_or_else(|p| p.into_inner());
+            reader.reads_by_process().then(|| {
+                tree.iter()
+                    .map(|&pid| reader.list_sockets(pid).map(|sockets| (pid, sockets)))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+        };
+        match listed {
+            Some(Ok(listed)) => return take_listed(&listed),
+            // /proc says the same, slower.
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "listing the tree's sockets failed; /proc is read")
+            }
+            None => {}
+        }
+    }
     let mut taken = StoppedSockets {
         tcp: Vec::new(),
         udp: Vec::new(),
+        listed: false,
     };
     let mut seen = HashSet::new();
     for_each_socket(tree, |inode, fd| {
@@ -123,9 +152,11 @@ pub fn take_sockets(
             .and_then(|p| p.get(inode))
             .and_then(|_| sys::tcp_info_head(fd.as_fd()).ok());
         let kind = match known {
-            // 10 LISTEN, 7 CLOSE. A socket that is no TCP one (its inode
-            // number was reused) fails TCP_INFO and is asked in full.
-            Some(head) if head[0] != 10 && head[0] != 7 => SocketKind::TcpConnected,
+            // A socket that is no TCP one (its inode number was reused)
+            // fails TCP_INFO and is asked in full.
+            Some(head) if head[0] != sys::TCP_LISTEN && head[0] != sys::TCP_CLOSE => {
+                SocketKind::TcpConnected
+            }
             Some(_) => SocketKind::Other,
             None => kind_of(fd.as_fd()),
         };
@@ -142,6 +173,79 @@ pub fn take_sockets(
     Ok(taken)
 }
 
+/// What kind of socket the per-process iterator listed. Only a stream
+/// socket of protocol TCP and a datagram one of protocol UDP count: a raw
+/// socket of either protocol is neither.
+fn kind_listed(s: &ferry_ebpf::TaskSocket) -> SocketKind {
+    let family = i32::from(s.family);
+    if family != libc::AF_INET && family != libc::AF_INET6 {
+        return SocketKind::Other;
+    }
+    match (i32::from(s.kind), i32::from(s.protocol)) {
+        (libc::SOCK_STREAM, libc::IPPROTO_TCP)
+            if s.state != sys::TCP_LISTEN && s.state != sys::TCP_CLOSE =>
+        {
+            SocketKind::TcpConnected
+        }
+        (libc::SOCK_DGRAM, libc::IPPROTO_UDP) => SocketKind::Udp,
+        _ => SocketKind::Other,
+    }
+}
+
+/// [`take_sockets`] from the iterator's list of each process's sockets
+/// (`listed`, root first): only the connections and UDP sockets are taken,
+/// one `pidfd_getfd` each, with no listing of /proc/PID/fd and no call
+/// asking a descriptor what it is. The tree is stopped, so the
+/// descriptors are still the ones listed.
+fn take_listed(
+    listed: &[(i32, Vec<ferry_ebpf::TaskSocket>)],
+) -> Result<StoppedSockets, SockStateError> {
+    let mut taken = StoppedSockets {
+        tcp: Vec::new(),
+        udp: Vec::new(),
+        listed: true,
+    };
+    let mut seen = HashSet::new();
+    for (pid, sockets) in listed {
+        let pid = *pid;
+        let mut pidfd = None;
+        for s in sockets {
+            let list = match kind_listed(s) {
+                SocketKind::TcpConnected => &mut taken.tcp,
+                SocketKind::Udp => &mut taken.udp,
+                SocketKind::Other => continue,
+            };
+            if !seen.insert(s.inode) {
+                continue;
+            }
+            let pidfd = match &pidfd {
+                Some(p) => p,
+                None => pidfd.insert(sys::pidfd_open(pid).map_err(|source| {
+                    SockStateError::Process {
+                        op: "pidfd_open",
+                        pid,
+                        source,
+                    }
+                })?),
+            };
+            let fd = sys::pidfd_getfd(pidfd.as_fd(), s.fd as i32).map_err(|source| {
+                SockStateError::Process {
+                    op: "pidfd_getfd",
+                    pid,
+                    source,
+                }
+            })?;
+            list.push((s.inode, fd));
+        }
+    }
+    tracing::debug!(
+        tcp = taken.tcp.len(),
+        udp = taken.udp.len(),
+        "sockets taken from the iterator's list"
+    );
+    Ok(taken)
+}
+
 impl StoppedSockets {
     /// The connections (TCP, neither listening nor closed).
     pub fn tcp_descriptors(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
@@ -151,6 +255,12 @@ impl StoppedSockets {
     /// The UDP sockets, for `udp::unread_datagrams`.
     pub(super) fn udp(&self) -> &[(u64, OwnedFd)] {
         &self.udp
+    }
+
+    /// Whether they were found in the iterator's list of the tree's
+    /// sockets (else by listing /proc/PID/fd).
+    pub fn from_list(&self) -> bool {
+        self.listed
     }
 
     /// The connections, held for a collective migration.

@@ -39,6 +39,8 @@ const SIOCOUTQ: libc::c_ulong = libc::TIOCOUTQ;
 const SIOCOUTQNSD: libc::c_ulong = 0x894B;
 
 pub const TCP_ESTABLISHED: u8 = 1;
+pub const TCP_CLOSE: u8 = 7;
+pub const TCP_LISTEN: u8 = 10;
 
 /// `struct tcp_repair_window`.
 #[repr(C)]

@@ -474,6 +474,109 @@ fn unread_datagrams_are_named_and_left_in_the_queue() {
     }
 }
 
+/// The freeze takes a tree's connections and UDP sockets from the
+/// iterator's list of its descriptors when the pre-read loaded one: the
+/// same sockets /proc gives, and not a listener, a Unix socket or a raw
+/// socket of protocol UDP.
+#[test]
+fn the_sockets_taken_from_the_iterators_list_are_the_ones_proc_gives() {
+    use std::os::fd::FromRawFd;
+    let fd_inode = |fd: &OwnedFd| {
+        std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+            .expect("fstat")
+            .ino()
+    };
+    let (_client, conn) = pair();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let udp_socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let (unix, _unix_peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    // SAFETY: socket() takes three integers and returns a new descriptor
+    // or -1.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_UDP) };
+    assert!(raw >= 0, "raw socket: {}", std::io::Error::last_os_error());
+    // SAFETY: `raw` is a new descriptor nothing else owns.
+    let raw = unsafe { OwnedFd::from_raw_fd(raw) };
+    // Copies without close-on-exec, for `sleep` to hold.
+    let inherited: Vec<OwnedFd> = [
+        conn.as_fd(),
+        listener.as_fd(),
+        udp_socket.as_fd(),
+        unix.as_fd(),
+        raw.as_fd(),
+    ]
+    .into_iter()
+    .map(|fd| {
+        let copy = fd.try_clone_to_owned().unwrap();
+        // SAFETY: F_SETFD on a descriptor this test owns; no memory.
+        let cleared = unsafe { libc::fcntl(copy.as_raw_fd(), libc::F_SETFD, 0) };
+        assert_eq!(cleared, 0);
+        copy
+    })
+    .collect();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let ours: Vec<u64> = inherited.iter().map(fd_inode).collect();
+    drop(inherited);
+    let pid = child.id() as i32;
+    // The spawn returns before the exec closed what `sleep` copied of this
+    // process's descriptors (other tests' sockets among them): waited for,
+    // bounded, until it holds only ours.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("sleep's descriptors")
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+        })
+        .any(|e| !ours.contains(&std::fs::metadata(e.path()).map_or(0, |m| m.ino())))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sleep kept other sockets"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let by_proc = take_sockets(&[pid], None);
+    let mut pre = Preread::of_descriptors(
+        vec![(inode_of(&conn), conn.as_fd().try_clone_to_owned().unwrap())],
+        false,
+    )
+    .held_by(vec![pid]);
+    let by_list = ferry_ebpf::TcpStateReader::take()
+        .map_err(|e| e.to_string())
+        .and_then(|reader| pre.keep_state_reader(reader).map_err(|e| e.to_string()))
+        .map(|()| take_sockets(&[pid], Some(&pre)));
+    let _ = child.kill();
+    let _ = child.wait();
+    let by_proc = by_proc.expect("take through /proc");
+    let by_list = by_list
+        .expect("a TCP state reader")
+        .expect("take from the list");
+    assert!(!by_proc.from_list() && by_list.from_list());
+    let inodes = |s: &StoppedSockets| {
+        let mut tcp: Vec<u64> = s
+            .tcp_descriptors()
+            .map(|fd| fd_inode(&fd.try_clone_to_owned().unwrap()))
+            .collect();
+        let mut udp: Vec<u64> = s.udp().iter().map(|(i, _)| *i).collect();
+        tcp.sort_unstable();
+        udp.sort_unstable();
+        (tcp, udp)
+    };
+    let (tcp, udp) = inodes(&by_list);
+    assert_eq!((tcp.clone(), udp.clone()), inodes(&by_proc));
+    // Other tests' sockets may be in `sleep` too: ours are compared.
+    assert!(tcp.contains(&inode_of(&conn)), "{tcp:?}");
+    let udp_inode = fd_inode(&udp_socket.as_fd().try_clone_to_owned().unwrap());
+    assert!(udp.contains(&udp_inode), "{udp:?}");
+    for other in [listener.as_fd(), unix.as_fd(), raw.as_fd()] {
+        let i = fd_inode(&other.try_clone_to_owned().unwrap());
+        assert!(!tcp.contains(&i) && !udp.contains(&i), "{i} taken");
+    }
+}
+
 #[test]
 fn sockets_of_a_family_criu_cannot_dump_are_found() {
     // A child holding a vsock socket and an unbound TCP one (which no
