@@ -278,6 +278,166 @@ fn a_process_in_a_time_namespace_keeps_its_clocks_across_migrations() {
     });
 }
 
+/// The children of `pid` and their state letters (`/proc/PID/stat`).
+fn children_of(pid: i32) -> Vec<(i32, char)> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .filter_map(|c| process_state(c).map(|s| (c, s)))
+        .collect()
+}
+
+/// An echo server started by `sh -c SCRIPT` (which ends by exec'ing it),
+/// managed by node1, listening.
+async fn echo_server_by_shell(control: &mut ControlClient<Channel>, script: &str) -> i32 {
+    let script = format!("{script}\nexec {} --port {ECHO_PORT}", echo_server_bin());
+    let pid = run(control, vec!["sh".into(), "-c".into(), script]).await;
+    wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
+    pid
+}
+
+/// A process with a zombie child migrates with it: the zombie is dumped
+/// through the pid namespace's procfs, which the dump then fetches (ferry's
+/// CRIU skips that fetch for a tree without zombies).
+#[test]
+fn a_process_with_a_zombie_child_migrates_with_it() {
+    if !ferry_integration::can_run("a_process_with_a_zombie_child_migrates_with_it") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        // The shell's child ends at once; the server it becomes never
+        // reaps it.
+        let pid = echo_server_by_shell(&mut node1, "true &").await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !children_of(pid).iter().any(|(_, s)| *s == 'Z') {
+            assert!(
+                Instant::now() < deadline,
+                "no zombie child: {:?}",
+                children_of(pid)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let report = migrate_committed(
+            &mut node1,
+            MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let moved = report.destination_pid;
+        wait_for_process(&mut node2, moved, |p| p.state == "running").await;
+        assert_eq!(process_state(pid), None, "the source copy is gone");
+        let children = children_of(moved);
+        assert_eq!(
+            children.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
+            vec!['Z'],
+            "the zombie child on node2: {children:?}"
+        );
+        // And the server serves there.
+        let probe = ferry_integration::workload::ProbeConnection::open(
+            &cluster.netns_path("client1"),
+            SocketAddrV4::new(SHARED_IP, ECHO_PORT),
+        )
+        .expect("a new connection after the migration");
+        assert!(
+            cluster
+                .established_tcp("node2", ECHO_PORT)
+                .contains(&probe.local_addr())
+        );
+    });
+}
+
+/// A read-only bind mount of a new directory, undone when dropped.
+struct ReadOnlyDir {
+    dir: tempfile::TempDir,
+    mounted: bool,
+}
+
+impl ReadOnlyDir {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("a directory");
+        let mut ro = Self {
+            dir,
+            mounted: false,
+        };
+        let path = ro.dir.path().to_str().expect("a UTF-8 path").to_owned();
+        let mount = |args: &[&str]| {
+            let ok = std::process::Command::new("mount")
+                .args(args)
+                .status()
+                .expect("mount")
+                .success();
+            assert!(ok, "mount {args:?}");
+        };
+        mount(&["--bind", &path, &path]);
+        ro.mounted = true;
+        mount(&["-o", "remount,bind,ro", &path]);
+        ro
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for ReadOnlyDir {
+    fn drop(&mut self) {
+        if self.mounted {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(self.dir.path())
+                .status();
+        }
+    }
+}
+
+/// A process whose working directory is read-only migrates: the dump
+/// makes no directory there (upstream CRIU's parasite mounts a procfs in
+/// a directory it makes in the task's working directory, for a tree in a
+/// pid namespace of its own; ferry's CRIU needs that procfs only for
+/// zombies), and the process runs on the destination in that directory.
+#[test]
+fn a_process_whose_working_directory_is_read_only_migrates() {
+    if !ferry_integration::can_run("a_process_whose_working_directory_is_read_only_migrates") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let dir = ReadOnlyDir::new();
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = echo_server_by_shell(&mut node1, &format!("cd {}", dir.path().display())).await;
+        assert!(
+            std::fs::create_dir(dir.path().join("probe")).is_err(),
+            "the directory is writable"
+        );
+        let report = migrate_committed(
+            &mut node1,
+            MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let moved = report.destination_pid;
+        wait_for_process(&mut node2, moved, |p| p.state == "running").await;
+        assert_eq!(process_state(pid), None, "the source copy is gone");
+        assert_eq!(
+            std::fs::read_link(format!("/proc/{moved}/cwd")).expect("its working directory"),
+            dir.path()
+        );
+    });
+}
+
 /// At CRIU log level 4 the agents keep CRIU's logs of a migration that
 /// committed, not only of one that failed: the source its dump's, the
 /// destination its restore's, each step with its time, in

@@ -161,6 +161,15 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/kerndat-before-request.patch"),
         mark: "ferry-kdat-ahead",
     },
+    // The pid namespace's procfs is fetched through the root task's
+    // parasite only for zombies or a mount namespace (a round trip and a
+    // procfs mounted in a directory made in the task's working directory,
+    // in the freeze; a dump that fails where that directory is read-only).
+    Patch {
+        what: "pid namespace's procfs only when needed",
+        text: include_str!("../criu/pidns-proc-when-needed.patch"),
+        mark: "ferry-no-pidns-proc",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -166,6 +166,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "ferry-kdat-ahead",
         "kernel features read before the request (a shorter restore)",
     ),
+    (
+        "ferry-no-pidns-proc",
+        "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -273,6 +277,7 @@ mod tests {
                 "cgroups read without the parasite (a shorter dump)",
                 "time namespace dumped from its offsets (a shorter dump)",
                 "kernel features read before the request (a shorter restore)",
+                "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.
