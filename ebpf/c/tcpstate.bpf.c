@@ -144,19 +144,24 @@ int ferry_tcp_state(struct bpf_iter__tcp *ctx)
 	return emit(ctx->meta->seq, skc);
 }
 
+/* The socket of a task_file iterator's descriptor @file (loaded from the
+ * context once: the verifier wants the very pointer it saw checked), or
+ * NULL if it is none. */
+static __always_inline struct socket *socket_of(struct file *file)
+{
+	if (!file)
+		return NULL;
+	return bpf_sock_from_file(file);
+}
+
 /* The descriptors of one process (the link's task filter, Linux 6.1+):
  * the pass costs that process's descriptors only. */
 SEC("iter/task_file")
 int ferry_task_tcp_state(struct bpf_iter__task_file *ctx)
 {
-	struct file *file = ctx->file;
-	struct socket *sock;
+	struct socket *sock = socket_of(ctx->file);
 	struct sock *sk;
 
-	/* One load: the verifier wants the very pointer it saw checked. */
-	if (!file)
-		return 0;
-	sock = bpf_sock_from_file(file);
 	if (!sock)
 		return 0;
 	sk = sock->sk;
@@ -174,12 +179,9 @@ int ferry_task_sockets(struct bpf_iter__task_file *ctx)
 {
 	struct ferry_task_socket out = {};
 	struct file *file = ctx->file;
-	struct socket *sock;
+	struct socket *sock = socket_of(file);
 	struct sock *sk;
 
-	if (!file)
-		return 0;
-	sock = bpf_sock_from_file(file);
 	if (!sock)
 		return 0;
 	out.fd = ctx->fd;

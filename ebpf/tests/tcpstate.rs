@@ -85,6 +85,27 @@ fn by_calls(fd: RawFd) -> TcpKernelState {
     }
 }
 
+/// Runs `test` as root on a thread of its own, in a new network namespace
+/// with its loopback up (the namespace's pass reads the calling thread's);
+/// says it skipped otherwise.
+fn in_a_new_netns(test: impl FnOnce() + Send + 'static) {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (BPF, network namespaces)");
+        return;
+    }
+    std::thread::spawn(|| {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare the netns");
+        let up = Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .expect("ip");
+        assert!(up.success());
+        test();
+    })
+    .join()
+    .expect("namespace thread");
+}
+
 /// A `sleep` holding no socket: spawned, and waited for (bounded) until
 /// its exec closed the descriptors it copied from this process (the spawn
 /// returns once the new program is mapped, before that).
@@ -111,17 +132,7 @@ fn settled_sleep() -> std::process::Child {
 
 #[test]
 fn the_iterator_reads_what_the_repair_calls_read() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (BPF, network namespaces)");
-        return;
-    }
-    std::thread::spawn(|| {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare the netns");
-        let up = Command::new("ip")
-            .args(["link", "set", "lo", "up"])
-            .status()
-            .expect("ip");
-        assert!(up.success());
+    in_a_new_netns(|| {
         let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
         let mut pairs = Vec::new();
         for _ in 0..4 {
@@ -211,9 +222,7 @@ fn the_iterator_reads_what_the_repair_calls_read() {
         let mut got = [0u8; 20];
         pairs[0].1.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"unread at the server");
-    })
-    .join()
-    .expect("namespace thread");
+    });
 }
 
 /// What the calls say of socket descriptor `fd`, as the listing's record.
@@ -242,17 +251,7 @@ fn socket_by_calls(fd: RawFd) -> TaskSocket {
 
 #[test]
 fn the_socket_listing_names_each_socket_descriptor_as_its_calls_do() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (BPF, network namespaces)");
-        return;
-    }
-    std::thread::spawn(|| {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare the netns");
-        let up = Command::new("ip")
-            .args(["link", "set", "lo", "up"])
-            .status()
-            .expect("ip");
-        assert!(up.success());
+    in_a_new_netns(|| {
         let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
         let client = TcpStream::connect(listener.local_addr().unwrap()).expect("connect");
         let (server, _) = listener.accept().expect("accept");
@@ -300,7 +299,5 @@ fn the_socket_listing_names_each_socket_descriptor_as_its_calls_do() {
         let _ = other.kill();
         let _ = other.wait();
         assert_eq!(none.expect("list another process's sockets"), vec![]);
-    })
-    .join()
-    .expect("namespace thread");
+    });
 }

@@ -297,6 +297,28 @@ async fn echo_server_by_shell(control: &mut ControlClient<Channel>, script: &str
     pid
 }
 
+/// Migrates `pid` from node1 to node2 and returns its PID there, once it
+/// runs there and its copy on node1 is gone.
+async fn moved_to_node2(
+    node1: &mut ControlClient<Channel>,
+    node2: &mut ControlClient<Channel>,
+    pid: i32,
+) -> i32 {
+    let report = migrate_committed(
+        node1,
+        MigrateRequest {
+            pid,
+            destination_node: "node2".into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let moved = report.destination_pid;
+    wait_for_process(node2, moved, |p| p.state == "running").await;
+    assert_eq!(process_state(pid), None, "the source copy is gone");
+    moved
+}
+
 /// A process with a zombie child migrates with it: the zombie is dumped
 /// through the pid namespace's procfs, which the dump then fetches (ferry's
 /// CRIU skips that fetch for a tree without zombies).
@@ -322,18 +344,7 @@ fn a_process_with_a_zombie_child_migrates_with_it() {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        let report = migrate_committed(
-            &mut node1,
-            MigrateRequest {
-                pid,
-                destination_node: "node2".into(),
-                ..Default::default()
-            },
-        )
-        .await;
-        let moved = report.destination_pid;
-        wait_for_process(&mut node2, moved, |p| p.state == "running").await;
-        assert_eq!(process_state(pid), None, "the source copy is gone");
+        let moved = moved_to_node2(&mut node1, &mut node2, pid).await;
         let children = children_of(moved);
         assert_eq!(
             children.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
@@ -419,18 +430,7 @@ fn a_process_whose_working_directory_is_read_only_migrates() {
             std::fs::create_dir(dir.path().join("probe")).is_err(),
             "the directory is writable"
         );
-        let report = migrate_committed(
-            &mut node1,
-            MigrateRequest {
-                pid,
-                destination_node: "node2".into(),
-                ..Default::default()
-            },
-        )
-        .await;
-        let moved = report.destination_pid;
-        wait_for_process(&mut node2, moved, |p| p.state == "running").await;
-        assert_eq!(process_state(pid), None, "the source copy is gone");
+        let moved = moved_to_node2(&mut node1, &mut node2, pid).await;
         assert_eq!(
             std::fs::read_link(format!("/proc/{moved}/cwd")).expect("its working directory"),
             dir.path()
