@@ -228,13 +228,22 @@ fn take_listed(
                     }
                 })?),
             };
-            let fd = sys::pidfd_getfd(pidfd.as_fd(), s.fd as i32).map_err(|source| {
-                SockStateError::Process {
-                    op: "pidfd_getfd",
-                    pid,
-                    source,
+            let fd = match sys::pidfd_getfd(pidfd.as_fd(), s.fd as i32) {
+                Ok(fd) => fd,
+                // Closed since the list (as in the /proc path; a stopped
+                // tree closes nothing): another holder may still be taken.
+                Err(e) if e.raw_os_error() == Some(libc::EBADF) => {
+                    seen.remove(&s.inode);
+                    continue;
                 }
-            })?;
+                Err(source) => {
+                    return Err(SockStateError::Process {
+                        op: "pidfd_getfd",
+                        pid,
+                        source,
+                    });
+                }
+            };
             list.push((s.inode, fd));
         }
     }
