@@ -263,19 +263,8 @@ impl TcpStateReader {
     /// in one pass over its descriptors. Fails if the iterator did not
     /// load or the kernel has no task filter for it (before 6.1).
     pub fn list_sockets(&mut self, pid: i32) -> Result<Vec<TaskSocket>, DataPlaneError> {
-        if !self.by_task {
-            return Err(DataPlaneError::Iter(
-                "the per-process socket iterator is not loaded".into(),
-            ));
-        }
-        let prog_fd = iter_program(&mut self.ebpf, TASK_SOCKETS_PROGRAM)?
-            .fd()
-            .map_err(prog_err(TASK_SOCKETS_PROGRAM))?;
-        let mut file = iter_of_process(prog_fd.as_fd(), pid)
-            .map_err(|e| DataPlaneError::Iter(format!("iterating process {pid}: {e}")))?;
         let mut bytes = Vec::with_capacity(TASK_SOCKET_LEN * 64);
-        file.read_to_end(&mut bytes)
-            .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
+        self.read_task_iter(TASK_SOCKETS_PROGRAM, &[pid], &mut bytes)?;
         if !bytes.len().is_multiple_of(TASK_SOCKET_LEN) {
             return Err(DataPlaneError::Iter(format!(
                 "{} bytes is no whole number of {TASK_SOCKET_LEN}-byte records",
@@ -286,6 +275,32 @@ impl TcpStateReader {
             .chunks_exact(TASK_SOCKET_LEN)
             .map(TaskSocket::parse)
             .collect())
+    }
+
+    /// Appends to `bytes` what the per-process iterator `program` writes
+    /// for each process of `pids`, in turn. Fails if the per-process
+    /// iterators did not load or link with a task filter.
+    fn read_task_iter(
+        &mut self,
+        program: &'static str,
+        pids: &[i32],
+        bytes: &mut Vec<u8>,
+    ) -> Result<(), DataPlaneError> {
+        if !self.by_task {
+            return Err(DataPlaneError::Iter(format!(
+                "the per-process iterator {program} is not loaded"
+            )));
+        }
+        let prog_fd = iter_program(&mut self.ebpf, program)?
+            .fd()
+            .map_err(prog_err(program))?;
+        for &pid in pids {
+            let mut file = iter_of_process(prog_fd.as_fd(), pid)
+                .map_err(|e| DataPlaneError::Iter(format!("iterating process {pid}: {e}")))?;
+            file.read_to_end(bytes)
+                .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
+        }
+        Ok(())
     }
 
     fn wanted_map(&mut self) -> Result<HashMap<&mut MapData, u64, u8>, DataPlaneError> {
@@ -317,22 +332,9 @@ impl TcpStateReader {
     /// the iterator did not load or the kernel has no task filter for it
     /// (before 6.1).
     pub fn read_processes(&mut self, pids: &[i32]) -> Result<Vec<TcpKernelState>, DataPlaneError> {
-        if !self.by_task {
-            return Err(DataPlaneError::Iter(
-                "the per-process TCP state iterator is not loaded".into(),
-            ));
-        }
-        let prog_fd = iter_program(&mut self.ebpf, TASK_PROGRAM)?
-            .fd()
-            .map_err(prog_err(TASK_PROGRAM))?;
         let record = size_of::<TcpKernelState>();
         let mut bytes = Vec::with_capacity(record * self.wanted.max(1));
-        for &pid in pids {
-            let mut file = iter_of_process(prog_fd.as_fd(), pid)
-                .map_err(|e| DataPlaneError::Iter(format!("iterating process {pid}: {e}")))?;
-            file.read_to_end(&mut bytes)
-                .map_err(|e| DataPlaneError::Iter(e.to_string()))?;
-        }
+        self.read_task_iter(TASK_PROGRAM, pids, &mut bytes)?;
         let mut seen = std::collections::HashSet::new();
         Ok(records(&bytes)?.filter(|r| seen.insert(r.cookie)).collect())
     }
