@@ -265,14 +265,7 @@ impl TcpStateReader {
     pub fn list_sockets(&mut self, pid: i32) -> Result<Vec<TaskSocket>, DataPlaneError> {
         let mut bytes = Vec::with_capacity(TASK_SOCKET_LEN * 64);
         self.read_task_iter(TASK_SOCKETS_PROGRAM, &[pid], &mut bytes)?;
-        if !bytes.len().is_multiple_of(TASK_SOCKET_LEN) {
-            return Err(DataPlaneError::Iter(format!(
-                "{} bytes is no whole number of {TASK_SOCKET_LEN}-byte records",
-                bytes.len()
-            )));
-        }
-        Ok(bytes
-            .chunks_exact(TASK_SOCKET_LEN)
+        Ok(whole_records(&bytes, TASK_SOCKET_LEN)?
             .map(TaskSocket::parse)
             .collect())
     }
@@ -368,14 +361,22 @@ fn iter_program<'e>(
 
 /// The records an iterator wrote.
 fn records(bytes: &[u8]) -> Result<impl Iterator<Item = TcpKernelState> + '_, DataPlaneError> {
-    let record = size_of::<TcpKernelState>();
-    if !bytes.len().is_multiple_of(record) {
+    Ok(whole_records(bytes, size_of::<TcpKernelState>())?.map(TcpKernelState::parse))
+}
+
+/// `bytes` cut into the `len`-byte records an iterator wrote, if they are
+/// a whole number of them.
+fn whole_records(
+    bytes: &[u8],
+    len: usize,
+) -> Result<std::slice::ChunksExact<'_, u8>, DataPlaneError> {
+    if !bytes.len().is_multiple_of(len) {
         return Err(DataPlaneError::Iter(format!(
-            "{} bytes is no whole number of {record}-byte records",
+            "{} bytes is no whole number of {len}-byte records",
             bytes.len()
         )));
     }
-    Ok(bytes.chunks_exact(record).map(TcpKernelState::parse))
+    Ok(bytes.chunks_exact(len))
 }
 
 /// `bpf(2)` commands and the attach type of iterator links
