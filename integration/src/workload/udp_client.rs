@@ -335,13 +335,23 @@ fn run(
         for f in &mut fds {
             f.revents = 0;
         }
+        // To the nanosecond: poll(2)'s milliseconds would round the wait
+        // for the next slot down, to 0 in its last millisecond, and the
+        // players would spin on the cores the nodes run on.
+        let wait = wait.min(Duration::from_secs(1));
+        let timeout = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
         // SAFETY: fds is a valid array of fds.len() pollfd structs that the
-        // kernel may write revents into during the call.
+        // kernel may write revents into during the call; timeout is a valid
+        // timespec it only reads; a null signal mask leaves the mask as is.
         unsafe {
-            libc::poll(
+            libc::ppoll(
                 fds.as_mut_ptr(),
                 fds.len() as libc::nfds_t,
-                wait.as_millis().min(1000) as libc::c_int,
+                &timeout,
+                std::ptr::null(),
             )
         };
         for (i, f) in fds.iter().enumerate() {
