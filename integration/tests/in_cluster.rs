@@ -95,10 +95,60 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
         let still = wait_for_queries(&cluster, first.queries_ok, 5);
         assert_eq!(still.backend_pid, first.backend_pid);
 
+        // A collective migration whose restore fails, after node2 rebuilt
+        // the session's connection on its cluster address and held it: the
+        // abort drops the hold and leaves node3's flow as it was, and the
+        // session goes on from node1.
+        {
+            // A process node2's agent does not manage holds the status
+            // port there: CRIU's restore of its listening socket fails.
+            let _squatter = cluster
+                .spawn_in_node(
+                    "node2",
+                    env!("CARGO_BIN_EXE_ferry-echo-server"),
+                    &["--port", &STATUS_PORT.to_string()],
+                )
+                .expect("port squatter on node2");
+            cluster
+                .wait_listening("node2", STATUS_PORT, Duration::from_secs(10))
+                .expect("squatter listening");
+            let (report, err) = migrate_with(&mut node1, pid, "node2", SocketMigration::Collective)
+                .await
+                .expect("migration starts");
+            assert!(err.is_some(), "{report:#?}");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Aborted as i32,
+                "{report:#?}"
+            );
+            assert!(report.error.contains("restore"), "{}", report.error);
+            assert!(report.resumed_on_source, "{report:#?}");
+        }
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        for (node, control) in [("node2", &mut node2), ("node3", &mut node3)] {
+            let dp = data_plane(control).await;
+            assert!(
+                dp.translations.is_empty(),
+                "{node} kept a rule of the aborted migration: {:?}",
+                dp.translations
+            );
+        }
+        let after_abort = wait_for_queries(&cluster, still.queries_ok, 5);
+        assert_eq!(
+            after_abort.backend_pid, first.backend_pid,
+            "{after_abort:?}"
+        );
+        assert_eq!(
+            after_abort.client_port, first.client_port,
+            "{after_abort:?}"
+        );
+        assert_eq!(after_abort.queries_failed, 0, "{after_abort:?}");
+        assert_eq!(sessions(), seen_by_pg, "PostgreSQL's view changed");
+
         // node1 -> node2 -> node1: away from where the connection was
         // opened, then home again (the translation goes away).
         let mut here = node1;
-        let mut last = first.clone();
+        let mut last = after_abort;
         // Away collectively (ferryd rebuilds the connection on node2's
         // cluster address), home again through CRIU's own path.
         for (from, to, sockets) in [
