@@ -362,15 +362,23 @@ impl Rebuilt {
     /// single-threaded restore leaves idle, instead of before it. The send
     /// buffer was sized when the connection was rebuilt.
     pub fn apply_options(&self) -> Result<(), SockStateError> {
+        if !self.has_options() {
+            return Ok(());
+        }
+        // Read here, in this node's namespace, where the connections live.
+        let defaults = super::options::NewSocketDefaults::here().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "reading a new socket's options: every keepalive timing and TTL is set");
+            super::options::NewSocketDefaults::default()
+        });
         for c in &self.conns {
             if let Some(o) = &c.options {
-                super::options::apply(c.fd.as_fd(), o, c.ipv6).map_err(|(op, source)| {
-                    SockStateError::Sys {
+                super::options::apply(c.fd.as_fd(), o, c.ipv6, &defaults).map_err(
+                    |(op, source)| SockStateError::Sys {
                         op,
                         conn: c.name.clone(),
                         source,
-                    }
-                })?;
+                    },
+                )?;
             }
         }
         Ok(())
@@ -523,13 +531,14 @@ fn leave_repair(c: &RebuiltConnection) -> Result<(), SockStateError> {
     sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_OFF_NO_WP)
         .map_err(err("turning repair off"))?;
     c.repairing.store(false, Ordering::SeqCst);
-    sys::set_int(
-        sock,
-        libc::SOL_SOCKET,
-        libc::SO_REUSEADDR,
-        i32::from(c.reuseaddr),
-    )
-    .map_err(err("restoring SO_REUSEADDR"))
+    // Turning repair off left SO_REUSEADDR off (the kernel's SK_NO_REUSE
+    // replaces repair mode's forced reuse): only a connection that had it
+    // takes a call.
+    if !c.reuseaddr {
+        return Ok(());
+    }
+    sys::set_int(sock, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)
+        .map_err(err("restoring SO_REUSEADDR"))
 }
 
 fn resume_one(c: &RebuiltConnection) -> Result<(), SockStateError> {

@@ -892,3 +892,72 @@ fn one_pass_read_gives_what_the_calls_give(tree: Option<Vec<i32>>) {
     c3.read_exact(&mut got).unwrap();
     assert_eq!(got, pattern[..written]);
 }
+
+/// SO_REUSEADDR comes back as the process had it, on or off, though the
+/// rebuild only sets it where it was on: turning repair mode off leaves it
+/// off.
+#[test]
+fn a_rebuilt_connection_keeps_its_reuseaddr_on_or_off() {
+    for reuse in [false, true] {
+        let (_client, server) = pair();
+        sys::set_int(
+            server.as_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            i32::from(reuse),
+        )
+        .unwrap();
+        let (state, moved) = migrate(server);
+        assert_eq!(state.reuseaddr, reuse);
+        let now = sys::get_int(moved.as_fd(), libc::SOL_SOCKET, libc::SO_REUSEADDR).unwrap();
+        assert_eq!(now != 0, reuse, "SO_REUSEADDR after the move");
+    }
+}
+
+/// The keepalive timings and IP_TTL are set only where they differ from a
+/// new socket's in this namespace. On a UDP socket the TCP options fail,
+/// so `apply` succeeds there only if it made none of those calls.
+#[test]
+fn options_a_new_socket_reports_anyway_are_not_set() {
+    use std::net::UdpSocket;
+    let defaults = super::options::NewSocketDefaults::here().expect("a new socket's options");
+    let fresh = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let read = super::options::read(fresh.as_fd(), false).unwrap();
+    assert_eq!(
+        (read.keepcnt, read.keepidle, read.keepintvl, read.ttl),
+        (
+            defaults.keepcnt,
+            defaults.keepidle,
+            defaults.keepintvl,
+            defaults.ttl
+        )
+    );
+    let options = ferry_proto::v1::TcpSocketOptions {
+        keepcnt: defaults.keepcnt,
+        keepidle: defaults.keepidle,
+        keepintvl: defaults.keepintvl,
+        ttl: defaults.ttl,
+        rcvlowat: 1,
+        ..Default::default()
+    };
+    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+    super::options::apply(udp.as_fd(), &options, false, &defaults)
+        .expect("nothing but the buffers' lock set");
+    // CRIU's rule (set whenever not zero) makes the calls, and the first
+    // TCP one fails on this socket.
+    let err = super::options::apply(
+        udp.as_fd(),
+        &options,
+        false,
+        &super::options::NewSocketDefaults::default(),
+    )
+    .unwrap_err();
+    assert_eq!(err.0, "TCP_KEEPCNT", "{err:?}");
+    // A value that differs is set: the TCP option fails here too.
+    let changed = ferry_proto::v1::TcpSocketOptions {
+        keepidle: defaults.keepidle + 1,
+        ..options
+    };
+    let err = super::options::apply(udp.as_fd(), &changed, false, &defaults).unwrap_err();
+    assert_eq!(err.0, "TCP_KEEPIDLE", "{err:?}");
+}
