@@ -170,6 +170,15 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/pidns-proc-when-needed.patch"),
         mark: "ferry-no-pidns-proc",
     },
+    // The connections kept out of the images land on their descriptor
+    // numbers straight from pidfd_getfd(), in ascending order, the free
+    // numbers below each filled first, instead of a check, a dup3() and
+    // a close() each (in the single-threaded restore).
+    Patch {
+        what: "kept-out connections installed in place",
+        text: include_str!("../criu/connections-in-place.patch"),
+        mark: "ferry-conns-in-place",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -170,6 +170,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "ferry-no-pidns-proc",
         "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
     ),
+    (
+        "ferry-conns-in-place",
+        "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -278,6 +282,7 @@ mod tests {
                 "time namespace dumped from its offsets (a shorter dump)",
                 "kernel features read before the request (a shorter restore)",
                 "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
+                "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.
