@@ -365,6 +365,84 @@ fn a_process_with_a_zombie_child_migrates_with_it() {
     });
 }
 
+/// Connections at high descriptor numbers, far above anything else the
+/// process holds and without close-on-exec, come back at the same numbers
+/// and flags (ferry's CRIU places a connection kept out of the images with
+/// pidfd_getfd alone when the numbers below it are few to fill, and with
+/// dup3 otherwise), and keep carrying every byte.
+#[test]
+fn connections_at_high_descriptor_numbers_come_back_at_them() {
+    if !ferry_integration::can_run("connections_at_high_descriptor_numbers_come_back_at_them") {
+        return;
+    }
+    const FROM: i32 = 300;
+    const CONNS: usize = 6;
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = run(
+            &mut node1,
+            vec![
+                echo_server_bin(),
+                "--port".into(),
+                ECHO_PORT.to_string(),
+                "--connection-fds-from".into(),
+                FROM.to_string(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let client = SeqClient::dve(
+            cluster.netns_path("client1"),
+            SocketAddrV4::new(SHARED_IP, ECHO_PORT),
+            CONNS,
+        )
+        .expect("clients with traffic flowing");
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == CONNS as u32).await;
+        // (target of each descriptor from FROM on, close-on-exec)
+        let high_fds = |pid: i32| -> Vec<(String, bool)> {
+            (FROM..FROM + CONNS as i32)
+                .map(|fd| {
+                    let link = std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+                        .map(|l| l.display().to_string())
+                        .unwrap_or_else(|e| format!("{e}"));
+                    let flags = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}"))
+                        .unwrap_or_default()
+                        .lines()
+                        .find_map(|l| l.strip_prefix("flags:"))
+                        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+                        .unwrap_or(0);
+                    (link, flags & libc::O_CLOEXEC as u32 != 0)
+                })
+                .collect()
+        };
+        let before = high_fds(pid);
+        assert!(
+            before
+                .iter()
+                .all(|(link, cloexec)| link.starts_with("socket:[") && !cloexec),
+            "the server's connections: {before:?}"
+        );
+        let verified_before = client.verified_per_connection();
+        let moved = moved_to_node2(&mut node1, &mut node2, pid).await;
+        let after = high_fds(moved);
+        assert!(
+            after
+                .iter()
+                .all(|(link, cloexec)| link.starts_with("socket:[") && !cloexec),
+            "the connections on node2: {after:?}"
+        );
+        let p = wait_for_process(&mut node2, moved, |p| p.tcp_established == CONNS as u32).await;
+        assert_eq!(p.state, "running");
+        client
+            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
+            .expect("every connection flows after the migration");
+        client.stop().assert_clean();
+    });
+}
+
 /// A read-only bind mount of a new directory, undone when dropped.
 struct ReadOnlyDir {
     dir: tempfile::TempDir,

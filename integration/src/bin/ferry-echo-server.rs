@@ -31,6 +31,11 @@ struct Args {
     /// server is never reaches it).
     #[arg(long, value_name = "CODE")]
     exit_on_term: Option<u8>,
+    /// Move each accepted connection to the lowest free descriptor at or
+    /// above this number, without close-on-exec (where a migration must
+    /// put it back, whatever lies below).
+    #[arg(long, value_name = "FD")]
+    connection_fds_from: Option<i32>,
 }
 
 /// The code `--exit-on-term` exits with.
@@ -77,6 +82,13 @@ fn main() -> ExitCode {
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
+                let stream = match args.connection_fds_from {
+                    Some(from) => match moved_up(stream, from) {
+                        Some(s) => s,
+                        None => continue,
+                    },
+                    None => stream,
+                };
                 // If no thread can be made, dropping the stream closes it;
                 // the server goes on.
                 let _ = std::thread::Builder::new()
@@ -91,6 +103,21 @@ fn main() -> ExitCode {
             },
         }
     }
+}
+
+/// `stream` at the lowest free descriptor at or above `from`, without
+/// close-on-exec; `None` (the connection closed) if there is none.
+fn moved_up(stream: TcpStream, from: i32) -> Option<TcpStream> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: F_DUPFD takes an int and returns a new descriptor or -1;
+    // `stream` stays valid until dropped below.
+    let fd = unsafe { libc::fcntl(stream.as_raw_fd(), libc::F_DUPFD, from) };
+    if fd < 0 {
+        return None;
+    }
+    drop(stream);
+    // SAFETY: `fd` was just returned by fcntl and is owned by nothing else.
+    Some(unsafe { TcpStream::from_raw_fd(fd) })
 }
 
 /// Echoes until EOF or an error on this connection.
