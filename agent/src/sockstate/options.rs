@@ -106,21 +106,13 @@ impl NewSocketDefaults {
     /// namespace (the keepalive timings are the same for IPv6; TTL is
     /// IPv4's).
     pub fn here() -> io::Result<Self> {
-        // SAFETY: socket() takes no pointer; it returns a new descriptor or
-        // -1.
-        let raw = unsafe {
-            libc::socket(
-                libc::AF_INET,
-                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
-                libc::IPPROTO_TCP,
-            )
-        };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` was just returned by socket() and is owned by
-        // nothing else.
-        let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        use nix::sys::socket::{AddressFamily, SockFlag, SockProtocol, SockType, socket};
+        let sock = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::Tcp,
+        )?;
         let fd = std::os::fd::AsFd::as_fd(&sock);
         let int = |level, opt| sys::get_int(fd, level, opt).map(|v| v.max(0) as u32);
         Ok(Self {
