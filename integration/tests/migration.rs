@@ -443,6 +443,63 @@ fn connections_at_high_descriptor_numbers_come_back_at_them() {
     });
 }
 
+/// A connection at descriptor 0, as an inetd-style server has it (stdin
+/// closed, the first connection accepted takes its number), comes back
+/// there: the restore must not hold that number itself while it installs
+/// the connections.
+#[test]
+fn a_connection_at_descriptor_zero_comes_back_there() {
+    if !ferry_integration::can_run("a_connection_at_descriptor_zero_comes_back_there") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let pid = run(
+            &mut node1,
+            vec![
+                echo_server_bin(),
+                "--port".into(),
+                ECHO_PORT.to_string(),
+                "--close-stdin".into(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let client = SeqClient::dve(
+            cluster.netns_path("client1"),
+            SocketAddrV4::new(SHARED_IP, ECHO_PORT),
+            2,
+        )
+        .expect("clients with traffic flowing");
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 2).await;
+        let fd0 = |pid: i32| {
+            std::fs::read_link(format!("/proc/{pid}/fd/0"))
+                .map(|l| l.display().to_string())
+                .unwrap_or_else(|e| format!("{e}"))
+        };
+        assert!(
+            fd0(pid).starts_with("socket:["),
+            "descriptor 0: {}",
+            fd0(pid)
+        );
+        let verified_before = client.verified_per_connection();
+        let moved = moved_to_node2(&mut node1, &mut node2, pid).await;
+        assert!(
+            fd0(moved).starts_with("socket:["),
+            "descriptor 0 on node2: {}",
+            fd0(moved)
+        );
+        wait_for_process(&mut node2, moved, |p| p.tcp_established == 2).await;
+        client
+            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
+            .expect("every connection flows after the migration");
+        client.stop().assert_clean();
+    });
+}
+
 /// A read-only bind mount of a new directory, undone when dropped.
 struct ReadOnlyDir {
     dir: tempfile::TempDir,

@@ -177,7 +177,7 @@ const PATCHES: &[Patch] = &[
     Patch {
         what: "kept-out connections installed in place",
         text: include_str!("../criu/connections-in-place.patch"),
-        mark: "ferry-conns-in-place2",
+        mark: "ferry-conns-in-place3",
     },
 ];
 

@@ -171,7 +171,7 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
     ),
     (
-        "ferry-conns-in-place2",
+        "ferry-conns-in-place3",
         "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
     ),
 ];

@@ -36,6 +36,11 @@ struct Args {
     /// put it back, whatever lies below).
     #[arg(long, value_name = "FD")]
     connection_fds_from: Option<i32>,
+    /// Close standard input once listening, as an inetd-style server has
+    /// it: the first connection accepted then takes descriptor 0 (Rust's
+    /// runtime opens /dev/null on a descriptor closed before it starts).
+    #[arg(long)]
+    close_stdin: bool,
 }
 
 /// The code `--exit-on-term` exits with.
@@ -79,6 +84,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.close_stdin {
+        // SAFETY: close() takes a number; nothing of this program uses
+        // standard input.
+        unsafe { libc::close(0) };
+    }
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
