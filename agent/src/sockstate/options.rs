@@ -87,18 +87,22 @@ pub fn read(fd: BorrowedFd<'_>, ipv6: bool) -> io::Result<TcpSocketOptions> {
 }
 
 /// What a new TCP socket of a network namespace reports for the keepalive
-/// timings and IP_TTL: the namespace's sysctls, until a process sets them.
-/// CRIU's restore set those whenever they were not zero, that is on every
+/// timings, IP_TTL and the receive buffer's size: the namespace's sysctls,
+/// until a process sets them (or the kernel tunes the buffer). CRIU's
+/// restore set those whenever they were not zero, that is on every
 /// connection; [`apply`] leaves one alone where the source's value is this
-/// one, since the socket reports it all the same. At 1024 connections that
-/// is four thousand calls fewer on the cores the restore runs on. The
-/// default (all zero) is CRIU's rule.
+/// one, since the rebuilt socket has it already. At 1024 connections that
+/// is up to five thousand calls fewer on the cores the restore runs on.
+/// The default (all zero) is CRIU's rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NewSocketDefaults {
     pub keepcnt: u32,
     pub keepidle: u32,
     pub keepintvl: u32,
     pub ttl: u32,
+    /// SO_RCVBUF (twice what SO_RCVBUFFORCE takes). Connecting in repair
+    /// mode leaves it as it is.
+    pub rcvbuf: u32,
 }
 
 impl NewSocketDefaults {
@@ -120,6 +124,7 @@ impl NewSocketDefaults {
             keepidle: int(libc::SOL_TCP, libc::TCP_KEEPIDLE)?,
             keepintvl: int(libc::SOL_TCP, libc::TCP_KEEPINTVL)?,
             ttl: int(libc::SOL_IP, libc::IP_TTL)?,
+            rcvbuf: int(libc::SOL_SOCKET, libc::SO_RCVBUF)?,
         })
     }
 }
@@ -141,7 +146,7 @@ pub fn apply(
         sys::set_int(fd, level, opt, v).map_err(|e| (what, e))
     };
     // getsockopt reports twice what setsockopt takes.
-    if o.rcvbuf > 0 {
+    if o.rcvbuf > 0 && o.rcvbuf != defaults.rcvbuf {
         set(
             "SO_RCVBUFFORCE",
             libc::SOL_SOCKET,

@@ -703,6 +703,21 @@ fn socket_options_carried_by_ferryd_come_back() {
     assert_eq!(state.socket_options.as_ref(), Some(&before));
     let after = super::options::read(moved.as_fd(), false).unwrap();
     assert_eq!(after, before);
+
+    // A connection whose options are a new socket's (none set, the
+    // receive buffer as the kernel sized it): the rebuild leaves them
+    // alone, and they come back all the same.
+    let (_client, untouched) = pair();
+    let before = super::options::read(untouched.as_fd(), false).unwrap();
+    let defaults = super::options::NewSocketDefaults::here().unwrap();
+    assert_eq!(
+        (before.keepidle, before.ttl, before.rcvbuf),
+        (defaults.keepidle, defaults.ttl, defaults.rcvbuf),
+        "an untouched connection's options are a new socket's"
+    );
+    let (_, moved) = migrate_altered(untouched, true, |_| {});
+    let after = super::options::read(moved.as_fd(), false).unwrap();
+    assert_eq!(after, before);
 }
 
 /// Incremental: a connection read before the freeze and untouched since
