@@ -37,6 +37,7 @@ pub mod privilege;
 pub mod prometheus;
 pub mod reap;
 pub mod reflection;
+pub mod stats;
 pub mod tls;
 pub mod tmpfs;
 pub mod topology;

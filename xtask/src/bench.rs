@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the integration binary behind each.
-pub const BENCHES: [(&str, &str, &str); 4] = [
+pub const BENCHES: [(&str, &str, &str); 5] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -30,6 +30,11 @@ pub const BENCHES: [(&str, &str, &str); 4] = [
         "replay",
         "ferry-bench-replay",
         "replaying captured packets: raw IPPROTO_RAW socket vs TUN vs the wire (µs/packet, delivery, hooks passed)",
+    ),
+    (
+        "ab",
+        "ferry-bench-ab",
+        "two builds' freeze in interleaved rounds (--a NAME=DIR[:CRIU] --b NAME=DIR[:CRIU] [--rounds N] [-- freeze bench args])",
     ),
 ];
 

@@ -45,6 +45,7 @@ use ferry_integration::managed::{migrate_request, run, wait_for_process};
 use ferry_integration::nstat::{Nstat, backlog_drops};
 use ferry_integration::pg_session::{SessionStatus, wait_for_queries};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
+use ferry_integration::stats::{median, percentile};
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration};
 
@@ -632,25 +633,6 @@ async fn migrations(
         }
     }
     Ok(())
-}
-
-fn median(sorted: &[f64]) -> f64 {
-    match sorted.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-    }
-}
-
-/// The nearest-rank percentile of unsorted values.
-fn percentile(values: &[f64], p: f64) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
 }
 
 /// The freeze's median and p95 against the number of connections, a line
