@@ -365,6 +365,37 @@ fn a_process_with_a_zombie_child_migrates_with_it() {
     });
 }
 
+/// The echo server on node1, started with `extra` arguments, and `conns`
+/// clients from client1 talking to it, once node1 counts them all.
+async fn echo_server_with_clients(
+    cluster: &Cluster,
+    node1: &mut ControlClient<Channel>,
+    extra: &[&str],
+    conns: usize,
+) -> (i32, SeqClient) {
+    let mut argv = vec![echo_server_bin(), "--port".into(), ECHO_PORT.to_string()];
+    argv.extend(extra.iter().map(|a| (*a).to_owned()));
+    let pid = run(node1, argv).await;
+    wait_for_process(node1, pid, |p| p.tcp_listening == 1).await;
+    let client = SeqClient::dve(
+        cluster.netns_path("client1"),
+        SocketAddrV4::new(SHARED_IP, ECHO_PORT),
+        conns,
+    )
+    .expect("clients with traffic flowing");
+    wait_for_process(node1, pid, |p| p.tcp_established == conns as u32).await;
+    (pid, client)
+}
+
+/// Every connection of `client` carries bytes again after `before`, and
+/// every byte came back once and in order.
+fn every_connection_flows(client: SeqClient, before: &[u64]) {
+    client
+        .wait_until_each_passes(before, 20, Duration::from_secs(20))
+        .expect("every connection flows after the migration");
+    client.stop().assert_clean();
+}
+
 /// Connections at high descriptor numbers, far above anything else the
 /// process holds and without close-on-exec, come back at the same numbers
 /// and flags (ferry's CRIU places a connection kept out of the images with
@@ -382,25 +413,14 @@ fn connections_at_high_descriptor_numbers_come_back_at_them() {
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node2 = cluster.control("node2").await.expect("control node2");
-        let pid = run(
+        let from = FROM.to_string();
+        let (pid, client) = echo_server_with_clients(
+            &cluster,
             &mut node1,
-            vec![
-                echo_server_bin(),
-                "--port".into(),
-                ECHO_PORT.to_string(),
-                "--connection-fds-from".into(),
-                FROM.to_string(),
-            ],
-        )
-        .await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
-        let client = SeqClient::dve(
-            cluster.netns_path("client1"),
-            SocketAddrV4::new(SHARED_IP, ECHO_PORT),
+            &["--connection-fds-from", &from],
             CONNS,
         )
-        .expect("clients with traffic flowing");
-        wait_for_process(&mut node1, pid, |p| p.tcp_established == CONNS as u32).await;
+        .await;
         // (target of each descriptor from FROM on, close-on-exec)
         let high_fds = |pid: i32| -> Vec<(String, bool)> {
             (FROM..FROM + CONNS as i32)
@@ -436,10 +456,7 @@ fn connections_at_high_descriptor_numbers_come_back_at_them() {
         );
         let p = wait_for_process(&mut node2, moved, |p| p.tcp_established == CONNS as u32).await;
         assert_eq!(p.state, "running");
-        client
-            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
-            .expect("every connection flows after the migration");
-        client.stop().assert_clean();
+        every_connection_flows(client, &verified_before);
     });
 }
 
@@ -457,24 +474,8 @@ fn a_connection_at_descriptor_zero_comes_back_there() {
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node2 = cluster.control("node2").await.expect("control node2");
-        let pid = run(
-            &mut node1,
-            vec![
-                echo_server_bin(),
-                "--port".into(),
-                ECHO_PORT.to_string(),
-                "--close-stdin".into(),
-            ],
-        )
-        .await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
-        let client = SeqClient::dve(
-            cluster.netns_path("client1"),
-            SocketAddrV4::new(SHARED_IP, ECHO_PORT),
-            2,
-        )
-        .expect("clients with traffic flowing");
-        wait_for_process(&mut node1, pid, |p| p.tcp_established == 2).await;
+        let (pid, client) =
+            echo_server_with_clients(&cluster, &mut node1, &["--close-stdin"], 2).await;
         let fd0 = |pid: i32| {
             std::fs::read_link(format!("/proc/{pid}/fd/0"))
                 .map(|l| l.display().to_string())
@@ -493,10 +494,7 @@ fn a_connection_at_descriptor_zero_comes_back_there() {
             fd0(moved)
         );
         wait_for_process(&mut node2, moved, |p| p.tcp_established == 2).await;
-        client
-            .wait_until_each_passes(&verified_before, 20, Duration::from_secs(20))
-            .expect("every connection flows after the migration");
-        client.stop().assert_clean();
+        every_connection_flows(client, &verified_before);
     });
 }
 
