@@ -9,6 +9,13 @@ pub fn median(sorted: &[f64]) -> f64 {
     }
 }
 
+/// The median of values in any order; 0 for none.
+pub fn median_unsorted(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    median(&v)
+}
+
 /// The nearest-rank percentile of unsorted values; 0 for none.
 pub fn percentile(values: &[f64], p: f64) -> f64 {
     let mut v = values.to_vec();
@@ -37,6 +44,7 @@ mod tests {
         assert_eq!(median(&[]), 0.0);
         assert_eq!(median(&[1.0, 2.0, 9.0]), 2.0);
         assert_eq!(median(&[1.0, 2.0, 3.0, 9.0]), 2.5);
+        assert_eq!(median_unsorted(&[9.0, 1.0, 2.0]), 2.0);
         let v = [5.0, 1.0, 4.0, 2.0, 3.0];
         assert_eq!(percentile(&v, 95.0), 5.0);
         assert_eq!(percentile(&v, 50.0), 3.0);

@@ -25,7 +25,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ferry_integration::stats::{mean, median, percentile};
+use ferry_integration::stats::{mean, median_unsorted as med, percentile};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -182,10 +182,27 @@ fn summarize(out: &Path, name: &str, rounds: usize) -> Result<Summary> {
         name: name.to_owned(),
         ..Summary::default()
     };
+    // The comparison pools every migration: of one configuration only.
+    let mut configuration: Option<Vec<String>> = None;
     for round in 1..=rounds {
         let dir = out.join(format!("{name}-{round}"));
         let freeze = read_csv(&dir.join("freeze.csv"))?;
+        let keys: Vec<usize> = ["tcp", "udp", "mode"]
+            .iter()
+            .filter_map(|k| freeze.index(k))
+            .collect();
         for row in &freeze.rows {
+            let this: Vec<String> = keys.iter().filter_map(|&i| row.get(i).cloned()).collect();
+            match &configuration {
+                None => configuration = Some(this),
+                Some(c) if *c != this => bail!(
+                    "{}: more than one configuration ({} and {}); give ferry-bench-freeze one connection count and one mode",
+                    dir.display(),
+                    c.join("/"),
+                    this.join("/")
+                ),
+                Some(_) => {}
+            }
             for (h, v) in freeze.header.iter().zip(row) {
                 if let Ok(x) = v.parse::<f64>() {
                     s.columns.entry(h.clone()).or_default().push(x);
@@ -216,11 +233,6 @@ fn summarize(out: &Path, name: &str, rounds: usize) -> Result<Summary> {
 }
 
 fn compare(s: &[Summary], bench_args: &[String], args: &Args) -> String {
-    let med = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        median(&v)
-    };
     let mut t = String::new();
     let _ = writeln!(
         t,
@@ -373,7 +385,7 @@ mod tests {
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(
                 dir.join("freeze.csv"),
-                format!("tcp,freeze_ms,tcp_rtos\n1024,{freeze},0\n1024,40.0,0\n"),
+                format!("tcp,mode,freeze_ms,tcp_rtos\n1024,incremental,{freeze},0\n1024,incremental,40.0,0\n"),
             )
             .unwrap();
             std::fs::write(
@@ -389,5 +401,13 @@ mod tests {
             vec![("dump (CRIU, process stopped)".to_owned(), vec![17.0, 19.0])]
         );
         assert!(summarize(out.path(), "y", 1).is_err());
+        // Two configurations are not pooled.
+        std::fs::write(
+            out.path().join("x-2/freeze.csv"),
+            "tcp,mode,freeze_ms\n64,incremental,20.0\n",
+        )
+        .unwrap();
+        let err = summarize(out.path(), "x", 2).unwrap_err().to_string();
+        assert!(err.contains("1024/incremental and 64/incremental"), "{err}");
     }
 }

@@ -45,7 +45,7 @@ use ferry_integration::managed::{migrate_request, run, wait_for_process};
 use ferry_integration::nstat::{Nstat, backlog_drops};
 use ferry_integration::pg_session::{SessionStatus, wait_for_queries};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
-use ferry_integration::stats::{median, percentile};
+use ferry_integration::stats::{median, median_unsorted, percentile};
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration};
 
@@ -772,9 +772,8 @@ struct Summary {
 impl Summary {
     fn of(rs: &[&Row]) -> Self {
         let med = |f: fn(&Row) -> f64| {
-            let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
-            v.sort_by(f64::total_cmp);
-            median(&v)
+            let v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
+            median_unsorted(&v)
         };
         let freezes: Vec<f64> = rs.iter().map(|r| r.freeze_ms).collect();
         Self {

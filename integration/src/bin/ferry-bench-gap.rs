@@ -33,6 +33,7 @@ use ferry_integration::answer_watch::AnswerWatch;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate, run, wait_for_process};
 use ferry_integration::nstat::Nstat;
+use ferry_integration::stats::{median, median_unsorted};
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::MigrationOutcome;
 
@@ -325,18 +326,9 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
     Ok(())
 }
 
-fn median(sorted: &[f64]) -> f64 {
-    match sorted.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-    }
-}
-
 fn median_of(rows: &[&Row], f: impl Fn(&Row) -> f64) -> f64 {
-    let mut v: Vec<f64> = rows.iter().map(|r| f(r)).collect();
-    v.sort_by(f64::total_cmp);
-    median(&v)
+    let v: Vec<f64> = rows.iter().map(|r| f(r)).collect();
+    median_unsorted(&v)
 }
 
 /// The per-mode medians (and worst cases) as a Markdown table.
