@@ -3,18 +3,18 @@
  * The state of a migrating process's TCP connections, read in one pass
  * inside the freeze (issue 6: socket state collected in one batch).
  *
- * ferryd turns repair mode on for each connection (the process is stopped
- * and its packets held, so nothing moves), then reads one iterator once:
- * over the process's descriptors, or over its network namespace's TCP
- * sockets. For every connection whose cookie it asked for
- * (FERRY_TCPSTATE_WANTED), one struct ferry_tcp_state with what ten
- * getsockopt and ioctl calls per connection read otherwise, taken from
- * the same kernel fields those calls read. The kernel structures are
- * declared here with only the fields read, relocated against the running
- * kernel's BTF (CO-RE) when the program loads. No bitfield is read (the
- * options negotiated at the handshake, which never change, come from
- * TCP_INFO before the freeze; the timestamp from TCP_TIMESTAMP): aya's
- * loader misplaced them when tried.
+ * The process is stopped and its packets held (nothing moves): ferryd
+ * reads one iterator once, over the process's descriptors or over its
+ * network namespace's TCP sockets. For every connection whose cookie it
+ * asked for (FERRY_TCPSTATE_WANTED), one struct ferry_tcp_state with what
+ * a dozen getsockopt and ioctl calls per connection read otherwise, taken
+ * from the same kernel fields those calls read (TCP_TIMESTAMP's offset
+ * too: ferryd adds the TCP clock). The kernel structures are declared here
+ * with only the fields read, relocated against the running kernel's BTF
+ * (CO-RE) when the program loads. No bitfield is read (the options
+ * negotiated at the handshake, which never change, and whether the
+ * timestamps count microseconds come from TCP_INFO before the freeze):
+ * aya's loader misplaced them when tried.
  */
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
@@ -61,6 +61,7 @@ struct tcp_sock {
 	__u32 rcv_wnd;
 	__u16 urg_data;
 	struct tcp_options_received rx_opt;
+	__u32 tsoffset;
 } __attribute__((preserve_access_index));
 
 struct bpf_iter__tcp {
@@ -126,6 +127,7 @@ static __always_inline int emit(struct seq_file *seq, struct sock_common *skc)
 	out.rcvbuf = BPF_CORE_READ(sk, sk_rcvbuf);
 	out.urg_data = BPF_CORE_READ(tp, urg_data);
 	out.mss_clamp = BPF_CORE_READ(tp, rx_opt.mss_clamp);
+	out.tsoffset = BPF_CORE_READ(tp, tsoffset);
 
 	bpf_seq_write(seq, &out, sizeof(out));
 	return 0;

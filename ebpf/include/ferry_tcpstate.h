@@ -27,7 +27,7 @@ struct ferry_tcp_state {
 	__s32 rcvbuf;     /* SO_RCVBUF */
 	__u32 urg_data;   /* non-zero: urgent data pending, SIOCINQ differs */
 	__u32 mss_clamp;  /* TCP_MAXSEG in repair mode */
-	__u32 pad;
+	__u32 tsoffset;   /* TCP_TIMESTAMP = the TCP clock (ms, or us) + this */
 };
 
 /* One socket descriptor of a process (ferry_task_sockets): what ferryd

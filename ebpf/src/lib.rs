@@ -28,5 +28,5 @@ pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
 pub use replay::{ReplayError, Replayer};
 pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
-pub use tcpstate::{TaskSocket, TcpKernelState, TcpStateReader};
+pub use tcpstate::{TaskSocket, TcpClock, TcpKernelState, TcpStateReader};
 pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};

@@ -11,8 +11,8 @@
 //! fields for the connections asked for ([`TcpStateReader::want`], by
 //! socket cookie) into one read.
 //! Ask before the freeze (a map update per connection), read inside it,
-//! after turning repair mode on for each connection (TCP repair is what
-//! keeps the fields still). The namespace read is the calling thread's.
+//! with the process stopped and its packets held (what keeps the fields
+//! still). The namespace read is the calling thread's.
 
 use std::io::Read;
 use std::mem::{offset_of, size_of};
@@ -61,13 +61,36 @@ pub struct TcpKernelState {
     pub urg_data: u32,
     /// TCP_MAXSEG in repair mode.
     pub mss_clamp: u32,
-    // The C struct's `pad` is this struct's tail padding (u64 alignment).
+    /// What TCP_TIMESTAMP adds to the TCP clock ([`TcpKernelState::timestamp`]).
+    pub tsoffset: u32,
 }
 
 const _: () = assert!(size_of::<TcpKernelState>() == 72);
 const _: () = assert!(offset_of!(TcpKernelState, state) == 8);
 const _: () = assert!(offset_of!(TcpKernelState, rcv_wup) == 48);
 const _: () = assert!(offset_of!(TcpKernelState, mss_clamp) == 64);
+const _: () = assert!(offset_of!(TcpKernelState, tsoffset) == 68);
+
+/// The clock of the kernel's TCP timestamps, read once for a batch of
+/// connections: CLOCK_MONOTONIC (`tcp_clock_ns()`), counted in
+/// milliseconds, or in microseconds by a connection that negotiated
+/// microsecond timestamps (Linux 6.7+).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpClock {
+    ns: u64,
+}
+
+impl TcpClock {
+    /// The clock now.
+    pub fn now() -> std::io::Result<Self> {
+        let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+        Ok(Self {
+            ns: (t.tv_sec() as u64)
+                .saturating_mul(1_000_000_000)
+                .saturating_add(t.tv_nsec() as u64),
+        })
+    }
+}
 
 impl TcpKernelState {
     /// SIOCOUTQ: bytes sent or not, not yet acknowledged.
@@ -85,6 +108,25 @@ impl TcpKernelState {
     /// connection on to CLOSE_WAIT).
     pub fn inq(&self) -> u32 {
         self.rcv_nxt.wrapping_sub(self.copied_seq)
+    }
+
+    /// What TCP_TIMESTAMP reads of the connection at `clock`, without
+    /// the call (`do_tcp_getsockopt()`): the clock, in the connection's
+    /// ticks (microseconds when `usec`, TCP_INFO's TCPI_OPT_USEC_TS), plus
+    /// its offset. Linux 6.7+ keeps in the value's low bit whether the
+    /// ticks are microseconds, and TCP_TIMESTAMP's setter takes it from
+    /// there; earlier kernels neither set nor read the bit, and clearing
+    /// it there moves the timestamp back at most one tick, which PAWS
+    /// tolerates (TCP_PAWS_WINDOW) and a freeze's milliseconds outgrow.
+    pub fn timestamp(&self, clock: TcpClock, usec: bool) -> u32 {
+        let ticks = if usec {
+            clock.ns / 1_000
+        } else {
+            clock.ns / 1_000_000
+        };
+        // The kernel's clock, truncated to 32 bits as its tcp_time_stamp.
+        let at = (ticks as u32).wrapping_add(self.tsoffset);
+        if usec { at | 1 } else { at & !1 }
     }
 
     /// One record as the program wrote it (`bytes` holds at least one).
@@ -107,6 +149,7 @@ impl TcpKernelState {
             rcvbuf: at(offset_of!(Self, rcvbuf)) as i32,
             urg_data: at(offset_of!(Self, urg_data)),
             mss_clamp: at(offset_of!(Self, mss_clamp)),
+            tsoffset: at(offset_of!(Self, tsoffset)),
         }
     }
 }

@@ -10,13 +10,14 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ferry_ebpf::{TaskSocket, TcpKernelState, TcpStateReader};
+use ferry_ebpf::{TaskSocket, TcpClock, TcpKernelState, TcpStateReader};
 
 const SO_COOKIE: libc::c_int = 57;
 const TCP_REPAIR: libc::c_int = 19;
 const TCP_REPAIR_QUEUE: libc::c_int = 20;
 const TCP_QUEUE_SEQ: libc::c_int = 21;
 const TCP_REPAIR_WINDOW: libc::c_int = 29;
+const TCP_TIMESTAMP: libc::c_int = 24;
 const TCP_RECV_QUEUE: i32 = 1;
 const TCP_SEND_QUEUE: i32 = 2;
 const SIOCOUTQNSD: libc::c_ulong = 0x894B;
@@ -82,7 +83,34 @@ fn by_calls(fd: RawFd) -> TcpKernelState {
         rcvbuf: get(fd, libc::SOL_SOCKET, libc::SO_RCVBUF),
         urg_data: 0,
         mss_clamp: get::<i32>(fd, libc::SOL_TCP, libc::TCP_MAXSEG) as u32,
+        // No call reads the offset alone: `timestamps_agree` checks it.
+        tsoffset: 0,
     }
+}
+
+/// The record's fields against the calls', the offset aside.
+fn same_as_calls(record: &TcpKernelState, calls: &TcpKernelState) {
+    let mut record = *record;
+    record.tsoffset = 0;
+    assert_eq!(record, *calls);
+}
+
+/// The timestamp the record gives at a clock read between two
+/// TCP_TIMESTAMP calls falls between them (their ticks are milliseconds on
+/// loopback, which negotiates no microsecond timestamps), with the low
+/// bit clear as Linux 6.7+ keeps it for millisecond ticks.
+fn timestamps_agree(record: &TcpKernelState, fd: RawFd) {
+    let before: u32 = get(fd, libc::SOL_TCP, TCP_TIMESTAMP);
+    let clock = TcpClock::now().expect("the clock");
+    let after: u32 = get(fd, libc::SOL_TCP, TCP_TIMESTAMP);
+    let ours = record.timestamp(clock, false);
+    assert_eq!(ours & 1, 0, "{ours}");
+    // The low bit cleared may put ours one tick below `before`.
+    assert!(
+        ours.wrapping_sub(before & !1) <= after.wrapping_sub(before & !1),
+        "TCP_TIMESTAMP {before}..{after}, from the record {ours} (offset {})",
+        record.tsoffset
+    );
 }
 
 /// Runs `test` as root on a thread of its own, in a new network namespace
@@ -162,18 +190,21 @@ fn the_iterator_reads_what_the_repair_calls_read() {
                     .map(|&fd| get::<u64>(fd, libc::SOL_SOCKET, SO_COOKIE)),
             )
             .expect("ask");
+        // Read without repair mode (nothing moves here: no packet is in
+        // flight), which the calls below need.
+        let read = reader.read().expect("read the iterator");
+        assert_eq!(read.len(), 3, "{read:#?}");
         for &fd in &asked {
             set(fd, libc::SOL_TCP, TCP_REPAIR, 1);
         }
-        let read = reader.read().expect("read the iterator");
-        assert_eq!(read.len(), 3, "{read:#?}");
         for &fd in &asked {
             let calls = by_calls(fd);
             let it = read
                 .iter()
                 .find(|r| r.cookie == calls.cookie)
                 .unwrap_or_else(|| panic!("cookie {} not reported", calls.cookie));
-            assert_eq!(*it, calls);
+            same_as_calls(it, &calls);
+            timestamps_agree(it, fd);
         }
         assert_eq!(read.iter().map(TcpKernelState::inq).max(), Some(3000));
         // The per-process pass reads the same, from this process's
@@ -214,7 +245,7 @@ fn the_iterator_reads_what_the_repair_calls_read() {
             .read_processes(&[std::process::id() as i32])
             .expect("read one connection");
         assert_eq!(one.len(), 1, "{one:#?}");
-        assert_eq!(one[0], by_calls(asked[1]));
+        same_as_calls(&one[0], &by_calls(asked[1]));
         for &fd in &asked {
             set(fd, libc::SOL_TCP, TCP_REPAIR, 0);
         }

@@ -292,6 +292,9 @@ impl Cluster {
         let client_ns: Vec<&str> = self.clients.iter().map(|c| c.netns.name()).collect();
         let router_ns = self.router.as_ref().map(NetNs::name);
         cmd::ip_batch(router_ns, &topology::router_script(&node_ns, &client_ns))?;
+        if let Some(router) = &self.router {
+            bridge_without_netfilter(router)?;
+        }
         for (i, n) in self.nodes.iter().enumerate() {
             cmd::ip_batch(Some(n.netns.name()), &topology::node_script(i + 1))?;
         }
@@ -895,6 +898,28 @@ fn copy_logs(src: &Path, dst: &Path, depth: usize) -> std::io::Result<()> {
             std::fs::create_dir_all(dst)?;
             std::fs::copy(&path, dst.join(entry.file_name()))?;
         }
+    }
+    Ok(())
+}
+
+/// The router is a switch: its bridges forward frames without passing
+/// them through netfilter. Where the kernel has br_netfilter, a new
+/// namespace starts with `bridge-nf-call-*` on, and every flooded frame
+/// (each client's, once per node) then runs the IP hooks in the sender's
+/// context, on the cores the nodes share, which a real cluster's switch
+/// does not spend. (A/B at 1024 connections, 30 migrations each: the
+/// freeze's median stayed 33.1 ms, its mean went 34.1 -> 33.1.)
+fn bridge_without_netfilter(router: &NetNs) -> Result<(), ClusterError> {
+    for key in [
+        "net.bridge.bridge-nf-call-iptables",
+        "net.bridge.bridge-nf-call-ip6tables",
+        "net.bridge.bridge-nf-call-arptables",
+    ] {
+        if !Path::new("/proc/sys").join(key.replace('.', "/")).exists() {
+            // No br_netfilter here: bridged frames skip netfilter already.
+            continue;
+        }
+        netns::set_sysctl(&router.path(), key, "0")?;
     }
     Ok(())
 }

@@ -151,6 +151,18 @@ pub fn process_state(pid: i32) -> Option<char> {
         .next()
 }
 
+/// The nice value of `pid` (/proc/PID/stat's 19th field), None if there is
+/// no such process.
+pub fn nice_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 3 (the state) is the first after the command's name.
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(16)?
+        .parse()
+        .ok()
+}
+
 /// Waits until `pid` no longer exists (killed and reaped by its parent,
 /// which may take a moment after the kill); panics after 5 s.
 pub fn wait_until_gone(pid: i32) {

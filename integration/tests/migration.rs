@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    list, migrate, migrate_committed, migrate_with, process_state, run, runtime, wait_for_process,
+    list, migrate, migrate_committed, migrate_with, nice_of, process_state, run, runtime,
+    wait_for_process,
 };
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
@@ -80,6 +81,11 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
         let before = wait_for_process(&mut node1, pid, |p| p.tcp_established == 16).await;
         assert_eq!(before.state, "running");
         let verified_before = client.verified_per_connection();
+        // A nice value of its own, which CRIU (itself at another) restores.
+        // SAFETY: setpriority takes plain integers; `pid` is the test's
+        // echo server.
+        let reniced = unsafe { libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, 5) };
+        assert_eq!(reniced, 0, "{}", std::io::Error::last_os_error());
 
         let (report, status) = migrate(&mut node1, pid, "node2")
             .await
@@ -129,6 +135,7 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
         })
         .await;
         assert_eq!(moved.origin, "migrated-in");
+        assert_eq!(nice_of(report.destination_pid), Some(5));
         assert!(
             list(&mut node1).await.is_empty(),
             "node1 still manages a process"
@@ -669,6 +676,21 @@ async fn collective_migration_aborts(
     cluster: &Cluster,
     connections: usize,
 ) -> (MigrationReport, Stayed) {
+    migration_aborts(
+        cluster,
+        connections,
+        ferry_proto::v1::SocketMigration::Collective,
+    )
+    .await
+}
+
+/// [`collective_migration_aborts`], with the connections moved as
+/// `sockets` says.
+async fn migration_aborts(
+    cluster: &Cluster,
+    connections: usize,
+    sockets: ferry_proto::v1::SocketMigration,
+) -> (MigrationReport, Stayed) {
     let EchoSetup {
         mut node1,
         node2: _,
@@ -681,14 +703,9 @@ async fn collective_migration_aborts(
     })
     .await;
     let before = client.verified_per_connection();
-    let (report, status) = migrate_with(
-        &mut node1,
-        pid,
-        "node2",
-        ferry_proto::v1::SocketMigration::Collective,
-    )
-    .await
-    .expect("migration starts");
+    let (report, status) = migrate_with(&mut node1, pid, "node2", sockets)
+        .await
+        .expect("migration starts");
     let status = status.expect("an aborted migration ends the stream with an error status");
     assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
     assert_eq!(
@@ -793,6 +810,50 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
         assert!(
             log.contains("its connections left repair mode before CRIU resumes the process")
                 && log.contains("connections=32"),
+            "{}",
+            cluster.log_tail("node1", 40)
+        );
+        carries_on_at_node1(&cluster, stayed).await;
+    });
+}
+
+/// The same in an incremental migration: the iterator's pass reads the
+/// connections without repair mode, which they enter after their states
+/// left; all of them leave it again before CRIU lets the process run.
+#[test]
+fn an_incremental_dump_that_fails_while_the_connections_are_read_gives_them_back() {
+    if !ferry_integration::can_run(
+        "an_incremental_dump_that_fails_while_the_connections_are_read_gives_them_back",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let (_dir, cluster) = cluster_with_criu(
+        &[
+            ferry_agent::criu::DUMP_ROLLBACK_MARK,
+            ferry_agent::criu::INHERITED_TCP_MARK,
+        ],
+        "CRIU_FAULT=3",
+    );
+    rt.block_on(async {
+        // Enough for the pass (`sockstate::PER_PROCESS_PASS_FROM`).
+        let (report, stayed) =
+            migration_aborts(&cluster, 64, ferry_proto::v1::SocketMigration::Incremental).await;
+        assert_eq!(
+            report.sockets,
+            ferry_proto::v1::SocketMigration::Incremental as i32,
+            "{report:#?}"
+        );
+        assert!(report.error.contains("dump"), "{}", report.error);
+        let log = cluster.log_text("node1");
+        assert!(
+            log.contains("connections read in one pass of the TCP state iterator"),
+            "{}",
+            cluster.log_tail("node1", 40)
+        );
+        assert!(
+            log.contains("its connections left repair mode before CRIU resumes the process")
+                && log.contains("connections=64"),
             "{}",
             cluster.log_tail("node1", 40)
         );
@@ -1373,6 +1434,80 @@ fn connection_options_survive_an_incremental_migration() {
         return;
     }
     options_survive(SocketMigration::Incremental);
+}
+
+/// The source's copy closes its connections silently after an incremental
+/// migration. The iterator's pass reads them without repair mode, and
+/// each must be put into it before the source's copy goes: a connection
+/// closed out of it sends a FIN and lingers in FIN_WAIT1 (the FIN is a
+/// valid one for an idle peer, which would take it as the server's
+/// close).
+#[test]
+fn the_source_copy_closes_an_incremental_migrations_connections_silently() {
+    if !ferry_integration::can_run(
+        "the_source_copy_closes_an_incremental_migrations_connections_silently",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        // Enough for the pass (`sockstate::PER_PROCESS_PASS_FROM`).
+        let connections = 64;
+        let EchoSetup {
+            mut node1,
+            node2: _,
+            pid,
+            target: _,
+            client,
+        } = echo_setup(&cluster, connections).await;
+        wait_for_process(&mut node1, pid, |p| {
+            p.tcp_established as usize == connections
+        })
+        .await;
+        let before = client.verified_per_connection();
+        let report = migrate_committed(
+            &mut node1,
+            MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                strategy: Strategy::TotalCopy as i32,
+                sockets: SocketMigration::Incremental as i32,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(
+            report.sockets,
+            SocketMigration::Incremental as i32,
+            "{report:#?}"
+        );
+        assert_eq!(
+            report.connections_preread as usize, connections,
+            "{report:#?}"
+        );
+        // The stopped copy is gone, and with it (ferryd drops its own
+        // duplicates as the migration ends) every socket it held.
+        ferry_integration::managed::wait_until_gone(pid);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let left = loop {
+            let left = cluster.tcp_connections_in_any_state("node1", ECHO_PORT);
+            let established = left.iter().any(|(_, state)| *state == 1);
+            if !established || Instant::now() > deadline {
+                break left;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(
+            left,
+            Vec::new(),
+            "node1 kept connections of the moved process"
+        );
+        client
+            .wait_until_each_passes(&before, 20, Duration::from_secs(20))
+            .expect("every connection flows on node2");
+        client.stop().assert_clean();
+    });
 }
 
 fn options_survive(sockets: SocketMigration) {

@@ -446,6 +446,7 @@ impl Worker {
         })?;
         drop(theirs);
         drop(handed_over);
+        ahead_of_the_rest(child.id());
         Ok(Self {
             child: Some(child),
             ours: Some(ours),
@@ -490,6 +491,28 @@ impl Worker {
         // One request per session: closing our end ends it.
         self.ours = None;
         result
+    }
+}
+
+/// CRIU's nice value while it works. The freeze waits on its dump and its
+/// restore, which on a busy node share the cores with everything else;
+/// the dump's parasite round trips (a wake-up each) waited behind other
+/// threads. A/B at 1024 connections, 30 migrations each: freeze median
+/// 33.8 -> 33.0 ms, p95 43.4 -> 38.8, the dump 17.8 -> 14.0 (the
+/// connections' branch beside it got less CPU: the transfer after it
+/// grew 4.1 -> 6.5). The tasks a restore forks inherit it until CRIU's
+/// restorer sets the nice value their images hold.
+const CRIU_NICE: i32 = -10;
+
+/// Raises `pid` (a CRIU child) above the node's other work.
+fn ahead_of_the_rest(pid: i32) {
+    if pid <= 0 {
+        return;
+    }
+    // SAFETY: setpriority takes plain integers and changes only the nice
+    // value of `pid`, our child.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, CRIU_NICE) } != 0 {
+        tracing::debug!(pid, error = %std::io::Error::last_os_error(), "CRIU left at its nice value");
     }
 }
 
@@ -598,4 +621,52 @@ fn recv_msg(sock: &OwnedFd) -> Result<Criu_resp, CriuError> {
     }
     Criu_resp::parse_from_bytes(&buf[..n])
         .map_err(|e| CriuError::Rpc(format!("decoding response: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The nice value of `pid` (/proc/PID/stat's 19th field).
+    fn nice_of(pid: i32) -> i32 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        let after_comm = &stat[stat.rfind(')').expect("comm") + 2..];
+        // Field 3 (state) is the first after the command's name.
+        after_comm
+            .split_whitespace()
+            .nth(16)
+            .expect("nice")
+            .parse()
+            .expect("a number")
+    }
+
+    /// A CRIU worker runs ahead of the node's other work (as root, which
+    /// may lower a nice value); a stand-in for CRIU that waits for its
+    /// session's end plays it.
+    #[test]
+    fn a_criu_worker_starts_at_criu_nice() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root (a negative nice value)");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let criu = dir.path().join("criu");
+        // Reads its RPC socket until the session closes.
+        std::fs::write(
+            &criu,
+            format!("#!/bin/sh\ncat <&{CHILD_SOCKET_FD} >/dev/null\n"),
+        )
+        .expect("write the stand-in");
+        std::fs::set_permissions(&criu, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        let ours = nice_of(std::process::id() as i32);
+        let worker = start_restore_worker(&criu, dir.path(), dir.path(), &[]).expect("start");
+        assert_eq!(nice_of(worker.pid()), CRIU_NICE);
+        assert_eq!(
+            nice_of(std::process::id() as i32),
+            ours,
+            "the caller keeps its own"
+        );
+        drop(worker);
+    }
 }

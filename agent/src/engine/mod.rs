@@ -70,7 +70,10 @@
 //!   Collective: beside the transfer, the source takes every established
 //!   connection of the stopped process into ferryd (`pidfd_getfd`), turns
 //!   repair on, reads all their states into one buffer and sends it
-//!   (`TransferSockets`); the destination rebuilds them all in repair mode
+//!   (`TransferSockets`; incremental: read by the TCP state iterator
+//!   without repair mode, which the connections with bytes queued take
+//!   at once and the others while the destination restores); the
+//!   destination rebuilds them all in repair mode
 //!   (on its own cluster address for in-cluster ones) while images still
 //!   arrive.
 //! - **Restore**: the destination restores the process, left stopped, as a

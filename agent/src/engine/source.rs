@@ -1317,13 +1317,39 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         return Stop::BeforeCommit(e);
     }
     run.phase("restore").await;
+    // While the destination restores, the connections the TCP state
+    // iterator read without repair mode go into it here: before the
+    // Release (the commit point), so that the stopped copy closes them
+    // silently whenever it goes, even if this agent does not live to kill
+    // it. Off the freeze's critical path: this node only waits meanwhile.
+    let repairing_the_rest = run.held.clone().map(|held| {
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let turned = held.repair_the_rest();
+            if turned > 0 {
+                tracing::debug!(
+                    connections = turned,
+                    ms = started.elapsed().as_secs_f64() * 1000.0,
+                    "repair on beside the restore"
+                );
+            }
+        })
+    });
     let restore = run.p.peer.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
         collective_sockets: run.p.socket_migration.is_collective(),
         lazy_pages: run.page_server.is_some(),
         local_pages,
     });
-    let restored = match tokio::time::timeout(deadline, restore).await {
+    let restore = tokio::time::timeout(deadline, restore).await;
+    // Done before anything else touches the connections (an abort's
+    // resume takes repair off again).
+    if let Some(task) = repairing_the_rest
+        && let Err(e) = task.await
+    {
+        tracing::error!(error = %e, "turning repair on beside the restore");
+    }
+    let restored = match restore {
         Ok(Ok(r)) => r.into_inner(),
         Ok(Err(s)) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
         // The destination may still finish the restore; the abort that

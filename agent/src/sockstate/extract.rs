@@ -26,7 +26,8 @@ struct HeldConnection {
 
 /// The established TCP connections of a process tree, held by ferryd.
 ///
-/// Dropping it closes ferryd's duplicates. After [`Held::extract`] the
+/// Dropping it closes ferryd's duplicates. After [`Held::extract`] (and
+/// [`Held::repair_the_rest`] for those a pass of the iterator read) the
 /// sockets are in repair mode, in which a close sends nothing (no FIN, no
 /// RST): that is what happens on the commit, after the source's copy was
 /// killed. On an abort, [`Held::resume`] must run before the process does.
@@ -447,22 +448,24 @@ impl Held {
 }
 
 /// One connection in [`Held::extract_in_one_pass`]: its pre-read, while
-/// the pass may still read it, and its TCP_TIMESTAMP.
+/// the pass may still read it.
 struct OnePass<'a> {
     conn: &'a HeldConnection,
     pre: Option<&'a PrereadConnection>,
-    timestamp: Option<u32>,
 }
 
 impl Held {
     /// The connections' state in one pass of the TCP state iterator
     /// (`ferry_ebpf::TcpStateReader`), for those the pre-read knows and no
-    /// setsockopt call touched since. Each costs repair mode on and
-    /// TCP_TIMESTAMP (and a peek of a queue that holds bytes) instead of
-    /// ~14 calls; the others, and any the pass does not report as an
-    /// established connection without urgent data, are read by their
-    /// calls as before. Err only if the pass itself failed, before any
-    /// state was taken from it.
+    /// setsockopt call touched since: no call at all for a connection
+    /// whose queues are empty, repair mode and a peek for a queue that
+    /// holds bytes, instead of ~14 calls. The pass needs no repair mode:
+    /// the process is stopped and its packets held, so nothing moves; the
+    /// others go into it during the restore ([`Held::repair_the_rest`]).
+    /// An abort before that has nothing to undo for them. Those the pass does not report as an
+    /// established connection without urgent data, and the others, are
+    /// read by their calls as before. Err only if the pass itself failed,
+    /// before any state was taken from it.
     fn extract_in_one_pass(
         &self,
         with_options: bool,
@@ -471,46 +474,20 @@ impl Held {
         reader: &std::sync::Mutex<ferry_ebpf::TcpStateReader>,
     ) -> Result<(Vec<TcpConnectionState>, ReadCounts), String> {
         let mut counts = ReadCounts::default();
-        let mut plan: Vec<OnePass<'_>> = self
+        let plan: Vec<OnePass<'_>> = self
             .conns
             .iter()
             .map(|c| {
                 let pre = preread.get(c.inode).filter(|p| {
                     !(touched.may_have_changed(&p.watched()) || with_options && p.options.is_none())
                 });
-                OnePass {
-                    conn: c,
-                    pre,
-                    timestamp: None,
+                if let Some(p) = pre {
+                    c.reuseaddr.store(p.reuseaddr, Ordering::SeqCst);
                 }
+                OnePass { conn: c, pre }
             })
             .collect();
         let started = std::time::Instant::now();
-        // Repair on, and the timestamp, for those the pass will read.
-        let chunk = super::spread::chunk_len(plan.len());
-        let parts = super::spread::on_threads(plan.chunks_mut(chunk), "repair on", |part| {
-            for one in part.iter_mut() {
-                let Some(pre) = one.pre else { continue };
-                let fd = one.conn.fd.as_fd();
-                if sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON).is_err() {
-                    one.pre = None;
-                    continue;
-                }
-                one.conn.repairing.store(true, Ordering::SeqCst);
-                one.conn.reuseaddr.store(pre.reuseaddr, Ordering::SeqCst);
-                if pre.handshake.options & sys::TCPI_OPT_TIMESTAMPS != 0 {
-                    match sys::get_int(fd, libc::SOL_TCP, sys::TCP_TIMESTAMP) {
-                        Ok(t) => one.timestamp = Some(t as u32),
-                        Err(_) => one.pre = None,
-                    }
-                }
-            }
-            Ok(())
-        });
-        for p in parts {
-            p.map_err(|e| e.to_string())?;
-        }
-        let repaired = started.elapsed();
         let records: std::collections::HashMap<u64, ferry_ebpf::TcpKernelState> = {
             let mut reader = reader.lock().unwrap_or_else(|p| p.into_inner());
             let by_process = preread
@@ -529,7 +506,11 @@ impl Held {
         .into_iter()
         .map(|r| (r.cookie, r))
         .collect();
+        // Read once, right after the pass: each connection's timestamp is
+        // this clock plus its offset, what TCP_TIMESTAMP would read now.
+        let clock = ferry_ebpf::TcpClock::now().map_err(|e| format!("the TCP clock: {e}"))?;
         let passed = started.elapsed();
+        let chunk = super::spread::chunk_len(plan.len());
         let parts = super::spread::on_threads(plan.chunks(chunk), "extract", |part| {
             let mut counts = ReadCounts::default();
             let states = part
@@ -543,7 +524,7 @@ impl Held {
                     match from_pass {
                         Some((pre, r)) => {
                             counts.preread += 1;
-                            from_record(one.conn, pre, r, one.timestamp, with_options)
+                            from_record(one.conn, pre, r, clock, with_options)
                         }
                         None => {
                             let pre = usable(preread, touched, one.conn, with_options, &mut counts);
@@ -561,23 +542,53 @@ impl Held {
             counts += c;
         }
         tracing::debug!(
-            repair_on_ms = repaired.as_secs_f64() * 1000.0,
-            pass_ms = (passed - repaired).as_secs_f64() * 1000.0,
+            pass_ms = passed.as_secs_f64() * 1000.0,
             states_ms = (started.elapsed() - passed).as_secs_f64() * 1000.0,
             reported = records.len(),
             "connections read in one pass of the TCP state iterator"
         );
         Ok((all, counts))
     }
+
+    /// Turns repair on for every connection not in it yet: those a pass
+    /// of the iterator read without it ([`Held::extract_in_one_pass`]).
+    /// Called while the destination restores, before the Release (beside
+    /// CRIU's dump its ~1,000 calls took the dump's cores): from here a
+    /// close sends nothing. One that fails is logged and left. Returns how
+    /// many went into repair mode.
+    pub fn repair_the_rest(&self) -> usize {
+        let mut turned = 0;
+        for c in self
+            .conns
+            .iter()
+            .filter(|c| !c.repairing.load(Ordering::SeqCst))
+        {
+            match repair_on(c) {
+                Ok(()) => turned += 1,
+                Err(e) => {
+                    tracing::error!(inode = c.inode, error = %e, "turning repair on after the read: the source's copy may send a FIN or an RST as it closes")
+                }
+            }
+        }
+        turned
+    }
 }
 
-/// A connection's state from the iterator's record of it, its pre-read,
-/// and its timestamp; only a queue that holds bytes is read (peeked).
+/// Repair mode on for `c`, and marked so for a resume.
+fn repair_on(c: &HeldConnection) -> std::io::Result<()> {
+    sys::set_int(c.fd.as_fd(), libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON)?;
+    c.repairing.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+/// A connection's state from the iterator's record of it and its
+/// pre-read, its timestamp at `clock`; only a queue that holds bytes is
+/// read (repair mode on, then peeked).
 fn from_record(
     c: &HeldConnection,
     pre: &PrereadConnection,
     r: &ferry_ebpf::TcpKernelState,
-    timestamp: Option<u32>,
+    clock: ferry_ebpf::TcpClock,
     with_options: bool,
 ) -> Result<TcpConnectionState, SockStateError> {
     let fd = c.fd.as_fd();
@@ -587,6 +598,9 @@ fn from_record(
     };
     let outq = r.outq();
     let inq = r.inq();
+    if (outq > 0 || inq > 0) && !c.repairing.load(Ordering::SeqCst) {
+        repair_on(c).map_err(err("turning repair on"))?;
+    }
     let recv_queue = repair_queue_bytes(fd, sys::TCP_RECV_QUEUE, inq)
         .map_err(err("reading the receive queue"))?;
     let send_queue =
@@ -601,6 +615,12 @@ fn from_record(
         }
         _ => None,
     };
+    let options = pre.handshake.options;
+    let timestamp = if options & sys::TCPI_OPT_TIMESTAMPS != 0 {
+        r.timestamp(clock, pre.handshake.usec_ts)
+    } else {
+        0
+    };
     Ok(TcpConnectionState {
         inode: c.inode,
         local: pre.local,
@@ -611,10 +631,10 @@ fn from_record(
         unsent: r.unsent().min(outq),
         recv_queue,
         mss_clamp: r.mss_clamp,
-        options: pre.handshake.options,
+        options,
         send_wscale: pre.handshake.send_wscale,
         recv_wscale: pre.handshake.recv_wscale,
-        timestamp: timestamp.unwrap_or(0),
+        timestamp,
         window: RepairWindow {
             snd_wl1: r.snd_wl1,
             snd_wnd: r.snd_wnd,
@@ -761,6 +781,7 @@ fn extract_one(
         options,
         send_wscale,
         recv_wscale,
+        ..
     } = Handshake::from_tcp_info(&head);
     let outq = sys::outq(fd).map_err(err("SIOCOUTQ"))?;
     let unsent = sys::outq_unsent(fd).map_err(err("SIOCOUTQNSD"))?;

@@ -49,7 +49,12 @@
 //! (`ferry_ebpf::SockoptWatch`) attached first; the freeze reads it again
 //! only for connections a setsockopt call was made on since, and for new
 //! ones, and reads the rest (TCP state, queues, unlocked buffer sizes) of
-//! every connection as before.
+//! every connection as before. With enough connections that rest comes
+//! from one pass of the TCP state iterator, without repair mode (the
+//! process is stopped and its packets held): only a connection with
+//! queued bytes takes calls (repair on, a peek); the others go into repair
+//! mode while the destination restores, before the commit point
+//! ([`Held::repair_the_rest`]).
 //!
 //! Only ESTABLISHED connections are handled this way; a process holding
 //! others (half-closed, connecting) is migrated with CRIU's own per-socket

@@ -32,6 +32,8 @@ pub const TCPOPT_TIMESTAMP: u32 = 8;
 pub const TCPI_OPT_TIMESTAMPS: u8 = 1;
 pub const TCPI_OPT_SACK: u8 = 2;
 pub const TCPI_OPT_WSCALE: u8 = 4;
+/// Timestamps in microseconds (Linux 6.7+).
+pub const TCPI_OPT_USEC_TS: u8 = 64;
 
 // Socket queue sizes (<linux/sockios.h>).
 const SIOCINQ: libc::c_ulong = libc::FIONREAD;
