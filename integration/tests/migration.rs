@@ -776,18 +776,20 @@ fn a_destination_whose_criu_cannot_take_the_connections_refuses_them() {
     });
 }
 
-#[test]
-fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
-    if !ferry_integration::can_run(
-        "a_dump_that_fails_while_the_connections_are_read_gives_them_back",
-    ) {
-        return;
-    }
+/// CRIU's own fault injection (CRIU_FAULT=3, FI_DUMP_PAGES) fails every
+/// dump after the descriptors: the tree has been frozen for the whole of
+/// it, and ferryd has read every connection beside it, some or all of them
+/// in repair mode. A migration moving `connections` as `sockets` says must
+/// abort, and every connection must leave repair mode before CRIU lets the
+/// process run again (it would get EPERM from its next recv and EINVAL
+/// from its next send otherwise). `read_by`: the log line that says how
+/// the connections were read.
+fn a_failed_dump_gives_the_connections_back(
+    sockets: ferry_proto::v1::SocketMigration,
+    connections: usize,
+    read_by: &str,
+) {
     let rt = runtime();
-    // CRIU's own fault injection (CRIU_FAULT=3, FI_DUMP_PAGES) fails every
-    // dump after the descriptors: the tree has been frozen for the whole
-    // of it, and ferryd, in a collective migration, has read every
-    // connection beside it, leaving them in repair mode.
     let (_dir, cluster) = cluster_with_criu(
         &[
             ferry_agent::criu::DUMP_ROLLBACK_MARK,
@@ -796,20 +798,14 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
         "CRIU_FAULT=3",
     );
     rt.block_on(async {
-        let (report, stayed) = collective_migration_aborts(&cluster, 32).await;
-        assert_eq!(
-            report.sockets,
-            ferry_proto::v1::SocketMigration::Collective as i32,
-            "{report:#?}"
-        );
+        let (report, stayed) = migration_aborts(&cluster, connections, sockets).await;
+        assert_eq!(report.sockets, sockets as i32, "{report:#?}");
         assert!(report.error.contains("dump"), "{}", report.error);
-        // The connections were read during the dump and left repair mode
-        // before CRIU let the process run again (it would have got EPERM
-        // from its next recv and EINVAL from its next send otherwise).
         let log = cluster.log_text("node1");
         assert!(
-            log.contains("its connections left repair mode before CRIU resumes the process")
-                && log.contains("connections=32"),
+            log.contains(read_by)
+                && log.contains("its connections left repair mode before CRIU resumes the process")
+                && log.contains(&format!("connections={connections}")),
             "{}",
             cluster.log_tail("node1", 40)
         );
@@ -817,9 +813,24 @@ fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     });
 }
 
+#[test]
+fn a_dump_that_fails_while_the_connections_are_read_gives_them_back() {
+    if !ferry_integration::can_run(
+        "a_dump_that_fails_while_the_connections_are_read_gives_them_back",
+    ) {
+        return;
+    }
+    a_failed_dump_gives_the_connections_back(
+        ferry_proto::v1::SocketMigration::Collective,
+        32,
+        "TCP connections read in one batch",
+    );
+}
+
 /// The same in an incremental migration: the iterator's pass reads the
-/// connections without repair mode, which they enter after their states
-/// left; all of them leave it again before CRIU lets the process run.
+/// connections without repair mode (only those with bytes queued enter
+/// it, to be peeked at); those leave it again before CRIU lets the
+/// process run.
 #[test]
 fn an_incremental_dump_that_fails_while_the_connections_are_read_gives_them_back() {
     if !ferry_integration::can_run(
@@ -827,38 +838,12 @@ fn an_incremental_dump_that_fails_while_the_connections_are_read_gives_them_back
     ) {
         return;
     }
-    let rt = runtime();
-    let (_dir, cluster) = cluster_with_criu(
-        &[
-            ferry_agent::criu::DUMP_ROLLBACK_MARK,
-            ferry_agent::criu::INHERITED_TCP_MARK,
-        ],
-        "CRIU_FAULT=3",
+    // Enough for the pass (`sockstate::PER_PROCESS_PASS_FROM`).
+    a_failed_dump_gives_the_connections_back(
+        ferry_proto::v1::SocketMigration::Incremental,
+        64,
+        "connections read in one pass of the TCP state iterator",
     );
-    rt.block_on(async {
-        // Enough for the pass (`sockstate::PER_PROCESS_PASS_FROM`).
-        let (report, stayed) =
-            migration_aborts(&cluster, 64, ferry_proto::v1::SocketMigration::Incremental).await;
-        assert_eq!(
-            report.sockets,
-            ferry_proto::v1::SocketMigration::Incremental as i32,
-            "{report:#?}"
-        );
-        assert!(report.error.contains("dump"), "{}", report.error);
-        let log = cluster.log_text("node1");
-        assert!(
-            log.contains("connections read in one pass of the TCP state iterator"),
-            "{}",
-            cluster.log_tail("node1", 40)
-        );
-        assert!(
-            log.contains("its connections left repair mode before CRIU resumes the process")
-                && log.contains("connections=64"),
-            "{}",
-            cluster.log_tail("node1", 40)
-        );
-        carries_on_at_node1(&cluster, stayed).await;
-    });
 }
 
 #[test]
