@@ -435,7 +435,12 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
         let before = read(&cluster);
         let answers = AnswerWatch::start(cluster.netns_path("client1")).expect("packet socket");
         let pid = run(&mut node1, dve_server()).await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        // Both ports claimed: until node1 owns the UDP port, no node takes
+        // its datagrams.
+        wait_for_process(&mut node1, pid, |p| {
+            p.tcp_listening == 1 && p.udp_sockets == 1
+        })
+        .await;
         let target = SocketAddrV4::new(SHARED_IP, PORT);
         let tcp = SeqClient::start(
             cluster.netns_path("client1"),

@@ -1108,6 +1108,51 @@ fn bad_requests_get_precise_errors_and_leave_the_process_alone() {
         }
         drop(accepted);
 
+        // A socket that a process outside the tree holds too (this test,
+        // by pidfd, as a supervisor handing out a listening socket would):
+        // CRIU would move it and leave the outside copy behind. Refused
+        // while the copy is held; the same process moves once it is not.
+        let listener = ferry_integration::managed::run(
+            &mut node1,
+            vec![
+                "/usr/bin/python3".into(),
+                "-c".into(),
+                "import socket, time\ns = socket.socket()\ns.bind(('0.0.0.0', 7391))\ns.listen()\ntime.sleep(600)".into(),
+            ],
+        )
+        .await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let copies = loop {
+            let copies = ferry_integration::inspect::sockets_of(listener).expect("its sockets");
+            if !copies.is_empty() {
+                break copies;
+            }
+            assert!(Instant::now() < deadline, "python never opened its socket");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        };
+        let refused = migrate(&mut node1, listener, "node2")
+            .await
+            .expect_err("migrated a socket shared with a process outside the tree");
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+        assert!(
+            refused
+                .message()
+                .contains(&format!("shared with PID {}", std::process::id())),
+            "{refused:?}"
+        );
+        assert!(matches!(process_state(listener), Some('S' | 'R')));
+        drop(copies);
+        let (report, status) = migrate(&mut node1, listener, "node2")
+            .await
+            .expect("the listener moves once nothing outside holds its socket");
+        assert!(status.is_none(), "{status:?}");
+        assert_eq!(report.outcome, MigrationOutcome::Committed as i32, "{report:?}");
+        ferry_integration::managed::wait_until_gone(listener);
+        assert!(matches!(
+            process_state(report.destination_pid),
+            Some('S' | 'R')
+        ));
+
         // An oversized request (5 MiB, above the Control API's 4 MiB limit)
         // is refused by size, and the agent goes on answering.
         let huge = node1

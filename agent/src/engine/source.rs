@@ -173,11 +173,18 @@ pub async fn prepare(
         // outside): refused now, with the process running. Found after the
         // freeze, it would cost the freeze and a rollback.
         let vetted = tree.clone();
+        let vet_started = Instant::now();
         let obstacles =
             tokio::task::spawn_blocking(move || crate::managed::tree_obstacles(&vetted))
                 .await
                 .map_err(|e| EngineError::Internal(e.to_string()))?
                 .map_err(EngineError::Internal)?;
+        tracing::info!(
+            processes = tree.len(),
+            obstacles = obstacles.len(),
+            vet_ms = vet_started.elapsed().as_secs_f64() * 1000.0,
+            "process tree vetted"
+        );
         if !obstacles.is_empty() {
             return Err(EngineError::NotMigratable {
                 pid,

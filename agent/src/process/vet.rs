@@ -38,6 +38,17 @@ pub enum Obstacle {
     /// A Unix socket connected to a socket outside the tree, which CRIU
     /// refuses to dump (ferry does not run it with --ext-unix-sk).
     UnixPeerOutside { pid: i32, fd: i32, inode: u64 },
+    /// A socket that a process outside the tree holds too (inherited from a
+    /// supervisor, passed over a Unix socket, taken by pidfd). CRIU sees
+    /// only the tree's descriptors and would move the socket; the outside
+    /// copy would stay on this node, and its close there would reset the
+    /// peer of a connection that lives on elsewhere.
+    SharedSocket {
+        pid: i32,
+        fd: i32,
+        inode: u64,
+        holder: i32,
+    },
     /// A socket of a family CRIU cannot dump.
     UnsupportedSocket { inode: u64, family: i32 },
     /// A POSIX or flock lock, which CRIU refuses to dump without
@@ -70,6 +81,15 @@ impl fmt::Display for Obstacle {
             Obstacle::UnixPeerOutside { pid, fd, inode } => write!(
                 f,
                 "PID {pid}'s descriptor {fd} is a Unix socket (inode {inode}) connected to a process outside the tree"
+            ),
+            Obstacle::SharedSocket {
+                pid,
+                fd,
+                inode,
+                holder,
+            } => write!(
+                f,
+                "PID {pid}'s descriptor {fd} is a socket (inode {inode}) shared with PID {holder} outside the tree, whose copy would stay behind on this node"
             ),
             Obstacle::UnsupportedSocket { inode, family } => write!(
                 f,
@@ -128,21 +148,68 @@ fn descriptors(pid: i32) -> Vec<Descriptor> {
         .collect()
 }
 
-/// Every process holding one of `inodes` as a pipe or FIFO, by inode. A
-/// scan of every process's descriptors: adoption is rare and this is the
-/// only way to see who holds the other end.
-fn pipe_holders(inodes: &HashSet<u64>) -> HashMap<u64, BTreeSet<i32>> {
-    let mut out: HashMap<u64, BTreeSet<i32>> = HashMap::new();
+/// The inode of a descriptor whose link reads `socket:[<inode>]`.
+fn socket_inode(target: &str) -> Option<u64> {
+    target
+        .strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+/// Processes outside a tree that hold one of its pipes or sockets, by
+/// inode.
+#[derive(Debug, Default)]
+struct OutsideHolders {
+    pipes: HashMap<u64, BTreeSet<i32>>,
+    sockets: HashMap<u64, BTreeSet<i32>>,
+}
+
+/// Every process but `members` holding one of `pipes` as a pipe or FIFO,
+/// or one of `sockets`. A scan of every process's descriptors (before the
+/// freeze, with the process running): the only way to see who holds the
+/// other copy. ferryd's own copies of a tree's sockets (taken by pidfd to
+/// read or drain its connections) are its own to close, and not counted.
+fn outside_holders(
+    members: &HashSet<i32>,
+    pipes: &HashSet<u64>,
+    sockets: &HashSet<u64>,
+) -> OutsideHolders {
+    let mut out = OutsideHolders::default();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return out;
     };
+    let ferryd = std::process::id() as i32;
     for p in procs.flatten() {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        for (_, _, ino, fifo) in descriptors(pid) {
-            if fifo && inodes.contains(&ino) {
-                out.entry(ino).or_default().insert(pid);
+        if members.contains(&pid) {
+            continue;
+        }
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for e in dir.flatten() {
+            let Ok(target) = std::fs::read_link(e.path()) else {
+                continue;
+            };
+            if let Some(ino) = target.to_str().and_then(socket_inode) {
+                if pid != ferryd && sockets.contains(&ino) {
+                    out.sockets.entry(ino).or_default().insert(pid);
+                }
+                continue;
+            }
+            // Only a pipe's or FIFO's inode can be one of `pipes`; the
+            // stat is skipped when the tree has none.
+            if pipes.is_empty() {
+                continue;
+            }
+            if let Ok(meta) = std::fs::metadata(e.path())
+                && meta.file_type().is_fifo()
+                && pipes.contains(&meta.ino())
+            {
+                out.pipes.entry(meta.ino()).or_default().insert(pid);
             }
         }
     }
@@ -163,8 +230,9 @@ fn lock_holders(tree: &HashSet<i32>) -> BTreeSet<i32> {
 }
 
 /// What in `tree`'s descriptors and locks ferry could not migrate: pipes
-/// and FIFOs shared with outside processes, terminals, Unix sockets with a
-/// peer outside, sockets of families CRIU cannot dump, file locks.
+/// and FIFOs shared with outside processes, sockets shared with them,
+/// terminals, Unix sockets with a peer outside, file locks (sockets of
+/// families CRIU cannot dump are found by the caller).
 /// `unix_peers` is [`super::unix_peers`]'s answer (one dump for the whole
 /// check).
 pub fn descriptor_obstacles(tree: &[i32], unix_peers: &HashMap<u64, u64>) -> Vec<Obstacle> {
@@ -175,8 +243,7 @@ pub fn descriptor_obstacles(tree: &[i32], unix_peers: &HashMap<u64, u64>) -> Vec
     let tree_sockets: HashSet<u64> = fds
         .iter()
         .flat_map(|(_, d)| d.iter())
-        .filter(|(_, t, _, _)| t.starts_with("socket:"))
-        .map(|(_, _, ino, _)| *ino)
+        .filter_map(|(_, t, _, _)| socket_inode(t))
         .collect();
     let pipes: HashSet<u64> = fds
         .iter()
@@ -184,19 +251,12 @@ pub fn descriptor_obstacles(tree: &[i32], unix_peers: &HashMap<u64, u64>) -> Vec
         .filter(|(_, _, _, fifo)| *fifo)
         .map(|(_, _, ino, _)| *ino)
         .collect();
-    let holders = if pipes.is_empty() {
-        HashMap::new()
-    } else {
-        pipe_holders(&pipes)
-    };
+    let holders = outside_holders(&members, &pipes, &tree_sockets);
     let mut reported = HashSet::new();
     for (pid, list) in &fds {
         for (fd, target, ino, fifo) in list {
             if *fifo {
-                let outside = holders
-                    .get(ino)
-                    .is_some_and(|h| h.iter().any(|p| !members.contains(p)));
-                if outside && reported.insert(*ino) {
+                if holders.pipes.contains_key(ino) && reported.insert(*ino) {
                     found.push(Obstacle::SharedPipe {
                         pid: *pid,
                         fd: *fd,
@@ -211,6 +271,17 @@ pub fn descriptor_obstacles(tree: &[i32], unix_peers: &HashMap<u64, u64>) -> Vec
                 found.push(Obstacle::Terminal {
                     pid: *pid,
                     what: format!("descriptor {fd} is {target}"),
+                });
+            } else if let Some(holder) = socket_inode(target)
+                .and_then(|i| holders.sockets.get(&i))
+                .and_then(|h| h.first())
+                && reported.insert(*ino)
+            {
+                found.push(Obstacle::SharedSocket {
+                    pid: *pid,
+                    fd: *fd,
+                    inode: *ino,
+                    holder: *holder,
                 });
             } else if target.starts_with("socket:")
                 && let Some(peer) = unix_peers.get(ino)
@@ -369,6 +440,51 @@ mod tests {
             "{found:?}"
         );
         drop(mine);
+    }
+
+    #[test]
+    fn a_socket_shared_with_a_process_outside_the_tree_is_found() {
+        // Two processes hold one listening socket on their stdin (as under
+        // a supervisor that passes it on); this test lets go of its own
+        // copy, which would not count anyway: it stands where ferryd does.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let inode = std::fs::metadata(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&listener)
+        ))
+        .unwrap()
+        .ino();
+        let holding = |fd: std::os::fd::OwnedFd| {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("30")
+                .stdin(Stdio::from(fd))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            Child(without_inherited(cmd).spawn().unwrap())
+        };
+        let inside = holding(listener.try_clone().unwrap().into());
+        let outside = holding(listener.into());
+        let (inside_pid, outside_pid) = (inside.0.id() as i32, outside.0.id() as i32);
+        let peers = super::super::unix_peers().unwrap();
+
+        let found = descriptor_obstacles(&[inside_pid], &peers);
+        assert!(
+            found.contains(&Obstacle::SharedSocket {
+                pid: inside_pid,
+                fd: 0,
+                inode,
+                holder: outside_pid,
+            }),
+            "{found:?}"
+        );
+        // Both in the tree: the socket moves whole.
+        let found = descriptor_obstacles(&[inside_pid, outside_pid], &peers);
+        assert!(
+            !found
+                .iter()
+                .any(|o| matches!(o, Obstacle::SharedSocket { .. })),
+            "{found:?}"
+        );
     }
 
     #[test]

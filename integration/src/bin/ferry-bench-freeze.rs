@@ -452,7 +452,12 @@ async fn migrations(
     }
     let listening = if db.is_some() { 2 } else { 1 };
     let mut pid = run(&mut control, server).await;
-    wait_for_process(&mut control, pid, |p| p.tcp_listening == listening).await;
+    // Its UDP port claimed too: until then no node takes the players'
+    // datagrams, which would count as lost.
+    wait_for_process(&mut control, pid, |p| {
+        p.tcp_listening == listening && p.udp_sockets >= 1
+    })
+    .await;
     let target = SocketAddrV4::new(cluster.public_addr(), PORT);
     let clients = [cluster.netns_path("client1"), cluster.netns_path("client2")];
     let session_ok = |s: &SessionStatus, first: &SessionStatus| -> Result<()> {

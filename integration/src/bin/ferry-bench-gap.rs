@@ -213,7 +213,12 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
         PORT.to_string(),
     ];
     let mut pid = run(&mut control, server).await;
-    wait_for_process(&mut control, pid, |p| p.tcp_listening == 1).await;
+    // Its UDP port claimed too: until then no node takes the players'
+    // datagrams, which would count as lost.
+    wait_for_process(&mut control, pid, |p| {
+        p.tcp_listening == 1 && p.udp_sockets == 1
+    })
+    .await;
     let target = SocketAddrV4::new(cluster.public_addr(), PORT);
     let clients = [cluster.netns_path("client1"), cluster.netns_path("client2")];
     for run in 0..args.runs {
