@@ -54,6 +54,10 @@ pub enum OutStage {
     /// Running; what it receives is logged, since the destination is about
     /// to capture too.
     Recording,
+    /// Running, the destination capturing (from Arm): logged as in
+    /// `Recording`, and no new TCP connection starts here (a SYN is left
+    /// to the destination).
+    Armed,
     /// Stopped for the dump: nothing in or out; incoming packets kept
     /// (`capture`) or dropped.
     Frozen { capture: bool },
@@ -103,7 +107,10 @@ impl Registry {
         let by_itself = match &self.procs.get(&pid)?.lifecycle {
             Lifecycle::Running => true,
             Lifecycle::MigratingOut { stage, .. } => {
-                matches!(stage, OutStage::Live | OutStage::Recording)
+                matches!(
+                    stage,
+                    OutStage::Live | OutStage::Recording | OutStage::Armed
+                )
             }
         };
         if by_itself {
@@ -189,6 +196,7 @@ impl Registry {
                 Lifecycle::MigratingOut { stage, .. } => match stage {
                     OutStage::Live => PortState::Owned,
                     OutStage::Recording => PortState::Recording,
+                    OutStage::Armed => PortState::Armed,
                     OutStage::Frozen { capture: true } => PortState::Capturing,
                     OutStage::Frozen { capture: false } => PortState::Frozen,
                     OutStage::Resuming => PortState::Releasing,

@@ -12,6 +12,7 @@
 //! | Prepare                      | Owned       | Frozen      |
 //! | record (before Arm)          | Recording   | Frozen      |
 //! | Arm                          | Recording   | Capturing   |
+//! | armed (after Arm)            | Armed       | Capturing   |
 //! | freeze                       | Capturing   | Capturing   |
 //! | discard (commit point)       | -           | Capturing   |
 //! | Commit: replay               | -           | Releasing   |
@@ -19,7 +20,10 @@
 //!
 //! From Arm to the freeze both nodes see the process's packets: the source
 //! delivers and logs them (Recording), the destination keeps them. The log
-//! tells the destination which of its first captured packets to skip. On
+//! tells the destination which of its first captured packets to skip. Once
+//! the destination captures, the source starts no new TCP connection
+//! (Armed): a SYN is left to the destination, whose restored listener
+//! answers it, so none waits half done or queued where CRIU would find it. On
 //! abort the source replays what it captured while frozen (Releasing) and
 //! owns the ports again.
 
@@ -116,7 +120,7 @@ impl Ownership {
         order.sort_by_key(|(_, s)| match s {
             Some(PortState::Capturing | PortState::Frozen) => 0,
             None => 1,
-            Some(PortState::Recording) => 2,
+            Some(PortState::Recording | PortState::Armed) => 2,
             Some(PortState::Releasing) => 3,
             Some(PortState::Owned) => 4,
         });

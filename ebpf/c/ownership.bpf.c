@@ -40,6 +40,8 @@
 
 #define IP_MF 0x2000     /* more fragments flag of iphdr.frag_off */
 #define IP_OFFSET 0x1FFF /* fragment offset field of iphdr.frag_off */
+#define TCP_BYTE_SYN 0x02 /* SYN in byte 13 of the TCP header */
+#define TCP_BYTE_ACK 0x10 /* ACK in byte 13 of the TCP header */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -103,6 +105,7 @@ enum l4_kind {
 struct l4 {
 	__u8 proto;
 	__u8 first_fragment; /* offset 0 with more fragments to come */
+	__u8 tcp_flags;      /* TCP: the header's flags byte (FIN..CWR) */
 	__u16 sport;         /* host byte order */
 	__u16 dport;         /* host byte order */
 	struct ferry_frag_key frag;
@@ -143,6 +146,10 @@ static __always_inline enum l4_kind parse(struct __sk_buff *skb, struct l4 *l4)
 		return L4_TRUNCATED;
 	l4->sport = bpf_ntohs(ports[0]);
 	l4->dport = bpf_ntohs(ports[1]);
+	/* TCP's flags: byte 13 of its header. */
+	if (ip.protocol == IPPROTO_TCP &&
+	    bpf_skb_load_bytes(skb, ETH_HLEN + ihl + 13, &l4->tcp_flags, 1) < 0)
+		return L4_TRUNCATED;
 	return L4_PORTS;
 }
 
@@ -278,6 +285,17 @@ int ferry_ingress(struct __sk_buff *skb)
 	if (!(flags & FERRY_PORT_OWNED)) {
 		/* Another node's port: it answers, we stay silent. */
 		count(FERRY_CNT_DROPPED_NOT_OWNED);
+		return TC_ACT_SHOT;
+	}
+	if ((flags & FERRY_PORT_HOLD_NEW) && l4.proto == IPPROTO_TCP &&
+	    (l4.tcp_flags & (TCP_BYTE_SYN | TCP_BYTE_ACK)) == TCP_BYTE_SYN) {
+		/* A new connection starts no handshake here: the destination,
+		 * capturing already, replays the SYN to the restored
+		 * listener. So every connection the dump finds was accepted
+		 * by the process (CRIU cannot move one waiting in a
+		 * listener's accept queue, nor a handshake half done).
+		 * Unlogged, it is not skipped there. */
+		count(FERRY_CNT_DROPPED_FROZEN);
 		return TC_ACT_SHOT;
 	}
 	if (flags & FERRY_PORT_RECORD) {

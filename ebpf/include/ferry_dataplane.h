@@ -20,6 +20,11 @@ struct ferry_port_key {
  *                     copy of what was delivered (the destination is
  *                     already capturing: the log tells which of its
  *                     captured packets the source has handled)
+ *   OWNED|RECORD|HOLD_NEW  source from Arm (the destination captures) to
+ *                     the freeze: as OWNED|RECORD, but a TCP SYN is not
+ *                     delivered (the destination keeps it, and replays it
+ *                     to the restored listener): no handshake starts here
+ *                     that the dump would find half done or queued
  *   FROZEN            destination, reserved: nothing in, nothing out
  *   FROZEN|CAPTURE    source while frozen, destination while armed: keep
  *                     every incoming packet in the capture ring, send
@@ -31,12 +36,13 @@ struct ferry_port_key {
 #define FERRY_PORT_FROZEN 2u  /* drop both ways (no RST can leave) */
 #define FERRY_PORT_CAPTURE 4u /* ingress: copy into FERRY_CAPTURE, drop */
 #define FERRY_PORT_RECORD 8u  /* ingress: copy into FERRY_CAPTURE, deliver */
+#define FERRY_PORT_HOLD_NEW 16u /* ingress: a TCP SYN (no ACK) is dropped */
 
 /* Indices of FERRY_COUNTERS (per-CPU __u64). */
 enum ferry_counter {
 	FERRY_CNT_PASSED = 0,            /* ingress to an owned port, delivered */
 	FERRY_CNT_DROPPED_NOT_OWNED = 1, /* ingress to another node's port */
-	FERRY_CNT_DROPPED_FROZEN = 2,    /* ingress to a frozen port, not captured */
+	FERRY_CNT_DROPPED_FROZEN = 2,    /* ingress to a frozen port, not captured; a SYN held (HOLD_NEW) */
 	FERRY_CNT_PASSED_OTHER = 3,      /* ingress without ports: ARP, ICMP, IPv6, later fragments */
 	FERRY_CNT_EGRESS_BLOCKED = 4,    /* egress from a frozen port (RST or data) */
 	FERRY_CNT_CAPTURED = 5,          /* ingress kept in the capture ring */

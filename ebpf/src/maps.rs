@@ -38,6 +38,7 @@ pub(crate) const CNT_EGRESS_BLOCKED: u32 = 4;
 
 pub(crate) const PORT_CAPTURE: u32 = 4;
 pub(crate) const PORT_RECORD: u32 = 8;
+pub(crate) const PORT_HOLD_NEW: u32 = 16;
 
 pub(crate) const CNT_CAPTURED: u32 = 5;
 pub(crate) const CNT_CAPTURE_LOST: u32 = 6;

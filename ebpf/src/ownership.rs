@@ -116,7 +116,7 @@ impl Protocol {
 }
 
 /// State of a port in the filter. Ports not listed belong to other nodes.
-/// Along a migration the source goes `Owned -> Recording -> Capturing ->`
+/// Along a migration the source goes `Owned -> Recording -> Armed -> Capturing ->`
 /// (gone, or on abort `Releasing -> Owned`) and the destination
 /// `Frozen -> Capturing -> Releasing -> Owned`; see
 /// include/ferry_dataplane.h for what each does to packets.
@@ -126,6 +126,9 @@ pub enum PortState {
     Owned,
     /// Delivered, and a copy logged in the capture ring as delivered.
     Recording,
+    /// As `Recording`, but a TCP SYN is not delivered: no new connection
+    /// starts here (the destination, capturing, replays the SYN).
+    Armed,
     /// Every packet to or from the port is dropped.
     Frozen,
     /// Incoming packets are kept in the capture ring (and dropped);
@@ -140,6 +143,7 @@ impl PortState {
         match self {
             PortState::Owned => maps::PORT_OWNED,
             PortState::Recording => maps::PORT_OWNED | maps::PORT_RECORD,
+            PortState::Armed => maps::PORT_OWNED | maps::PORT_RECORD | maps::PORT_HOLD_NEW,
             PortState::Frozen => maps::PORT_FROZEN,
             PortState::Capturing => maps::PORT_FROZEN | maps::PORT_CAPTURE,
             PortState::Releasing => maps::PORT_OWNED | maps::PORT_CAPTURE,
@@ -150,6 +154,7 @@ impl PortState {
         [
             PortState::Owned,
             PortState::Recording,
+            PortState::Armed,
             PortState::Frozen,
             PortState::Capturing,
             PortState::Releasing,

@@ -607,6 +607,83 @@ fn recording_port_delivers_and_logs() {
     assert_eq!(filter.counters().unwrap().recorded, 1);
 }
 
+/// On the source, from Arm to the freeze, an armed TCP port goes on serving
+/// (and logging) its connections but starts no new one: a SYN is not
+/// delivered (the destination, capturing, replays it once the process
+/// runs there), so no connection lands in the listener's accept queue for
+/// the dump to find. A recording port (before Arm, when the destination
+/// does not capture yet) still takes new connections.
+#[test]
+fn armed_tcp_port_serves_its_connections_and_takes_no_new_one() {
+    require_root!();
+    let net = Net::new();
+    let mut filter = net.attach();
+    let listener = net.node(|| TcpListener::bind("0.0.0.0:7004").unwrap());
+    filter.set(Protocol::Tcp, 7004, PortState::Owned).unwrap();
+    let mut old = net
+        .client(|| TcpStream::connect_timeout(&addr(7004), Duration::from_secs(3)))
+        .expect("connect while owned");
+    let (mut served, _) = listener.accept().unwrap();
+    filter
+        .set(Protocol::Tcp, 7004, PortState::Recording)
+        .unwrap();
+    net.client(|| TcpStream::connect_timeout(&addr(7004), Duration::from_secs(3)))
+        .expect("connect to a recording port");
+    listener
+        .accept()
+        .expect("the recording port's new connection");
+    filter.set(Protocol::Tcp, 7004, PortState::Armed).unwrap();
+    assert_eq!(
+        filter.ports().unwrap(),
+        vec![(Protocol::Tcp, 7004, PortState::Armed)]
+    );
+    let mut logged = Vec::new();
+    filter.drain_captured(|p| logged.push(p));
+    let dropped_before = filter.counters().unwrap().dropped_frozen;
+
+    // The established connection: both ways, each segment logged.
+    old.write_all(b"ping").unwrap();
+    let mut buf = [0u8; 4];
+    served.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"ping");
+    served.write_all(b"pong").unwrap();
+    old.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    old.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"pong");
+
+    // A new connection: its SYN (and the retransmission after 1 s) is
+    // not answered, and nothing waits in the accept queue.
+    let err = net
+        .client(|| TcpStream::connect_timeout(&addr(7004), Duration::from_millis(1500)))
+        .expect_err("an armed port started a handshake");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+    listener.set_nonblocking(true).unwrap();
+    assert_eq!(
+        listener.accept().map(|_| ()).unwrap_err().kind(),
+        ErrorKind::WouldBlock,
+        "a connection was queued"
+    );
+    assert!(
+        filter.counters().unwrap().dropped_frozen >= dropped_before + 2,
+        "the SYN and its retransmission"
+    );
+    logged.clear();
+    filter.drain_captured(|p| logged.push(p));
+    assert!(
+        logged.iter().all(|p| p.kind == CaptureKind::Delivered),
+        "{logged:?}"
+    );
+    assert!(
+        logged.iter().any(|p| p.data.ends_with(b"ping")),
+        "the delivered data was logged"
+    );
+
+    // Owned again (an abort): new connections are taken.
+    filter.set(Protocol::Tcp, 7004, PortState::Owned).unwrap();
+    net.client(|| TcpStream::connect_timeout(&addr(7004), Duration::from_secs(3)))
+        .expect("connect once owned again");
+}
+
 // ---- Pinned filter ---------------------------------------------------------
 //
 // ferryd restarting: the maps and links pinned on bpffs keep the filter

@@ -1905,3 +1905,192 @@ fn options_for_a_criu_without_the_options_patch_are_refused() {
     );
     assert!(cluster.incoming_dir_is_empty("node2"));
 }
+
+/// A listening socket with a connection waiting in its accept queue (the
+/// handshake done by the kernel) that the process never accepts: CRIU
+/// cannot move it, so the migration stops before the freeze, with the
+/// reason, and nothing is lost: the process runs on node1, and the waiting
+/// connection, once accepted there, carries its bytes both ways.
+#[test]
+fn a_connection_the_process_never_accepts_stops_the_migration_before_the_freeze() {
+    if !ferry_integration::can_run(
+        "a_connection_the_process_never_accepts_stops_the_migration_before_the_freeze",
+    ) {
+        return;
+    }
+    use std::io::{Read, Write};
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let go = cluster.dir().join("accept-now");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let server = run(
+            &mut node1,
+            vec![
+                "/usr/bin/python3".into(),
+                "-c".into(),
+                "import os, socket, sys, time\n\
+                 s = socket.socket()\n\
+                 s.bind(('0.0.0.0', 7393))\n\
+                 s.listen(8)\n\
+                 while not os.path.exists(sys.argv[1]):\n    time.sleep(0.02)\n\
+                 c, _ = s.accept()\n\
+                 c.sendall(c.recv(64))\n\
+                 time.sleep(600)"
+                    .into(),
+                go.to_string_lossy().into_owned(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, server, |p| p.tcp_listening == 1).await;
+        let mut client = ferry_integration::netns::run_in(&cluster.netns_path("client1"), || {
+            let c = std::net::TcpStream::connect_timeout(
+                &SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 100), 7393).into(),
+                Duration::from_secs(5),
+            )
+            .expect("the handshake completes without an accept()");
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            c
+        })
+        .expect("client namespace");
+        client.write_all(b"queued").unwrap();
+
+        let (report, status) = migrate(&mut node1, server, "node2")
+            .await
+            .expect("the migration starts");
+        let status = status.expect("a stopped migration ends with an error status");
+        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("port 7393: 1 connection(s) in the accept queue"),
+            "{status:?}"
+        );
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert_eq!(
+            report.freeze_time_us, 0,
+            "the process was stopped: {report:#?}"
+        );
+        assert!(
+            matches!(process_state(server), Some('S' | 'R')),
+            "the server left node1"
+        );
+
+        std::fs::write(&go, b"").unwrap();
+        let mut echo = [0u8; 6];
+        client
+            .read_exact(&mut echo)
+            .expect("the echo of the waiting connection");
+        assert_eq!(&echo, b"queued");
+    });
+}
+
+/// Clients connect every 10 ms while their server migrates, and the server
+/// accepts only every 100 ms, so its accept queue is seldom empty: from
+/// Arm the source starts no handshake (the destination replays the SYNs to
+/// the restored listener), the process accepts what was queued, and every
+/// connection, made before, during or after the migration, is served once,
+/// the last ones on node2.
+#[test]
+fn connections_made_while_the_server_migrates_are_all_served() {
+    if !ferry_integration::can_run("connections_made_while_the_server_migrates_are_all_served") {
+        return;
+    }
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let server = run(
+            &mut node1,
+            vec![
+                "/usr/bin/python3".into(),
+                "-c".into(),
+                "import socket, threading, time\n\
+                 def echo(c):\n    c.sendall(c.recv(64))\n    c.close()\n\
+                 s = socket.socket()\n\
+                 s.bind(('0.0.0.0', 7394))\n\
+                 s.listen(64)\n\
+                 s.setblocking(False)\n\
+                 while True:\n\
+                 \x20   time.sleep(0.1)\n\
+                 \x20   while True:\n\
+                 \x20       try:\n\
+                 \x20           c, _ = s.accept()\n\
+                 \x20       except BlockingIOError:\n\
+                 \x20           break\n\
+                 \x20       c.setblocking(True)\n\
+                 \x20       threading.Thread(target=echo, args=(c,), daemon=True).start()"
+                    .into(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, server, |p| p.tcp_listening == 1).await;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let netns = cluster.netns_path("client1");
+        let clients = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                ferry_integration::netns::run_in(&netns, move || {
+                    let target = SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 100), 7394);
+                    let mut conns = Vec::new();
+                    let mut results = Vec::new();
+                    let mut n = 0u32;
+                    while !stop.load(Ordering::SeqCst) {
+                        let c = std::net::TcpStream::connect_timeout(
+                            &target.into(),
+                            Duration::from_secs(5),
+                        )
+                        .and_then(|mut c| {
+                            c.set_read_timeout(Some(Duration::from_secs(10)))?;
+                            c.write_all(format!("{n:08}").as_bytes())?;
+                            Ok(c)
+                        });
+                        conns.push((n, c));
+                        n += 1;
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    for (n, c) in conns {
+                        let got = c.and_then(|mut c| {
+                            let mut b = [0u8; 8];
+                            c.read_exact(&mut b)?;
+                            Ok(b)
+                        });
+                        results.push((n, got.map(|b| b == *format!("{n:08}").as_bytes())));
+                    }
+                    results
+                })
+                .expect("client namespace")
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let report = migrate_committed(
+            &mut node1,
+            MigrateRequest {
+                pid: server,
+                destination_node: "node2".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.store(true, Ordering::SeqCst);
+        let results = clients.join().expect("the clients' thread");
+        let failed: Vec<_> = results
+            .iter()
+            .filter(|(_, r)| !matches!(r, Ok(true)))
+            .collect();
+        assert!(results.len() > 50, "only {} connections", results.len());
+        assert!(failed.is_empty(), "of {}: {failed:?}", results.len());
+        ferry_integration::managed::wait_until_gone(server);
+        assert!(matches!(
+            process_state(report.destination_pid),
+            Some('S' | 'R')
+        ));
+    });
+}

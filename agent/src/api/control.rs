@@ -727,6 +727,7 @@ fn port_state_name(s: crate::ownership::PortState) -> &'static str {
     match s {
         PortState::Owned => "owned",
         PortState::Recording => "recording",
+        PortState::Armed => "armed",
         PortState::Frozen => "frozen",
         PortState::Capturing => "capturing",
         PortState::Releasing => "releasing",

@@ -458,6 +458,50 @@ const MAX_LOCAL_RANGES: usize = 200_000;
 /// answer PostCopyStatus once the page server's connection is gone.
 const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
 
+/// How long the source waits before the freeze, new handshakes held, for
+/// the process to accept what waits in its listeners' accept queues and
+/// for handshakes under way to end. A process that serves its clients
+/// accepts within milliseconds; a client answers a SYN-ACK within one
+/// round trip.
+const PENDING_CONNECTIONS_BOUND: Duration = Duration::from_millis(500);
+
+/// Waits (bounded) until no connection waits in an accept queue of the
+/// tree of `pid` and no handshake is under way on its listening ports;
+/// [`EngineError::NotMigratable`] with what is left if the bound passes.
+async fn pending_connections_done(pid: i32) -> Result<(), EngineError> {
+    tokio::task::spawn_blocking(move || {
+        let tree = process::process_tree(pid);
+        let listeners = process::Listeners::of_tree(&tree)?;
+        if listeners.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        loop {
+            let pending = listeners.pending()?;
+            if pending.is_empty() {
+                tracing::debug!(
+                    waited_ms = started.elapsed().as_secs_f64() * 1000.0,
+                    "no connection pending on the listeners"
+                );
+                return Ok(());
+            }
+            if started.elapsed() >= PENDING_CONNECTIONS_BOUND {
+                return Err(EngineError::NotMigratable {
+                    pid,
+                    reason: format!(
+                        "{pending}, still {} ms after new connections were held: the process \
+                         does not accept them, and CRIU cannot move them",
+                        PENDING_CONNECTIONS_BOUND.as_millis()
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    })
+    .await
+    .map_err(|e| EngineError::Internal(e.to_string()))?
+}
+
 /// What the socket transfer of a collective migration answers.
 struct SentSockets {
     /// The message's size.
@@ -855,6 +899,24 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             Ok(Err(s)) => return Stop::BeforeCommit(peer_error(&run.p.destination.name, s)),
             Err(_) => return Stop::BeforeCommit(silent(&run.p.destination, "arm", deadline)),
         }
+        // The destination keeps every packet now: new handshakes are left
+        // to it.
+        run.agent
+            .set_lifecycle(pid, out_stage(&id, OutStage::Armed));
+        if let Err(e) = run.agent.apply_ownership().await {
+            return Stop::BeforeCommit(e);
+        }
+    }
+
+    // CRIU can move neither a connection waiting in a listener's accept
+    // queue nor a handshake half done, and would find them only once the
+    // process is stopped. From Arm none starts here (an armed port takes
+    // no SYN: the destination replays it to the restored listener);
+    // the process accepts what is queued, and handshakes under way end,
+    // within a bound, or the migration stops here, the process running.
+    honour_cancel!();
+    if let Err(e) = pending_connections_done(pid).await {
+        return Stop::BeforeCommit(e);
     }
 
     // Dump, with the freeze inside it: once CRIU has started and is about

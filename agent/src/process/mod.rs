@@ -6,7 +6,9 @@ mod stat;
 mod unix_diag;
 mod vet;
 
-pub use sockets::{PortKey, SocketSummary, Transport, sockets_of_tree};
+pub use sockets::{
+    Listeners, PendingConnections, PortKey, SocketSummary, Transport, sockets_of_tree,
+};
 pub use stat::{ProcessInfo, inspect, process_tree, wait_group_stopped};
 pub use unix_diag::unix_peers;
 pub use vet::{Obstacle, descriptor_obstacles, shape_obstacles};

@@ -1,7 +1,7 @@
 //! The sockets of a process tree, from /proc/PID/fd and the protocol tables
 //! in /proc/PID/net (which show the process's own network namespace).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use super::{ProcessError, read_proc};
 
@@ -49,19 +49,20 @@ pub struct SocketSummary {
 }
 
 const TCP_ESTABLISHED: u8 = 0x01;
+const TCP_SYN_RECV: u8 = 0x03;
 const TCP_LISTEN: u8 = 0x0A;
 
-/// Summarises the TCP and UDP sockets held by any process in `tree`.
-pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
+/// The inodes of the sockets any process in `tree` holds (its root must
+/// exist; a descendant may exit while we look).
+fn socket_inodes(tree: &[i32]) -> Result<HashSet<u64>, ProcessError> {
     let Some(&root) = tree.first() else {
-        return Ok(SocketSummary::default());
+        return Ok(HashSet::new());
     };
     let mut inodes = HashSet::new();
     for &pid in tree {
         let dir = format!("/proc/{pid}/fd");
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
-            // A descendant may exit while we look; the root may not.
             Err(_) if pid != root => continue,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(ProcessError::NotFound { pid });
@@ -79,13 +80,22 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
             }
         }
     }
-    let mut summary = SocketSummary::default();
+    Ok(inodes)
+}
+
+/// Every entry of the TCP (`tcp_only`) or TCP and UDP tables of `root`'s
+/// network namespace (/proc/ROOT/net/{tcp,tcp6,udp,udp6}).
+fn table_entries(root: i32, tcp_only: bool) -> Result<Vec<(Transport, TableEntry)>, ProcessError> {
+    let mut out = Vec::new();
     for (table, transport) in [
         ("tcp", Transport::Tcp),
         ("tcp6", Transport::Tcp),
         ("udp", Transport::Udp),
         ("udp6", Transport::Udp),
     ] {
+        if tcp_only && transport == Transport::Udp {
+            continue;
+        }
         let path = format!("/proc/{root}/net/{table}");
         let text = match read_proc(&path, root) {
             Ok(t) => t,
@@ -93,34 +103,123 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
             Err(ProcessError::NotFound { .. }) if table.ends_with('6') => continue,
             Err(e) => return Err(e),
         };
-        for entry in parse_table(&text) {
-            if !inodes.contains(&entry.inode) {
-                continue;
-            }
-            match transport {
-                Transport::Tcp => match entry.state {
-                    TCP_LISTEN => summary.tcp_listening += 1,
-                    TCP_ESTABLISHED => summary.tcp_established += 1,
-                    _ => summary.tcp_other += 1,
-                },
-                Transport::Udp => summary.udp += 1,
-            }
-            if transport == Transport::Tcp
-                && entry.state != TCP_LISTEN
-                && let Some(ip) = entry.remote_v4
-                && !ip.is_unspecified()
-            {
-                summary.tcp_peers.insert(ip);
-            }
-            if entry.local_port != 0 {
-                summary.ports.insert(PortKey {
-                    transport,
-                    port: entry.local_port,
-                });
-            }
+        out.extend(parse_table(&text).into_iter().map(|e| (transport, e)));
+    }
+    Ok(out)
+}
+
+/// Summarises the TCP and UDP sockets held by any process in `tree`.
+pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
+    let Some(&root) = tree.first() else {
+        return Ok(SocketSummary::default());
+    };
+    let inodes = socket_inodes(tree)?;
+    let mut summary = SocketSummary::default();
+    for (transport, entry) in table_entries(root, false)? {
+        if !inodes.contains(&entry.inode) {
+            continue;
+        }
+        match transport {
+            Transport::Tcp => match entry.state {
+                TCP_LISTEN => summary.tcp_listening += 1,
+                TCP_ESTABLISHED => summary.tcp_established += 1,
+                _ => summary.tcp_other += 1,
+            },
+            Transport::Udp => summary.udp += 1,
+        }
+        if transport == Transport::Tcp
+            && entry.state != TCP_LISTEN
+            && let Some(ip) = entry.remote_v4
+            && !ip.is_unspecified()
+        {
+            summary.tcp_peers.insert(ip);
+        }
+        if entry.local_port != 0 {
+            summary.ports.insert(PortKey {
+                transport,
+                port: entry.local_port,
+            });
         }
     }
     Ok(summary)
+}
+
+/// The listening TCP sockets of a process tree: inode, and port.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listeners {
+    root: i32,
+    by_inode: BTreeMap<u64, u16>,
+}
+
+impl Listeners {
+    /// Those of `tree` now (its root first).
+    pub fn of_tree(tree: &[i32]) -> Result<Self, ProcessError> {
+        let Some(&root) = tree.first() else {
+            return Ok(Self::default());
+        };
+        let inodes = socket_inodes(tree)?;
+        let by_inode = table_entries(root, true)?
+            .into_iter()
+            .filter(|(_, e)| e.state == TCP_LISTEN && inodes.contains(&e.inode))
+            .map(|(_, e)| (e.inode, e.local_port))
+            .collect();
+        Ok(Self { root, by_inode })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_inode.is_empty()
+    }
+
+    /// What waits on them now: connections in their accept queues, and
+    /// handshakes under way on their ports (SYN_RECV).
+    pub fn pending(&self) -> Result<PendingConnections, ProcessError> {
+        let mut pending = PendingConnections::default();
+        if self.is_empty() {
+            return Ok(pending);
+        }
+        let ports: BTreeSet<u16> = self.by_inode.values().copied().collect();
+        for (_, e) in table_entries(self.root, true)? {
+            if e.state == TCP_LISTEN && e.accept_queue > 0 {
+                if let Some(port) = self.by_inode.get(&e.inode) {
+                    *pending.queued.entry(*port).or_default() += e.accept_queue;
+                }
+            } else if e.state == TCP_SYN_RECV && ports.contains(&e.local_port) {
+                *pending.handshakes.entry(e.local_port).or_default() += 1;
+            }
+        }
+        Ok(pending)
+    }
+}
+
+/// Connections of a tree's listening sockets that a dump would find
+/// half-way, by port: CRIU can move neither.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingConnections {
+    /// Connections waiting in the listener's accept queue.
+    pub queued: BTreeMap<u16, u32>,
+    /// Handshakes under way (SYN_RECV).
+    pub handshakes: BTreeMap<u16, u32>,
+}
+
+impl PendingConnections {
+    pub fn is_empty(&self) -> bool {
+        self.queued.is_empty() && self.handshakes.is_empty()
+    }
+}
+
+impl std::fmt::Display for PendingConnections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        for (port, n) in &self.queued {
+            parts.push(format!(
+                "port {port}: {n} connection(s) in the accept queue"
+            ));
+        }
+        for (port, n) in &self.handshakes {
+            parts.push(format!("port {port}: {n} handshake(s) under way"));
+        }
+        f.write_str(&parts.join(", "))
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -130,6 +229,9 @@ struct TableEntry {
     remote_v4: Option<std::net::Ipv4Addr>,
     state: u8,
     inode: u64,
+    /// Of a listening socket: the connections in its accept queue (the
+    /// table's rx_queue, which for a listener is its backlog).
+    accept_queue: u32,
 }
 
 /// Parses /proc/net/{tcp,tcp6,udp,udp6}: after a header line, one socket a
@@ -144,6 +246,14 @@ fn parse_table(text: &str) -> Vec<TableEntry> {
             let port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
             let state = u8::from_str_radix(f.get(3)?, 16).ok()?;
             let inode = f.get(9)?.parse().ok()?;
+            let accept_queue = if state == TCP_LISTEN {
+                f.get(4)
+                    .and_then(|q| q.split_once(':'))
+                    .and_then(|(_, rx)| u32::from_str_radix(rx, 16).ok())
+                    .unwrap_or(0)
+            } else {
+                0
+            };
             // The kernel prints the network-order address as a host-order
             // 32-bit hex number: its bytes in memory order are the octets.
             let remote_v4 = f
@@ -157,6 +267,7 @@ fn parse_table(text: &str) -> Vec<TableEntry> {
                 remote_v4,
                 state,
                 inode,
+                accept_queue,
             })
         })
         .collect()
@@ -177,16 +288,45 @@ mod tests {
                     local_port: 7000,
                     remote_v4: Some(std::net::Ipv4Addr::UNSPECIFIED),
                     state: TCP_LISTEN,
-                    inode: 14376
+                    inode: 14376,
+                    accept_queue: 0,
                 },
                 TableEntry {
                     local_port: 7000,
                     // 010012C6 as printed on a little-endian host.
                     remote_v4: Some(std::net::Ipv4Addr::new(198, 18, 0, 1)),
                     state: TCP_ESTABLISHED,
-                    inode: 14380
+                    inode: 14380,
+                    accept_queue: 0,
                 },
             ]
+        );
+    }
+
+    /// A connection the kernel completed and the process has not yet
+    /// accepted waits in the accept queue, and no longer once accepted.
+    #[test]
+    fn a_connection_not_yet_accepted_is_pending_on_its_listener() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let listeners = Listeners::of_tree(&[std::process::id() as i32]).unwrap();
+        assert!(listeners.by_inode.values().any(|p| *p == port));
+        assert!(
+            !listeners.pending().unwrap().queued.contains_key(&port),
+            "nothing connected yet"
+        );
+        let _client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let pending = listeners.pending().unwrap();
+        assert_eq!(pending.queued.get(&port), Some(&1), "{pending}");
+        assert!(
+            pending
+                .to_string()
+                .contains(&format!("port {port}: 1 connection"))
+        );
+        let _accepted = l.accept().unwrap();
+        assert!(
+            !listeners.pending().unwrap().queued.contains_key(&port),
+            "accepted"
         );
     }
 
