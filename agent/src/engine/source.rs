@@ -465,16 +465,27 @@ const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
 /// round trip.
 const PENDING_CONNECTIONS_BOUND: Duration = Duration::from_millis(500);
 
-/// Waits (bounded) until no connection waits in an accept queue of the
-/// tree of `pid` and no handshake is under way on its listening ports;
-/// [`EngineError::NotMigratable`] with what is left if the bound passes.
-async fn pending_connections_done(pid: i32) -> Result<(), EngineError> {
+/// The listening sockets of the tree of `pid`, read before Arm: from
+/// then on only their queues are looked at, while new connections wait.
+async fn listeners_of(pid: i32) -> Result<process::Listeners, EngineError> {
+    tokio::task::spawn_blocking(move || process::Listeners::of_tree(&process::process_tree(pid)))
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))?
+        .map_err(EngineError::from)
+}
+
+/// Waits (bounded) until no connection waits in the accept queue of one
+/// of `listeners` (the tree of `pid`'s) and no handshake is under way on
+/// their ports; [`EngineError::NotMigratable`] with what is left if the
+/// bound passes.
+async fn pending_connections_done(
+    pid: i32,
+    listeners: process::Listeners,
+) -> Result<(), EngineError> {
+    if listeners.is_empty() {
+        return Ok(());
+    }
     tokio::task::spawn_blocking(move || {
-        let tree = process::process_tree(pid);
-        let listeners = process::Listeners::of_tree(&tree)?;
-        if listeners.is_empty() {
-            return Ok(());
-        }
         let started = Instant::now();
         loop {
             let pending = listeners.pending()?;
@@ -860,6 +871,12 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
     }
 
+    // The listeners whose queues must be empty at the freeze (see below).
+    let listeners = match listeners_of(pid).await {
+        Ok(l) => l,
+        Err(e) => return Stop::BeforeCommit(e),
+    };
+
     // Arm: from here on the destination keeps every packet for the
     // process's ports. Until the freeze this node still serves them, and
     // logs what it delivers, so the destination can skip those.
@@ -915,7 +932,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // the process accepts what is queued, and handshakes under way end,
     // within a bound, or the migration stops here, the process running.
     honour_cancel!();
-    if let Err(e) = pending_connections_done(pid).await {
+    if let Err(e) = pending_connections_done(pid, listeners).await {
         return Stop::BeforeCommit(e);
     }
 

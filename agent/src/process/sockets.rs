@@ -83,19 +83,20 @@ fn socket_inodes(tree: &[i32]) -> Result<HashSet<u64>, ProcessError> {
     Ok(inodes)
 }
 
-/// Every entry of the TCP (`tcp_only`) or TCP and UDP tables of `root`'s
-/// network namespace (/proc/ROOT/net/{tcp,tcp6,udp,udp6}).
-fn table_entries(root: i32, tcp_only: bool) -> Result<Vec<(Transport, TableEntry)>, ProcessError> {
+/// The protocol tables of a network namespace, in /proc/PID/net.
+const TCP_TABLES: [&str; 2] = ["tcp", "tcp6"];
+const ALL_TABLES: [&str; 4] = ["tcp", "tcp6", "udp", "udp6"];
+
+/// Every entry of `tables` (names in /proc/ROOT/net) of `root`'s network
+/// namespace, with the table it came from. Each read walks the kernel's
+/// whole hash table and prints every socket of the namespace (~5 ms for
+/// 1024 connections here): read only what is needed.
+fn table_entries(
+    root: i32,
+    tables: &[&'static str],
+) -> Result<Vec<(&'static str, TableEntry)>, ProcessError> {
     let mut out = Vec::new();
-    for (table, transport) in [
-        ("tcp", Transport::Tcp),
-        ("tcp6", Transport::Tcp),
-        ("udp", Transport::Udp),
-        ("udp6", Transport::Udp),
-    ] {
-        if tcp_only && transport == Transport::Udp {
-            continue;
-        }
+    for &table in tables {
         let path = format!("/proc/{root}/net/{table}");
         let text = match read_proc(&path, root) {
             Ok(t) => t,
@@ -103,7 +104,7 @@ fn table_entries(root: i32, tcp_only: bool) -> Result<Vec<(Transport, TableEntry
             Err(ProcessError::NotFound { .. }) if table.ends_with('6') => continue,
             Err(e) => return Err(e),
         };
-        out.extend(parse_table(&text).into_iter().map(|e| (transport, e)));
+        out.extend(parse_table(&text).into_iter().map(|e| (table, e)));
     }
     Ok(out)
 }
@@ -115,10 +116,15 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
     };
     let inodes = socket_inodes(tree)?;
     let mut summary = SocketSummary::default();
-    for (transport, entry) in table_entries(root, false)? {
+    for (table, entry) in table_entries(root, &ALL_TABLES)? {
         if !inodes.contains(&entry.inode) {
             continue;
         }
+        let transport = if table.starts_with("tcp") {
+            Transport::Tcp
+        } else {
+            Transport::Udp
+        };
         match transport {
             Transport::Tcp => match entry.state {
                 TCP_LISTEN => summary.tcp_listening += 1,
@@ -149,6 +155,9 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
 pub struct Listeners {
     root: i32,
     by_inode: BTreeMap<u64, u16>,
+    /// The tables they are in ("tcp" for IPv4, "tcp6" for IPv6 and
+    /// dual-stack ones, whose handshakes show there too).
+    tables: Vec<&'static str>,
 }
 
 impl Listeners {
@@ -158,12 +167,21 @@ impl Listeners {
             return Ok(Self::default());
         };
         let inodes = socket_inodes(tree)?;
-        let by_inode = table_entries(root, true)?
-            .into_iter()
-            .filter(|(_, e)| e.state == TCP_LISTEN && inodes.contains(&e.inode))
-            .map(|(_, e)| (e.inode, e.local_port))
-            .collect();
-        Ok(Self { root, by_inode })
+        let mut by_inode = BTreeMap::new();
+        let mut tables = Vec::new();
+        for (table, e) in table_entries(root, &TCP_TABLES)? {
+            if e.state == TCP_LISTEN && inodes.contains(&e.inode) {
+                by_inode.insert(e.inode, e.local_port);
+                if !tables.contains(&table) {
+                    tables.push(table);
+                }
+            }
+        }
+        Ok(Self {
+            root,
+            by_inode,
+            tables,
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -178,7 +196,7 @@ impl Listeners {
             return Ok(pending);
         }
         let ports: BTreeSet<u16> = self.by_inode.values().copied().collect();
-        for (_, e) in table_entries(self.root, true)? {
+        for (_, e) in table_entries(self.root, &self.tables)? {
             if e.state == TCP_LISTEN && e.accept_queue > 0 {
                 if let Some(port) = self.by_inode.get(&e.inode) {
                     *pending.queued.entry(*port).or_default() += e.accept_queue;
