@@ -51,6 +51,16 @@ pub fn close_inherited_on_exec() -> std::io::Result<()> {
     Ok(())
 }
 
+/// The inode of a descriptor whose link (/proc/PID/fd/N) reads
+/// `socket:[<inode>]`.
+fn socket_inode(target: &str) -> Option<u64> {
+    target
+        .strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
 fn read_proc(path: &str, pid: i32) -> Result<String, ProcessError> {
     std::fs::read_to_string(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => ProcessError::NotFound { pid },

@@ -70,13 +70,10 @@ fn socket_inodes(tree: &[i32]) -> Result<HashSet<u64>, ProcessError> {
             Err(source) => return Err(ProcessError::Io { path: dir, source }),
         };
         for entry in entries.flatten() {
-            if let Ok(target) = std::fs::read_link(entry.path()) {
-                let t = target.to_string_lossy();
-                if let Some(ino) = t.strip_prefix("socket:[").and_then(|s| s.strip_suffix(']'))
-                    && let Ok(ino) = ino.parse::<u64>()
-                {
-                    inodes.insert(ino);
-                }
+            if let Ok(target) = std::fs::read_link(entry.path())
+                && let Some(ino) = target.to_str().and_then(super::socket_inode)
+            {
+                inodes.insert(ino);
             }
         }
     }

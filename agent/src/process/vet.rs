@@ -8,7 +8,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
-use super::{ProcessError, ProcessInfo, inspect, process_tree, read_proc};
+use super::{ProcessError, ProcessInfo, inspect, process_tree, read_proc, socket_inode};
 
 /// One reason ferry cannot manage a process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,15 +146,6 @@ fn descriptors(pid: i32) -> Vec<Descriptor> {
             ))
         })
         .collect()
-}
-
-/// The inode of a descriptor whose link reads `socket:[<inode>]`.
-fn socket_inode(target: &str) -> Option<u64> {
-    target
-        .strip_prefix("socket:[")?
-        .strip_suffix(']')?
-        .parse()
-        .ok()
 }
 
 /// Processes outside a tree that hold one of its pipes or sockets, by
