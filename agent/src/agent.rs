@@ -708,12 +708,28 @@ impl Agent {
     pub fn replay_and_open(
         &self,
         id: &str,
+        carried: &[Vec<u8>],
         delivered: &[u64],
         unread: &[u64],
         open: impl FnOnce() -> Result<(), EngineError>,
     ) -> Result<ferry_proto::v1::ReplayStats, EngineError> {
         let mut stats = ferry_proto::v1::ReplayStats::default();
         let started = Instant::now();
+        // First what the source's sockets held unread: it arrived before
+        // anything the source left undelivered, which is all the replay
+        // below hands over.
+        if !carried.is_empty() {
+            let mut main = lock(&self.replayer);
+            for packet in carried {
+                match main.replay(packet) {
+                    Ok(()) => stats.carried += 1,
+                    Err(e) => {
+                        stats.failed += 1;
+                        tracing::warn!(error = %e, "handing over a datagram the source left unread");
+                    }
+                }
+            }
+        }
         let mut delivered = DeliveredLog::new(delivered);
         // The same multiset type, keyed by datagram: delivered on the
         // source but never read there.

@@ -26,7 +26,7 @@ mod translate_maps;
 
 pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
-pub use replay::{ReplayError, Replayer};
+pub use replay::{MAX_UDP_PAYLOAD, ReplayError, Replayer, udp_datagram};
 pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
 pub use tcpstate::{TaskSocket, TcpClock, TcpKernelState, TcpStateReader};
 pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};

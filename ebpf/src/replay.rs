@@ -50,7 +50,7 @@
 //! recomputed before sending. (Fragments come from a sender that computed
 //! the full checksum before fragmenting; they are left alone.)
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// Why a packet could not be replayed.
@@ -191,6 +191,40 @@ pub fn prepare(p: &mut Vec<u8>) -> Result<Ipv4Addr, ReplayError> {
     Ok(dst)
 }
 
+/// The largest UDP payload one IPv4 packet carries (65,535 minus the IP
+/// and UDP headers).
+pub const MAX_UDP_PAYLOAD: usize = 65_535 - 20 - 8;
+
+/// Builds the IPv4 packet of a UDP datagram from `src` to `dst`, checksums
+/// included, as it would have arrived: for datagrams a socket received
+/// before the capture began, which the replay hands to the stack again
+/// from their sender, addresses and payload. `None` if `payload` does not
+/// fit one IPv4 packet.
+pub fn udp_datagram(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Option<Vec<u8>> {
+    if payload.len() > MAX_UDP_PAYLOAD {
+        return None;
+    }
+    let udp_len = (8 + payload.len()) as u16;
+    let total = 20 + udp_len;
+    let mut p = Vec::with_capacity(usize::from(total));
+    p.extend_from_slice(&[0x45, 0]);
+    p.extend_from_slice(&total.to_be_bytes());
+    // Identification 0, don't fragment, TTL 64, UDP, header checksum below.
+    p.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]);
+    p.extend_from_slice(&src.ip().octets());
+    p.extend_from_slice(&dst.ip().octets());
+    let ip_csum = fold(add_words(0, &p[..20]));
+    p[10..12].copy_from_slice(&ip_csum.to_be_bytes());
+    p.extend_from_slice(&src.port().to_be_bytes());
+    p.extend_from_slice(&dst.port().to_be_bytes());
+    p.extend_from_slice(&udp_len.to_be_bytes());
+    // Any non-zero value: `prepare` computes the real one.
+    p.extend_from_slice(&[0xff, 0xff]);
+    p.extend_from_slice(payload);
+    prepare(&mut p).ok()?;
+    Some(p)
+}
+
 /// Adds big-endian 16-bit words (an odd last byte padded with zero).
 fn add_words(mut sum: u32, bytes: &[u8]) -> u32 {
     let mut chunks = bytes.chunks_exact(2);
@@ -278,6 +312,33 @@ mod tests {
         let mut sum = add_words(0, &p[12..20]) + 6 + 23;
         sum = add_words(sum, &p[20..]);
         assert_eq!(fold(sum), 0);
+    }
+
+    #[test]
+    fn builds_a_datagram_as_it_arrives() {
+        let src = SocketAddrV4::new(Ipv4Addr::new(198, 18, 1, 1), 5000);
+        let dst = SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 100), 7003);
+        let p = udp_datagram(src, dst, b"hi").unwrap();
+        let mut want = udp_packet([0, 0]);
+        want[4..6].copy_from_slice(&[0, 0]); // identification
+        want[26..28].copy_from_slice(&expected_udp_csum().to_be_bytes());
+        let ip_csum = fold(add_words(0, &want[..20]));
+        want[10..12].copy_from_slice(&ip_csum.to_be_bytes());
+        assert_eq!(p, want);
+        // A valid IP header sums to all ones.
+        assert_eq!(fold(add_words(0, &p[..20])), 0);
+        // An odd, empty and largest payload.
+        for len in [0, 1, 999, MAX_UDP_PAYLOAD] {
+            let p = udp_datagram(src, dst, &vec![7u8; len]).unwrap();
+            assert_eq!(p.len(), 28 + len);
+            let mut sum = add_words(0, &p[12..20]) + 17 + (8 + len) as u32;
+            sum = add_words(sum, &p[20..]);
+            assert_eq!(fold(sum), 0, "{len}-byte payload");
+        }
+        assert_eq!(
+            udp_datagram(src, dst, &vec![0u8; MAX_UDP_PAYLOAD + 1]),
+            None
+        );
     }
 
     #[test]

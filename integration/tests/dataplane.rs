@@ -371,6 +371,162 @@ fn udp_clients_lose_no_datagram_across_a_migration() {
     });
 }
 
+/// Datagrams a server has not read when it is frozen, those queued well
+/// before the migration among them (CRIU drops UDP receive queues, and
+/// the destination captured nothing before Arm), are read on the
+/// destination, then those sent while it moved: every one once, in the
+/// order it was sent. The server leaves its UDP port unread until its
+/// first TCP connection, which comes after the migration.
+#[test]
+fn datagrams_left_unread_before_the_migration_are_read_on_the_destination() {
+    if !ferry_integration::can_run(
+        "datagrams_left_unread_before_the_migration_are_read_on_the_destination",
+    ) {
+        return;
+    }
+    const BEFORE: u32 = 64;
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let target = SocketAddrV4::new(SHARED_IP, PORT);
+    // The players' socket, in client1; it stays there when the thread that
+    // made it leaves the namespace.
+    let player = run_in(&cluster.netns_path("client1"), move || {
+        let s = UdpSocket::bind("0.0.0.0:0")?;
+        s.connect(target)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .expect("client namespace")
+    .expect("UDP socket");
+    // Sizes 1 to 1400 bytes, each datagram numbered.
+    let datagram = |seq: u32| {
+        let mut d = seq.to_be_bytes().to_vec();
+        d.extend((0..seq * 37 % 1397).map(|i| (seq + i) as u8));
+        d
+    };
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let mut argv = dve_server();
+        argv.push("--udp-after-first-connection".into());
+        let pid = run(&mut node1, argv).await;
+        wait_for_process(&mut node1, pid, |p| {
+            p.tcp_listening == 1 && p.udp_sockets == 1
+        })
+        .await;
+        for seq in 0..BEFORE {
+            player.send(&datagram(seq)).expect("send");
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued = queued_datagrams(pid);
+            if queued == BEFORE as usize {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{queued} of {BEFORE} datagrams queued in the server's socket"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        // More while it moves, every 5 ms until it has.
+        let moving = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let sender = std::thread::spawn({
+            let player = player.try_clone().expect("socket");
+            let moving = moving.clone();
+            move || {
+                let mut seq = BEFORE;
+                while moving.load(std::sync::atomic::Ordering::Relaxed) {
+                    player.send(&datagram(seq)).expect("send");
+                    seq += 1;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                seq
+            }
+        });
+        let report =
+            migrate_committed(&mut node1, pid, "node2", SocketMigration::Unspecified).await;
+        moving.store(false, std::sync::atomic::Ordering::Relaxed);
+        let sent = sender.join().expect("sender");
+        let replay = report.replay.expect("replay stats");
+        eprintln!("{sent} datagrams sent, {BEFORE} before the migration; replay {replay:?}");
+        // At least those sent before were in the source's socket at the
+        // freeze, and came in the Commit.
+        assert!(replay.carried >= u64::from(BEFORE), "{replay:?}");
+        wait_until_gone(pid);
+        wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
+
+        // The server reads its UDP port from its first connection on.
+        let _tcp = run_in(&cluster.netns_path("client1"), move || {
+            TcpStream::connect_timeout(&target.into(), Duration::from_secs(5))
+        })
+        .expect("client namespace")
+        .expect("TCP connection to the migrated server");
+        player
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut buf = vec![0u8; 2048];
+        for seq in 0..sent {
+            let n = player
+                .recv(&mut buf)
+                .unwrap_or_else(|e| panic!("echo of datagram {seq} of {sent}: {e}"));
+            let got = u32::from_be_bytes(buf[..4].try_into().unwrap());
+            assert_eq!(got, seq, "echoes out of order, or one lost");
+            assert!(buf[..n] == datagram(seq)[..], "datagram {seq} corrupted");
+        }
+        // And none twice.
+        player
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        match player.recv(&mut buf) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            other => panic!("an echo after the last datagram: {other:?}"),
+        }
+    });
+}
+
+/// How many datagrams wait in process `pid`'s one UDP socket, peeked at
+/// through a copy of it (`SO_PEEK_OFF` walks the queue without consuming
+/// it; `SIOCINQ` gives only the first datagram's size).
+fn queued_datagrams(pid: i32) -> usize {
+    use nix::sys::socket::{MsgFlags, SockType, getsockopt, recv, sockopt};
+    use std::os::fd::AsRawFd;
+    const SO_PEEK_OFF: libc::c_int = 42;
+    let udp: Vec<_> = ferry_integration::inspect::sockets_of(pid)
+        .expect("the process's sockets")
+        .into_iter()
+        .filter(|fd| getsockopt(fd, sockopt::SockType).ok() == Some(SockType::Datagram))
+        .collect();
+    assert_eq!(udp.len(), 1, "process {pid} has {} UDP sockets", udp.len());
+    let set_peek_off = |v: libc::c_int| {
+        // SAFETY: setsockopt reads an int of the size given from `v`.
+        let r = unsafe {
+            libc::setsockopt(
+                udp[0].as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEEK_OFF,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0, "SO_PEEK_OFF: {}", std::io::Error::last_os_error());
+    };
+    set_peek_off(0);
+    let mut buf = vec![0u8; 65536];
+    let mut n = 0;
+    while recv(
+        udp[0].as_raw_fd(),
+        &mut buf,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    )
+    .is_ok()
+    {
+        n += 1;
+    }
+    set_peek_off(-1);
+    n
+}
+
 /// The receive buffer a destination gives a migrated process's UDP
 /// sockets for the replay and the catch-up (ferryd's `UDP_CATCH_UP_BUFFER`,
 /// as `getsockopt` reports it).

@@ -15,10 +15,10 @@ pub mod v1 {
 /// the highest version both agents list in `Hello`. Version 1 (no `Arm`,
 /// no capture) is no longer spoken: a v1 destination would drop the packets
 /// that v2 promises to keep.
-pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3, 4, 5, 6, 7];
+pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3, 4, 5, 6, 7, 8];
 
 /// The newest peer protocol version this build speaks.
-pub const PEER_PROTOCOL_VERSION: u32 = 7;
+pub const PEER_PROTOCOL_VERSION: u32 = 8;
 
 /// The first version whose Restore carries TCP connections migrated
 /// collectively (`RestoreRequest.tcp_connections`).
@@ -36,6 +36,10 @@ pub const PEER_PROTOCOL_POSTCOPY: u32 = 6;
 /// freeze (`ArmRequest.connections`, `TransferSocketsResponse.staged`).
 pub const PEER_PROTOCOL_STAGED_SOCKETS: u32 = 7;
 
+/// The first version whose Commit carries the UDP datagrams left unread
+/// (`CommitRequest.queued_datagrams`) rather than their keys.
+pub const PEER_PROTOCOL_QUEUED_DATAGRAMS: u32 = 8;
+
 /// Picks the highest version both sides speak.
 pub fn negotiate_peer_version(theirs: &[u32]) -> Option<u32> {
     PEER_PROTOCOL_VERSIONS
@@ -51,14 +55,15 @@ mod tests {
 
     #[test]
     fn negotiation_picks_highest_common_version() {
-        assert_eq!(negotiate_peer_version(&[2, 8]), Some(2));
+        assert_eq!(negotiate_peer_version(&[2, 9]), Some(2));
         assert_eq!(negotiate_peer_version(&[2, 3]), Some(3));
         assert_eq!(negotiate_peer_version(&[3]), Some(3));
         assert_eq!(negotiate_peer_version(&[2, 3, 4]), Some(4));
         assert_eq!(negotiate_peer_version(&[3, 4, 5]), Some(5));
         assert_eq!(negotiate_peer_version(&[3, 4]), Some(4));
         assert_eq!(negotiate_peer_version(&[5, 6]), Some(6));
-        assert_eq!(negotiate_peer_version(&[5, 6, 7, 8]), Some(7));
+        assert_eq!(negotiate_peer_version(&[5, 6, 7]), Some(7));
+        assert_eq!(negotiate_peer_version(&[5, 6, 7, 8, 9]), Some(8));
         assert_eq!(negotiate_peer_version(&[1, 9]), None);
         assert_eq!(negotiate_peer_version(&[]), None);
     }

@@ -1385,6 +1385,15 @@ pub async fn restore(
 
 pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResponse, EngineError> {
     let entered = Instant::now();
+    // The datagrams the process left unread on the source, as the packets
+    // they arrived as: checked before anything happens.
+    let carried = super::queued::packets_from_commit(
+        &req.queued_datagrams,
+        super::queued::LocalAddresses {
+            public: agent.config.public.address,
+            cluster: agent.config.cluster.address,
+        },
+    )?;
     let mut slot = agent.incoming.lock().await;
     let us = move || entered.elapsed().as_micros() as u64;
     tracing::debug!(us = us(), "commit: slot taken");
@@ -1467,7 +1476,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                     tracing::debug!(us = us(), "commit: process resumed");
                     // ferryd's descriptors close after the freeze.
                     drop(rebuilt);
-                    let r = a.replay_and_open(&id, &delivered, &unread, || {
+                    let r = a.replay_and_open(&id, &carried, &delivered, &unread, || {
                         a.release_ports(&ports);
                         a.reconcile_ownership()
                     });
@@ -2285,7 +2294,10 @@ mod tests {
                 }
             }
         }
-        let stats = f.agent.replay_and_open("m", &[], &[], || Ok(())).unwrap();
+        let stats = f
+            .agent
+            .replay_and_open("m", &[], &[], &[], || Ok(()))
+            .unwrap();
         let total = u64::from(CONNECTIONS) * u64::from(EACH);
         assert_eq!(
             (stats.replayed, stats.replayed_segments, stats.failed),
@@ -2304,6 +2316,7 @@ mod tests {
         assert!(next.values().all(|&n| n == EACH));
     }
 
+    /// And the datagrams the source's sockets held unread come first.
     #[test]
     fn replay_skips_what_the_source_delivered_and_opens_between_batches() {
         let f = fixture();
@@ -2318,20 +2331,27 @@ mod tests {
         let delivered = [digest(b"p0"), digest(b"p1"), digest(b"p2")];
         let ring = f.filter.1.clone();
         let replayed = f.replayed.clone();
+        let carried = [b"q0".to_vec(), b"q1".to_vec()];
         let stats = f
             .agent
-            .replay_and_open("m", &delivered, &[], || {
+            .replay_and_open("m", &carried, &delivered, &[], || {
                 // By the time the ports open, the backlog is replayed; a
                 // packet that arrives now is replayed after it.
-                assert_eq!(replayed.0.lock().unwrap().len(), 1);
+                assert_eq!(replayed.0.lock().unwrap().len(), 3);
                 ring.lock().unwrap().push(captured(7000, b"p4"));
                 Ok(())
             })
             .unwrap();
         assert_eq!(
             *f.replayed.0.lock().unwrap(),
-            vec![b"p3".to_vec(), b"p4".to_vec()]
+            vec![
+                b"q0".to_vec(),
+                b"q1".to_vec(),
+                b"p3".to_vec(),
+                b"p4".to_vec()
+            ]
         );
+        assert_eq!(stats.carried, 2);
         assert_eq!(stats.captured, 4);
         assert_eq!(stats.skipped_delivered, 2);
         assert_eq!(stats.replayed, 2);

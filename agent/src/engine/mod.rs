@@ -1,4 +1,4 @@
-//! The migration engine (the seed's `migd`), peer protocol version 7.
+//! The migration engine (the seed's `migd`), peer protocol version 8.
 //!
 //! # The migration as a state machine
 //!
@@ -92,11 +92,13 @@
 //! - **Release**: the source's stopped copy gives up its ports; it stays
 //!   stopped, its sockets in repair mode (nothing leaves them). This is
 //!   the commit point.
-//! - **Commit**: carries the source's delivered log (and, from protocol 4,
-//!   the UDP datagrams the process left unread). The destination drops
+//! - **Commit**: carries the source's delivered log and the UDP datagrams
+//!   the process left unread (whole from protocol 8, see `queued.rs`; as
+//!   keys from 4). The destination drops
 //!   its holds on in-cluster connections, opens egress, takes collectively
 //!   rebuilt connections out of repair mode (only then may they send),
-//!   resumes the process, and then replays the captured packets into its
+//!   resumes the process, hands it the datagrams the source's sockets
+//!   held unread, and then replays the captured packets into its
 //!   stack in arrival order while ingress stays captured (each
 //!   connection's consecutive segments joined into one, see
 //!   `ferry_ebpf::coalesce`; a large batch is cut by connection and
@@ -132,6 +134,9 @@
 //! Version 7 adds `ArmRequest.connections` and
 //! `TransferSocketsResponse.staged`; a source names the connections only
 //! to a destination that chose 7 (an older one would ignore them).
+//! Version 8 carries the unread UDP datagrams whole in `Commit`
+//! (`queued_datagrams`); with a destination that chose 4 to 7 the source
+//! sends their keys, and those queued before Arm are lost.
 //!
 //! # Post-copy (protocol 6)
 //!
@@ -211,6 +216,7 @@ pub(crate) mod localpages;
 pub(crate) mod pagestore;
 mod pagetunnel;
 pub mod precopy;
+mod queued;
 mod rollback;
 mod sockettaker;
 pub mod source;

@@ -56,8 +56,8 @@ pub(super) type StatesTo = tokio::sync::oneshot::Sender<Result<ReadConnections, 
 /// What the source keeps of the stopped tree's sockets.
 #[derive(Default)]
 pub(super) struct Taken {
-    /// Digests of the UDP datagrams left unread (with capture on).
-    pub unread: Vec<u64>,
+    /// The UDP datagrams left unread (with capture on).
+    pub unread: Vec<sockstate::QueuedDatagram>,
     /// Collective migration: the connections, for the rollback and the
     /// commit.
     pub held: Option<Arc<Held>>,
@@ -257,7 +257,7 @@ fn read(
         "the tree's sockets taken"
     );
     let unread = match &sockets {
-        Ok(s) if capture => sockstate::unread_datagrams(s).map_err(|e| e.to_string()),
+        Ok(s) if capture => sockstate::queued_datagrams(s).map_err(|e| e.to_string()),
         Err(e) if capture => Err(e.to_string()),
         _ => Ok(Vec::new()),
     }

@@ -400,9 +400,9 @@ struct Run {
     capturing_here: bool,
     /// Digests of what this node delivered between Arm and the freeze.
     delivered: Vec<u64>,
-    /// Of those, the UDP datagrams still unread in the stopped process's
-    /// sockets (`sockstate::unread_datagrams`).
-    unread_datagrams: Vec<u64>,
+    /// The UDP datagrams still unread in the stopped process's sockets
+    /// (`sockstate::queued_datagrams`).
+    unread_datagrams: Vec<sockstate::QueuedDatagram>,
     /// In-cluster connections the peers' nodes translate for this
     /// migration, by node: undone on abort.
     translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
@@ -1499,6 +1499,15 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
 
     let release_end = Instant::now();
     run.phase("commit").await;
+    let unread = super::queued::for_commit(run.p.protocol_version, &run.unread_datagrams);
+    if unread.left_out > 0 {
+        tracing::warn!(
+            carried = unread.datagrams.len(),
+            left_out = unread.left_out,
+            budget_bytes = super::queued::COMMIT_PAYLOAD_BUDGET,
+            "more unread UDP datagrams than one Commit carries: the newest are lost"
+        );
+    }
     let mut last_err = None;
     let mut running_for = Duration::ZERO;
     for attempt in 0..5 {
@@ -1508,7 +1517,8 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             .commit(CommitRequest {
                 migration_id: run.p.migration_id.clone(),
                 delivered_digests: run.delivered.clone(),
-                unread_datagrams: run.unread_datagrams.clone(),
+                unread_datagrams: unread.keys.clone(),
+                queued_datagrams: unread.datagrams.clone(),
             })
             .await
         {
@@ -1976,7 +1986,7 @@ async fn finish(run: &mut Run, stop: Stop) {
                 let agent = run.agent.clone();
                 let r = tokio::task::spawn_blocking(move || {
                     let resumed = rollback::resume_on_source(pid);
-                    let replay = agent.replay_and_open(&id, &[], &[], || {
+                    let replay = agent.replay_and_open(&id, &[], &[], &[], || {
                         agent.set_lifecycle(pid, Lifecycle::Running);
                         agent.reconcile_ownership()
                     });

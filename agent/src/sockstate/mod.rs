@@ -78,7 +78,9 @@ pub use preread::{Preread, PrereadConnection};
 pub use rebuild::{CONNECTION_TABLE_KEY, Handover, Rebuilt, empty_connection_table, rebuild};
 pub use stage::{Staged, ToStage, stage};
 pub use sys::{RepairWindow, prepare_descriptor_table};
-pub use udp::{datagram_key, give_back_udp_buffers, key_of_packet, unread_datagrams};
+pub use udp::{
+    QueuedDatagram, datagram_key, give_back_udp_buffers, key_of_packet, queued_datagrams,
+};
 
 use ferry_proto::v1 as pb;
 

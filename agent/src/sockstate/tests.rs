@@ -431,23 +431,32 @@ fn a_captured_datagram_and_a_peeked_one_get_the_same_key() {
     assert_eq!(key_of_packet(&tcp), None);
 }
 
-#[test]
-fn unread_datagrams_are_named_and_left_in_the_queue() {
-    use std::net::UdpSocket;
-    // A child process owning a UDP socket with three datagrams queued.
-    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let port = sock.local_addr().unwrap().port();
-    let sender = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let peer = match sender.local_addr().unwrap() {
-        std::net::SocketAddr::V4(a) => a,
-        _ => unreachable!(),
-    };
+/// A child process owning `sock`, with three datagrams from `sender`
+/// queued in it: what [`queued_datagrams`] reads from the stopped tree.
+fn queued_in_a_child(sock: &std::net::UdpSocket, to: std::net::SocketAddr) -> Vec<QueuedDatagram> {
+    let sender = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    sock.set_nonblocking(true).unwrap();
     for i in 0..3u8 {
-        sender.send_to(&[i; 5], ("127.0.0.1", port)).unwrap();
+        sender.send_to(&[i; 5], to).unwrap();
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while sys::inq(sock.as_fd()).unwrap() == 0 {
-        assert!(std::time::Instant::now() < deadline);
+    // SIOCINQ gives the first datagram's size: wait for the last one by
+    // peeking at the socket's own queue with the same offset walk.
+    loop {
+        let mut n = 0;
+        sys::set_int(sock.as_fd(), libc::SOL_SOCKET, 42, 0).unwrap();
+        let mut buf = [0u8; 16];
+        while sock.peek_from(&mut buf).is_ok() {
+            n += 1;
+        }
+        sys::set_int(sock.as_fd(), libc::SOL_SOCKET, 42, -1).unwrap();
+        if n == 3 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} of 3 datagrams queued"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     // `sleep` inherits the socket: it is the process whose queue is read.
@@ -458,20 +467,88 @@ fn unread_datagrams_are_named_and_left_in_the_queue() {
         ))
         .spawn()
         .unwrap();
-    let keys = take_sockets(&[child.id() as i32], None).and_then(|s| unread_datagrams(&s));
+    let queued = take_sockets(&[child.id() as i32], None).and_then(|s| queued_datagrams(&s));
     let _ = child.kill();
     let _ = child.wait();
-    let keys = keys.expect("peek");
-    let want: Vec<u64> = (0..3u8)
-        .map(|i| datagram_key(peer, port, &[i; 5]))
-        .collect();
-    assert_eq!(keys, want);
-    // Nothing was consumed, and peeking is off again.
+    let queued = queued.expect("peek");
+    let peer = match sender.local_addr().unwrap() {
+        std::net::SocketAddr::V4(a) => a,
+        _ => unreachable!(),
+    };
+    for (i, d) in queued.iter().enumerate() {
+        assert_eq!(d.peer, peer);
+        assert_eq!(d.key(), datagram_key(peer, to.port(), &[i as u8; 5]));
+    }
+    queued
+}
+
+/// Reads the three datagrams `queued_in_a_child` sent: nothing was
+/// consumed, and the socket's options are as they were.
+fn still_queued(sock: &std::net::UdpSocket, pktinfo: bool) {
+    use nix::sys::socket::{getsockopt, sockopt};
+    sock.set_nonblocking(true).unwrap();
     let mut buf = [0u8; 16];
     for i in 0..3u8 {
         let (n, _) = sock.recv_from(&mut buf).unwrap();
         assert_eq!(&buf[..n], &[i; 5]);
     }
+    assert_eq!(
+        sock.recv_from(&mut buf).unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock
+    );
+    assert_eq!(
+        sys::get_int(sock.as_fd(), libc::SOL_SOCKET, 42).unwrap(),
+        -1
+    );
+    let on = if sock.local_addr().unwrap().is_ipv4() {
+        getsockopt(sock, sockopt::Ipv4PacketInfo).unwrap()
+    } else {
+        getsockopt(sock, sockopt::Ipv6RecvPacketInfo).unwrap()
+    };
+    assert_eq!(on, pktinfo);
+}
+
+#[test]
+fn unread_datagrams_are_read_whole_with_their_addresses_and_left_in_the_queue() {
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to = sock.local_addr().unwrap();
+    let queued = queued_in_a_child(&sock, to);
+    let local = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, to.port());
+    let payloads: Vec<_> = queued.iter().map(|d| d.payload.clone()).collect();
+    assert_eq!(payloads, [[0u8; 5], [1; 5], [2; 5]]);
+    assert!(queued.iter().all(|d| d.local == local), "{queued:?}");
+    still_queued(&sock, false);
+
+    // A socket bound to every address, which asked for IP_PKTINFO itself:
+    // each datagram's own destination, and the option stays on.
+    use nix::sys::socket::{setsockopt, sockopt};
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    setsockopt(&sock, sockopt::Ipv4PacketInfo, &true).unwrap();
+    let port = sock.local_addr().unwrap().port();
+    let to = std::net::SocketAddr::from(([127, 0, 0, 2], port));
+    let queued = queued_in_a_child(&sock, to);
+    assert_eq!(queued.len(), 3);
+    assert!(
+        queued
+            .iter()
+            .all(|d| d.local == std::net::SocketAddrV4::new([127, 0, 0, 2].into(), port)),
+        "{queued:?}"
+    );
+    still_queued(&sock, true);
+}
+
+/// A dual-stack IPv6 socket receives IPv4 datagrams from IPv4-mapped
+/// addresses: they are the data plane's, and read as IPv4.
+#[test]
+fn a_dual_stack_sockets_ipv4_datagrams_are_read_as_ipv4() {
+    let sock = std::net::UdpSocket::bind("[::]:0").expect("an IPv6 socket");
+    let port = sock.local_addr().unwrap().port();
+    let to = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let queued = queued_in_a_child(&sock, to);
+    assert_eq!(queued.len(), 3);
+    let local = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, port);
+    assert!(queued.iter().all(|d| d.local == local), "{queued:?}");
+    still_queued(&sock, false);
 }
 
 /// The freeze takes a tree's connections and UDP sockets from the

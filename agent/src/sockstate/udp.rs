@@ -1,24 +1,30 @@
 //! UDP receive queues across a migration.
 //!
-//! CRIU does not carry a UDP socket's receive queue: datagrams that reached
-//! the source's socket but that the process had not read when it was
-//! stopped were lost. ferry's data plane already holds them, though: the
-//! destination captured every packet since Arm, and skips at the commit
-//! those the source delivered. The source therefore peeks, with the
-//! process stopped, at what is still queued in each of its UDP sockets
-//! (`SO_PEEK_OFF` walks a queue without consuming it), and names those
-//! datagrams in the Commit; the destination replays them after all,
-//! in their arrival order, although the source's stack did deliver them.
+//! CRIU does not carry a UDP socket's receive queue: the datagrams that
+//! reached the source's socket but that the process had not read when it
+//! was stopped would be lost. With the process stopped, the source peeks
+//! at what is still queued in each of its UDP sockets (`SO_PEEK_OFF` walks
+//! a queue without consuming it; `IP_PKTINFO` gives each datagram's
+//! destination address) and sends those datagrams, whole, in the Commit
+//! (peer protocol 8). The destination hands them to the restored sockets
+//! first, rebuilt as the IPv4 packets they arrived as, then replays what it
+//! captured and the source did not deliver: every datagram once, in the
+//! order it arrived. Nothing is consumed on the source: after an abort the
+//! process reads its queue itself.
 //!
-//! A datagram is named by a key both ends can compute: the source from
-//! `recvfrom` (peer address, payload) and its socket's port, the
-//! destination from the captured IPv4 packet.
+//! A peer of protocol 4 to 7 gets only a key per queued datagram
+//! ([`datagram_key`]) and replays those it captured itself, from Arm on:
+//! the ones queued before Arm are lost with such a peer.
 
 use std::collections::HashSet;
+use std::io::IoSliceMut;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
-use nix::sys::socket::{SockaddrStorage, getsockname};
+use nix::sys::socket::{
+    ControlMessageOwned, MsgFlags, SockaddrStorage, getsockname, getsockopt, recvmsg, setsockopt,
+    sockopt,
+};
 
 use super::SockStateError;
 use super::extract::StoppedSockets;
@@ -26,6 +32,24 @@ use super::sys;
 
 /// `SO_PEEK_OFF` (asm-generic/socket.h); UDP supports it since Linux 6.9.
 const SO_PEEK_OFF: libc::c_int = 42;
+
+/// A datagram waiting, unread, in a stopped process's UDP socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueuedDatagram {
+    /// Its sender.
+    pub peer: SocketAddrV4,
+    /// The address it was sent to (from `IP_PKTINFO`: the IP header's), and
+    /// the socket's port.
+    pub local: SocketAddrV4,
+    pub payload: Vec<u8>,
+}
+
+impl QueuedDatagram {
+    /// Its [`datagram_key`], for a peer of protocol 4 to 7.
+    pub fn key(&self) -> u64 {
+        datagram_key(self.peer, self.local.port(), &self.payload)
+    }
+}
 
 /// The key of a datagram from `peer` to local port `port`.
 pub fn datagram_key(peer: SocketAddrV4, port: u16, payload: &[u8]) -> u64 {
@@ -61,80 +85,136 @@ pub fn key_of_packet(ip: &[u8]) -> Option<u64> {
     Some(datagram_key(SocketAddrV4::new(src, sport), dport, payload))
 }
 
-/// The keys of the datagrams waiting, unread, in the IPv4 UDP sockets of
-/// a stopped process tree, oldest first per socket. Nothing is consumed:
-/// on an abort the process reads them itself.
-pub fn unread_datagrams(sockets: &StoppedSockets) -> Result<Vec<u64>, SockStateError> {
-    let mut keys = Vec::new();
+/// The datagrams waiting, unread, in the UDP sockets of a stopped process
+/// tree, oldest first per socket: IPv4 sockets, and the IPv4 datagrams of
+/// dual-stack IPv6 ones (the data plane carries IPv4 only). Nothing is
+/// consumed, and each socket's options are as they were after.
+pub fn queued_datagrams(sockets: &StoppedSockets) -> Result<Vec<QueuedDatagram>, SockStateError> {
+    let mut queued = Vec::new();
     for (inode, fd) in sockets.udp() {
-        peek_all(*inode, fd.as_fd(), &mut keys)?;
+        peek_all(*inode, fd.as_fd(), &mut queued)?;
     }
-    Ok(keys)
+    Ok(queued)
 }
 
-fn peek_all(inode: u64, fd: BorrowedFd<'_>, keys: &mut Vec<u64>) -> Result<(), SockStateError> {
+/// The family of a UDP socket, as far as peeking is concerned.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    /// IPv6, which receives IPv4 datagrams as IPv4-mapped addresses.
+    V6,
+}
+
+fn peek_all(
+    inode: u64,
+    fd: BorrowedFd<'_>,
+    queued: &mut Vec<QueuedDatagram>,
+) -> Result<(), SockStateError> {
+    let conn = || format!("UDP socket inode {inode}");
     let err = |op: &'static str| {
         move |source: std::io::Error| SockStateError::Sys {
             op,
-            conn: format!("UDP socket inode {inode}"),
+            conn: conn(),
             source,
         }
     };
-    let port = match getsockname::<SockaddrStorage>(fd.as_raw_fd())
-        .ok()
-        .and_then(|s| s.as_sockaddr_in().map(|a| SocketAddrV4::from(*a)))
-    {
-        Some(a) => a.port(),
-        // Not IPv4: the data plane captures IPv4 only.
-        None => return Ok(()),
+    let nix_err = |op: &'static str| move |e: nix::Error| err(op)(std::io::Error::from(e));
+    let local = getsockname::<SockaddrStorage>(fd.as_raw_fd()).map_err(nix_err("getsockname"))?;
+    let (family, bound) = if let Some(a) = local.as_sockaddr_in() {
+        (Family::V4, SocketAddrV4::from(*a))
+    } else if let Some(a) = local.as_sockaddr_in6() {
+        let ip = a.ip().to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        (Family::V6, SocketAddrV4::new(ip, a.port()))
+    } else {
+        return Ok(());
     };
     if sys::inq(fd).map_err(err("SIOCINQ"))? == 0 {
         return Ok(());
     }
-    let before = sys::get_int(fd, libc::SOL_SOCKET, SO_PEEK_OFF).map_err(err("SO_PEEK_OFF"))?;
-    sys::set_int(fd, libc::SOL_SOCKET, SO_PEEK_OFF, 0).map_err(err("SO_PEEK_OFF"))?;
-    let mut buf = vec![0u8; 65536];
-    let result = loop {
-        let mut addr: libc::sockaddr_in = empty_sockaddr_in();
-        let mut alen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        // SAFETY: `buf` and `addr` are writable for the lengths given;
-        // recvfrom writes at most that much and updates `alen`.
-        let n = unsafe {
-            libc::recvfrom(
-                fd.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_TRUNC,
-                (&mut addr as *mut libc::sockaddr_in).cast(),
-                &mut alen,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::WouldBlock {
-                break Ok(());
-            }
-            break Err(err("peeking at the receive queue")(e));
-        }
-        let n = (n as usize).min(buf.len());
-        let peer = SocketAddrV4::new(
-            Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
-            u16::from_be(addr.sin_port),
-        );
-        keys.push(datagram_key(peer, port, &buf[..n]));
+    // The destination address of each datagram: the process may not have
+    // asked for it, so it is asked for here, and put back after.
+    let pktinfo_before = match family {
+        Family::V4 => getsockopt(&fd, sockopt::Ipv4PacketInfo),
+        Family::V6 => getsockopt(&fd, sockopt::Ipv6RecvPacketInfo),
+    }
+    .map_err(nix_err("getsockopt(pktinfo)"))?;
+    let peek_off_before =
+        sys::get_int(fd, libc::SOL_SOCKET, SO_PEEK_OFF).map_err(err("SO_PEEK_OFF"))?;
+    let set_pktinfo = |on: bool| match family {
+        Family::V4 => setsockopt(&fd, sockopt::Ipv4PacketInfo, &on),
+        Family::V6 => setsockopt(&fd, sockopt::Ipv6RecvPacketInfo, &on),
     };
-    let restored = sys::set_int(fd, libc::SOL_SOCKET, SO_PEEK_OFF, before)
-        .map_err(err("restoring SO_PEEK_OFF"));
+    let result = set_pktinfo(true)
+        .map_err(nix_err("setsockopt(pktinfo)"))
+        .and_then(|()| {
+            sys::set_int(fd, libc::SOL_SOCKET, SO_PEEK_OFF, 0).map_err(err("SO_PEEK_OFF"))
+        })
+        .and_then(|()| {
+            peek_each(fd, family, bound, queued).map_err(nix_err("peeking at the receive queue"))
+        });
+    let restored = sys::set_int(fd, libc::SOL_SOCKET, SO_PEEK_OFF, peek_off_before)
+        .map_err(err("restoring SO_PEEK_OFF"))
+        .and(set_pktinfo(pktinfo_before).map_err(nix_err("restoring the pktinfo option")));
     result.and(restored)
 }
 
-fn empty_sockaddr_in() -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: 0,
-        sin_port: 0,
-        sin_addr: libc::in_addr { s_addr: 0 },
-        sin_zero: [0; 8],
+/// Peeks at every datagram of a socket set up by [`peek_all`].
+fn peek_each(
+    fd: BorrowedFd<'_>,
+    family: Family,
+    bound: SocketAddrV4,
+    queued: &mut Vec<QueuedDatagram>,
+) -> nix::Result<()> {
+    let mut buf = vec![0u8; 65536];
+    let mut cmsg = nix::cmsg_space!(libc::in6_pktinfo);
+    let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_TRUNC;
+    loop {
+        let (len, peer, dst) = {
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let msg = match recvmsg::<SockaddrStorage>(
+                fd.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                flags,
+            ) {
+                Ok(m) => m,
+                Err(nix::Error::EAGAIN) => return Ok(()),
+                Err(nix::Error::EINTR) => continue,
+                Err(e) => return Err(e),
+            };
+            let peer = msg.address.as_ref().and_then(ipv4_of);
+            let mut dst = None;
+            for c in msg.cmsgs()? {
+                match c {
+                    ControlMessageOwned::Ipv4PacketInfo(i) if family == Family::V4 => {
+                        dst = Some(Ipv4Addr::from(u32::from_be(i.ipi_addr.s_addr)));
+                    }
+                    ControlMessageOwned::Ipv6PacketInfo(i) if family == Family::V6 => {
+                        dst = std::net::Ipv6Addr::from(i.ipi6_addr.s6_addr).to_ipv4_mapped();
+                    }
+                    _ => {}
+                }
+            }
+            (msg.bytes, peer, dst)
+        };
+        // An IPv6 datagram in a dual-stack socket: not the data plane's.
+        let Some(peer) = peer else { continue };
+        let dst = dst.unwrap_or(*bound.ip());
+        queued.push(QueuedDatagram {
+            peer,
+            local: SocketAddrV4::new(dst, bound.port()),
+            payload: buf[..len.min(buf.len())].to_vec(),
+        });
     }
+}
+
+/// An IPv4 address, or an IPv4-mapped IPv6 one, as IPv4.
+fn ipv4_of(a: &SockaddrStorage) -> Option<SocketAddrV4> {
+    if let Some(v4) = a.as_sockaddr_in() {
+        return Some(SocketAddrV4::from(*v4));
+    }
+    let v6 = a.as_sockaddr_in6()?;
+    Some(SocketAddrV4::new(v6.ip().to_ipv4_mapped()?, v6.port()))
 }
 
 /// Gives the UDP sockets of a restored tree their own receive buffer back

@@ -43,6 +43,12 @@ struct Args {
     /// flags as they were.
     #[arg(long, value_name = "N", default_value_t = 0)]
     keep_on_exec_every: u32,
+    /// Leave the datagrams on the UDP port unread, queued in the socket,
+    /// until the first TCP connection: a server busy elsewhere, whose
+    /// receive queue a migration must carry. The socket's receive buffer
+    /// is then 1 MiB (SO_RCVBUFFORCE: root), room for what waits.
+    #[arg(long)]
+    udp_after_first_connection: bool,
     /// A command to start as this server's child (after `--`).
     #[arg(last = true)]
     companion: Vec<String>,
@@ -80,6 +86,26 @@ fn main() -> ExitCode {
         eprintln!("ferry-dve-server: {e}");
         return ExitCode::FAILURE;
     }
+    if args.udp_after_first_connection {
+        let size: libc::c_int = 1 << 20;
+        // SAFETY: setsockopt reads an int of the size given from `size`.
+        let set = unsafe {
+            libc::setsockopt(
+                udp.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUFFORCE,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if set != 0 {
+            eprintln!(
+                "ferry-dve-server: SO_RCVBUFFORCE: {}",
+                std::io::Error::last_os_error()
+            );
+            return ExitCode::FAILURE;
+        }
+    }
     if let Some((program, rest)) = args.companion.split_first() {
         let started = std::process::Command::new(program)
             .args(rest)
@@ -90,20 +116,30 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    serve(&listener, &udp, args.keep_on_exec_every)
+    serve(
+        &listener,
+        &udp,
+        args.keep_on_exec_every,
+        !args.udp_after_first_connection,
+    )
 }
 
-fn serve(listener: &TcpListener, udp: &UdpSocket, keep_on_exec_every: u32) -> ExitCode {
+fn serve(
+    listener: &TcpListener,
+    udp: &UdpSocket,
+    keep_on_exec_every: u32,
+    mut udp_open: bool,
+) -> ExitCode {
     let mut conns: HashMap<RawFd, Conn> = HashMap::new();
     let mut accepted = 0u64;
     let mut buf = vec![0u8; READ_CHUNK];
     let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
         fds.clear();
-        for fd in [listener.as_raw_fd(), udp.as_raw_fd()] {
+        for (fd, read) in [(listener.as_raw_fd(), true), (udp.as_raw_fd(), udp_open)] {
             fds.push(libc::pollfd {
                 fd,
-                events: libc::POLLIN,
+                events: if read { libc::POLLIN } else { 0 },
                 revents: 0,
             });
         }
@@ -130,8 +166,9 @@ fn serve(listener: &TcpListener, udp: &UdpSocket, keep_on_exec_every: u32) -> Ex
         }
         if fds[0].revents != 0 {
             accept_all(listener, &mut conns, &mut accepted, keep_on_exec_every);
+            udp_open |= accepted > 0;
         }
-        if fds[1].revents != 0 {
+        if fds[1].revents != 0 && udp_open {
             echo_datagrams(udp, &mut buf);
         }
         for p in &fds[2..] {

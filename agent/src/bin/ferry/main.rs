@@ -1045,6 +1045,9 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
         v["drain_time_ms"] = json!(ms(r.drain_time_us));
         v["drain_bytes_at_start"] = json!(r.drain_bytes_at_start);
         v["drain_bytes_left"] = json!(r.drain_bytes_left);
+        if let Some(s) = &r.replay {
+            v["replay"]["carried"] = json!(s.carried);
+        }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -1126,12 +1129,13 @@ fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
     }
     match (&r.replay, r.capture) {
         (Some(s), _) => println!(
-            "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms)",
+            "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms); {} unread UDP datagrams carried",
             s.captured,
             s.replayed,
             s.skipped_delivered,
             s.failed,
-            ms(s.replay_time_us)
+            ms(s.replay_time_us),
+            s.carried
         ),
         (None, false) => println!("  packets in freeze   dropped (capture off)"),
         (None, true) => {}
