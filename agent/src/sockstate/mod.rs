@@ -93,6 +93,13 @@ pub enum SockStateError {
         conn: String,
         source: std::io::Error,
     },
+    #[error("{op} on UDP socket {socket}: {source}")]
+    Udp {
+        op: &'static str,
+        /// Its inode, or its local address.
+        socket: String,
+        source: std::io::Error,
+    },
     #[error("{op} on process {pid}: {source}")]
     Process {
         op: &'static str,

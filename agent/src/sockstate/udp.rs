@@ -110,11 +110,10 @@ fn peek_all(
     fd: BorrowedFd<'_>,
     queued: &mut Vec<QueuedDatagram>,
 ) -> Result<(), SockStateError> {
-    let conn = || format!("UDP socket inode {inode}");
     let err = |op: &'static str| {
-        move |source: std::io::Error| SockStateError::Sys {
+        move |source: std::io::Error| SockStateError::Udp {
             op,
-            conn: conn(),
+            socket: format!("inode {inode}"),
             source,
         }
     };
@@ -258,9 +257,9 @@ pub fn give_back_udp_buffers(
         };
         let (_, size) = left.swap_remove(i);
         let err = |op: &'static str| {
-            move |source: std::io::Error| SockStateError::Sys {
+            move |source: std::io::Error| SockStateError::Udp {
                 op,
-                conn: format!("UDP socket {local}"),
+                socket: local.to_string(),
                 source,
             }
         };
