@@ -489,15 +489,10 @@ fn datagrams_left_unread_before_the_migration_are_read_on_the_destination() {
 /// through a copy of it (`SO_PEEK_OFF` walks the queue without consuming
 /// it; `SIOCINQ` gives only the first datagram's size).
 fn queued_datagrams(pid: i32) -> usize {
-    use nix::sys::socket::{MsgFlags, SockType, getsockopt, recv, sockopt};
+    use nix::sys::socket::{MsgFlags, recv};
     use std::os::fd::AsRawFd;
     const SO_PEEK_OFF: libc::c_int = 42;
-    let udp: Vec<_> = ferry_integration::inspect::sockets_of(pid)
-        .expect("the process's sockets")
-        .into_iter()
-        .filter(|fd| getsockopt(fd, sockopt::SockType).ok() == Some(SockType::Datagram))
-        .collect();
-    assert_eq!(udp.len(), 1, "process {pid} has {} UDP sockets", udp.len());
+    let udp = [udp_socket_of(pid)];
     let set_peek_off = |v: libc::c_int| {
         // SAFETY: setsockopt reads an int of the size given from `v`.
         let r = unsafe {
@@ -534,14 +529,20 @@ const CATCH_UP_BUFFER: i32 = 8 << 20;
 
 /// SO_RCVBUF of the one UDP socket of process `pid`.
 fn udp_receive_buffer(pid: i32) -> i32 {
+    use nix::sys::socket::{getsockopt, sockopt};
+    getsockopt(&udp_socket_of(pid), sockopt::RcvBuf).expect("SO_RCVBUF") as i32
+}
+
+/// A copy of the one UDP socket of process `pid`.
+fn udp_socket_of(pid: i32) -> std::os::fd::OwnedFd {
     use nix::sys::socket::{SockType, getsockopt, sockopt};
-    let udp: Vec<_> = ferry_integration::inspect::sockets_of(pid)
+    let mut udp: Vec<_> = ferry_integration::inspect::sockets_of(pid)
         .expect("the process's sockets")
         .into_iter()
         .filter(|fd| getsockopt(fd, sockopt::SockType).ok() == Some(SockType::Datagram))
         .collect();
     assert_eq!(udp.len(), 1, "process {pid} has {} UDP sockets", udp.len());
-    getsockopt(&udp[0], sockopt::RcvBuf).expect("SO_RCVBUF") as i32
+    udp.remove(0)
 }
 
 /// Sends a SYN and a datagram to a port nobody owns, from `client`: no node

@@ -30,8 +30,9 @@ pub struct ForCommit {
     pub left_out: usize,
 }
 
-/// The Commit's account of `queued` for a destination of `version`.
-pub fn for_commit(version: u32, queued: &[QueuedDatagram]) -> ForCommit {
+/// The Commit's account of `queued` for a destination of `version`. The
+/// payloads move into it: this is inside the freeze.
+pub fn for_commit(version: u32, queued: Vec<QueuedDatagram>) -> ForCommit {
     if version < ferry_proto::PEER_PROTOCOL_QUEUED_DATAGRAMS {
         return ForCommit {
             keys: queued.iter().map(QueuedDatagram::key).collect(),
@@ -49,7 +50,7 @@ pub fn for_commit(version: u32, queued: &[QueuedDatagram]) -> ForCommit {
         out.datagrams.push(pb::QueuedDatagram {
             peer: d.peer.to_string(),
             local: d.local.to_string(),
-            payload: d.payload.clone(),
+            payload: d.payload,
         });
     }
     out
@@ -136,10 +137,10 @@ mod tests {
     #[test]
     fn an_older_destination_gets_keys_a_newer_one_the_datagrams() {
         let q = [queued(5000, 10), queued(5001, 0)];
-        let old = for_commit(7, &q);
+        let old = for_commit(7, q.to_vec());
         assert_eq!(old.keys, vec![q[0].key(), q[1].key()]);
         assert!(old.datagrams.is_empty());
-        let new = for_commit(8, &q);
+        let new = for_commit(8, q.to_vec());
         assert!(new.keys.is_empty());
         assert_eq!(new.left_out, 0);
         assert_eq!(new.datagrams.len(), 2);
@@ -160,7 +161,7 @@ mod tests {
     fn the_commit_carries_at_most_its_budget() {
         let big = 60_000;
         let q: Vec<_> = (0..250).map(|i| queued(i, big)).collect();
-        let c = for_commit(8, &q);
+        let c = for_commit(8, q.to_vec());
         let fits = COMMIT_PAYLOAD_BUDGET / big;
         assert_eq!(c.datagrams.len(), fits);
         assert_eq!(c.left_out, 250 - fits);
@@ -170,7 +171,7 @@ mod tests {
 
     #[test]
     fn the_source_nodes_own_address_becomes_this_ones() {
-        let mut d = for_commit(8, &[queued(5000, 3)]).datagrams;
+        let mut d = for_commit(8, vec![queued(5000, 3)]).datagrams;
         d[0].local = "198.19.0.1:7000".into();
         d.push(pb::QueuedDatagram {
             local: "127.0.0.1:7000".into(),
@@ -183,7 +184,7 @@ mod tests {
 
     #[test]
     fn bad_datagrams_are_refused_naming_the_field() {
-        let good = for_commit(8, &[queued(5000, 3)]).datagrams.remove(0);
+        let good = for_commit(8, vec![queued(5000, 3)]).datagrams.remove(0);
         for (bad, field) in [
             (
                 pb::QueuedDatagram {

@@ -1499,7 +1499,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
 
     let release_end = Instant::now();
     run.phase("commit").await;
-    let unread = super::queued::for_commit(run.p.protocol_version, &run.unread_datagrams);
+    let unread = super::queued::for_commit(
+        run.p.protocol_version,
+        std::mem::take(&mut run.unread_datagrams),
+    );
     if unread.left_out > 0 {
         tracing::warn!(
             carried = unread.datagrams.len(),

@@ -87,22 +87,10 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     if args.udp_after_first_connection {
-        let size: libc::c_int = 1 << 20;
-        // SAFETY: setsockopt reads an int of the size given from `size`.
-        let set = unsafe {
-            libc::setsockopt(
-                udp.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                (&size as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if set != 0 {
-            eprintln!(
-                "ferry-dve-server: SO_RCVBUFFORCE: {}",
-                std::io::Error::last_os_error()
-            );
+        let forced =
+            nix::sys::socket::setsockopt(&udp, nix::sys::socket::sockopt::RcvBufForce, &(1 << 20));
+        if let Err(e) = forced {
+            eprintln!("ferry-dve-server: SO_RCVBUFFORCE: {e}");
             return ExitCode::FAILURE;
         }
     }
