@@ -420,7 +420,11 @@ impl Agent {
     pub async fn reconcile(self: &Arc<Self>) -> Result<(), EngineError> {
         let me = self.clone();
         let unclaimed = tokio::task::spawn_blocking(move || {
-            let gone = me.registry().refresh();
+            // Two statements: the registry's guard must be gone before the
+            // reads (a temporary lives to the end of its statement).
+            let running = me.registry().running();
+            let read = crate::managed::read_sockets(running);
+            let gone = me.registry().refresh(read);
             (gone, me.unclaimed_ports())
         })
         .await

@@ -145,19 +145,33 @@ impl Registry {
         self.procs.is_empty()
     }
 
-    /// Re-reads the sockets of every running process. Processes in a
-    /// migration keep the ports they had when it started: those are what
-    /// the migration moves. Returns the processes that died in a migration
-    /// which has let go of them since (rolled back), now forgotten, with
-    /// how they ended. A process that exits otherwise is forgotten by its
-    /// exit watcher, which knows how it ended ([`Self::ended`]); a gone
-    /// process only loses its sockets here.
-    pub fn refresh(&mut self) -> Vec<(ManagedProcess, ProcessExit)> {
-        for p in self.procs.values_mut() {
+    /// The running processes, whose sockets a refresh re-reads
+    /// ([`read_sockets`], without the registry's lock).
+    pub fn running(&self) -> Vec<i32> {
+        self.procs
+            .values()
+            .filter(|p| p.lifecycle == Lifecycle::Running)
+            .map(|p| p.pid)
+            .collect()
+    }
+
+    /// Takes the sockets [`read_sockets`] read of the processes that are
+    /// still running. Processes in a migration keep the ports they had
+    /// when it started: those are what the migration moves, and a read
+    /// made before it started is dropped. Returns the processes that died
+    /// in a migration which has let go of them since (rolled back), now
+    /// forgotten, with how they ended. A process that exits otherwise is
+    /// forgotten by its exit watcher, which knows how it ended
+    /// ([`Self::ended`]); a gone process only loses its sockets here.
+    pub fn refresh(&mut self, read: Vec<SocketsRead>) -> Vec<(ManagedProcess, ProcessExit)> {
+        for SocketsRead { pid, sockets } in read {
+            let Some(p) = self.procs.get_mut(&pid) else {
+                continue;
+            };
             if p.lifecycle != Lifecycle::Running {
                 continue;
             }
-            match process::sockets_of_tree(&process::process_tree(p.pid)) {
+            match sockets {
                 Ok(s) => p.sockets = s,
                 Err(process::ProcessError::NotFound { .. }) => p.sockets = Default::default(),
                 Err(e) => tracing::warn!(pid = p.pid, error = %e, "reading sockets"),
@@ -209,6 +223,25 @@ impl Registry {
         }
         out
     }
+}
+
+/// One running process's sockets, read for [`Registry::refresh`].
+pub struct SocketsRead {
+    pub pid: i32,
+    pub sockets: Result<process::SocketSummary, process::ProcessError>,
+}
+
+/// Reads the sockets of `pids`' process trees, with one read of the
+/// socket tables per network namespace (they list every socket there, the
+/// other services' too). Not under the registry's lock: a migration's
+/// freeze takes that lock to cut its ports off, and these reads take
+/// milliseconds per thousand sockets.
+pub fn read_sockets(pids: Vec<i32>) -> Vec<SocketsRead> {
+    let trees: Vec<Vec<i32>> = pids.iter().map(|&pid| process::process_tree(pid)).collect();
+    pids.into_iter()
+        .zip(process::sockets_of_trees(&trees))
+        .map(|(pid, sockets)| SocketsRead { pid, sockets })
+        .collect()
 }
 
 /// How a child ended, from its wait status.
@@ -605,6 +638,50 @@ mod tests {
         }
     }
 
+    /// The sockets are read without the registry's lock: a process whose
+    /// migration began meanwhile keeps the ports it had when it began.
+    #[test]
+    fn a_read_of_sockets_lands_only_on_processes_still_running() {
+        let mut reg = Registry::default();
+        reg.insert(process(10, Lifecycle::Running));
+        reg.insert(process(11, Lifecycle::Running));
+        reg.insert(process(12, migrating(OutStage::Live)));
+        assert_eq!(reg.running(), vec![10, 11]);
+        let read = |pid, port| SocketsRead {
+            pid,
+            sockets: Ok(process::SocketSummary {
+                tcp_listening: 1,
+                ports: [PortKey {
+                    transport: process::Transport::Tcp,
+                    port,
+                }]
+                .into_iter()
+                .collect(),
+                ..Default::default()
+            }),
+        };
+        // 11's migration began after the read.
+        reg.get_mut(11).unwrap().lifecycle = migrating(OutStage::Live);
+        let gone = reg.refresh(vec![
+            read(10, 7000),
+            read(11, 7001),
+            SocketsRead {
+                pid: 13,
+                sockets: Err(process::ProcessError::NotFound { pid: 13 }),
+            },
+        ]);
+        assert!(gone.is_empty());
+        assert_eq!(reg.get(10).unwrap().sockets.tcp_listening, 1);
+        assert_eq!(reg.get(11).unwrap().sockets, Default::default());
+        assert!(reg.get(13).is_none());
+        // A process gone since the last read loses its sockets.
+        reg.refresh(vec![SocketsRead {
+            pid: 10,
+            sockets: Err(process::ProcessError::NotFound { pid: 10 }),
+        }]);
+        assert_eq!(reg.get(10).unwrap().sockets, Default::default());
+    }
+
     #[test]
     fn a_process_that_ends_by_itself_is_forgotten_one_a_migration_stopped_is_not() {
         let exit = exit_from_wait_status(3 << 8);
@@ -622,10 +699,10 @@ mod tests {
         assert!(reg.ended(99, &exit).is_none());
         assert_eq!(reg.len(), 2);
         // Still held by the migration: nothing to report yet.
-        assert!(reg.refresh().is_empty());
+        assert!(reg.refresh(Vec::new()).is_empty());
         // The migration rolled back: the dead process goes, with its end.
         reg.get_mut(12).unwrap().lifecycle = Lifecycle::Running;
-        let gone = reg.refresh();
+        let gone = reg.refresh(Vec::new());
         assert_eq!(gone.len(), 1);
         assert_eq!((gone[0].0.pid, gone[0].1.code), (12, 3));
         assert!(reg.get(12).is_none());
@@ -633,7 +710,7 @@ mod tests {
         assert!(reg.ended(13, &exit).is_none());
         reg.remove(13);
         reg.insert(process(13, Lifecycle::Running));
-        assert!(reg.refresh().is_empty());
+        assert!(reg.refresh(Vec::new()).is_empty());
         assert!(reg.get(13).is_some());
     }
 

@@ -179,6 +179,15 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/connections-in-place.patch"),
         mark: "ferry-conns-in-place3",
     },
+    // When the connections stay out of the images, the dump collects only
+    // listening TCP sockets with sock_diag, and the task reports each TCP
+    // socket's state: a dump of any other state walks every connection of
+    // the machine (other processes' too) inside the freeze.
+    Patch {
+        what: "only listening sockets collected",
+        text: include_str!("../criu/connections-not-collected.patch"),
+        mark: "ferry-conns-uncollected",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -174,6 +174,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "ferry-conns-in-place3",
         "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
     ),
+    (
+        "ferry-conns-uncollected",
+        "only listening TCP sockets collected by the dump (a dump that does not grow with the machine's other connections)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -283,6 +287,7 @@ mod tests {
                 "kernel features read before the request (a shorter restore)",
                 "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
                 "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
+                "only listening TCP sockets collected by the dump (a dump that does not grow with the machine's other connections)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

@@ -9,6 +9,7 @@ mod vet;
 
 pub use sockets::{
     Listeners, PendingConnections, PortKey, SocketSummary, Transport, sockets_of_tree,
+    sockets_of_trees,
 };
 pub use stat::{ProcessInfo, inspect, process_tree, wait_group_stopped};
 pub use unix_diag::unix_peers;

@@ -112,14 +112,17 @@ pub(super) fn parse_messages(
     Ok(false)
 }
 
-/// A TCP socket as inet_diag gives it.
+/// A TCP or UDP socket as inet_diag gives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct TcpDiagEntry {
+pub(super) struct InetDiagEntry {
+    /// The TCP state number (a UDP socket: 7, close, or 1 once connected).
     pub state: u8,
     pub local_port: u16,
+    /// The peer's address, for an IPv4 socket (0.0.0.0 when unconnected).
+    pub remote_v4: Option<std::net::Ipv4Addr>,
     /// A listener's accept queue; a connection's unread bytes.
     pub rqueue: u32,
-    /// 0 for a handshake under way (a request socket).
+    /// 0 for a handshake under way (a request socket) or a TIME_WAIT one.
     pub inode: u32,
 }
 
@@ -129,13 +132,21 @@ const INET_DIAG_REQ_V2_LEN: usize = 56;
 /// struct inet_diag_msg up to and including idiag_inode.
 const INET_DIAG_MSG_LEN: usize = 72;
 
-/// The TCP sockets of one address family (`libc::AF_INET` or `AF_INET6`)
-/// in the states of `states` (a bit per TCP state number). A request for
-/// SYN_RECV also gets the handshakes under way, reported as SYN_RECV.
-pub(super) fn tcp_sockets(family: i32, states: u32) -> io::Result<Vec<TcpDiagEntry>> {
+/// Every state: what procfs's tables list.
+pub(super) const ALL_STATES: u32 = u32::MAX;
+
+/// The sockets of one address family (`libc::AF_INET` or `AF_INET6`) and
+/// protocol (`libc::IPPROTO_TCP` or `IPPROTO_UDP`) in the states of
+/// `states` (a bit per TCP state number). A TCP request for SYN_RECV also
+/// gets the handshakes under way, reported as SYN_RECV.
+pub(super) fn inet_sockets(
+    family: i32,
+    protocol: i32,
+    states: u32,
+) -> io::Result<Vec<InetDiagEntry>> {
     let mut body = vec![0u8; INET_DIAG_REQ_V2_LEN];
     body[0] = family as u8;
-    body[1] = libc::IPPROTO_TCP as u8;
+    body[1] = protocol as u8;
     body[4..8].copy_from_slice(&states.to_ne_bytes());
     // No cookie to match: INET_DIAG_NOCOOKIE.
     body[48..56].copy_from_slice(&[0xff; 8]);
@@ -144,10 +155,14 @@ pub(super) fn tcp_sockets(family: i32, states: u32) -> io::Result<Vec<TcpDiagEnt
         if m.len() < INET_DIAG_MSG_LEN {
             return Err(malformed("short inet_diag_msg"));
         }
-        out.push(TcpDiagEntry {
+        // inet_diag_sockid from byte 4: the ports (network order), then
+        // the source and destination addresses, 16 bytes each.
+        let remote_v4 = (m[0] == libc::AF_INET as u8)
+            .then(|| std::net::Ipv4Addr::new(m[24], m[25], m[26], m[27]));
+        out.push(InetDiagEntry {
             state: m[1],
-            // The ports of inet_diag_sockid are in network order.
             local_port: u16::from_be_bytes([m[4], m[5]]),
+            remote_v4,
             rqueue: u32_at(m, 56).unwrap_or(0),
             inode: u32_at(m, 68).unwrap_or(0),
         });
@@ -168,19 +183,25 @@ mod tests {
         let inode = std::fs::metadata(format!("/proc/self/fd/{}", l.as_raw_fd()))
             .unwrap()
             .ino();
-        let listening = |e: &&TcpDiagEntry| e.local_port == port && e.state == 10;
-        let found = tcp_sockets(libc::AF_INET, 1 << 10).unwrap();
+        let listening = |e: &&InetDiagEntry| e.local_port == port && e.state == 10;
+        let tcp_sockets = |states| inet_sockets(libc::AF_INET, libc::IPPROTO_TCP, states);
+        let found = tcp_sockets(1 << 10).unwrap();
         let mine = found.iter().find(listening).expect("the listener");
         assert_eq!((u64::from(mine.inode), mine.rqueue), (inode, 0));
         // Only what was asked for: no established connection.
         let _client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let found = tcp_sockets(libc::AF_INET, 1 << 10).unwrap();
+        let found = tcp_sockets(1 << 10).unwrap();
         assert!(found.iter().all(|e| e.state == 10), "{found:?}");
         assert_eq!(found.iter().find(listening).unwrap().rqueue, 1);
-        let established = tcp_sockets(libc::AF_INET, 1 << 1).unwrap();
-        assert!(
-            established.iter().any(|e| e.local_port == port),
-            "{established:?}"
+        let established = tcp_sockets(1 << 1).unwrap();
+        let accepted = established
+            .iter()
+            .find(|e| e.local_port == port)
+            .unwrap_or_else(|| panic!("{established:?}"));
+        assert_eq!(
+            accepted.remote_v4,
+            Some(std::net::Ipv4Addr::LOCALHOST),
+            "the peer's address"
         );
     }
 

@@ -112,39 +112,164 @@ pub fn sockets_of_tree(tree: &[i32]) -> Result<SocketSummary, ProcessError> {
         return Ok(SocketSummary::default());
     };
     let inodes = socket_inodes(tree)?;
-    let mut summary = SocketSummary::default();
-    for (table, entry) in table_entries(root, &ALL_TABLES)? {
-        if !inodes.contains(&entry.inode) {
-            continue;
-        }
-        let transport = if table.starts_with("tcp") {
-            Transport::Tcp
+    Ok(NamespaceSockets::read(root)?.summary(&inodes))
+}
+
+/// [`sockets_of_tree`] for several trees (each root first), with one read
+/// of the socket tables per network namespace instead of one per tree:
+/// every read lists every socket of the namespace, the other services'
+/// too.
+pub fn sockets_of_trees(trees: &[Vec<i32>]) -> Vec<Result<SocketSummary, ProcessError>> {
+    let mut tables: BTreeMap<u64, Result<NamespaceSockets, String>> = BTreeMap::new();
+    trees
+        .iter()
+        .map(|tree| {
+            let Some(&root) = tree.first() else {
+                return Ok(SocketSummary::default());
+            };
+            let inodes = socket_inodes(tree)?;
+            let Some(ns) = netns_of(&root.to_string()) else {
+                return Err(ProcessError::NotFound { pid: root });
+            };
+            // A failed read is told to each tree of the namespace (as a
+            // string: the error is not Clone), and not tried again.
+            let read = tables
+                .entry(ns)
+                .or_insert_with(|| NamespaceSockets::read(root).map_err(|e| e.to_string()));
+            match read {
+                Ok(t) => Ok(t.summary(&inodes)),
+                Err(reason) => Err(ProcessError::Io {
+                    path: format!("/proc/{root}/net"),
+                    source: std::io::Error::other(reason.clone()),
+                }),
+            }
+        })
+        .collect()
+}
+
+/// The inode of a process's network namespace (`pid`: a PID or "self").
+fn netns_of(pid: &str) -> Option<u64> {
+    std::fs::metadata(format!("/proc/{pid}/ns/net"))
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .ok()
+}
+
+/// Whether `root` is in ferryd's network namespace, where sock_diag
+/// answers for it.
+fn in_our_netns(root: i32) -> bool {
+    let ours = netns_of("self");
+    ours.is_some() && ours == netns_of(&root.to_string())
+}
+
+/// Every TCP and UDP socket of one network namespace.
+struct NamespaceSockets(Vec<(Transport, TableEntry)>);
+
+impl NamespaceSockets {
+    /// Those of `root`'s namespace: from sock_diag where that is ferryd's
+    /// (a binary dump, about three times cheaper than procfs's text for
+    /// the same sockets), from /proc/ROOT/net otherwise.
+    fn read(root: i32) -> Result<Self, ProcessError> {
+        if in_our_netns(root) {
+            Self::from_sock_diag()
         } else {
-            Transport::Udp
-        };
-        match transport {
-            Transport::Tcp => match entry.state {
-                TCP_LISTEN => summary.tcp_listening += 1,
-                TCP_ESTABLISHED => summary.tcp_established += 1,
-                _ => summary.tcp_other += 1,
-            },
-            Transport::Udp => summary.udp += 1,
-        }
-        if transport == Transport::Tcp
-            && entry.state != TCP_LISTEN
-            && let Some(ip) = entry.remote_v4
-            && !ip.is_unspecified()
-        {
-            summary.tcp_peers.insert(ip);
-        }
-        if entry.local_port != 0 {
-            summary.ports.insert(PortKey {
-                transport,
-                port: entry.local_port,
-            });
+            Self::from_procfs(root)
         }
     }
-    Ok(summary)
+
+    fn from_procfs(root: i32) -> Result<Self, ProcessError> {
+        let entries = table_entries(root, &ALL_TABLES)?
+            .into_iter()
+            .map(|(table, e)| {
+                let transport = if table.starts_with("tcp") {
+                    Transport::Tcp
+                } else {
+                    Transport::Udp
+                };
+                (transport, e)
+            })
+            .collect();
+        Ok(Self(entries))
+    }
+
+    /// Those of ferryd's own network namespace.
+    fn from_sock_diag() -> Result<Self, ProcessError> {
+        let mut entries = Vec::new();
+        for (transport, protocol) in [
+            (Transport::Tcp, libc::IPPROTO_TCP),
+            (Transport::Udp, libc::IPPROTO_UDP),
+        ] {
+            for family in [libc::AF_INET, libc::AF_INET6] {
+                let found =
+                    super::sock_diag::inet_sockets(family, protocol, super::sock_diag::ALL_STATES);
+                let found = match found {
+                    Ok(f) => f,
+                    // IPv6 may be off (procfs then has no tcp6 or udp6).
+                    Err(e)
+                        if family == libc::AF_INET6
+                            && matches!(
+                                e.raw_os_error(),
+                                Some(libc::ENOENT | libc::EAFNOSUPPORT | libc::EINVAL)
+                            ) =>
+                    {
+                        continue;
+                    }
+                    Err(source) => {
+                        return Err(ProcessError::Io {
+                            path: format!("sock_diag ({transport}, family {family})"),
+                            source,
+                        });
+                    }
+                };
+                entries.extend(found.into_iter().map(|e| {
+                    let entry = TableEntry {
+                        local_port: e.local_port,
+                        remote_v4: e.remote_v4,
+                        state: e.state,
+                        inode: u64::from(e.inode),
+                        accept_queue: if transport == Transport::Tcp && e.state == TCP_LISTEN {
+                            e.rqueue
+                        } else {
+                            0
+                        },
+                    };
+                    (transport, entry)
+                }));
+            }
+        }
+        Ok(Self(entries))
+    }
+
+    /// What the sockets of `inodes` are.
+    fn summary(&self, inodes: &HashSet<u64>) -> SocketSummary {
+        let mut summary = SocketSummary::default();
+        for (transport, entry) in &self.0 {
+            if !inodes.contains(&entry.inode) {
+                continue;
+            }
+            match transport {
+                Transport::Tcp => match entry.state {
+                    TCP_LISTEN => summary.tcp_listening += 1,
+                    TCP_ESTABLISHED => summary.tcp_established += 1,
+                    _ => summary.tcp_other += 1,
+                },
+                Transport::Udp => summary.udp += 1,
+            }
+            if *transport == Transport::Tcp
+                && entry.state != TCP_LISTEN
+                && let Some(ip) = entry.remote_v4
+                && !ip.is_unspecified()
+            {
+                summary.tcp_peers.insert(ip);
+            }
+            if entry.local_port != 0 {
+                summary.ports.insert(PortKey {
+                    transport: *transport,
+                    port: entry.local_port,
+                });
+            }
+        }
+        summary
+    }
 }
 
 /// The listening TCP sockets of a process tree: inode, and port.
@@ -179,12 +304,7 @@ impl Listeners {
                 }
             }
         }
-        let netns = |pid: &str| {
-            std::fs::metadata(format!("/proc/{pid}/ns/net"))
-                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-                .ok()
-        };
-        let same_netns = netns("self").is_some() && netns("self") == netns(&root.to_string());
+        let same_netns = in_our_netns(root);
         Ok(Self {
             root,
             by_inode,
@@ -222,12 +342,11 @@ impl Listeners {
                     libc::AF_INET6
                 };
                 let states = (1 << TCP_LISTEN) | (1 << TCP_SYN_RECV);
-                let found = super::sock_diag::tcp_sockets(family, states).map_err(|source| {
-                    ProcessError::Io {
+                let found = super::sock_diag::inet_sockets(family, libc::IPPROTO_TCP, states)
+                    .map_err(|source| ProcessError::Io {
                         path: format!("sock_diag ({table})"),
                         source,
-                    }
-                })?;
+                    })?;
                 for e in found {
                     add(e.state, e.local_port, u64::from(e.inode), e.rqueue);
                 }
@@ -389,6 +508,70 @@ mod tests {
         assert!(
             !listeners.pending().unwrap().queued.contains_key(&port),
             "accepted"
+        );
+    }
+
+    /// sock_diag and procfs describe the same sockets alike: a listener,
+    /// both ends of a connection, an unconnected and a connected UDP
+    /// socket, IPv4 and IPv6.
+    #[test]
+    fn sock_diag_and_procfs_summarise_alike() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let connected = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        connected.connect(udp.local_addr().unwrap()).unwrap();
+        let l6 = std::net::TcpListener::bind("[::1]:0").ok();
+        let mut fds = vec![
+            l.as_raw_fd(),
+            client.as_raw_fd(),
+            server.as_raw_fd(),
+            udp.as_raw_fd(),
+            connected.as_raw_fd(),
+        ];
+        fds.extend(l6.as_ref().map(|l| l.as_raw_fd()));
+        // Only this test's sockets: other tests' come and go meanwhile.
+        let inodes: HashSet<u64> = fds
+            .iter()
+            .map(|fd| {
+                std::fs::metadata(format!("/proc/self/fd/{fd}"))
+                    .unwrap()
+                    .ino()
+            })
+            .collect();
+        let me = std::process::id() as i32;
+        let by_diag = NamespaceSockets::from_sock_diag().unwrap().summary(&inodes);
+        let by_procfs = NamespaceSockets::from_procfs(me).unwrap().summary(&inodes);
+        assert_eq!(by_diag, by_procfs);
+        let listeners = 1 + u32::from(l6.is_some());
+        assert_eq!(
+            (by_diag.tcp_listening, by_diag.tcp_established, by_diag.udp),
+            (listeners, 2, 2)
+        );
+        assert_eq!(
+            by_diag.tcp_peers,
+            [std::net::Ipv4Addr::LOCALHOST].into_iter().collect()
+        );
+        let port = |transport, port| PortKey { transport, port };
+        assert!(
+            by_diag
+                .ports
+                .contains(&port(Transport::Tcp, l.local_addr().unwrap().port()))
+        );
+        assert!(
+            by_diag
+                .ports
+                .contains(&port(Transport::Udp, udp.local_addr().unwrap().port()))
+        );
+        // Several trees of one namespace: one read, the same answers.
+        let both = sockets_of_trees(&[vec![me], vec![me]]);
+        assert_eq!(both.len(), 2);
+        assert_eq!(
+            both[0].as_ref().unwrap().tcp_listening,
+            both[1].as_ref().unwrap().tcp_listening
         );
     }
 

@@ -53,6 +53,9 @@ const PORT: u16 = 7000;
 /// Where the database session's status is served.
 const SESSION_PORT: u16 = 7300;
 const INTERVAL: Duration = Duration::from_millis(50);
+/// The bystander servers' ports, on node1 and node2.
+const BYSTANDER_PORTS: [u16; 2] = [7400, 7401];
+const BYSTANDER_INTERVAL: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Parser)]
 #[command(
@@ -91,6 +94,13 @@ struct Args {
     /// server's send queues to empty (0: off).
     #[arg(long, default_value_t = 0)]
     drain_ms: u32,
+    /// Established connections of other processes on each of node1 and
+    /// node2 (an echo server on each that stays there, a thread per
+    /// connection, with that many idle clients, one 64-byte message each
+    /// every 10 s): what a node's other services hold beside the migrating
+    /// one. The freeze should not grow with them.
+    #[arg(long, default_value_t = 0)]
+    bystanders: usize,
     /// Memory strategy of every migration: total-copy (the default),
     /// pre-copy or queued-pre-copy (the pages then cross before the
     /// freeze, which carries only those written since).
@@ -473,6 +483,11 @@ async fn migrations(
         ),
         None => None,
     };
+    let bystanders = if args.bystanders > 0 && tcp_count > 0 {
+        Some(Bystanders::start(cluster, &nodes, &clients[1], args.bystanders).await?)
+    } else {
+        None
+    };
     for run in 0..args.runs {
         // The server moves node1 -> node2 -> node1 ...: with an even number
         // of modes in a fixed order, each mode would always move the same
@@ -637,7 +652,63 @@ async fn migrations(
             rows.push(row);
         }
     }
+    if let Some(b) = bystanders {
+        b.stop()?;
+    }
     Ok(())
+}
+
+/// Other processes' connections on the migrating server's nodes: an echo
+/// server on each of node1 and node2 (never migrated; a thread per
+/// connection, so that idle connections cost no CPU, unlike the DVE
+/// server's poll over all of them) and idle clients.
+struct Bystanders {
+    clients: Vec<SeqClient>,
+}
+
+impl Bystanders {
+    async fn start(
+        cluster: &Cluster,
+        nodes: &[&str; 2],
+        netns: &std::path::Path,
+        each: usize,
+    ) -> Result<Self> {
+        let mut clients = Vec::new();
+        for (node, port) in nodes.iter().zip(BYSTANDER_PORTS) {
+            let mut control = cluster.control(node).await?;
+            let server = vec![
+                ferry_integration::bin_path("ferry-echo-server")
+                    .display()
+                    .to_string(),
+                "--port".into(),
+                port.to_string(),
+            ];
+            let pid = run(&mut control, server).await;
+            wait_for_process(&mut control, pid, |p| p.tcp_listening == 1).await;
+            let target = SocketAddrV4::new(cluster.public_addr(), port);
+            let c = SeqClient::start(netns, target, each, BYSTANDER_INTERVAL, 64)
+                .with_context(|| format!("{each} bystander connections to {node}"))?;
+            c.wait_until_flowing(Duration::from_secs(30))?;
+            clients.push(c);
+        }
+        println!(
+            "bystanders: {each} established connections of another server on each of {}",
+            nodes.join(" and ")
+        );
+        Ok(Self { clients })
+    }
+
+    /// Every bystander connection carried every byte, untouched by the
+    /// migrations beside it.
+    fn stop(self) -> Result<()> {
+        for c in self.clients {
+            let r = c.stop();
+            if !r.failures().is_empty() {
+                bail!("bystander connections failed: {:?}", r.failures());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The freeze's median and p95 against the number of connections, a line
@@ -686,13 +757,21 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "{} migrations per connection count and mode ({} UDP players beside the TCP clients{}); medians, p95 of the freeze.\n",
+        "{} migrations per connection count and mode ({} UDP players beside the TCP clients{}{}); medians, p95 of the freeze.\n",
         args.runs,
         args.udp,
         if args.db {
             ", and the server's session to PostgreSQL on another node, kept through every migration"
         } else {
             ""
+        },
+        if args.bystanders > 0 {
+            format!(
+                "; {} established connections of another server on each of the two nodes",
+                args.bystanders
+            )
+        } else {
+            String::new()
         }
     );
     let _ = writeln!(
@@ -742,13 +821,14 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     };
     let _ = writeln!(
         t,
-        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --drain-ms {} --modes {} --strategy {}` (root; 2 cores here).",
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --bystanders {} --drain-ms {} --modes {} --strategy {}` (root; 2 cores here).",
         args.runs,
         list(&args.tcp.0),
         args.udp,
         list(&args.udp_only.0),
         args.db,
         args.bulk,
+        args.bystanders,
         args.drain_ms,
         args.modes.join(","),
         args.strategy.name()
