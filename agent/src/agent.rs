@@ -45,6 +45,11 @@ pub struct Agent {
     claims: Mutex<BTreeMap<PortKey, Claim>>,
     /// Serialises [`Self::persist`].
     persisting: Mutex<()>,
+    /// Serialises the socket refreshes of [`Self::reconcile`], which read
+    /// outside the registry's lock: a pass that read earlier cannot land
+    /// after one that read later (a port the process opened between the
+    /// two reads would be released until the next pass).
+    refreshing: Mutex<()>,
     /// What this node's translations changed per migration, for aborts.
     pub translation_log: crate::engine::translations::TranslationLog,
     replayer: Mutex<Box<dyn PacketReplayer>>,
@@ -249,6 +254,7 @@ impl Agent {
             flows: Mutex::new(flows),
             translation_log: Default::default(),
             persisting: Mutex::new(()),
+            refreshing: Mutex::new(()),
             claims: Mutex::new(BTreeMap::new()),
             replayer: Mutex::new(replayer),
             lane_replayers: Mutex::new(Vec::new()),
@@ -420,6 +426,7 @@ impl Agent {
     pub async fn reconcile(self: &Arc<Self>) -> Result<(), EngineError> {
         let me = self.clone();
         let unclaimed = tokio::task::spawn_blocking(move || {
+            let _one = lock(&me.refreshing);
             // Two statements: the registry's guard must be gone before the
             // reads (a temporary lives to the end of its statement).
             let running = me.registry().running();
