@@ -564,12 +564,7 @@ async fn run_step(
             let mut req = pb::TransferSocketsRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             fix.node(&mut req.source_node);
-            let r = destination::sockets_to_rebuild(
-                agent,
-                &req.migration_id,
-                &req.source_node,
-                req.tcp_connections,
-            );
+            let r = destination::sockets_to_rebuild(agent, &mut req);
             done(r.map(drop))
         }
         Step::PageTunnel => {
@@ -1101,6 +1096,13 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             inode: 4242,
             local: "198.18.0.100:7000".into(),
             remote: "198.18.1.2:40000".into(),
+            fixed: Some(pb::TcpConnectionFixed {
+                options: 7,
+                send_wscale: 7,
+                recv_wscale: 7,
+                reuseaddr: false,
+                socket_options: Some(Default::default()),
+            }),
         }],
     }
     .encode_to_vec();
@@ -1184,6 +1186,16 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             window: Some(Default::default()),
             ..Default::default()
         }],
+        // The connection Arm named, packed (protocol 9), with a byte in
+        // each queue.
+        packed: [
+            &4242u64.to_le_bytes()[..],
+            &[1u32, 2, 1, 0, 1, 1460, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+                .map(u32::to_le_bytes)
+                .concat(),
+        ]
+        .concat(),
+        packed_queues: vec![b's', b'r'],
     }
     .encode_to_vec();
     let post = [

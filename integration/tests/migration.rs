@@ -1748,7 +1748,7 @@ fn the_connections_are_rebuilt_while_the_images_still_stream_in() {
             peer.transfer_sockets(TransferSocketsRequest {
                 migration_id: "beside".into(),
                 source_node: "node1".into(),
-                tcp_connections: Vec::new(),
+                ..Default::default()
             }),
         )
         .await
@@ -1819,6 +1819,7 @@ fn transfer_refused(
                 migration_id: "batch".into(),
                 source_node: "node1".into(),
                 tcp_connections: batch,
+                ..Default::default()
             })
             .await
             .expect_err("the batch is refused");

@@ -27,6 +27,7 @@ use crate::managed::{Lifecycle, ManagedProcess, Origin};
 use crate::ownership::PortState;
 use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::Handover;
+use crate::sockstate::packed::FixedParts;
 use crate::translation::{self, InClusterFlow};
 
 use super::localpages::LocalPages;
@@ -789,9 +790,14 @@ fn refuse_owned_ports(
     Ok(())
 }
 
-/// Where an incoming migration's sockets opened at Arm wait for
-/// TransferSockets.
-pub type StagedSlot = std::sync::Mutex<Option<crate::sockstate::Staged>>;
+/// What Arm left for TransferSockets: the sockets opened ahead, once
+/// [`stage`] has opened them, and (protocol 9) the connections' fixed
+/// parts, which packed records are joined with.
+#[derive(Debug, Default)]
+pub struct StagedSlot {
+    sockets: std::sync::Mutex<Option<crate::sockstate::Staged>>,
+    fixed: std::sync::Mutex<Option<Arc<FixedParts>>>,
+}
 
 /// The connections Arm named, checked, and the slot their sockets go to:
 /// [`stage`] opens them (the peer API runs it after [`arm`]; the fuzz
@@ -804,13 +810,15 @@ pub struct Staging {
 }
 
 /// Checks `ArmRequest.connections`: every entry's addresses, one family
-/// per connection, a non-zero inode, none twice. The errors name the entry
-/// and the field.
+/// per connection, a non-zero inode, none twice, and (protocol 9) each
+/// fixed part. The errors name the entry and the field. Returns the
+/// connections and the fixed parts of those that carry one.
 pub fn connections_to_stage(
     connections: &[ferry_proto::v1::StagedConnection],
-) -> Result<Vec<crate::sockstate::ToStage>, EngineError> {
+) -> Result<(Vec<crate::sockstate::ToStage>, FixedParts), EngineError> {
     let mut seen = std::collections::HashSet::with_capacity(connections.len());
-    connections
+    let mut fixed = FixedParts::new();
+    let conns = connections
         .iter()
         .enumerate()
         .map(|(i, c)| {
@@ -826,13 +834,19 @@ pub fn connections_to_stage(
             if !seen.insert(c.inode) {
                 return Err(bad("inode", format!("{} appears twice", c.inode)));
             }
+            if let Some(f) = &c.fixed {
+                let f = crate::sockstate::packed::Fixed::from_pb(local, remote, f)
+                    .map_err(|(what, reason)| bad(what, reason))?;
+                fixed.insert(c.inode, f);
+            }
             Ok(crate::sockstate::ToStage {
                 inode: c.inode,
                 local,
                 remote,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((conns, fixed))
 }
 
 /// Opens the sockets of the connections Arm named (blocking work, off the
@@ -863,23 +877,35 @@ pub async fn stage(staging: Staging) {
     );
     // A slot that ended meanwhile is held only here: the sockets close
     // with it below.
-    *into.lock().unwrap_or_else(|p| p.into_inner()) = Some(staged);
+    *into.sockets.lock().unwrap_or_else(|p| p.into_inner()) = Some(staged);
+}
+
+/// Migration `migration_id`'s slot for what Arm left, if it still lives.
+fn staged_slot(agent: &Agent, migration_id: &str) -> Option<Arc<StagedSlot>> {
+    let staged = agent
+        .incoming_staged
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    match staged.as_ref() {
+        Some((id, slot)) if id == migration_id => slot.upgrade(),
+        _ => None,
+    }
 }
 
 /// The sockets opened at Arm for migration `migration_id`, if its slot
 /// still holds them (taken: a second TransferSockets builds whole).
 fn take_staged(agent: &Agent, migration_id: &str) -> Option<crate::sockstate::Staged> {
-    let slot = {
-        let staged = agent
-            .incoming_staged
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        match staged.as_ref() {
-            Some((id, slot)) if id == migration_id => slot.upgrade()?,
-            _ => return None,
-        }
-    };
-    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    let slot = staged_slot(agent, migration_id)?;
+    slot.sockets
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+}
+
+/// The connections' fixed parts Arm carried for migration `migration_id`.
+fn armed_fixed(agent: &Agent, migration_id: &str) -> Option<Arc<FixedParts>> {
+    let slot = staged_slot(agent, migration_id)?;
+    slot.fixed.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 /// Starts capturing every packet to the migrating process's ports, all in
@@ -893,7 +919,7 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<Staging, EngineE
         .iter()
         .map(port_from_pb)
         .collect::<Result<Vec<_>, _>>()?;
-    let mut conns = connections_to_stage(&req.connections)?;
+    let (mut conns, fixed) = connections_to_stage(&req.connections)?;
     let mut slot = agent.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["reserved"], "arm")?;
     refuse_owned_ports(agent, &ports, &inc.ports)?;
@@ -919,6 +945,8 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<Staging, EngineE
         .lock()
         .unwrap_or_else(|p| p.into_inner()) =
         Some((inc.migration_id.clone(), Arc::downgrade(&inc.staged)));
+    *inc.staged.fixed.lock().unwrap_or_else(|p| p.into_inner()) =
+        (!fixed.is_empty()).then(|| Arc::new(fixed));
     Ok(Staging {
         migration_id: inc.migration_id.clone(),
         conns,
@@ -1674,9 +1702,7 @@ fn relocate_in_cluster(
 /// the rebuild needs root).
 pub fn sockets_to_rebuild(
     agent: &Agent,
-    migration_id: &str,
-    source_node: &str,
-    tcp_connections: Vec<pb::TcpConnectionState>,
+    req: &mut pb::TransferSocketsRequest,
 ) -> Result<
     (
         Vec<crate::sockstate::TcpConnectionState>,
@@ -1684,14 +1710,40 @@ pub fn sockets_to_rebuild(
     ),
     EngineError,
 > {
-    if migration_id.is_empty() {
+    if req.migration_id.is_empty() {
         return Err(EngineError::InvalidField {
             field: "migration_id",
             reason: "empty".into(),
         });
     }
-    let mut states = crate::sockstate::from_pb_batch(tcp_connections)?;
-    let in_cluster = relocate_in_cluster(agent, source_node, &mut states)?;
+    let mut states = if req.packed.is_empty() && req.packed_queues.is_empty() {
+        Vec::new()
+    } else {
+        let fixed = armed_fixed(agent, &req.migration_id);
+        crate::sockstate::packed::unpack(&req.packed, &req.packed_queues, fixed.as_deref())?
+    };
+    let whole = crate::sockstate::from_pb_batch(std::mem::take(&mut req.tcp_connections))?;
+    if !states.is_empty() {
+        let packed: std::collections::HashSet<u64> = states.iter().map(|c| c.inode).collect();
+        if packed.len() != states.len() {
+            return Err(EngineError::InvalidField {
+                field: "packed",
+                reason: "an inode appears in two records".into(),
+            });
+        }
+        if let Some((i, c)) = whole
+            .iter()
+            .enumerate()
+            .find(|(_, c)| packed.contains(&c.inode))
+        {
+            return Err(EngineError::InvalidField {
+                field: "tcp_connections",
+                reason: format!("[{i}].inode: {} is in packed too", c.inode),
+            });
+        }
+    }
+    states.extend(whole);
+    let in_cluster = relocate_in_cluster(agent, &req.source_node, &mut states)?;
     Ok((states, in_cluster))
 }
 
@@ -1701,14 +1753,16 @@ pub fn sockets_to_rebuild(
 /// waits in its own), and keeps them for the Restore.
 pub async fn transfer_sockets(
     agent: &Arc<Agent>,
-    req: ferry_proto::v1::TransferSocketsRequest,
+    mut req: ferry_proto::v1::TransferSocketsRequest,
 ) -> Result<ferry_proto::v1::TransferSocketsResponse, EngineError> {
-    let (states, in_cluster) = sockets_to_rebuild(
-        agent,
-        &req.migration_id,
-        &req.source_node,
-        req.tcp_connections,
-    )?;
+    let arrived = Instant::now();
+    let (states, in_cluster) = sockets_to_rebuild(agent, &mut req)?;
+    tracing::debug!(
+        connections = states.len(),
+        whole = states.len() - req.packed.len() / crate::sockstate::packed::RECORD_LEN,
+        decoded_us = arrived.elapsed().as_micros() as u64,
+        "connections' states arrived"
+    );
     // Options carried by ferryd: all connections' or none (the source's
     // CRIU dumped all established connections one way).
     let with_options = states.iter().filter(|c| c.socket_options.is_some()).count();
@@ -1748,6 +1802,10 @@ pub async fn transfer_sockets(
             Handover::Fdstore
         };
         let started = Instant::now();
+        tracing::debug!(
+            waited_ms = (started - arrived).as_secs_f64() * 1000.0,
+            "rebuild started"
+        );
         let rebuilt = crate::sockstate::rebuild(&states, staged)?;
         Ok::<_, EngineError>((handover, rebuilt, started.elapsed()))
     })
@@ -2106,7 +2164,13 @@ mod tests {
             inode,
             local: local.into(),
             remote: remote.into(),
+            fixed: None,
         };
+        let with_fixed =
+            |c: pb::StagedConnection, f: pb::TcpConnectionFixed| pb::StagedConnection {
+                fixed: Some(f),
+                ..c
+            };
         let good = conn(11, "198.18.0.100:7000", "198.18.1.2:40000");
         let arm_with = |connections: Vec<pb::StagedConnection>| ArmRequest {
             migration_id: "aaaa".into(),
@@ -2121,6 +2185,26 @@ mod tests {
             (conn(12, "198.18.0.100:7000", "[::1]:1"), "[1].remote"),
             (conn(0, "198.18.0.100:7000", "198.18.1.2:1"), "[1].inode"),
             (conn(11, "198.18.0.100:7000", "198.18.1.2:1"), "[1].inode"),
+            (
+                with_fixed(
+                    conn(12, "198.18.0.100:7000", "198.18.1.2:1"),
+                    pb::TcpConnectionFixed {
+                        send_wscale: 15,
+                        ..Default::default()
+                    },
+                ),
+                "[1].fixed.send_wscale",
+            ),
+            (
+                with_fixed(
+                    conn(12, "198.18.0.100:7000", "198.18.1.2:1"),
+                    pb::TcpConnectionFixed {
+                        options: 0x80,
+                        ..Default::default()
+                    },
+                ),
+                "[1].fixed.options",
+            ),
         ] {
             let err = arm(&f.agent, arm_with(vec![good.clone(), bad]))
                 .await
@@ -2169,6 +2253,109 @@ mod tests {
             pointed().is_none(),
             "the aborted slot's place for staged sockets outlived it"
         );
+    }
+
+    /// Protocol 9: TransferSockets' packed records are joined with the
+    /// fixed parts Arm carried, the in-cluster ones (which Arm opens no
+    /// socket for) moved to this node's address like whole ones; a record
+    /// for a connection Arm did not describe, or one also sent whole, is
+    /// refused with the field named.
+    #[tokio::test]
+    async fn packed_connections_join_what_arm_carried() {
+        use crate::sockstate::packed::{Fixed, pack};
+        let f = Fixture::new(&[("node1", "198.19.0.1"), ("node3", "198.19.0.3")]);
+        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        let state = |inode: u64, local: &str, remote: &str| crate::sockstate::TcpConnectionState {
+            inode,
+            local: local.parse().unwrap(),
+            remote: remote.parse().unwrap(),
+            send_seq: 1000 + inode as u32,
+            recv_seq: 2000,
+            send_queue: b"queued".to_vec(),
+            unsent: 2,
+            recv_queue: Vec::new(),
+            mss_clamp: 1460,
+            options: 0,
+            send_wscale: 0,
+            recv_wscale: 0,
+            timestamp: 0,
+            window: Default::default(),
+            reuseaddr: true,
+            sndbuf: 4096,
+            socket_options: Some(pb::TcpSocketOptions {
+                rcvbuf: 8192,
+                ..Default::default()
+            }),
+        };
+        let states = vec![
+            state(11, "198.18.0.100:7000", "198.18.1.2:40000"),
+            state(13, "198.19.0.1:5000", "198.19.0.3:5432"),
+        ];
+        let fixed: FixedParts = states.iter().map(|c| (c.inode, Fixed::of(c))).collect();
+        let staging = arm(
+            &f.agent,
+            ArmRequest {
+                migration_id: "aaaa".into(),
+                ports: vec![pb::Port {
+                    protocol: pb::Protocol::Tcp as i32,
+                    port: 7000,
+                }],
+                connections: states
+                    .iter()
+                    .map(|c| pb::StagedConnection {
+                        inode: c.inode,
+                        local: c.local.to_string(),
+                        remote: c.remote.to_string(),
+                        fixed: Some(fixed[&c.inode].to_pb()),
+                    })
+                    .collect(),
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(staging.conns.len(), 1, "no socket for the in-cluster one");
+        let (packed, whole) = pack(&states, &fixed);
+        assert!(whole.is_empty());
+        let request = |packed: &crate::sockstate::packed::Packed| pb::TransferSocketsRequest {
+            migration_id: "aaaa".into(),
+            source_node: "node1".into(),
+            tcp_connections: Vec::new(),
+            packed: packed.records.clone(),
+            packed_queues: packed.queues.clone(),
+        };
+        let (got, in_cluster) = sockets_to_rebuild(&f.agent, &mut request(&packed)).unwrap();
+        let mut want = states.clone();
+        want[1].local = "198.19.0.2:5000".parse().unwrap();
+        assert_eq!(got, want);
+        assert_eq!(in_cluster.len(), 1);
+        assert_eq!(in_cluster[0].new_local.to_string(), "198.19.0.2:5000");
+
+        // Sent twice: packed and whole.
+        let mut twice = request(&packed);
+        twice.tcp_connections = vec![states[0].to_pb()];
+        let err = sockets_to_rebuild(&f.agent, &mut twice).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("tcp_connections"), "{err}");
+        assert!(
+            err.to_string().contains("[0].inode: 11 is in packed too"),
+            "{err}"
+        );
+
+        // A record for a connection Arm did not describe.
+        let mut unknown = states[0].clone();
+        unknown.inode = 99;
+        let mut more = fixed.clone();
+        more.insert(99, fixed[&11].clone());
+        let (stray, _) = pack(std::slice::from_ref(&unknown), &more);
+        let err = sockets_to_rebuild(&f.agent, &mut request(&stray)).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+        assert!(
+            err.to_string()
+                .contains("packed[0].inode: 99 was not named"),
+            "{err}"
+        );
+        drop(staging);
+        abort_test_migration(&f.agent, "aaaa").await;
     }
 
     #[tokio::test]

@@ -1,4 +1,4 @@
-//! The migration engine (the seed's `migd`), peer protocol version 8.
+//! The migration engine (the seed's `migd`), peer protocol version 9.
 //!
 //! # The migration as a state machine
 //!
@@ -45,6 +45,9 @@
 //!   and the destination opens their sockets before it answers (repair
 //!   mode, bound; [`crate::sockstate::stage()`]), so that the rebuild in
 //!   the freeze starts from them. They close with the incoming slot.
+//!   From protocol 9 each comes with what the freeze does not change (its
+//!   handshake's options, SO_REUSEADDR, its socket options:
+//!   `StagedConnection.fixed`), which the destination keeps by inode.
 //! - **Dump**, with the **Freeze** inside it: CRIU (`--tcp-established
 //!   --network-lock skip`) starts while the process still serves; at its
 //!   `pre-dump` notification, just before it seizes the process, the
@@ -72,7 +75,9 @@
 //!   repair on, reads all their states into one buffer and sends it
 //!   (`TransferSockets`; incremental: read by the TCP state iterator
 //!   without repair mode, which the connections with bytes queued take
-//!   at once and the others while the destination restores); the
+//!   at once and the others while the destination restores; from
+//!   protocol 9 those whose fixed part crossed at Arm unchanged go as
+//!   packed records of what moves, [`crate::sockstate::packed`]); the
 //!   destination rebuilds them all in repair mode
 //!   (on its own cluster address for in-cluster ones) while images still
 //!   arrive.
@@ -137,6 +142,9 @@
 //! Version 8 carries the unread UDP datagrams whole in `Commit`
 //! (`queued_datagrams`); with a destination that chose 4 to 7 the source
 //! sends their keys, and those queued before Arm are lost.
+//! Version 9 adds `StagedConnection.fixed` and
+//! `TransferSocketsRequest.packed`; a source sends fixed parts only to a
+//! destination that chose 9, and packs only connections it described so.
 //!
 //! # Post-copy (protocol 6)
 //!
@@ -359,9 +367,10 @@ impl EngineError {
                 Code::FailedPrecondition
             }
             EngineError::InCluster(crate::translation::FlowError::Images(_)) => Code::Internal,
-            EngineError::Sockets(crate::sockstate::SockStateError::Invalid { .. }) => {
-                Code::InvalidArgument
-            }
+            EngineError::Sockets(
+                crate::sockstate::SockStateError::Invalid { .. }
+                | crate::sockstate::SockStateError::InvalidPacked { .. },
+            ) => Code::InvalidArgument,
             EngineError::Sockets(crate::sockstate::SockStateError::NotEstablished { .. }) => {
                 Code::Aborted
             }

@@ -424,6 +424,9 @@ struct Run {
     /// freeze, and the setsockopt watch (detached by the freeze's reader,
     /// or when this is dropped after an earlier abort).
     incremental: Option<Arc<Incremental>>,
+    /// Incremental, protocol 9: the connections' fixed parts Arm carried;
+    /// the freeze sends those still described by them as packed records.
+    armed_fixed: Option<Arc<sockstate::packed::FixedParts>>,
     /// Collective socket migration: the transfer of the connections'
     /// states, started with the dump.
     sockets_sending: Option<tokio::task::JoinHandle<SocketsSent>>,
@@ -535,6 +538,7 @@ async fn send_sockets(
     destination: PeerConfig,
     deadline: Duration,
     states_from: tokio::sync::oneshot::Receiver<Result<ReadConnections, sockstate::SockStateError>>,
+    armed_fixed: Option<Arc<sockstate::packed::FixedParts>>,
 ) -> SocketsSent {
     let read = states_from.await.map_err(|_| {
         EngineError::Internal("the dump ended before the connections were read".into())
@@ -556,10 +560,21 @@ async fn send_sockets(
     );
     let counts = read.counts;
     let send_queued = states.iter().map(|c| c.send_queue.len() as u64).sum();
+    let (packed, whole) = match &armed_fixed {
+        Some(fixed) => sockstate::packed::pack(&states, fixed),
+        None => (Default::default(), states.iter().collect()),
+    };
+    tracing::debug!(
+        packed = packed.records.len() / sockstate::packed::RECORD_LEN,
+        whole = whole.len(),
+        "connections' states encoded"
+    );
     let req = ferry_proto::v1::TransferSocketsRequest {
         migration_id,
         source_node,
-        tcp_connections: states.iter().map(|c| c.to_pb()).collect(),
+        tcp_connections: whole.into_iter().map(|c| c.to_pb()).collect(),
+        packed: packed.records,
+        packed_queues: packed.queues,
     };
     let bytes = prost::Message::encoded_len(&req) as u64;
     match tokio::time::timeout(deadline, peer.transfer_sockets(req)).await {
@@ -712,6 +727,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             peer_links: Vec::new(),
             held: None,
             incremental: None,
+            armed_fixed: None,
             sockets_sending: None,
             precopy: None,
             page_server: None,
@@ -893,19 +909,32 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             return Stop::BeforeCommit(e);
         }
         // Protocol 7: the connections read before the freeze, whose
-        // sockets the destination opens now instead of inside it.
-        let connections = match &run.incremental {
-            Some(inc) if run.p.protocol_version >= ferry_proto::PEER_PROTOCOL_STAGED_SOCKETS => inc
-                .preread
-                .connections()
-                .map(|(inode, c)| ferry_proto::v1::StagedConnection {
-                    inode,
-                    local: c.local.to_string(),
-                    remote: c.remote.to_string(),
-                })
-                .collect(),
-            _ => Vec::new(),
+        // sockets the destination opens now instead of inside it; from
+        // 9 with what of them the freeze does not change.
+        let version = run.p.protocol_version;
+        let (connections, fixed) = match &run.incremental {
+            Some(inc) if version >= ferry_proto::PEER_PROTOCOL_STAGED_SOCKETS => {
+                let fixed: Option<sockstate::packed::FixedParts> = (version
+                    >= ferry_proto::PEER_PROTOCOL_PACKED_STATES)
+                    .then(|| inc.preread.fixed_parts().collect());
+                let connections = inc
+                    .preread
+                    .connections()
+                    .map(|(inode, c)| ferry_proto::v1::StagedConnection {
+                        inode,
+                        local: c.local.to_string(),
+                        remote: c.remote.to_string(),
+                        fixed: fixed
+                            .as_ref()
+                            .and_then(|f| f.get(&inode))
+                            .map(sockstate::packed::Fixed::to_pb),
+                    })
+                    .collect();
+                (connections, fixed)
+            }
+            _ => (Vec::new(), None),
         };
+        run.armed_fixed = fixed.map(Arc::new);
         let arm = run.p.peer.arm(ArmRequest {
             migration_id: id.clone(),
             ports: ports.iter().map(port_to_pb).collect(),
@@ -1168,6 +1197,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             run.p.destination.clone(),
             Duration::from_secs(run.agent.config.peer_timeout_secs),
             states_from,
+            run.armed_fixed.clone(),
         ))
     });
     let dumped = match &lazy {

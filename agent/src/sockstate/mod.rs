@@ -54,7 +54,9 @@
 //! process is stopped and its packets held): only a connection with
 //! queued bytes takes calls (repair on, a peek); the others go into repair
 //! mode while the destination restores, before the commit point
-//! ([`Held::repair_the_rest`]).
+//! ([`Held::repair_the_rest`]). What the pre-read found crosses at Arm,
+//! so the freeze's message carries only what moved, as one buffer of
+//! fixed-size records ([`packed`]).
 //!
 //! Only ESTABLISHED connections are handled this way; a process holding
 //! others (half-closed, connecting) is migrated with CRIU's own per-socket
@@ -63,6 +65,7 @@
 mod extract;
 mod flush;
 pub mod options;
+pub mod packed;
 mod preread;
 mod rebuild;
 mod spread;
@@ -114,6 +117,14 @@ pub enum SockStateError {
     NotEstablished { conn: String, state: &'static str },
     #[error("tcp_connections[{index}].{field}: {reason}")]
     Invalid {
+        index: usize,
+        field: &'static str,
+        reason: String,
+    },
+    /// A packed record (peer protocol 9, [`packed`]); `field` is the
+    /// record's, or `packed` or `packed_queues` for the buffers.
+    #[error("packed[{index}].{field}: {reason}")]
+    InvalidPacked {
         index: usize,
         field: &'static str,
         reason: String,
@@ -300,22 +311,8 @@ impl TcpConnectionState {
         }
         let w = p.window.ok_or_else(|| bad("window", "missing".into()))?;
         if let Some(o) = &p.socket_options {
-            if o.bound_device.len() >= libc::IFNAMSIZ {
-                return Err(bad(
-                    "socket_options.bound_device",
-                    format!("{:?} is longer than an interface name", o.bound_device),
-                ));
-            }
-            // BPF_MAXINSNS: the kernel takes no longer classic filter.
-            if o.filter.len() > 4096 {
-                return Err(bad(
-                    "socket_options.filter",
-                    format!(
-                        "{} instructions, more than a socket filter has",
-                        o.filter.len()
-                    ),
-                ));
-            }
+            check_socket_options(o, "socket_options.bound_device", "socket_options.filter")
+                .map_err(|(field, reason)| bad(field, reason))?;
         }
         Ok(Self {
             inode: p.inode,
@@ -343,6 +340,32 @@ impl TcpConnectionState {
             socket_options: p.socket_options,
         })
     }
+}
+
+/// Checks socket options a peer sent; the error names the field, as
+/// `device` or `filter` (their names where the options are).
+fn check_socket_options(
+    o: &pb::TcpSocketOptions,
+    device: &'static str,
+    filter: &'static str,
+) -> Result<(), (&'static str, String)> {
+    if o.bound_device.len() >= libc::IFNAMSIZ {
+        return Err((
+            device,
+            format!("{:?} is longer than an interface name", o.bound_device),
+        ));
+    }
+    // BPF_MAXINSNS: the kernel takes no longer classic filter.
+    if o.filter.len() > 4096 {
+        return Err((
+            filter,
+            format!(
+                "{} instructions, more than a socket filter has",
+                o.filter.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// How errors and logs name a connection: by its two ends.

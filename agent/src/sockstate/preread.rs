@@ -255,6 +255,25 @@ impl Preread {
         self.by_inode.iter().map(|(inode, c)| (*inode, c))
     }
 
+    /// Every connection's fixed part, by inode, as Arm carries it
+    /// (protocol 9).
+    pub fn fixed_parts(&self) -> impl Iterator<Item = (u64, super::packed::Fixed)> {
+        self.by_inode.iter().map(|(inode, c)| {
+            (
+                *inode,
+                super::packed::Fixed {
+                    local: c.local,
+                    remote: c.remote,
+                    options: c.handshake.options,
+                    send_wscale: c.handshake.send_wscale,
+                    recv_wscale: c.handshake.recv_wscale,
+                    reuseaddr: c.reuseaddr,
+                    socket_options: c.options.clone(),
+                },
+            )
+        })
+    }
+
     /// The network namespace (cookie) of every connection read, when they
     /// share one.
     pub fn only_netns(&self) -> Option<u64> {
