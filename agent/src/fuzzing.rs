@@ -1103,6 +1103,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 reuseaddr: false,
                 socket_options: Some(Default::default()),
             }),
+            sndbuf: 87_040,
         }],
     }
     .encode_to_vec();

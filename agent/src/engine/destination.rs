@@ -843,6 +843,7 @@ pub fn connections_to_stage(
                 inode: c.inode,
                 local,
                 remote,
+                sndbuf: c.sndbuf,
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -2165,6 +2166,7 @@ mod tests {
             local: local.into(),
             remote: remote.into(),
             fixed: None,
+            sndbuf: 0,
         };
         let with_fixed =
             |c: pb::StagedConnection, f: pb::TcpConnectionFixed| pb::StagedConnection {
@@ -2235,6 +2237,7 @@ mod tests {
                 inode: 11,
                 local: "198.18.0.100:7000".parse().unwrap(),
                 remote: "198.18.1.2:40000".parse().unwrap(),
+                sndbuf: 0,
             }]
         );
         // What the agent points TransferSockets at: the slot's place.
@@ -2307,6 +2310,7 @@ mod tests {
                         local: c.local.to_string(),
                         remote: c.remote.to_string(),
                         fixed: Some(fixed[&c.inode].to_pb()),
+                        sndbuf: c.sndbuf,
                     })
                     .collect(),
             },

@@ -924,6 +924,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                         inode,
                         local: c.local.to_string(),
                         remote: c.remote.to_string(),
+                        sndbuf: if fixed.is_some() { c.sndbuf } else { 0 },
                         fixed: fixed
                             .as_ref()
                             .and_then(|f| f.get(&inode))

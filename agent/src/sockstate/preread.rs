@@ -50,6 +50,9 @@ pub struct PrereadConnection {
     pub local: SocketAddr,
     pub remote: SocketAddr,
     pub reuseaddr: bool,
+    /// SO_SNDBUF then: the destination sizes the socket it opens ahead to
+    /// it (it may have changed by the freeze, which reads it again).
+    pub sndbuf: u32,
     /// Read when ferryd carries the options.
     pub options: Option<TcpSocketOptions>,
     /// What the handshake settled, which never changes after it.
@@ -315,6 +318,7 @@ fn read_one(fd: BorrowedFd<'_>, with_options: bool) -> Result<PrereadConnection,
         local,
         remote,
         reuseaddr: sys::get_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR)? != 0,
+        sndbuf: sys::get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF)?.max(0) as u32,
         options: if with_options {
             Some(super::options::read(fd, local.is_ipv6())?)
         } else {

@@ -10,7 +10,7 @@ use nix::sys::socket::{
 };
 
 use super::spread;
-use super::stage::Staged;
+use super::stage::{Staged, StagedSocket};
 use super::sys::{self, RepairOpt};
 use super::{SockStateError, TcpConnectionState};
 
@@ -137,7 +137,7 @@ pub fn rebuild(
     staged: Option<Staged>,
 ) -> Result<Rebuilt, SockStateError> {
     let mut staged = staged.unwrap_or_default();
-    let mut work: Vec<(&TcpConnectionState, Option<OwnedFd>)> = states
+    let mut work: Vec<(&TcpConnectionState, Option<StagedSocket>)> = states
         .iter()
         .map(|c| (c, staged.take(c.inode, c.local, c.remote)))
         .collect();
@@ -202,11 +202,11 @@ pub(super) fn open_bound(local: SocketAddr, conn: &str) -> Result<OwnedFd, SockS
     Ok(fd)
 }
 
-/// Rebuilds one connection, on `staged` (its socket opened and bound
-/// ahead) or on a new socket.
+/// Rebuilds one connection, on `staged` (its socket opened ahead,
+/// [`super::stage()`]) or on a new socket.
 fn rebuild_one(
     c: &TcpConnectionState,
-    staged: Option<OwnedFd>,
+    staged: Option<StagedSocket>,
 ) -> Result<RebuiltConnection, SockStateError> {
     let name = c.name();
     let err = |op: &'static str| {
@@ -221,15 +221,17 @@ fn rebuild_one(
             source: std::io::Error::from(e),
         }
     };
-    let fd = match staged {
-        Some(fd) => fd,
-        None => open_bound(c.local, &name)?,
+    // A socket opened ahead has its receive queue selected, and its send
+    // buffer sized as the pre-read found it.
+    let (fd, recv_selected, sndbuf_set) = match staged {
+        Some(s) => (s.fd, true, s.sndbuf),
+        None => (open_bound(c.local, &name)?, false, 0),
     };
     let sock = fd.as_fd();
     // The source's send buffer size; CRIU's restore sets the same value
     // afterwards (it restores every socket's buffer sizes). What the source
     // held need not fit in it: the queues go in through `sys::queue_all`.
-    if c.sndbuf > 0 {
+    if c.sndbuf > 0 && c.sndbuf != sndbuf_set {
         sys::set_int(
             sock,
             libc::SOL_SOCKET,
@@ -243,13 +245,15 @@ fn rebuild_one(
     // below advances them to where they were on the source.
     let recv_start = c.recv_seq.wrapping_sub(c.recv_queue.len() as u32);
     let send_start = c.send_seq.wrapping_sub(c.send_queue.len() as u32);
-    sys::set_int(
-        sock,
-        libc::SOL_TCP,
-        sys::TCP_REPAIR_QUEUE,
-        sys::TCP_RECV_QUEUE,
-    )
-    .map_err(err("selecting the receive queue"))?;
+    if !recv_selected {
+        sys::set_int(
+            sock,
+            libc::SOL_TCP,
+            sys::TCP_REPAIR_QUEUE,
+            sys::TCP_RECV_QUEUE,
+        )
+        .map_err(err("selecting the receive queue"))?;
+    }
     sys::set_int(sock, libc::SOL_TCP, sys::TCP_QUEUE_SEQ, recv_start as i32)
         .map_err(err("setting the receive sequence"))?;
     sys::set_int(

@@ -20,18 +20,29 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 
 use super::rebuild::open_bound;
-use super::spread;
+use super::{SockStateError, spread, sys};
 
 /// A connection to open ahead: its socket's inode on the source (what
-/// TransferSockets names it by) and its two ends, as the source read them.
+/// TransferSockets names it by) and its two ends, as the source read them,
+/// and (protocol 9) its send buffer's size then (SO_SNDBUF, 0: unknown).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ToStage {
     pub inode: u64,
     pub local: SocketAddr,
     pub remote: SocketAddr,
+    pub sndbuf: u32,
+}
+
+/// A socket opened ahead, as TransferSockets finds it: repair mode on,
+/// bound, its receive queue selected for repair, and its send buffer
+/// forced to `sndbuf` if that is not 0.
+#[derive(Debug)]
+pub(super) struct StagedSocket {
+    pub fd: OwnedFd,
+    pub sndbuf: u32,
 }
 
 /// Sockets opened ahead, by the inode of the connection each is for.
@@ -68,13 +79,46 @@ impl Staged {
         inode: u64,
         local: SocketAddr,
         remote: SocketAddr,
-    ) -> Option<OwnedFd> {
+    ) -> Option<StagedSocket> {
         let (staged, _) = self.by_inode.get(&inode)?;
         if staged.local != local || staged.remote != remote {
             return None;
         }
-        self.by_inode.remove(&inode).map(|(_, fd)| fd)
+        self.by_inode.remove(&inode).map(|(c, fd)| StagedSocket {
+            fd,
+            sndbuf: c.sndbuf,
+        })
     }
+}
+
+/// Opens `c`'s socket ([`open_bound`]) and does what else needs no state
+/// but the pre-read's: the send buffer's size, which the rebuild sets
+/// again only if the freeze read another, and the receive queue's
+/// selection, which the rebuild's first step would make.
+fn open_ahead(c: &ToStage) -> Result<OwnedFd, SockStateError> {
+    let conn = super::conn_name(c.local, c.remote);
+    let fd = open_bound(c.local, &conn)?;
+    let err = |op: &'static str| {
+        let conn = conn.clone();
+        move |source| SockStateError::Sys { op, conn, source }
+    };
+    if c.sndbuf > 0 {
+        sys::set_int(
+            fd.as_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUFFORCE,
+            (c.sndbuf / 2).min(i32::MAX as u32) as i32,
+        )
+        .map_err(err("SO_SNDBUFFORCE"))?;
+    }
+    sys::set_int(
+        fd.as_fd(),
+        libc::SOL_TCP,
+        sys::TCP_REPAIR_QUEUE,
+        sys::TCP_RECV_QUEUE,
+    )
+    .map_err(err("selecting the receive queue"))?;
+    Ok(fd)
 }
 
 /// Opens a socket for each of `conns`, in this thread's network namespace,
@@ -89,7 +133,7 @@ pub fn stage(conns: &[ToStage]) -> Staged {
             let mut opened = Vec::with_capacity(chunk.len());
             let mut failed = Vec::new();
             for c in chunk {
-                match open_bound(c.local, &super::conn_name(c.local, c.remote)) {
+                match open_ahead(c) {
                     Ok(fd) => opened.push((*c, fd)),
                     Err(e) => failed.push(e),
                 }

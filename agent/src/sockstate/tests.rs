@@ -212,15 +212,35 @@ fn a_connection_with_unread_bytes_survives_a_rebuild() {
 /// A connection finished on the socket opened for it before the freeze
 /// carries its bytes as one built whole does; a socket opened for other
 /// ends (the inode reused by another connection since) is not taken, and
-/// the connection is built whole.
+/// the connection is built whole. Whatever send buffer the socket was
+/// opened with (the pre-read's, another because the kernel resized it
+/// since, none), the connection gets the one the freeze read.
 #[test]
 fn a_connection_finishes_on_the_socket_opened_ahead_for_its_ends_only() {
-    for same_ends in [true, false] {
+    #[derive(Debug, Clone, Copy)]
+    enum SndbufAhead {
+        Same,
+        Other,
+        Unknown,
+    }
+    for (same_ends, ahead_sndbuf) in [
+        (true, SndbufAhead::Same),
+        (true, SndbufAhead::Other),
+        (true, SndbufAhead::Unknown),
+        (false, SndbufAhead::Same),
+    ] {
+        let case = format!("same ends: {same_ends}, {ahead_sndbuf:?}");
         let (mut client, server) = pair();
+        let sndbuf = sys::get_int(server.as_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF).unwrap();
         let mut ahead = ToStage {
             inode: inode_of(&server),
             local: server.local_addr().unwrap(),
             remote: server.peer_addr().unwrap(),
+            sndbuf: match ahead_sndbuf {
+                SndbufAhead::Same => sndbuf as u32,
+                SndbufAhead::Other => sndbuf as u32 / 2 + 4096,
+                SndbufAhead::Unknown => 0,
+            },
         };
         if !same_ends {
             ahead.remote.set_port(ahead.remote.port() ^ 1);
@@ -233,14 +253,20 @@ fn a_connection_finishes_on_the_socket_opened_ahead_for_its_ends_only() {
         }
         let (state, mut moved) = migrate_staged(server, false, |_| {}, Some(ahead));
         assert_eq!(state.recv_queue, b"before|");
+        assert_eq!(state.sndbuf, sndbuf as u32);
+        assert_eq!(
+            sys::get_int(moved.as_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF).unwrap(),
+            sndbuf,
+            "{case}"
+        );
         client.write_all(b"after").unwrap();
         let mut got = [0u8; 12];
         moved.read_exact(&mut got).unwrap();
-        assert_eq!(&got, b"before|after", "same ends: {same_ends}");
+        assert_eq!(&got, b"before|after", "{case}");
         moved.write_all(b"answer").unwrap();
         let mut back = [0u8; 6];
         client.read_exact(&mut back).unwrap();
-        assert_eq!(&back, b"answer", "same ends: {same_ends}");
+        assert_eq!(&back, b"answer", "{case}");
     }
 }
 
