@@ -188,10 +188,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
 /// for it ([`start_restore_worker`] with the same directories), when it
 /// inherited exactly the descriptors the request names; otherwise on a
 /// CRIU started now.
-pub fn restore(
-    req: &RestoreRequest,
-    worker: Option<Worker>,
-) -> Result<(RestoreOutcome, Notifications), CriuError> {
+pub fn restore(req: &RestoreRequest, worker: Option<Worker>) -> Result<RestoreOutcome, CriuError> {
     let mut opts = Criu_opts::new();
     let mut inherited = Vec::new();
     match &req.inherited_tcp {
@@ -226,7 +223,10 @@ pub fn restore(
             },
         )?,
     };
-    let (resp, notes) = worker.converse(Criu_req_type::RESTORE, opts, &mut |_| Ok(()))?;
+    // No notifications: nothing waits for the restore's phases, and each
+    // is a round trip to this process while the freeze waits (CRIU stops
+    // until the answer comes).
+    let (resp, _) = worker.converse(Criu_req_type::RESTORE, opts, None)?;
     drop(worker);
     check(&resp, "restore", &req.log_dir.join("restore.log"))?;
     let pid = resp.restore.as_ref().map(|r| r.pid()).unwrap_or(0);
@@ -236,7 +236,7 @@ pub fn restore(
             reason: "CRIU reported success but no PID".to_owned(),
         });
     }
-    Ok((RestoreOutcome { pid }, notes))
+    Ok(RestoreOutcome { pid })
 }
 
 fn check(resp: &Criu_resp, operation: &'static str, log: &Path) -> Result<(), CriuError> {
@@ -336,7 +336,7 @@ fn run(
     if let Some(p) = criu_pid {
         p.store(worker.pid(), Ordering::SeqCst);
     }
-    let result = worker.converse(kind, opts, on_notify);
+    let result = worker.converse(kind, opts, Some(on_notify));
     // Cleared before the wait reaps it: a PID published to a killer must
     // never name a reaped (and maybe reused) process.
     if let Some(p) = criu_pid {
@@ -462,11 +462,13 @@ impl Worker {
 
     /// Sends the request and answers CRIU's notifications until its
     /// response. Once per worker.
+    /// Sends one request and waits for its answer, passing CRIU's
+    /// notifications to `on_notify`; with none, CRIU sends none.
     fn converse(
         &mut self,
         kind: Criu_req_type,
         mut opts: Criu_opts,
-        on_notify: NotifyHook<'_>,
+        on_notify: Option<NotifyHook<'_>>,
     ) -> Result<(Criu_resp, Notifications), CriuError> {
         let ours = self
             .ours
@@ -476,8 +478,8 @@ impl Worker {
         opts.set_work_dir_fd(self.work.as_raw_fd());
         // Notifications (pre-dump, post-dump, post-restore, ...) give ferry
         // the phase boundaries inside CRIU.
-        opts.set_notify_scripts(true);
-        let result = converse(ours, kind, opts, on_notify);
+        opts.set_notify_scripts(on_notify.is_some());
+        let result = converse(ours, kind, opts, on_notify.unwrap_or(&mut |_| Ok(())));
         // Answered, CRIU has nothing left to do but exit. That exit tears
         // down its memory and descriptors: ~1 ms of CPU for each of the
         // dump's and the restore's workers at 1024 connections, which ran

@@ -1354,7 +1354,7 @@ pub async fn restore(
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))?;
     drop(connection_table);
-    let (outcome, notes) = match restored {
+    let outcome = match restored {
         Ok(r) => {
             // Out of repair mode before the commit, while the source
             // translates and commits: not beside the restore, whose binds
@@ -1389,7 +1389,6 @@ pub async fn restore(
     let restore_time = started.elapsed();
     tracing::info!(
         pid = outcome.pid,
-        ?notes,
         ms = restore_time.as_secs_f64() * 1000.0,
         "restored (stopped)"
     );
@@ -1398,16 +1397,13 @@ pub async fn restore(
     inc.state = IncomingState::Restored { pid: outcome.pid };
     // Restored, so the source's Abort kills this copy.
     options_set?;
-    let criu_startup = notes
-        .iter()
-        .find(|(script, _)| script == "pre-restore")
-        .map(|(_, at)| at.as_micros() as u64)
-        .unwrap_or(0);
     Ok(RestoreResponse {
         pid: outcome.pid,
         restore_time_us: restore_time.as_micros() as u64,
         in_cluster: inc.in_cluster.iter().map(|f| f.to_pb()).collect(),
-        criu_startup_us: criu_startup,
+        // CRIU restores without notifications ([`criu::restore`]): its
+        // start-up is not timed apart.
+        criu_startup_us: 0,
         image_scan_us: image_scan.as_micros() as u64,
     })
 }
