@@ -1317,14 +1317,6 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         } else {
             Vec::new()
         };
-    if run.capture {
-        // Everything delivered while recording is in the ring by now. Under
-        // load that is megabytes of packets to digest: it runs beside the
-        // transfer rather than in front of it (the freeze is on).
-        let agent = run.agent.clone();
-        run.draining = Some(tokio::task::spawn_blocking(move || agent.drain_capture()));
-    }
-
     // The dump is done (a cancel during it waited here): the process is
     // stopped, and resumes on the rollback.
     honour_cancel!();
@@ -1341,6 +1333,14 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             (read, started, transfer_start.elapsed())
         }
     });
+    if run.capture {
+        // Everything delivered while recording is in the ring by now. Under
+        // load that is megabytes of packets to digest: it runs beside the
+        // transfer rather than in front of it (the freeze is on), and
+        // starts after the image reader, which the freeze waits for.
+        let agent = run.agent.clone();
+        run.draining = Some(tokio::task::spawn_blocking(move || agent.drain_capture()));
+    }
     let mut images_peer = run.p.peer.clone();
     let images_sent = tokio::time::timeout(
         deadline,
