@@ -2341,6 +2341,13 @@ mod tests {
             "{err}"
         );
 
+        // One connection in two records.
+        let (doubled, _) = pack(&[states[0].clone(), states[0].clone()], &fixed);
+        let err = sockets_to_rebuild(&f.agent, &mut request(&doubled)).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("packed"), "{err}");
+        assert!(err.to_string().contains("in two records"), "{err}");
+
         // A record for a connection Arm did not describe.
         let mut unknown = states[0].clone();
         unknown.inode = 99;
