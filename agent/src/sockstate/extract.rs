@@ -654,7 +654,7 @@ fn repair_queue_bytes(fd: BorrowedFd<'_>, queue: i32, len: u32) -> std::io::Resu
     if len == 0 {
         return Ok(Vec::new());
     }
-    sys::set_int(fd, libc::SOL_TCP, sys::TCP_REPAIR_QUEUE, queue)?;
+    sys::select_repair_queue(fd, queue)?;
     sys::peek_queue(fd, len)
 }
 
@@ -797,23 +797,12 @@ fn extract_one(
     sys::get_into(fd, libc::SOL_TCP, sys::TCP_REPAIR_WINDOW, &mut window)
         .map_err(err("TCP_REPAIR_WINDOW"))?;
 
-    sys::set_int(
-        fd,
-        libc::SOL_TCP,
-        sys::TCP_REPAIR_QUEUE,
-        sys::TCP_RECV_QUEUE,
-    )
-    .map_err(err("selecting the receive queue"))?;
+    sys::select_repair_queue(fd, sys::TCP_RECV_QUEUE)
+        .map_err(err("selecting the receive queue"))?;
     let recv_seq =
         sys::get_int(fd, libc::SOL_TCP, sys::TCP_QUEUE_SEQ).map_err(err("TCP_QUEUE_SEQ"))? as u32;
     let recv_queue = sys::peek_queue(fd, inq).map_err(err("reading the receive queue"))?;
-    sys::set_int(
-        fd,
-        libc::SOL_TCP,
-        sys::TCP_REPAIR_QUEUE,
-        sys::TCP_SEND_QUEUE,
-    )
-    .map_err(err("selecting the send queue"))?;
+    sys::select_repair_queue(fd, sys::TCP_SEND_QUEUE).map_err(err("selecting the send queue"))?;
     let send_seq =
         sys::get_int(fd, libc::SOL_TCP, sys::TCP_QUEUE_SEQ).map_err(err("TCP_QUEUE_SEQ"))? as u32;
     let send_queue = sys::peek_queue(fd, outq).map_err(err("reading the send queue"))?;

@@ -294,21 +294,9 @@ impl TcpConnectionState {
                 ),
             ));
         }
-        let scale = |field: &'static str, v: u32| {
-            u8::try_from(v)
-                .ok()
-                .filter(|v| *v <= 14)
-                .ok_or_else(|| bad(field, format!("{v} is not a window scale (0..=14)")))
-        };
-        let options = u8::try_from(p.options)
-            .ok()
-            .filter(|o| {
-                *o & !(sys::TCPI_OPT_TIMESTAMPS | sys::TCPI_OPT_SACK | sys::TCPI_OPT_WSCALE) == 0
-            })
-            .ok_or_else(|| bad("options", format!("{:#x} has unknown bits", p.options)))?;
-        if p.mss_clamp == 0 || p.mss_clamp > 65535 {
-            return Err(bad("mss_clamp", format!("{} is not an MSS", p.mss_clamp)));
-        }
+        let scale = |field: &'static str, v: u32| window_scale(v).map_err(|r| bad(field, r));
+        let options = handshake_options(p.options).map_err(|r| bad("options", r))?;
+        check_mss(p.mss_clamp).map_err(|r| bad("mss_clamp", r))?;
         let w = p.window.ok_or_else(|| bad("window", "missing".into()))?;
         if let Some(o) = &p.socket_options {
             check_socket_options(o, "socket_options.bound_device", "socket_options.filter")
@@ -340,6 +328,32 @@ impl TcpConnectionState {
             socket_options: p.socket_options,
         })
     }
+}
+
+/// A window scale a peer sent (0..=14).
+fn window_scale(v: u32) -> Result<u8, String> {
+    u8::try_from(v)
+        .ok()
+        .filter(|v| *v <= 14)
+        .ok_or_else(|| format!("{v} is not a window scale (0..=14)"))
+}
+
+/// `tcpi_options` a peer sent: timestamps, SACK and window scaling only.
+fn handshake_options(v: u32) -> Result<u8, String> {
+    u8::try_from(v)
+        .ok()
+        .filter(|o| {
+            *o & !(sys::TCPI_OPT_TIMESTAMPS | sys::TCPI_OPT_SACK | sys::TCPI_OPT_WSCALE) == 0
+        })
+        .ok_or_else(|| format!("{v:#x} has unknown bits"))
+}
+
+/// An MSS clamp a peer sent.
+fn check_mss(v: u32) -> Result<(), String> {
+    if v == 0 || v > 65535 {
+        return Err(format!("{v} is not an MSS"));
+    }
+    Ok(())
 }
 
 /// Checks socket options a peer sent; the error names the field, as

@@ -232,13 +232,7 @@ fn rebuild_one(
     // afterwards (it restores every socket's buffer sizes). What the source
     // held need not fit in it: the queues go in through `sys::queue_all`.
     if c.sndbuf > 0 && c.sndbuf != sndbuf_set {
-        sys::set_int(
-            sock,
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            (c.sndbuf / 2).min(i32::MAX as u32) as i32,
-        )
-        .map_err(err("SO_SNDBUFFORCE"))?;
+        sys::force_sndbuf(sock, c.sndbuf).map_err(err("SO_SNDBUFFORCE"))?;
     }
 
     // The sequence numbers before the queued bytes: writing the queues
@@ -246,23 +240,12 @@ fn rebuild_one(
     let recv_start = c.recv_seq.wrapping_sub(c.recv_queue.len() as u32);
     let send_start = c.send_seq.wrapping_sub(c.send_queue.len() as u32);
     if !recv_selected {
-        sys::set_int(
-            sock,
-            libc::SOL_TCP,
-            sys::TCP_REPAIR_QUEUE,
-            sys::TCP_RECV_QUEUE,
-        )
-        .map_err(err("selecting the receive queue"))?;
+        sys::select_repair_queue(sock, sys::TCP_RECV_QUEUE)
+            .map_err(err("selecting the receive queue"))?;
     }
     sys::set_int(sock, libc::SOL_TCP, sys::TCP_QUEUE_SEQ, recv_start as i32)
         .map_err(err("setting the receive sequence"))?;
-    sys::set_int(
-        sock,
-        libc::SOL_TCP,
-        sys::TCP_REPAIR_QUEUE,
-        sys::TCP_SEND_QUEUE,
-    )
-    .map_err(err("selecting the send queue"))?;
+    sys::select_repair_queue(sock, sys::TCP_SEND_QUEUE).map_err(err("selecting the send queue"))?;
     sys::set_int(sock, libc::SOL_TCP, sys::TCP_QUEUE_SEQ, send_start as i32)
         .map_err(err("setting the send sequence"))?;
 
@@ -300,24 +283,14 @@ fn rebuild_one(
     }
 
     if !c.recv_queue.is_empty() {
-        sys::set_int(
-            sock,
-            libc::SOL_TCP,
-            sys::TCP_REPAIR_QUEUE,
-            sys::TCP_RECV_QUEUE,
-        )
-        .map_err(err("selecting the receive queue"))?;
+        sys::select_repair_queue(sock, sys::TCP_RECV_QUEUE)
+            .map_err(err("selecting the receive queue"))?;
         sys::send_all(sock, &c.recv_queue, 0).map_err(err("refilling the receive queue"))?;
     }
     let sent = c.send_queue.len() - c.unsent as usize;
     if sent > 0 {
-        sys::set_int(
-            sock,
-            libc::SOL_TCP,
-            sys::TCP_REPAIR_QUEUE,
-            sys::TCP_SEND_QUEUE,
-        )
-        .map_err(err("selecting the send queue"))?;
+        sys::select_repair_queue(sock, sys::TCP_SEND_QUEUE)
+            .map_err(err("selecting the send queue"))?;
         let grown = sys::queue_all(sock, &c.send_queue[..sent], 0)
             .map_err(err("refilling the send queue"))?;
         if let Some(size) = grown {

@@ -103,21 +103,10 @@ fn open_ahead(c: &ToStage) -> Result<OwnedFd, SockStateError> {
         move |source| SockStateError::Sys { op, conn, source }
     };
     if c.sndbuf > 0 {
-        sys::set_int(
-            fd.as_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            (c.sndbuf / 2).min(i32::MAX as u32) as i32,
-        )
-        .map_err(err("SO_SNDBUFFORCE"))?;
+        sys::force_sndbuf(fd.as_fd(), c.sndbuf).map_err(err("SO_SNDBUFFORCE"))?;
     }
-    sys::set_int(
-        fd.as_fd(),
-        libc::SOL_TCP,
-        sys::TCP_REPAIR_QUEUE,
-        sys::TCP_RECV_QUEUE,
-    )
-    .map_err(err("selecting the receive queue"))?;
+    sys::select_repair_queue(fd.as_fd(), sys::TCP_RECV_QUEUE)
+        .map_err(err("selecting the receive queue"))?;
     Ok(fd)
 }
 

@@ -99,6 +99,23 @@ pub fn set_int(fd: BorrowedFd<'_>, level: libc::c_int, opt: libc::c_int, v: i32)
     set_struct(fd, level, opt, &v)
 }
 
+/// Selects `queue` (TCP_RECV_QUEUE or TCP_SEND_QUEUE) for the repair
+/// calls that follow: TCP_QUEUE_SEQ, and reads and writes of the queue.
+pub fn select_repair_queue(fd: BorrowedFd<'_>, queue: i32) -> io::Result<()> {
+    set_int(fd, libc::SOL_TCP, TCP_REPAIR_QUEUE, queue)
+}
+
+/// Forces the send buffer to `reported`, a size as getsockopt reports it
+/// (twice what setsockopt takes).
+pub fn force_sndbuf(fd: BorrowedFd<'_>, reported: u32) -> io::Result<()> {
+    set_int(
+        fd,
+        libc::SOL_SOCKET,
+        libc::SO_SNDBUFFORCE,
+        (reported / 2).min(i32::MAX as u32) as i32,
+    )
+}
+
 pub fn get_int(fd: BorrowedFd<'_>, level: libc::c_int, opt: libc::c_int) -> io::Result<i32> {
     let mut v = 0i32;
     let got = get_into(fd, level, opt, &mut v)?;
