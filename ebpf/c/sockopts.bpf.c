@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * The setsockopt watch of an incremental collective migration (issue 6,
- * seed 000 section III-C: socket state tracked during pre-copy, so that
- * the freeze carries only what changed).
+ * Gerofi et al. (DVE) section III-C: socket state tracked during
+ * pre-copy, so that the freeze carries only what changed).
  *
  * ferryd reads the socket options of a process's TCP connections before
  * the freeze, while the process runs. Options change only by setsockopt

@@ -6,7 +6,7 @@
  * sockets, but their local address becomes A2's cluster address. A peer on
  * another node still has a socket connected to A1, and nothing in it may
  * change. So the peer's node rewrites that exact flow on its cluster
- * interface (seed 000, section III-C):
+ * interface (Gerofi et al. (DVE), section III-C):
  *   ferry_xlate_out, tc egress:  destination A1 -> A2
  *   ferry_xlate_in,  tc ingress: source      A2 -> A1
  * fixing the IPv4 header checksum and the TCP/UDP checksum, whose pseudo

@@ -232,7 +232,7 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
 /// everything written again, and the freeze carries nearly all of it. With
 /// the throttle it is slowed down until what is left fits the budget, and
 /// the freeze carries a small part; it runs normally on the destination,
-/// with every page it wrote. (What this does to seed 004's RMA process
+/// with every page it wrote. (What this does to Noack (2003)'s RMA process
 /// over 1 Gb/s is measured by `cargo xtask bench algorithms -- --throttle
 /// auto`: docs/results.md.)
 #[test]

@@ -1,5 +1,5 @@
-//! The conductor's decision step (seed 000's `cond`): transfer, selection
-//! and location policies run together on one node's view.
+//! The conductor's decision step (Gerofi et al. (DVE)'s `cond`): transfer,
+//! selection and location policies run together on one node's view.
 
 use rand::RngCore;
 
@@ -40,8 +40,8 @@ pub enum IdleReason {
     NoDestination,
 }
 
-/// How often each step ran, for operators and the simulator (seed 002 §3.2
-/// counts `choose()` runs: here, `selections`).
+/// How often each step ran, for operators and the simulator
+/// (Meehan & Wynne (openMosix) §3.2 count `choose()` runs: here, `selections`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BalancerStats {
     /// The transfer policy made this node a sender.
@@ -125,7 +125,8 @@ impl Balancer {
                     return Plan::Idle(IdleReason::CalmingDown);
                 }
                 // openMosix runs choose() and aborts it on finding a process
-                // already selected: counted, as seed 002 counts it.
+                // already selected: counted, as Meehan & Wynne (openMosix)
+                // count it.
                 self.stats.selections += 1;
                 if !self.gate.can_send(now) {
                     return Plan::Idle(IdleReason::OutgoingBusy);
@@ -279,7 +280,7 @@ mod tests {
         }
 
         /// A push only ever names a process this node has, and destinations
-        /// below the average (seed 000's location policy).
+        /// below the average (Gerofi et al. (DVE)'s location policy).
         #[test]
         fn push_names_own_process_and_lighter_nodes(local in 0.0f64..5.0, loads in proptest::collection::vec(0.0f64..5.0, 1..10), ps in proptest::collection::vec(0.01f64..2.0, 1..10)) {
             let mut b = Balancer::new(&Config::default());

@@ -11,8 +11,8 @@ use crate::location::LocationConfig;
 use crate::selection::SelectionConfig;
 use crate::transfer::TransferConfig;
 
-/// Defaults are seed 000's policies: threshold sender, mirror location,
-/// closest-to-excess selection, broadcast heartbeat.
+/// Defaults are Gerofi et al. (DVE)'s policies: threshold sender, mirror
+/// location, closest-to-excess selection, broadcast heartbeat.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {

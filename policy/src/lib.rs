@@ -1,7 +1,7 @@
-//! Load balancing for ferry: the load model and the four policies of a
-//! dynamic load balancer (seed 000 §IV: transfer, location, selection,
-//! information), the openMosix variants measured in seed 002, and a
-//! discrete-event simulator ([`sim`]) that runs this same code.
+//! Load balancing for ferry: the load model and the four policies of a dynamic
+//! load balancer (Gerofi et al. (DVE) §IV: transfer, location, selection,
+//! information), the openMosix variants measured by Meehan & Wynne (openMosix),
+//! and a discrete-event simulator ([`sim`]) that runs this same code.
 //!
 //! Everything here is pure and deterministic: time comes in as an
 //! [`Instant`] and randomness as a `&mut dyn RngCore`, both chosen by the

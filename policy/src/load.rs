@@ -8,7 +8,8 @@
 //! than measured utilisation, because a saturated node measures 100% however
 //! overloaded it is.
 //!
-//! Following openMosix (seed 002 §3), a node keeps two values:
+//! Following openMosix (Meehan & Wynne (openMosix) §3), a node keeps two
+//! values:
 //! - the *internal* load, the previous value decayed plus the newly
 //!   accumulated sample: what the node uses for its own decisions;
 //! - the *export* load it tells others: a decaying maximum (the new sample
@@ -113,7 +114,7 @@ pub(crate) fn positive(field: &'static str, value: f64) -> Result<(), PolicyErro
     }
 }
 
-/// A node's load over time (seed 002 §3).
+/// A node's load over time (Meehan & Wynne (openMosix) §3).
 #[derive(Debug, Clone, Default)]
 pub struct NodeLoad {
     internal: f64,

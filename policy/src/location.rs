@@ -2,16 +2,16 @@
 //! receiver-initiated transfer, whom to ask for one).
 //!
 //! A policy ranks candidate nodes best first; the sender offers to the first
-//! and moves down the list when a receiver refuses (seed 002 §3 describes
-//! openMosix doing exactly that with its opportunity-cost array).
+//! and moves down the list when a receiver refuses (Meehan & Wynne (openMosix)
+//! §3 describe openMosix doing exactly that with its opportunity-cost array).
 //!
-//! - [`MirrorAverage`], seed 000 §IV-B: the node about as far below the
-//!   approximated average as the local node is above it, so that both end
+//! - [`MirrorAverage`], Gerofi et al. (DVE) §IV-B: the node about as far below
+//!   the approximated average as the local node is above it, so that both end
 //!   near the average. Only nodes on the other side of the average qualify.
-//! - [`LeastLoaded`], seed 002 §3: openMosix's `consider()` reduced to CPU:
-//!   the marginal opportunity cost grows with a node's load, so the least
-//!   loaded node wins, and the local node itself is a candidate (a target
-//!   is only worth it if the move lowers the maximum of the two).
+//! - [`LeastLoaded`], Meehan & Wynne (openMosix) §3: openMosix's `consider()`
+//!   reduced to CPU: the marginal opportunity cost grows with a node's load, so
+//!   the least loaded node wins, and the local node itself is a candidate (a
+//!   target is only worth it if the move lowers the maximum of the two).
 //! - [`RandomLocation`]: any peer, no information used (the baseline of the
 //!   load-sharing literature).
 //! - [`PowerOfTwo`]: two random peers, the less loaded first.
@@ -91,7 +91,7 @@ fn sorted_by_key(mut peers: Vec<&PeerLoad>, key: impl Fn(&PeerLoad) -> f64) -> V
     peers.into_iter().map(|p| p.node).collect()
 }
 
-/// Seed 000 §IV-B.
+/// Gerofi et al. (DVE) §IV-B.
 #[derive(Debug, Clone, Copy)]
 pub struct MirrorAverage;
 
@@ -111,7 +111,7 @@ impl LocationPolicy for MirrorAverage {
     }
 }
 
-/// Seed 002 §3 (openMosix `consider()`, CPU only).
+/// Meehan & Wynne (openMosix) §3: openMosix's `consider()`, CPU only.
 #[derive(Debug, Clone, Copy)]
 pub struct LeastLoaded;
 
@@ -273,8 +273,9 @@ mod tests {
     }
 
     proptest! {
-        /// Seed 000's location policy never sends to a node at or above the
-        /// average, and ranks candidates by closeness to the mirror point.
+        /// Gerofi et al. (DVE)'s location policy never sends to a node at or
+        /// above the average, and ranks candidates by closeness to the mirror
+        /// point.
         #[test]
         fn mirror_never_picks_a_node_above_the_average(local in 0.0f64..4.0, loads in loads(), seed: u64) {
             let p = peers(&loads);

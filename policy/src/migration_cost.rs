@@ -1,8 +1,9 @@
 //! What a migration costs, from parameters: the simulator charges it, and a
-//! conductor can use the estimate as openMosix uses it for residency (seed
-//! 002 §3: a process must have run long enough to pay for its move).
+//! conductor can use the estimate as openMosix uses it for residency
+//! (Meehan & Wynne (openMosix) §3: a process must have run long enough to
+//! pay for its move).
 //!
-//! Words from seed 004 §2.2, as everywhere in ferry: preparation time (live
+//! Words from Noack (2003) §2.2, as everywhere in ferry: preparation time (live
 //! transfer before the freeze), downtime or freeze time, total time.
 
 use std::time::Duration;

@@ -32,7 +32,7 @@ pub struct PeerLoad {
 }
 
 /// The mean of the local load and the loads of the peers this node knows:
-/// its approximation of the cluster average (seed 000 §IV).
+/// its approximation of the cluster average (Gerofi et al. (DVE) §IV).
 pub fn approximate_average(local_load: f64, peers: &[PeerLoad]) -> f64 {
     let sum: f64 = local_load + peers.iter().map(|p| p.load).sum::<f64>();
     sum / (peers.len() + 1) as f64

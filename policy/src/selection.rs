@@ -1,13 +1,13 @@
 //! Selection policy: which process an overloaded node sends away.
 //!
-//! - [`ClosestToExcess`], seed 000 §IV-C: the process whose CPU use is
-//!   closest to the local node's excess over the approximated average, so
+//! - [`ClosestToExcess`], Gerofi et al. (DVE) §IV-C: the process whose CPU use
+//!   is closest to the local node's excess over the approximated average, so
 //!   that sender and receiver both end near the average.
 //! - [`RandomProcess`]: any eligible process, for comparison.
 //!
-//! Both honour openMosix's eligibility rules (seed 002 §3): a process that
-//! is locked, being transferred, or has not yet reached residency on this
-//! node (run long enough here to pay for the move) is not a candidate.
+//! Both honour openMosix's eligibility rules (Meehan & Wynne (openMosix) §3): a
+//! process that is locked, being transferred, or has not yet reached residency
+//! on this node (run long enough here to pay for the move) is not a candidate.
 
 use std::fmt;
 use std::time::Duration;
@@ -80,7 +80,7 @@ fn eligible(p: &ProcessLoad, min_residency: Duration) -> bool {
     p.migratable && p.resident_for >= min_residency && p.load.is_finite()
 }
 
-/// Seed 000 §IV-C.
+/// Gerofi et al. (DVE) §IV-C.
 #[derive(Debug, Clone, Copy)]
 pub struct ClosestToExcess {
     pub min_residency: Duration,

@@ -1,17 +1,17 @@
 //! Transfer policy: whether this node takes part in a migration now, and the
 //! two-phase commit that lets a receiver take at most one at a time.
 //!
-//! Seed 000 §IV-A: the sender side is threshold driven: a node becomes a
-//! migration initiator when its load exceeds a critical threshold or when it
-//! is more than a set gap above its approximation of the cluster average
-//! ([`SenderThreshold`]). The receiver is chosen by the location policy and
-//! joins through a two-phase commit, one incoming migration at a time
+//! Gerofi et al. (DVE) §IV-A: the sender side is threshold driven: a node
+//! becomes a migration initiator when its load exceeds a critical threshold or
+//! when it is more than a set gap above its approximation of the cluster
+//! average ([`SenderThreshold`]). The receiver is chosen by the location policy
+//! and joins through a two-phase commit, one incoming migration at a time
 //! ([`MigrationGate`]). After a migration both ends calm down for a while so
 //! their load indicators settle before they decide again.
 //!
 //! Alternatives to compare: openMosix's trigger, "some node in my vector is
-//! less loaded than me" (seed 002 §3, [`LowerPeerExists`]), and the
-//! receiver-initiated policy of the load-sharing literature, where an
+//! less loaded than me" (Meehan & Wynne (openMosix) §3, [`LowerPeerExists`]),
+//! and the receiver-initiated policy of the load-sharing literature, where an
 //! underloaded node asks a loaded one for work ([`ReceiverInitiated`]).
 //!
 //! The gate's state machine, per node (one outgoing and one incoming slot):
@@ -57,9 +57,10 @@ pub enum TransferError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TransferMode {
-    /// Seed 000: threshold on the local load or on the gap to the average.
+    /// Gerofi et al. (DVE): threshold on the local load or on the gap to the
+    /// average.
     SenderThreshold,
-    /// Seed 002 (openMosix): send as soon as a known peer is less loaded.
+    /// Meehan & Wynne (openMosix): send as soon as a known peer is less loaded.
     LowerPeerExists,
     /// An underloaded node asks a loaded one for work.
     ReceiverInitiated,
@@ -162,7 +163,7 @@ pub trait TransferPolicy: fmt::Debug + Send + Sync {
     fn role(&self, view: &ClusterView) -> Role;
 }
 
-/// Seed 000 §IV-A.
+/// Gerofi et al. (DVE) §IV-A.
 #[derive(Debug, Clone, Copy)]
 pub struct SenderThreshold {
     pub threshold: f64,
@@ -182,9 +183,9 @@ impl TransferPolicy for SenderThreshold {
     }
 }
 
-/// Seed 002 §3: openMosix runs `choose()` whenever a node in its load vector
-/// shows a lower load than the local one; no explicit margin, the export
-/// load's offsets are the margin.
+/// Meehan & Wynne (openMosix) §3: openMosix runs `choose()` whenever a node in
+/// its load vector shows a lower load than the local one; no explicit margin,
+/// the export load's offsets are the margin.
 #[derive(Debug, Clone, Copy)]
 pub struct LowerPeerExists;
 

@@ -76,7 +76,7 @@ enum Command {
         args: Vec<String>,
     },
     /// Run the load-balancing simulator (no root, no setup): `openmosix`
-    /// (seed 002's spike experiment), `dve` (seed 000's DVE scenario) or
+    /// (Meehan & Wynne (openMosix)'s spike experiment), `dve` (Gerofi et al. (DVE)'s scenario) or
     /// `all`; writes tables, CSV and SVG plots to target/sim/<name>/.
     Sim(sim::SimArgs),
     /// Fuzz the agent's request decoding, peer protocol and parsers

@@ -16,9 +16,11 @@ use crate::cmd;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SimName {
-    /// Seed 002: 20 nodes, 6 spikes of 70 CPU-bound processes, own load vs hearsay vectors.
+    /// Meehan & Wynne (openMosix): 20 nodes, 6 spikes of 70 CPU-bound processes, own load vs
+    /// hearsay vectors.
     Openmosix,
-    /// Seed 000: 5 DVE nodes, 100 zone servers, 10,000 drifting clients, balancing off vs on.
+    /// Gerofi et al. (DVE): 5 nodes, 100 zone servers, 10,000 drifting clients, balancing off
+    /// vs on.
     Dve,
     /// Both.
     All,
@@ -27,7 +29,7 @@ pub enum SimName {
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
     pub name: SimName,
-    /// Runs per variant (openmosix; default 5, as in seed 002).
+    /// Runs per variant (openmosix; default 5, as in Meehan & Wynne (openMosix)).
     #[arg(long)]
     pub runs: Option<u32>,
     /// Base seed; run r uses seed + r.
@@ -91,15 +93,15 @@ fn run_openmosix(args: &SimArgs) -> Result<()> {
     let header = [
         "variant",
         "recovery s (sim)",
-        "recovery s (seed 002)",
+        "recovery s (openMosix)",
         "choose/node (sim)",
-        "choose/node (seed)",
+        "choose/node (openMosix)",
         "migr/node (sim)",
-        "migr/node (seed)",
+        "migr/node (openMosix)",
         "choose/migr (sim)",
-        "choose/migr (seed)",
+        "choose/migr (openMosix)",
         "msg B (sim)",
-        "msg B (seed)",
+        "msg B (openMosix)",
         "load B/node/s (sim)",
         "belief age s (sim)",
         "target error (sim)",
@@ -148,7 +150,8 @@ fn run_openmosix(args: &SimArgs) -> Result<()> {
     );
     println!("{table}");
     println!(
-        "(seed) columns: seed 002's measured figures, for reference; (sim) columns: this simulation, mean ± sd over runs."
+        "(openMosix) columns: the figures Meehan & Wynne (openMosix) measured, for reference; \
+         (sim) columns: this simulation, mean ± sd over runs."
     );
     write(&dir, "summary.txt", &table)?;
     write(&dir, "summary.csv", &csv(&header, &rows))?;

@@ -12,8 +12,9 @@
 //! either shows up as a mismatch at `check`.
 //!
 //! `--mode getpid` makes it a process that only calls getpid(2) in a loop
-//! (seed 004's light-weight process); `--busy` drops the 1 ms pause
-//! between bursts of writes (seed 004's "as fast as it can").
+//! (Noack (2003)'s light-weight process); `--busy` drops the 1 ms pause
+//! between bursts of writes (Noack (2003)'s RMA process writes as fast as
+//! it can).
 //!
 //! Protocol on `--port` (one command per connection, one line each way):
 //! `check` answers `ok <writes> <pages>` or `bad <what>`; `stats` answers

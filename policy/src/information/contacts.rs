@@ -1,6 +1,7 @@
-//! Picking gossip targets the openMosix way (seed 002 §3): one node from
-//! those that contacted us recently, the others from all nodes, so that load
-//! flows back to who asked and still reaches everyone eventually.
+//! Picking gossip targets the openMosix way (Meehan & Wynne (openMosix) §3):
+//! one node from those that contacted us recently, the others from all
+//! nodes, so that load flows back to who asked and still reaches everyone
+//! eventually.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

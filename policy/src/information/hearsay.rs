@@ -1,18 +1,19 @@
-//! Hearsay gossip (seed 002 §4): a fixed-size vector of timestamped load
-//! entries, the whole of it sent to two peers every period.
+//! Hearsay gossip (Meehan & Wynne (openMosix) §4): a fixed-size vector of
+//! timestamped load entries, the whole of it sent to two peers every period.
 //!
 //! Slot 0 is the sender's own load. A remote node `k` maps to slot
 //! `1 + k mod (n - 1)`, so with more nodes than slots several nodes share a
-//! slot, and the fresher entry takes it whichever node it is about (seed
-//! 002: "replaced regardless of which node that it represents"). A smaller
-//! vector therefore holds fewer nodes but fresher news; a larger one more
-//! nodes, each renewed only by news of that very node.
+//! slot, and the fresher entry takes it whichever node it is about, as in
+//! Meehan & Wynne (openMosix). A smaller vector therefore holds fewer nodes
+//! but fresher news; a larger one more nodes, each renewed only by news of
+//! that very node.
 //!
-//! Freshness, and why it is not the seed's bare timestamp comparison: seed
-//! 002 orders entries by their origin timestamps and relies on NTP to make
-//! those comparable. Clock skew between nodes is normal, and with bare
-//! timestamps a node whose clock runs ahead wins every slot it maps to, for
-//! as long as its clock is ahead: its stale load would shadow fresh news.
+//! Freshness, and why it is not the paper's bare timestamp comparison:
+//! Meehan & Wynne (openMosix) order entries by their origin timestamps and
+//! rely on NTP to make those comparable. Clock skew between nodes is
+//! normal, and with bare timestamps a node whose clock runs ahead wins every
+//! slot it maps to, for as long as its clock is ahead: its stale load would
+//! shadow fresh news.
 //! Here:
 //! - entries about the same node are ordered by their origin timestamps
 //!   (one clock, so the order is exact), except that the node's own word
@@ -51,7 +52,8 @@ pub struct Hearsay {
 }
 
 impl Hearsay {
-    /// `config.vector_size` counts the own slot, as in seed 002.
+    /// `config.vector_size` counts the own slot, as in
+    /// Meehan & Wynne (openMosix).
     pub fn new(local: NodeId, members: &[NodeId], config: &InformationConfig) -> Self {
         Hearsay {
             local,
@@ -398,7 +400,8 @@ mod tests {
         }
 
         /// Without skew, entries about one node are ordered by its own
-        /// timestamps (seed 002), the older never displacing the newer.
+        /// timestamps (Meehan & Wynne (openMosix)), the older never displacing
+        /// the newer.
         #[test]
         fn same_node_entries_follow_origin_timestamps(stamp_a in 0u64..400, stamp_b in 0u64..400, age_a in 0u64..5_000, age_b in 0u64..5_000) {
             prop_assume!(stamp_a != stamp_b);

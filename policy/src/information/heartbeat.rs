@@ -1,5 +1,5 @@
-//! Seed 000 §IV-D: periodic broadcast of the local load, which is also the
-//! heartbeat: a peer not heard from within `failure_timeout` is gone.
+//! Gerofi et al. (DVE) §IV-D: periodic broadcast of the local load, which is
+//! also the heartbeat: a peer not heard from within `failure_timeout` is gone.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

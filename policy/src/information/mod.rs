@@ -1,15 +1,15 @@
 //! Information policy: how a node learns the loads of the others.
 //!
-//! - [`Heartbeat`], seed 000 §IV-D: every period each node broadcasts its
-//!   load to all nodes; the message doubles as the heartbeat that says the
-//!   node is alive, so a silent peer drops out of the view.
-//! - [`OwnLoadOnly`], seed 002 §3 (standard openMosix): every period each
-//!   node tells two peers its own load, one picked among the nodes that
-//!   contacted it recently and one among all nodes; a receiver keeps the
-//!   last few messages in a circular queue.
-//! - [`Hearsay`], seed 002 §4: the same two messages per period carry the
-//!   sender's whole fixed-size vector of timestamped entries, its own load
-//!   and what it heard about others.
+//! - [`Heartbeat`], Gerofi et al. (DVE) §IV-D: every period each node
+//!   broadcasts its load to all nodes; the message doubles as the heartbeat
+//!   that says the node is alive, so a silent peer drops out of the view.
+//! - [`OwnLoadOnly`], Meehan & Wynne (openMosix) §3 (standard openMosix):
+//!   every period each node tells two peers its own load, one picked among
+//!   the nodes that contacted it recently and one among all nodes; a
+//!   receiver keeps the last few messages in a circular queue.
+//! - [`Hearsay`], Meehan & Wynne (openMosix) §4: the same two messages per
+//!   period carry the sender's whole fixed-size vector of timestamped
+//!   entries, its own load and what it heard about others.
 //!
 //! Beliefs about peers age on the local clock ([`crate::PeerLoad::age`]),
 //! never by comparing another node's timestamp with ours: clocks of
@@ -36,8 +36,8 @@ use crate::node::{NodeId, PeerLoad};
 use crate::time::Instant;
 
 /// Bytes of a load message's header (fitted, with the two sizes below, to
-/// the message sizes in seed 002 §5: 40 B for openMosix's own-load message,
-/// 12 + 36 n bytes for a hearsay vector of n slots).
+/// the message sizes in Meehan & Wynne (openMosix) §5: 40 B for openMosix's
+/// own-load message, 12 + 36 n bytes for a hearsay vector of n slots).
 pub const MESSAGE_HEADER_BYTES: usize = 12;
 /// Bytes of the single entry of an own-load message (node, load, speed,
 /// free slots).
@@ -67,8 +67,8 @@ pub struct LoadEntry {
     pub age: Duration,
 }
 
-/// A load message. `entries[0]` is the sender's own load (slot 0 in seed
-/// 002's vector); the rest, if any, is hearsay.
+/// A load message. `entries[0]` is the sender's own load (slot 0 in
+/// Meehan & Wynne (openMosix)'s vector); the rest, if any, is hearsay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadMessage {
     pub from: NodeId,
@@ -330,9 +330,9 @@ mod tests {
     }
 
     #[test]
-    fn wire_sizes_match_seed_002() {
-        // Seed 002 §5 lists 40 B for the standard kernel and 300, 444, 588,
-        // 732 B for hearsay vectors of 8, 12, 16, 20 slots.
+    fn wire_sizes_match_the_openmosix_paper() {
+        // Meehan & Wynne (openMosix) §5 list 40 B for the standard kernel
+        // and 300, 444, 588, 732 B for hearsay vectors of 8, 12, 16, 20 slots.
         assert_eq!(MESSAGE_HEADER_BYTES + OWN_LOAD_ENTRY_BYTES, 40);
         let sizes: Vec<usize> = [8, 12, 16, 20]
             .iter()

@@ -1,6 +1,7 @@
-//! Standard openMosix (seed 002 §3): each period a node tells two peers its
-//! own load; a receiver keeps the last `vector_size` messages in a circular
-//! queue, the oldest overwritten, duplicates of one sender included.
+//! Standard openMosix (Meehan & Wynne (openMosix) §3): each period a node
+//! tells two peers its own load; a receiver keeps the last `vector_size`
+//! messages in a circular queue, the oldest overwritten, duplicates of one
+//! sender included.
 
 use std::collections::VecDeque;
 use std::time::Duration;

@@ -1,17 +1,17 @@
-//! Seed 000's DVE scenario (§VI-C, Fig. 5d-f), simulated with this crate's
-//! policies: 5 server nodes, a 10x10 grid of zones, one zone server process
-//! per zone, 20 per node at the start (node i serves rows 2i and 2i+1).
-//! 10,000 clients start uniformly spread; over 15 minutes part of the
-//! clients of the middle rows walk to the up-left and down-right corners.
-//! A zone server's CPU grows in proportion to its clients.
+//! Gerofi et al. (DVE)'s scenario (§VI-C, Fig. 5d-f), simulated with this
+//! crate's policies: 5 server nodes, a 10x10 grid of zones, one zone server
+//! process per zone, 20 per node at the start (node i serves rows 2i and 2i+1).
+//! 10,000 clients start uniformly spread; over 15 minutes part of the clients
+//! of the middle rows walk to the up-left and down-right corners. A zone
+//! server's CPU grows in proportion to its clients.
 //!
-//! Balancing uses seed 000's policies end to end ([`Config::default`]):
-//! threshold sender, mirror-of-the-average location, closest-to-excess
-//! selection, broadcast heartbeat, two-phase commit, calm-down. A
-//! migration's cost comes from [`MigrationCostModel`]: the zone keeps
-//! running on the source while pre-copy rounds go out, and serves nobody
-//! while frozen. Comparing a pre-copy mechanism with stop-and-copy shows
-//! what a better mechanism buys: the same balance, far less frozen time.
+//! Balancing uses Gerofi et al. (DVE)'s policies end to end
+//! ([`Config::default`]): threshold sender, mirror-of-the-average location,
+//! closest-to-excess selection, broadcast heartbeat, two-phase commit,
+//! calm-down. A migration's cost comes from [`MigrationCostModel`]: the zone
+//! keeps running on the source while pre-copy rounds go out, and serves nobody
+//! while frozen. Comparing a pre-copy mechanism with stop-and-copy shows what a
+//! better mechanism buys: the same balance, far less frozen time.
 
 use std::time::Duration;
 
@@ -59,7 +59,7 @@ impl Default for Params {
     fn default() -> Self {
         Params {
             nodes: 5,
-            // Seed 000 §VI-A: dual-core Opterons.
+            // Gerofi et al. (DVE) §VI-A: dual-core Opterons.
             cores_per_node: 2.0,
             clients: 10_000,
             duration: Duration::from_secs(15 * 60),
@@ -103,8 +103,8 @@ impl Params {
         Ok(())
     }
 
-    /// The policy configuration: seed 000's policies, in this scenario's
-    /// load units (share of a node's CPUs).
+    /// The policy configuration: Gerofi et al. (DVE)'s policies, in this
+    /// scenario's load units (share of a node's CPUs).
     pub fn config(&self) -> Config {
         let defaults = Config::default();
         Config {
@@ -138,7 +138,7 @@ pub struct MechanismVariant {
 }
 
 /// ferry's target: pre-copy with collective, incremental socket migration
-/// (seed 000 Fig. 5b: under 40 ms freeze at 1,000 connections).
+/// (Gerofi et al. (DVE) Fig. 5b: under 40 ms freeze at 1,000 connections).
 pub fn precopy_mechanism() -> MechanismVariant {
     MechanismVariant {
         label: "pre-copy",
@@ -255,8 +255,8 @@ impl Clients {
             let row = p.0 as usize;
             if (first..=last).contains(&row) && rng.random_bool(params.walker_fraction) {
                 // The upper half of the middle heads up-left, the lower
-                // half down-right (seed 000 Fig. 5a), to a spot in the
-                // corner's 2x3 block.
+                // half down-right (Gerofi et al. (DVE) Fig. 5a), to a spot
+                // in the corner's 2x3 block.
                 let to = if p.0 < middle {
                     (rng.random_range(0.0..2.0), rng.random_range(0.0..3.0))
                 } else {
@@ -601,7 +601,7 @@ impl World<'_> {
         Ok(())
     }
 
-    /// Seed 000's conductor step on node `n`.
+    /// Gerofi et al. (DVE)'s conductor step on node `n`.
     fn conduct(&mut self, n: usize, rng: &mut StdRng) -> Result<(), SimError> {
         let now = self.queue.now();
         let start = Instant::ZERO;

@@ -3,10 +3,10 @@
 //! policies, [`crate::load::NodeLoad`] and [`crate::transfer::MigrationGate`]
 //! that ferryd runs, never copies of them.
 //!
-//! - [`openmosix`]: seed 002's experiment (20 nodes, 6 spikes of 70
-//!   CPU-bound processes), own-load-only against hearsay vectors;
-//! - [`dve`]: seed 000's DVE scenario (5 nodes, 100 zone servers, 10,000
-//!   clients drifting to two corners), balancing off against on.
+//! - [`openmosix`]: Meehan & Wynne (openMosix)'s experiment (20 nodes, 6 spikes
+//!   of 70 CPU-bound processes), own-load-only against hearsay vectors;
+//! - [`dve`]: Gerofi et al. (DVE)'s scenario (5 nodes, 100 zone servers,
+//!   10,000 clients drifting to two corners), balancing off against on.
 //!
 //! Results are plain data plus rendering helpers ([`report`], [`svg`]);
 //! writing files is the caller's business (`cargo xtask sim`), so the crate

@@ -1,4 +1,5 @@
-//! Seed 002's load-spike experiment, simulated with this crate's policies.
+//! Meehan & Wynne (openMosix)'s load-spike experiment, simulated with this
+//! crate's policies.
 //!
 //! The cluster: 20 single-CPU nodes on one switch; every second each node
 //! samples its run queue ([`NodeLoad`]) and tells two peers its export load
@@ -10,10 +11,10 @@
 //! two-phase commit. A migration is stop-and-copy: the process does not run
 //! while its memory crosses the wire ([`MigrationCostModel`]).
 //!
-//! The load: 6 spikes 5 s apart, each starting 70 CPU-bound processes on
-//! one node, always the same nodes. Recovery time is measured as in seed
-//! 002: from the first spike to the last migration before the cluster
-//! settles (no migration for `quiet_period`).
+//! The load: 6 spikes 5 s apart, each starting 70 CPU-bound processes on one
+//! node, always the same nodes. Recovery time is measured as
+//! Meehan & Wynne (openMosix) measure it: from the first spike to the last
+//! migration before the cluster settles (no migration for `quiet_period`).
 //!
 //! What differs between variants is only the information policy and its
 //! vector size; everything else, every parameter, is shared. Whatever
@@ -52,13 +53,13 @@ pub enum Variant {
     Hearsay(usize),
     /// Hearsay vector of 8 with another location policy than openMosix's
     /// least-loaded choice: the alternatives issue 4 asks to compare
-    /// (random, power of two choices, seed 000's mirror of the average).
-    /// Not in seed 002's table.
+    /// (random, power of two choices, Gerofi et al. (DVE)'s mirror of the
+    /// average). Not in Meehan & Wynne (openMosix)'s table.
     Hearsay8Location(LocationKind),
 }
 
 impl Variant {
-    /// The variants of seed 002's table, in its order.
+    /// The variants of Meehan & Wynne (openMosix)'s table, in its order.
     pub const SEED_TABLE: [Variant; 5] = [
         Variant::OwnLoadOnly,
         Variant::Hearsay(8),
@@ -67,7 +68,7 @@ impl Variant {
         Variant::Hearsay(20),
     ];
 
-    /// Location policies compared on hearsay 8, beside the seed's table.
+    /// Location policies compared on hearsay 8, beside the paper's table.
     pub const LOCATION_ALTERNATIVES: [Variant; 3] = [
         Variant::Hearsay8Location(LocationKind::Random),
         Variant::Hearsay8Location(LocationKind::PowerOfTwo),
@@ -91,9 +92,10 @@ impl Variant {
     }
 }
 
-/// Seed 002 §5's table, the reference the simulation is compared with:
-/// recovery time (s), choose() count per node, migrations per node, and
-/// load-message size (B). These are the paper's measurements, not outputs.
+/// Meehan & Wynne (openMosix) §5's table, the reference the simulation is
+/// compared with: recovery time (s), choose() count per node, migrations per
+/// node, and load-message size (B). These are the paper's measurements, not
+/// outputs.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct SeedReference {
     pub test: &'static str,
@@ -135,14 +137,16 @@ pub struct Params {
     /// Memory of one CPU-bound test process.
     pub process_memory_bytes: u64,
     /// Scheduler time slice: a process marked by `choose()` is looked at by
-    /// `consider()` only when the dispatcher next runs it (seed 002 §3), so
-    /// on a node with n runnable processes it waits up to n - 1 slices.
-    /// Linux 2.4 gives a nice-0 process 6 ticks at HZ=100: 60 ms.
+    /// `consider()` only when the dispatcher next runs it
+    /// (Meehan & Wynne (openMosix) §3), so on a node with n runnable processes
+    /// it waits up to n - 1 slices. Linux 2.4 gives a nice-0 process 6 ticks at
+    /// HZ=100: 60 ms.
     pub timeslice: Duration,
     pub migration: MigrationCostModel,
     /// One-way latency of a message on the switch.
     pub latency: Duration,
-    /// Largest clock offset of a node (NTP keeps them close, seed 002 §4).
+    /// Largest clock offset of a node (NTP keeps them close:
+    /// Meehan & Wynne (openMosix) §4).
     pub clock_skew: Duration,
     /// The cluster is settled after this long without a migration.
     pub quiet_period: Duration,
@@ -163,7 +167,8 @@ impl Default for Params {
             process_memory_bytes: 4 << 20,
             timeslice: Duration::from_millis(60),
             migration: MigrationCostModel {
-                // 1 Gb/s links (seed 002 §2), openMosix's stop-and-copy.
+                // 1 Gb/s links (Meehan & Wynne (openMosix) §2), openMosix's
+                // stop-and-copy.
                 bandwidth_bytes_per_sec: 125_000_000.0,
                 freeze_overhead: Duration::from_millis(20),
                 per_connection: Duration::ZERO,
@@ -242,8 +247,8 @@ impl Params {
             location: LocationConfig { kind: location },
             selection: SelectionConfig {
                 kind: SelectionKind::ClosestToExcess,
-                // Seed 002 §3: residency is the estimated migration time, in
-                // CPU time used on this node.
+                // Meehan & Wynne (openMosix) §3: residency is the estimated
+                // migration time, in CPU time used on this node.
                 min_residency_ms: u64::try_from(residency.as_millis()).unwrap_or(u64::MAX),
             },
             information: InformationConfig {
@@ -274,7 +279,8 @@ pub struct TimelinePoint {
 /// One run's measurements.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunResult {
-    /// From the first spike to the last migration (seed 002's definition).
+    /// From the first spike to the last migration (Meehan & Wynne (openMosix)'s
+    /// definition).
     pub recovery_secs: f64,
     /// The cluster did not settle within the time limit.
     pub timed_out: bool,
@@ -929,7 +935,7 @@ mod tests {
             };
             assert_eq!(params.config(v).location.kind, kind);
             assert_eq!(params.config(v).information.vector_size, 8);
-            assert!(seed_reference(v).is_none(), "no seed figures for {v:?}");
+            assert!(seed_reference(v).is_none(), "no paper figures for {v:?}");
         }
         // Power of two choices spreads the spikes like least-loaded does.
         let r = &run_all(
