@@ -2,6 +2,10 @@
 //! namespaces (router, nodes, clients) with one `ferryd` per node, the test
 //! workloads, and helpers to see where connections live.
 //!
+//! The end-to-end tests (`tests/`) and the benchmarks (the `ferry-bench`
+//! crate, `bench/`) both build on it; what only the benchmarks need (summary
+//! statistics, the machine's input-backlog drops) lives in `bench/`.
+//!
 //! Everything here needs root; tests call [`can_run`] first and skip with a
 //! printed reason otherwise.
 //!
@@ -37,7 +41,6 @@ pub mod privilege;
 pub mod prometheus;
 pub mod reap;
 pub mod reflection;
-pub mod stats;
 pub mod tls;
 pub mod tmpfs;
 pub mod topology;

@@ -106,28 +106,6 @@ fn parse(
     Ok(())
 }
 
-/// Packets the kernel dropped because a CPU's input backlog was full
-/// (`netdev_max_backlog`; the second column of /proc/net/softnet_stat,
-/// summed over CPUs). Machine-wide, not per namespace: veth pairs deliver
-/// through that backlog, so under a burst the test rig itself drops
-/// packets there, which a bench reports apart from what ferry loses.
-pub fn backlog_drops() -> Result<u64, NstatError> {
-    const FILE: &str = "/proc/net/softnet_stat";
-    let text =
-        std::fs::read_to_string(FILE).map_err(|source| NstatError::Read { file: FILE, source })?;
-    text.lines()
-        .map(|line| {
-            line.split_whitespace()
-                .nth(1)
-                .and_then(|w| u64::from_str_radix(w, 16).ok())
-                .ok_or_else(|| NstatError::Malformed {
-                    file: FILE,
-                    line: line.to_owned(),
-                })
-        })
-        .sum()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

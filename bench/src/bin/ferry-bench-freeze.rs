@@ -1,6 +1,6 @@
-//! `cargo xtask bench freeze`: the freeze at scale (seed 000 Fig. 5b/5c),
-//! for each way of moving TCP connections, over a sweep of connection
-//! counts.
+//! `cargo xtask bench freeze`: the freeze at scale (Gerofi et al. (DVE),
+//! Fig. 5b/5c), for each way of moving TCP connections, over a sweep of
+//! connection counts.
 //!
 //! Per connection count: a 3-node cluster (capture and replay on), the DVE
 //! server (`ferry-dve-server`, TCP and UDP echo on one port), `--tcp`
@@ -10,9 +10,9 @@
 //! `ferry-pg-session` queries it every 50 ms, and every migration must
 //! keep that very session (same backend PID, no failed query); `--db
 //! false` leaves it out. Then, per `--udp-only` count, a UDP server alone
-//! (the seed's OpenArena setup): that many players, no TCP client. The
-//! server moves node1 -> node2 -> node1 ..., `--runs` times per socket
-//! mode:
+//! (the OpenArena setup of Gerofi et al. (DVE)): that many players, no TCP
+//! client. The server moves node1 -> node2 -> node1 ..., `--runs` times per
+//! socket mode:
 //!
 //! - iterative: CRIU's own path, one connection at a time, one image file
 //!   per connection;
@@ -40,12 +40,13 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ferry_agent::engine::precopy::MemoryStrategy;
+use ferry_bench::softnet::backlog_drops;
+use ferry_bench::stats::{median, median_unsorted, percentile};
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
-use ferry_integration::nstat::{Nstat, backlog_drops};
+use ferry_integration::nstat::Nstat;
 use ferry_integration::pg_session::{SessionStatus, wait_for_queries};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
-use ferry_integration::stats::{median, median_unsorted, percentile};
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration};
 
@@ -170,7 +171,7 @@ struct Row {
     /// Bytes of the connections' send queues the freeze carried.
     send_queues: u64,
     /// Packets the machine's input backlog dropped meanwhile (the test
-    /// rig's veth pairs, not ferry: `nstat::backlog_drops`).
+    /// rig's veth pairs, not ferry: `softnet::backlog_drops`).
     backlog_drops: u64,
     /// Every part of the freeze the migration report names, in its order.
     parts: Vec<(String, f64)>,
@@ -712,7 +713,7 @@ impl Bystanders {
 }
 
 /// The freeze's median and p95 against the number of connections, a line
-/// for each per mode (seed 000 Fig. 5b/5c).
+/// for each per mode (Gerofi et al. (DVE), Fig. 5b/5c).
 /// `freezes`: (TCP connections, mode, freeze in ms) per migration.
 fn plot(freezes: &[(usize, String, f64)], counts: &[usize], modes: &[&str], runs: usize) -> String {
     use ferry_policy::sim::svg::{Chart, Series};

@@ -3,16 +3,17 @@
 //! interleaved rounds, and compared.
 //!
 //! Each variant is a directory of ferry's binaries (`ferryd`,
-//! `ferry-bench-freeze` and the workload servers, as in `target/debug`) and
-//! optionally a CRIU binary. Each round runs `ferry-bench-freeze` once per
-//! variant, with that variant's `FERRY_BIN_DIR` and `FERRY_CRIU`; the order
-//! alternates (A B, B A, A B, ...). On these machines the first variant of
-//! a back-to-back pair came out ~2.5 ms faster, whichever it was, and the
-//! machine's speed drifts by tens of percent within an hour: only
-//! interleaved rounds compare two builds. Prints, and writes to
-//! `<out>/ab.md`, each variant's freeze (median, mean, p95), its main parts
-//! and the parts of the freeze side by side, with the RTO and UDP-loss
-//! totals that must stay 0.
+//! `ferry-bench-freeze` and the workload servers it starts, as in
+//! `target/debug`, where the bench crate's and the integration crate's
+//! binaries land side by side) and optionally a CRIU binary. Each round
+//! runs `ferry-bench-freeze` once per variant, with that variant's
+//! `FERRY_BIN_DIR` and `FERRY_CRIU`; the order alternates (A B, B A, A B,
+//! ...). On these machines the first variant of a back-to-back pair came
+//! out ~2.5 ms faster, whichever it was, and the machine's speed drifts by
+//! tens of percent within an hour: only interleaved rounds compare two
+//! builds. Prints, and writes to `<out>/ab.md`, each variant's freeze
+//! (median, mean, p95), its main parts and the parts of the freeze side by
+//! side, with the RTO and UDP-loss totals that must stay 0.
 //!
 //! Two CRIU binaries compared must be built with one `SOURCE_DATE_EPOCH`:
 //! CRIU keys its cache of the kernel's features by its build time, and
@@ -25,7 +26,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ferry_integration::stats::{mean, median_unsorted as med, percentile};
+use ferry_bench::stats::{mean, median_unsorted as med, percentile};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -80,6 +81,20 @@ impl std::str::FromStr for Variant {
     }
 }
 
+/// What `ferry-bench-freeze` starts from its `FERRY_BIN_DIR`: the agent and
+/// the integration crate's workloads (the session client with `--db`, the
+/// echo server with `--bystanders`). Checked before the first round: a
+/// directory with one crate's build only (`cargo build -p ferry-bench`)
+/// lacks the others, and the freeze bench would fail only once its cluster
+/// is up.
+const VARIANT_BINARIES: [&str; 5] = [
+    "ferryd",
+    "ferry-bench-freeze",
+    "ferry-dve-server",
+    "ferry-echo-server",
+    "ferry-pg-session",
+];
+
 const DEFAULT_BENCH_ARGS: [&str; 7] = [
     "--runs",
     "3",
@@ -107,9 +122,17 @@ fn main() -> Result<()> {
                     .with_context(|| format!("variant {}: {}", v.name, c.display()))?,
             );
         }
-        let bench = v.dir.join("ferry-bench-freeze");
-        if !bench.is_file() {
-            bail!("variant {}: no {}", v.name, bench.display());
+        let missing: Vec<&str> = VARIANT_BINARIES
+            .into_iter()
+            .filter(|bin| !v.dir.join(bin).is_file())
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "variant {}: {} lacks {} (each DIR holds a build's binaries, as target/debug does)",
+                v.name,
+                v.dir.display(),
+                missing.join(", ")
+            );
         }
     }
     let bench_args: Vec<String> = if args.bench_args.is_empty() {

@@ -4,10 +4,11 @@
 //!
 //! Per mode: a 2-node cluster, the DVE server (`ferry-dve-server`, TCP and
 //! UDP echo on one port), and for every migration fresh clients: `--tcp`
-//! DVE connections sending 256 bytes every 50 ms (the seed's zone clients)
-//! and `--udp` players sending sequence-numbered datagrams at 20 Hz (the
-//! seed's OpenArena setup). The server moves node1 -> node2 -> node1 ...
-//! `--runs` times. Per migration, measured at the clients:
+//! DVE connections sending 256 bytes every 50 ms (the zone clients of
+//! Gerofi et al. (DVE)) and `--udp` players sending sequence-numbered
+//! datagrams at 20 Hz (its OpenArena setup). The server moves node1 ->
+//! node2 -> node1 ... `--runs` times. Per migration, measured at the
+//! clients:
 //!
 //! - gap: the longest silence a client saw (the last echo from the source
 //!   to the first from the destination; it includes up to one 50 ms send
@@ -29,11 +30,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use ferry_bench::stats::{median, median_unsorted};
 use ferry_integration::answer_watch::AnswerWatch;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate, run, wait_for_process};
 use ferry_integration::nstat::Nstat;
-use ferry_integration::stats::{median, median_unsorted};
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::MigrationOutcome;
 

@@ -1,6 +1,7 @@
 //! `cargo xtask bench algorithms`: the memory-transfer algorithms side by
-//! side (seed 004, tables 5.1, 5.3 and 5.6), over cluster links shaped to
-//! 10 Mb/s, 100 Mb/s and 1 Gb/s (`tbf` on every node's cluster interface).
+//! side (Noack (2003), tables 5.1, 5.3 and 5.6), over cluster links shaped
+//! to 10 Mb/s, 100 Mb/s and 1 Gb/s (`tbf` on every node's cluster
+//! interface).
 //!
 //! The processes, all `ferry-memwriter`, which checks after every migration
 //! that its memory is exactly what it wrote (a mismatch stops the bench):
@@ -18,8 +19,8 @@
 //! strategy, strategies interleaved. Per migration: preparation, down
 //! (freeze), post-processing and total time, bytes sent, pre-copy rounds
 //! and why they ended. Prints one table per process and link with medians,
-//! next to the seed's figures where it has them; writes CSV, Markdown and
-//! an SVG plot of the downtimes to `--out` (default
+//! next to Noack's figures where the thesis has them; writes CSV, Markdown
+//! and an SVG plot of the downtimes to `--out` (default
 //! `target/bench/algorithms`).
 
 use std::fmt::Write as _;
@@ -77,12 +78,12 @@ struct Args {
     out: PathBuf,
 }
 
-/// A table of seed 004: its name, and (preparation, down, post-processing,
-/// total) in ms by strategy.
-type SeedTable = (&'static str, [(&'static str, [f64; 4]); 3]);
+/// A table of Noack (2003): its name, and (preparation, down,
+/// post-processing, total) in ms by strategy.
+type NoackTable = (&'static str, [(&'static str, [f64; 4]); 3]);
 
-/// Seed 004's figures for the process and link it measured.
-fn seed_figures(process: &str, link: &str) -> Option<SeedTable> {
+/// Noack (2003)'s figures for the process and link the thesis measured.
+fn noack_figures(process: &str, link: &str) -> Option<NoackTable> {
     match (process, link) {
         ("getpid", "1gbit") => Some((
             "table 5.1",
@@ -370,17 +371,18 @@ fn tables(rows: &[Row], args: &Args) -> String {
                 "\n### {process}, {link} (medians of {} runs, ms)\n",
                 args.runs
             );
-            let seed = seed_figures(process, link);
+            let noack = noack_figures(process, link);
             let _ = writeln!(
                 md,
                 "| strategy | preparation | down | post-processing | total | bytes | rounds | pages in freeze |{}",
-                seed.map(|(t, _)| format!(" seed 004 {t}: prep / down / post / total |"))
+                noack
+                    .map(|(t, _)| format!(" Noack (2003) {t}: prep / down / post / total |"))
                     .unwrap_or_default()
             );
             let _ = writeln!(
                 md,
                 "|---|---:|---:|---:|---:|---:|---:|---:|{}",
-                if seed.is_some() { "---:|" } else { "" }
+                if noack.is_some() { "---:|" } else { "" }
             );
             for strategy in &args.strategies {
                 let s: Vec<&&Row> = of.iter().filter(|r| &r.strategy == strategy).collect();
@@ -388,12 +390,12 @@ fn tables(rows: &[Row], args: &Args) -> String {
                     continue;
                 }
                 let m = |f: fn(&Row) -> f64| median(s.iter().map(|r| f(r)).collect());
-                let seed_cell = seed
+                let noack_cell = noack
                     .and_then(|(_, fig)| fig.iter().find(|(n, _)| n == strategy).map(|(_, v)| *v))
                     .map(|v| format!(" {} / {} / {} / {} |", v[0], v[1], v[2], v[3]))
-                    // A strategy the seed's table lacks (post-copy here).
+                    // A strategy the thesis's table lacks (post-copy here).
                     .unwrap_or_else(|| {
-                        if seed.is_some() {
+                        if noack.is_some() {
                             " – |".into()
                         } else {
                             String::new()
@@ -401,7 +403,7 @@ fn tables(rows: &[Row], args: &Args) -> String {
                     });
                 let _ = writeln!(
                     md,
-                    "| {strategy} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} of {:.0} |{seed_cell}",
+                    "| {strategy} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} of {:.0} |{noack_cell}",
                     m(|r| r.preparation_ms),
                     m(|r| r.down_ms),
                     m(|r| r.post_ms),

@@ -18,10 +18,10 @@
 //!   forged exactly.
 //!
 //! The packets are what the capture would hold: IPv4/UDP datagrams with a
-//! 256-byte payload (the seed's DVE traffic) from 198.18.243.7 to the UDP
-//! socket, and 256-byte TCP data segments spread round-robin over the
-//! connections, all with correct checksums. Each mechanism delivers
-//! `--packets` of them per run:
+//! 256-byte payload (the zone traffic of Gerofi et al. (DVE)) from
+//! 198.18.243.7 to the UDP socket, and 256-byte TCP data segments spread
+//! round-robin over the connections, all with correct checksums. Each
+//! mechanism delivers `--packets` of them per run:
 //!
 //! - `raw socket (ferry Replayer)`: `ferry_ebpf::Replayer::replay`, i.e.
 //!   what ferry does, per-packet copy and checksum recomputation included;
