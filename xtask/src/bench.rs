@@ -1,6 +1,8 @@
 //! `cargo xtask bench <name> [-- ARGS]`: benchmarks that print tables (and
 //! write them under `target/bench/`), never pass/fail timers. Each one is a
-//! binary of the integration crate, run as root with the built agent.
+//! binary of the bench crate (`bench/`, built on the integration crate's
+//! harness), run as root with the built agent and the integration crate's
+//! workloads, which all land in the same `target/debug`.
 
 use std::path::Path;
 use std::process::Command;
@@ -9,7 +11,11 @@ use anyhow::{Context, Result, bail};
 
 use crate::{cmd, test};
 
-/// The benchmarks and the integration binary behind each.
+/// The benchmarks' crate: root only and not a default member, like the
+/// integration crate whose harness it uses.
+pub const CRATE: &str = "ferry-bench";
+
+/// The benchmarks and the bench crate's binary behind each.
 pub const BENCHES: [(&str, &str, &str); 5] = [
     (
         "gap",
@@ -24,7 +30,7 @@ pub const BENCHES: [(&str, &str, &str); 5] = [
     (
         "algorithms",
         "ferry-bench-algorithms",
-        "total copy vs pre-copy vs queued pre-copy over 10 Mb/s, 100 Mb/s and 1 Gb/s links (seed 004 tables 5.1, 5.3, 5.6)",
+        "total copy vs pre-copy vs queued pre-copy over 10 Mb/s, 100 Mb/s and 1 Gb/s links (Noack (2003), tables 5.1, 5.3, 5.6)",
     ),
     (
         "replay",
@@ -34,9 +40,19 @@ pub const BENCHES: [(&str, &str, &str); 5] = [
     (
         "ab",
         "ferry-bench-ab",
-        "two builds' freeze in interleaved rounds (--a NAME=DIR[:CRIU] --b NAME=DIR[:CRIU] [--rounds N] [-- freeze bench args])",
+        "two builds' freeze in interleaved rounds (--a NAME=DIR[:CRIU] --b NAME=DIR[:CRIU] [--rounds N] [-- freeze bench args]; each DIR a copy of target/debug)",
     ),
 ];
+
+/// Every binary a benchmark starts: the agent, the integration crate's
+/// workloads and the bench crate's own (`ferry-bench-ab` runs
+/// `ferry-bench-freeze`), so that `target/debug` is also what `bench ab`
+/// takes as a build's directory.
+pub fn build() -> Result<()> {
+    let args = ["build", "--workspace", "--bins"];
+    test::header(&format!("build: cargo {}", args.join(" ")));
+    cmd::run(cmd::cargo().args(args)).context("step `build` failed")
+}
 
 pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
     let Some((_, bin, _)) = BENCHES.iter().find(|(n, _, _)| *n == name) else {
@@ -47,9 +63,15 @@ pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
         bail!("no benchmark `{name}`; known: {}", known.join(", "));
     };
     test::ensure_setup(criu_prefix)?;
-    test::build()?;
+    build()?;
     test::header(&format!("bench {name}"));
     let path = cmd::debug_dir().join(bin);
+    if !path.exists() {
+        bail!(
+            "step `bench {name}` failed: {} was not built (no `{bin}` binary in the {CRATE} crate, bench/?)",
+            path.display()
+        );
+    }
     let mut c = Command::new(&path);
     c.args(args);
     test::ferry_env(&mut c, criu_prefix);

@@ -4,7 +4,8 @@
 //! - `test`: set up if needed, build, run unit and integration tests
 //! - `integration [-- ARGS]`: build, then only the root-only integration tests
 //! - `demo [-- ARGS]`: set up if needed, build, run the 3-node migration demo
-//! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark (`gap`, `freeze`, `algorithms`, `replay`)
+//! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark of
+//!   the bench crate (`gap`, `freeze`, `algorithms`, `replay`, `ab`)
 //! - `sim <openmosix|dve|all> [--runs N] [--seed S] [--out DIR]`: run the
 //!   load-balancing simulator (no root, no setup)
 //! - `fuzz [TARGET] [--seconds N]`: run the cargo-fuzz targets in `fuzz/`
@@ -65,11 +66,11 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Set up if needed, build, and run a benchmark (root): `gap` (capture
-    /// and replay against drop and retransmit), `freeze` (socket modes at
-    /// scale), `algorithms` (memory strategies over shaped links),
-    /// `replay`; extra arguments go to it (`cargo xtask bench gap -- --runs
-    /// 20`).
+    /// Set up if needed, build, and run a benchmark (root; the bench crate's
+    /// binaries): `gap` (capture and replay against drop and retransmit),
+    /// `freeze` (socket modes at scale), `algorithms` (memory strategies
+    /// over shaped links), `replay`, `ab` (two builds' freeze); extra
+    /// arguments go to it (`cargo xtask bench gap -- --runs 20`).
     Bench {
         name: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

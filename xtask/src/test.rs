@@ -6,7 +6,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 
-use crate::{cmd, criu, setup};
+use crate::{bench, cmd, criu, setup};
 
 pub fn header(s: &str) {
     eprintln!("\n==== {s} ====");
@@ -21,11 +21,15 @@ pub fn ensure_setup(criu_prefix: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Builds every binary, the root-only integration crate's included (it is
-/// not a default member, hence --workspace).
+/// Builds every binary the tests and the demo start: the agent's and the
+/// root-only integration crate's workloads (it is not a default member,
+/// hence --workspace). Not the benchmarks, which nothing here runs: their
+/// crate is compiled and its unit tests run by [`unit`], and `cargo xtask
+/// bench` builds its binaries ([`bench::build`]).
 pub fn build() -> Result<()> {
-    header("build: cargo build --workspace --bins");
-    cmd::run(cmd::cargo().args(["build", "--workspace", "--bins"])).context("step `build` failed")
+    let args = ["build", "--workspace", "--exclude", bench::CRATE, "--bins"];
+    header(&format!("build: cargo {}", args.join(" ")));
+    cmd::run(cmd::cargo().args(args)).context("step `build` failed")
 }
 
 /// Where the integration tests and the demo find ferry's binaries and CRIU.
@@ -34,9 +38,13 @@ pub fn ferry_env(c: &mut Command, criu_prefix: &Path) {
         .env("FERRY_CRIU", criu::binary(criu_prefix));
 }
 
+/// The default members' tests and the bench crate's (its CSV reading and
+/// statistics: no root needed, and this keeps the benchmarks compiling in
+/// CI); the integration crate's are run apart, by [`integration`].
 pub fn unit() -> Result<()> {
-    header("unit tests: cargo test");
-    cmd::run(cmd::cargo().arg("test")).context("step `unit tests` failed")
+    let args = ["test", "--workspace", "--exclude", "ferry-integration"];
+    header(&format!("unit tests: cargo {}", args.join(" ")));
+    cmd::run(cmd::cargo().args(args)).context("step `unit tests` failed")
 }
 
 /// The integration tests need root, network namespaces and CRIU, and share
