@@ -64,7 +64,7 @@ pub fn probe_criu(path: &Path, config: &Config) -> Result<String, CheckError> {
             reason: format!(
                 "{}: {}",
                 config.criu_path.display(),
-                crate::agent::error_chain(&e)
+                crate::error_chain::error_chain(&e)
             ),
         })
 }

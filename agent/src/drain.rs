@@ -1,4 +1,4 @@
-//! Draining a node for maintenance (`Control.DrainNode`, seed 004 §2.1):
+//! Draining a node for maintenance (`Control.DrainNode`, Noack (2003) §2.1):
 //! cordon it, then migrate its managed processes away one at a time.
 //!
 //! One at a time, because each migration freezes a process and loads the
@@ -29,10 +29,12 @@ use tokio::sync::mpsc;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::agent::{Agent, lock};
+use crate::conductor::Conductor;
+use crate::engine::Engine;
 use crate::engine::cancel::Cancel;
 use crate::engine::source::{self, MigrationOptions};
 use crate::managed::Lifecycle;
+use crate::sync::lock;
 
 /// Attempts per process (a migration that aborted keeps the process here,
 /// so a second destination is safe to try).
@@ -96,53 +98,73 @@ impl DrainControl {
     }
 }
 
-/// The drain running on this node, if one is.
-pub fn running(agent: &Agent) -> Option<Arc<DrainControl>> {
-    lock(&agent.drain).clone()
+/// The drain running on this node, if one is, and what a drain ranks
+/// destinations by.
+#[derive(Debug, Default)]
+pub struct Drains {
+    current: std::sync::Mutex<Option<Arc<DrainControl>>>,
+    /// The balancer's conductor, when membership runs: the peers' loads.
+    conductor: Option<Arc<Conductor>>,
+}
+
+impl Drains {
+    pub fn new(conductor: Option<Arc<Conductor>>) -> Self {
+        Self {
+            current: std::sync::Mutex::new(None),
+            conductor,
+        }
+    }
+
+    /// The drain running on this node, if one is.
+    pub fn running(&self) -> Option<Arc<DrainControl>> {
+        lock(&self.current).clone()
+    }
 }
 
 /// Starts draining this node; the events come on the returned channel.
 /// The drain goes on if the caller stops listening (`CancelDrain` stops
 /// it). FAILED_PRECONDITION if a drain runs already.
 pub fn start(
-    agent: Arc<Agent>,
+    engine: Arc<Engine>,
+    drains: Arc<Drains>,
     options: MigrationOptions,
     by: String,
 ) -> Result<mpsc::Receiver<Result<DrainEvent, Status>>, Status> {
     let control = Arc::new(DrainControl::new(&by));
     {
-        let mut slot = lock(&agent.drain);
+        let mut slot = lock(&drains.current);
         if let Some(other) = slot.as_ref() {
             return Err(Status::failed_precondition(format!(
                 "node: a drain of {} runs already (started by {}); stop it with CancelDrain or wait for its end",
-                agent.node(),
+                engine.node(),
                 other.by
             )));
         }
         *slot = Some(control.clone());
     }
-    if let Err(e) = agent.set_cordoned(true, &format!("drain by {by}")) {
-        *lock(&agent.drain) = None;
-        return Err(e.into());
+    if let Err(e) = engine.cordon.set(true, &format!("drain by {by}")) {
+        *lock(&drains.current) = None;
+        return Err(Status::internal(e.to_string()));
     }
     let (tx, rx) = mpsc::channel(64);
     let span = tracing::info_span!("drain", by = %by);
-    tokio::spawn(drain(agent, options, tx, control).instrument(span));
+    tokio::spawn(drain(engine, drains, options, tx, control).instrument(span));
     Ok(rx)
 }
 
 async fn drain(
-    agent: Arc<Agent>,
+    engine: Arc<Engine>,
+    drains: Arc<Drains>,
     options: MigrationOptions,
     tx: Events,
     control: Arc<DrainControl>,
 ) {
     let started = Instant::now();
-    let pids: Vec<i32> = agent.registry().iter().map(|p| p.pid).collect();
+    let pids: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
     tracing::info!(processes = pids.len(), "draining");
     let _ = tx
         .send(Ok(event(drain_event::Event::Started(DrainStarted {
-            node: agent.node().to_owned(),
+            node: engine.node().to_owned(),
             pids: pids.clone(),
         }))))
         .await;
@@ -153,14 +175,15 @@ async fn drain(
             why_not.push((pid, format!("not moved: the drain was cancelled by {by}")));
             continue;
         }
-        match drain_one(&agent, pid, options, &tx, &control).await {
+        match drain_one(&engine, &drains, pid, options, &tx, &control).await {
             Ok(true) => moved += 1,
             Ok(false) => {} // gone by itself (exited, or moved by another migration)
             Err(reason) => why_not.push((pid, reason)),
         }
     }
     // What is still managed here, with the reason if the drain knows it.
-    let remaining: Vec<String> = agent
+    let remaining: Vec<String> = engine
+        .processes
         .registry()
         .iter()
         .map(|p| {
@@ -174,19 +197,19 @@ async fn drain(
         .collect();
     let cancelled_by = control.cancelled();
     let finished = DrainFinished {
-        node: agent.node().to_owned(),
+        node: engine.node().to_owned(),
         moved,
         remaining: remaining.clone(),
         elapsed_us: started.elapsed().as_micros() as u64,
         cancelled_by: cancelled_by.clone().unwrap_or_default(),
     };
     tracing::info!(moved, remaining = remaining.len(), cancelled_by = ?cancelled_by, "drain finished");
-    agent
+    engine
         .events
         .publish(pb::cluster_event::Event::DrainFinished(finished.clone()));
     // The next drain may start; CancelDrain callers get the summary.
     {
-        let mut slot = lock(&agent.drain);
+        let mut slot = lock(&drains.current);
         if slot.as_ref().is_some_and(|d| Arc::ptr_eq(d, &control)) {
             *slot = None;
         }
@@ -199,7 +222,7 @@ async fn drain(
         let _ = tx
             .send(Err(Status::cancelled(format!(
                 "drain cancelled by {by}; {} still runs {} process(es): {}",
-                agent.node(),
+                engine.node(),
                 remaining.len(),
                 remaining.join("; ")
             ))))
@@ -208,7 +231,7 @@ async fn drain(
         let _ = tx
             .send(Err(Status::aborted(format!(
                 "{} still runs {} process(es): {}",
-                agent.node(),
+                engine.node(),
                 remaining.len(),
                 remaining.join("; ")
             ))))
@@ -223,7 +246,8 @@ fn event(e: drain_event::Event) -> DrainEvent {
 /// Moves one process away. Ok(true): moved; Ok(false): no longer here
 /// for another reason; Err: it stays, and why.
 async fn drain_one(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
+    drains: &Drains,
     pid: i32,
     options: MigrationOptions,
     tx: &Events,
@@ -236,7 +260,11 @@ async fn drain_one(
         if let Some(by) = control.cancelled() {
             return Err(cancelled(by));
         }
-        let lifecycle = agent.registry().get(pid).map(|p| p.lifecycle.clone());
+        let lifecycle = engine
+            .processes
+            .registry()
+            .get(pid)
+            .map(|p| p.lifecycle.clone());
         match lifecycle {
             None => return Ok(false),
             Some(Lifecycle::Running) => break,
@@ -254,7 +282,7 @@ async fn drain_one(
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = String::from("no other node answers or takes processes");
     let mut attempts = 0;
-    for destination in destinations(agent).await {
+    for destination in destinations(engine, drains).await {
         if attempts == ATTEMPTS {
             break;
         }
@@ -262,7 +290,7 @@ async fn drain_one(
             return Err(cancelled(by));
         }
         tried.push(destination.clone());
-        let prepared = match source::prepare(agent, pid, &destination, options).await {
+        let prepared = match source::prepare(engine, pid, &destination, options).await {
             Ok(p) => p,
             Err(e) => {
                 // Turned down before anything happened: the next node.
@@ -290,7 +318,7 @@ async fn drain_one(
         attempts += 1;
         control.under_way(Some(prepared.cancel.clone()));
         let (mtx, mut mrx) = mpsc::channel::<Result<MigrationEvent, Status>>(32);
-        let run = tokio::spawn(source::run(agent.clone(), prepared, mtx));
+        let run = tokio::spawn(source::run(engine.clone(), prepared, mtx));
         while let Some(ev) = mrx.recv().await {
             let Ok(ev) = ev else { continue };
             let _ = tx
@@ -336,10 +364,10 @@ async fn drain_one(
 /// The nodes a drained process may go to, best first: those that answer
 /// and are not cordoned, by the load the balancer knows (when membership
 /// runs) and then by how many processes they manage.
-async fn destinations(agent: &Arc<Agent>) -> Vec<String> {
-    let loads: std::collections::HashMap<String, f64> = agent
+async fn destinations(engine: &Arc<Engine>, drains: &Drains) -> Vec<String> {
+    let loads: std::collections::HashMap<String, f64> = drains
         .conductor
-        .get()
+        .as_ref()
         .map(|c| {
             c.report()
                 .peers
@@ -348,10 +376,14 @@ async fn destinations(agent: &Arc<Agent>) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default();
-    let probes = agent.known_peers().into_iter().map(|peer| async move {
-        let answer = agent.hello(&peer).await.ok();
-        (peer.name, answer)
-    });
+    let probes = engine
+        .cluster
+        .known_peers()
+        .into_iter()
+        .map(|peer| async move {
+            let answer = engine.cluster.hello(&peer).await.ok();
+            (peer.name, answer)
+        });
     let mut candidates: Vec<(f64, u32, String)> = futures::future::join_all(probes)
         .await
         .into_iter()

@@ -242,7 +242,7 @@ fn set_balancer(req: &pb::SetBalancerRequest) {
     else {
         return;
     };
-    if crate::conductor::unsupported(&policy).is_some() || policy.validate().is_err() {
+    if crate::config::unsupported_policy(&policy).is_some() || policy.validate().is_err() {
         return;
     }
     // What GetBalancer shows of an accepted policy reads back as itself.
@@ -367,7 +367,7 @@ struct SlotView {
 }
 
 async fn slot_view(f: &Fixture) -> Option<SlotView> {
-    let slot = f.agent.incoming.lock().await;
+    let slot = f.engine.incoming.lock().await;
     slot.as_ref().map(|inc| SlotView {
         migration_id: inc.migration_id.clone(),
         state: destination::fixture::state_name(inc),
@@ -399,7 +399,7 @@ fn filter_ports(f: &Fixture) -> BTreeMap<String, String> {
 /// session, no hold on an in-cluster connection, no image directory.
 async fn check_consistent(f: &Fixture, ports_seen: &BTreeSet<PortKey>) {
     let view = slot_view(f).await;
-    let owned = f.agent.owned_ports();
+    let owned = f.engine.ports.owned();
     let expected = view.as_ref().map(|v| v.ports.clone()).unwrap_or_default();
     assert_eq!(owned, expected, "owned ports vs the incoming slot {view:?}");
     let filtered: BTreeSet<String> = filter_ports(f).into_keys().collect();
@@ -430,8 +430,12 @@ async fn check_consistent(f: &Fixture, ports_seen: &BTreeSet<PortKey>) {
             })
             .collect();
         let n = strays.len();
-        assert_eq!(f.agent.capture.route(strays), n, "capture left open");
-        let incoming = f.agent.config.work_dir.join("incoming");
+        assert_eq!(
+            f.engine.dataplane.capture.route(strays),
+            n,
+            "capture left open"
+        );
+        let incoming = f.engine.config.work_dir.join("incoming");
         if let Ok(dirs) = std::fs::read_dir(&incoming) {
             let left: Vec<_> = dirs.flatten().map(|d| d.file_name()).collect();
             assert!(left.is_empty(), "image directories left: {left:?}");
@@ -494,7 +498,7 @@ async fn peer_sequence(data: &[u8]) {
     }
     if let Some(v) = slot_view(&f).await {
         let aborted = destination::abort(
-            &f.agent,
+            &f.engine,
             pb::AbortRequest {
                 migration_id: v.migration_id,
                 reason: "end of sequence".into(),
@@ -516,12 +520,12 @@ async fn run_step(
     msg: &[u8],
     ports_seen: &mut BTreeSet<PortKey>,
 ) -> Option<Result<Option<String>, crate::engine::EngineError>> {
-    let agent = &f.agent;
+    let engine = &f.engine;
     let mut note_ports = |ports: &[pb::Port]| {
         ports_seen.extend(
             ports
                 .iter()
-                .filter_map(|p| destination::port_from_pb(p).ok()),
+                .filter_map(|p| crate::process::PortKey::from_pb(p).ok()),
         );
     };
     let done = |r: Result<(), crate::engine::EngineError>| Some(r.map(|()| None));
@@ -532,7 +536,7 @@ async fn run_step(
             fix.node(&mut req.source_node);
             fix.version(&mut req.protocol_version);
             note_ports(&req.ports);
-            done(destination::prepare(agent, req).await.map(drop))
+            done(destination::prepare(engine, req).await.map(drop))
         }
         Step::Arm => {
             let mut req = pb::ArmRequest::decode(msg).ok()?;
@@ -540,7 +544,7 @@ async fn run_step(
             note_ports(&req.ports);
             // The sockets it names are checked here, not opened: the
             // peer API's `destination::stage` touches the system.
-            done(destination::arm(agent, req).await.map(drop))
+            done(destination::arm(engine, req).await.map(drop))
         }
         Step::TransferImages => {
             let mut chunks = stream_of::<pb::ImageChunk>(msg);
@@ -548,7 +552,7 @@ async fn run_step(
                 fix.id(&mut c.migration_id);
             }
             let caller = caller(fix);
-            let r = destination::transfer_images(agent, caller, streaming(&chunks)).await;
+            let r = destination::transfer_images(engine, caller, streaming(&chunks)).await;
             done(r.map(drop))
         }
         Step::TransferPages => {
@@ -557,14 +561,14 @@ async fn run_step(
                 fix.id(&mut b.migration_id);
             }
             let caller = caller(fix);
-            let r = destination::transfer_pages(agent, caller, streaming(&batches)).await;
+            let r = destination::transfer_pages(engine, caller, streaming(&batches)).await;
             done(r.map(drop))
         }
         Step::TransferSockets => {
             let mut req = pb::TransferSocketsRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             fix.node(&mut req.source_node);
-            let r = destination::sockets_to_rebuild(agent, &mut req);
+            let r = destination::sockets_to_rebuild(engine, &mut req);
             done(r.map(drop))
         }
         Step::PageTunnel => {
@@ -574,18 +578,18 @@ async fn run_step(
             fix.id(&mut first.migration_id);
             messages.insert(0, Ok(first));
             let caller = caller(fix);
-            let r = destination::page_tunnel(agent, caller, streaming(&messages)).await;
+            let r = destination::page_tunnel(engine, caller, streaming(&messages)).await;
             done(r.map(drop))
         }
         Step::Restore => {
             let mut req = pb::RestoreRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
-            done(destination::restore(agent, req).await.map(drop))
+            done(destination::restore(engine, req).await.map(drop))
         }
         Step::Commit => {
             let mut req = pb::CommitRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
-            let r = destination::commit(agent, req).await;
+            let r = destination::commit(engine, req).await;
             assert!(r.is_err(), "a commit without a restored process");
             done(r.map(drop))
         }
@@ -593,7 +597,7 @@ async fn run_step(
             let mut req = pb::AbortRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             let id = req.migration_id.clone();
-            Some(destination::abort(agent, req).await.map(|()| Some(id)))
+            Some(destination::abort(engine, req).await.map(|()| Some(id)))
         }
         Step::Hello => {
             // The handler's only logic: the version both speak.
@@ -607,23 +611,30 @@ async fn run_step(
         Step::PortOwnership => {
             // As the handler answers: the asked ports this node owns.
             let req = pb::PortOwnershipRequest::decode(msg).ok()?;
-            let asked: Result<Vec<_>, _> =
-                req.ports.iter().map(destination::port_from_pb).collect();
+            let asked: Result<Vec<_>, _> = req
+                .ports
+                .iter()
+                .map(crate::process::PortKey::from_pb)
+                .collect();
             if let Ok(asked) = &asked {
-                let owned = agent.owned_ports();
+                let owned = engine.ports.owned();
                 for p in asked.iter().filter(|p| owned.contains(p)) {
-                    let back = crate::engine::source::port_to_pb(p);
-                    assert_eq!(destination::port_from_pb(&back).ok(), Some(*p));
+                    assert_eq!(crate::process::PortKey::from_pb(&p.to_pb()).ok(), Some(*p));
                 }
             }
-            Some(asked.map(drop).map(|()| None))
+            Some(
+                asked
+                    .map(drop)
+                    .map(|()| None)
+                    .map_err(crate::engine::EngineError::from),
+            )
         }
         Step::PostCopyStatus => {
             let mut req = pb::PostCopyStatusRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             // Nothing commits here, so no post-copy is ever known: the
             // answer comes at once, whatever `wait_ms` says.
-            let r = destination::post_copy_status(agent, caller(fix), req).await;
+            let r = destination::post_copy_status(engine, caller(fix), req).await;
             assert!(r.is_err());
             done(r.map(drop))
         }
@@ -631,11 +642,11 @@ async fn run_step(
             let mut req = pb::TranslationsRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             let r = if step == Step::AddTranslations {
-                crate::engine::translations::add(agent, &req)
+                engine.dataplane.add_translations(engine.here(), &req)
             } else {
-                crate::engine::translations::remove(agent, &req)
+                engine.dataplane.remove_translations(engine.here(), &req)
             };
-            done(r.map(drop))
+            done(r.map(drop).map_err(crate::engine::EngineError::from))
         }
     }
 }

@@ -13,19 +13,21 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::forward::{self, Target};
-use crate::agent::{Agent, error_chain};
-use crate::engine::source::{self, port_to_pb};
+use crate::engine::source;
+use crate::error_chain::error_chain;
 use crate::managed::Lifecycle;
+use crate::node::Node as AgentNode;
+use crate::process::PortKey;
 use crate::sockstate::SocketMigration;
 
 #[derive(Debug, Clone)]
 pub struct ControlService {
-    agent: Arc<Agent>,
+    node: Arc<AgentNode>,
 }
 
 impl ControlService {
-    pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+    pub fn new(node: Arc<AgentNode>) -> Self {
+        Self { node }
     }
 }
 
@@ -56,7 +58,7 @@ fn process_to_pb(
     ManagedProcess {
         pid: p.pid,
         argv: p.argv.clone(),
-        ports: p.sockets.ports.iter().map(port_to_pb).collect(),
+        ports: p.sockets.ports.iter().map(PortKey::to_pb).collect(),
         tcp_listening: p.sockets.tcp_listening,
         tcp_established: p.sockets.tcp_established,
         udp_sockets: p.sockets.udp,
@@ -95,9 +97,9 @@ fn relay<T: Send + 'static>(
 macro_rules! forward_unary {
     ($self:ident, $peer:expr, $method:ident, $message:expr) => {{
         let peer = $peer;
-        let mut client = forward::client(&$self.agent, &peer).await?;
+        let mut client = forward::client(&$self.node.cluster, &peer).await?;
         client
-            .$method(forward::request(&$self.agent, $message))
+            .$method(forward::request(&$self.node.cluster, $message))
             .await
             .map_err(|s| forward::from_peer(&peer, s))
     }};
@@ -109,32 +111,32 @@ impl Control for ControlService {
         &self,
         _: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        let agent = &self.agent;
+        let me = &self.node;
         let mut nodes = vec![Node {
-            name: agent.node().to_owned(),
-            peer_address: agent.config.cluster.peer_listen.to_string(),
+            name: me.node().to_owned(),
+            peer_address: me.config.cluster.peer_listen.to_string(),
             is_self: true,
             reachable: true,
             peer_protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
             error: String::new(),
-            managed_processes: agent.registry().len() as u32,
-            cordoned: agent.cordoned(),
-            membership_state: if agent.membership.get().is_some() {
+            managed_processes: me.processes.registry().len() as u32,
+            cordoned: me.cordon.is_on(),
+            membership_state: if me.cluster.membership().is_some() {
                 "alive".into()
             } else {
                 "static".into()
             },
-            has_load: agent.conductor.get().is_some(),
-            load: agent.conductor.get().map_or(0.0, |c| c.local_load()),
+            has_load: me.conductor.is_some(),
+            load: me.conductor.as_ref().map_or(0.0, |c| c.local_load()),
             ..Default::default()
         }];
-        let probes = agent.config.peers.iter().map(|peer| async move {
+        let probes = me.cluster.configured_peers().iter().map(|peer| async move {
             let mut node = Node {
                 name: peer.name.clone(),
                 peer_address: peer.address.to_string(),
                 ..Default::default()
             };
-            match agent.hello(peer).await {
+            match me.cluster.hello(peer).await {
                 Ok(h) => {
                     node.reachable = true;
                     node.peer_protocol_version = h.protocol_version;
@@ -149,10 +151,10 @@ impl Control for ControlService {
         for n in nodes.iter_mut().skip(1) {
             n.membership_state = "static".into();
         }
-        if let Some(m) = agent.membership.get() {
-            let candidates = agent
+        if let Some(m) = me.cluster.membership() {
+            let candidates = me
                 .conductor
-                .get()
+                .as_ref()
                 .map(|c| c.candidate_names())
                 .unwrap_or_default();
             for member in m.members() {
@@ -194,7 +196,7 @@ impl Control for ControlService {
             return Ok(Response::new(self.list_all_processes().await?));
         }
         let node = request.get_ref().node.clone();
-        match forward::target(&self.agent, &request, "node", &node)? {
+        match forward::target(&self.node.cluster, &request, "node", &node)? {
             Target::Here => Ok(Response::new(self.local_processes().await?)),
             Target::Peer(peer) => forward_unary!(
                 self,
@@ -213,7 +215,7 @@ impl Control for ControlService {
         request: Request<RunProcessRequest>,
     ) -> Result<Response<RunProcessResponse>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, run_process, request.into_inner());
         }
         let argv = request.into_inner().argv;
@@ -222,15 +224,18 @@ impl Control for ControlService {
                 "argv: give the program to run (argv[0] is empty)",
             ));
         }
-        self.agent.refuse_if_cordoned()?;
-        let pid = self.agent.run_process(argv).await.map_err(|e| match e {
+        self.node
+            .cordon
+            .refuse_if_on()
+            .map_err(crate::engine::EngineError::from)?;
+        let pid = self.node.supervisor.run(argv).await.map_err(|e| match e {
             crate::managed::SpawnError::EmptyArgv => Status::invalid_argument(format!("argv: {e}")),
             crate::managed::SpawnError::NulByte { .. } => Status::invalid_argument(e.to_string()),
             e => Status::failed_precondition(error_chain(&e)),
         })?;
         Ok(Response::new(RunProcessResponse {
             pid,
-            node: self.agent.node().to_owned(),
+            node: self.node.node().to_owned(),
         }))
     }
 
@@ -241,10 +246,12 @@ impl Control for ControlService {
         request: Request<MigrateRequest>,
     ) -> Result<Response<Self::MigrateStream>, Status> {
         let node = request.get_ref().source_node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "source_node", &node)? {
-            let mut client = forward::client(&self.agent, &peer).await?;
+        if let Target::Peer(peer) =
+            forward::target(&self.node.cluster, &request, "source_node", &node)?
+        {
+            let mut client = forward::client(&self.node.cluster, &peer).await?;
             let stream = client
-                .migrate(forward::request(&self.agent, request.into_inner()))
+                .migrate(forward::request(&self.node.cluster, request.into_inner()))
                 .await
                 .map_err(|s| forward::from_peer(&peer, s))?
                 .into_inner();
@@ -252,13 +259,13 @@ impl Control for ControlService {
         }
         let req = request.into_inner();
         let (pid, destination, options) = migrate_options(&req)?;
-        let prepared = source::prepare(&self.agent, pid, &destination, options).await?;
+        let prepared = source::prepare(&self.node.engine, pid, &destination, options).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(32);
-        let agent = self.agent.clone();
+        let engine = self.node.engine.clone();
         // Spawned: the migration finishes, or rolls back, whether or not the
         // caller keeps listening.
         tokio::spawn(async move {
-            let report = source::run(agent, prepared, tx.clone()).await;
+            let report = source::run(engine, prepared, tx.clone()).await;
             let end = final_status(&report);
             let _ = tx
                 .send(Ok(MigrationEvent {
@@ -279,16 +286,20 @@ impl Control for ControlService {
         request: Request<GetMigrationRequest>,
     ) -> Result<Response<MigrationReport>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, get_migration, request.into_inner());
         }
         let id = request.into_inner().migration_id;
-        self.agent.report(&id).map(Response::new).ok_or_else(|| {
-            Status::not_found(format!(
-                "migration_id: no migration {id:?} ran from {}",
-                self.agent.node()
-            ))
-        })
+        self.node
+            .reports
+            .get(&id)
+            .map(Response::new)
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "migration_id: no migration {id:?} ran from {}",
+                    self.node.node()
+                ))
+            })
     }
 
     async fn get_balancer(
@@ -296,15 +307,15 @@ impl Control for ControlService {
         request: Request<pb::GetBalancerRequest>,
     ) -> Result<Response<pb::Balancer>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, get_balancer, request.into_inner());
         }
-        match self.agent.conductor.get() {
+        match self.node.conductor.as_ref() {
             Some(c) => Ok(Response::new(c.report())),
             None => Ok(Response::new(pb::Balancer {
-                node: self.agent.node().to_owned(),
+                node: self.node.node().to_owned(),
                 enabled: false,
-                policy_toml: toml::to_string(&self.agent.config.policy).unwrap_or_default(),
+                policy_toml: toml::to_string(&self.node.config.policy).unwrap_or_default(),
                 last_decision: "membership is off: no balancer".into(),
                 ..Default::default()
             })),
@@ -316,7 +327,7 @@ impl Control for ControlService {
         request: Request<pb::SetBalancerRequest>,
     ) -> Result<Response<pb::Balancer>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, set_balancer, request.into_inner());
         }
         let req = request.into_inner();
@@ -336,7 +347,7 @@ impl Control for ControlService {
         request: Request<GetDataPlaneRequest>,
     ) -> Result<Response<DataPlane>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, get_data_plane, request.into_inner());
         }
         self.local_data_plane().await.map(Response::new)
@@ -347,7 +358,7 @@ impl Control for ControlService {
         request: Request<pb::CancelMigrationRequest>,
     ) -> Result<Response<MigrationReport>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, cancel_migration, request.into_inner());
         }
         let by = who(&request);
@@ -357,8 +368,8 @@ impl Control for ControlService {
                 "migration_id: name the migration to cancel",
             ));
         }
-        let Some(cancel) = self.agent.outgoing(&id) else {
-            return Err(match self.agent.report(&id) {
+        let Some(cancel) = self.node.engine.outgoing.cancel_switch(&id) else {
+            return Err(match self.node.reports.get(&id) {
                 Some(r) => Status::failed_precondition(format!(
                     "migration_id: migration {id} has ended already ({})",
                     pb::MigrationOutcome::try_from(r.outcome)
@@ -367,7 +378,7 @@ impl Control for ControlService {
                 )),
                 None => Status::not_found(format!(
                     "migration_id: no migration {id:?} runs from {}",
-                    self.agent.node()
+                    self.node.node()
                 )),
             });
         };
@@ -385,10 +396,10 @@ impl Control for ControlService {
         request: Request<pb::DrainNodeRequest>,
     ) -> Result<Response<Self::DrainNodeStream>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
-            let mut client = forward::client(&self.agent, &peer).await?;
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
+            let mut client = forward::client(&self.node.cluster, &peer).await?;
             let stream = client
-                .drain_node(forward::request(&self.agent, request.into_inner()))
+                .drain_node(forward::request(&self.node.cluster, request.into_inner()))
                 .await
                 .map_err(|s| forward::from_peer(&peer, s))?
                 .into_inner();
@@ -397,7 +408,12 @@ impl Control for ControlService {
         let by = who(&request);
         let req = request.into_inner();
         let options = drain_options(&req)?;
-        let rx = crate::drain::start(self.agent.clone(), options, by)?;
+        let rx = crate::drain::start(
+            self.node.engine.clone(),
+            self.node.drains.clone(),
+            options,
+            by,
+        )?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -408,12 +424,12 @@ impl Control for ControlService {
         request: Request<pb::CancelDrainRequest>,
     ) -> Result<Response<pb::DrainFinished>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, cancel_drain, request.into_inner());
         }
         let by = who(&request);
-        let drain = crate::drain::running(&self.agent).ok_or_else(|| {
-            Status::failed_precondition(format!("node: no drain runs on {}", self.agent.node()))
+        let drain = self.node.drains.running().ok_or_else(|| {
+            Status::failed_precondition(format!("node: no drain runs on {}", self.node.node()))
         })?;
         tracing::info!(%by, "drain cancel requested");
         drain.cancel(&by);
@@ -425,14 +441,17 @@ impl Control for ControlService {
         request: Request<pb::SetCordonRequest>,
     ) -> Result<Response<pb::SetCordonResponse>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, set_cordon, request.into_inner());
         }
         let by = format!("operator {}", who(&request));
         let cordoned = request.into_inner().cordoned;
-        self.agent.set_cordoned(cordoned, &by)?;
+        self.node
+            .cordon
+            .set(cordoned, &by)
+            .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::SetCordonResponse {
-            node: self.agent.node().to_owned(),
+            node: self.node.node().to_owned(),
             cordoned,
         }))
     }
@@ -444,7 +463,7 @@ impl Control for ControlService {
         request: Request<pb::WatchEventsRequest>,
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
         let this_node_only = request.get_ref().this_node_only;
-        let rx = crate::watch::start(self.agent.clone(), !this_node_only);
+        let rx = super::watch::start(self.node.engine.clone(), !this_node_only);
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -455,7 +474,7 @@ impl Control for ControlService {
         request: Request<pb::AdoptProcessRequest>,
     ) -> Result<Response<ManagedProcess>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, adopt_process, request.into_inner());
         }
         let pid = request.get_ref().pid;
@@ -465,7 +484,7 @@ impl Control for ControlService {
             )));
         }
         let by = who(&request);
-        let p = self.agent.adopt_running(pid).await.map_err(|e| {
+        let p = self.node.supervisor.adopt(pid).await.map_err(|e| {
             use crate::managed::AdoptError;
             let message = error_chain(&e);
             match e {
@@ -480,10 +499,10 @@ impl Control for ControlService {
             }
         })?;
         tracing::info!(pid, by = %by, argv = ?p.argv, "process adopted");
-        let conflicts = self.agent.port_conflicts();
+        let conflicts = self.node.ports.conflicts();
         Ok(Response::new(process_to_pb(
             &p,
-            self.agent.node(),
+            self.node.node(),
             &conflicts,
         )))
     }
@@ -495,17 +514,18 @@ impl Control for ControlService {
         request: Request<pb::WaitProcessRequest>,
     ) -> Result<Response<Self::WaitProcessStream>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             // That node answers for where the process is now; this agent
             // follows it on from there.
-            let rx = crate::follow::start_at(self.agent.clone(), peer.name, request.get_ref().pid)
-                .await?;
+            let rx =
+                super::follow::start_at(self.node.engine.clone(), peer.name, request.get_ref().pid)
+                    .await?;
             return Ok(Response::new(Box::pin(
                 tokio_stream::wrappers::ReceiverStream::new(rx),
             )));
         }
         let forwarded = request.metadata().get(forward::FORWARDED_BY).is_some();
-        let rx = crate::follow::start(self.agent.clone(), request.get_ref().pid, !forwarded)?;
+        let rx = super::follow::start(self.node.engine.clone(), request.get_ref().pid, !forwarded)?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -516,19 +536,16 @@ impl Control for ControlService {
         request: Request<pb::SignalProcessRequest>,
     ) -> Result<Response<pb::SignalProcessResponse>, Status> {
         let node = request.get_ref().node.clone();
-        if let Target::Peer(peer) = forward::target(&self.agent, &request, "node", &node)? {
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, signal_process, request.into_inner());
         }
         let by = who(&request);
         let pb::SignalProcessRequest { pid, signal, .. } = request.into_inner();
         let signal = crate::managed::signal_to_send(signal).map_err(Status::invalid_argument)?;
         {
-            let reg = self.agent.registry();
+            let reg = self.node.processes.registry();
             let p = reg.get(pid).ok_or_else(|| {
-                Status::not_found(format!(
-                    "pid: {pid} is not managed by {}",
-                    self.agent.node()
-                ))
+                Status::not_found(format!("pid: {pid} is not managed by {}", self.node.node()))
             })?;
             if let Lifecycle::MigratingOut { migration_id, .. } = &p.lifecycle {
                 return Err(Status::unavailable(format!(
@@ -543,7 +560,7 @@ impl Control for ControlService {
         }
         tracing::info!(pid, signal = %signal, by = %by, "signal sent");
         Ok(Response::new(pb::SignalProcessResponse {
-            node: self.agent.node().to_owned(),
+            node: self.node.node().to_owned(),
         }))
     }
 }
@@ -553,13 +570,13 @@ impl ControlService {
     /// forwarded call, side by side.
     async fn list_all_processes(&self) -> Result<ListProcessesResponse, Status> {
         let here = self.local_processes();
-        let peers = self.agent.known_peers();
+        let peers = self.node.cluster.known_peers();
         let there = peers.iter().map(|peer| async move {
             let call = async {
-                let mut client = forward::client(&self.agent, peer).await?;
+                let mut client = forward::client(&self.node.cluster, peer).await?;
                 client
                     .list_processes(forward::request(
-                        &self.agent,
+                        &self.node.cluster,
                         ListProcessesRequest {
                             node: peer.name.clone(),
                             all_nodes: false,
@@ -591,11 +608,16 @@ impl ControlService {
     async fn local_processes(&self) -> Result<ListProcessesResponse, Status> {
         // Refresh first, so that a port the caller sees listed is one the
         // filter already passes.
-        self.agent.reconcile().await?;
-        let conflicts = self.agent.port_conflicts();
-        let node = self.agent.node().to_owned();
+        self.node
+            .ports
+            .refresh()
+            .await
+            .map_err(crate::engine::EngineError::from)?;
+        let conflicts = self.node.ports.conflicts();
+        let node = self.node.node().to_owned();
         let processes = self
-            .agent
+            .node
+            .processes
             .registry()
             .iter()
             .map(|p| process_to_pb(p, &node, &conflicts))
@@ -608,18 +630,18 @@ impl ControlService {
     }
 
     async fn local_data_plane(&self) -> Result<DataPlane, Status> {
-        let agent = self.agent.clone();
+        let dataplane = self.node.dataplane.clone();
         // BPF map reads block: off the runtime.
         let (counters, totals, ports, iface, xlate) = tokio::task::spawn_blocking(move || {
-            let (c, t) = agent.data_plane_counters()?;
+            let (c, t) = dataplane.counters()?;
             let ports: Vec<_>;
             let iface;
             {
-                let own = agent.ownership();
+                let own = dataplane.table();
                 ports = own.current().iter().map(|(k, s)| (*k, *s)).collect();
                 iface = own.interface().to_owned();
             }
-            let flows = agent.flows();
+            let flows = dataplane.flows();
             let xlate = (
                 flows.counters()?,
                 flows.rules()?,
@@ -630,7 +652,7 @@ impl ControlService {
         .await
         .map_err(|e| Status::internal(format!("data plane task: {e}")))??;
         Ok(DataPlane {
-            node: self.agent.node().to_owned(),
+            node: self.node.node().to_owned(),
             interface: iface,
             counters: Some(DataPlaneCounters {
                 passed: counters.passed,
@@ -650,7 +672,7 @@ impl ControlService {
             ports: ports
                 .iter()
                 .map(|(k, s)| pb::PortState {
-                    port: Some(port_to_pb(k)),
+                    port: Some(k.to_pb()),
                     state: port_state_name(*s).to_owned(),
                 })
                 .collect(),
@@ -662,7 +684,7 @@ impl ControlService {
 
 impl ControlService {
     fn conductor(&self) -> Result<&Arc<crate::conductor::Conductor>, Status> {
-        self.agent.conductor.get().ok_or_else(|| {
+        self.node.conductor.as_ref().ok_or_else(|| {
             Status::failed_precondition(
                 "the balancer needs membership: set [membership] enabled = true in ferryd's config",
             )
@@ -722,8 +744,8 @@ pub fn apply_settings(
     })
 }
 
-fn port_state_name(s: crate::ownership::PortState) -> &'static str {
-    use crate::ownership::PortState;
+fn port_state_name(s: crate::dataplane::PortState) -> &'static str {
+    use crate::dataplane::PortState;
     match s {
         PortState::Owned => "owned",
         PortState::Recording => "recording",

@@ -14,8 +14,9 @@ use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
 use tonic::{Request, Status};
 
-use crate::agent::{Agent, error_chain};
+use crate::cluster::Cluster;
 use crate::config::PeerConfig;
+use crate::error_chain::error_chain;
 
 /// The metadata key naming the node that forwarded a call.
 pub const FORWARDED_BY: &str = "x-ferry-forwarded-by";
@@ -31,26 +32,26 @@ pub enum Target {
 /// this node's name is here; another node known to this agent is that
 /// node; anything else is NOT_FOUND.
 pub fn target<T>(
-    agent: &Agent,
+    cluster: &Cluster,
     request: &Request<T>,
     field: &str,
     node: &str,
 ) -> Result<Target, Status> {
-    if node.is_empty() || node == agent.node() {
+    if node.is_empty() || node == cluster.node() {
         return Ok(Target::Here);
     }
     if let Some(by) = request.metadata().get(FORWARDED_BY) {
         return Err(Status::failed_precondition(format!(
             "{field}: {node:?} is not this node ({}); the call was forwarded here by {:?} and is not forwarded twice",
-            agent.node(),
+            cluster.node(),
             by.to_str().unwrap_or("?")
         )));
     }
-    match agent.peer(node) {
+    match cluster.peer(node) {
         Some(peer) => Ok(Target::Peer(peer)),
         None => {
-            let mut known = vec![agent.node().to_owned()];
-            known.extend(agent.known_peers().into_iter().map(|p| p.name));
+            let mut known = vec![cluster.node().to_owned()];
+            known.extend(cluster.known_peers().into_iter().map(|p| p.name));
             Err(Status::not_found(format!(
                 "{field}: no node named {node:?} (known: {})",
                 known.join(", ")
@@ -60,14 +61,17 @@ pub fn target<T>(
 }
 
 /// A Control client on `peer`'s peer port.
-pub async fn client(agent: &Agent, peer: &PeerConfig) -> Result<ControlClient<Channel>, Status> {
+pub async fn client(
+    cluster: &Cluster,
+    peer: &PeerConfig,
+) -> Result<ControlClient<Channel>, Status> {
     let unavailable = |reason: String| {
         Status::unavailable(format!(
             "{} unreachable at {} to forward the call: {reason}",
             peer.name, peer.address
         ))
     };
-    let channel = agent
+    let channel = cluster
         .peer_endpoint(&peer.name, peer.address)
         .map_err(unavailable)?
         .connect_timeout(Duration::from_secs(2))
@@ -81,9 +85,9 @@ pub async fn client(agent: &Agent, peer: &PeerConfig) -> Result<ControlClient<Ch
 }
 
 /// `message` as a forwarded request from this node.
-pub fn request<T>(agent: &Agent, message: T) -> Request<T> {
+pub fn request<T>(cluster: &Cluster, message: T) -> Request<T> {
     let mut r = Request::new(message);
-    if let Ok(v) = agent.node().parse() {
+    if let Ok(v) = cluster.node().parse() {
         r.metadata_mut().insert(FORWARDED_BY, v);
     }
     r

@@ -2,9 +2,11 @@
 //! engine.
 
 mod control;
+pub mod follow;
 pub mod forward;
 pub mod introspection;
 mod peer;
+pub mod watch;
 
 pub use control::{ControlService, apply_settings, drain_options, migrate_options};
 pub use introspection::control_routes;

@@ -9,8 +9,7 @@ use ferry_proto::v1::{
 };
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent::Agent;
-use crate::engine::destination;
+use crate::engine::{Engine, EngineError, destination};
 
 async fn finish<T>(
     task: tokio::task::JoinHandle<Result<T, crate::engine::EngineError>>,
@@ -21,9 +20,16 @@ async fn finish<T>(
     }
 }
 
+/// Which translation change a call asks for.
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Add,
+    Remove,
+}
+
 #[derive(Debug, Clone)]
 pub struct PeerService {
-    agent: Arc<Agent>,
+    engine: Arc<Engine>,
 }
 
 /// The node a call's client certificate names (the Peer port's TLS
@@ -50,8 +56,12 @@ fn claims_own_name<T>(request: &Request<T>, field: &str, claimed: &str) -> Resul
 /// its own cluster address (it is the migration's source), moving to
 /// another cluster node's: otherwise any member could redirect another
 /// node's in-cluster connections to itself.
-fn flows_are_callers(agent: &Agent, caller: &str, req: &TranslationsRequest) -> Result<(), Status> {
-    let Some(own) = agent.cluster_address_of(caller) else {
+fn flows_are_callers(
+    engine: &Engine,
+    caller: &str,
+    req: &TranslationsRequest,
+) -> Result<(), Status> {
+    let Some(own) = engine.cluster.cluster_address_of(caller) else {
         return Err(Status::permission_denied(format!(
             "{caller} has no cluster address this node knows: it cannot ask for translations"
         )));
@@ -69,8 +79,8 @@ fn flows_are_callers(agent: &Agent, caller: &str, req: &TranslationsRequest) -> 
             )));
         }
         if let Some(new) = ip(&f.new_local)
-            && agent.peer_at(new).is_none()
-            && new != agent.config.cluster.address
+            && engine.cluster.peer_at(new).is_none()
+            && new != engine.config.cluster.address
         {
             return Err(Status::permission_denied(format!(
                 "flows[{i}].new_local: {} is no cluster node's address",
@@ -82,8 +92,8 @@ fn flows_are_callers(agent: &Agent, caller: &str, req: &TranslationsRequest) -> 
 }
 
 impl PeerService {
-    pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+    pub fn new(engine: Arc<Engine>) -> Self {
+        Self { engine }
     }
 
     /// Refuses a step of incoming migration `migration_id` from any node but
@@ -94,18 +104,10 @@ impl PeerService {
         };
         // Not the incoming slot: TransferImages holds it for its whole
         // stream, and TransferSockets must not wait for that.
-        let prepared = self
-            .agent
-            .incoming_source
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        match prepared {
-            Some((id, from)) if id == migration_id && from != node => {
-                Err(Status::permission_denied(format!(
-                    "migration_id: {migration_id} comes from {from:?}, not {node:?}"
-                )))
-            }
+        match self.engine.incoming.source_of(migration_id) {
+            Some(from) if from != node => Err(Status::permission_denied(format!(
+                "migration_id: {migration_id} comes from {from:?}, not {node:?}"
+            ))),
             _ => Ok(()),
         }
     }
@@ -114,14 +116,23 @@ impl PeerService {
     async fn translations(
         &self,
         request: Request<TranslationsRequest>,
-        change: fn(&Agent, &TranslationsRequest) -> Result<u32, crate::engine::EngineError>,
+        change: Change,
     ) -> Result<Response<TranslationsResponse>, Status> {
         if let Some(node) = caller(&request) {
-            flows_are_callers(&self.agent, &node, request.get_ref())?;
+            flows_are_callers(&self.engine, &node, request.get_ref())?;
         }
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let req = request.into_inner();
-        let rules = finish(tokio::task::spawn_blocking(move || change(&agent, &req))).await?;
+        let rules = finish(tokio::task::spawn_blocking(move || {
+            let here = engine.here();
+            let d = &engine.dataplane;
+            match change {
+                Change::Add => d.add_translations(here, &req),
+                Change::Remove => d.remove_translations(here, &req),
+            }
+            .map_err(EngineError::from)
+        }))
+        .await?;
         Ok(Response::new(TranslationsResponse { rules }))
     }
 }
@@ -140,15 +151,15 @@ impl Peer for PeerService {
                     "protocol_versions: {} offers {:?}, {} speaks {:?}",
                     req.node,
                     req.protocol_versions,
-                    self.agent.node(),
+                    self.engine.node(),
                     ferry_proto::PEER_PROTOCOL_VERSIONS
                 ))
             })?;
         Ok(Response::new(HelloResponse {
-            node: self.agent.node().to_owned(),
+            node: self.engine.node().to_owned(),
             protocol_version: version,
-            managed_processes: self.agent.registry().len() as u32,
-            cordoned: self.agent.cordoned(),
+            managed_processes: self.engine.processes.registry().len() as u32,
+            cordoned: self.engine.cordon.is_on(),
         }))
     }
 
@@ -157,7 +168,7 @@ impl Peer for PeerService {
         request: Request<PrepareRequest>,
     ) -> Result<Response<PrepareResponse>, Status> {
         claims_own_name(&request, "source_node", &request.get_ref().source_node)?;
-        let takes = destination::prepare(&self.agent, request.into_inner()).await?;
+        let takes = destination::prepare(&self.engine, request.into_inner()).await?;
         Ok(Response::new(takes))
     }
 
@@ -165,10 +176,10 @@ impl Peer for PeerService {
         self.check_its_source(&request, &request.get_ref().migration_id)?;
         // Spawned: once started, the capture is either fully armed and
         // recorded in the slot, or not at all.
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let req = request.into_inner();
         let staging = finish(tokio::spawn(
-            async move { destination::arm(&agent, req).await },
+            async move { destination::arm(&engine, req).await },
         ))
         .await?;
         // Answered once the sockets are open: the source freezes the
@@ -183,7 +194,7 @@ impl Peer for PeerService {
     ) -> Result<Response<TransferImagesResponse>, Status> {
         let caller = caller(&request);
         Ok(Response::new(
-            destination::transfer_images(&self.agent, caller, request.into_inner()).await?,
+            destination::transfer_images(&self.engine, caller, request.into_inner()).await?,
         ))
     }
 
@@ -193,7 +204,7 @@ impl Peer for PeerService {
     ) -> Result<Response<ferry_proto::v1::TransferPagesResponse>, Status> {
         let caller = caller(&request);
         Ok(Response::new(
-            destination::transfer_pages(&self.agent, caller, request.into_inner()).await?,
+            destination::transfer_pages(&self.engine, caller, request.into_inner()).await?,
         ))
     }
 
@@ -203,11 +214,11 @@ impl Peer for PeerService {
     ) -> Result<Response<ferry_proto::v1::TransferSocketsResponse>, Status> {
         claims_own_name(&request, "source_node", &request.get_ref().source_node)?;
         self.check_its_source(&request, &request.get_ref().migration_id)?;
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let req = request.into_inner();
         Ok(Response::new(
             finish(tokio::spawn(async move {
-                destination::transfer_sockets(&agent, req).await
+                destination::transfer_sockets(&engine, req).await
             }))
             .await?,
         ))
@@ -221,11 +232,11 @@ impl Peer for PeerService {
         // Spawned, here and below: if the source gives up and cancels the
         // call, a step that started (a CRIU restore, a resume, a discard)
         // still runs to its end and records what it did.
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let req = request.into_inner();
         Ok(Response::new(
             finish(tokio::spawn(async move {
-                destination::restore(&agent, req).await
+                destination::restore(&engine, req).await
             }))
             .await?,
         ))
@@ -236,11 +247,11 @@ impl Peer for PeerService {
         request: Request<CommitRequest>,
     ) -> Result<Response<CommitResponse>, Status> {
         self.check_its_source(&request, &request.get_ref().migration_id)?;
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let req = request.into_inner();
         Ok(Response::new(
             finish(tokio::spawn(async move {
-                destination::commit(&agent, req).await
+                destination::commit(&engine, req).await
             }))
             .await?,
         ))
@@ -251,10 +262,10 @@ impl Peer for PeerService {
         request: Request<AbortRequest>,
     ) -> Result<Response<AbortResponse>, Status> {
         self.check_its_source(&request, &request.get_ref().migration_id)?;
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let req = request.into_inner();
         finish(tokio::spawn(async move {
-            destination::abort(&agent, req).await
+            destination::abort(&engine, req).await
         }))
         .await?;
         Ok(Response::new(AbortResponse {}))
@@ -268,7 +279,7 @@ impl Peer for PeerService {
     ) -> Result<Response<Self::PageTunnelStream>, Status> {
         let caller = caller(&request);
         Ok(Response::new(
-            destination::page_tunnel(&self.agent, caller, request.into_inner()).await?,
+            destination::page_tunnel(&self.engine, caller, request.into_inner()).await?,
         ))
     }
 
@@ -276,11 +287,11 @@ impl Peer for PeerService {
         &self,
         request: Request<PostCopyStatusRequest>,
     ) -> Result<Response<PostCopyStatusResponse>, Status> {
-        let agent = self.agent.clone();
+        let engine = self.engine.clone();
         let caller = caller(&request);
         let req = request.into_inner();
         Ok(Response::new(
-            destination::post_copy_status(&agent, caller, req)
+            destination::post_copy_status(&engine, caller, req)
                 .await
                 .map_err(Status::from)?,
         ))
@@ -290,16 +301,14 @@ impl Peer for PeerService {
         &self,
         request: Request<TranslationsRequest>,
     ) -> Result<Response<TranslationsResponse>, Status> {
-        self.translations(request, crate::engine::translations::add)
-            .await
+        self.translations(request, Change::Add).await
     }
 
     async fn remove_translations(
         &self,
         request: Request<TranslationsRequest>,
     ) -> Result<Response<TranslationsResponse>, Status> {
-        self.translations(request, crate::engine::translations::remove)
-            .await
+        self.translations(request, Change::Remove).await
     }
 
     async fn port_ownership(
@@ -310,18 +319,16 @@ impl Peer for PeerService {
         let asked = req
             .ports
             .iter()
-            .map(crate::engine::destination::port_from_pb)
-            .collect::<Result<Vec<_>, _>>()?;
-        let (owned, claiming) = self.agent.ownership_answer(&asked);
+            .map(crate::process::PortKey::from_pb)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(crate::engine::EngineError::from)?;
+        let (owned, claiming) = self.engine.ports.ownership_answer(&asked);
         Ok(Response::new(PortOwnershipResponse {
-            node: self.agent.node().to_owned(),
-            owned: owned
-                .iter()
-                .map(crate::engine::source::port_to_pb)
-                .collect(),
+            node: self.engine.node().to_owned(),
+            owned: owned.iter().map(crate::process::PortKey::to_pb).collect(),
             claiming: claiming
                 .iter()
-                .map(crate::engine::source::port_to_pb)
+                .map(crate::process::PortKey::to_pb)
                 .collect(),
         }))
     }
@@ -348,7 +355,7 @@ mod tests {
     #[test]
     fn a_node_asks_only_for_translations_of_its_own_connections() {
         let f = Fixture::new(&[("node1", "198.19.0.1"), ("node3", "198.19.0.3")]);
-        let a = &f.agent;
+        let a = &f.engine;
         // node1's connection moving to node3: node1 may ask.
         flows_are_callers(a, "node1", &flow("198.19.0.1:40000", "198.19.0.3:40000")).unwrap();
         // node3 may not redirect node1's connection (to itself or anywhere).

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use ferry_agent::agent::Agent;
 use ferry_agent::api::{ControlService, PeerService, control_routes};
 use ferry_agent::config::Config;
-use ferry_agent::ownership::EbpfPortFilter;
+use ferry_agent::dataplane::filter::EbpfPortFilter;
+use ferry_agent::node::{Node, NodeParts};
 use ferry_agent::security::authz::AuthLayer;
 use ferry_proto::v1::balance_server::BalanceServer;
 use ferry_proto::v1::control_server::ControlServer;
@@ -201,28 +201,46 @@ async fn serve(config: Config) -> Result<()> {
 
     // In this (the node's) network namespace: replayed packets enter here.
     let replayer = ferry_ebpf::Replayer::new().context("opening the packet replay socket")?;
-    let agent = Agent::new(
-        config.clone(),
-        Box::new(EbpfPortFilter(filter)),
-        Box::new(replayer),
-        Box::new(ferry_agent::translation::EbpfFlowRules(translator)),
-    );
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // Membership (SWIM), before the node: its conductor runs on it.
+    let membership = if config.membership.enabled {
+        Some(
+            ferry_agent::membership::Membership::start(
+                &config,
+                tls.as_ref().and_then(|t| t.membership_key.as_deref()),
+                shutdown_rx.clone(),
+            )
+            .await
+            .context("starting membership")?,
+        )
+    } else {
+        if config.balancer.enabled {
+            tracing::warn!("[balancer] enabled needs [membership] enabled: the balancer stays off");
+        }
+        None
+    };
+    let node = Node::build(NodeParts {
+        config: config.clone(),
+        filter: Box::new(EbpfPortFilter(filter)),
+        replayer: Box::new(replayer),
+        flows: Box::new(ferry_agent::dataplane::translation::EbpfFlowRules(
+            translator,
+        )),
+        tls: tls.clone(),
+        membership: membership.clone(),
+    });
     // procfs, a file and BPF maps: off the runtime.
     let adopted = {
-        let agent = agent.clone();
-        tokio::task::spawn_blocking(move || agent.readopt()).await?
+        let supervisor = node.supervisor.clone();
+        tokio::task::spawn_blocking(move || supervisor.readopt()).await?
     };
-    if let Some(m) = &tls {
-        let _ = agent.tls.set(m.clone());
-    }
     if adopted > 0 {
         tracing::info!(adopted, "processes of the earlier agent managed again");
     }
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Keep ownership in step with what the processes hold.
     let reconciler = {
-        let agent = agent.clone();
+        let node = node.clone();
         let mut stop = shutdown_rx.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
@@ -230,12 +248,12 @@ async fn serve(config: Config) -> Result<()> {
             loop {
                 tokio::select! {
                     _ = tick.tick() => {
-                        if let Err(e) = agent.reconcile().await {
+                        if let Err(e) = node.ports.refresh().await {
                             tracing::warn!(error = %e, "reconciling port ownership");
                         }
                         ticks += 1;
                         if ticks.is_multiple_of(10) {
-                            remove_closed_translations(&agent).await;
+                            remove_closed_translations(&node.dataplane).await;
                         }
                     }
                     _ = stop.changed() => break,
@@ -244,86 +262,49 @@ async fn serve(config: Config) -> Result<()> {
         })
     };
 
-    // Membership (SWIM) and the balancer's conductor.
-    let conductor_task = if config.membership.enabled {
-        let membership = ferry_agent::membership::Membership::start(
-            &config,
-            tls.as_ref().and_then(|t| t.membership_key.as_deref()),
-            shutdown_rx.clone(),
-        )
-        .await
-        .context("starting membership")?;
-        let _ = agent.membership.set(membership.clone());
-        // Membership changes into the node's event stream.
-        {
-            let (agent, mut changes) = (agent.clone(), membership.changes());
-            tokio::spawn(async move {
-                use tokio::sync::broadcast::error::RecvError;
-                loop {
-                    match changes.recv().await {
-                        Ok(c) => {
-                            agent
-                                .events
-                                .publish(ferry_proto::v1::cluster_event::Event::Membership(
-                                    ferry_proto::v1::MembershipChange {
-                                        member: c.name,
-                                        state: c.state.as_str().into(),
-                                        previous: c
-                                            .previous
-                                            .map(|p| p.as_str().to_owned())
-                                            .unwrap_or_default(),
-                                    },
-                                ))
-                        }
-                        Err(RecvError::Lagged(n)) => {
-                            tracing::warn!(
-                                missed = n,
-                                "membership changes not all forwarded as events"
-                            )
-                        }
-                        Err(RecvError::Closed) => return,
+    // Membership changes into the node's event stream.
+    if let Some(membership) = &membership {
+        let (events, mut changes) = (node.events.clone(), membership.changes());
+        tokio::spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                match changes.recv().await {
+                    Ok(c) => events.publish(ferry_proto::v1::cluster_event::Event::Membership(
+                        ferry_proto::v1::MembershipChange {
+                            member: c.name,
+                            state: c.state.as_str().into(),
+                            previous: c
+                                .previous
+                                .map(|p| p.as_str().to_owned())
+                                .unwrap_or_default(),
+                        },
+                    )),
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "membership changes not all forwarded as events")
                     }
+                    Err(RecvError::Closed) => return,
                 }
-            });
-        }
-        use ferry_agent::conductor as cond;
-        let conductor = cond::Conductor::new(
-            &config.node,
-            cond::Settings {
-                enabled: config.balancer.enabled,
-                offer_timeout: Duration::from_millis(config.balancer.offer_timeout_ms),
-                policy: config.policy.clone(),
-            },
-            std::sync::Arc::new(cond::ProcfsSampler::new(agent.clone())),
-            std::sync::Arc::new(cond::EngineStarter::new(agent.clone())),
-            std::sync::Arc::new(cond::GrpcNegotiator::new(agent.clone())),
-            membership,
-            std::sync::Arc::new(cond::WallClock::default()),
-        );
-        let _ = agent.conductor.set(conductor.clone());
+            }
+        });
+    }
+    // The balancer's conductor.
+    let conductor_task = node.conductor.clone().map(|conductor| {
         tracing::info!(enabled = config.balancer.enabled, "conductor started");
-        let events_agent = agent.clone();
-        Some(tokio::spawn(cond::run(
+        let events = node.events.clone();
+        tokio::spawn(ferry_agent::conductor::run(
             conductor,
             Duration::from_millis(config.balancer.period_ms),
             shutdown_rx.clone(),
             move |decision, load| {
-                events_agent
-                    .events
-                    .publish(ferry_proto::v1::cluster_event::Event::Balancer(
-                        ferry_proto::v1::BalancerDecision {
-                            decision: decision.to_owned(),
-                            load,
-                        },
-                    ))
+                events.publish(ferry_proto::v1::cluster_event::Event::Balancer(
+                    ferry_proto::v1::BalancerDecision {
+                        decision: decision.to_owned(),
+                        load,
+                    },
+                ))
             },
-        )))
-    } else {
-        if config.balancer.enabled {
-            tracing::warn!("[balancer] enabled needs [membership] enabled: the balancer stays off");
-        }
-        None
-    };
+        ))
+    });
 
     let metrics_task = match config.metrics.listen {
         Some(addr) => {
@@ -331,7 +312,7 @@ async fn serve(config: Config) -> Result<()> {
             tracing::info!(%addr, "metrics served at /metrics");
             Some(tokio::spawn(ferry_agent::metrics::serve(
                 listener,
-                ferry_agent::metrics::registry(&agent),
+                ferry_agent::metrics::registry(&node),
                 shutdown_rx.clone(),
             )))
         }
@@ -362,17 +343,20 @@ async fn serve(config: Config) -> Result<()> {
             tls.as_ref().map(|_| AuthLayer::peer()),
         ))
         .add_service(
-            PeerServer::new(PeerService::new(agent.clone()))
+            PeerServer::new(PeerService::new(node.engine.clone()))
                 .max_decoding_message_size(16 << 20)
                 .max_encoding_message_size(16 << 20),
         )
         .add_service(BalanceServer::new(
-            ferry_agent::conductor::BalanceService::new(agent.clone()),
+            ferry_agent::conductor::BalanceService::new(
+                node.cordon.clone(),
+                node.conductor.clone(),
+            ),
         ))
         // Control calls forwarded by other agents (any node answers for
         // the cluster): behind the same node check as Peer.
         .add_service(
-            ControlServer::new(ControlService::new(agent.clone()))
+            ControlServer::new(ControlService::new(node.clone()))
                 .max_decoding_message_size(16 << 20)
                 .max_encoding_message_size(16 << 20),
         )
@@ -393,7 +377,7 @@ async fn serve(config: Config) -> Result<()> {
             wait_for(shutdown_rx.clone()),
         );
     // Control with health and reflection, on the Unix socket and on TCP.
-    let (control_routes, health) = control_routes(ControlService::new(agent.clone()))
+    let (control_routes, health) = control_routes(ControlService::new(node.clone()))
         .context("building the control services")?;
     health.set_serving(true).await;
     let control_srv = tonic::transport::Server::builder()
@@ -435,7 +419,7 @@ async fn serve(config: Config) -> Result<()> {
         health.set_serving(false).await;
         // Endless streams (WatchEvents) end, or the servers' graceful
         // shutdown would wait for them forever.
-        agent.events.close();
+        node.events.close();
         let _ = shutdown_tx.send(true);
         Ok::<_, std::io::Error>(())
     };
@@ -457,7 +441,7 @@ async fn serve(config: Config) -> Result<()> {
     // Dropping the last reference closes file descriptors only: the pinned
     // programs stay attached and keep owning the ports of the managed
     // processes, which run on; the next agent adopts them again.
-    drop(agent);
+    drop(node);
     tracing::info!("ferryd stopped");
     Ok(())
 }
@@ -536,10 +520,10 @@ fn warn_if_not_tmpfs(dir: &Path) {
 
 /// Translations of in-cluster connections that closed: gone after a linger
 /// that covers TIME_WAIT's last segments.
-async fn remove_closed_translations(agent: &std::sync::Arc<Agent>) {
+async fn remove_closed_translations(dataplane: &std::sync::Arc<ferry_agent::dataplane::DataPlane>) {
     const LINGER: Duration = Duration::from_secs(60);
-    let agent = agent.clone();
-    match tokio::task::spawn_blocking(move || agent.flows().remove_closed(LINGER)).await {
+    let dataplane = dataplane.clone();
+    match tokio::task::spawn_blocking(move || dataplane.flows().remove_closed(LINGER)).await {
         Ok(Ok(removed)) => {
             for rule in removed {
                 tracing::info!(%rule, "translation of a closed connection removed");

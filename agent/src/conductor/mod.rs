@@ -1,4 +1,4 @@
-//! The conductor (seed 000's `cond`): samples this node's load, exchanges
+//! The conductor (the `cond` of Gerofi et al. (DVE)): samples this node's load, exchanges
 //! loads with the other nodes through membership, runs the policies of
 //! `ferry_policy` and, when the transfer policy makes this node a sender,
 //! negotiates with the chosen receiver (the crate's two-phase commit, over
@@ -140,20 +140,6 @@ pub struct Settings {
     pub policy: ferry_policy::Config,
 }
 
-/// What ferryd refuses of a policy the crate accepts: modes whose plans
-/// the conductor cannot carry out (field, reason).
-pub fn unsupported(policy: &ferry_policy::Config) -> Option<(&'static str, String)> {
-    if policy.transfer.mode == ferry_policy::transfer::TransferMode::ReceiverInitiated {
-        return Some((
-            "transfer.mode",
-            "receiver_initiated is in the policy crate and its tests only: ferryd cannot pull a \
-             process from another node yet"
-                .into(),
-        ));
-    }
-    None
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum SetError {
     #[error("{field}: {reason}")]
@@ -270,7 +256,7 @@ impl Conductor {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     pub fn enabled(&self) -> bool {
@@ -291,7 +277,7 @@ impl Conductor {
     /// which also clears the calm-down; refused while a migration is
     /// negotiated or under way.
     pub fn set(&self, enabled: Option<bool>, policy: ferry_policy::Config) -> Result<(), SetError> {
-        if let Some((field, reason)) = unsupported(&policy) {
+        if let Some((field, reason)) = crate::config::unsupported_policy(&policy) {
             return Err(SetError::Invalid {
                 field: field.to_owned(),
                 reason,

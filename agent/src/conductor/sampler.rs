@@ -9,19 +9,20 @@ use ferry_proto::v1 as pb;
 use ferry_proto::v1::balance_client::BalanceClient;
 
 use super::{Clock, Migrated, MigrationStarter, PeerNegotiator, ProcSample, Sample};
-use crate::agent::{Agent, error_chain};
-use crate::engine::source;
-use crate::managed::Lifecycle;
+use crate::cluster::Cluster;
+use crate::engine::{Engine, source};
+use crate::error_chain::error_chain;
+use crate::managed::{Lifecycle, Processes};
 
 /// Samples the CPU demand of the processes the agent manages.
 #[derive(Debug)]
 pub struct ProcfsSampler {
-    agent: Arc<Agent>,
+    processes: Arc<Processes>,
 }
 
 impl ProcfsSampler {
-    pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+    pub fn new(processes: Arc<Processes>) -> Self {
+        Self { processes }
     }
 }
 
@@ -75,7 +76,7 @@ pub fn tree_demand(pid: i32) -> Duration {
 impl super::LoadSampler for ProcfsSampler {
     fn sample(&self) -> Sample {
         let procs: Vec<(i32, Vec<String>, bool)> = self
-            .agent
+            .processes
             .registry()
             .iter()
             .map(|p| (p.pid, p.argv.clone(), p.lifecycle == Lifecycle::Running))
@@ -101,12 +102,12 @@ impl super::LoadSampler for ProcfsSampler {
 /// Migrates through the engine, exactly as `Control.Migrate` does.
 #[derive(Debug)]
 pub struct EngineStarter {
-    agent: Arc<Agent>,
+    engine: Arc<Engine>,
 }
 
 impl EngineStarter {
-    pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+    pub fn new(engine: Arc<Engine>) -> Self {
+        Self { engine }
     }
 }
 
@@ -115,17 +116,17 @@ impl MigrationStarter for EngineStarter {
     /// The engine finds destinations among the configured `[[peers]]` and
     /// the members membership found.
     fn can_reach(&self, node: &str) -> bool {
-        self.agent.peer(node).is_some()
+        self.engine.cluster.peer(node).is_some()
     }
 
     async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, String> {
-        let prepared = source::prepare(&self.agent, pid, to, source::MigrationOptions::default())
+        let prepared = source::prepare(&self.engine, pid, to, source::MigrationOptions::default())
             .await
             .map_err(|e| error_chain(&e))?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(32);
         // Progress events: nobody listens, keep the channel drained.
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        let report = source::run(self.agent.clone(), prepared, tx).await;
+        let report = source::run(self.engine.clone(), prepared, tx).await;
         if report.outcome == pb::MigrationOutcome::Committed as i32 {
             Ok(Migrated {
                 migration_id: report.migration_id,
@@ -140,20 +141,27 @@ impl MigrationStarter for EngineStarter {
 /// The `Balance` RPC over the Peer port of the other agent.
 #[derive(Debug)]
 pub struct GrpcNegotiator {
-    agent: Arc<Agent>,
+    cluster: Arc<Cluster>,
 }
 
 impl GrpcNegotiator {
-    pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+    pub fn new(cluster: Arc<Cluster>) -> Self {
+        Self { cluster }
     }
 
+    /// Membership's address first, then the configured one (the reverse
+    /// of [`Cluster::peer`]: a node that moved is reached where it is now).
     fn address(&self, node: &str) -> Option<SocketAddr> {
-        self.agent
-            .membership
-            .get()
+        self.cluster
+            .membership()
             .and_then(|m| m.peer_address(node))
-            .or_else(|| self.agent.config.peer(node).map(|p| p.address))
+            .or_else(|| {
+                self.cluster
+                    .configured_peers()
+                    .iter()
+                    .find(|p| p.name == node)
+                    .map(|p| p.address)
+            })
     }
 
     async fn client(&self, node: &str) -> Result<BalanceClient<tonic::transport::Channel>, String> {
@@ -161,7 +169,7 @@ impl GrpcNegotiator {
             .address(node)
             .ok_or_else(|| format!("no address known for {node}"))?;
         let channel = self
-            .agent
+            .cluster
             .peer_endpoint(node, addr)?
             .connect_timeout(Duration::from_secs(1))
             .connect()

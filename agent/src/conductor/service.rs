@@ -7,16 +7,19 @@ use ferry_proto::v1::balance_server::Balance;
 use ferry_proto::v1::{FinishRequest, FinishResponse, OfferRequest, OfferResponse};
 use tonic::{Request, Response, Status};
 
-use crate::agent::Agent;
+use super::Conductor;
+use crate::cordon::Cordon;
 
 #[derive(Debug, Clone)]
 pub struct BalanceService {
-    agent: Arc<Agent>,
+    cordon: Arc<Cordon>,
+    /// None without membership: every offer is refused as "disabled".
+    conductor: Option<Arc<Conductor>>,
 }
 
 impl BalanceService {
-    pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+    pub fn new(cordon: Arc<Cordon>, conductor: Option<Arc<Conductor>>) -> Self {
+        Self { cordon, conductor }
     }
 }
 
@@ -27,13 +30,13 @@ impl Balance for BalanceService {
         request: Request<OfferRequest>,
     ) -> Result<Response<OfferResponse>, Status> {
         let req = request.into_inner();
-        if self.agent.cordoned() {
+        if self.cordon.is_on() {
             return Ok(Response::new(OfferResponse {
                 accepted: false,
                 refusal: "cordoned".into(),
             }));
         }
-        let Some(c) = self.agent.conductor.get() else {
+        let Some(c) = &self.conductor else {
             return Ok(Response::new(OfferResponse {
                 accepted: false,
                 refusal: "disabled".into(),
@@ -46,7 +49,7 @@ impl Balance for BalanceService {
         &self,
         request: Request<FinishRequest>,
     ) -> Result<Response<FinishResponse>, Status> {
-        if let Some(c) = self.agent.conductor.get() {
+        if let Some(c) = &self.conductor {
             c.on_finish(&request.into_inner());
         }
         Ok(Response::new(FinishResponse {}))

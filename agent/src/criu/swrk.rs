@@ -150,10 +150,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     opts.set_log_file("dump.log".to_owned());
     let mut handed_over = Vec::new();
     if let Some(lazy) = &req.lazy {
-        let ps = lazy
-            .ps_socket
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let ps = crate::sync::lock(&lazy.ps_socket)
             .take()
             .ok_or_else(|| CriuError::Rpc("the page-server connection was already used".into()))?;
         std::fs::write(&lazy.config_file, format!("ps-socket {}\n", ps.as_raw_fd())).map_err(
@@ -549,7 +546,7 @@ impl Drop for Worker {
 /// thread can be started), so that it never stays a zombie.
 fn reap_in_background(child: super::spawn::SpawnedChild) {
     fn reap(slot: &std::sync::Mutex<Option<super::spawn::SpawnedChild>>) {
-        let child = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let child = crate::sync::lock(slot).take();
         if let Some(child) = child
             && let Err(e) = child.wait()
         {

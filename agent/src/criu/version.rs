@@ -232,9 +232,7 @@ fn marks_found(path: &Path) -> Vec<bool> {
         meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
         meta.len(),
     );
-    if let Some((v, found)) = SEEN
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    if let Some((v, found)) = crate::sync::lock(&SEEN)
         .get_or_insert_with(HashMap::new)
         .get(path)
         && *v == version
@@ -246,8 +244,7 @@ fn marks_found(path: &Path) -> Vec<bool> {
         .iter()
         .map(|(mark, _)| contains(&bin, mark.as_bytes()))
         .collect();
-    SEEN.lock()
-        .unwrap_or_else(|p| p.into_inner())
+    crate::sync::lock(&SEEN)
         .get_or_insert_with(HashMap::new)
         .insert(path.to_owned(), (version, found.clone()));
     found

@@ -55,7 +55,7 @@ impl Default for Cancel {
 
 impl Cancel {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// Asks the migration to stop at its next safe point. Asking twice is

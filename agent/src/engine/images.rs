@@ -387,10 +387,7 @@ impl ImageWriter {
                     "{name}: stored pages, but no pages were pre-copied"
                 )));
             };
-            store
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .copy_out(stored, f)?;
+            crate::sync::lock(store).copy_out(stored, f)?;
             *written += stored.length;
             self.stored_bytes += stored.length;
             return Ok(());

@@ -186,10 +186,7 @@ fn answer_from_store(
     }
     .bytes()
     .to_vec();
-    let data = store
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .read(pid, iov.vaddr, nr * page)?;
+    let data = crate::sync::lock(store).read(pid, iov.vaddr, nr * page)?;
     out.extend_from_slice(&data);
     Ok(out)
 }

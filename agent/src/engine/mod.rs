@@ -1,4 +1,4 @@
-//! The migration engine (the seed's `migd`), peer protocol version 9.
+//! The migration engine (the `migd` of Gerofi et al. (DVE)), peer protocol version 9.
 //!
 //! # The migration as a state machine
 //!
@@ -86,7 +86,7 @@
 //!   CRIU as inherited descriptors). Its success is the destination's confirmation.
 //!   Before that it rewrites the process's connections to other cluster
 //!   nodes to its own cluster address and holds them (nothing in or out);
-//!   the response lists them (see [`crate::translation`]). It also raises
+//!   the response lists them (see [`crate::dataplane::translation`]). It also raises
 //!   the receive buffer of the process's UDP sockets in the images, so that
 //!   CRIU restores them with room for the replay and the catch-up (their
 //!   own size comes back 2 s after the resume).
@@ -218,6 +218,7 @@
 //! ends (`PostCopies`).
 
 pub mod cancel;
+mod context;
 pub mod destination;
 mod images;
 pub(crate) mod localpages;
@@ -229,173 +230,12 @@ mod rollback;
 mod sockettaker;
 pub mod source;
 mod throttle;
-pub mod translations;
 
-use crate::criu::CriuError;
-use crate::ownership::DataPlaneError;
-use crate::process::ProcessError;
+mod error;
 
+pub use context::{Engine, Services};
+pub use error::{EngineError, blocking};
 pub use images::{IMAGE_CHUNK_BYTES, valid_image_name};
-
-/// Why a migration could not start or did not commit.
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("no node named {name:?} (known: {known})")]
-    UnknownNode { name: String, known: String },
-    #[error("{node:?} is this node: name another node as the destination")]
-    DestinationIsSelf { node: String },
-    #[error("no process with PID {pid} on {node}")]
-    NoSuchProcess { pid: i32, node: String },
-    #[error("PID {pid} cannot be migrated: {reason}")]
-    NotMigratable { pid: i32, reason: String },
-    #[error("PID {pid} is already being migrated (migration {migration_id})")]
-    AlreadyMigrating { pid: i32, migration_id: String },
-    #[error("{node} is already receiving migration {migration_id} from {from}; one at a time")]
-    DestinationBusy {
-        node: String,
-        migration_id: String,
-        from: String,
-    },
-    #[error("port {port} is already owned on {node} by PID {pid}")]
-    PortTaken {
-        port: String,
-        node: String,
-        pid: i32,
-    },
-    #[error(
-        "{node} speaks peer protocol versions {theirs:?}, this agent {ours:?}: no common version"
-    )]
-    NoCommonVersion {
-        node: String,
-        theirs: Vec<u32>,
-        ours: Vec<u32>,
-    },
-    #[error("no migration {migration_id:?} here")]
-    UnknownMigration { migration_id: String },
-    #[error("migration {migration_id} is {state}, not ready for {step}")]
-    WrongState {
-        migration_id: String,
-        state: &'static str,
-        step: &'static str,
-    },
-    #[error("bad image stream: {0}")]
-    BadImage(String),
-    #[error("migration_id: {migration_id} comes from {from:?}, not {caller:?}")]
-    NotItsSource {
-        migration_id: String,
-        from: String,
-        caller: String,
-    },
-    #[error("{field}: {reason}")]
-    InvalidField { field: &'static str, reason: String },
-    #[error("{node} unreachable at {address}: {reason}")]
-    PeerUnavailable {
-        node: String,
-        address: String,
-        reason: String,
-    },
-    #[error("{node}: {message}")]
-    Peer {
-        node: String,
-        code: tonic::Code,
-        message: String,
-    },
-    #[error(transparent)]
-    Criu(#[from] CriuError),
-    #[error(transparent)]
-    Process(#[from] ProcessError),
-    #[error(transparent)]
-    DataPlane(#[from] DataPlaneError),
-    #[error("in-cluster connections: {0}")]
-    InCluster(#[from] crate::translation::FlowError),
-    #[error("TCP connections: {0}")]
-    Sockets(#[from] crate::sockstate::SockStateError),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
-    /// A host setting the migration needs is missing (post-copy's
-    /// `fs.pipe-max-size`, say).
-    #[error("{0}")]
-    HostSetting(String),
-    /// Post-copy: the pages could not follow (the lazy-pages daemon
-    /// failed) before the process resumed; it was not resumed.
-    #[error("post-copy: {0}")]
-    PostCopy(String),
-    /// Stopped by `Control.CancelMigration` before the restore.
-    #[error("cancelled by {by}")]
-    Cancelled { by: String },
-    /// A cordoned node takes no incoming migration or new process.
-    #[error("{node} is cordoned: it takes no new processes (`ferry cordon --off {node}` lifts it)")]
-    Cordoned { node: String },
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl EngineError {
-    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
-        let what = what.into();
-        move |source| EngineError::Io { what, source }
-    }
-
-    /// The gRPC status code a caller should see.
-    pub fn code(&self) -> tonic::Code {
-        use tonic::Code;
-        match self {
-            EngineError::UnknownNode { .. }
-            | EngineError::NoSuchProcess { .. }
-            | EngineError::UnknownMigration { .. } => Code::NotFound,
-            EngineError::DestinationIsSelf { .. }
-            | EngineError::BadImage(_)
-            | EngineError::InvalidField { .. } => Code::InvalidArgument,
-            EngineError::NotMigratable { .. }
-            | EngineError::AlreadyMigrating { .. }
-            | EngineError::PortTaken { .. }
-            | EngineError::NoCommonVersion { .. }
-            | EngineError::WrongState { .. }
-            | EngineError::HostSetting(_)
-            | EngineError::PostCopy(_) => Code::FailedPrecondition,
-            EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
-            EngineError::Cancelled { .. } => Code::Cancelled,
-            EngineError::Cordoned { .. } => Code::FailedPrecondition,
-            EngineError::NotItsSource { .. } => Code::PermissionDenied,
-            EngineError::InCluster(crate::translation::FlowError::BadFlow { .. }) => {
-                Code::InvalidArgument
-            }
-            EngineError::InCluster(crate::translation::FlowError::PeerOnDestination { .. }) => {
-                Code::FailedPrecondition
-            }
-            EngineError::InCluster(crate::translation::FlowError::Images(_)) => Code::Internal,
-            EngineError::Sockets(
-                crate::sockstate::SockStateError::Invalid { .. }
-                | crate::sockstate::SockStateError::InvalidPacked { .. },
-            ) => Code::InvalidArgument,
-            EngineError::Sockets(crate::sockstate::SockStateError::NotEstablished { .. }) => {
-                Code::Aborted
-            }
-            EngineError::Sockets(_) => Code::Internal,
-            EngineError::PeerUnavailable { .. } => Code::Unavailable,
-            EngineError::Peer { code, .. } => *code,
-            EngineError::Criu(
-                CriuError::NotFound { .. } | CriuError::TooOld { .. } | CriuError::Unpatched { .. },
-            ) => Code::FailedPrecondition,
-            EngineError::Criu(CriuError::Failed { .. }) => Code::Aborted,
-            EngineError::Process(ProcessError::NotFound { .. }) => Code::NotFound,
-            EngineError::Criu(_)
-            | EngineError::Process(_)
-            | EngineError::DataPlane(_)
-            | EngineError::Io { .. }
-            | EngineError::Internal(_) => Code::Internal,
-        }
-    }
-}
-
-impl From<EngineError> for tonic::Status {
-    fn from(e: EngineError) -> Self {
-        tonic::Status::new(e.code(), e.to_string())
-    }
-}
 
 /// Whether the CRIU logs of committed migrations are kept too: at log
 /// level 4 (debug), whose logs time every step of a dump and a restore.

@@ -1,6 +1,6 @@
 //! Pre-copy: the process's private memory crosses while it still runs, in
 //! rounds, so that the freeze carries only the pages the destination lacks
-//! (seed 004 §2.3.5 and §2.3.6).
+//! (Noack (2003) §2.3.5 and §2.3.6).
 //!
 //! ```text
 //! start tracking ─> round 1 ─> round 2 ─> … ─> (convergence says freeze) ─> Arm, Dump …
@@ -39,7 +39,6 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{self as pb, PageBatch, PageRun};
-use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::memtrack::{self, RangeSet, Tracker};
@@ -54,80 +53,10 @@ pub const QUEUED_OBSERVATION: Duration = Duration::from_millis(50);
 /// Most bytes of page data in one `PageBatch` message.
 const BATCH_BYTES: usize = 1 << 20;
 
-/// How a migration moves the process's memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum MemoryStrategy {
-    /// Everything in the freeze.
-    #[default]
-    TotalCopy,
-    PreCopy,
-    QueuedPreCopy,
-    /// Nothing of the private memory in the freeze: the process resumes
-    /// on the destination, its pages follow (CRIU lazy pages; see
-    /// [`crate::engine`]).
-    PostCopy,
-    /// One full pre-copy pass while the process runs, then post-copy: the
-    /// destination serves the pages of that pass that are still current
-    /// itself, and only the rest comes from the source after the resume.
-    AssistedPostCopy,
-}
-
-impl MemoryStrategy {
-    pub fn to_pb(self) -> pb::Strategy {
-        match self {
-            MemoryStrategy::TotalCopy => pb::Strategy::TotalCopy,
-            MemoryStrategy::PreCopy => pb::Strategy::PreCopy,
-            MemoryStrategy::QueuedPreCopy => pb::Strategy::QueuedPreCopy,
-            MemoryStrategy::PostCopy => pb::Strategy::PostCopy,
-            MemoryStrategy::AssistedPostCopy => pb::Strategy::AssistedPostCopy,
-        }
-    }
-
-    /// None for UNSPECIFIED (the agent's default).
-    pub fn from_pb(s: pb::Strategy) -> Option<Self> {
-        match s {
-            pb::Strategy::Unspecified => None,
-            pb::Strategy::TotalCopy => Some(MemoryStrategy::TotalCopy),
-            pb::Strategy::PreCopy => Some(MemoryStrategy::PreCopy),
-            pb::Strategy::QueuedPreCopy => Some(MemoryStrategy::QueuedPreCopy),
-            pb::Strategy::PostCopy => Some(MemoryStrategy::PostCopy),
-            pb::Strategy::AssistedPostCopy => Some(MemoryStrategy::AssistedPostCopy),
-        }
-    }
-
-    /// Whether pages cross in rounds before the freeze (assisted post-copy
-    /// has one).
-    pub fn is_precopy(self) -> bool {
-        matches!(
-            self,
-            MemoryStrategy::PreCopy
-                | MemoryStrategy::QueuedPreCopy
-                | MemoryStrategy::AssistedPostCopy
-        )
-    }
-
-    /// Whether pages cross after the resume on the destination.
-    pub fn is_postcopy(self) -> bool {
-        matches!(
-            self,
-            MemoryStrategy::PostCopy | MemoryStrategy::AssistedPostCopy
-        )
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            MemoryStrategy::TotalCopy => "total-copy",
-            MemoryStrategy::PreCopy => "pre-copy",
-            MemoryStrategy::QueuedPreCopy => "queued-pre-copy",
-            MemoryStrategy::PostCopy => "post-copy",
-            MemoryStrategy::AssistedPostCopy => "assisted-post-copy",
-        }
-    }
-}
+pub use crate::config::MemoryStrategy;
 
 /// When the rounds stop (cloud-hypervisor's idea of a pluggable predicate;
-/// seed 004's "predetermined limit" and "reruns").
+/// the limit on rounds and their reruns in Noack (2003)).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Convergence {
     /// Freeze once what is left would cross in this long at the rate

@@ -4,7 +4,7 @@
 //! the process stopped (`sockstate::queued_datagrams`); this module puts
 //! them in the Commit (whole from peer protocol 8, as keys before it) and,
 //! on the destination, turns them back into the IPv4 packets the restored
-//! sockets get before the captured ones (`Agent::replay_and_open`).
+//! sockets get before the captured ones (`DataPlane::replay_and_open`).
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 

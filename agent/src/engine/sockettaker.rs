@@ -230,7 +230,7 @@ fn read(
     // rebuild and restore (on this node too, in a test cluster) are tens
     // of thousands.
     let preread = incremental.as_ref().and_then(|inc| {
-        let watch = inc.watch.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        let watch = crate::sync::lock(&inc.watch).take()?;
         let touched = watch.touched();
         let _ = std::thread::Builder::new()
             .name("ferry-sockopt-off".into())

@@ -17,6 +17,8 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
+use crate::sync::lock;
+
 /// The throttle's period: long enough that the signals cost nothing,
 /// short enough that a client of the process sees stalls of tens of
 /// milliseconds, not seconds.
@@ -24,7 +26,7 @@ const PERIOD: Duration = Duration::from_millis(20);
 
 /// The smallest share of each period the process runs, in percent: 200 µs
 /// of every 20 ms. A process that rewrites its memory as fast as it can
-/// (seed 004's RMA) dirties most of 4 MiB in one millisecond of running, so
+/// (Noack (2003)'s random-memory-access process) dirties most of 4 MiB in one millisecond of running, so
 /// the floor must be well under that; the ticker is a thread of its own
 /// for timing that fine (the runtime's timers tick in milliseconds).
 pub const FLOOR_PERCENT: u32 = 1;
@@ -120,10 +122,6 @@ impl Drop for Throttle {
             self.let_run();
         }
     }
-}
-
-fn lock(m: &std::sync::Mutex<bool>) -> std::sync::MutexGuard<'_, bool> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn signal(pids: &[i32], sig: Signal) {

@@ -31,7 +31,7 @@ pub(crate) mod wire;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use foca::{AccumulatingRuntime, Foca, OwnedNotification, PostcardCodec, Timer};
@@ -40,6 +40,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, watch};
 
 use crate::config::{Config, MembershipConfig};
+use crate::sync::lock;
 pub use wire::{LoadBroadcast, NodeIdent, WireEntry};
 use wire::{LoadHandler, decode_beacon, encode_beacon};
 
@@ -124,10 +125,6 @@ pub enum MembershipError {
     },
     #[error("membership socket: {0}")]
     Socket(std::io::Error),
-}
-
-fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn unix_ms() -> u64 {

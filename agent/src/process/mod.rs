@@ -8,7 +8,7 @@ mod unix_diag;
 mod vet;
 
 pub use sockets::{
-    Listeners, PendingConnections, PortKey, SocketSummary, Transport, sockets_of_tree,
+    BadPort, Listeners, PendingConnections, PortKey, SocketSummary, Transport, sockets_of_tree,
     sockets_of_trees,
 };
 pub use stat::{ProcessInfo, inspect, process_tree, wait_group_stopped};

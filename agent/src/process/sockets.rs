@@ -33,6 +33,45 @@ impl std::fmt::Display for PortKey {
     }
 }
 
+/// A `Port` of the API that names no TCP or UDP port.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadPort(String);
+
+impl PortKey {
+    /// The API's form.
+    pub fn to_pb(&self) -> ferry_proto::v1::Port {
+        use ferry_proto::v1::Protocol;
+        ferry_proto::v1::Port {
+            protocol: match self.transport {
+                Transport::Tcp => Protocol::Tcp as i32,
+                Transport::Udp => Protocol::Udp as i32,
+            },
+            port: u32::from(self.port),
+        }
+    }
+
+    /// From the API's form: TCP or UDP, and a port from 1 to 65535.
+    pub fn from_pb(p: &ferry_proto::v1::Port) -> Result<Self, BadPort> {
+        use ferry_proto::v1::Protocol;
+        let transport = match Protocol::try_from(p.protocol) {
+            Ok(Protocol::Tcp) => Transport::Tcp,
+            Ok(Protocol::Udp) => Transport::Udp,
+            _ => {
+                return Err(BadPort(format!(
+                    "protocol {} is neither TCP nor UDP",
+                    p.protocol
+                )));
+            }
+        };
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| BadPort(format!("{} is not a port number", p.port)))?;
+        Ok(Self { transport, port })
+    }
+}
+
 /// What sockets a process tree holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SocketSummary {

@@ -61,41 +61,7 @@ pub enum SecurityError {
     Usage(String),
 }
 
-/// What the Control API lets a client do. Ordered: an operator may do
-/// everything an observer may.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Deserialize, serde::Serialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Read-only RPCs: nodes, processes, reports, data plane, balancer.
-    Observer,
-    /// Everything: migrate, run, change the balancer's policy.
-    Operator,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Observer => "observer",
-            Role::Operator => "operator",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Role> {
-        match s {
-            "observer" => Some(Role::Observer),
-            "operator" => Some(Role::Operator),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::config::Role;
 
 /// Who a (CA-verified) certificate says its holder is.
 #[derive(Debug, Clone, PartialEq, Eq)]

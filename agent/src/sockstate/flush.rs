@@ -1,4 +1,4 @@
-//! Drain before freeze (seed 001 §3.2.3; issue 6): with the process
+//! Drain before freeze (XtreemOS distributed servers §3.2.3): with the process
 //! stopped but its packets still flowing, wait a bounded time for its
 //! connections' send queues to empty.
 //!

@@ -1,4 +1,4 @@
-//! Collective migration of TCP connections (seed 000 §III-C; issue 6).
+//! Collective migration of TCP connections (Gerofi et al. (DVE) §III-C).
 //!
 //! CRIU moves a process's connections one by one: per socket it turns TCP
 //! repair on, reads the queues, writes one image file, and on restore
@@ -42,7 +42,7 @@
 //!    ([`Rebuilt::resume`]). Until then the rebuilt sockets are inert: no
 //!    retransmission timer runs down while the process is frozen.
 //!
-//! Incremental collective migration ([`preread`], seed 000 §III-C's
+//! Incremental collective migration ([`preread`], Gerofi et al. (DVE) §III-C's
 //! tracking during pre-copy) moves most of step 2 out of the freeze: what
 //! does not change while a connection lives (its addresses, SO_REUSEADDR,
 //! the options of step 4) is read before it, with a setsockopt watch
@@ -62,6 +62,7 @@
 //! others (half-closed, connecting) is migrated with CRIU's own per-socket
 //! path, chosen before the freeze ([`choose`]).
 
+mod descriptors;
 mod extract;
 mod flush;
 pub mod options;
@@ -131,42 +132,7 @@ pub enum SockStateError {
     },
 }
 
-/// How a migration moves the process's TCP connections.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum SocketMigration {
-    /// CRIU's own path: one connection at a time, one image file each.
-    Iterative,
-    /// ferryd's: all connections in one batch ([module docs](self)).
-    Collective,
-    /// Collective, with what does not move read before the freeze and
-    /// read again only where a setsockopt call was seen ([`preread`]).
-    Incremental,
-}
-
-impl SocketMigration {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Iterative => "iterative",
-            Self::Collective => "collective",
-            Self::Incremental => "incremental",
-        }
-    }
-
-    pub fn to_pb(self) -> pb::SocketMigration {
-        match self {
-            Self::Iterative => pb::SocketMigration::Iterative,
-            Self::Collective => pb::SocketMigration::Collective,
-            Self::Incremental => pb::SocketMigration::Incremental,
-        }
-    }
-
-    /// Whether ferryd moves the connections (collective, incremental or
-    /// not).
-    pub fn is_collective(self) -> bool {
-        self != Self::Iterative
-    }
-}
+pub use crate::config::SocketMigration;
 
 /// The socket path a migration takes: the one asked for, unless the
 /// process holds connections collective mode cannot move, or the
@@ -226,7 +192,7 @@ pub struct TcpConnectionState {
     pub send_wscale: u8,
     pub recv_wscale: u8,
     /// TCP_TIMESTAMP: the connection's timestamp clock, kept so the peer's
-    /// PAWS check accepts what the destination sends (seed 003 §4.3).
+    /// PAWS check accepts what the destination sends (TCPmig §4.3).
     pub timestamp: u32,
     pub window: RepairWindow,
     /// SO_REUSEADDR as the process set it (turning repair off clears it).

@@ -1,5 +1,5 @@
 //! Incremental collective migration: what of a connection can be read
-//! before the freeze, read while the process runs (seed 000 §III-C: socket
+//! before the freeze, read while the process runs (Gerofi et al. (DVE) §III-C: socket
 //! state tracked during pre-copy, so the freeze carries only what changed).
 //!
 //! Of the ~45 system calls a connection costs in the freeze
@@ -32,7 +32,7 @@ use ferry_proto::v1::TcpSocketOptions;
 use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
 
 use super::SockStateError;
-use super::extract::{SocketKind, addr, for_each_socket, kind_of};
+use super::descriptors::{SocketKind, addr, for_each_socket, kind_of};
 use super::sys;
 
 const SO_COOKIE: libc::c_int = 57;
@@ -116,7 +116,7 @@ impl Drop for Preread {
         if let Some(reader) = self.state_reader.take() {
             reader
                 .into_inner()
-                .unwrap_or_else(|p| p.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .give_back();
         }
     }

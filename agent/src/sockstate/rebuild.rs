@@ -5,12 +5,10 @@ use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use nix::sys::socket::{
-    AddressFamily, SockFlag, SockProtocol, SockType, SockaddrIn, SockaddrIn6, bind, connect, socket,
-};
+use nix::sys::socket::{SockaddrIn, SockaddrIn6, connect};
 
 use super::spread;
-use super::stage::{Staged, StagedSocket};
+use super::stage::{Staged, StagedSocket, open_bound};
 use super::sys::{self, RepairOpt};
 use super::{SockStateError, TcpConnectionState};
 
@@ -113,13 +111,6 @@ impl std::fmt::Debug for Rebuilt {
     }
 }
 
-fn bind_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
-    match a {
-        SocketAddr::V4(v4) => bind(fd.as_raw_fd(), &SockaddrIn::from(v4)),
-        SocketAddr::V6(v6) => bind(fd.as_raw_fd(), &SockaddrIn6::from(v6)),
-    }
-}
-
 fn connect_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
     match a {
         SocketAddr::V4(v4) => connect(fd.as_raw_fd(), &SockaddrIn::from(v4)),
@@ -165,41 +156,6 @@ pub fn rebuild(
         resumed: false,
         staged: taken,
     })
-}
-
-/// A new TCP socket of `local`'s family in repair mode, bound to `local`
-/// (repair mode binds even to an address:port in use: SK_FORCE_REUSE).
-/// What a rebuild needs before the connection's state; `conn` names it in
-/// errors.
-pub(super) fn open_bound(local: SocketAddr, conn: &str) -> Result<OwnedFd, SockStateError> {
-    let family = if local.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let nix_err = |op: &'static str| {
-        move |e: nix::Error| SockStateError::Sys {
-            op,
-            conn: conn.to_owned(),
-            source: std::io::Error::from(e),
-        }
-    };
-    let fd = socket(
-        family,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::Tcp,
-    )
-    .map_err(nix_err("socket"))?;
-    sys::set_int(fd.as_fd(), libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON).map_err(|source| {
-        SockStateError::Sys {
-            op: "turning repair on",
-            conn: conn.to_owned(),
-            source,
-        }
-    })?;
-    bind_to(&fd, local).map_err(nix_err("bind"))?;
-    Ok(fd)
 }
 
 /// Rebuilds one connection, on `staged` (its socket opened ahead,

@@ -20,9 +20,12 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
-use super::rebuild::open_bound;
+use nix::sys::socket::{
+    AddressFamily, SockFlag, SockProtocol, SockType, SockaddrIn, SockaddrIn6, bind, socket,
+};
+
 use super::{SockStateError, spread, sys};
 
 /// A connection to open ahead: its socket's inode on the source (what
@@ -152,4 +155,46 @@ pub fn stage(conns: &[ToStage]) -> Staged {
         );
     }
     staged
+}
+
+/// A new TCP socket of `local`'s family in repair mode, bound to `local`
+/// (repair mode binds even to an address:port in use: SK_FORCE_REUSE).
+/// What a rebuild needs before the connection's state; `conn` names it in
+/// errors.
+pub(super) fn open_bound(local: SocketAddr, conn: &str) -> Result<OwnedFd, SockStateError> {
+    let family = if local.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let nix_err = |op: &'static str| {
+        move |e: nix::Error| SockStateError::Sys {
+            op,
+            conn: conn.to_owned(),
+            source: std::io::Error::from(e),
+        }
+    };
+    let fd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::Tcp,
+    )
+    .map_err(nix_err("socket"))?;
+    sys::set_int(fd.as_fd(), libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_ON).map_err(|source| {
+        SockStateError::Sys {
+            op: "turning repair on",
+            conn: conn.to_owned(),
+            source,
+        }
+    })?;
+    bind_to(&fd, local).map_err(nix_err("bind"))?;
+    Ok(fd)
+}
+
+fn bind_to(fd: &OwnedFd, a: SocketAddr) -> nix::Result<()> {
+    match a {
+        SocketAddr::V4(v4) => bind(fd.as_raw_fd(), &SockaddrIn::from(v4)),
+        SocketAddr::V6(v6) => bind(fd.as_raw_fd(), &SockaddrIn6::from(v6)),
+    }
 }

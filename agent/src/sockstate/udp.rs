@@ -58,7 +58,7 @@ pub fn datagram_key(peer: SocketAddrV4, port: u16, payload: &[u8]) -> u64 {
     buf.extend_from_slice(&peer.port().to_be_bytes());
     buf.extend_from_slice(&port.to_be_bytes());
     buf.extend_from_slice(payload);
-    crate::capture::digest(&buf)
+    crate::dataplane::capture::digest(&buf)
 }
 
 /// The key of a captured IPv4 packet, if it is a whole UDP datagram.
@@ -239,16 +239,16 @@ pub fn give_back_udp_buffers(
     let mut left: Vec<(SocketAddr, i32)> = before.to_vec();
     let mut seen = HashSet::new();
     let mut given_back = 0;
-    super::extract::for_each_socket(tree, |inode, fd| {
+    super::descriptors::for_each_socket(tree, |inode, fd| {
         if left.is_empty()
-            || super::extract::kind_of(fd.as_fd()) != super::extract::SocketKind::Udp
+            || super::descriptors::kind_of(fd.as_fd()) != super::descriptors::SocketKind::Udp
             || !seen.insert(inode)
         {
             return Ok(());
         }
         let Some(local) = getsockname::<SockaddrStorage>(fd.as_raw_fd())
             .ok()
-            .and_then(super::extract::addr)
+            .and_then(super::descriptors::addr)
         else {
             return Ok(());
         };

@@ -28,6 +28,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+mod choices;
+
+pub use choices::{MemoryStrategy, Role, SocketMigration};
+
 /// Where `cargo xtask setup` installs CRIU.
 pub const DEFAULT_CRIU_PATH: &str = "/opt/ferry/criu/bin/criu";
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/ferry/control.sock";
@@ -123,7 +127,7 @@ pub struct TlsConfig {
 pub struct TokenConfig {
     /// Who holds it, for logs and refusals.
     pub name: String,
-    pub role: crate::security::Role,
+    pub role: Role,
     /// SHA-256 of the token, hex (the token itself is not stored here).
     pub sha256: String,
 }
@@ -141,14 +145,14 @@ pub struct MigrationConfig {
     /// every comparison measured here (docs/results.md, `cargo xtask bench
     /// freeze`); it falls back to collective by itself without cgroup v2,
     /// and collective to iterative for sockets it cannot move.
-    pub sockets: crate::sockstate::SocketMigration,
+    pub sockets: SocketMigration,
     /// How memory moves when a request does not say: "total-copy" (all in
     /// the freeze), "pre-copy" or "queued-pre-copy" (rounds while the
     /// process runs, `engine::precopy`), "post-copy" (pages follow the
     /// resumed process, CRIU lazy pages), "assisted-post-copy" (one live
     /// pass, then post-copy of what was written since). Total copy until another one
     /// measurably wins here (docs/results.md, `cargo xtask bench algorithms`).
-    pub strategy: crate::engine::precopy::MemoryStrategy,
+    pub strategy: MemoryStrategy,
     /// Pre-copy: freeze once the pages left would cross in this many
     /// milliseconds at the rate measured so far (1..=60000).
     pub downtime_budget_ms: u32,
@@ -170,8 +174,8 @@ pub const MAX_DRAIN_SEND_QUEUES_MS: u32 = 2000;
 impl Default for MigrationConfig {
     fn default() -> Self {
         Self {
-            sockets: crate::sockstate::SocketMigration::Incremental,
-            strategy: crate::engine::precopy::MemoryStrategy::TotalCopy,
+            sockets: SocketMigration::Incremental,
+            strategy: MemoryStrategy::TotalCopy,
             downtime_budget_ms: 30,
             max_rounds: 10,
             throttle: false,
@@ -407,7 +411,7 @@ impl Config {
         if self.balancer.offer_timeout_ms == 0 {
             return Err(invalid("balancer.offer_timeout_ms", "must be > 0".into()));
         }
-        if let Some((field, reason)) = crate::conductor::unsupported(&self.policy) {
+        if let Some((field, reason)) = unsupported_policy(&self.policy) {
             return Err(invalid(&format!("policy.{field}"), reason));
         }
         match self.policy.validate() {
@@ -524,6 +528,20 @@ pub(crate) fn valid_node_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// What ferryd refuses of a policy the crate accepts: modes whose plans
+/// the conductor cannot carry out (field, reason).
+pub fn unsupported_policy(policy: &ferry_policy::Config) -> Option<(&'static str, String)> {
+    if policy.transfer.mode == ferry_policy::transfer::TransferMode::ReceiverInitiated {
+        return Some((
+            "transfer.mode",
+            "receiver_initiated is in the policy crate and its tests only: ferryd cannot pull a \
+             process from another node yet"
+                .into(),
+        ));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -621,10 +639,7 @@ address = "198.19.0.2:7100"
         }
         let good = format!("{GOOD}\n[migration]\nstrategy = \"queued-pre-copy\"\nmax_rounds = 5\n");
         let cfg = Config::parse(&good, Path::new("t.toml")).unwrap();
-        assert_eq!(
-            cfg.migration.strategy,
-            crate::engine::precopy::MemoryStrategy::QueuedPreCopy
-        );
+        assert_eq!(cfg.migration.strategy, MemoryStrategy::QueuedPreCopy);
         assert_eq!(cfg.migration.downtime_budget_ms, 30);
         let bad = format!("{GOOD}\n[metrics]\nlisten = \"198.19.0.1:7100\"\n");
         let err = Config::parse(&bad, Path::new("x.toml"))

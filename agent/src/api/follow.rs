@@ -22,7 +22,8 @@ use ferry_proto::v1::{
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
 
-use crate::agent::{Agent, ProcessEnd};
+use crate::engine::Engine;
+use crate::managed::ProcessEnd;
 
 /// What this node knows of a process.
 #[derive(Debug, Clone)]
@@ -36,16 +37,16 @@ enum Fate {
     Exited(pb::ProcessExit),
 }
 
-fn fate(agent: &Agent, pid: i32) -> Option<Fate> {
-    if let Some(p) = agent.registry().get(pid) {
+fn fate(engine: &Engine, pid: i32) -> Option<Fate> {
+    if let Some(p) = engine.processes.registry().get(pid) {
         return Some(Fate::Here {
             argv: p.argv.clone(),
         });
     }
-    if let Some(argv) = agent.departing(pid) {
+    if let Some(argv) = engine.processes.departing(pid) {
         return Some(Fate::Here { argv });
     }
-    agent.recent_end(pid).map(|end| match end {
+    engine.processes.recent_end(pid).map(|end| match end {
         ProcessEnd::Exited(exit) => Fate::Exited(exit),
         ProcessEnd::Migrated(report) => Fate::Migrated(report),
     })
@@ -93,26 +94,26 @@ pub type Updates = mpsc::Receiver<Result<ProcessUpdate, Status>>;
 /// Starts following `pid`, managed by this node. NOT_FOUND when this node
 /// knows nothing of it. `follow_moves`: go on at the destination after a
 /// migration (false for a forwarded call).
-pub fn start(agent: Arc<Agent>, pid: i32, follow_moves: bool) -> Result<Updates, Status> {
+pub fn start(engine: Arc<Engine>, pid: i32, follow_moves: bool) -> Result<Updates, Status> {
     if pid <= 0 {
         return Err(Status::invalid_argument(format!(
             "pid: {pid} is not a process ID"
         )));
     }
-    let events = agent.events.subscribe();
-    let first = fate(&agent, pid).ok_or_else(|| {
+    let events = engine.events.subscribe();
+    let first = fate(&engine, pid).ok_or_else(|| {
         Status::not_found(format!(
             "pid: {pid} is not managed by {} (nor did it end or leave lately)",
-            agent.node()
+            engine.node()
         ))
     })?;
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
-        let last = watch_here(&agent, pid, first, events, &tx, true).await;
+        let last = watch_here(&engine, pid, first, events, &tx, true).await;
         if let Some(moved) = last
             && follow_moves
         {
-            follow_elsewhere(&agent, moved, &tx).await;
+            follow_elsewhere(&engine, moved, &tx).await;
         }
     });
     Ok(rx)
@@ -122,14 +123,14 @@ pub fn start(agent: Arc<Agent>, pid: i32, follow_moves: bool) -> Result<Updates,
 /// it runs, if `announce`); returns the `moved` update when it left
 /// (already sent).
 async fn watch_here(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     pid: i32,
     first: Fate,
     mut events: broadcast::Receiver<pb::ClusterEvent>,
     tx: &mpsc::Sender<Result<ProcessUpdate, Status>>,
     announce: bool,
 ) -> Option<ProcessUpdate> {
-    let node = agent.node().to_owned();
+    let node = engine.node().to_owned();
     let mut fate_now = Some(first);
     loop {
         match fate_now.take() {
@@ -154,7 +155,7 @@ async fn watch_here(
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
-                () = agent.events.closed() => {
+                () = engine.events.closed() => {
                     let _ = tx
                         .send(Err(Status::unavailable(format!(
                             "{node}'s agent is stopping; ask again once it is back"
@@ -182,7 +183,7 @@ async fn watch_here(
                 },
                 Err(broadcast::error::RecvError::Lagged(_)) => {
                     // Events went by unread: ask again what became of it.
-                    match fate(agent, pid) {
+                    match fate(engine, pid) {
                         Some(Fate::Here { .. }) => {}
                         Some(f) => {
                             fate_now = Some(f);
@@ -207,29 +208,29 @@ async fn watch_here(
 /// After a move: follows the process on the nodes it goes to, relaying
 /// what they say (without their first `running`: the `moved` said it).
 async fn follow_elsewhere(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     mut moved: ProcessUpdate,
     tx: &mpsc::Sender<Result<ProcessUpdate, Status>>,
 ) {
     loop {
-        let next = if moved.node == agent.node() {
+        let next = if moved.node == engine.node() {
             // Moved back here: followed from this node's own events.
-            let events = agent.events.subscribe();
-            match fate(agent, moved.pid) {
-                Some(first) => watch_here(agent, moved.pid, first, events, tx, false).await,
+            let events = engine.events.subscribe();
+            match fate(engine, moved.pid) {
+                Some(first) => watch_here(engine, moved.pid, first, events, tx, false).await,
                 None => {
                     let _ = tx
                         .send(Err(Status::not_found(format!(
                             "pid: {} moved back to {} and is not managed here",
                             moved.pid,
-                            agent.node()
+                            engine.node()
                         ))))
                         .await;
                     None
                 }
             }
         } else {
-            relay_from(agent, &moved, tx).await
+            relay_from(engine, &moved, tx).await
         };
         match next {
             Some(u) => moved = u,
@@ -241,19 +242,19 @@ async fn follow_elsewhere(
 /// Node `node`'s WaitProcess for `pid`, forwarded (that node does not
 /// follow moves itself: this one does).
 async fn open_at(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     node: &str,
     pid: i32,
 ) -> Result<tonic::Streaming<ProcessUpdate>, Status> {
-    let peer = agent.peer(node).ok_or_else(|| {
+    let peer = engine.cluster.peer(node).ok_or_else(|| {
         Status::not_found(format!(
             "node: the process is on {node:?}, which this agent does not know"
         ))
     })?;
-    let mut client = crate::api::forward::client(agent, &peer).await?;
+    let mut client = super::forward::client(&engine.cluster, &peer).await?;
     client
-        .wait_process(crate::api::forward::request(
-            agent,
+        .wait_process(super::forward::request(
+            &engine.cluster,
             WaitProcessRequest {
                 pid,
                 node: node.to_owned(),
@@ -261,7 +262,7 @@ async fn open_at(
         ))
         .await
         .map(tonic::Response::into_inner)
-        .map_err(|s| crate::api::forward::from_peer(&peer, s))
+        .map_err(|s| super::forward::from_peer(&peer, s))
 }
 
 /// Relays `stream` (without its `running` update unless `announce`);
@@ -295,11 +296,11 @@ async fn relay(
 /// Relays node `moved.node`'s WaitProcess for `moved.pid`, after a move;
 /// returns its `moved` update if the process moved on.
 async fn relay_from(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     moved: &ProcessUpdate,
     tx: &mpsc::Sender<Result<ProcessUpdate, Status>>,
 ) -> Option<ProcessUpdate> {
-    match open_at(agent, &moved.node, moved.pid).await {
+    match open_at(engine, &moved.node, moved.pid).await {
         Ok(stream) => relay(stream, tx, false).await,
         Err(s) => {
             let _ = tx.send(Err(s)).await;
@@ -311,12 +312,12 @@ async fn relay_from(
 /// Follows `pid`, managed by peer `node` now: that node's updates,
 /// then wherever the process moves. NOT_FOUND (or the peer's error) as the
 /// call's status when that node knows nothing of it.
-pub async fn start_at(agent: Arc<Agent>, node: String, pid: i32) -> Result<Updates, Status> {
-    let stream = open_at(&agent, &node, pid).await?;
+pub async fn start_at(engine: Arc<Engine>, node: String, pid: i32) -> Result<Updates, Status> {
+    let stream = open_at(&engine, &node, pid).await?;
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         if let Some(moved) = relay(stream, &tx, true).await {
-            follow_elsewhere(&agent, moved, &tx).await;
+            follow_elsewhere(&engine, moved, &tx).await;
         }
     });
     Ok(rx)

@@ -1,6 +1,6 @@
 //! The peer node's side of a migration's in-cluster connections
-//! (`Peer.AddTranslations` / `RemoveTranslations`): see
-//! [`crate::translation`] for the whole picture. Blocking (BPF maps).
+//! (`Peer.AddTranslations` / `RemoveTranslations`): see [`super::translation`]
+//! for the whole picture. Blocking (BPF maps).
 //!
 //! A process may move again: its peer's socket still talks to the address
 //! of the node the connection was opened from, and a rule already sends
@@ -16,9 +16,8 @@ use std::sync::Mutex;
 use ferry_ebpf::{RuleAction, TranslationRule};
 use ferry_proto::v1::TranslationsRequest;
 
-use super::EngineError;
-use crate::agent::Agent;
-use crate::translation::{FlowRules, InClusterFlow};
+use super::DataPlane;
+use super::translation::{FlowError, FlowRules, InClusterFlow};
 
 /// One change to the rules: `removed` was there before, `added` after.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +35,7 @@ const LOG_MIGRATIONS: usize = 64;
 
 impl TranslationLog {
     fn push(&self, id: &str, changes: Vec<Change>) {
-        let mut log = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut log = crate::sync::lock(&self.0);
         log.retain(|(m, _)| m != id);
         if log.len() == LOG_MIGRATIONS {
             log.pop_front();
@@ -45,30 +44,39 @@ impl TranslationLog {
     }
 
     fn take(&self, id: &str) -> Option<Vec<Change>> {
-        let mut log = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut log = crate::sync::lock(&self.0);
         let i = log.iter().position(|(m, _)| m == id)?;
         log.remove(i).map(|(_, c)| c)
     }
 }
 
+/// This node, as the requests' flows must name it.
+#[derive(Debug, Clone, Copy)]
+pub struct Here<'a> {
+    pub node: &'a str,
+    pub cluster_address: std::net::Ipv4Addr,
+}
+
 /// Parses and checks the request's flows: each must be to a socket of this
 /// node (`remote` on this node's cluster address).
-fn flows(agent: &Agent, req: &TranslationsRequest) -> Result<Vec<InClusterFlow>, EngineError> {
+fn flows(here: Here<'_>, req: &TranslationsRequest) -> Result<Vec<InClusterFlow>, FlowError> {
     if req.migration_id.is_empty() {
-        return Err(EngineError::InvalidField {
+        return Err(FlowError::InvalidField {
             field: "migration_id",
             reason: "empty".into(),
         });
     }
-    let here = agent.config.cluster.address;
     req.flows
         .iter()
         .map(|pb| {
             let f = InClusterFlow::from_pb(pb)?;
-            if *f.remote.ip() != here {
-                return Err(EngineError::InvalidField {
+            if *f.remote.ip() != here.cluster_address {
+                return Err(FlowError::InvalidField {
                     field: "flows.remote",
-                    reason: format!("{} is not on {} ({here})", f.remote, agent.node()),
+                    reason: format!(
+                        "{} is not on {} ({})",
+                        f.remote, here.node, here.cluster_address
+                    ),
                 });
             }
             Ok(f)
@@ -78,7 +86,7 @@ fn flows(agent: &Agent, req: &TranslationsRequest) -> Result<Vec<InClusterFlow>,
 
 /// The change that moves `flow`: a new rule, or a rule of an earlier
 /// migration of the same process replaced or removed.
-fn change_for(rules: &dyn FlowRules, flow: &InClusterFlow) -> Result<Change, EngineError> {
+fn change_for(rules: &dyn FlowRules, flow: &InClusterFlow) -> Result<Change, FlowError> {
     let earlier = rules.rules()?.into_iter().find(|r| {
         r.protocol == flow.protocol
             && r.local == flow.remote
@@ -110,7 +118,7 @@ fn change_for(rules: &dyn FlowRules, flow: &InClusterFlow) -> Result<Change, Eng
     })
 }
 
-fn apply(rules: &mut dyn FlowRules, c: &Change) -> Result<(), EngineError> {
+fn apply(rules: &mut dyn FlowRules, c: &Change) -> Result<(), FlowError> {
     if let Some(r) = &c.removed {
         rules.remove(r)?;
     }
@@ -135,52 +143,62 @@ fn undo(rules: &mut dyn FlowRules, c: &Change) {
     }
 }
 
-/// Installs the translations; all or none. Returns how many flows.
-pub fn add(agent: &Agent, req: &TranslationsRequest) -> Result<u32, EngineError> {
-    let flows = flows(agent, req)?;
-    let mut rules = agent.flows();
-    let mut done: Vec<Change> = Vec::new();
-    for f in &flows {
-        let result = change_for(rules.as_ref(), f).and_then(|c| {
-            apply(rules.as_mut(), &c)?;
-            Ok(c)
-        });
-        match result {
-            Ok(c) => {
-                tracing::info!(migration = %req.migration_id, removed = ?c.removed, added = ?c.added, "in-cluster connection translated");
-                done.push(c);
-            }
-            Err(e) => {
-                for c in done.iter().rev() {
-                    undo(rules.as_mut(), c);
+impl DataPlane {
+    /// Installs the translations; all or none. Returns how many flows.
+    pub fn add_translations(
+        &self,
+        here: Here<'_>,
+        req: &TranslationsRequest,
+    ) -> Result<u32, FlowError> {
+        let flows = flows(here, req)?;
+        let mut rules = self.flows();
+        let mut done: Vec<Change> = Vec::new();
+        for f in &flows {
+            let result = change_for(rules.as_ref(), f).and_then(|c| {
+                apply(rules.as_mut(), &c)?;
+                Ok(c)
+            });
+            match result {
+                Ok(c) => {
+                    tracing::info!(migration = %req.migration_id, removed = ?c.removed, added = ?c.added, "in-cluster connection translated");
+                    done.push(c);
                 }
-                return Err(e);
+                Err(e) => {
+                    for c in done.iter().rev() {
+                        undo(rules.as_mut(), c);
+                    }
+                    return Err(e);
+                }
             }
         }
+        self.translation_log.push(&req.migration_id, done);
+        Ok(flows.len() as u32)
     }
-    agent.translation_log.push(&req.migration_id, done);
-    Ok(flows.len() as u32)
-}
 
-/// Undoes what `add` did for the migration (an abort); an unknown
-/// migration has nothing to undo. Returns how many changes were undone.
-pub fn remove(agent: &Agent, req: &TranslationsRequest) -> Result<u32, EngineError> {
-    flows(agent, req)?;
-    let Some(changes) = agent.translation_log.take(&req.migration_id) else {
-        return Ok(0);
-    };
-    let mut rules = agent.flows();
-    for c in changes.iter().rev() {
-        undo(rules.as_mut(), c);
-        tracing::info!(migration = %req.migration_id, ?c, "translation change undone");
+    /// Undoes what `add` did for the migration (an abort); an unknown
+    /// migration has nothing to undo. Returns how many changes were undone.
+    pub fn remove_translations(
+        &self,
+        here: Here<'_>,
+        req: &TranslationsRequest,
+    ) -> Result<u32, FlowError> {
+        flows(here, req)?;
+        let Some(changes) = self.translation_log.take(&req.migration_id) else {
+            return Ok(0);
+        };
+        let mut rules = self.flows();
+        for c in changes.iter().rev() {
+            undo(rules.as_mut(), c);
+            tracing::info!(migration = %req.migration_id, ?c, "translation change undone");
+        }
+        Ok(changes.len() as u32)
     }
-    Ok(changes.len() as u32)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translation::fake::FakeFlowRules;
+    use crate::dataplane::translation::fake::FakeFlowRules;
     use ferry_ebpf::Protocol;
 
     fn flow(old: &str, new: &str) -> InClusterFlow {

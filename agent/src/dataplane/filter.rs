@@ -1,7 +1,8 @@
-//! Port ownership: which of the cluster's ports this node accepts packets
-//! for. The eBPF filter on the public interface enforces it; this module
-//! decides it, from the processes the node manages and the migrations under
-//! way, and applies only the difference to the kernel.
+//! The ownership filter: which of the cluster's ports this node accepts
+//! packets for, as written to the eBPF filter on the public interface
+//! (`ferry_ebpf::OwnershipFilter`). `crate::ports` decides the states, from
+//! the processes the node manages and the migrations under way; this
+//! module writes only the differences to the kernel.
 //!
 //! Hand-over during a migration (exactly one node owns a port at a time,
 //! and every packet is either delivered once or kept):
@@ -43,7 +44,7 @@ pub trait PortFilter: Send {
     fn set(&mut self, port: PortKey, state: PortState) -> Result<(), DataPlaneError>;
     fn remove(&mut self, port: PortKey) -> Result<(), DataPlaneError>;
     /// Takes every record out of the capture ring, oldest first.
-    fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket));
+    fn collect(&mut self, sink: &mut dyn FnMut(CapturedPacket));
     fn counters(&self) -> Result<Counters, DataPlaneError>;
     /// The interface the filter guards.
     fn interface(&self) -> &str;
@@ -53,22 +54,22 @@ pub trait PortFilter: Send {
 }
 
 /// The ports this node owns, as last written to the filter.
-pub struct Ownership {
+pub struct PortTable {
     filter: Box<dyn PortFilter>,
     current: BTreeMap<PortKey, PortState>,
 }
 
-impl std::fmt::Debug for Ownership {
+impl std::fmt::Debug for PortTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ownership")
+        f.debug_struct("PortTable")
             .field("current", &self.current)
             .finish()
     }
 }
 
-impl Ownership {
+impl PortTable {
     /// Starts from what the filter holds: after an agent restart with
-    /// pinned maps the ports are still owned, and the first reconcile
+    /// pinned maps the ports are still owned, and the first refresh
     /// releases those no process holds any more, and only those.
     pub fn new(filter: Box<dyn PortFilter>) -> Self {
         let current = filter.ports().unwrap_or_else(|e| {
@@ -88,8 +89,8 @@ impl Ownership {
         &self.current
     }
 
-    pub fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
-        self.filter.drain(sink)
+    pub fn collect(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
+        self.filter.collect(sink)
     }
 
     pub fn counters(&self) -> Result<Counters, DataPlaneError> {
@@ -165,7 +166,7 @@ impl PortFilter for EbpfPortFilter {
             .map_err(|e| DataPlaneError(format!("port {port}: {e}")))
     }
 
-    fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
+    fn collect(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
         let (_, bad) = self.0.drain_captured(sink);
         if bad > 0 {
             tracing::warn!(bad, "undecodable records in the capture ring");
@@ -205,8 +206,8 @@ pub mod fake {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    /// Records every call, in order; `drain` hands out what a test put in
-    /// `ring`.
+    /// Records every call, in order; `collect` hands out what a test put
+    /// in the ring (the second list).
     #[derive(Default, Clone)]
     pub struct FakeFilter(
         pub Arc<Mutex<Vec<String>>>,
@@ -222,7 +223,7 @@ pub mod fake {
             self.0.lock().unwrap().push(format!("remove {port}"));
             Ok(())
         }
-        fn drain(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
+        fn collect(&mut self, sink: &mut dyn FnMut(CapturedPacket)) {
             for p in self.1.lock().unwrap().drain(..) {
                 sink(p);
             }
@@ -254,7 +255,7 @@ mod tests {
     #[test]
     fn applies_only_differences_and_freezes_first() {
         let fake = FakeFilter::default();
-        let mut o = Ownership::new(Box::new(fake.clone()));
+        let mut o = PortTable::new(Box::new(fake.clone()));
         let mut want =
             BTreeMap::from([(tcp(7000), PortState::Owned), (tcp(7001), PortState::Owned)]);
         o.apply(&want).unwrap();

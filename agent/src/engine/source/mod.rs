@@ -6,10 +6,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_proto::v1::peer_client::PeerClient;
 use ferry_proto::v1::{
-    self as pb, AbortRequest, ArmRequest, CommitRequest, HelloRequest, MigrationEvent,
-    MigrationOutcome, MigrationPhase, MigrationProgress, MigrationReport, MigrationStarted,
-    PhaseTiming, PrepareRequest, RestoreRequest, TranslationsRequest, cluster_event,
-    migration_event,
+    AbortRequest, ArmRequest, CommitRequest, HelloRequest, MigrationEvent, MigrationOutcome,
+    MigrationPhase, MigrationProgress, MigrationReport, MigrationStarted, PhaseTiming,
+    PrepareRequest, RestoreRequest, TranslationsRequest, cluster_event, migration_event,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -17,12 +16,16 @@ use tokio::sync::mpsc;
 use tonic::transport::Channel;
 use tracing::Instrument;
 
-use crate::agent::Agent;
 use crate::config::PeerConfig;
 use crate::criu;
+use crate::engine::Engine;
 use crate::managed::{Lifecycle, OutStage};
-use crate::process::{self, PortKey, SocketSummary, Transport};
+use crate::process::{self, PortKey, SocketSummary};
 use crate::sockstate::{self, SocketMigration};
+
+mod outgoing;
+
+pub use outgoing::Outgoing;
 
 use super::precopy::{Convergence, MemoryStrategy, Precopy};
 use super::sockettaker::{Incremental, ReadConnections, ReadPlan, SocketTaker, Taken};
@@ -88,25 +91,15 @@ impl std::fmt::Debug for Prepared {
     }
 }
 
-pub fn port_to_pb(p: &PortKey) -> pb::Port {
-    pb::Port {
-        protocol: match p.transport {
-            Transport::Tcp => pb::Protocol::Tcp as i32,
-            Transport::Udp => pb::Protocol::Udp as i32,
-        },
-        port: u32::from(p.port),
-    }
-}
-
 /// Checks everything that can be checked before touching the process, and
 /// reserves the destination. Errors here leave no trace anywhere.
 pub async fn prepare(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     pid: i32,
     destination: &str,
     options: MigrationOptions,
 ) -> Result<Prepared, EngineError> {
-    let cfg = &agent.config.migration;
+    let cfg = &engine.config.migration;
     let wanted_sockets = options.sockets.unwrap_or(cfg.sockets);
     let strategy = options.strategy.unwrap_or(cfg.strategy);
     let convergence = Convergence {
@@ -124,20 +117,20 @@ pub async fn prepare(
     };
     let started = Instant::now();
     let started_wall = SystemTime::now();
-    let node = agent.node().to_owned();
+    let node = engine.node().to_owned();
     if destination == node {
         return Err(EngineError::DestinationIsSelf { node });
     }
-    let peer_cfg = agent.peer(destination).ok_or_else(|| {
-        let mut known: Vec<String> = vec![agent.node().to_owned()];
-        known.extend(agent.known_peers().into_iter().map(|p| p.name));
+    let peer_cfg = engine.cluster.peer(destination).ok_or_else(|| {
+        let mut known: Vec<String> = vec![engine.node().to_owned()];
+        known.extend(engine.cluster.known_peers().into_iter().map(|p| p.name));
         EngineError::UnknownNode {
             name: destination.to_owned(),
             known: known.join(", "),
         }
     })?;
-    check_migratable(agent, pid)?;
-    let criu_path = agent.config.criu_path.clone();
+    check_migratable(engine, pid)?;
+    let criu_path = engine.config.criu_path.clone();
     tokio::task::spawn_blocking(move || criu::probe_version(&criu_path))
         .await
         .map_err(|e| EngineError::Internal(e.to_string()))??;
@@ -145,10 +138,10 @@ pub async fn prepare(
     // Claim the process so that no second migration of it can start.
     let migration_id = new_migration_id();
     let (argv, sockets) = {
-        let mut reg = agent.registry();
+        let mut reg = engine.processes.registry();
         let p = reg
             .get_mut(pid)
-            .ok_or_else(|| not_managed(pid, agent.node()))?;
+            .ok_or_else(|| not_managed(pid, engine.node()))?;
         if let Lifecycle::MigratingOut { migration_id, .. } = &p.lifecycle {
             return Err(EngineError::AlreadyMigrating {
                 pid,
@@ -161,7 +154,7 @@ pub async fn prepare(
         };
         (p.argv.clone(), p.sockets.clone())
     };
-    let release = |agent: &Arc<Agent>| agent.set_lifecycle(pid, Lifecycle::Running);
+    let release = |engine: &Arc<Engine>| engine.processes.set_lifecycle(pid, Lifecycle::Running);
 
     let result = async {
         // Fresh socket list: ports opened since the last refresh move too.
@@ -198,7 +191,7 @@ pub async fn prepare(
         // A connection to a process on the destination node would have to
         // become a connection within one host: no rewrite of one end does
         // that. Refused now, before anything is touched.
-        if let Some(dest_ip) = agent.cluster_address_of(&peer_cfg.name)
+        if let Some(dest_ip) = engine.cluster.cluster_address_of(&peer_cfg.name)
             && sockets.tcp_peers.contains(&dest_ip)
         {
             return Err(EngineError::NotMigratable {
@@ -209,10 +202,10 @@ pub async fn prepare(
                 ),
             });
         }
-        let mut peer = agent.peer_client(&peer_cfg).await?;
+        let mut peer = engine.cluster.peer_client(&peer_cfg).await?;
         let hello = peer
             .hello(HelloRequest {
-                node: agent.node().to_owned(),
+                node: engine.node().to_owned(),
                 protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
             })
             .await
@@ -250,15 +243,15 @@ pub async fn prepare(
         let prepared = peer.prepare(PrepareRequest {
             protocol_version: hello.protocol_version,
             migration_id: migration_id.clone(),
-            source_node: agent.node().to_owned(),
+            source_node: engine.node().to_owned(),
             source_pid: pid,
             argv: argv.clone(),
-            ports: sockets.ports.iter().map(port_to_pb).collect(),
+            ports: sockets.ports.iter().map(PortKey::to_pb).collect(),
         })
         .await
         .map_err(|s| peer_error(&peer_cfg.name, s))?
         .into_inner();
-        if let Some(p) = agent.registry().get_mut(pid) {
+        if let Some(p) = engine.processes.registry().get_mut(pid) {
             p.sockets = sockets.clone();
         }
         Ok::<_, EngineError>((
@@ -296,7 +289,7 @@ pub async fn prepare(
             })
         }
         Err(e) => {
-            release(agent);
+            release(engine);
             Err(e)
         }
     }
@@ -311,12 +304,12 @@ fn not_managed(pid: i32, node: &str) -> EngineError {
     }
 }
 
-fn check_migratable(agent: &Agent, pid: i32) -> Result<(), EngineError> {
-    let node = agent.node();
+fn check_migratable(engine: &Engine, pid: i32) -> Result<(), EngineError> {
+    let node = engine.node();
     if pid == std::process::id() as i32 {
         return Err(EngineError::NotMigratable {
             pid,
-            reason: format!("it is the ferry agent of {node} itself"),
+            reason: format!("it is the ferry engine of {node} itself"),
         });
     }
     if pid == 1 {
@@ -347,7 +340,7 @@ fn check_migratable(agent: &Agent, pid: i32) -> Result<(), EngineError> {
             reason: "it has exited (zombie)".into(),
         });
     }
-    if agent.registry().get(pid).is_none() {
+    if engine.processes.registry().get(pid).is_none() {
         return Err(not_managed(pid, node));
     }
     Ok(())
@@ -386,7 +379,7 @@ pub(super) fn silent(peer: &PeerConfig, step: &str, waited: Duration) -> EngineE
 type Events = mpsc::Sender<Result<MigrationEvent, tonic::Status>>;
 
 struct Run {
-    agent: Arc<Agent>,
+    engine: Arc<Engine>,
     p: Prepared,
     events: Events,
     report: MigrationReport,
@@ -605,7 +598,7 @@ async fn open_page_tunnel(
         })
         .await;
     let mut peer = run.p.peer.clone();
-    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    let deadline = Duration::from_secs(run.engine.config.peer_timeout_secs);
     let opened = tokio::time::timeout(deadline, peer.page_tunnel(ReceiverStream::new(rx))).await;
     let inbound = match opened {
         Ok(Ok(r)) => r.into_inner(),
@@ -645,7 +638,7 @@ impl Run {
             })),
         };
         if let Some(migration_event::Event::Progress(progress)) = &ev.event {
-            self.agent
+            self.engine
                 .events
                 .publish(cluster_event::Event::MigrationPhase(MigrationPhase {
                     migration_id: self.p.migration_id.clone(),
@@ -665,7 +658,7 @@ impl Run {
 
 /// Runs a prepared migration to its end and returns its report. Meant to be
 /// spawned: it must finish (commit or roll back) even if the caller goes.
-pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationReport {
+pub async fn run(engine: Arc<Engine>, p: Prepared, events: Events) -> MigrationReport {
     let span = tracing::info_span!("migration", id = %p.migration_id, pid = p.pid, to = %p.destination.name);
     async move {
         let report = MigrationReport {
@@ -677,14 +670,14 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
                 String::new()
             },
             outcome: MigrationOutcome::Unspecified as i32,
-            source_node: agent.node().to_owned(),
+            source_node: engine.node().to_owned(),
             destination_node: p.destination.name.clone(),
             source_pid: p.pid,
             tcp_established: p.sockets.tcp_established,
             tcp_listening: p.sockets.tcp_listening,
             udp_sockets: p.sockets.udp,
-            ports: p.sockets.ports.iter().map(port_to_pb).collect(),
-            capture: agent.config.dataplane.capture,
+            ports: p.sockets.ports.iter().map(PortKey::to_pb).collect(),
+            capture: engine.config.dataplane.capture,
             sockets: p.socket_migration.to_pb() as i32,
             sockets_note: p.socket_note.clone().unwrap_or_default(),
             started_at_unix_ms: p
@@ -698,14 +691,14 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             }],
             ..Default::default()
         };
-        agent.outgoing_started(&p.migration_id, p.cancel.clone());
+        engine.outgoing.started(&p.migration_id, p.cancel.clone());
         let started = MigrationStarted {
             migration_id: p.migration_id.clone(),
-            source_node: agent.node().to_owned(),
+            source_node: engine.node().to_owned(),
             destination_node: p.destination.name.clone(),
             pid: p.pid,
         };
-        agent
+        engine
             .events
             .publish(cluster_event::Event::MigrationStarted(started.clone()));
         let _ = events
@@ -714,11 +707,11 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             }))
             .await;
         let mut run = Run {
-            agent: agent.clone(),
+            engine: engine.clone(),
             // "prepare" runs from the request to the freeze.
             last_phase: p.started,
             freeze_start: None,
-            capture: agent.config.dataplane.capture,
+            capture: engine.config.dataplane.capture,
             capturing_here: false,
             delivered: Vec::new(),
             unread_datagrams: Vec::new(),
@@ -735,7 +728,7 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
             events,
             report,
         };
-        let dir = agent
+        let dir = engine
             .config
             .work_dir
             .join("outgoing")
@@ -743,9 +736,9 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
         let outcome = drive(&mut run, &dir).await;
         finish(&mut run, outcome).await;
         if run.report.outcome != MigrationOutcome::Committed as i32
-            || super::keeps_every_log(&agent.config)
+            || super::keeps_every_log(&engine.config)
         {
-            super::keep_logs(&agent.config.work_dir, &dir, &run.p.migration_id);
+            super::keep_logs(&engine.config.work_dir, &dir, &run.p.migration_id);
         }
         if let Err(e) = std::fs::remove_dir_all(&dir)
             && e.kind() != std::io::ErrorKind::NotFound
@@ -754,11 +747,12 @@ pub async fn run(agent: Arc<Agent>, p: Prepared, events: Events) -> MigrationRep
         }
         run.report.total_time_us = run.p.started.elapsed().as_micros() as u64;
         run.close_phases();
-        agent.store_report(run.report.clone());
-        agent
+        engine.reports.store(run.report.clone());
+        engine.processes.departed(&run.report);
+        engine
             .events
             .publish(cluster_event::Event::MigrationFinished(run.report.clone()));
-        agent.outgoing_finished(&run.p.migration_id);
+        engine.outgoing.finished(&run.p.migration_id);
         run.p.cancel.finish(run.report.clone());
         tracing::info!(
             outcome = run.report.outcome,
@@ -808,14 +802,14 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // beside the steps before the dump, held until the migration ends.
     let sched_hooks = tokio::task::spawn_blocking(criu::SchedHooks::hold);
     run.peer_links = open_peer_links(
-        &run.agent,
+        &run.engine,
         &run.p.sockets.tcp_peers,
         &run.p.destination.name,
     );
 
     // Pre-copy: the memory crosses while the process runs.
     let pid = run.p.pid;
-    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    let deadline = Duration::from_secs(run.engine.config.peer_timeout_secs);
     if run.p.strategy.is_precopy() {
         run.phase("pre-copy").await;
         let started = Instant::now();
@@ -865,7 +859,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         let with_options = options_by_ferryd(
             true,
             run.p.destination_takes_tcp_options,
-            &run.agent.config.criu_path,
+            &run.engine.config.criu_path,
         );
         match tokio::task::spawn_blocking(move || preread(pid, with_options)).await {
             Ok(Ok(inc)) => {
@@ -901,12 +895,16 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     honour_cancel!();
     if run.capture {
         run.phase("arm").await;
-        run.agent.capture.open(&id, ports.iter().copied());
+        run.engine
+            .dataplane
+            .capture
+            .open(&id, ports.iter().copied());
         run.capturing_here = true;
-        run.agent
+        run.engine
+            .processes
             .set_lifecycle(pid, out_stage(&id, OutStage::Recording));
-        if let Err(e) = run.agent.apply_ownership().await {
-            return Stop::BeforeCommit(e);
+        if let Err(e) = run.engine.ports.apply().await {
+            return Stop::BeforeCommit(e.into());
         }
         // Protocol 7: the connections read before the freeze, whose
         // sockets the destination opens now instead of inside it; from
@@ -938,7 +936,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         run.armed_fixed = fixed.map(Arc::new);
         let arm = run.p.peer.arm(ArmRequest {
             migration_id: id.clone(),
-            ports: ports.iter().map(port_to_pb).collect(),
+            ports: ports.iter().map(PortKey::to_pb).collect(),
             connections,
         });
         match tokio::time::timeout(deadline, arm).await {
@@ -948,10 +946,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         }
         // The destination keeps every packet now: new handshakes are left
         // to it.
-        run.agent
+        run.engine
+            .processes
             .set_lifecycle(pid, out_stage(&id, OutStage::Armed));
-        if let Err(e) = run.agent.apply_ownership().await {
-            return Stop::BeforeCommit(e);
+        if let Err(e) = run.engine.ports.apply().await {
+            return Stop::BeforeCommit(e.into());
         }
     }
 
@@ -993,11 +992,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     };
     let criu_pid = Arc::new(std::sync::atomic::AtomicI32::new(0));
     let req = criu::DumpRequest {
-        criu: run.agent.config.criu_path.clone(),
+        criu: run.engine.config.criu_path.clone(),
         pid,
         images_dir: images.clone(),
         log_dir: dir.to_owned(),
-        log_level: run.agent.config.criu_log_level,
+        log_level: run.engine.config.criu_log_level,
         tcp_connections: if run.p.socket_migration.is_collective() {
             criu::TcpConnections::Skip
         } else {
@@ -1023,9 +1022,9 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     // Collective: the connections' states go to the destination as soon as
     // they are read, which is during the dump (`sockettaker.rs`).
     let (states_to, states_from) = tokio::sync::oneshot::channel();
-    let criu_path = run.agent.config.criu_path.clone();
+    let criu_path = run.engine.config.criu_path.clone();
     let mut dump_task = tokio::task::spawn_blocking({
-        let (agent, id, frozen_at) = (run.agent.clone(), id.clone(), frozen_at.clone());
+        let (engine, id, frozen_at) = (run.engine.clone(), id.clone(), frozen_at.clone());
         let drained = drained.clone();
         let is_lazy = lazy.is_some();
         let mut ready_tx = Some(ready_tx);
@@ -1081,9 +1080,11 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             });
             let mut ports_frozen = false;
             let freeze_ports = |ports_frozen: &mut bool| -> Result<(), String> {
-                agent.set_lifecycle(pid, out_stage(&id, OutStage::Frozen { capture }));
+                engine
+                    .processes
+                    .set_lifecycle(pid, out_stage(&id, OutStage::Frozen { capture }));
                 *ports_frozen = true;
-                agent.reconcile_ownership().map_err(|e| e.to_string())?;
+                engine.ports.apply_now().map_err(|e| e.to_string())?;
                 tracing::info!("ports frozen");
                 Ok(())
             };
@@ -1115,7 +1116,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                                     waited_ms = flushed.waited.as_secs_f64() * 1000.0,
                                     "send queues drained before the freeze"
                                 );
-                                *drained.lock().unwrap_or_else(|p| p.into_inner()) = Some(flushed);
+                                *crate::sync::lock(&drained) = Some(flushed);
                             }
                             Some(Err(e)) => {
                                 tracing::warn!(error = %e, "taking the connections to drain them: not drained")
@@ -1152,7 +1153,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
                 // the abort still reports the time the process was cut off.
                 // The process stops here, also when its ports are cut off
                 // later (a drain).
-                *frozen_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                *crate::sync::lock(&frozen_at) = Some(Instant::now());
                 if drain.is_some() {
                     return Ok(());
                 }
@@ -1194,9 +1195,9 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         tokio::spawn(send_sockets(
             run.p.peer.clone(),
             run.p.migration_id.clone(),
-            run.agent.node().to_owned(),
+            run.engine.node().to_owned(),
             run.p.destination.clone(),
-            Duration::from_secs(run.agent.config.peer_timeout_secs),
+            Duration::from_secs(run.engine.config.peer_timeout_secs),
             states_from,
             run.armed_fixed.clone(),
         ))
@@ -1253,8 +1254,8 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
             }
         }
     };
-    run.freeze_start = *frozen_at.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(f) = *drained.lock().unwrap_or_else(|p| p.into_inner()) {
+    run.freeze_start = *crate::sync::lock(&frozen_at);
+    if let Some(f) = *crate::sync::lock(&drained) {
         run.report.drain_time_us = f.waited.as_micros() as u64;
         run.report.drain_bytes_at_start = f.bytes_at_start;
         run.report.drain_bytes_left = f.bytes_left;
@@ -1338,8 +1339,10 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         // load that is megabytes of packets to digest: it runs beside the
         // transfer rather than in front of it (the freeze is on), and
         // starts after the image reader, which the freeze waits for.
-        let agent = run.agent.clone();
-        run.draining = Some(tokio::task::spawn_blocking(move || agent.drain_capture()));
+        let engine = run.engine.clone();
+        run.draining = Some(tokio::task::spawn_blocking(move || {
+            engine.dataplane.collect_captured()
+        }));
     }
     let mut images_peer = run.p.peer.clone();
     let images_sent = tokio::time::timeout(
@@ -1499,7 +1502,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
         // drops those duplicates (a UDP datagram could be doubled).
         tracing::error!(error = %e, "draining the delivered log");
     }
-    run.delivered = run.agent.capture.take_delivered(&id);
+    run.delivered = run.engine.dataplane.capture.take_delivered(&id);
     tracing::debug!(packets = run.delivered.len(), "delivered while recording");
 
     // Commit point: the destination holds a restored, stopped copy. Ours
@@ -1519,12 +1522,14 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     } else {
         OutStage::Released
     };
-    run.agent.set_lifecycle(pid, out_stage(&id, released));
-    if let Err(e) = run.agent.apply_ownership().await {
+    run.engine
+        .processes
+        .set_lifecycle(pid, out_stage(&id, released));
+    if let Err(e) = run.engine.ports.apply().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
     }
     if run.capturing_here {
-        run.agent.capture.close(&id);
+        run.engine.dataplane.capture.close(&id);
         run.capturing_here = false;
     }
 
@@ -1579,7 +1584,7 @@ async fn drive(run: &mut Run, dir: &std::path::Path) -> Stop {
     let commit_end = Instant::now();
     if !postcopy {
         run.phase("discard").await;
-        discard_source_copy(&run.agent, pid).await;
+        discard_source_copy(&run.engine, pid).await;
     }
     // The freeze ends when the process ran again on the destination: what
     // the destination did after its resume (a replay, the answer) is not
@@ -1647,7 +1652,7 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
     use ferry_proto::v1::{PostCopyState, PostCopyStatusRequest};
     run.phase("post-copy").await;
     let pid = run.p.pid;
-    let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+    let deadline = Duration::from_secs(run.engine.config.peer_timeout_secs);
     let mut silent_since: Option<Instant> = None;
     let verdict = loop {
         let ask = run.p.peer.post_copy_status(PostCopyStatusRequest {
@@ -1729,7 +1734,7 @@ async fn postcopy_window(run: &mut Run, resumed: Instant, commit_err: Option<Eng
         }
     };
     run.phase("discard").await;
-    discard_source_copy(&run.agent, pid).await;
+    discard_source_copy(&run.engine, pid).await;
     stop
 }
 
@@ -1808,12 +1813,12 @@ async fn translate_in_cluster(
 ) -> Result<(), EngineError> {
     let mut by_node: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)> = Vec::new();
     for f in flows {
-        let flow = crate::translation::InClusterFlow::from_pb(&f)?;
+        let flow = crate::dataplane::translation::InClusterFlow::from_pb(&f)?;
         let ip = *flow.remote.ip();
-        let node = if ip == run.agent.config.cluster.address {
-            run.agent.node().to_owned()
+        let node = if ip == run.engine.config.cluster.address {
+            run.engine.node().to_owned()
         } else {
-            match run.agent.peer_at(ip) {
+            match run.engine.cluster.peer_at(ip) {
                 Some(p) => p.name.clone(),
                 None => {
                     return Err(EngineError::Internal(format!(
@@ -1834,15 +1839,17 @@ async fn translate_in_cluster(
         };
         // Recorded first: a call that times out may still have landed.
         run.translated.push((node.clone(), flows));
-        if node == run.agent.node() {
-            let agent = run.agent.clone();
-            tokio::task::spawn_blocking(move || super::translations::add(&agent, &req))
-                .await
-                .map_err(|e| EngineError::Internal(e.to_string()))??;
+        if node == run.engine.node() {
+            let engine = run.engine.clone();
+            super::blocking("adding translations", move || {
+                engine.dataplane.add_translations(engine.here(), &req)
+            })
+            .await??;
             continue;
         }
         let peer = run
-            .agent
+            .engine
+            .cluster
             .peer(&node)
             .ok_or_else(|| EngineError::Internal(format!("no peer config for {node}")))?;
         let mut client = peer_link(run, &peer).await?;
@@ -1865,21 +1872,21 @@ type PeerLink = tokio::task::JoinHandle<Result<PeerClient<Channel>, EngineError>
 /// translation may go to. Not to `destination`, which the migration's own
 /// connection reaches.
 fn open_peer_links(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     tcp_peers: &std::collections::BTreeSet<std::net::Ipv4Addr>,
     destination: &str,
 ) -> Vec<(String, PeerLink)> {
     tcp_peers
         .iter()
-        .filter(|ip| **ip != agent.config.cluster.address)
-        .filter_map(|ip| agent.peer_at(*ip))
+        .filter(|ip| **ip != engine.config.cluster.address)
+        .filter_map(|ip| engine.cluster.peer_at(*ip))
         .filter(|peer| peer.name != destination)
         .map(|peer| {
-            let agent = agent.clone();
+            let engine = engine.clone();
             let name = peer.name.clone();
             (
                 name,
-                tokio::spawn(async move { agent.peer_client(&peer).await }),
+                tokio::spawn(async move { Ok(engine.cluster.peer_client(&peer).await?) }),
             )
         })
         .collect()
@@ -1904,7 +1911,7 @@ async fn peer_link(run: &mut Run, peer: &PeerConfig) -> Result<PeerClient<Channe
             }
         }
     }
-    run.agent.peer_client(peer).await
+    Ok(run.engine.cluster.peer_client(peer).await?)
 }
 
 /// Undoes [`translate_in_cluster`] (an abort): best effort, logged.
@@ -1914,22 +1921,23 @@ async fn untranslate_in_cluster(run: &mut Run) {
             migration_id: run.p.migration_id.clone(),
             flows,
         };
-        let result = if node == run.agent.node() {
-            let agent = run.agent.clone();
-            tokio::task::spawn_blocking(move || super::translations::remove(&agent, &req))
-                .await
-                .map_err(|e| EngineError::Internal(e.to_string()))
-                .and_then(|r| r)
-                .map(|_| ())
+        let result = if node == run.engine.node() {
+            let engine = run.engine.clone();
+            super::blocking("removing translations", move || {
+                engine.dataplane.remove_translations(engine.here(), &req)
+            })
+            .await
+            .and_then(|r| r.map_err(EngineError::from))
+            .map(|_| ())
         } else {
-            match run.agent.peer(&node) {
-                Some(peer) => match run.agent.peer_client(&peer).await {
+            match run.engine.cluster.peer(&node) {
+                Some(peer) => match run.engine.cluster.peer_client(&peer).await {
                     Ok(mut c) => c
                         .remove_translations(req)
                         .await
                         .map(|_| ())
                         .map_err(|s| peer_error(&node, s)),
-                    Err(e) => Err(e),
+                    Err(e) => Err(e.into()),
                 },
                 None => Err(EngineError::Internal(format!("no peer config for {node}"))),
             }
@@ -1943,14 +1951,14 @@ async fn untranslate_in_cluster(run: &mut Run) {
 /// Kills the stopped source copy and forgets it (its ports, released
 /// before the Commit, stay released). Waiting for it to die is left to
 /// the end of the migration.
-async fn discard_source_copy(agent: &Arc<Agent>, pid: i32) {
+async fn discard_source_copy(engine: &Arc<Engine>, pid: i32) {
     // The root is the init of its PID namespace: killing it takes the whole
     // tree with it.
     if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
         tracing::warn!(pid, error = %e, "killing the source copy");
     }
-    agent.depart(pid);
-    if let Err(e) = agent.apply_ownership().await {
+    engine.processes.depart(pid);
+    if let Err(e) = engine.ports.apply().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
     }
 }
@@ -1963,7 +1971,7 @@ async fn finish(run: &mut Run, stop: Stop) {
             // dead (a zombie at most, its sockets closed), and this node
             // no longer remembers it.
             super::wait_dead(run.p.pid).await;
-            run.agent.persist_soon();
+            run.engine.processes.persist_soon();
             run.report.outcome = MigrationOutcome::Committed as i32;
             if let Some(e) = err {
                 run.report.error = format!(
@@ -1975,7 +1983,7 @@ async fn finish(run: &mut Run, stop: Stop) {
         Stop::Lost(err) => {
             tracing::error!(error = %err, "post-copy failed after the resume: the process is lost");
             super::wait_dead(run.p.pid).await;
-            run.agent.persist_soon();
+            run.engine.processes.persist_soon();
             run.report.outcome = MigrationOutcome::Lost as i32;
             run.report.error = err.to_string();
         }
@@ -2015,17 +2023,18 @@ async fn finish(run: &mut Run, stop: Stop) {
                 // Egress opens, ingress is still kept; the process runs and
                 // gets what arrived while it was frozen, in order, before
                 // its ports pass packets again.
-                run.agent
+                run.engine
+                    .processes
                     .set_lifecycle(pid, out_stage(&id, OutStage::Resuming));
-                if let Err(e) = run.agent.apply_ownership().await {
+                if let Err(e) = run.engine.ports.apply().await {
                     tracing::error!(error = %e, "opening the ports of the resumed process");
                 }
-                let agent = run.agent.clone();
+                let engine = run.engine.clone();
                 let r = tokio::task::spawn_blocking(move || {
                     let resumed = rollback::resume_on_source(pid);
-                    let replay = agent.replay_and_open(&id, &[], &[], &[], || {
-                        agent.set_lifecycle(pid, Lifecycle::Running);
-                        agent.reconcile_ownership()
+                    let replay = engine.dataplane.replay_and_open(&id, &[], &[], &[], || {
+                        engine.processes.set_lifecycle(pid, Lifecycle::Running);
+                        engine.ports.apply_now()
                     });
                     (resumed, replay)
                 })
@@ -2046,11 +2055,11 @@ async fn finish(run: &mut Run, stop: Stop) {
                 tokio::task::spawn_blocking(move || rollback::resume_on_source(pid)).await
             };
             // Whatever happened above, the process is ours and running.
-            run.agent.set_lifecycle(pid, Lifecycle::Running);
-            if let Err(e) = run.agent.apply_ownership().await {
+            run.engine.processes.set_lifecycle(pid, Lifecycle::Running);
+            if let Err(e) = run.engine.ports.apply().await {
                 tracing::error!(error = %e, "thawing the ports of the resumed process");
             }
-            run.agent.capture.close(&run.p.migration_id);
+            run.engine.dataplane.capture.close(&run.p.migration_id);
             // The process was out of service from the freeze until now.
             if let Some(t) = run.freeze_start {
                 run.report.freeze_time_us = t.elapsed().as_micros() as u64;
@@ -2076,7 +2085,7 @@ async fn finish(run: &mut Run, stop: Stop) {
                 migration_id: run.p.migration_id.clone(),
                 reason: err.to_string(),
             };
-            let deadline = Duration::from_secs(run.agent.config.peer_timeout_secs);
+            let deadline = Duration::from_secs(run.engine.config.peer_timeout_secs);
             let first = tokio::time::timeout(deadline, run.p.peer.abort(abort.clone())).await;
             if !matches!(first, Ok(Ok(_))) {
                 // The destination must hear it eventually, or it keeps the

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::managed::Origin;
+use super::Origin;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {

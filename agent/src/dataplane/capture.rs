@@ -57,7 +57,7 @@ fn port_of(p: &CapturedPacket) -> PortKey {
 
 impl CaptureStore {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
-        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.sessions)
     }
 
     /// Starts (or widens) the session of `id`: from now on packets for
@@ -197,6 +197,7 @@ impl DeliveredLog {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::dataplane::replay::lane_of;
 
     fn pkt(kind: CaptureKind, port: u16, data: &[u8]) -> CapturedPacket {
         CapturedPacket {
@@ -352,76 +353,5 @@ pub(crate) mod tests {
             assert!(seen.insert(digest(&packet)), "collision at {i}");
         }
         assert_ne!(digest(&[0; 8]), digest(&[0; 9]));
-    }
-}
-
-/// Hands packets to this node's stack as if just received. Faked in unit
-/// tests.
-pub trait PacketReplayer: Send {
-    fn replay(&mut self, packet: &[u8]) -> Result<(), String>;
-    /// Another replayer into the same stack, for another thread.
-    fn try_clone(&self) -> Result<Box<dyn PacketReplayer>, String>;
-}
-
-impl PacketReplayer for ferry_ebpf::Replayer {
-    fn replay(&mut self, packet: &[u8]) -> Result<(), String> {
-        ferry_ebpf::Replayer::replay(self, packet).map_err(|e| e.to_string())
-    }
-
-    fn try_clone(&self) -> Result<Box<dyn PacketReplayer>, String> {
-        ferry_ebpf::Replayer::try_clone(self)
-            .map(|r| Box::new(r) as Box<dyn PacketReplayer>)
-            .map_err(|e| e.to_string())
-    }
-}
-
-/// Which of `lanes` replay threads takes `packet`. A TCP segment goes by
-/// its connection (addresses and ports, hashed), so each connection's
-/// segments enter the stack in their order, from one thread; segments of
-/// different connections may interleave, which no socket can tell. The
-/// rest goes to lane 0 in arrival order: UDP (datagrams from many peers
-/// into one socket keep the order they arrived in), fragments (a fragment
-/// carries no ports; TCP reorders the rare fragmented segment itself), other
-/// protocols and anything malformed.
-pub fn lane_of(packet: &[u8], lanes: usize) -> usize {
-    if lanes <= 1 || packet.len() < 20 || packet[0] >> 4 != 4 || packet[9] != 6 {
-        return 0;
-    }
-    let ihl = usize::from(packet[0] & 0x0f) * 4;
-    let fragment = u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff != 0;
-    if ihl < 20 || fragment || packet.len() < ihl + 4 {
-        return 0;
-    }
-    // FNV-1a over the addresses and ports, then a finaliser (MurmurHash3's)
-    // so that the low bits, which pick the lane, depend on every byte.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in packet[12..20].iter().chain(&packet[ihl..ihl + 4]) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    h ^= h >> 33;
-    (h % lanes as u64) as usize
-}
-
-#[cfg(any(test, feature = "fuzzing"))]
-pub mod fake {
-    use std::sync::{Arc, Mutex};
-
-    /// Keeps every replayed packet.
-    #[derive(Default, Clone)]
-    pub struct FakeReplayer(pub Arc<Mutex<Vec<Vec<u8>>>>);
-
-    impl super::PacketReplayer for FakeReplayer {
-        fn replay(&mut self, packet: &[u8]) -> Result<(), String> {
-            self.0.lock().unwrap().push(packet.to_vec());
-            Ok(())
-        }
-
-        /// Records into the same list.
-        fn try_clone(&self) -> Result<Box<dyn super::PacketReplayer>, String> {
-            Ok(Box::new(self.clone()))
-        }
     }
 }

@@ -31,7 +31,7 @@ use std::time::Duration;
 use ferry_ebpf::{Protocol, TranslationCounters, TranslationRule, Translator};
 use ferry_proto::v1::InClusterFlow as PbFlow;
 
-use crate::ownership::DataPlaneError;
+use super::filter::DataPlaneError;
 
 /// The rules of this node's translator. Faked in unit tests.
 pub trait FlowRules: Send {
@@ -110,6 +110,11 @@ pub enum FlowError {
     },
     #[error("in-cluster flow field `{field}`: {reason}")]
     BadFlow { field: &'static str, reason: String },
+    /// A field of a translation request that is not this node's to serve.
+    #[error("{field}: {reason}")]
+    InvalidField { field: &'static str, reason: String },
+    #[error(transparent)]
+    DataPlane(#[from] DataPlaneError),
 }
 
 impl InClusterFlow {

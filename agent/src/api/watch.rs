@@ -15,9 +15,9 @@ use ferry_proto::v1::{self as pb, WatchStatus, cluster_event::Event};
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
 
-use crate::agent::Agent;
-use crate::api::forward;
+use super::forward;
 use crate::config::PeerConfig;
+use crate::engine::Engine;
 use crate::events::unix_ms;
 
 type Out = mpsc::Sender<Result<pb::ClusterEvent, Status>>;
@@ -25,38 +25,41 @@ type Out = mpsc::Sender<Result<pb::ClusterEvent, Status>>;
 /// How often a lost peer stream is tried again, and new peers looked for.
 const RETRY: Duration = Duration::from_secs(1);
 
-pub fn start(agent: Arc<Agent>, cluster: bool) -> mpsc::Receiver<Result<pb::ClusterEvent, Status>> {
+pub fn start(
+    engine: Arc<Engine>,
+    cluster: bool,
+) -> mpsc::Receiver<Result<pb::ClusterEvent, Status>> {
     let (tx, rx) = mpsc::channel(256);
-    tokio::spawn(local(agent.clone(), agent.events.subscribe(), tx.clone()));
+    tokio::spawn(local(engine.clone(), engine.events.subscribe(), tx.clone()));
     if cluster {
-        tokio::spawn(peers(agent, tx));
+        tokio::spawn(peers(engine, tx));
     }
     rx
 }
 
 /// A status event made by this agent about `peer`'s stream.
-fn status(agent: &Agent, status: WatchStatus) -> pb::ClusterEvent {
+fn status(engine: &Engine, status: WatchStatus) -> pb::ClusterEvent {
     pb::ClusterEvent {
-        node: agent.node().to_owned(),
+        node: engine.node().to_owned(),
         at_unix_ms: unix_ms(),
         sequence: 0,
         event: Some(Event::Watch(status)),
     }
 }
 
-async fn local(agent: Arc<Agent>, mut rx: broadcast::Receiver<pb::ClusterEvent>, tx: Out) {
+async fn local(engine: Arc<Engine>, mut rx: broadcast::Receiver<pb::ClusterEvent>, tx: Out) {
     loop {
         let ev = tokio::select! {
             ev = rx.recv() => ev,
             _ = tx.closed() => return,
-            _ = agent.events.closed() => return,
+            _ = engine.events.closed() => return,
         };
         let ev = match ev {
             Ok(ev) => ev,
             Err(broadcast::error::RecvError::Lagged(missed)) => status(
-                &agent,
+                &engine,
                 WatchStatus {
-                    peer: agent.node().to_owned(),
+                    peer: engine.node().to_owned(),
                     connected: true,
                     error: "the watcher read too slowly".into(),
                     missed,
@@ -71,30 +74,30 @@ async fn local(agent: Arc<Agent>, mut rx: broadcast::Receiver<pb::ClusterEvent>,
 }
 
 /// Watches every known peer, and those that appear later.
-async fn peers(agent: Arc<Agent>, tx: Out) {
+async fn peers(engine: Arc<Engine>, tx: Out) {
     let mut watched: HashSet<String> = HashSet::new();
     loop {
-        for peer in agent.known_peers() {
+        for peer in engine.cluster.known_peers() {
             if watched.insert(peer.name.clone()) {
-                tokio::spawn(peer_stream(agent.clone(), peer, tx.clone()));
+                tokio::spawn(peer_stream(engine.clone(), peer, tx.clone()));
             }
         }
         tokio::select! {
             _ = tokio::time::sleep(RETRY) => {}
             _ = tx.closed() => return,
-            _ = agent.events.closed() => return,
+            _ = engine.events.closed() => return,
         }
     }
 }
 
-async fn peer_stream(agent: Arc<Agent>, peer: PeerConfig, tx: Out) {
+async fn peer_stream(engine: Arc<Engine>, peer: PeerConfig, tx: Out) {
     let mut last_error = String::new();
     loop {
         let opened = async {
-            let mut client = forward::client(&agent, &peer).await?;
+            let mut client = forward::client(&engine.cluster, &peer).await?;
             client
                 .watch_events(forward::request(
-                    &agent,
+                    &engine.cluster,
                     pb::WatchEventsRequest {
                         this_node_only: true,
                     },
@@ -107,7 +110,7 @@ async fn peer_stream(agent: Arc<Agent>, peer: PeerConfig, tx: Out) {
             Ok(mut stream) => {
                 last_error.clear();
                 let up = status(
-                    &agent,
+                    &engine,
                     WatchStatus {
                         peer: peer.name.clone(),
                         connected: true,
@@ -121,7 +124,7 @@ async fn peer_stream(agent: Arc<Agent>, peer: PeerConfig, tx: Out) {
                     let next = tokio::select! {
                         m = stream.message() => m,
                         _ = tx.closed() => return,
-                        _ = agent.events.closed() => return,
+                        _ = engine.events.closed() => return,
                     };
                     match next {
                         Ok(Some(ev)) => {
@@ -139,7 +142,7 @@ async fn peer_stream(agent: Arc<Agent>, peer: PeerConfig, tx: Out) {
         // Said once per distinct failure, not every retry.
         if error != last_error {
             let down = status(
-                &agent,
+                &engine,
                 WatchStatus {
                     peer: peer.name.clone(),
                     connected: false,
@@ -155,7 +158,7 @@ async fn peer_stream(agent: Arc<Agent>, peer: PeerConfig, tx: Out) {
         tokio::select! {
             _ = tokio::time::sleep(RETRY) => {}
             _ = tx.closed() => return,
-            _ = agent.events.closed() => return,
+            _ = engine.events.closed() => return,
         }
     }
 }

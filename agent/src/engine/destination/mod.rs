@@ -21,20 +21,25 @@ use futures::StreamExt;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::agent::Agent;
+use std::collections::HashMap;
+
 use crate::criu;
+use crate::dataplane::PortState;
+use crate::dataplane::translation::{self, InClusterFlow};
+use crate::engine::Engine;
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
-use crate::ownership::PortState;
+use crate::memtrack::RangeSet;
 use crate::process::{self, PortKey, SocketSummary, Transport};
 use crate::sockstate::Handover;
 use crate::sockstate::packed::FixedParts;
-use crate::translation::{self, InClusterFlow};
+
+mod slot;
+
+pub use slot::IncomingSlot;
 
 use super::localpages::LocalPages;
 use super::pagestore::PageStore;
 use super::{EngineError, images::ImageWriter, source::set_private};
-use crate::memtrack::RangeSet;
-use std::collections::HashMap;
 
 /// The receive buffer a migrated process's UDP sockets get for the replay
 /// and the catch-up after it, and for how long.
@@ -60,13 +65,13 @@ type PostCopyEntry = (
 
 impl PostCopies {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PostCopyEntry>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.0)
     }
 }
 
 /// The connection a post-copy Restore's lazy-pages daemon gets: the end of
 /// the page tunnel the source opened for this migration.
-fn lazy_tunnel_end(agent: &Agent, inc: &mut Incoming) -> Result<OwnedFd, EngineError> {
+fn lazy_tunnel_end(engine: &Engine, inc: &mut Incoming) -> Result<OwnedFd, EngineError> {
     if inc.protocol_version < ferry_proto::PEER_PROTOCOL_POSTCOPY {
         return Err(EngineError::WrongState {
             migration_id: inc.migration_id.clone(),
@@ -75,7 +80,7 @@ fn lazy_tunnel_end(agent: &Agent, inc: &mut Incoming) -> Result<OwnedFd, EngineE
         });
     }
     criu::lazy::check_pipe_max_size()
-        .map_err(|e| EngineError::HostSetting(format!("post-copy on {}: {e}", agent.node())))?;
+        .map_err(|e| EngineError::HostSetting(format!("post-copy on {}: {e}", engine.node())))?;
     inc.tunnel
         .as_mut()
         .and_then(|t| t.daemon_end.take())
@@ -107,7 +112,7 @@ fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Result<(), Engin
     };
     let mut held: HashMap<u32, RangeSet> = HashMap::new();
     {
-        let store = inc.pages.lock().unwrap_or_else(|p| p.into_inner());
+        let store = crate::sync::lock(&inc.pages);
         for (i, p) in req.local_pages.iter().enumerate() {
             if p.length == 0 {
                 return Err(bad(format!("[{i}]: an empty range")));
@@ -157,7 +162,7 @@ pub type TunnelOut = tokio_stream::wrappers::ReceiverStream<Result<pb::TunnelByt
 /// loopback end. `caller`: the node the peer's certificate names (`None`
 /// without TLS).
 pub async fn page_tunnel(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     caller: Option<String>,
     mut stream: tonic::Streaming<pb::TunnelBytes>,
 ) -> Result<TunnelOut, EngineError> {
@@ -169,7 +174,7 @@ pub async fn page_tunnel(
             reason: "the page tunnel ended before its first message".into(),
         })?
         .map_err(|s| EngineError::BadImage(format!("page tunnel broke: {}", s.message())))?;
-    let mut slot = agent.incoming.lock().await;
+    let mut slot = engine.incoming.lock().await;
     let inc = expect(
         &mut slot,
         &first.migration_id,
@@ -262,7 +267,7 @@ struct PostCopyWatch {
 /// page is in; anything else means the running process would read zeros
 /// where its missing pages are, so it is killed at once. Either way the
 /// status is published for `PostCopyStatus` and the images go.
-fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
+fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
     let PostCopyWatch {
         migration_id,
         from,
@@ -277,11 +282,12 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
         state: pb::PostCopyState::Running as i32,
         ..Default::default()
     });
-    agent
+    engine
+        .incoming
         .postcopies
         .lock()
         .insert(migration_id.clone(), (from, rx));
-    let agent = agent.clone();
+    let engine = engine.clone();
     tokio::spawn(async move {
         let status = daemon.child.wait().await;
         let ended = Instant::now();
@@ -342,7 +348,7 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
                     criu::lazy::log_tail(&log)
                 );
                 tracing::error!(migration = %migration_id, %error, "post-copy failed after the resume");
-                super::keep_logs(&agent.config.work_dir, &dir, &migration_id);
+                super::keep_logs(&engine.config.work_dir, &dir, &migration_id);
                 pb::PostCopyStatusResponse {
                     state: pb::PostCopyState::Failed as i32,
                     pages,
@@ -362,7 +368,7 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
         }
         let _ = tx.send(answer);
         tokio::time::sleep(POSTCOPY_STATUS_KEPT).await;
-        agent.postcopies.lock().remove(&migration_id);
+        engine.incoming.postcopies.lock().remove(&migration_id);
     });
 }
 
@@ -371,11 +377,17 @@ fn watch_postcopy(agent: &Arc<Agent>, watched: PostCopyWatch) {
 /// Only the node the migration came from may ask (`caller`: the node its
 /// certificate names, `None` without TLS).
 pub async fn post_copy_status(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     caller: Option<String>,
     req: pb::PostCopyStatusRequest,
 ) -> Result<pb::PostCopyStatusResponse, EngineError> {
-    let Some((from, mut rx)) = agent.postcopies.lock().get(&req.migration_id).cloned() else {
+    let Some((from, mut rx)) = engine
+        .incoming
+        .postcopies
+        .lock()
+        .get(&req.migration_id)
+        .cloned()
+    else {
         return Err(EngineError::UnknownMigration {
             migration_id: req.migration_id,
         });
@@ -452,7 +464,7 @@ pub struct Incoming {
     _sched_hooks: Option<criu::SchedHooks>,
     /// Incremental (protocol 7): the connections' sockets opened at Arm,
     /// until TransferSockets takes them; they close with the slot. The
-    /// agent's `incoming_staged` points here without keeping them.
+    /// `IncomingSlot` points TransferSockets here without keeping them.
     staged: Arc<StagedSlot>,
     /// The UDP sockets whose receive buffer the images were given for the
     /// replay and catch-up (`UDP_CATCH_UP_BUFFER`), with their own size,
@@ -480,31 +492,10 @@ impl Incoming {
     }
 }
 
-pub fn port_from_pb(p: &pb::Port) -> Result<PortKey, EngineError> {
-    let transport = match pb::Protocol::try_from(p.protocol) {
-        Ok(pb::Protocol::Tcp) => Transport::Tcp,
-        Ok(pb::Protocol::Udp) => Transport::Udp,
-        _ => {
-            return Err(EngineError::InvalidField {
-                field: "ports",
-                reason: format!("protocol {} is neither TCP nor UDP", p.protocol),
-            });
-        }
-    };
-    let port = u16::try_from(p.port)
-        .ok()
-        .filter(|p| *p != 0)
-        .ok_or_else(|| EngineError::InvalidField {
-            field: "ports",
-            reason: format!("{} is not a port number", p.port),
-        })?;
-    Ok(PortKey { transport, port })
-}
-
 /// Removes a slot's traces: a restored copy (killed; it never ran) and the
 /// image directory, then releases the reserved ports. The ports stay frozen
 /// until the copy is dead, so its closing sockets cannot reach the peers.
-async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
+async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
     // Post-copy: the daemon goes with the copy it fed (dropping the slot
     // reaps it).
     if let Some(d) = &incoming.lazy
@@ -524,12 +515,12 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
         super::wait_dead(pid).await;
     }
     super::keep_logs(
-        &agent.config.work_dir,
+        &engine.config.work_dir,
         &incoming.dir,
         &incoming.migration_id,
     );
     {
-        let mut discarded = incoming.discarded.lock().unwrap_or_else(|p| p.into_inner());
+        let mut discarded = crate::sync::lock(&incoming.discarded);
         *discarded = true;
         if let Err(e) = std::fs::remove_dir_all(&incoming.dir)
             && e.kind() != std::io::ErrorKind::NotFound
@@ -537,22 +528,22 @@ async fn discard(agent: &Arc<Agent>, incoming: &Incoming) {
             tracing::warn!(dir = %incoming.dir.display(), error = %e, "removing images");
         }
     }
-    agent.capture.close(&incoming.migration_id);
-    release_holds(agent, &incoming.in_cluster).await;
-    agent.release_ports(&incoming.ports);
-    if let Err(e) = agent.reconcile().await {
+    engine.dataplane.capture.close(&incoming.migration_id);
+    release_holds(engine, &incoming.in_cluster).await;
+    engine.ports.release(&incoming.ports);
+    if let Err(e) = engine.ports.refresh().await {
         tracing::warn!(error = %e, "releasing reserved ports");
     }
 }
 
 /// Removes the holds on a migration's in-cluster connections.
-async fn release_holds(agent: &Arc<Agent>, flows: &[InClusterFlow]) {
+async fn release_holds(engine: &Arc<Engine>, flows: &[InClusterFlow]) {
     if flows.is_empty() {
         return;
     }
-    let (agent, flows) = (agent.clone(), flows.to_vec());
+    let (engine, flows) = (engine.clone(), flows.to_vec());
     let removed = tokio::task::spawn_blocking(move || {
-        let mut rules = agent.flows();
+        let mut rules = engine.dataplane.flows();
         for f in &flows {
             if let Err(e) = rules.remove(&f.hold()) {
                 tracing::error!(rule = %f.hold(), error = %e, "removing a hold");
@@ -570,24 +561,26 @@ async fn release_holds(agent: &Arc<Agent>, flows: &[InClusterFlow]) {
 /// node itself count: that node translates too). One list for the images'
 /// rewrite and the rebuilt connections' relocation, which must agree.
 fn in_cluster_addresses(
-    agent: &Agent,
+    engine: &Engine,
     from: &str,
 ) -> Result<(std::net::Ipv4Addr, Vec<std::net::Ipv4Addr>), EngineError> {
-    let here = agent.config.cluster.address;
-    let peers = agent.known_peers();
-    let source = agent
-        .cluster_address_of(from)
-        .ok_or_else(|| EngineError::UnknownNode {
-            name: from.to_owned(),
-            known: peers
-                .iter()
-                .map(|p| p.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })?;
+    let here = engine.config.cluster.address;
+    let peers = engine.cluster.known_peers();
+    let source =
+        engine
+            .cluster
+            .cluster_address_of(from)
+            .ok_or_else(|| EngineError::UnknownNode {
+                name: from.to_owned(),
+                known: peers
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
     let nodes = peers
         .iter()
-        .filter_map(|p| agent.cluster_address_of(&p.name))
+        .filter_map(|p| engine.cluster.cluster_address_of(&p.name))
         .filter(|ip| *ip != here)
         .collect();
     Ok((source, nodes))
@@ -597,23 +590,23 @@ fn in_cluster_addresses(
 /// gives them this node's cluster address and holds them (blocking). All
 /// holds or none.
 fn take_in_cluster(
-    agent: &Agent,
+    engine: &Engine,
     images: &std::path::Path,
     from: &str,
 ) -> Result<Vec<InClusterFlow>, EngineError> {
-    let here = agent.config.cluster.address;
-    let (source, nodes) = in_cluster_addresses(agent, from)?;
+    let here = engine.config.cluster.address;
+    let (source, nodes) = in_cluster_addresses(engine, from)?;
     let flows = translation::rewrite_in_cluster(images, source, here, &nodes)?;
-    hold_in_cluster(agent, flows)
+    hold_in_cluster(engine, flows)
 }
 
 /// Holds `flows` until the commit (blocking: BPF map updates). All holds
 /// or none.
 fn hold_in_cluster(
-    agent: &Agent,
+    engine: &Engine,
     flows: Vec<InClusterFlow>,
 ) -> Result<Vec<InClusterFlow>, EngineError> {
-    let mut rules = agent.flows();
+    let mut rules = engine.dataplane.flows();
     for (i, f) in flows.iter().enumerate() {
         if let Err(e) = rules.add(f.hold()) {
             for done in &flows[..i] {
@@ -643,7 +636,7 @@ fn images_keep_connections_out(images: &std::path::Path) -> Result<bool, EngineE
 /// options (`PrepareResponse.takes_tcp_options`), or kept out of them
 /// altogether (`takes_connections_out`).
 pub async fn prepare(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     req: PrepareRequest,
 ) -> Result<PrepareResponse, EngineError> {
     if !ferry_proto::PEER_PROTOCOL_VERSIONS.contains(&req.protocol_version) {
@@ -662,10 +655,10 @@ pub async fn prepare(
     let ports = req
         .ports
         .iter()
-        .map(port_from_pb)
+        .map(PortKey::from_pb)
         .collect::<Result<Vec<_>, _>>()?;
-    agent.refuse_if_cordoned()?;
-    let criu_path = agent.config.criu_path.clone();
+    engine.cordon.refuse_if_on()?;
+    let criu_path = engine.config.criu_path.clone();
     let takes = tokio::task::spawn_blocking(move || {
         criu::probe_version(&criu_path).map(|_| {
             let takes_tcp_options = criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
@@ -683,23 +676,23 @@ pub async fn prepare(
     .await
     .map_err(|e| EngineError::Internal(e.to_string()))??;
 
-    let mut slot = agent.incoming.lock().await;
+    let mut slot = engine.incoming.lock().await;
     if let Some(cur) = slot.as_ref() {
         let stale = cur.last_activity.elapsed() > STALE_RESERVATION
             && !matches!(cur.state, IncomingState::Restored { .. });
         if !stale {
             return Err(EngineError::DestinationBusy {
-                node: agent.node().to_owned(),
+                node: engine.node().to_owned(),
                 migration_id: cur.migration_id.clone(),
                 from: cur.from.clone(),
             });
         }
         tracing::warn!(migration = %cur.migration_id, "dropping an abandoned reservation");
-        discard(agent, cur).await;
+        discard(engine, cur).await;
         *slot = None;
     }
-    refuse_owned_ports(agent, &ports, &[])?;
-    let dir = agent
+    engine.ports.refuse_owned(&ports, &[])?;
+    let dir = engine
         .config
         .work_dir
         .join("incoming")
@@ -715,7 +708,7 @@ pub async fn prepare(
     // cores just before it.
     let restore_worker = {
         let (criu, images, log_dir) = (
-            agent.config.criu_path.clone(),
+            engine.config.criu_path.clone(),
             dir.join("images"),
             dir.clone(),
         );
@@ -729,17 +722,15 @@ pub async fn prepare(
             .ok()
     };
     let sched_hooks = super::held_sched_hooks(sched_hooks).await;
-    agent.reserve_ports(&ports, PortState::Frozen);
-    if let Err(e) = agent.reconcile().await {
-        agent.release_ports(&ports);
-        return Err(e);
+    engine.ports.reserve(&ports, PortState::Frozen);
+    if let Err(e) = engine.ports.refresh().await {
+        engine.ports.release(&ports);
+        return Err(e.into());
     }
     tracing::info!(migration = %req.migration_id, from = %req.source_node, pid = req.source_pid, "incoming migration reserved");
-    *agent
-        .incoming_source
-        .lock()
-        .unwrap_or_else(|p| p.into_inner()) =
-        Some((req.migration_id.clone(), req.source_node.clone()));
+    engine
+        .incoming
+        .prepared(&req.migration_id, &req.source_node);
     *slot = Some(Incoming {
         migration_id: req.migration_id,
         from: req.source_node,
@@ -762,32 +753,6 @@ pub async fn prepare(
         last_activity: Instant::now(),
     });
     Ok(takes)
-}
-
-/// Refuses ports that this node serves already (other than `ours`, the
-/// migration's own reservation): two nodes must never own one port.
-fn refuse_owned_ports(
-    agent: &Agent,
-    ports: &[PortKey],
-    ours: &[PortKey],
-) -> Result<(), EngineError> {
-    let owned = agent.ownership().current().clone();
-    let reg = agent.registry();
-    for port in ports {
-        if owned.contains_key(port) && !ours.contains(port) {
-            let pid = reg
-                .iter()
-                .find(|p| p.sockets.ports.contains(port))
-                .map(|p| p.pid)
-                .unwrap_or(0);
-            return Err(EngineError::PortTaken {
-                port: port.to_string(),
-                node: agent.node().to_owned(),
-                pid,
-            });
-        }
-    }
-    Ok(())
 }
 
 /// What Arm left for TransferSockets: the sockets opened ahead, once
@@ -878,35 +843,20 @@ pub async fn stage(staging: Staging) {
     );
     // A slot that ended meanwhile is held only here: the sockets close
     // with it below.
-    *into.sockets.lock().unwrap_or_else(|p| p.into_inner()) = Some(staged);
-}
-
-/// Migration `migration_id`'s slot for what Arm left, if it still lives.
-fn staged_slot(agent: &Agent, migration_id: &str) -> Option<Arc<StagedSlot>> {
-    let staged = agent
-        .incoming_staged
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    match staged.as_ref() {
-        Some((id, slot)) if id == migration_id => slot.upgrade(),
-        _ => None,
-    }
+    *crate::sync::lock(&into.sockets) = Some(staged);
 }
 
 /// The sockets opened at Arm for migration `migration_id`, if its slot
 /// still holds them (taken: a second TransferSockets builds whole).
-fn take_staged(agent: &Agent, migration_id: &str) -> Option<crate::sockstate::Staged> {
-    let slot = staged_slot(agent, migration_id)?;
-    slot.sockets
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take()
+fn take_staged(engine: &Engine, migration_id: &str) -> Option<crate::sockstate::Staged> {
+    let slot = engine.incoming.staged_for(migration_id)?;
+    crate::sync::lock(&slot.sockets).take()
 }
 
 /// The connections' fixed parts Arm carried for migration `migration_id`.
-fn armed_fixed(agent: &Agent, migration_id: &str) -> Option<Arc<FixedParts>> {
-    let slot = staged_slot(agent, migration_id)?;
-    slot.fixed.lock().unwrap_or_else(|p| p.into_inner()).clone()
+fn armed_fixed(engine: &Engine, migration_id: &str) -> Option<Arc<FixedParts>> {
+    let slot = engine.incoming.staged_for(migration_id)?;
+    crate::sync::lock(&slot.fixed).clone()
 }
 
 /// Starts capturing every packet to the migrating process's ports, all in
@@ -914,17 +864,17 @@ fn armed_fixed(agent: &Agent, migration_id: &str) -> Option<Arc<FixedParts>> {
 /// connections to open ahead of the freeze ([`stage`]), checked; those
 /// whose local end is the source's cluster address are left out (the
 /// rebuild moves them to this node's).
-pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<Staging, EngineError> {
+pub async fn arm(engine: &Arc<Engine>, req: ArmRequest) -> Result<Staging, EngineError> {
     let ports = req
         .ports
         .iter()
-        .map(port_from_pb)
+        .map(PortKey::from_pb)
         .collect::<Result<Vec<_>, _>>()?;
     let (mut conns, fixed) = connections_to_stage(&req.connections)?;
-    let mut slot = agent.incoming.lock().await;
+    let mut slot = engine.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["reserved"], "arm")?;
-    refuse_owned_ports(agent, &ports, &inc.ports)?;
-    if let Some(source) = agent.cluster_address_of(&inc.from) {
+    engine.ports.refuse_owned(&ports, &inc.ports)?;
+    if let Some(source) = engine.cluster.cluster_address_of(&inc.from) {
         conns.retain(|c| c.local.ip() != std::net::IpAddr::V4(source));
     }
     for p in &ports {
@@ -932,22 +882,18 @@ pub async fn arm(agent: &Arc<Agent>, req: ArmRequest) -> Result<Staging, EngineE
             inc.ports.push(*p);
         }
     }
-    agent
+    engine
+        .dataplane
         .capture
         .open(&inc.migration_id, inc.ports.iter().copied());
-    agent.drain_while_capturing(&inc.migration_id);
-    agent.reserve_ports(&inc.ports, PortState::Capturing);
+    engine.dataplane.collect_while_capturing(&inc.migration_id);
+    engine.ports.reserve(&inc.ports, PortState::Capturing);
     inc.armed = true;
     // No procfs read here: this is on the path to the freeze.
-    agent.apply_ownership().await?;
+    engine.ports.apply().await?;
     tracing::info!(migration = %req.migration_id, ports = inc.ports.len(), "capture armed");
-    *agent
-        .incoming_staged
-        .lock()
-        .unwrap_or_else(|p| p.into_inner()) =
-        Some((inc.migration_id.clone(), Arc::downgrade(&inc.staged)));
-    *inc.staged.fixed.lock().unwrap_or_else(|p| p.into_inner()) =
-        (!fixed.is_empty()).then(|| Arc::new(fixed));
+    engine.incoming.point_staged(&inc.migration_id, &inc.staged);
+    *crate::sync::lock(&inc.staged.fixed) = (!fixed.is_empty()).then(|| Arc::new(fixed));
     Ok(Staging {
         migration_id: inc.migration_id.clone(),
         conns,
@@ -1005,12 +951,12 @@ type ImageWriterTask = (
 );
 
 pub async fn transfer_images(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     caller: Option<String>,
     mut stream: tonic::Streaming<ImageChunk>,
 ) -> Result<TransferImagesResponse, EngineError> {
     let entered = Instant::now();
-    let mut slot = agent.incoming.lock().await;
+    let mut slot = engine.incoming.lock().await;
     let slot_waited = entered.elapsed();
     // The files are written by a blocking thread, fed through a channel:
     // a thousand small images would otherwise cost a thread-pool round trip
@@ -1040,13 +986,13 @@ pub async fn transfer_images(
                     let gone = || EngineError::BadImage("the migration was discarded".into());
                     let mut w = ImageWriter::new(&dir).with_store(store);
                     while let Some(c) = rx.blocking_recv() {
-                        let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
+                        let d = crate::sync::lock(&discarded);
                         if *d {
                             return Err(gone());
                         }
                         w.write(&c)?;
                     }
-                    let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
+                    let d = crate::sync::lock(&discarded);
                     if *d {
                         return Err(gone());
                     }
@@ -1105,7 +1051,7 @@ pub async fn transfer_images(
 
 /// One pre-copy round's pages (protocol 5), stored for the image transfer.
 pub async fn transfer_pages(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     caller: Option<String>,
     mut stream: tonic::Streaming<ferry_proto::v1::PageBatch>,
 ) -> Result<ferry_proto::v1::TransferPagesResponse, EngineError> {
@@ -1125,7 +1071,7 @@ pub async fn transfer_pages(
         // The slot per batch, not for the whole round: a round on a slow
         // link is long, and an abort must not wait for it.
         let (store, discarded) = {
-            let mut slot = agent.incoming.lock().await;
+            let mut slot = engine.incoming.lock().await;
             let inc = expect(&mut slot, &batch.migration_id, &["reserved"], "pre-copy")?;
             check_source(inc, caller.as_deref())?;
             if inc.protocol_version < ferry_proto::PEER_PROTOCOL_PRECOPY {
@@ -1140,11 +1086,11 @@ pub async fn transfer_pages(
         id.get_or_insert_with(|| batch.migration_id.clone());
         let (p, b) = tokio::task::spawn_blocking(move || {
             // Under the discard flag's lock, as the image writer does.
-            let d = discarded.lock().unwrap_or_else(|p| p.into_inner());
+            let d = crate::sync::lock(&discarded);
             if *d {
                 return Err(EngineError::BadImage("the migration was discarded".into()));
             }
-            let mut s = store.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = crate::sync::lock(&store);
             let before = (s.pages, s.bytes);
             s.write(&batch)?;
             Ok((s.pages - before.0, s.bytes - before.1))
@@ -1162,22 +1108,22 @@ pub async fn transfer_pages(
 }
 
 pub async fn restore(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     req: RestoreRequest,
 ) -> Result<RestoreResponse, EngineError> {
-    let mut slot = agent.incoming.lock().await;
+    let mut slot = engine.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, &["received"], "restore")?;
     if !req.local_pages.is_empty() {
         set_local_pages(inc, &req)?;
     }
     let lazy_from = if req.lazy_pages {
-        Some(lazy_tunnel_end(agent, inc)?)
+        Some(lazy_tunnel_end(engine, inc)?)
     } else {
         None
     };
     let scan_started = Instant::now();
     if inc.in_cluster.is_empty() {
-        let (a, images, from) = (agent.clone(), inc.images(), inc.from.clone());
+        let (a, images, from) = (engine.clone(), inc.images(), inc.from.clone());
         inc.in_cluster = tokio::task::spawn_blocking(move || take_in_cluster(&a, &images, &from))
             .await
             .map_err(|e| EngineError::Internal(e.to_string()))??;
@@ -1218,7 +1164,7 @@ pub async fn restore(
     // The connections TransferSockets rebuilt, in repair mode.
     let mut rebuilt: Option<crate::sockstate::Rebuilt> = None;
     let inherited_tcp = if req.collective_sockets {
-        let taken = lock_sockets(agent).take();
+        let taken = engine.incoming.take_sockets();
         let sockets = match taken {
             Some(s) if s.migration_id == inc.migration_id && s.from == inc.from => s,
             Some(s) => {
@@ -1251,10 +1197,10 @@ pub async fn restore(
         // known from the rebuild alone.
         if images_keep_connections_out(&inc.images())? {
             if sockets.handover != Handover::Table
-                || !criu::has_patch(&agent.config.criu_path, criu::CONNS_OUT_MARK)
+                || !criu::has_patch(&engine.config.criu_path, criu::CONNS_OUT_MARK)
             {
                 return Err(criu::CriuError::Unpatched {
-                    path: agent.config.criu_path.clone(),
+                    path: engine.config.criu_path.clone(),
                     what: "connections kept out of the images",
                 }
                 .into());
@@ -1265,7 +1211,7 @@ pub async fn restore(
                 .filter(|f| !inc.in_cluster.contains(f))
                 .cloned()
                 .collect();
-            let held = hold_in_cluster(agent, fresh)?;
+            let held = hold_in_cluster(engine, fresh)?;
             inc.in_cluster.extend(held);
         }
         let fds = match (&sockets.rebuilt, sockets.handover) {
@@ -1297,10 +1243,10 @@ pub async fn restore(
         None
     };
     let creq = criu::RestoreRequest {
-        criu: agent.config.criu_path.clone(),
+        criu: engine.config.criu_path.clone(),
         images_dir: inc.images(),
         log_dir: inc.dir.clone(),
-        log_level: agent.config.criu_log_level,
+        log_level: engine.config.criu_log_level,
         inherited_tcp,
         lazy_pages: lazy_from.is_some(),
     };
@@ -1309,11 +1255,11 @@ pub async fn restore(
     // the restore starts: the restorer itself faults on lazy pages.
     if let Some(tunnel_end) = lazy_from {
         let daemon = criu::lazy::start(
-            &agent.config.criu_path,
+            &engine.config.criu_path,
             &inc.images(),
             &inc.dir,
             tunnel_end,
-            agent.config.criu_log_level,
+            engine.config.criu_log_level,
             LAZY_DAEMON_START,
         )
         .await;
@@ -1393,7 +1339,7 @@ pub async fn restore(
         "restored (stopped)"
     );
     // CRIU made it our child (rst_sibling): reap it whenever it ends.
-    agent.reap_restored(outcome.pid);
+    engine.supervisor.watch_exit(outcome.pid, "restored");
     inc.state = IncomingState::Restored { pid: outcome.pid };
     // Restored, so the source's Abort kills this copy.
     options_set?;
@@ -1408,18 +1354,21 @@ pub async fn restore(
     })
 }
 
-pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResponse, EngineError> {
+pub async fn commit(
+    engine: &Arc<Engine>,
+    req: CommitRequest,
+) -> Result<CommitResponse, EngineError> {
     let entered = Instant::now();
     // The datagrams the process left unread on the source, as the packets
     // they arrived as: checked before anything happens.
     let carried = super::queued::packets_from_commit(
         &req.queued_datagrams,
         super::queued::LocalAddresses {
-            public: agent.config.public.address,
-            cluster: agent.config.cluster.address,
+            public: engine.config.public.address,
+            cluster: engine.config.cluster.address,
         },
     )?;
-    let mut slot = agent.incoming.lock().await;
+    let mut slot = engine.incoming.lock().await;
     let us = move || entered.elapsed().as_micros() as u64;
     tracing::debug!(us = us(), "commit: slot taken");
     let inc = expect(&mut slot, &req.migration_id, &["restored"], "commit")?;
@@ -1449,7 +1398,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         ports: inc.ports.iter().copied().collect(),
         ..Default::default()
     };
-    agent.adopt(ManagedProcess {
+    engine.processes.adopt(ManagedProcess {
         pid,
         argv: inc.argv.clone(),
         origin: Origin::MigratedIn {
@@ -1461,7 +1410,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     });
     // The source had the peers' nodes translate before it sent Commit: the
     // in-cluster connections may flow from here on.
-    release_holds(agent, &inc.in_cluster).await;
+    release_holds(engine, &inc.in_cluster).await;
     tracing::debug!(us = us(), "commit: in-cluster holds released");
     // Open egress first: the ACKs (and window updates) the stack sends for
     // replayed segments must get out. Ingress stays captured while the
@@ -1484,10 +1433,10 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
     let udp_buffers = inc.udp_buffers.take().filter(|b| !b.is_empty());
     let mut resumed_early = None;
     let replay = if inc.armed {
-        agent.reserve_ports(&inc.ports, PortState::Releasing);
-        let replayed = match agent.apply_ownership().await {
+        engine.ports.reserve(&inc.ports, PortState::Releasing);
+        let replayed = match engine.ports.apply().await {
             Ok(()) => {
-                let (a, id, ports) = (agent.clone(), inc.migration_id.clone(), inc.ports.clone());
+                let (a, id, ports) = (engine.clone(), inc.migration_id.clone(), inc.ports.clone());
                 let delivered = req.delivered_digests;
                 let unread = req.unread_datagrams;
                 let leaving = leaving.take();
@@ -1501,24 +1450,29 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                     tracing::debug!(us = us(), "commit: process resumed");
                     // ferryd's descriptors close after the freeze.
                     drop(rebuilt);
-                    let r = a.replay_and_open(&id, &carried, &delivered, &unread, || {
-                        a.release_ports(&ports);
-                        a.reconcile_ownership()
-                    });
+                    let r = a
+                        .dataplane
+                        .replay_and_open(&id, &carried, &delivered, &unread, || {
+                            a.ports.release(&ports);
+                            a.ports.apply_now()
+                        });
                     (r, resumed_at)
                 })
                 .await;
                 match resumed {
                     Ok((r, at)) => {
                         resumed_early = Some(at);
-                        r
+                        r.map_err(EngineError::from)
                     }
                     // The task died before or after the resume; resuming
                     // twice is harmless.
-                    Err(e) => Err(EngineError::Internal(format!("replay task: {e}"))),
+                    Err(source) => Err(EngineError::Task {
+                        what: "the replay",
+                        source,
+                    }),
                 }
             }
-            Err(e) => Err(e),
+            Err(e) => Err(e.into()),
         };
         if resumed_early.is_none() {
             // Still here if the ports did not open; gone with the task if
@@ -1538,8 +1492,8 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         );
         Some(stats)
     } else {
-        agent.release_ports(&inc.ports);
-        let opened = agent.apply_ownership().await;
+        engine.ports.release(&inc.ports);
+        let opened = engine.ports.apply().await;
         let mut rebuilt = joined(leaving.take());
         resume_rebuilt(&mut rebuilt);
         resume(pid);
@@ -1569,7 +1523,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         });
     }
     // Remembered for a restart of this agent, now the freeze is over.
-    agent.persist_soon();
+    engine.processes.persist_soon();
     // The images go after the answer: a thousand files to unlink would
     // otherwise hold up the source's confirmation (the process runs
     // already). The directory is the migration's own; the next migration
@@ -1579,7 +1533,7 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
         // directory (its socket, its log) goes when it ends.
         if let Some(daemon) = inc.lazy.take() {
             watch_postcopy(
-                agent,
+                engine,
                 PostCopyWatch {
                     migration_id: inc.migration_id.clone(),
                     from: inc.from.clone(),
@@ -1602,8 +1556,8 @@ pub async fn commit(agent: &Arc<Agent>, req: CommitRequest) -> Result<CommitResp
                 running_for_us: running_for(),
             });
         }
-        let keep_logs = super::keeps_every_log(&agent.config)
-            .then(|| (agent.config.work_dir.clone(), req.migration_id.clone()));
+        let keep_logs = super::keeps_every_log(&engine.config)
+            .then(|| (engine.config.work_dir.clone(), req.migration_id.clone()));
         tokio::task::spawn_blocking(move || {
             if let Some((work_dir, id)) = keep_logs {
                 super::keep_logs(&work_dir, &inc.dir, &id);
@@ -1649,25 +1603,18 @@ impl RebuiltSockets {
     }
 }
 
-fn lock_sockets(agent: &Agent) -> std::sync::MutexGuard<'_, Option<RebuiltSockets>> {
-    agent
-        .incoming_sockets
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-}
-
 /// Gives the process's connections to other cluster nodes this node's
 /// cluster address, by the rule `translation::rewrite_in_cluster` applies
 /// to the images: local end on the source's cluster address, remote end on
 /// another node (this one is refused). Returns the ones it moved.
 fn relocate_in_cluster(
-    agent: &Agent,
+    engine: &Engine,
     from: &str,
     states: &mut [crate::sockstate::TcpConnectionState],
 ) -> Result<Vec<InClusterFlow>, EngineError> {
     use std::net::{IpAddr, SocketAddr};
-    let here = agent.config.cluster.address;
-    let (source, nodes) = in_cluster_addresses(agent, from)?;
+    let here = engine.config.cluster.address;
+    let (source, nodes) = in_cluster_addresses(engine, from)?;
     let mut moved = Vec::new();
     for c in states {
         let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (c.local, c.remote) else {
@@ -1677,7 +1624,10 @@ fn relocate_in_cluster(
             continue;
         }
         if *remote.ip() == here {
-            return Err(crate::translation::FlowError::PeerOnDestination { local, remote }.into());
+            return Err(
+                crate::dataplane::translation::FlowError::PeerOnDestination { local, remote }
+                    .into(),
+            );
         }
         if nodes.contains(remote.ip()) {
             let new_local = std::net::SocketAddrV4::new(here, local.port());
@@ -1698,7 +1648,7 @@ fn relocate_in_cluster(
 /// cluster address (and those, as moved). Pure (the fuzz target runs it;
 /// the rebuild needs root).
 pub fn sockets_to_rebuild(
-    agent: &Agent,
+    engine: &Engine,
     req: &mut pb::TransferSocketsRequest,
 ) -> Result<
     (
@@ -1716,7 +1666,7 @@ pub fn sockets_to_rebuild(
     let mut states = if req.packed.is_empty() && req.packed_queues.is_empty() {
         Vec::new()
     } else {
-        let fixed = armed_fixed(agent, &req.migration_id);
+        let fixed = armed_fixed(engine, &req.migration_id);
         crate::sockstate::packed::unpack(&req.packed, &req.packed_queues, fixed.as_deref())?
     };
     let whole = crate::sockstate::from_pb_batch(std::mem::take(&mut req.tcp_connections))?;
@@ -1740,7 +1690,7 @@ pub fn sockets_to_rebuild(
         }
     }
     states.extend(whole);
-    let in_cluster = relocate_in_cluster(agent, &req.source_node, &mut states)?;
+    let in_cluster = relocate_in_cluster(engine, &req.source_node, &mut states)?;
     Ok((states, in_cluster))
 }
 
@@ -1749,11 +1699,11 @@ pub fn sockets_to_rebuild(
 /// the peer API's check of its caller takes that slot, and the result
 /// waits in its own), and keeps them for the Restore.
 pub async fn transfer_sockets(
-    agent: &Arc<Agent>,
+    engine: &Arc<Engine>,
     mut req: ferry_proto::v1::TransferSocketsRequest,
 ) -> Result<ferry_proto::v1::TransferSocketsResponse, EngineError> {
     let arrived = Instant::now();
-    let (states, in_cluster) = sockets_to_rebuild(agent, &mut req)?;
+    let (states, in_cluster) = sockets_to_rebuild(engine, &mut req)?;
     tracing::debug!(
         connections = states.len(),
         whole = states.len() - req.packed.len() / crate::sockstate::packed::RECORD_LEN,
@@ -1778,9 +1728,9 @@ pub async fn transfer_sockets(
     // Prepare, but this node's CRIU may have been swapped since). Refused
     // here, before the restore: the source rolls back and the connections
     // live on there.
-    let criu_path = agent.config.criu_path.clone();
+    let criu_path = engine.config.criu_path.clone();
     let relocated = states.iter().map(|c| (c.local, c.remote)).collect();
-    let staged = take_staged(agent, &req.migration_id);
+    let staged = take_staged(engine, &req.migration_id);
     // One blocking task for the check and the rebuild: inside the freeze a
     // thread hand-off can wait milliseconds for a core.
     let (handover, rebuilt, took) = tokio::task::spawn_blocking(move || {
@@ -1820,7 +1770,7 @@ pub async fn transfer_sockets(
     );
     // Replaces (and so closes, silently) whatever an earlier migration
     // left behind.
-    *lock_sockets(agent) = Some(RebuiltSockets {
+    engine.incoming.put_sockets(RebuiltSockets {
         migration_id: req.migration_id,
         from: req.source_node,
         relocated,
@@ -1871,22 +1821,14 @@ fn resume(pid: i32) {
     }
 }
 
-pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineError> {
-    {
-        let mut sockets = lock_sockets(agent);
-        if sockets
-            .as_ref()
-            .is_some_and(|s| s.migration_id == req.migration_id)
-        {
-            // Closed in repair mode: nothing reaches the peers.
-            *sockets = None;
-        }
-    }
-    let mut slot = agent.incoming.lock().await;
+pub async fn abort(engine: &Arc<Engine>, req: AbortRequest) -> Result<(), EngineError> {
+    // Closed in repair mode: nothing reaches the peers.
+    engine.incoming.drop_sockets_of(&req.migration_id);
+    let mut slot = engine.incoming.lock().await;
     match slot.as_ref() {
         Some(inc) if inc.migration_id == req.migration_id => {
             tracing::warn!(migration = %req.migration_id, reason = %req.reason, state = inc.state.name(), "migration aborted by the source");
-            discard(agent, inc).await;
+            discard(engine, inc).await;
             *slot = None;
         }
         // Idempotent: an abort for something we do not hold (never reached
@@ -1905,14 +1847,16 @@ pub async fn abort(agent: &Arc<Agent>, req: AbortRequest) -> Result<(), EngineEr
 pub mod fixture {
     use std::sync::Arc;
 
-    use crate::agent::Agent;
-    use crate::capture::fake::FakeReplayer;
     use crate::config::Config;
-    use crate::ownership::fake::FakeFilter;
-    use crate::translation::fake::FakeFlowRules;
+    use crate::dataplane::filter::fake::FakeFilter;
+    use crate::dataplane::replay::fake::FakeReplayer;
+    use crate::dataplane::translation::fake::FakeFlowRules;
+    use crate::engine::Engine;
+    use crate::node::{Node, NodeParts};
 
     pub struct Fixture {
-        pub agent: Arc<Agent>,
+        pub node: Arc<Node>,
+        pub engine: Arc<Engine>,
         pub filter: FakeFilter,
         pub replayed: FakeReplayer,
         pub flows: FakeFlowRules,
@@ -1958,13 +1902,17 @@ peer_listen = "198.19.0.2:7100"
             let filter = FakeFilter::default();
             let replayed = FakeReplayer::default();
             let flows = FakeFlowRules::default();
+            let node = Node::build(NodeParts {
+                config,
+                filter: Box::new(filter.clone()),
+                replayer: Box::new(replayed.clone()),
+                flows: Box::new(flows.clone()),
+                tls: None,
+                membership: None,
+            });
             Fixture {
-                agent: Agent::new(
-                    config,
-                    Box::new(filter.clone()),
-                    Box::new(replayed.clone()),
-                    Box::new(flows.clone()),
-                ),
+                engine: node.engine.clone(),
+                node,
                 filter,
                 replayed,
                 flows,
@@ -1976,7 +1924,7 @@ peer_listen = "198.19.0.2:7100"
         /// holding `ports`.
         pub fn adopt_local(&self, pid: i32, ports: &[crate::process::PortKey]) {
             use crate::managed::{Lifecycle, ManagedProcess, Origin};
-            self.agent.adopt(ManagedProcess {
+            self.engine.processes.adopt(ManagedProcess {
                 pid,
                 argv: vec!["local".into()],
                 origin: Origin::Run,
@@ -1995,7 +1943,7 @@ mod tests {
 
     use super::fixture::Fixture;
     use super::*;
-    use crate::capture::digest;
+    use crate::dataplane::capture::digest;
     use ferry_ebpf::{CaptureKind, CapturedPacket, Protocol};
 
     fn fixture() -> Fixture {
@@ -2003,9 +1951,9 @@ mod tests {
     }
 
     /// The source's Abort of migration `id`, which must succeed.
-    async fn abort_test_migration(agent: &Arc<Agent>, id: &str) {
+    async fn abort_test_migration(engine: &Arc<Engine>, id: &str) {
         abort(
-            agent,
+            engine,
             AbortRequest {
                 migration_id: id.into(),
                 reason: "test".into(),
@@ -2032,17 +1980,17 @@ mod tests {
     #[tokio::test]
     async fn one_incoming_migration_at_a_time_with_its_ports_frozen() {
         let f = fixture();
-        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        prepare(&f.engine, prepare_req("aaaa", 7000)).await.unwrap();
         assert_eq!(*f.filter.0.lock().unwrap(), vec!["set 7000/tcp Frozen"]);
-        let err = prepare(&f.agent, prepare_req("bbbb", 7001))
+        let err = prepare(&f.engine, prepare_req("bbbb", 7001))
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
         assert!(err.to_string().contains("aaaa"), "{err}");
-        let dir = f.agent.config.work_dir.join("incoming/aaaa");
+        let dir = f.engine.config.work_dir.join("incoming/aaaa");
         assert!(dir.is_dir());
 
-        abort_test_migration(&f.agent, "aaaa").await;
+        abort_test_migration(&f.engine, "aaaa").await;
         assert!(!dir.exists(), "images directory left behind");
         assert_eq!(
             f.filter.0.lock().unwrap().last().unwrap(),
@@ -2050,7 +1998,7 @@ mod tests {
         );
         // Idempotent, and the slot is free again.
         abort(
-            &f.agent,
+            &f.engine,
             AbortRequest {
                 migration_id: "aaaa".into(),
                 reason: "again".into(),
@@ -2058,14 +2006,14 @@ mod tests {
         )
         .await
         .unwrap();
-        prepare(&f.agent, prepare_req("bbbb", 7001)).await.unwrap();
+        prepare(&f.engine, prepare_req("bbbb", 7001)).await.unwrap();
     }
 
     #[tokio::test]
     async fn steps_out_of_order_are_refused() {
         let f = fixture();
         let err = restore(
-            &f.agent,
+            &f.engine,
             RestoreRequest {
                 migration_id: "nope".into(),
                 ..Default::default()
@@ -2074,9 +2022,9 @@ mod tests {
         .await
         .unwrap_err();
         assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
-        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        prepare(&f.engine, prepare_req("aaaa", 7000)).await.unwrap();
         let err = restore(
-            &f.agent,
+            &f.engine,
             RestoreRequest {
                 migration_id: "aaaa".into(),
                 ..Default::default()
@@ -2087,7 +2035,7 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
         assert!(err.to_string().contains("reserved"), "{err}");
         let err = commit(
-            &f.agent,
+            &f.engine,
             CommitRequest {
                 migration_id: "aaaa".into(),
                 ..Default::default()
@@ -2103,19 +2051,19 @@ mod tests {
         let f = fixture();
         let mut r = prepare_req("aaaa", 7000);
         r.protocol_version = 99;
-        let err = prepare(&f.agent, r).await.unwrap_err();
+        let err = prepare(&f.engine, r).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
-        let err = prepare(&f.agent, prepare_req("../etc", 7000))
+        let err = prepare(&f.engine, prepare_req("../etc", 7000))
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
         assert!(err.to_string().contains("migration_id"), "{err}");
-        let err = prepare(&f.agent, prepare_req("aaaa", 70000))
+        let err = prepare(&f.engine, prepare_req("aaaa", 70000))
             .await
             .unwrap_err();
         assert!(err.to_string().contains("ports"), "{err}");
         // None of these reserved anything.
-        assert!(f.agent.incoming.lock().await.is_none());
+        assert!(f.engine.incoming.lock().await.is_none());
         assert!(f.filter.0.lock().unwrap().is_empty());
     }
 
@@ -2128,10 +2076,10 @@ mod tests {
         };
         f.adopt_local(4242, &[port]);
         // No peer owns it (none answers here): owned.
-        f.agent.check_claims(vec![port]).await;
-        f.agent.apply_ownership().await.unwrap();
-        assert_eq!(f.agent.owned_ports(), [port].into());
-        let err = prepare(&f.agent, prepare_req("aaaa", 7000))
+        f.engine.ports.check_claims(vec![port]).await;
+        f.engine.ports.apply().await.unwrap();
+        assert_eq!(f.engine.ports.owned(), [port].into());
+        let err = prepare(&f.engine, prepare_req("aaaa", 7000))
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
@@ -2156,7 +2104,7 @@ mod tests {
     #[tokio::test]
     async fn arm_checks_the_connections_it_names_and_leaves_the_in_cluster_ones_out() {
         let f = Fixture::new(&[("node1", "198.19.0.1"), ("node3", "198.19.0.3")]);
-        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        prepare(&f.engine, prepare_req("aaaa", 7000)).await.unwrap();
         let conn = |inode: u64, local: &str, remote: &str| pb::StagedConnection {
             inode,
             local: local.into(),
@@ -2204,7 +2152,7 @@ mod tests {
                 "[1].fixed.options",
             ),
         ] {
-            let err = arm(&f.agent, arm_with(vec![good.clone(), bad]))
+            let err = arm(&f.engine, arm_with(vec![good.clone(), bad]))
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
@@ -2224,7 +2172,7 @@ mod tests {
             "a refused Arm armed a capture"
         );
         let in_cluster = conn(13, "198.19.0.1:5000", "198.19.0.3:5432");
-        let staging = arm(&f.agent, arm_with(vec![good, in_cluster]))
+        let staging = arm(&f.engine, arm_with(vec![good, in_cluster]))
             .await
             .unwrap();
         assert_eq!(
@@ -2237,17 +2185,12 @@ mod tests {
             }]
         );
         // What the agent points TransferSockets at: the slot's place.
-        let pointed = || {
-            let staged = f.agent.incoming_staged.lock().unwrap();
-            let (id, place) = staged.as_ref().expect("Arm registered its place");
-            assert_eq!(id, "aaaa");
-            place.upgrade()
-        };
+        let pointed = || f.engine.incoming.staged_for("aaaa");
         assert!(Arc::ptr_eq(&staging.into, &pointed().unwrap()));
         // The slot's end drops what was opened for it.
         drop(staging);
-        abort_test_migration(&f.agent, "aaaa").await;
-        assert!(take_staged(&f.agent, "aaaa").is_none());
+        abort_test_migration(&f.engine, "aaaa").await;
+        assert!(take_staged(&f.engine, "aaaa").is_none());
         assert!(
             pointed().is_none(),
             "the aborted slot's place for staged sockets outlived it"
@@ -2263,7 +2206,7 @@ mod tests {
     async fn packed_connections_join_what_arm_carried() {
         use crate::sockstate::packed::{Fixed, pack};
         let f = Fixture::new(&[("node1", "198.19.0.1"), ("node3", "198.19.0.3")]);
-        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        prepare(&f.engine, prepare_req("aaaa", 7000)).await.unwrap();
         let state = |inode: u64, local: &str, remote: &str| crate::sockstate::TcpConnectionState {
             inode,
             local: local.parse().unwrap(),
@@ -2292,7 +2235,7 @@ mod tests {
         ];
         let fixed: FixedParts = states.iter().map(|c| (c.inode, Fixed::of(c))).collect();
         let staging = arm(
-            &f.agent,
+            &f.engine,
             ArmRequest {
                 migration_id: "aaaa".into(),
                 ports: vec![pb::Port {
@@ -2323,7 +2266,7 @@ mod tests {
             packed: packed.records.clone(),
             packed_queues: packed.queues.clone(),
         };
-        let (got, in_cluster) = sockets_to_rebuild(&f.agent, &mut request(&packed)).unwrap();
+        let (got, in_cluster) = sockets_to_rebuild(&f.engine, &mut request(&packed)).unwrap();
         let mut want = states.clone();
         want[1].local = "198.19.0.2:5000".parse().unwrap();
         assert_eq!(got, want);
@@ -2333,7 +2276,7 @@ mod tests {
         // Sent twice: packed and whole.
         let mut twice = request(&packed);
         twice.tcp_connections = vec![states[0].to_pb()];
-        let err = sockets_to_rebuild(&f.agent, &mut twice).unwrap_err();
+        let err = sockets_to_rebuild(&f.engine, &mut twice).unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
         assert!(err.to_string().contains("tcp_connections"), "{err}");
         assert!(
@@ -2343,7 +2286,7 @@ mod tests {
 
         // One connection in two records.
         let (doubled, _) = pack(&[states[0].clone(), states[0].clone()], &fixed);
-        let err = sockets_to_rebuild(&f.agent, &mut request(&doubled)).unwrap_err();
+        let err = sockets_to_rebuild(&f.engine, &mut request(&doubled)).unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
         assert!(err.to_string().contains("packed"), "{err}");
         assert!(err.to_string().contains("in two records"), "{err}");
@@ -2354,7 +2297,7 @@ mod tests {
         let mut more = fixed.clone();
         more.insert(99, fixed[&11].clone());
         let (stray, _) = pack(std::slice::from_ref(&unknown), &more);
-        let err = sockets_to_rebuild(&f.agent, &mut request(&stray)).unwrap_err();
+        let err = sockets_to_rebuild(&f.engine, &mut request(&stray)).unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
         assert!(
             err.to_string()
@@ -2362,17 +2305,17 @@ mod tests {
             "{err}"
         );
         drop(staging);
-        abort_test_migration(&f.agent, "aaaa").await;
+        abort_test_migration(&f.engine, "aaaa").await;
     }
 
     #[tokio::test]
     async fn arm_captures_every_port_in_one_call_and_abort_drops_the_capture() {
         let f = fixture();
-        prepare(&f.agent, prepare_req("aaaa", 7000)).await.unwrap();
+        prepare(&f.engine, prepare_req("aaaa", 7000)).await.unwrap();
         f.filter.0.lock().unwrap().clear();
         // Ports opened since Prepare are armed too.
         arm(
-            &f.agent,
+            &f.engine,
             ArmRequest {
                 migration_id: "aaaa".into(),
                 ports: vec![
@@ -2396,7 +2339,7 @@ mod tests {
         );
         // Arm twice, or out of order, is refused.
         let err = arm(
-            &f.agent,
+            &f.engine,
             ArmRequest {
                 migration_id: "bbbb".into(),
                 ports: vec![],
@@ -2408,14 +2351,14 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
 
         f.filter.1.lock().unwrap().push(captured(7000, b"kept"));
-        abort_test_migration(&f.agent, "aaaa").await;
+        abort_test_migration(&f.engine, "aaaa").await;
         let calls = f.filter.0.lock().unwrap().clone();
         assert!(
             calls.ends_with(&["remove 7000/tcp".into(), "remove 7001/udp".into()]),
             "{calls:?}"
         );
-        f.agent.drain_capture();
-        assert!(f.agent.capture.take_captured("aaaa").is_empty());
+        f.engine.dataplane.collect_captured();
+        assert!(f.engine.dataplane.capture.take_captured("aaaa").is_empty());
         assert!(
             f.replayed.0.lock().unwrap().is_empty(),
             "nothing replayed on abort"
@@ -2435,8 +2378,8 @@ mod tests {
     fn packets_drained_in_the_background_keep_their_order() {
         const PACKETS: usize = 20_000;
         let f = fixture();
-        f.agent.capture.open("m", [TCP_7000]);
-        f.agent.drain_while_capturing("m");
+        f.engine.dataplane.capture.open("m", [TCP_7000]);
+        f.engine.dataplane.collect_while_capturing("m");
         let ring = f.filter.1.clone();
         let producer = std::thread::spawn(move || {
             for chunk in (0..PACKETS).collect::<Vec<_>>().chunks(7) {
@@ -2446,7 +2389,7 @@ mod tests {
         });
         // Foreground drains race the background thread meanwhile.
         while !producer.is_finished() {
-            f.agent.drain_capture();
+            f.engine.dataplane.collect_captured();
         }
         producer.join().unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -2455,7 +2398,8 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         let got: Vec<usize> = f
-            .agent
+            .engine
+            .dataplane
             .capture
             .take_captured("m")
             .iter()
@@ -2466,7 +2410,7 @@ mod tests {
             got.windows(2).all(|w| w[0] + 1 == w[1]),
             "packets out of ring order"
         );
-        f.agent.capture.close("m");
+        f.engine.dataplane.capture.close("m");
     }
 
     /// A batch large enough to be replayed on several threads: every
@@ -2476,21 +2420,22 @@ mod tests {
         const CONNECTIONS: u16 = 300;
         const EACH: u32 = 4;
         let f = fixture();
-        f.agent.capture.open("m", [TCP_7000]);
+        f.engine.dataplane.capture.open("m", [TCP_7000]);
         {
             let mut ring = f.filter.1.lock().unwrap();
             for ack in 0..EACH {
                 for c in 0..CONNECTIONS {
                     ring.push(captured(
                         7000,
-                        &crate::capture::tests::tcp_ack(20_000 + c, ack),
+                        &crate::dataplane::capture::tests::tcp_ack(20_000 + c, ack),
                     ));
                 }
             }
         }
         let stats = f
-            .agent
-            .replay_and_open("m", &[], &[], &[], || Ok(()))
+            .engine
+            .dataplane
+            .replay_and_open("m", &[], &[], &[], || Ok::<(), EngineError>(()))
             .unwrap();
         let total = u64::from(CONNECTIONS) * u64::from(EACH);
         assert_eq!(
@@ -2514,7 +2459,7 @@ mod tests {
     #[test]
     fn replay_skips_what_the_source_delivered_and_opens_between_batches() {
         let f = fixture();
-        f.agent.capture.open("m", [TCP_7000]);
+        f.engine.dataplane.capture.open("m", [TCP_7000]);
         f.filter.1.lock().unwrap().extend([
             captured(7000, b"p1"),
             captured(7000, b"p2"),
@@ -2527,13 +2472,14 @@ mod tests {
         let replayed = f.replayed.clone();
         let carried = [b"q0".to_vec(), b"q1".to_vec()];
         let stats = f
-            .agent
+            .engine
+            .dataplane
             .replay_and_open("m", &carried, &delivered, &[], || {
                 // By the time the ports open, the backlog is replayed; a
                 // packet that arrives now is replayed after it.
                 assert_eq!(replayed.0.lock().unwrap().len(), 3);
                 ring.lock().unwrap().push(captured(7000, b"p4"));
-                Ok(())
+                Ok::<(), EngineError>(())
             })
             .unwrap();
         assert_eq!(
@@ -2551,6 +2497,12 @@ mod tests {
         assert_eq!(stats.replayed, 2);
         assert_eq!(stats.failed, 0);
         // The session is closed: later packets for the port are strays.
-        assert_eq!(f.agent.capture.route(vec![captured(7000, b"late")]), 1);
+        assert_eq!(
+            f.engine
+                .dataplane
+                .capture
+                .route(vec![captured(7000, b"late")]),
+            1
+        );
     }
 }

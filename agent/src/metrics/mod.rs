@@ -3,7 +3,7 @@
 //!
 //! Two kinds of metric:
 //! - migration metrics ([`MigrationMetrics`]), recorded when a migration
-//!   this node ran as the source ends (the agent's `store_report`);
+//!   this node ran as the source ends (`crate::reports::Reports::store`);
 //! - the node's state ([`NodeCollector`]), read at each scrape: data-plane
 //!   packet counters (the BPF maps GetDataPlane reads), load, membership,
 //!   managed processes.
@@ -26,26 +26,17 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 
-use ferry_proto::v1::{self as pb, MigrationReport};
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Registry;
 
-use crate::agent::Agent;
+pub mod migrations;
 
-/// Freeze times: a few milliseconds (an idle process) to seconds (large
-/// images, thousands of connections).
-pub const FREEZE_BUCKETS: &[f64] = &[
-    0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
-];
-/// Whole migrations, request to end.
-pub const DURATION_BUCKETS: &[f64] = &[
-    0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-];
+pub use migrations::{DURATION_BUCKETS, FREEZE_BUCKETS, MigrationMetrics};
+
+use crate::node::Node;
 
 /// The OpenMetrics text format, as Prometheus asks for it.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -59,159 +50,14 @@ pub enum MetricsError {
     },
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct MigrationLabels {
-    strategy: &'static str,
-    outcome: &'static str,
-    /// How the TCP connections moved: "collective" or "iterative".
-    sockets: &'static str,
-}
-
-impl MigrationLabels {
-    fn of(report: &MigrationReport) -> Self {
-        Self {
-            strategy: match pb::Strategy::try_from(report.strategy) {
-                Ok(pb::Strategy::TotalCopy) => "total_copy",
-                Ok(pb::Strategy::PreCopy) => "pre_copy",
-                Ok(pb::Strategy::QueuedPreCopy) => "queued_pre_copy",
-                Ok(pb::Strategy::PostCopy) => "post_copy",
-                _ => "unspecified",
-            },
-            outcome: match pb::MigrationOutcome::try_from(report.outcome) {
-                Ok(pb::MigrationOutcome::Committed) => "committed",
-                Ok(pb::MigrationOutcome::Aborted) => "aborted",
-                Ok(pb::MigrationOutcome::Lost) => "lost",
-                _ => "unspecified",
-            },
-            sockets: match pb::SocketMigration::try_from(report.sockets) {
-                Ok(pb::SocketMigration::Collective) => "collective",
-                Ok(pb::SocketMigration::Iterative) => "iterative",
-                Ok(pb::SocketMigration::Incremental) => "incremental",
-                _ => "unspecified",
-            },
-        }
-    }
-}
-
-type HistogramFamily = Family<MigrationLabels, Histogram, fn() -> Histogram>;
-
-/// What finished migrations add up to. Cheap to clone: the clones share
-/// their values (a registry holds one, the agent another).
-#[derive(Debug, Clone)]
-pub struct MigrationMetrics {
-    migrations: Family<MigrationLabels, Counter>,
-    freeze: HistogramFamily,
-    duration: HistogramFamily,
-    transferred: Family<MigrationLabels, Counter>,
-    image: Family<MigrationLabels, Counter>,
-}
-
-impl Default for MigrationMetrics {
-    /// Every strategy and outcome starts at zero, present from the first
-    /// scrape on: Prometheus' `rate()` and `increase()` only see a series
-    /// grow from a value they scraped.
-    fn default() -> Self {
-        let m = Self {
-            migrations: Family::default(),
-            freeze: Family::new_with_constructor(|| Histogram::new(FREEZE_BUCKETS.iter().copied())),
-            duration: Family::new_with_constructor(|| {
-                Histogram::new(DURATION_BUCKETS.iter().copied())
-            }),
-            transferred: Family::default(),
-            image: Family::default(),
-        };
-        let outcomes = [
-            pb::MigrationOutcome::Committed,
-            pb::MigrationOutcome::Aborted,
-        ];
-        let socket_paths = [
-            pb::SocketMigration::Collective,
-            pb::SocketMigration::Iterative,
-            pb::SocketMigration::Incremental,
-        ];
-        for (outcome, sockets) in outcomes
-            .into_iter()
-            .flat_map(|o| socket_paths.map(|s| (o, s)))
-        {
-            let labels = MigrationLabels::of(&MigrationReport {
-                strategy: pb::Strategy::TotalCopy as i32,
-                outcome: outcome as i32,
-                sockets: sockets as i32,
-                ..Default::default()
-            });
-            let _ = m.migrations.get_or_create(&labels);
-            let _ = m.freeze.get_or_create(&labels);
-            let _ = m.duration.get_or_create(&labels);
-            let _ = m.transferred.get_or_create(&labels);
-            let _ = m.image.get_or_create(&labels);
-        }
-        m
-    }
-}
-
-impl MigrationMetrics {
-    /// Counts a finished migration (this node was its source).
-    pub fn record(&self, report: &MigrationReport) {
-        let labels = MigrationLabels::of(report);
-        self.migrations.get_or_create(&labels).inc();
-        // A migration that failed before the freeze has none to count.
-        if report.freeze_time_us > 0 {
-            self.freeze
-                .get_or_create(&labels)
-                .observe(report.freeze_time_us as f64 / 1e6);
-        }
-        self.duration
-            .get_or_create(&labels)
-            .observe(report.total_time_us as f64 / 1e6);
-        self.transferred
-            .get_or_create(&labels)
-            .inc_by(report.bytes_transferred);
-        self.image.get_or_create(&labels).inc_by(report.image_bytes);
-    }
-
-    fn register(&self, registry: &mut Registry) {
-        registry.register(
-            "ferry_migrations",
-            "Migrations this node ran as the source, by strategy, outcome and how the TCP \
-             connections moved",
-            self.migrations.clone(),
-        );
-        registry.register_with_unit(
-            "ferry_migration_freeze",
-            "How long the process was stopped: from the freeze on the source to running again \
-             (on the destination, or on the source after an abort)",
-            Unit::Seconds,
-            self.freeze.clone(),
-        );
-        registry.register_with_unit(
-            "ferry_migration_duration",
-            "Whole migrations, from the request to the commit or the end of the rollback",
-            Unit::Seconds,
-            self.duration.clone(),
-        );
-        registry.register_with_unit(
-            "ferry_migration_transferred",
-            "Bytes sent to destinations over the peer connection",
-            Unit::Bytes,
-            self.transferred.clone(),
-        );
-        registry.register_with_unit(
-            "ferry_migration_image",
-            "Bytes of checkpoint images dumped",
-            Unit::Bytes,
-            self.image.clone(),
-        );
-    }
-}
-
 /// The registry `/metrics` encodes: the agent's migration metrics and its
 /// state at scrape time. Holds the agent weakly: the HTTP server does not
 /// keep it alive.
-pub fn registry(agent: &Arc<Agent>) -> Registry {
+pub fn registry(node: &Arc<Node>) -> Registry {
     let mut registry = Registry::default();
-    agent.metrics.register(&mut registry);
+    node.reports.metrics.register(&mut registry);
     registry.register_collector(Box::new(NodeCollector {
-        agent: Arc::downgrade(agent),
+        node: Arc::downgrade(node),
     }));
     registry
 }
@@ -227,12 +73,12 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
 /// The node's state, read at each scrape.
 #[derive(Debug)]
 pub struct NodeCollector {
-    agent: Weak<Agent>,
+    node: Weak<Node>,
 }
 
 impl prometheus_client::collector::Collector for NodeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(agent) = self.agent.upgrade() else {
+        let Some(node) = self.node.upgrade() else {
             return Ok(());
         };
         {
@@ -244,26 +90,26 @@ impl prometheus_client::collector::Collector for NodeCollector {
                 info.metric_type(),
             )?;
             let labels = [
-                ("node", agent.node()),
+                ("node", node.node()),
                 ("version", env!("CARGO_PKG_VERSION")),
             ];
             info.encode(e.encode_family(&labels)?)?;
         }
-        encode_dataplane(&agent, &mut encoder)?;
+        encode_dataplane(&node, &mut encoder)?;
         gauge(
             &mut encoder,
             "ferry_managed_processes",
             "Processes under this agent's management",
-            agent.registry().len() as i64,
+            node.processes.registry().len() as i64,
         )?;
         gauge(
             &mut encoder,
             "ferry_cluster_nodes",
             "Nodes this agent knows, itself included: configured peers and the live ones \
              membership found",
-            agent.known_peers().len() as i64 + 1,
+            node.cluster.known_peers().len() as i64 + 1,
         )?;
-        if let Some(conductor) = agent.conductor.get() {
+        if let Some(conductor) = &node.conductor {
             let load = ConstGauge::new(conductor.local_load());
             let e = encoder.encode_descriptor(
                 "ferry_node_load",
@@ -274,7 +120,7 @@ impl prometheus_client::collector::Collector for NodeCollector {
             )?;
             load.encode(e)?;
         }
-        if let Some(membership) = agent.membership.get() {
+        if let Some(membership) = node.cluster.membership() {
             let members = membership.members();
             let mut e = encoder.encode_descriptor(
                 "ferry_membership_members",
@@ -321,8 +167,8 @@ fn gauge(
 }
 
 /// The counters GetDataPlane reports, one series per kind.
-fn encode_dataplane(agent: &Agent, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-    let (c, totals) = match agent.data_plane_counters() {
+fn encode_dataplane(node: &Node, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let (c, totals) = match node.dataplane.counters() {
         Ok(v) => v,
         Err(e) => {
             // The rest of the scrape is still worth having.
@@ -330,7 +176,7 @@ fn encode_dataplane(agent: &Agent, encoder: &mut DescriptorEncoder) -> Result<()
             return Ok(());
         }
     };
-    let translation = match agent.flows().counters() {
+    let translation = match node.dataplane.flows().counters() {
         Ok(t) => Some(t),
         Err(e) => {
             tracing::warn!(error = %e, "reading the translator's counters for /metrics");
@@ -463,6 +309,7 @@ async fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_proto::v1::{self as pb, MigrationReport};
 
     fn report(outcome: pb::MigrationOutcome, freeze_us: u64) -> MigrationReport {
         MigrationReport {
@@ -564,19 +411,22 @@ mod tests {
         );
         let config =
             crate::config::Config::parse(&toml, std::path::Path::new("test.toml")).unwrap();
-        let agent = Agent::new(
+        let node = Node::build(crate::node::NodeParts {
             config,
-            Box::new(crate::ownership::fake::FakeFilter::default()),
-            Box::new(crate::capture::fake::FakeReplayer::default()),
-            Box::new(crate::translation::fake::FakeFlowRules::default()),
-        );
+            filter: Box::new(crate::dataplane::filter::fake::FakeFilter::default()),
+            replayer: Box::new(crate::dataplane::replay::fake::FakeReplayer::default()),
+            flows: Box::new(crate::dataplane::translation::fake::FakeFlowRules::default()),
+            tls: None,
+            membership: None,
+        });
         // The hook every finished source migration goes through.
-        agent.store_report(report(pb::MigrationOutcome::Committed, 30_000));
+        node.reports
+            .store(report(pb::MigrationOutcome::Committed, 30_000));
 
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(serve(listener, registry(&agent), stopped));
+        let server = tokio::spawn(serve(listener, registry(&node), stopped));
 
         let (status, text) = http(addr, "GET", "/metrics").await;
         assert!(status.ends_with("200 OK"), "{status}");

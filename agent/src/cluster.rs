@@ -1,0 +1,176 @@
+//! The other nodes of the cluster as this agent knows them: the configured
+//! `[[peers]]` and those membership found, their addresses, and Peer
+//! connections to them (mutual TLS when `[tls]` is set).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_proto::v1::peer_client::PeerClient;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::{Config, PeerConfig};
+use crate::error_chain::error_chain;
+use crate::membership::{MemberState, Membership};
+use crate::security::TlsMaterial;
+
+/// Why a Peer connection to a node could not be opened.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{node} unreachable at {address}: {reason}")]
+pub struct Unreachable {
+    pub node: String,
+    pub address: String,
+    pub reason: String,
+}
+
+/// This node's view of the cluster.
+#[derive(Debug)]
+pub struct Cluster {
+    node: String,
+    cluster_address: Ipv4Addr,
+    configured: Vec<PeerConfig>,
+    /// SWIM membership, when `[membership] enabled`.
+    membership: Option<Arc<Membership>>,
+    /// This node's certificate and the cluster CA, when `[tls]` is set:
+    /// then every Peer connection is mutual TLS.
+    tls: Option<TlsMaterial>,
+}
+
+impl Cluster {
+    pub fn new(
+        config: &Config,
+        membership: Option<Arc<Membership>>,
+        tls: Option<TlsMaterial>,
+    ) -> Self {
+        Self {
+            node: config.node.clone(),
+            cluster_address: config.cluster.address,
+            configured: config.peers.clone(),
+            membership,
+            tls,
+        }
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    pub fn membership(&self) -> Option<&Arc<Membership>> {
+        self.membership.as_ref()
+    }
+
+    pub fn tls(&self) -> Option<&TlsMaterial> {
+        self.tls.as_ref()
+    }
+
+    /// Every other node this agent knows: the configured `[[peers]]`, then
+    /// the nodes membership found that the configuration does not list
+    /// (alive or suspect, not down). A configured address wins.
+    pub fn known_peers(&self) -> Vec<PeerConfig> {
+        let mut peers = self.configured.clone();
+        if let Some(m) = &self.membership {
+            for member in m.members() {
+                let name = &member.ident.name;
+                if *name != self.node
+                    && member.state != MemberState::Down
+                    && !peers.iter().any(|p| p.name == *name)
+                {
+                    peers.push(PeerConfig {
+                        name: name.clone(),
+                        address: member.ident.peer,
+                    });
+                }
+            }
+        }
+        peers
+    }
+
+    /// The configured `[[peers]]` only.
+    pub fn configured_peers(&self) -> &[PeerConfig] {
+        &self.configured
+    }
+
+    /// The Peer address of node `name`: configured, or found by membership.
+    pub fn peer(&self, name: &str) -> Option<PeerConfig> {
+        if let Some(p) = self.configured.iter().find(|p| p.name == name) {
+            return Some(p.clone());
+        }
+        let address = self.membership.as_ref()?.peer_address(name)?;
+        Some(PeerConfig {
+            name: name.to_owned(),
+            address,
+        })
+    }
+
+    /// The cluster address of node `name` (this node's own included).
+    pub fn cluster_address_of(&self, name: &str) -> Option<Ipv4Addr> {
+        if name == self.node {
+            return Some(self.cluster_address);
+        }
+        match self.peer(name)?.address.ip() {
+            IpAddr::V4(a) => Some(a),
+            IpAddr::V6(_) => None,
+        }
+    }
+
+    /// The peer whose cluster address is `ip`.
+    pub fn peer_at(&self, ip: Ipv4Addr) -> Option<PeerConfig> {
+        self.known_peers()
+            .into_iter()
+            .find(|p| p.address.ip() == IpAddr::V4(ip))
+    }
+
+    /// Where node `name`'s Peer port is reached: over mutual TLS when
+    /// `[tls]` is set, the server's certificate checked against the CA and
+    /// the node's name (an address from membership or the config only says
+    /// where to dial, not whom the migration goes to).
+    pub fn peer_endpoint(&self, name: &str, address: SocketAddr) -> Result<Endpoint, String> {
+        match &self.tls {
+            Some(tls) => Endpoint::from_shared(format!("https://{address}"))
+                .and_then(|e| e.tls_config(tls.peer_client(name)))
+                .map_err(|e| error_chain(&e)),
+            None => Endpoint::from_shared(format!("http://{address}")).map_err(|e| error_chain(&e)),
+        }
+    }
+
+    /// `Peer.Hello` to `peer`, answered within 2 s, or why not.
+    pub async fn hello(&self, peer: &PeerConfig) -> Result<ferry_proto::v1::HelloResponse, String> {
+        let hello = async {
+            let mut client = self.peer_client(peer).await.map_err(|e| e.to_string())?;
+            client
+                .hello(ferry_proto::v1::HelloRequest {
+                    node: self.node.clone(),
+                    protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+                })
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| s.message().to_owned())
+        };
+        match tokio::time::timeout(Duration::from_secs(2), hello).await {
+            Ok(answer) => answer,
+            Err(_) => Err("no answer within 2 s".into()),
+        }
+    }
+
+    /// A Peer client for `peer`, connected with a short timeout.
+    pub async fn peer_client(&self, peer: &PeerConfig) -> Result<PeerClient<Channel>, Unreachable> {
+        let unreachable = |reason: String| Unreachable {
+            node: peer.name.clone(),
+            address: peer.address.to_string(),
+            reason,
+        };
+        let endpoint = self
+            .peer_endpoint(&peer.name, peer.address)
+            .map_err(unreachable)?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| unreachable(error_chain(&e)))?;
+        Ok(PeerClient::new(channel)
+            .max_decoding_message_size(16 << 20)
+            .max_encoding_message_size(16 << 20))
+    }
+}
