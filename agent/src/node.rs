@@ -18,8 +18,10 @@ use crate::cluster::Cluster;
 use crate::conductor::{self, Conductor};
 use crate::config::Config;
 use crate::cordon::Cordon;
+use crate::criu::Checkpointer;
 use crate::dataplane::{DataPlane, FlowRules, PacketReplayer, PortFilter};
 use crate::drain::Drains;
+use crate::engine::link::Connector;
 use crate::engine::{Engine, Services};
 use crate::events::EventBus;
 use crate::managed::Processes;
@@ -41,6 +43,13 @@ pub struct NodeParts {
     /// SWIM membership, when `[membership] enabled`: the balancer's
     /// conductor runs with it.
     pub membership: Option<Arc<Membership>>,
+    /// CRIU as the source's dump uses it: the configured `criu_path`, or a
+    /// script in unit tests.
+    pub criu: Arc<dyn Checkpointer>,
+    /// How the engine reaches other agents: `None` for gRPC through the
+    /// cluster's addresses (mutual TLS with `[tls]`); a scripted peer in
+    /// unit tests.
+    pub links: Option<Arc<dyn Connector>>,
 }
 
 /// One node's agent.
@@ -71,6 +80,8 @@ impl Node {
             flows,
             tls,
             membership,
+            criu,
+            links,
         } = parts;
         let config = Arc::new(config);
         let events = Arc::new(EventBus::new(&config.node));
@@ -100,6 +111,8 @@ impl Node {
             cordon: cordon.clone(),
             events: events.clone(),
             reports: reports.clone(),
+            criu,
+            links: links.unwrap_or_else(|| cluster.clone()),
         }));
         let conductor = membership.map(|membership| {
             Conductor::new(

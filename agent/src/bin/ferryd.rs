@@ -228,6 +228,8 @@ async fn serve(config: Config) -> Result<()> {
         )),
         tls: tls.clone(),
         membership: membership.clone(),
+        criu: std::sync::Arc::new(ferry_agent::criu::InstalledCriu(config.criu_path.clone())),
+        links: None,
     });
     // procfs, a file and BPF maps: off the runtime.
     let adopted = {

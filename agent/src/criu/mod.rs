@@ -20,11 +20,52 @@ pub use cache::{
 pub use error::CriuError;
 pub use sched_hooks::SchedHooks;
 pub use swrk::{
-    DumpRequest, LazyDump, Notifications, RestoreOutcome, RestoreRequest, TcpConnections, Worker,
-    dump, restore, start_restore_worker,
+    DumpRequest, LazyDump, Notifications, NotifyHook, RestoreOutcome, RestoreRequest,
+    TcpConnections, Worker, dump, restore, start_restore_worker,
 };
 pub use version::{
     CONNS_OUT_IMAGE_PREFIX, CONNS_OUT_MARK, CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES,
     INHERITED_TCP_MARK, MIN_CRIU_VERSION, OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK, TCP_TABLE_MARK,
     has_patch, missing_patches, probe_version, require_patch,
 };
+
+/// CRIU as the source of a migration uses it: which build it is, and the
+/// dump. Behind a trait so that the engine's source side runs in unit tests
+/// against a scripted CRIU; ferryd uses the installed one
+/// ([`InstalledCriu`]). Every call blocks.
+pub trait Checkpointer: Send + Sync + std::fmt::Debug {
+    /// Its version, refused if too old ([`probe_version`]).
+    fn probe(&self) -> Result<CriuVersion, CriuError>;
+    /// Whether it carries the ferry patch marked `mark` ([`has_patch`]).
+    fn has_patch(&self, mark: &str) -> bool;
+    /// Dumps `req.pid` ([`dump`]): `on_notify` hears each notification
+    /// (`pre-dump` before the tree is frozen, `query-ext-files` once it is,
+    /// `network-unlock` before a failed dump lets it run again).
+    fn dump(
+        &self,
+        req: &DumpRequest,
+        on_notify: NotifyHook<'_>,
+    ) -> Result<Notifications, CriuError>;
+}
+
+/// The CRIU binary at `criu_path`.
+#[derive(Debug, Clone)]
+pub struct InstalledCriu(pub std::path::PathBuf);
+
+impl Checkpointer for InstalledCriu {
+    fn probe(&self) -> Result<CriuVersion, CriuError> {
+        probe_version(&self.0)
+    }
+
+    fn has_patch(&self, mark: &str) -> bool {
+        has_patch(&self.0, mark)
+    }
+
+    fn dump(
+        &self,
+        req: &DumpRequest,
+        on_notify: NotifyHook<'_>,
+    ) -> Result<Notifications, CriuError> {
+        dump(req, on_notify)
+    }
+}

@@ -14,7 +14,9 @@ use crate::reports::Reports;
 use crate::supervisor::Supervisor;
 
 use super::destination::IncomingSlot;
+use super::link::Connector;
 use super::source::Outgoing;
+use crate::criu::Checkpointer;
 
 /// The engine of one node: the source side (`source`) and the
 /// destination side (`destination`) of its migrations.
@@ -29,6 +31,10 @@ pub struct Engine {
     pub cordon: Arc<Cordon>,
     pub events: Arc<EventBus>,
     pub reports: Arc<Reports>,
+    /// CRIU, as the source's dump uses it.
+    pub criu: Arc<dyn Checkpointer>,
+    /// Opens Peer links to other agents.
+    pub links: Arc<dyn Connector>,
     /// Migrations this node runs as the source: their cancel switches.
     pub outgoing: Outgoing,
     /// The one incoming migration this node may be receiving.
@@ -47,6 +53,8 @@ pub struct Services {
     pub cordon: Arc<Cordon>,
     pub events: Arc<EventBus>,
     pub reports: Arc<Reports>,
+    pub criu: Arc<dyn Checkpointer>,
+    pub links: Arc<dyn Connector>,
 }
 
 impl Engine {
@@ -61,6 +69,8 @@ impl Engine {
             cordon: s.cordon,
             events: s.events,
             reports: s.reports,
+            criu: s.criu,
+            links: s.links,
             outgoing: Outgoing::default(),
             incoming: IncomingSlot::default(),
         }

@@ -1,14 +1,11 @@
 //! The migration engine (the `migd` of Gerofi et al. (DVE)), peer protocol version 9.
 //!
-//! # The migration as a state machine
+//! # The migration protocol
 //!
-//! Source (`source.rs`), driven by `Control.Migrate`:
-//!
-//! ```text
-//! Validate ─> Prepare ─> (Pre-copy) ─> (Pre-read) ─> Arm ─> Dump (Freeze inside) ─> Transfer ─> Restore ─> Translate ─> Release ─> Commit ─> Discard ─> Committed
-//!    │           │            │             │          │       │                      │          │            │
-//!    └─ error    └────────────┴─────────────┴──────────┴───────┴──────────────────────┴──────────┴────────────┴──> Abort ─> Aborted (process runs on source)
-//! ```
+//! The steps of a migration as both agents see them, in order. The source
+//! drives them as a typed state machine ([`source`]: one phase per file,
+//! its table of transitions checked by a test); the destination answers
+//! each Peer call in a file of its own ([`destination`]).
 //!
 //! - **Validate**: the PID exists, is managed here, is not the agent, PID 1
 //!   or a kernel thread; the destination is a known other node; CRIU is
@@ -196,8 +193,8 @@
 //!   It is kept as short as the link allows: the daemon pushes every page
 //!   in the background from the restore on, faults jump the queue. A
 //!   destination that cannot be asked: the source keeps its copy while its
-//!   page server still has a connection, then [`source`]'s
-//!   `POSTCOPY_UNCONFIRMED` more, and reports the migration committed with
+//!   page server still has a connection, then `POSTCOPY_UNCONFIRMED`
+//!   more (`source/post_copy.rs`), and reports the migration committed with
 //!   an error saying it was never confirmed.
 //! - **Abort** before the Commit: as for the other strategies, and first
 //!   the source's page server goes (the process is sent SIGSTOP, CRIU is
@@ -221,6 +218,7 @@ pub mod cancel;
 mod context;
 pub mod destination;
 mod images;
+pub mod link;
 pub(crate) mod localpages;
 pub(crate) mod pagestore;
 mod pagetunnel;
@@ -304,4 +302,12 @@ pub(crate) async fn wait_dead(pid: i32) {
 /// A fresh migration id: 64 random bits in hex.
 pub fn new_migration_id() -> String {
     format!("{:016x}", rand::random::<u64>())
+}
+
+/// Images and logs hold process memory: root only.
+pub(crate) fn set_private(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+        tracing::warn!(dir = %dir.display(), error = %e, "restricting permissions");
+    }
 }

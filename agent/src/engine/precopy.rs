@@ -152,7 +152,7 @@ impl std::fmt::Debug for Precopy {
 
 /// What the rounds need from the migration.
 pub struct Link<'a> {
-    pub peer: &'a mut ferry_proto::v1::peer_client::PeerClient<tonic::transport::Channel>,
+    pub peer: &'a dyn super::link::PeerLink,
     pub migration_id: &'a str,
     pub destination: &'a crate::config::PeerConfig,
     /// The bound on one step's answer (`peer_timeout_secs`).
@@ -436,23 +436,24 @@ async fn send_round(
     let (tx, rx) = mpsc::channel(4);
     let id = link.migration_id.to_owned();
     let reader = tokio::task::spawn_blocking(move || read_pages(&id, round, to_send, tx));
-    let mut peer = link.peer.clone();
     // A round may be long on a slow link: bounded by the step deadline
     // plus the time its bytes take at 1 Mb/s.
     let limit = link.deadline + Duration::from_secs(total / 125_000);
     let answer = tokio::time::timeout(
         limit,
-        peer.transfer_pages(tokio_stream::wrappers::ReceiverStream::new(rx)),
+        link.peer
+            .transfer_pages(tokio_stream::wrappers::ReceiverStream::new(rx)),
     )
     .await;
-    let read = reader
-        .await
-        .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let read = reader.await.map_err(|source| EngineError::Task {
+        what: "reading a pre-copy round's pages",
+        source,
+    })?;
     match answer {
         Ok(Ok(_)) => {}
-        Ok(Err(s)) => return Err(super::source::peer_error(&link.destination.name, s)),
+        Ok(Err(s)) => return Err(super::link::peer_error(&link.destination.name, s)),
         Err(_) => {
-            return Err(super::source::silent(
+            return Err(super::link::silent(
                 link.destination,
                 "a pre-copy round",
                 limit,

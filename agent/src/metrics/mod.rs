@@ -418,6 +418,8 @@ mod tests {
             flows: Box::new(crate::dataplane::translation::fake::FakeFlowRules::default()),
             tls: None,
             membership: None,
+            criu: Arc::new(crate::criu::InstalledCriu("/nonexistent/criu".into())),
+            links: None,
         });
         // The hook every finished source migration goes through.
         node.reports

@@ -39,7 +39,7 @@ pub use slot::IncomingSlot;
 
 use super::localpages::LocalPages;
 use super::pagestore::PageStore;
-use super::{EngineError, images::ImageWriter, source::set_private};
+use super::{EngineError, images::ImageWriter, set_private};
 
 /// The receive buffer a migrated process's UDP sockets get for the replay
 /// and the catch-up after it, and for how long.
@@ -1848,6 +1848,7 @@ pub mod fixture {
     use std::sync::Arc;
 
     use crate::config::Config;
+    use crate::criu::InstalledCriu;
     use crate::dataplane::filter::fake::FakeFilter;
     use crate::dataplane::replay::fake::FakeReplayer;
     use crate::dataplane::translation::fake::FakeFlowRules;
@@ -1873,6 +1874,17 @@ pub mod fixture {
         /// (name, cluster address) by configuration. With peers, nothing
         /// may make the agent call them: they are not there.
         pub fn new(peers: &[(&str, &str)]) -> Fixture {
+            Self::with(peers, |_| None, None)
+        }
+
+        /// [`Fixture::new`], with the source's CRIU and Peer links given:
+        /// `criu` gets the fake CRIU binary's path and may return another
+        /// (`None`: that binary, which only answers `--version`).
+        pub fn with(
+            peers: &[(&str, &str)],
+            source_criu: impl FnOnce(&std::path::Path) -> Option<Arc<dyn crate::criu::Checkpointer>>,
+            links: Option<Arc<dyn crate::engine::link::Connector>>,
+        ) -> Fixture {
             let dir = tempfile::tempdir().unwrap();
             let criu = dir.path().join("criu");
             std::fs::write(&criu, "#!/bin/sh\necho 'Version: 4.2.1'\n").unwrap();
@@ -1902,6 +1914,8 @@ peer_listen = "198.19.0.2:7100"
             let filter = FakeFilter::default();
             let replayed = FakeReplayer::default();
             let flows = FakeFlowRules::default();
+            let source_criu =
+                source_criu(&criu).unwrap_or_else(|| Arc::new(InstalledCriu(criu.clone())));
             let node = Node::build(NodeParts {
                 config,
                 filter: Box::new(filter.clone()),
@@ -1909,6 +1923,8 @@ peer_listen = "198.19.0.2:7100"
                 flows: Box::new(flows.clone()),
                 tls: None,
                 membership: None,
+                criu: source_criu,
+                links,
             });
             Fixture {
                 engine: node.engine.clone(),

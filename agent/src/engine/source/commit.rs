@@ -1,0 +1,151 @@
+//! Commit: carries the source's delivered log and the UDP datagrams the
+//! process left unread (whole from protocol 8, see
+//! `crate::engine::queued`; as keys from 4); the destination resumes the
+//! process and replays what it captured, and answers how long the process
+//! had been running, which comes off the freeze. Retried a few times: the
+//! copy here is released, the destination holds the process. Post-copy:
+//! a destination whose lazy-pages daemon already failed refuses to resume
+//! (FAILED_PRECONDITION), and the migration rolls back to the intact copy
+//! here.
+//!
+//! The report's freeze is cut into its parts here (`freeze_parts`: CRIU's
+//! dump, the transfer, the destination's image scan, CRIU's start-up and
+//! restore, translation, release, replay, and what the calls around them
+//! cost), which add up to the freeze time.
+
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::{CommitRequest, PhaseTiming};
+
+use super::restore::Restored;
+use super::run::Run;
+use super::{Phase, Stop, post_copy};
+use crate::engine::EngineError;
+use crate::engine::link::peer_error;
+use crate::engine::queued;
+
+/// Commit's input.
+pub(super) struct Committing {
+    pub restored: Restored,
+    pub translate_end: Instant,
+    pub release_end: Instant,
+    /// Digests of what this node delivered between Arm and the freeze.
+    pub delivered: Vec<u64>,
+}
+
+/// How many times the Commit is sent before the migration is reported
+/// committed without the destination's confirmation.
+const COMMIT_ATTEMPTS: u32 = 5;
+
+pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, EngineError> {
+    let postcopy = run.p.strategy.is_postcopy();
+    let unread = queued::for_commit(
+        run.p.protocol_version,
+        std::mem::take(&mut c.restored.unread),
+    );
+    if unread.left_out > 0 {
+        tracing::warn!(
+            carried = unread.datagrams.len(),
+            left_out = unread.left_out,
+            budget_bytes = queued::COMMIT_PAYLOAD_BUDGET,
+            "more unread UDP datagrams than one Commit carries: the newest are lost"
+        );
+    }
+    let mut last_err = None;
+    let mut running_for = Duration::ZERO;
+    for attempt in 0..COMMIT_ATTEMPTS {
+        let req = CommitRequest {
+            migration_id: run.p.migration_id.clone(),
+            delivered_digests: c.delivered.clone(),
+            unread_datagrams: unread.keys.clone(),
+            queued_datagrams: unread.datagrams.clone(),
+        };
+        match run.p.link.commit(req).await {
+            Ok(r) => {
+                run.report.destination_pid = r.pid;
+                run.report.replay = r.replay;
+                running_for = Duration::from_micros(r.running_for_us);
+                last_err = None;
+                break;
+            }
+            // Post-copy: the destination refused to resume the process
+            // (its lazy-pages daemon failed first); ours is intact.
+            Err(s) if postcopy && s.code() == tonic::Code::FailedPrecondition => {
+                return Err(peer_error(&run.p.destination.name, s));
+            }
+            Err(s) => {
+                tracing::warn!(attempt, status = %s, "commit not confirmed; retrying");
+                last_err = Some(peer_error(&run.p.destination.name, s));
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        }
+    }
+    let commit_end = Instant::now();
+    cut_the_freeze(run, &c, commit_end, running_for);
+    Ok(if postcopy {
+        Phase::PostCopy(post_copy::Waiting {
+            resumed: commit_end,
+            commit_err: last_err,
+        })
+    } else {
+        Phase::Discard(Stop::Committed(last_err))
+    })
+}
+
+/// The freeze and its parts, in the report. The freeze ends when the
+/// process ran again on the destination: what the destination did after
+/// its resume (a replay, the answer) is not freeze. The answer's way back
+/// still counts, a little too long.
+fn cut_the_freeze(run: &mut Run, c: &Committing, commit_end: Instant, running_for: Duration) {
+    let r = &c.restored;
+    let resumed = commit_end
+        .checked_sub(running_for)
+        .unwrap_or(commit_end)
+        .max(c.release_end);
+    run.report.freeze_time_us = (resumed - r.freeze_start).as_micros() as u64;
+    let us = |from: Instant, to: Instant| (to - from).as_micros() as u64;
+    // Only the part of the replay the process waited for.
+    let replay_us = run
+        .report
+        .replay
+        .map(|r| r.replay_time_us)
+        .unwrap_or(0)
+        .saturating_sub(running_for.as_micros() as u64);
+    let restore_rpc_us = us(r.transfer_end, r.restore_end);
+    run.report.freeze_parts = [
+        (
+            "dump (CRIU, process stopped)",
+            us(r.freeze_start, r.dump_end),
+        ),
+        (
+            "transfer (and the sockets' state beside it)",
+            us(r.dump_end, r.transfer_end),
+        ),
+        ("restore: image scan", r.image_scan_us),
+        ("restore: CRIU start-up", r.criu_startup_us),
+        (
+            "restore: CRIU",
+            r.restore_criu_us.saturating_sub(r.criu_startup_us),
+        ),
+        (
+            "restore: other",
+            restore_rpc_us.saturating_sub(r.restore_criu_us + r.image_scan_us),
+        ),
+        ("translate", us(r.restore_end, c.translate_end)),
+        ("release", us(c.translate_end, c.release_end)),
+        ("commit: replay", replay_us),
+        (
+            "commit: other",
+            us(c.release_end, resumed).saturating_sub(replay_us),
+        ),
+    ]
+    .into_iter()
+    // A destination whose CRIU sends no notifications (this build's) does
+    // not time CRIU's start-up apart: it is in "restore: CRIU".
+    .filter(|(phase, us)| !(*phase == "restore: CRIU start-up" && *us == 0))
+    .map(|(phase, duration_us)| PhaseTiming {
+        phase: phase.to_owned(),
+        duration_us,
+    })
+    .collect();
+}

@@ -1,0 +1,182 @@
+//! PostCopy: after the Commit the process runs on the destination while its
+//! pages follow (CRIU's lazy-pages daemon there, fed by CRIU's page server
+//! here through the page tunnel). The stopped copy here and the page server
+//! stay until the destination reports its daemon's end
+//! (`Peer.PostCopyStatus`, long polls); then the copy goes. A failed daemon
+//! means the destination killed the process: the migration is lost
+//! (nothing can bring back what it did since its resume), and the report
+//! says so. A destination that cannot be asked: the copy stays while the
+//! page server still has a connection, then [`POSTCOPY_UNCONFIRMED`] more,
+//! and the migration is reported committed with an error saying it was
+//! never confirmed.
+
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::{PostCopyState, PostCopyStatusRequest};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use super::dump::Dumped;
+use super::run::Run;
+use super::{Phase, Stop};
+use crate::criu;
+use crate::engine::EngineError;
+use crate::process;
+
+/// How long the source keeps a page server whose destination does not
+/// answer PostCopyStatus once the page server's connection is gone.
+const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
+
+/// PostCopy's input.
+pub(super) struct Waiting {
+    /// When the Commit was answered: the process runs on the destination.
+    pub resumed: Instant,
+    /// The Commit's last error, if it was never confirmed.
+    pub commit_err: Option<EngineError>,
+}
+
+pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
+    let Waiting {
+        resumed,
+        commit_err,
+    } = w;
+    let deadline = run.deadline;
+    let mut silent_since: Option<Instant> = None;
+    let verdict = loop {
+        let ask = run.p.link.post_copy_status(PostCopyStatusRequest {
+            migration_id: run.p.migration_id.clone(),
+            wait_ms: 2000,
+        });
+        let why = match tokio::time::timeout(deadline + Duration::from_secs(2), ask).await {
+            Ok(Ok(r)) => match PostCopyState::try_from(r.state) {
+                Ok(PostCopyState::Running) => {
+                    silent_since = None;
+                    continue;
+                }
+                Ok(PostCopyState::Done | PostCopyState::Failed) => break Ok(r),
+                _ => format!("post-copy state {} unknown", r.state),
+            },
+            Ok(Err(s)) => s.message().to_owned(),
+            Err(_) => format!("no answer within {} s", deadline.as_secs() + 2),
+        };
+        // No word from the destination. While the page server is still
+        // connected the daemon may still need it: keep it. Once it is not,
+        // the daemon has ended one way or the other; wait a little for the
+        // destination to say which.
+        let serving = run
+            .undo
+            .page_server
+            .as_ref()
+            .is_some_and(|s| !s.task.is_finished());
+        if !serving {
+            let since = *silent_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > POSTCOPY_UNCONFIRMED {
+                break Err(why);
+            }
+        }
+        tracing::warn!(reason = %why, serving, "post-copy status unknown; asking again");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let page = crate::memtrack::page_size();
+    let stop = match verdict {
+        Ok(r) if r.state == PostCopyState::Done as i32 => {
+            stop_page_server(run, Duration::from_secs(10)).await;
+            run.report.postcopy_pages = r.pages;
+            run.report.postcopy_local_pages = r.local_pages;
+            run.report.postcopy_faults = r.faults;
+            run.report.postcopy_fault_wait_us = r.fault_wait_us;
+            run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
+            run.report.post_processing_time_us = r.post_processing_us;
+            tracing::info!(
+                pages = r.pages,
+                of = r.total_pages,
+                post_ms = r.post_processing_us as f64 / 1000.0,
+                "every page is on the destination"
+            );
+            Stop::Committed(commit_err)
+        }
+        Ok(r) => {
+            stop_page_server(run, Duration::ZERO).await;
+            run.report.postcopy_pages = r.pages;
+            run.report.postcopy_local_pages = r.local_pages;
+            run.report.postcopy_faults = r.faults;
+            run.report.postcopy_fault_wait_us = r.fault_wait_us;
+            run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
+            run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
+            Stop::Lost(EngineError::Peer {
+                node: run.p.destination.name.clone(),
+                code: tonic::Code::DataLoss,
+                message: format!("post-copy failed after the resume: {}", r.error),
+            })
+        }
+        Err(why) => {
+            stop_page_server(run, Duration::from_secs(1)).await;
+            run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
+            Stop::Committed(Some(EngineError::Internal(format!(
+                "post-copy: {} never confirmed that every page arrived ({why}); the source's copy was discarded once its page server had no connection for {} s",
+                run.p.destination.name,
+                POSTCOPY_UNCONFIRMED.as_secs()
+            ))))
+        }
+    };
+    Phase::Discard(stop)
+}
+
+/// Ends a post-copy dump's page server. `grace`: how long it may take to
+/// end by itself (the daemon's close ends it); then, or at once with a
+/// zero grace, CRIU is killed, the process kept stopped (SIGSTOP, pending
+/// while CRIU holds it, takes effect when CRIU lets go).
+pub(super) async fn stop_page_server(run: &mut Run, grace: Duration) {
+    let Some(server) = run.undo.page_server.take() else {
+        return;
+    };
+    end_page_server_criu(run.p.pid, server.task, &server.criu_pid, grace).await;
+    // CRIU's end of the tunnel is closed now; the pump passes that on and
+    // ends. A tunnel the destination holds open is cut.
+    if let Some(mut tunnel) = server.tunnel {
+        match tokio::time::timeout(Duration::from_secs(2), &mut tunnel).await {
+            Ok(Ok(Ok(moved))) => {
+                tracing::info!(out = moved.out, into = moved.into, "page tunnel closed")
+            }
+            Ok(Ok(Err(e))) => tracing::info!(error = %e, "page tunnel ended"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "page tunnel task"),
+            Err(_) => {
+                tunnel.abort();
+                tracing::warn!("page tunnel still open 2 s after the page server ended; cut");
+            }
+        }
+    }
+}
+
+async fn end_page_server_criu(
+    pid: i32,
+    mut task: tokio::task::JoinHandle<Result<Dumped, criu::CriuError>>,
+    criu_pid: &std::sync::atomic::AtomicI32,
+    grace: Duration,
+) {
+    let log = |r: Result<Result<Dumped, criu::CriuError>, tokio::task::JoinError>| match r {
+        Ok(Ok(_)) => tracing::info!("CRIU's page server ended"),
+        Ok(Err(e)) => tracing::info!(error = %e, "CRIU's page server ended"),
+        Err(e) => tracing::warn!(error = %e, "CRIU's page server task"),
+    };
+    if !grace.is_zero() {
+        if let Ok(r) = tokio::time::timeout(grace, &mut task).await {
+            log(r);
+            return;
+        }
+        tracing::warn!("CRIU's page server still runs; killing it");
+    }
+    for p in process::process_tree(pid) {
+        let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
+    }
+    let criu = criu_pid.load(std::sync::atomic::Ordering::SeqCst);
+    if criu > 0
+        && let Err(e) = kill(Pid::from_raw(criu), Signal::SIGKILL)
+    {
+        tracing::warn!(pid = criu, error = %e, "killing CRIU's page server");
+    }
+    match tokio::time::timeout(Duration::from_secs(10), task).await {
+        Ok(r) => log(r),
+        Err(_) => tracing::error!("CRIU's page server did not end 10 s after SIGKILL"),
+    }
+}

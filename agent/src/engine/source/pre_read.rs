@@ -1,0 +1,106 @@
+//! PreRead (incremental socket migration, no peer call): the setsockopt
+//! watch (a `cgroup/setsockopt` eBPF program, `ferry_ebpf::SockoptWatch`)
+//! attaches to the process tree's cgroups, then what does not move of
+//! every established connection (its addresses, SO_REUSEADDR, its socket
+//! options) is read while the process runs ([`crate::sockstate::Preread`]).
+//! Inside the freeze only connections the watch saw a setsockopt call on,
+//! and new ones, are read whole. A watch that cannot attach (no cgroup v2)
+//! turns the migration into a collective one, with the reason in the
+//! report. The watch is detached when the migration ends, whatever its
+//! outcome (it goes with [`Incremental`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::Phase;
+use super::run::Run;
+use super::settle::Listening;
+use crate::criu::{Checkpointer, OPTS_BY_CALLER_MARK};
+use crate::engine::sockettaker::Incremental;
+use crate::engine::{EngineError, blocking};
+use crate::process;
+use crate::sockstate::{self, SocketMigration};
+
+pub(super) async fn pre_read(run: &mut Run) -> Result<Phase, EngineError> {
+    let pid = run.p.pid;
+    let with_options = options_by_ferryd(
+        true,
+        run.p.destination_takes_tcp_options,
+        run.engine.criu.as_ref(),
+    );
+    match blocking("reading the connections before the freeze", move || {
+        preread(pid, with_options)
+    })
+    .await?
+    {
+        Ok(inc) => {
+            tracing::info!(
+                connections = inc.preread.len(),
+                with_options,
+                "connections read before the freeze; setsockopt watch attached"
+            );
+            Ok(Phase::Listen(Listening {
+                incremental: Some(Arc::new(inc)),
+            }))
+        }
+        Err(why) => {
+            tracing::warn!(pid, reason = %why, "incremental socket migration unavailable; collective instead");
+            run.p.socket_migration = SocketMigration::Collective;
+            run.p.socket_note = Some(format!("incremental: {why}; collective instead"));
+            run.report.sockets = SocketMigration::Collective.to_pb() as i32;
+            run.report.sockets_note = run.p.socket_note.clone().unwrap_or_default();
+            Ok(Phase::Listen(Listening { incremental: None }))
+        }
+    }
+}
+
+/// Whether ferryd reads and carries the connections' socket options
+/// (collective, the destination takes them, and this node's CRIU leaves
+/// them out). The pre-read and the dump must agree on it.
+pub(super) fn options_by_ferryd(
+    collective: bool,
+    destination_takes: bool,
+    criu: &dyn Checkpointer,
+) -> bool {
+    collective && destination_takes && criu.has_patch(OPTS_BY_CALLER_MARK)
+}
+
+/// Attaches the setsockopt watch to the cgroups of `pid`'s tree, then
+/// reads its connections (in that order: a call racing with the read is
+/// seen). Blocking. The error says why incremental mode cannot be used.
+fn preread(pid: i32, with_options: bool) -> Result<Incremental, String> {
+    let started = Instant::now();
+    let tree = process::process_tree(pid);
+    let cgroups = tree
+        .iter()
+        .map(|&p| ferry_ebpf::cgroup_v2_dir(p).map_err(|e| format!("process {p}'s cgroup v2: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut watch = ferry_ebpf::SockoptWatch::attach(&cgroups)
+        .map_err(|e| format!("attaching the setsockopt watch: {e}"))?;
+    let watched = started.elapsed();
+    let mut preread = sockstate::Preread::of_tree(&tree, with_options)
+        .map_err(|e| format!("reading the connections: {e}"))?;
+    let read = started.elapsed();
+    // Enough connections: the freeze then reads them in one pass of the
+    // TCP state iterator; a kernel without it (or without BTF) reads each
+    // by its calls.
+    if let Err(e) = preread.with_state_reader() {
+        tracing::warn!(error = %e, "no TCP state iterator: each connection is read by its calls in the freeze");
+    }
+    tracing::debug!(
+        watch_ms = watched.as_secs_f64() * 1000.0,
+        read_ms = (read - watched).as_secs_f64() * 1000.0,
+        state_reader_ms = (started.elapsed() - read).as_secs_f64() * 1000.0,
+        "pre-read steps"
+    );
+    // Calls elsewhere on the node cost no map update from here on.
+    if let Some(netns) = preread.only_netns() {
+        watch
+            .only_netns(netns)
+            .map_err(|e| format!("narrowing the setsockopt watch: {e}"))?;
+    }
+    Ok(Incremental {
+        preread,
+        watch: std::sync::Mutex::new(Some(watch)),
+    })
+}

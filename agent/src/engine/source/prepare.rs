@@ -1,0 +1,380 @@
+//! Validate and Prepare: everything that can be checked before touching
+//! the process, then the destination's reservation (`Peer.Hello`,
+//! `Peer.Prepare`). An error here leaves no trace anywhere.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use ferry_proto::v1::{HelloRequest, PrepareRequest};
+
+use crate::config::PeerConfig;
+use crate::engine::link::{PeerLink, peer_error};
+use crate::engine::precopy::{Convergence, MemoryStrategy};
+use crate::engine::{Engine, EngineError, blocking, new_migration_id};
+use crate::managed::{Lifecycle, OutStage};
+use crate::process::{self, PortKey, SocketSummary};
+use crate::sockstate::{self, SocketMigration};
+
+/// What a migration request may choose; `None`: the agent's `[migration]`
+/// setting.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MigrationOptions {
+    /// How the TCP connections move.
+    pub sockets: Option<SocketMigration>,
+    /// How the memory moves.
+    pub strategy: Option<MemoryStrategy>,
+    /// Pre-copy: the freeze's budget for the pages left.
+    pub downtime_budget: Option<Duration>,
+    /// Pre-copy: the most rounds.
+    pub max_rounds: Option<u32>,
+    /// Pre-copy: slow down a process that writes faster than its pages
+    /// cross.
+    pub throttle: Option<bool>,
+    /// Drain before freeze: wait at most this long, with the process
+    /// stopped and its packets still flowing, for its send queues to empty.
+    pub drain_send_queues: Option<Duration>,
+}
+
+/// A migration that passed validation and holds the destination's
+/// reservation.
+pub struct Prepared {
+    pub migration_id: String,
+    pub pid: i32,
+    pub destination: PeerConfig,
+    pub(super) link: Arc<dyn PeerLink>,
+    /// The peer protocol version `Hello` settled on.
+    pub(super) protocol_version: u32,
+    pub(super) sockets: SocketSummary,
+    /// How the TCP connections move, decided before the freeze, and why
+    /// not as asked, if so.
+    pub(super) socket_migration: SocketMigration,
+    pub(super) socket_note: Option<String>,
+    /// The destination sets the connections' socket options itself
+    /// (`PrepareResponse.takes_tcp_options`).
+    pub(super) destination_takes_tcp_options: bool,
+    /// The destination's CRIU installs connections kept out of the images
+    /// (`PrepareResponse.takes_connections_out`).
+    pub(super) destination_takes_connections_out: bool,
+    /// Drain before freeze, and its bound.
+    pub(super) drain_send_queues: Option<Duration>,
+    /// How the memory moves, and when pre-copy rounds stop.
+    pub(super) strategy: MemoryStrategy,
+    pub(super) convergence: Convergence,
+    pub(super) started: Instant,
+    pub(super) started_wall: SystemTime,
+    /// `Control.CancelMigration`'s switch, and the migration's end.
+    pub cancel: Arc<crate::engine::cancel::Cancel>,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("migration_id", &self.migration_id)
+            .field("pid", &self.pid)
+            .finish()
+    }
+}
+
+/// When the pre-copy rounds of a migration asked with `options` stop.
+fn convergence(
+    engine: &Engine,
+    strategy: MemoryStrategy,
+    options: MigrationOptions,
+) -> Convergence {
+    let cfg = &engine.config.migration;
+    Convergence {
+        downtime_budget: options
+            .downtime_budget
+            .unwrap_or(Duration::from_millis(u64::from(cfg.downtime_budget_ms))),
+        // Assisted post-copy: one full pass (the second round only scans,
+        // and its written pages are left to the post-copy).
+        max_rounds: if strategy == MemoryStrategy::AssistedPostCopy {
+            1
+        } else {
+            options.max_rounds.unwrap_or(cfg.max_rounds)
+        },
+        throttle: options.throttle.unwrap_or(cfg.throttle),
+    }
+}
+
+/// The destination named `destination`, if this node knows it and it is
+/// not this node.
+fn destination_of(engine: &Engine, destination: &str) -> Result<PeerConfig, EngineError> {
+    let node = engine.node().to_owned();
+    if destination == node {
+        return Err(EngineError::DestinationIsSelf { node });
+    }
+    engine.cluster.peer(destination).ok_or_else(|| {
+        let mut known: Vec<String> = vec![engine.node().to_owned()];
+        known.extend(engine.cluster.known_peers().into_iter().map(|p| p.name));
+        EngineError::UnknownNode {
+            name: destination.to_owned(),
+            known: known.join(", "),
+        }
+    })
+}
+
+/// Checks everything that can be checked before touching the process, and
+/// reserves the destination. Errors here leave no trace anywhere.
+pub async fn prepare(
+    engine: &Arc<Engine>,
+    pid: i32,
+    destination: &str,
+    options: MigrationOptions,
+) -> Result<Prepared, EngineError> {
+    let wanted_sockets = options.sockets.unwrap_or(engine.config.migration.sockets);
+    let strategy = options.strategy.unwrap_or(engine.config.migration.strategy);
+    let convergence = convergence(engine, strategy, options);
+    let started = Instant::now();
+    let started_wall = SystemTime::now();
+    let peer = destination_of(engine, destination)?;
+    check_migratable(engine, pid)?;
+    let criu = engine.criu.clone();
+    blocking("probing CRIU", move || criu.probe()).await??;
+    let migration_id = new_migration_id();
+    let (argv, sockets) = claim(engine, pid, &migration_id)?;
+    let reserved = reserve(engine, pid, &migration_id, &peer, strategy, argv, sockets).await;
+    let (link, protocol_version, sockets, answer) = match reserved {
+        Ok(r) => r,
+        Err(e) => {
+            engine.processes.set_lifecycle(pid, Lifecycle::Running);
+            return Err(e);
+        }
+    };
+    let (socket_migration, socket_note) =
+        sockstate::choose(wanted_sockets, sockets.tcp_other, protocol_version);
+    if let Some(why) = &socket_note {
+        tracing::info!(pid, reason = %why, "TCP connections move one by one (CRIU)");
+    }
+    Ok(Prepared {
+        migration_id,
+        pid,
+        destination: peer,
+        link,
+        protocol_version,
+        sockets,
+        socket_migration,
+        socket_note,
+        destination_takes_tcp_options: answer.takes_tcp_options,
+        destination_takes_connections_out: answer.takes_connections_out,
+        drain_send_queues: options.drain_send_queues,
+        strategy,
+        convergence,
+        started,
+        started_wall,
+        cancel: Default::default(),
+    })
+}
+
+/// Claims the process, so that no second migration of it can start;
+/// returns its command line and the sockets last read.
+fn claim(
+    engine: &Engine,
+    pid: i32,
+    migration_id: &str,
+) -> Result<(Vec<String>, SocketSummary), EngineError> {
+    let mut reg = engine.processes.registry();
+    let p = reg
+        .get_mut(pid)
+        .ok_or_else(|| not_managed(pid, engine.node()))?;
+    if let Lifecycle::MigratingOut { migration_id, .. } = &p.lifecycle {
+        return Err(EngineError::AlreadyMigrating {
+            pid,
+            migration_id: migration_id.clone(),
+        });
+    }
+    p.lifecycle = Lifecycle::MigratingOut {
+        migration_id: migration_id.to_owned(),
+        stage: OutStage::Live,
+    };
+    Ok((p.argv.clone(), p.sockets.clone()))
+}
+
+/// With the process claimed: its sockets read again, its tree vetted, and
+/// the destination asked (`Hello`, `Prepare`). Returns the link, the
+/// protocol version, the sockets and the destination's answer.
+async fn reserve(
+    engine: &Arc<Engine>,
+    pid: i32,
+    migration_id: &str,
+    peer: &PeerConfig,
+    strategy: MemoryStrategy,
+    argv: Vec<String>,
+    sockets: SocketSummary,
+) -> Result<
+    (
+        Arc<dyn PeerLink>,
+        u32,
+        SocketSummary,
+        ferry_proto::v1::PrepareResponse,
+    ),
+    EngineError,
+> {
+    // Fresh socket list: ports opened since the last refresh move too.
+    let tree = process::process_tree(pid);
+    let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
+    vet(pid, tree).await?;
+    // A connection to a process on the destination node would have to
+    // become a connection within one host: no rewrite of one end does
+    // that. Refused now, before anything is touched.
+    if let Some(dest_ip) = engine.cluster.cluster_address_of(&peer.name)
+        && sockets.tcp_peers.contains(&dest_ip)
+    {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: format!(
+                "it has a TCP connection to {dest_ip}, {} itself: ferry cannot turn it into a connection within one node",
+                peer.name
+            ),
+        });
+    }
+    let link = engine.links.connect(peer).await?;
+    let version = hello(engine, link.as_ref(), peer, pid, strategy).await?;
+    let answer = link
+        .prepare(PrepareRequest {
+            protocol_version: version,
+            migration_id: migration_id.to_owned(),
+            source_node: engine.node().to_owned(),
+            source_pid: pid,
+            argv,
+            ports: sockets.ports.iter().map(PortKey::to_pb).collect(),
+        })
+        .await
+        .map_err(|s| peer_error(&peer.name, s))?;
+    if let Some(p) = engine.processes.registry().get_mut(pid) {
+        p.sockets = sockets.clone();
+    }
+    Ok((link, version, sockets, answer))
+}
+
+/// What CRIU would refuse to dump (a socket of a family it cannot dump, a
+/// Unix socket connected outside the tree, a file lock), or dump into a
+/// broken copy (a pipe or terminal shared with the outside): refused now,
+/// with the process running. Found after the freeze, it would cost the
+/// freeze and a rollback.
+async fn vet(pid: i32, tree: Vec<i32>) -> Result<(), EngineError> {
+    let processes = tree.len();
+    let vet_started = Instant::now();
+    let obstacles = blocking("vetting the process tree", move || {
+        crate::managed::tree_obstacles(&tree)
+    })
+    .await?
+    .map_err(EngineError::Internal)?;
+    tracing::info!(
+        processes,
+        obstacles = obstacles.len(),
+        vet_ms = vet_started.elapsed().as_secs_f64() * 1000.0,
+        "process tree vetted"
+    );
+    if obstacles.is_empty() {
+        return Ok(());
+    }
+    Err(EngineError::NotMigratable {
+        pid,
+        reason: obstacles
+            .iter()
+            .map(|o| o.to_string())
+            .collect::<Vec<_>>()
+            .join("; "),
+    })
+}
+
+/// `Peer.Hello`: the protocol version both speak, and whether it carries
+/// `strategy`; post-copy also needs this host's pipes large enough.
+async fn hello(
+    engine: &Engine,
+    link: &dyn PeerLink,
+    peer: &PeerConfig,
+    pid: i32,
+    strategy: MemoryStrategy,
+) -> Result<u32, EngineError> {
+    let hello = link
+        .hello(HelloRequest {
+            node: engine.node().to_owned(),
+            protocol_versions: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+        })
+        .await
+        .map_err(|s| peer_error(&peer.name, s))?;
+    if !ferry_proto::PEER_PROTOCOL_VERSIONS.contains(&hello.protocol_version) {
+        return Err(EngineError::NoCommonVersion {
+            node: peer.name.clone(),
+            theirs: vec![hello.protocol_version],
+            ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
+        });
+    }
+    let needed = if strategy.is_postcopy() {
+        ferry_proto::PEER_PROTOCOL_POSTCOPY
+    } else if strategy.is_precopy() {
+        ferry_proto::PEER_PROTOCOL_PRECOPY
+    } else {
+        0
+    };
+    if hello.protocol_version < needed {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: format!(
+                "{} speaks peer protocol {}; {} needs {needed}",
+                peer.name,
+                hello.protocol_version,
+                strategy.name(),
+            ),
+        });
+    }
+    if strategy.is_postcopy() {
+        crate::criu::lazy::check_pipe_max_size().map_err(|e| {
+            EngineError::HostSetting(format!("post-copy on {}: {e}", engine.node()))
+        })?;
+    }
+    Ok(hello.protocol_version)
+}
+
+fn not_managed(pid: i32, node: &str) -> EngineError {
+    EngineError::NotMigratable {
+        pid,
+        reason: format!(
+            "it is not managed by ferry on {node} (start it with `ferry run -- CMD`; `ferry ps` lists managed processes)"
+        ),
+    }
+}
+
+fn check_migratable(engine: &Engine, pid: i32) -> Result<(), EngineError> {
+    let node = engine.node();
+    if pid == std::process::id() as i32 {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: format!("it is the ferry agent of {node} itself"),
+        });
+    }
+    if pid == 1 {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: "PID 1 is the node's init".into(),
+        });
+    }
+    let info = match process::inspect(pid) {
+        Ok(i) => i,
+        Err(process::ProcessError::NotFound { .. }) => {
+            return Err(EngineError::NoSuchProcess {
+                pid,
+                node: node.to_owned(),
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if info.kernel_thread {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: "it is a kernel thread".into(),
+        });
+    }
+    if info.state == 'Z' {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: "it has exited (zombie)".into(),
+        });
+    }
+    if engine.processes.registry().get(pid).is_none() {
+        return Err(not_managed(pid, node));
+    }
+    Ok(())
+}

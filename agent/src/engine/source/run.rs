@@ -1,0 +1,282 @@
+//! What a migration from this node carries from its first phase to its
+//! last: the prepared request, the report being written, the events, and
+//! the ledger of what an abort must undo.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use ferry_proto::v1::{
+    MigrationEvent, MigrationOutcome, MigrationPhase, MigrationProgress, MigrationReport,
+    MigrationStarted, PhaseTiming, cluster_event, migration_event,
+};
+use tokio::sync::mpsc;
+
+use super::dump::PageServer;
+use super::transfer::SocketsSent;
+use super::{Prepared, Stop};
+use crate::engine::precopy::Precopy;
+use crate::engine::{Engine, EngineError};
+use crate::process::PortKey;
+use crate::sockstate;
+
+/// Where a migration's progress goes (`Control.Migrate`'s stream).
+pub type Events = mpsc::Sender<Result<MigrationEvent, tonic::Status>>;
+
+/// What a migration has done that an abort must undo, filled in by the
+/// phases as they do it and emptied as later phases hand it on.
+#[derive(Default)]
+pub(super) struct Undo {
+    /// A capture session is open here for the migration (from Arm, until
+    /// Release).
+    pub capturing_here: bool,
+    /// Pre-copy: dirty tracking on (from PreCopy until the dump is done).
+    pub precopy: Option<Precopy>,
+    /// Collective socket migration: the process's connections, held by
+    /// ferryd in repair mode from the moment CRIU froze the tree (or the
+    /// end of the dump, with a CRIU lacking ferry's patch). Turned back on
+    /// an abort; closed (silently) after the commit.
+    pub held: Option<Arc<sockstate::Held>>,
+    /// Collective: the transfer of the connections' states, started with
+    /// the dump; an abort waits for it, so that it reaches the destination
+    /// after the states did.
+    pub sockets_sending: Option<tokio::task::JoinHandle<SocketsSent>>,
+    /// Post-copy: the lazy dump's CRIU, serving the stopped process's
+    /// pages from the moment its images are written.
+    pub page_server: Option<PageServer>,
+    /// The collection of this node's capture ring running during the
+    /// transfer: whoever needs the delivered log or the captured packets
+    /// next waits for it first (the ring has one reader at a time).
+    pub collecting: Option<tokio::task::JoinHandle<()>>,
+    /// In-cluster connections the peers' nodes translate for this
+    /// migration, by node.
+    pub translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
+}
+
+/// A migration from this node, from its first phase to its end.
+pub(super) struct Run {
+    pub engine: Arc<Engine>,
+    pub p: Prepared,
+    events: Events,
+    pub report: MigrationReport,
+    last_phase: Instant,
+    /// `<work_dir>/outgoing/<id>`: CRIU's images and logs.
+    pub dir: PathBuf,
+    /// Whether packets are captured (here while frozen, and on the
+    /// destination from Arm) rather than dropped.
+    pub capture: bool,
+    /// The process's ports, as Prepare read them.
+    pub ports: Vec<PortKey>,
+    /// The bound on each answer of the destination (`peer_timeout_secs`).
+    pub deadline: Duration,
+    /// When the process's ports were frozen, if they were.
+    pub freeze_start: Option<Instant>,
+    pub undo: Undo,
+    /// Connections to the nodes at the far end of the process's
+    /// connections, opened at Start (see `translate.rs`).
+    pub peer_links: Vec<(String, super::translate::PendingLink)>,
+    /// perf's scheduler hooks for CRIU's breakpoints: opening from Start,
+    /// held from the dump to the end of the migration.
+    pub sched_hooks: Option<tokio::task::JoinHandle<std::io::Result<crate::criu::SchedHooks>>>,
+    pub held_sched_hooks: Option<crate::criu::SchedHooks>,
+}
+
+impl Run {
+    /// The report's start, the migration known as outgoing here, and its
+    /// `MigrationStarted` event sent.
+    pub async fn begin(engine: Arc<Engine>, p: Prepared, events: Events) -> Self {
+        let report = MigrationReport {
+            migration_id: p.migration_id.clone(),
+            strategy: p.strategy.to_pb() as i32,
+            memory_tracking: if p.strategy.is_precopy() {
+                "uffd-wp-async+pagemap-scan".into()
+            } else {
+                String::new()
+            },
+            outcome: MigrationOutcome::Unspecified as i32,
+            source_node: engine.node().to_owned(),
+            destination_node: p.destination.name.clone(),
+            source_pid: p.pid,
+            tcp_established: p.sockets.tcp_established,
+            tcp_listening: p.sockets.tcp_listening,
+            udp_sockets: p.sockets.udp,
+            ports: p.sockets.ports.iter().map(PortKey::to_pb).collect(),
+            capture: engine.config.dataplane.capture,
+            sockets: p.socket_migration.to_pb() as i32,
+            sockets_note: p.socket_note.clone().unwrap_or_default(),
+            started_at_unix_ms: p
+                .started_wall
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            phases: vec![PhaseTiming {
+                phase: "prepare".into(),
+                duration_us: 0,
+            }],
+            ..Default::default()
+        };
+        engine.outgoing.started(&p.migration_id, p.cancel.clone());
+        let started = MigrationStarted {
+            migration_id: p.migration_id.clone(),
+            source_node: engine.node().to_owned(),
+            destination_node: p.destination.name.clone(),
+            pid: p.pid,
+        };
+        engine
+            .events
+            .publish(cluster_event::Event::MigrationStarted(started.clone()));
+        let _ = events
+            .send(Ok(MigrationEvent {
+                event: Some(migration_event::Event::Started(started)),
+            }))
+            .await;
+        let dir = engine
+            .config
+            .work_dir
+            .join("outgoing")
+            .join(&p.migration_id);
+        Self {
+            capture: engine.config.dataplane.capture,
+            ports: p.sockets.ports.iter().copied().collect(),
+            deadline: Duration::from_secs(engine.config.peer_timeout_secs),
+            // "prepare" runs from the request to the first phase after it.
+            last_phase: p.started,
+            freeze_start: None,
+            undo: Undo::default(),
+            peer_links: Vec::new(),
+            sched_hooks: None,
+            held_sched_hooks: None,
+            engine,
+            p,
+            events,
+            report,
+            dir,
+        }
+    }
+
+    /// The images' directory.
+    pub fn images(&self) -> PathBuf {
+        self.dir.join("images")
+    }
+
+    /// A progress event with the migration's time and bytes so far.
+    pub fn progress(&self, phase: String) -> MigrationProgress {
+        MigrationProgress {
+            phase,
+            elapsed_us: self.p.started.elapsed().as_micros() as u64,
+            bytes_transferred: self.report.bytes_transferred,
+        }
+    }
+
+    /// A sender of progress events that does not wait (pre-copy's rounds).
+    pub fn events(&self) -> Events {
+        self.events.clone()
+    }
+
+    /// Starts the report's phase `name` and says so (log, events).
+    pub async fn phase(&mut self, name: &str) {
+        let now = Instant::now();
+        if let Some(last) = self.report.phases.last_mut() {
+            last.duration_us = (now - self.last_phase).as_micros() as u64;
+        }
+        self.last_phase = now;
+        self.report.phases.push(PhaseTiming {
+            phase: name.to_owned(),
+            duration_us: 0,
+        });
+        tracing::info!(phase = name, "migration phase");
+        let progress = self.progress(name.to_owned());
+        self.engine
+            .events
+            .publish(cluster_event::Event::MigrationPhase(MigrationPhase {
+                migration_id: self.p.migration_id.clone(),
+                progress: Some(progress.clone()),
+            }));
+        // The migration goes on if the caller stopped listening.
+        let _ = self
+            .events
+            .send(Ok(MigrationEvent {
+                event: Some(migration_event::Event::Progress(progress)),
+            }))
+            .await;
+    }
+
+    fn close_phases(&mut self) {
+        if let Some(last) = self.report.phases.last_mut() {
+            last.duration_us = self.last_phase.elapsed().as_micros() as u64;
+        }
+    }
+
+    /// Waits for the collection of the capture ring started at the
+    /// transfer, if any.
+    pub async fn finish_collecting(&mut self) -> Result<(), EngineError> {
+        match self.undo.collecting.take() {
+            Some(task) => task.await.map_err(|source| EngineError::Task {
+                what: "collecting the capture ring",
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The migration's end: the report completed, kept and announced, the
+    /// images gone (the logs kept if it failed, or at log level 4).
+    pub async fn end(mut self, stop: Stop) -> MigrationReport {
+        let engine = self.engine.clone();
+        match stop {
+            // The rollback wrote its part of the report.
+            Stop::Aborted => {}
+            Stop::Committed(err) => {
+                // The source copy was killed once the destination answered
+                // the Commit; by the time the report says "committed" it
+                // is dead (a zombie at most, its sockets closed), and this
+                // node no longer remembers it.
+                crate::engine::wait_dead(self.p.pid).await;
+                engine.processes.persist_soon();
+                self.report.outcome = MigrationOutcome::Committed as i32;
+                if let Some(e) = err {
+                    self.report.error = format!(
+                        "the process moved, but {} did not confirm it resumed it: {e}",
+                        self.p.destination.name
+                    );
+                }
+            }
+            Stop::Lost(err) => {
+                tracing::error!(error = %err, "post-copy failed after the resume: the process is lost");
+                crate::engine::wait_dead(self.p.pid).await;
+                engine.processes.persist_soon();
+                self.report.outcome = MigrationOutcome::Lost as i32;
+                self.report.error = err.to_string();
+            }
+        }
+        let id = self.p.migration_id.clone();
+        if self.report.outcome != MigrationOutcome::Committed as i32
+            || crate::engine::keeps_every_log(&engine.config)
+        {
+            crate::engine::keep_logs(&engine.config.work_dir, &self.dir, &id);
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "removing images");
+        }
+        self.report.total_time_us = self.p.started.elapsed().as_micros() as u64;
+        self.close_phases();
+        engine.reports.store(self.report.clone());
+        engine.processes.departed(&self.report);
+        engine
+            .events
+            .publish(cluster_event::Event::MigrationFinished(self.report.clone()));
+        engine.outgoing.finished(&id);
+        self.p.cancel.finish(self.report.clone());
+        tracing::info!(
+            outcome = self.report.outcome,
+            freeze_ms = self.report.freeze_time_us as f64 / 1000.0,
+            total_ms = self.report.total_time_us as f64 / 1000.0,
+            bytes = self.report.bytes_transferred,
+            error = %self.report.error,
+            "migration finished"
+        );
+        self.report
+    }
+}

@@ -1,0 +1,38 @@
+//! Start: the migration's directory, perf's scheduler hooks for CRIU's
+//! breakpoints (held from the dump on), and connections to the nodes of
+//! the process's in-cluster peers, opened before the freeze.
+
+use super::Phase;
+use super::run::Run;
+use crate::engine::EngineError;
+use crate::sockstate::SocketMigration;
+
+pub(super) async fn start(run: &mut Run) -> Result<Phase, EngineError> {
+    let images = run.images();
+    std::fs::create_dir_all(&images)
+        .map_err(EngineError::io(format!("creating {}", images.display())))?;
+    crate::engine::set_private(&run.dir);
+    // perf's scheduler hooks on for CRIU's breakpoints, so that their
+    // grace-period wait is not in the freeze (`criu::SchedHooks`); opened
+    // beside the steps before the dump, held until the migration ends.
+    run.sched_hooks = Some(tokio::task::spawn_blocking(crate::criu::SchedHooks::hold));
+    run.peer_links = super::translate::open_peer_links(
+        &run.engine,
+        &run.p.sockets.tcp_peers,
+        &run.p.destination.name,
+    );
+    Ok(if run.p.strategy.is_precopy() {
+        Phase::PreCopy
+    } else {
+        after_pre_copy(run)
+    })
+}
+
+/// The phase after pre-copy, or instead of it.
+pub(super) fn after_pre_copy(run: &Run) -> Phase {
+    if run.p.socket_migration == SocketMigration::Incremental {
+        Phase::PreRead
+    } else {
+        Phase::Listen(super::settle::Listening { incremental: None })
+    }
+}

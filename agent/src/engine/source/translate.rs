@@ -1,0 +1,181 @@
+//! Translate (only with in-cluster connections): the destination restored
+//! them on its own cluster address and holds them; the source has each
+//! peer's node rewrite those flows (`Peer.AddTranslations`) before its own
+//! copy goes. An abort from here on undoes it (`RemoveTranslations`) before
+//! the process resumes on the source ([`untranslate_in_cluster`]). See
+//! [`crate::dataplane::translation`] for the whole picture.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferry_proto::v1::{InClusterFlow, TranslationsRequest};
+
+use super::Phase;
+use super::release::Releasing;
+use super::restore::Restored;
+use super::run::Run;
+use crate::config::PeerConfig;
+use crate::engine::link::{PeerLink, peer_error, silent};
+use crate::engine::{Engine, EngineError, blocking};
+
+/// Translate's input.
+pub(super) struct Translating {
+    pub restored: Restored,
+    /// The in-cluster connections the destination holds, as restored there.
+    pub in_cluster: Vec<InClusterFlow>,
+}
+
+/// A Peer link being opened.
+pub(super) type PendingLink = tokio::task::JoinHandle<Result<Arc<dyn PeerLink>, EngineError>>;
+
+pub(super) async fn translate(run: &mut Run, t: Translating) -> Result<Phase, EngineError> {
+    translate_in_cluster(run, t.in_cluster).await?;
+    let translate_end = Instant::now();
+    let delivered = super::release::delivered_log(run).await;
+    Ok(Phase::Release(Releasing {
+        restored: t.restored,
+        translate_end,
+        delivered,
+    }))
+}
+
+/// The node whose cluster address is `flow`'s remote end (this one's
+/// own included), by name.
+fn node_of(run: &Run, flow: &InClusterFlow) -> Result<String, EngineError> {
+    let flow = crate::dataplane::translation::InClusterFlow::from_pb(flow)?;
+    let ip = *flow.remote.ip();
+    if ip == run.engine.config.cluster.address {
+        return Ok(run.engine.node().to_owned());
+    }
+    match run.engine.cluster.peer_at(ip) {
+        Some(p) => Ok(p.name),
+        None => Err(EngineError::Internal(format!(
+            "the destination reported a peer at {ip}, which is no node of this cluster"
+        ))),
+    }
+}
+
+/// Has the node of each in-cluster peer translate its flows; records what
+/// was done in the undo ledger for an abort.
+async fn translate_in_cluster(run: &mut Run, flows: Vec<InClusterFlow>) -> Result<(), EngineError> {
+    let mut by_node: Vec<(String, Vec<InClusterFlow>)> = Vec::new();
+    for f in flows {
+        let node = node_of(run, &f)?;
+        match by_node.iter_mut().find(|(n, _)| *n == node) {
+            Some((_, v)) => v.push(f),
+            None => by_node.push((node, vec![f])),
+        }
+    }
+    for (node, flows) in by_node {
+        let req = TranslationsRequest {
+            migration_id: run.p.migration_id.clone(),
+            flows: flows.clone(),
+        };
+        // Recorded first: a call that times out may still have landed.
+        run.undo.translated.push((node.clone(), flows));
+        if node == run.engine.node() {
+            let engine = run.engine.clone();
+            blocking("adding translations", move || {
+                engine.dataplane.add_translations(engine.here(), &req)
+            })
+            .await??;
+            continue;
+        }
+        let peer = run
+            .engine
+            .cluster
+            .peer(&node)
+            .ok_or_else(|| EngineError::Internal(format!("no peer config for {node}")))?;
+        let link = peer_link(run, &peer).await?;
+        match tokio::time::timeout(run.deadline, link.add_translations(req)).await {
+            Ok(Ok(r)) => {
+                tracing::info!(node = %node, rules = r.rules, "in-cluster peers translate")
+            }
+            Ok(Err(s)) => return Err(peer_error(&node, s)),
+            Err(_) => return Err(silent(&peer, "adding translations", run.deadline)),
+        }
+    }
+    Ok(())
+}
+
+/// Starts connecting to every other node of the cluster that the process
+/// has a TCP connection to (`tcp_peers`): those are the nodes an in-cluster
+/// translation may go to, and translating inside the freeze then costs no
+/// TCP and TLS handshake. Not to `destination`, which the migration's own
+/// link reaches.
+pub(super) fn open_peer_links(
+    engine: &Arc<Engine>,
+    tcp_peers: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+    destination: &str,
+) -> Vec<(String, PendingLink)> {
+    tcp_peers
+        .iter()
+        .filter(|ip| **ip != engine.config.cluster.address)
+        .filter_map(|ip| engine.cluster.peer_at(*ip))
+        .filter(|peer| peer.name != destination)
+        .map(|peer| {
+            let engine = engine.clone();
+            let name = peer.name.clone();
+            (
+                name,
+                tokio::spawn(async move { Ok(engine.links.connect(&peer).await?) }),
+            )
+        })
+        .collect()
+}
+
+/// The link to `peer` opened before the freeze (the migration's own for
+/// the destination), or a new one (none was opened, or it failed:
+/// connecting again gives the error now).
+async fn peer_link(run: &mut Run, peer: &PeerConfig) -> Result<Arc<dyn PeerLink>, EngineError> {
+    if peer.name == run.p.destination.name {
+        return Ok(run.p.link.clone());
+    }
+    if let Some(i) = run.peer_links.iter().position(|(n, _)| *n == peer.name) {
+        let (_, link) = run.peer_links.swap_remove(i);
+        match link.await {
+            Ok(Ok(link)) => return Ok(link),
+            Ok(Err(e)) => {
+                tracing::debug!(node = %peer.name, error = %e, "peer connection opened before the freeze failed; connecting again")
+            }
+            Err(e) => {
+                tracing::debug!(node = %peer.name, error = %e, "peer connection task failed; connecting again")
+            }
+        }
+    }
+    Ok(run.engine.links.connect(peer).await?)
+}
+
+/// Undoes [`translate_in_cluster`] (an abort): best effort, logged.
+pub(super) async fn untranslate_in_cluster(run: &mut Run) {
+    for (node, flows) in std::mem::take(&mut run.undo.translated) {
+        let req = TranslationsRequest {
+            migration_id: run.p.migration_id.clone(),
+            flows,
+        };
+        let result = if node == run.engine.node() {
+            let engine = run.engine.clone();
+            blocking("removing translations", move || {
+                engine.dataplane.remove_translations(engine.here(), &req)
+            })
+            .await
+            .and_then(|r| r.map_err(EngineError::from))
+            .map(|_| ())
+        } else {
+            match run.engine.cluster.peer(&node) {
+                Some(peer) => match run.engine.links.connect(&peer).await {
+                    Ok(link) => link
+                        .remove_translations(req)
+                        .await
+                        .map(|_| ())
+                        .map_err(|s| peer_error(&node, s)),
+                    Err(e) => Err(e.into()),
+                },
+                None => Err(EngineError::Internal(format!("no peer config for {node}"))),
+            }
+        };
+        if let Err(e) = result {
+            tracing::error!(node = %node, error = %e, "removing the translations of an aborted migration");
+        }
+    }
+}
