@@ -15,6 +15,8 @@
 //!
 //! [`node::Node`] builds every service once; [`api`] serves it.
 
+#![warn(clippy::too_many_lines)]
+
 pub mod api;
 pub mod check;
 pub mod cluster;

@@ -1,5 +1,7 @@
 //! ferryd: the ferry agent of one node.
 
+#![warn(clippy::too_many_lines)]
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! ferry: the command line of a ferry cluster, over the local agent's
 //! Control API.
 
+#![warn(clippy::too_many_lines)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -1,0 +1,66 @@
+//! `Peer.TransferPages`: one pre-copy round's pages, kept for the images.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+
+use super::{Step, check_source, expect};
+use crate::engine::{Engine, EngineError};
+
+/// One pre-copy round's pages (protocol 5), stored for the image transfer.
+pub async fn transfer_pages(
+    engine: &Arc<Engine>,
+    caller: Option<String>,
+    mut stream: tonic::Streaming<ferry_proto::v1::PageBatch>,
+) -> Result<ferry_proto::v1::TransferPagesResponse, EngineError> {
+    let mut id: Option<String> = None;
+    let (mut pages, mut bytes) = (0u64, 0u64);
+    while let Some(batch) = stream.next().await {
+        let batch = batch
+            .map_err(|s| EngineError::BadImage(format!("page stream broke: {}", s.message())))?;
+        if let Some(id) = &id
+            && *id != batch.migration_id
+        {
+            return Err(EngineError::BadImage(format!(
+                "migration_id changed from {id} to {} mid-stream",
+                batch.migration_id
+            )));
+        }
+        // The slot per batch, not for the whole round: a round on a slow
+        // link is long, and an abort must not wait for it.
+        let (store, discarded) = {
+            let mut slot = engine.incoming.lock().await;
+            let inc = expect(&mut slot, &batch.migration_id, Step::TransferPages)?;
+            check_source(inc, caller.as_deref())?;
+            if inc.protocol_version < ferry_proto::PEER_PROTOCOL_PRECOPY {
+                return Err(EngineError::WrongState {
+                    migration_id: batch.migration_id.clone(),
+                    state: "prepared with a protocol without pre-copy",
+                    step: "pre-copy",
+                });
+            }
+            (inc.pages.clone(), inc.discarded.clone())
+        };
+        id.get_or_insert_with(|| batch.migration_id.clone());
+        let (p, b) = tokio::task::spawn_blocking(move || {
+            // Under the discard flag's lock, as the image writer does.
+            let d = crate::sync::lock(&discarded);
+            if *d {
+                return Err(EngineError::BadImage("the migration was discarded".into()));
+            }
+            let mut s = crate::sync::lock(&store);
+            let before = (s.pages, s.bytes);
+            s.write(&batch)?;
+            Ok((s.pages - before.0, s.bytes - before.1))
+        })
+        .await
+        .map_err(|e| EngineError::Internal(format!("page store: {e}")))??;
+        pages += p;
+        bytes += b;
+    }
+    if id.is_none() {
+        return Err(EngineError::BadImage("no page batch received".into()));
+    }
+    tracing::debug!(pages, bytes, "pre-copied pages received");
+    Ok(ferry_proto::v1::TransferPagesResponse { pages, bytes })
+}
