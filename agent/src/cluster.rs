@@ -23,6 +23,23 @@ pub struct Unreachable {
     pub reason: String,
 }
 
+/// Why `Peer.Hello` to a node got no answer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HelloFailed {
+    #[error(transparent)]
+    Unreachable(#[from] Unreachable),
+    /// Its agent answered with an error.
+    #[error("{}", .0.message())]
+    Refused(tonic::Status),
+    #[error("no answer within 2 s")]
+    Timeout,
+}
+
+/// An address or TLS setting that makes no Peer endpoint.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct BadEndpoint(String);
+
 /// This node's view of the cluster.
 #[derive(Debug)]
 pub struct Cluster {
@@ -125,19 +142,22 @@ impl Cluster {
     /// `[tls]` is set, the server's certificate checked against the CA and
     /// the node's name (an address from membership or the config only says
     /// where to dial, not whom the migration goes to).
-    pub fn peer_endpoint(&self, name: &str, address: SocketAddr) -> Result<Endpoint, String> {
+    pub fn peer_endpoint(&self, name: &str, address: SocketAddr) -> Result<Endpoint, BadEndpoint> {
         match &self.tls {
             Some(tls) => Endpoint::from_shared(format!("https://{address}"))
-                .and_then(|e| e.tls_config(tls.peer_client(name)))
-                .map_err(|e| error_chain(&e)),
-            None => Endpoint::from_shared(format!("http://{address}")).map_err(|e| error_chain(&e)),
+                .and_then(|e| e.tls_config(tls.peer_client(name))),
+            None => Endpoint::from_shared(format!("http://{address}")),
         }
+        .map_err(|e| BadEndpoint(error_chain(&e)))
     }
 
     /// `Peer.Hello` to `peer`, answered within 2 s, or why not.
-    pub async fn hello(&self, peer: &PeerConfig) -> Result<ferry_proto::v1::HelloResponse, String> {
+    pub async fn hello(
+        &self,
+        peer: &PeerConfig,
+    ) -> Result<ferry_proto::v1::HelloResponse, HelloFailed> {
         let hello = async {
-            let mut client = self.peer_client(peer).await.map_err(|e| e.to_string())?;
+            let mut client = self.peer_client(peer).await?;
             client
                 .hello(ferry_proto::v1::HelloRequest {
                     node: self.node.clone(),
@@ -145,11 +165,11 @@ impl Cluster {
                 })
                 .await
                 .map(|r| r.into_inner())
-                .map_err(|s| s.message().to_owned())
+                .map_err(HelloFailed::Refused)
         };
         match tokio::time::timeout(Duration::from_secs(2), hello).await {
             Ok(answer) => answer,
-            Err(_) => Err("no answer within 2 s".into()),
+            Err(_) => Err(HelloFailed::Timeout),
         }
     }
 
@@ -162,7 +182,7 @@ impl Cluster {
         };
         let endpoint = self
             .peer_endpoint(&peer.name, peer.address)
-            .map_err(unreachable)?
+            .map_err(|e| unreachable(e.to_string()))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
         let channel = endpoint

@@ -143,7 +143,7 @@ impl Control for ControlService {
                     node.managed_processes = h.managed_processes;
                     node.cordoned = h.cordoned;
                 }
-                Err(e) => node.error = e,
+                Err(e) => node.error = e.to_string(),
             }
             node
         });
@@ -832,7 +832,7 @@ pub fn migrate_options(
             .then(|| std::time::Duration::from_millis(u64::from(req.downtime_budget_ms))),
         max_rounds: (req.max_rounds > 0).then_some(req.max_rounds),
         throttle,
-        drain_send_queues: (req.drain_send_queues_ms > 0)
+        flush_send_queues: (req.drain_send_queues_ms > 0)
             .then(|| std::time::Duration::from_millis(u64::from(req.drain_send_queues_ms))),
     };
     Ok((req.pid, req.destination_node.clone(), options))

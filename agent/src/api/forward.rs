@@ -73,7 +73,7 @@ pub async fn client(
     };
     let channel = cluster
         .peer_endpoint(&peer.name, peer.address)
-        .map_err(unavailable)?
+        .map_err(|e| unavailable(e.to_string()))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .connect()

@@ -16,7 +16,10 @@ use ferry_agent::security::authz::AuthLayer;
 use ferry_proto::v1::balance_server::BalanceServer;
 use ferry_proto::v1::control_server::ControlServer;
 use ferry_proto::v1::peer_server::PeerServer;
+use std::sync::Arc;
+
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -92,6 +95,64 @@ fn check_config(path: &Path) -> Result<()> {
 }
 
 async fn serve(config: Config) -> Result<()> {
+    check_criu(&config);
+    prepare_work_dir(&config)?;
+    raise_pipe_max_size();
+    let (filter, translator) = attach_data_plane(&config).await?;
+    let tls = load_tls(&config)?;
+    // In this (the node's) network namespace: replayed packets enter here.
+    let replayer = ferry_ebpf::Replayer::new().context("opening the packet replay socket")?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // Membership (SWIM), before the node: its conductor runs on it.
+    let membership = start_membership(&config, tls.as_ref(), &shutdown_rx).await?;
+    let node = Node::build(NodeParts {
+        config: config.clone(),
+        filter: Box::new(EbpfPortFilter(filter)),
+        replayer: Box::new(replayer),
+        flows: Box::new(ferry_agent::dataplane::translation::EbpfFlowRules(
+            translator,
+        )),
+        tls: tls.clone(),
+        membership: membership.clone(),
+        criu: Arc::new(ferry_agent::criu::InstalledCriu(config.criu_path.clone())),
+        links: None,
+    });
+    // procfs, a file and BPF maps: off the runtime.
+    let adopted = {
+        let supervisor = node.supervisor.clone();
+        tokio::task::spawn_blocking(move || supervisor.readopt()).await?
+    };
+    if adopted > 0 {
+        tracing::info!(adopted, "processes of the earlier agent managed again");
+    }
+    let reconciler = spawn_reconciler(&node, shutdown_rx.clone());
+    if let Some(membership) = &membership {
+        forward_membership_changes(&node, membership);
+    }
+    let conductor_task = spawn_conductor(&node, &shutdown_rx);
+    let metrics_task = spawn_metrics(&node, &shutdown_rx).await?;
+    serve_apis(&node, tls.as_ref(), shutdown_tx, shutdown_rx).await?;
+    let _ = reconciler.await;
+    if let Some(t) = conductor_task {
+        let _ = t.await;
+    }
+    if let Some(t) = metrics_task {
+        let _ = t.await;
+    }
+    if let Err(e) = std::fs::remove_file(&config.control_socket) {
+        tracing::warn!(error = %e, "removing the control socket");
+    }
+    // Dropping the last reference closes file descriptors only: the pinned
+    // programs stay attached and keep owning the ports of the managed
+    // processes, which run on; the next agent adopts them again.
+    drop(node);
+    tracing::info!("ferryd stopped");
+    Ok(())
+}
+
+/// Says which CRIU migrations will use, and what it lacks. Not fatal: the
+/// agent still answers; migrations report the reason.
+fn check_criu(config: &Config) {
     match ferry_agent::criu::probe_version(&config.criu_path) {
         Ok(v) => {
             tracing::info!(version = %v, path = %config.criu_path.display(), "CRIU found");
@@ -106,6 +167,11 @@ async fn serve(config: Config) -> Result<()> {
         // Not fatal: the agent still answers; migrations report the reason.
         Err(e) => tracing::warn!(error = %e, "CRIU unusable; migrations will be refused"),
     }
+}
+
+/// The work directory: created, root only, and checked to be on tmpfs;
+/// CRIU's cache of kernel probes beside it.
+fn prepare_work_dir(config: &Config) -> Result<()> {
     std::fs::create_dir_all(&config.work_dir)
         .with_context(|| format!("creating work_dir {}", config.work_dir.display()))?;
     // Root only, the whole tree: migration images (process memory, socket
@@ -117,7 +183,11 @@ async fn serve(config: Config) -> Result<()> {
             .with_context(|| format!("making work_dir {} root only", config.work_dir.display()))?;
     }
     warn_if_not_tmpfs(&config.work_dir);
-    prepare_criu_cache(&config);
+    prepare_criu_cache(config);
+    Ok(())
+}
+
+fn raise_pipe_max_size() {
     // Post-copy: CRIU moves lazy pages through 4 MiB pipes, which this
     // agent (without CAP_SYS_RESOURCE) gets only up to fs.pipe-max-size;
     // below it the transfer breaks half-way and the migrated process is
@@ -136,7 +206,13 @@ async fn serve(config: Config) -> Result<()> {
             tracing::warn!(error = %e, "could not raise fs.pipe-max-size; post-copy will be refused")
         }
     }
+}
 
+/// The ownership filter on the public interface and the in-cluster
+/// translator on the cluster interface, attached to their pinned maps.
+async fn attach_data_plane(
+    config: &Config,
+) -> Result<(ferry_ebpf::OwnershipFilter, ferry_ebpf::Translator)> {
     // Pinned maps and links: a restarted agent finds the ports still owned
     // and the translations still in place, and swaps its programs in.
     let pins = config.pin_dir();
@@ -176,8 +252,12 @@ async fn serve(config: Config) -> Result<()> {
     })?;
     tracing::info!(interface = %config.cluster.interface, "in-cluster translator attached");
 
-    // Certificates before anything listens: a node that cannot prove who
-    // it is serves nothing rather than serving in plaintext.
+    Ok((filter, translator))
+}
+
+/// Certificates before anything listens: a node that cannot prove who it
+/// is serves nothing rather than serving in plaintext.
+fn load_tls(config: &Config) -> Result<Option<ferry_agent::security::TlsMaterial>> {
     let tls = match &config.tls {
         Some(t) => {
             let m = ferry_agent::security::TlsMaterial::load(t, &config.node)
@@ -201,104 +281,90 @@ async fn serve(config: Config) -> Result<()> {
         }
     };
 
-    // In this (the node's) network namespace: replayed packets enter here.
-    let replayer = ferry_ebpf::Replayer::new().context("opening the packet replay socket")?;
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    // Membership (SWIM), before the node: its conductor runs on it.
-    let membership = if config.membership.enabled {
-        Some(
-            ferry_agent::membership::Membership::start(
-                &config,
-                tls.as_ref().and_then(|t| t.membership_key.as_deref()),
-                shutdown_rx.clone(),
-            )
-            .await
-            .context("starting membership")?,
-        )
-    } else {
+    Ok(tls)
+}
+
+async fn start_membership(
+    config: &Config,
+    tls: Option<&ferry_agent::security::TlsMaterial>,
+    shutdown: &watch::Receiver<bool>,
+) -> Result<Option<Arc<ferry_agent::membership::Membership>>> {
+    if !config.membership.enabled {
         if config.balancer.enabled {
             tracing::warn!("[balancer] enabled needs [membership] enabled: the balancer stays off");
         }
-        None
-    };
-    let node = Node::build(NodeParts {
-        config: config.clone(),
-        filter: Box::new(EbpfPortFilter(filter)),
-        replayer: Box::new(replayer),
-        flows: Box::new(ferry_agent::dataplane::translation::EbpfFlowRules(
-            translator,
-        )),
-        tls: tls.clone(),
-        membership: membership.clone(),
-        criu: std::sync::Arc::new(ferry_agent::criu::InstalledCriu(config.criu_path.clone())),
-        links: None,
+        return Ok(None);
+    }
+    let membership = ferry_agent::membership::Membership::start(
+        config,
+        tls.and_then(|t| t.membership_key.as_deref()),
+        shutdown.clone(),
+    )
+    .await
+    .context("starting membership")?;
+    Ok(Some(membership))
+}
+
+/// Keeps ownership in step with what the processes hold (every 500 ms),
+/// and removes the translations of closed connections (every 5 s).
+fn spawn_reconciler(node: &Arc<Node>, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+    let node = node.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let mut ticks = 0u64;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if let Err(e) = node.ports.refresh().await {
+                        tracing::warn!(error = %e, "reconciling port ownership");
+                    }
+                    ticks += 1;
+                    if ticks.is_multiple_of(10) {
+                        remove_closed_translations(&node.dataplane).await;
+                    }
+                }
+                _ = stop.changed() => break,
+            }
+        }
+    })
+}
+
+/// Membership changes into the node's event stream.
+fn forward_membership_changes(node: &Node, membership: &ferry_agent::membership::Membership) {
+    let (events, mut changes) = (node.events.clone(), membership.changes());
+    tokio::spawn(async move {
+        use tokio::sync::broadcast::error::RecvError;
+        loop {
+            match changes.recv().await {
+                Ok(c) => events.publish(ferry_proto::v1::cluster_event::Event::Membership(
+                    ferry_proto::v1::MembershipChange {
+                        member: c.name,
+                        state: c.state.as_str().into(),
+                        previous: c
+                            .previous
+                            .map(|p| p.as_str().to_owned())
+                            .unwrap_or_default(),
+                    },
+                )),
+                Err(RecvError::Lagged(n)) => {
+                    tracing::warn!(missed = n, "membership changes not all forwarded as events")
+                }
+                Err(RecvError::Closed) => return,
+            }
+        }
     });
-    // procfs, a file and BPF maps: off the runtime.
-    let adopted = {
-        let supervisor = node.supervisor.clone();
-        tokio::task::spawn_blocking(move || supervisor.readopt()).await?
-    };
-    if adopted > 0 {
-        tracing::info!(adopted, "processes of the earlier agent managed again");
-    }
+}
 
-    // Keep ownership in step with what the processes hold.
-    let reconciler = {
-        let node = node.clone();
-        let mut stop = shutdown_rx.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            let mut ticks = 0u64;
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {
-                        if let Err(e) = node.ports.refresh().await {
-                            tracing::warn!(error = %e, "reconciling port ownership");
-                        }
-                        ticks += 1;
-                        if ticks.is_multiple_of(10) {
-                            remove_closed_translations(&node.dataplane).await;
-                        }
-                    }
-                    _ = stop.changed() => break,
-                }
-            }
-        })
-    };
-
-    // Membership changes into the node's event stream.
-    if let Some(membership) = &membership {
-        let (events, mut changes) = (node.events.clone(), membership.changes());
-        tokio::spawn(async move {
-            use tokio::sync::broadcast::error::RecvError;
-            loop {
-                match changes.recv().await {
-                    Ok(c) => events.publish(ferry_proto::v1::cluster_event::Event::Membership(
-                        ferry_proto::v1::MembershipChange {
-                            member: c.name,
-                            state: c.state.as_str().into(),
-                            previous: c
-                                .previous
-                                .map(|p| p.as_str().to_owned())
-                                .unwrap_or_default(),
-                        },
-                    )),
-                    Err(RecvError::Lagged(n)) => {
-                        tracing::warn!(missed = n, "membership changes not all forwarded as events")
-                    }
-                    Err(RecvError::Closed) => return,
-                }
-            }
-        });
-    }
-    // The balancer's conductor.
-    let conductor_task = node.conductor.clone().map(|conductor| {
+/// The balancer's conductor, when membership runs.
+fn spawn_conductor(node: &Node, shutdown: &watch::Receiver<bool>) -> Option<JoinHandle<()>> {
+    let config = &node.config;
+    node.conductor.clone().map(|conductor| {
         tracing::info!(enabled = config.balancer.enabled, "conductor started");
         let events = node.events.clone();
         tokio::spawn(ferry_agent::conductor::run(
             conductor,
             Duration::from_millis(config.balancer.period_ms),
-            shutdown_rx.clone(),
+            shutdown.clone(),
             move |decision, load| {
                 events.publish(ferry_proto::v1::cluster_event::Event::Balancer(
                     ferry_proto::v1::BalancerDecision {
@@ -308,21 +374,36 @@ async fn serve(config: Config) -> Result<()> {
                 ))
             },
         ))
-    });
+    })
+}
 
-    let metrics_task = match config.metrics.listen {
-        Some(addr) => {
-            let listener = ferry_agent::metrics::bind(addr).await?;
-            tracing::info!(%addr, "metrics served at /metrics");
-            Some(tokio::spawn(ferry_agent::metrics::serve(
-                listener,
-                ferry_agent::metrics::registry(&node),
-                shutdown_rx.clone(),
-            )))
-        }
-        None => None,
+/// `/metrics` on `[metrics] listen`, if set.
+async fn spawn_metrics(
+    node: &Arc<Node>,
+    shutdown: &watch::Receiver<bool>,
+) -> Result<Option<JoinHandle<()>>> {
+    let Some(addr) = node.config.metrics.listen else {
+        return Ok(None);
     };
+    let listener = ferry_agent::metrics::bind(addr).await?;
+    tracing::info!(%addr, "metrics served at /metrics");
+    Ok(Some(tokio::spawn(ferry_agent::metrics::serve(
+        listener,
+        ferry_agent::metrics::registry(node),
+        shutdown.clone(),
+    ))))
+}
 
+/// Serves Peer (with Balance and forwarded Control calls) on the peer
+/// port, Control on the Unix socket and, if set, on TCP, until SIGTERM or
+/// SIGINT.
+async fn serve_apis(
+    node: &Arc<Node>,
+    tls: Option<&ferry_agent::security::TlsMaterial>,
+    shutdown_tx: watch::Sender<bool>,
+    shutdown_rx: watch::Receiver<bool>,
+) -> Result<()> {
+    let config = &node.config;
     let peer_listener = tokio::net::TcpListener::bind(config.cluster.peer_listen)
         .await
         .with_context(|| format!("binding the peer port {}", config.cluster.peer_listen))?;
@@ -333,53 +414,7 @@ async fn serve(config: Config) -> Result<()> {
         control = %config.control_socket.display(),
         "ferryd serving"
     );
-
-    let mut peer_builder = tonic::transport::Server::builder();
-    if let Some(m) = &tls {
-        peer_builder = peer_builder
-            .tls_config(m.peer_server())
-            .context("the peer port's TLS configuration")?;
-    }
-    let peer_srv = peer_builder
-        .tcp_nodelay(true)
-        // After the handshake (CA-signed client certificate): a node's.
-        .layer(tower::util::option_layer(
-            tls.as_ref().map(|_| AuthLayer::peer()),
-        ))
-        .add_service(
-            PeerServer::new(PeerService::new(node.engine.clone()))
-                .max_decoding_message_size(16 << 20)
-                .max_encoding_message_size(16 << 20),
-        )
-        .add_service(BalanceServer::new(
-            ferry_agent::conductor::BalanceService::new(
-                node.cordon.clone(),
-                node.conductor.clone(),
-            ),
-        ))
-        // Control calls forwarded by other agents (any node answers for
-        // the cluster): behind the same node check as Peer.
-        .add_service(
-            ControlServer::new(ControlService::new(node.clone()))
-                .max_decoding_message_size(16 << 20)
-                .max_encoding_message_size(16 << 20),
-        )
-        .serve_with_incoming_shutdown(
-            // The builder's tcp_nodelay applies only to listeners tonic
-            // binds itself: set it on every accepted connection, or a
-            // small answer waits for the peer's delayed ACK (~40 ms) while
-            // another stream of the connection (the images) is in flight.
-            tokio_stream::StreamExt::map(
-                tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
-                |conn| {
-                    conn.and_then(|c| {
-                        c.set_nodelay(true)?;
-                        Ok(c)
-                    })
-                },
-            ),
-            wait_for(shutdown_rx.clone()),
-        );
+    let peer_srv = serve_peer(node, tls, peer_listener, shutdown_rx.clone())?;
     // Control with health and reflection, on the Unix socket and on TCP.
     let (control_routes, health) = control_routes(ControlService::new(node.clone()))
         .context("building the control services")?;
@@ -392,12 +427,12 @@ async fn serve(config: Config) -> Result<()> {
         );
     // On TCP: with [tls], TLS and a role per call (certificate or token).
     let mut control_builder = tonic::transport::Server::builder();
-    if let (Some(m), Some(_)) = (&tls, config.control_listen) {
+    if let (Some(m), Some(_)) = (tls, config.control_listen) {
         control_builder = control_builder
             .tls_config(m.control_server())
             .context("the control listener's TLS configuration")?;
     }
-    let control_auth = tls.as_ref().map(|m| AuthLayer::control(m.tokens.clone()));
+    let control_auth = tls.map(|m| AuthLayer::control(m.tokens.clone()));
     let control_tcp = {
         let rx = shutdown_rx.clone();
         let addr = config.control_listen;
@@ -432,22 +467,61 @@ async fn serve(config: Config) -> Result<()> {
     c.context("control service")?;
     t.context("control service (TCP)")?;
     s.context("signal handling")?;
-    let _ = reconciler.await;
-    if let Some(t) = conductor_task {
-        let _ = t.await;
-    }
-    if let Some(t) = metrics_task {
-        let _ = t.await;
-    }
-    if let Err(e) = std::fs::remove_file(&config.control_socket) {
-        tracing::warn!(error = %e, "removing the control socket");
-    }
-    // Dropping the last reference closes file descriptors only: the pinned
-    // programs stay attached and keep owning the ports of the managed
-    // processes, which run on; the next agent adopts them again.
-    drop(node);
-    tracing::info!("ferryd stopped");
     Ok(())
+}
+
+/// The peer port: Peer, Balance and forwarded Control calls, over mutual
+/// TLS with `[tls]`.
+fn serve_peer(
+    node: &Arc<Node>,
+    tls: Option<&ferry_agent::security::TlsMaterial>,
+    listener: tokio::net::TcpListener,
+    shutdown: watch::Receiver<bool>,
+) -> Result<impl std::future::Future<Output = Result<(), tonic::transport::Error>>> {
+    let mut peer_builder = tonic::transport::Server::builder();
+    if let Some(m) = tls {
+        peer_builder = peer_builder
+            .tls_config(m.peer_server())
+            .context("the peer port's TLS configuration")?;
+    }
+    Ok(peer_builder
+        .tcp_nodelay(true)
+        // After the handshake (CA-signed client certificate): a node's.
+        .layer(tower::util::option_layer(tls.map(|_| AuthLayer::peer())))
+        .add_service(
+            PeerServer::new(PeerService::new(node.engine.clone()))
+                .max_decoding_message_size(16 << 20)
+                .max_encoding_message_size(16 << 20),
+        )
+        .add_service(BalanceServer::new(
+            ferry_agent::conductor::BalanceService::new(
+                node.cordon.clone(),
+                node.conductor.clone(),
+            ),
+        ))
+        // Control calls forwarded by other agents (any node answers for
+        // the cluster): behind the same node check as Peer.
+        .add_service(
+            ControlServer::new(ControlService::new(node.clone()))
+                .max_decoding_message_size(16 << 20)
+                .max_encoding_message_size(16 << 20),
+        )
+        .serve_with_incoming_shutdown(
+            // The builder's tcp_nodelay applies only to listeners tonic
+            // binds itself: set it on every accepted connection, or a
+            // small answer waits for the peer's delayed ACK (~40 ms) while
+            // another stream of the connection (the images) is in flight.
+            tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                |conn| {
+                    conn.and_then(|c| {
+                        c.set_nodelay(true)?;
+                        Ok(c)
+                    })
+                },
+            ),
+            wait_for(shutdown),
+        ))
 }
 
 async fn wait_for(mut rx: watch::Receiver<bool>) {

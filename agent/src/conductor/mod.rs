@@ -92,19 +92,46 @@ pub struct Migrated {
     pub destination_pid: i32,
 }
 
+/// Why a migration the conductor started did not move the process.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum MigrationFailed {
+    /// Refused before anything was touched (validation, the destination's
+    /// Prepare).
+    #[error("{0}")]
+    NotStarted(String),
+    /// It ran and rolled back (or was lost): the report's error.
+    #[error("{0}")]
+    NotCommitted(String),
+}
+
+/// Why a `Balance` call to another node's conductor failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NegotiationFailed {
+    /// No connection to its agent.
+    #[error("{0}")]
+    Unreachable(String),
+    /// Its agent answered with an error.
+    #[error("{}", .0.message())]
+    Refused(tonic::Status),
+}
+
 /// Starts a migration and waits for its end.
 #[tonic::async_trait]
 pub trait MigrationStarter: Send + Sync {
     /// Whether the engine can migrate to `node` at all.
     fn can_reach(&self, node: &str) -> bool;
-    async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, String>;
+    async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, MigrationFailed>;
 }
 
 /// The `Balance` RPC to another node's conductor.
 #[tonic::async_trait]
 pub trait PeerNegotiator: Send + Sync {
-    async fn offer(&self, to: &str, req: pb::OfferRequest) -> Result<pb::OfferResponse, String>;
-    async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), String>;
+    async fn offer(
+        &self,
+        to: &str,
+        req: pb::OfferRequest,
+    ) -> Result<pb::OfferResponse, NegotiationFailed>;
+    async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), NegotiationFailed>;
 }
 
 /// Membership as the conductor uses it.
@@ -612,7 +639,7 @@ impl Conductor {
                 }
                 Err(e) => {
                     s.stats.migrations_aborted += 1;
-                    record.error = e.clone();
+                    record.error = e.to_string();
                     s.last_decision = format!("migration of {pid} to {to} failed: {e}");
                 }
             }

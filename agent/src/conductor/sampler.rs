@@ -8,7 +8,10 @@ use std::time::Duration;
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::balance_client::BalanceClient;
 
-use super::{Clock, Migrated, MigrationStarter, PeerNegotiator, ProcSample, Sample};
+use super::{
+    Clock, Migrated, MigrationFailed, MigrationStarter, NegotiationFailed, PeerNegotiator,
+    ProcSample, Sample,
+};
 use crate::cluster::Cluster;
 use crate::engine::{Engine, source};
 use crate::error_chain::error_chain;
@@ -119,10 +122,10 @@ impl MigrationStarter for EngineStarter {
         self.engine.cluster.peer(node).is_some()
     }
 
-    async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, String> {
+    async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, MigrationFailed> {
         let prepared = source::prepare(&self.engine, pid, to, source::MigrationOptions::default())
             .await
-            .map_err(|e| error_chain(&e))?;
+            .map_err(|e| MigrationFailed::NotStarted(error_chain(&e)))?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(32);
         // Progress events: nobody listens, keep the channel drained.
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
@@ -133,7 +136,7 @@ impl MigrationStarter for EngineStarter {
                 destination_pid: report.destination_pid,
             })
         } else {
-            Err(report.error)
+            Err(MigrationFailed::NotCommitted(report.error))
         }
     }
 }
@@ -164,37 +167,45 @@ impl GrpcNegotiator {
             })
     }
 
-    async fn client(&self, node: &str) -> Result<BalanceClient<tonic::transport::Channel>, String> {
-        let addr = self
-            .address(node)
-            .ok_or_else(|| format!("no address known for {node}"))?;
+    async fn client(
+        &self,
+        node: &str,
+    ) -> Result<BalanceClient<tonic::transport::Channel>, NegotiationFailed> {
+        let addr = self.address(node).ok_or_else(|| {
+            NegotiationFailed::Unreachable(format!("no address known for {node}"))
+        })?;
         let channel = self
             .cluster
-            .peer_endpoint(node, addr)?
+            .peer_endpoint(node, addr)
+            .map_err(|e| NegotiationFailed::Unreachable(e.to_string()))?
             .connect_timeout(Duration::from_secs(1))
             .connect()
             .await
-            .map_err(|e| error_chain(&e))?;
+            .map_err(|e| NegotiationFailed::Unreachable(error_chain(&e)))?;
         Ok(BalanceClient::new(channel))
     }
 }
 
 #[tonic::async_trait]
 impl PeerNegotiator for GrpcNegotiator {
-    async fn offer(&self, to: &str, req: pb::OfferRequest) -> Result<pb::OfferResponse, String> {
+    async fn offer(
+        &self,
+        to: &str,
+        req: pb::OfferRequest,
+    ) -> Result<pb::OfferResponse, NegotiationFailed> {
         let mut c = self.client(to).await?;
         c.offer(req)
             .await
             .map(|r| r.into_inner())
-            .map_err(|s| s.message().to_owned())
+            .map_err(NegotiationFailed::Refused)
     }
 
-    async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), String> {
+    async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), NegotiationFailed> {
         let mut c = self.client(to).await?;
         c.finish(req)
             .await
             .map(|_| ())
-            .map_err(|s| s.message().to_owned())
+            .map_err(NegotiationFailed::Refused)
     }
 }
 

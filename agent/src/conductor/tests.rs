@@ -87,7 +87,11 @@ struct FakePeers {
 
 #[tonic::async_trait]
 impl PeerNegotiator for FakePeers {
-    async fn offer(&self, to: &str, _req: pb::OfferRequest) -> Result<pb::OfferResponse, String> {
+    async fn offer(
+        &self,
+        to: &str,
+        _req: pb::OfferRequest,
+    ) -> Result<pb::OfferResponse, NegotiationFailed> {
         self.offers.lock().unwrap().push(to.to_owned());
         let r = self.receivers.lock().unwrap().get(to).copied();
         match r {
@@ -100,10 +104,10 @@ impl PeerNegotiator for FakePeers {
                 refusal: "busy".into(),
             }),
             Some(Receiver::Silent) => std::future::pending().await,
-            None => Err("unknown".into()),
+            None => Err(NegotiationFailed::Unreachable("unknown".into())),
         }
     }
-    async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), String> {
+    async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), NegotiationFailed> {
         self.finishes
             .lock()
             .unwrap()
@@ -124,9 +128,9 @@ impl MigrationStarter for FakeEngine {
     fn can_reach(&self, _node: &str) -> bool {
         true
     }
-    async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, String> {
+    async fn migrate(&self, pid: i32, to: &str) -> Result<Migrated, MigrationFailed> {
         if self.fail {
-            return Err("CRIU said no".into());
+            return Err(MigrationFailed::NotCommitted("CRIU said no".into()));
         }
         self.sampler
             .procs

@@ -20,7 +20,7 @@ pub use cache::{
 pub use error::CriuError;
 pub use sched_hooks::SchedHooks;
 pub use swrk::{
-    DumpRequest, LazyDump, Notifications, NotifyHook, RestoreOutcome, RestoreRequest,
+    DumpRequest, HookRefused, LazyDump, Notifications, NotifyHook, RestoreOutcome, RestoreRequest,
     TcpConnections, Worker, dump, restore, start_restore_worker,
 };
 pub use version::{

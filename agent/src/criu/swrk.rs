@@ -119,7 +119,12 @@ pub type Notifications = Vec<(String, Duration)>;
 /// What CRIU says at a phase boundary (its action-script names:
 /// "pre-dump", "post-dump", "pre-restore", "post-restore", ...). The hook
 /// runs while CRIU waits; an error makes CRIU abort the operation.
-pub type NotifyHook<'a> = &'a mut dyn FnMut(&str) -> Result<(), String>;
+pub type NotifyHook<'a> = &'a mut dyn FnMut(&str) -> Result<(), HookRefused>;
+
+/// A notification hook's refusal: CRIU then aborts what it was doing.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct HookRefused(pub String);
 
 /// Dumps `req.pid` with its established TCP connections.
 ///

@@ -65,7 +65,7 @@ impl CaptureStore {
     ///
     /// Only packets taken into the ring from now on: the ring may still
     /// hold packets for the same ports from an earlier migration (what a
-    /// source captured after its last drain), and replaying those here
+    /// source captured after it last collected the ring), and replaying those here
     /// would hand the stack segments of connections that are long gone,
     /// which it answers with RSTs.
     pub fn open(&self, id: &str, ports: impl IntoIterator<Item = PortKey>) {

@@ -97,6 +97,38 @@ pub enum EngineError {
     /// A cordoned node takes no incoming migration or new process.
     #[error("{node} is cordoned: it takes no new processes (`ferry cordon --off {node}` lifts it)")]
     Cordoned { node: String },
+    /// CRIU's lazy-pages protocol on a post-copy's page tunnel broke.
+    #[error("lazy pages: {0}")]
+    LazyPages(String),
+    /// A post-copy's page tunnel between the agents broke.
+    #[error("{0}")]
+    PageTunnel(String),
+    /// The pages pre-copied to this node are not what a step needs.
+    #[error("{0}")]
+    PageStore(String),
+    /// The dump's images could not be read as they must be.
+    #[error("{what}: {source}")]
+    Image {
+        what: &'static str,
+        #[source]
+        source: ferry_criu_image::ImageError,
+    },
+    /// The dump's images are not what ferryd wrote or expects.
+    #[error("{0}")]
+    Images(String),
+    /// Dirty-page tracking failed.
+    #[error("{what}: {source}")]
+    Tracking {
+        what: &'static str,
+        #[source]
+        source: crate::memtrack::TrackError,
+    },
+    /// The receiving end of a stream of images or pages went away.
+    #[error("{0} stream closed by the sender")]
+    StreamClosed(&'static str),
+    /// A process the rollback resumes did not run again.
+    #[error("{0}")]
+    Resume(String),
     /// A task of the migration (a blocking step on tokio's pool, or a
     /// step spawned so that it finishes even if its caller goes) panicked
     /// or was cancelled before it answered.
@@ -221,6 +253,14 @@ impl EngineError {
             | EngineError::DataPlane(_)
             | EngineError::Io { .. }
             | EngineError::Task { .. }
+            | EngineError::LazyPages(_)
+            | EngineError::PageTunnel(_)
+            | EngineError::PageStore(_)
+            | EngineError::Image { .. }
+            | EngineError::Images(_)
+            | EngineError::Tracking { .. }
+            | EngineError::StreamClosed(_)
+            | EngineError::Resume(_)
             | EngineError::Internal(_) => Code::Internal,
         }
     }

@@ -100,7 +100,7 @@ impl Batcher {
             Some(chunk) => self
                 .tx
                 .blocking_send(chunk)
-                .map_err(|_| EngineError::Internal("image stream closed by the sender".into())),
+                .map_err(|_| EngineError::StreamClosed("image")),
             None => Ok(()),
         }
     }
@@ -136,11 +136,18 @@ fn plan_pages(
 ) -> Result<HashMap<String, (Vec<PagePiece>, u64)>, EngineError> {
     let mut plans = HashMap::new();
     for (vpid, held) in held {
-        let map = ferry_criu_image::pagemap::read_pagemap(dir, *vpid)
-            .map_err(|e| EngineError::Internal(format!("reading the dump's page map: {e}")))?;
+        let map = ferry_criu_image::pagemap::read_pagemap(dir, *vpid).map_err(|source| {
+            EngineError::Image {
+                what: "reading the dump's page map",
+                source,
+            }
+        })?;
         let size = map
             .check_pages_file(dir)
-            .map_err(|e| EngineError::Internal(format!("checking the dump's pages: {e}")))?;
+            .map_err(|source| EngineError::Image {
+                what: "checking the dump's pages",
+                source,
+            })?;
         let mut pieces = Vec::new();
         let mut stored_bytes = 0;
         for run in &map.runs {
@@ -174,7 +181,7 @@ fn plan_pages(
             })
             .sum();
         if covered != size {
-            return Err(EngineError::Internal(format!(
+            return Err(EngineError::Images(format!(
                 "{}: the page map covers {covered} bytes of {size}",
                 map.pages_file
             )));
@@ -369,7 +376,7 @@ impl ImageWriter {
             self.files += 1;
         }
         let Some((name, f, written)) = self.current.as_mut() else {
-            return Err(EngineError::Internal("no current image file".into()));
+            return Err(EngineError::Images("no current image file".into()));
         };
         if offset != *written {
             return Err(EngineError::BadImage(format!(

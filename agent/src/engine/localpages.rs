@@ -131,20 +131,20 @@ fn route(iov: Iov, local: Option<&LocalPages>, page: u64) -> Result<Route, Engin
         PS_IOV_GET => {}
         PS_IOV_CLOSE | PS_IOV_FORCE_CLOSE => return Ok(Route::Source(iov)),
         other => {
-            return Err(EngineError::Internal(format!(
-                "lazy pages: the daemon sent page-server command {other:#x}, which it never sends"
+            return Err(EngineError::LazyPages(format!(
+                "the daemon sent page-server command {other:#x}, which it never sends"
             )));
         }
     }
     if iov.nr_pages == 0 {
-        return Err(EngineError::Internal(
-            "lazy pages: the daemon asked for no pages".into(),
+        return Err(EngineError::LazyPages(
+            "the daemon asked for no pages".into(),
         ));
     }
     let end = iov
         .vaddr
         .checked_add(iov.nr_pages.saturating_mul(page))
-        .ok_or_else(|| EngineError::Internal("lazy pages: a request beyond 2^64".into()))?;
+        .ok_or_else(|| EngineError::LazyPages("a request beyond 2^64".into()))?;
     let held = local.and_then(|l| {
         u32::try_from(iov.dst_id)
             .ok()
@@ -233,9 +233,7 @@ where
                         }))
                         .await;
                     if sent.is_err() {
-                        return Err(EngineError::Internal(
-                            "lazy pages: the page tunnel closed".into(),
-                        ));
+                        return Err(EngineError::LazyPages("the page tunnel closed".into()));
                     }
                     if forward.cmd & PS_CMD_MASK == PS_IOV_GET {
                         remote_requests += 1;
@@ -253,16 +251,17 @@ where
                         answer_from_store(store, iov, pid, nr, page)
                     })
                     .await
-                    .map_err(|e| EngineError::Internal(e.to_string()))??;
+                    .map_err(|source| EngineError::Task {
+                        what: "reading pages from the store",
+                        source,
+                    })??;
                     local_requests += 1;
                     counter.fetch_add(nr, std::sync::atomic::Ordering::Relaxed);
                     Answer::Local(bytes)
                 }
             };
             if answers_tx.send(answer).is_err() {
-                return Err(EngineError::Internal(
-                    "lazy pages: the answering side stopped".into(),
-                ));
+                return Err(EngineError::LazyPages("the answering side stopped".into()));
             }
         }
     };
@@ -291,8 +290,8 @@ where
                         || iov.nr_pages == 0
                         || iov.nr_pages > asked.nr_pages
                     {
-                        return Err(EngineError::Internal(format!(
-                            "lazy pages: the page server answered {} pages at {:#x} of pid {} to a request for {} at {:#x} of pid {}",
+                        return Err(EngineError::LazyPages(format!(
+                            "the page server answered {} pages at {:#x} of pid {} to a request for {} at {:#x} of pid {}",
                             iov.nr_pages,
                             iov.vaddr,
                             iov.dst_id,
@@ -322,8 +321,8 @@ where
         // The daemon is done asking: whatever else the source sends
         // would answer nothing.
         if reader.has_more().await? {
-            return Err(EngineError::Internal(
-                "lazy pages: the page server sent more than was asked".into(),
+            return Err(EngineError::LazyPages(
+                "the page server sent more than was asked".into(),
             ));
         }
         to_daemon.shutdown().await.map_err(EngineError::io(
@@ -378,8 +377,8 @@ where
         while done < out.len() {
             let have = self.available().await?;
             if have.is_empty() {
-                return Err(EngineError::Internal(
-                    "lazy pages: the page server's answer was cut short".into(),
+                return Err(EngineError::LazyPages(
+                    "the page server's answer was cut short".into(),
                 ));
             }
             let n = (out.len() - done).min(have.len());
@@ -399,8 +398,8 @@ where
         while len > 0 {
             let have = self.available().await?;
             if have.is_empty() {
-                return Err(EngineError::Internal(
-                    "lazy pages: the page server's pages were cut short".into(),
+                return Err(EngineError::LazyPages(
+                    "the page server's pages were cut short".into(),
                 ));
             }
             let n = (len as usize).min(have.len());

@@ -54,7 +54,7 @@
 //!   mode; then the log of what the source delivered since Arm is taken.
 //!   A CRIU that never sends `pre-dump` aborts the migration: the ports
 //!   would not have been frozen.
-//!   Drain before freeze (`MigrateRequest.drain_send_queues_ms`): the
+//!   Flush before freeze (`MigrateRequest.drain_send_queues_ms`): the
 //!   ports stay open at `pre-dump`; at `query-ext-files`, with the tree
 //!   stopped, the source waits (bounded) for the send queues of its TCP
 //!   connections to empty while packets still flow, and only then cuts the

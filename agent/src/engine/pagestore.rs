@@ -174,7 +174,7 @@ impl PageStore {
     pub fn read(&self, pid: u32, vaddr: u64, len: u64) -> Result<Vec<u8>, EngineError> {
         let page = memtrack::page_size();
         let missing = |addr: u64| {
-            EngineError::Internal(format!(
+            EngineError::PageStore(format!(
                 "pages of pid {pid} at {vaddr:#x}+{len}: page {addr:#x} is not in the store"
             ))
         };
@@ -267,7 +267,7 @@ fn copy_range(from: &File, mut offset: u64, to: &mut File, len: u64) -> Result<(
             ));
         }
         if n == 0 {
-            return Err(EngineError::Internal(format!(
+            return Err(EngineError::PageStore(format!(
                 "pre-copied pages end early at {offset}"
             )));
         }

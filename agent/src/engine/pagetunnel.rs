@@ -119,7 +119,7 @@ where
                 data: buf[..n].to_vec(),
             };
             if outbound.send(msg).await.is_err() {
-                return Err(EngineError::Internal(
+                return Err(EngineError::PageTunnel(
                     "page tunnel: the other agent stopped reading".into(),
                 ));
             }
@@ -129,7 +129,7 @@ where
         let mut total = 0u64;
         while let Some(msg) = inbound.next().await {
             let msg = msg.map_err(|s| {
-                EngineError::Internal(format!("page tunnel broke: {}", s.message()))
+                EngineError::PageTunnel(format!("page tunnel broke: {}", s.message()))
             })?;
             total += msg.data.len() as u64;
             to_criu

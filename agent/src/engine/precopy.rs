@@ -186,7 +186,10 @@ impl Precopy {
             Ok::<_, EngineError>(tracked)
         })
         .await
-        .map_err(|e| EngineError::Internal(e.to_string()))??;
+        .map_err(|source| EngineError::Task {
+            what: "starting dirty-page tracking",
+            source,
+        })??;
         Ok(Precopy {
             strategy,
             tracked,
@@ -374,9 +377,15 @@ impl Precopy {
             (tracked, scans)
         })
         .await
-        .map_err(|e| EngineError::Internal(e.to_string()))?;
+        .map_err(|source| EngineError::Task {
+            what: "a dirty-page scan",
+            source,
+        })?;
         self.tracked = tracked;
-        scans.map_err(|e| EngineError::Internal(format!("dirty-page scan: {e}")))
+        scans.map_err(|source| EngineError::Tracking {
+            what: "dirty-page scan",
+            source,
+        })
     }
 
     /// With the process stopped (after the dump): the last scan, then
@@ -388,7 +397,10 @@ impl Precopy {
             let scan = t
                 .tracker
                 .scan(false)
-                .map_err(|e| EngineError::Internal(format!("last dirty-page scan: {e}")))?;
+                .map_err(|source| EngineError::Tracking {
+                    what: "last dirty-page scan",
+                    source,
+                })?;
             // Held and not written since, only in mappings still tracked
             // (anything else may have changed unseen), and only pages
             // still the process's own (not zapped and faulted in again
@@ -399,7 +411,10 @@ impl Precopy {
             let own = t
                 .tracker
                 .own_pages(&h)
-                .map_err(|e| EngineError::Internal(format!("last dirty-page scan: {e}")))?;
+                .map_err(|source| EngineError::Tracking {
+                    what: "last dirty-page scan",
+                    source,
+                })?;
             t.tracker.stop();
             let h = h.intersection(&own);
             held.insert(t.vpid, h);
@@ -479,7 +494,7 @@ fn read_pages(
     };
     let mut batch_bytes = 0usize;
     let mut bytes = 0u64;
-    let closed = || EngineError::Internal("page stream closed by the sender".into());
+    let closed = || EngineError::StreamClosed("page");
     for (pid, vpid, ranges) in to_send {
         let mut read = RangeSet::new();
         for (start, end) in ranges.iter() {

@@ -84,7 +84,7 @@ pub fn resume_on_source(pid: i32) -> Result<(), EngineError> {
     for &p in &tree {
         match kill(Pid::from_raw(p), Signal::SIGCONT) {
             Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-            Err(e) => return Err(EngineError::Internal(format!("SIGCONT {p}: {e}"))),
+            Err(e) => return Err(EngineError::Resume(format!("SIGCONT {p}: {e}"))),
         }
     }
     // SIGCONT takes effect when the task is next scheduled; wait for it
@@ -104,7 +104,7 @@ pub fn resume_on_source(pid: i32) -> Result<(), EngineError> {
             break;
         }
         if std::time::Instant::now() > deadline {
-            return Err(EngineError::Internal(format!(
+            return Err(EngineError::Resume(format!(
                 "tasks {stopped:?} still stopped after SIGCONT"
             )));
         }

@@ -110,7 +110,7 @@ impl SocketTaker {
         self.tree_frozen_taken(None);
     }
 
-    /// Takes the frozen tree's sockets into ferryd now (for a drain before
+    /// Takes the frozen tree's sockets into ferryd now (for a flush before
     /// the freeze, which needs the connections before the reading).
     pub fn take_now(&self) -> Result<sockstate::StoppedSockets, SockStateError> {
         let preread = self.plan.incremental.as_ref().map(|i| &i.preread);

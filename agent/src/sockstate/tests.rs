@@ -890,7 +890,7 @@ fn an_incremental_read_takes_only_untouched_connections_from_the_preread() {
     assert_eq!(states[1].socket_options.as_ref().unwrap().priority, 4);
 }
 
-/// Drain before freeze: a send queue the peer reads empties within the
+/// Flush before freeze: a send queue the peer reads empties within the
 /// bound and the wait says so; one whose peer reads nothing is left after
 /// the bound with its bytes counted.
 #[test]

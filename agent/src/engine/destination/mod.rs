@@ -199,7 +199,7 @@ pub struct Incoming {
     /// Set (under its lock) when the slot is discarded: the image writer
     /// checks it, under the same lock, before each write. A transfer whose
     /// handler was dropped (the source cancelled the stream) leaves its
-    /// writer thread draining what it had; it must not write into a
+    /// writer thread writing what it had; it must not write into a
     /// directory being removed.
     pub(super) discarded: Arc<std::sync::Mutex<bool>>,
     /// Collective socket migration, from a successful Restore to the

@@ -59,7 +59,10 @@ pub async fn prepare(
         })
     })
     .await
-    .map_err(|e| EngineError::Internal(e.to_string()))??;
+    .map_err(|source| EngineError::Task {
+        what: "probing CRIU",
+        source,
+    })??;
 
     let mut slot = engine.incoming.lock().await;
     if let Some(cur) = slot.as_ref() {
@@ -100,7 +103,10 @@ pub async fn prepare(
         let started =
             tokio::task::spawn_blocking(move || RestoreWorker::start(&criu, &images, &log_dir))
                 .await
-                .map_err(|e| EngineError::Internal(e.to_string()))?;
+                .map_err(|source| EngineError::Task {
+                    what: "starting CRIU ahead of the restore",
+                    source,
+                })?;
         // Without it the restore starts its own CRIU, as before.
         started
             .inspect_err(|e| tracing::warn!(error = %e, "starting CRIU ahead of the restore"))

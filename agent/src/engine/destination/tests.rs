@@ -440,10 +440,10 @@ const TCP_7000: PortKey = PortKey {
 
 /// The destination drains the ring in the background while it
 /// captures, and the commit drains too: whoever drains, packets reach
-/// their session in ring order, and the background drain alone takes
+/// their session in ring order, and the background collection alone takes
 /// everything in.
 #[test]
-fn packets_drained_in_the_background_keep_their_order() {
+fn packets_collected_in_the_background_keep_their_order() {
     const PACKETS: usize = 20_000;
     let f = fixture();
     f.engine.dataplane.capture.open("m", [TCP_7000]);
@@ -462,7 +462,10 @@ fn packets_drained_in_the_background_keep_their_order() {
     producer.join().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !f.filter.1.lock().unwrap().is_empty() {
-        assert!(Instant::now() < deadline, "the background drain stopped");
+        assert!(
+            Instant::now() < deadline,
+            "the background collection stopped"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     let got: Vec<usize> = f

@@ -85,9 +85,10 @@ pub async fn transfer_images(
     // an abort waiting for that lock removes the image directory, and must
     // not race a thread still writing into it.
     drop(tx);
-    let written = task
-        .await
-        .map_err(|e| EngineError::Internal(format!("image writer: {e}")));
+    let written = task.await.map_err(|source| EngineError::Task {
+        what: "the image writer",
+        source,
+    });
     fed?;
     let w = written??;
     let inc = expect(&mut slot, &id, Step::TransferImages)?;

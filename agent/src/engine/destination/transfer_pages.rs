@@ -54,7 +54,10 @@ pub async fn transfer_pages(
             Ok((s.pages - before.0, s.bytes - before.1))
         })
         .await
-        .map_err(|e| EngineError::Internal(format!("page store: {e}")))??;
+        .map_err(|source| EngineError::Task {
+            what: "the page store",
+            source,
+        })??;
         pages += p;
         bytes += b;
     }

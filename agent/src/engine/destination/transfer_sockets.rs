@@ -194,7 +194,10 @@ pub async fn transfer_sockets(
         Ok::<_, EngineError>((handover, rebuilt, started.elapsed()))
     })
     .await
-    .map_err(|e| EngineError::Internal(e.to_string()))??;
+    .map_err(|source| EngineError::Task {
+        what: "rebuilding the connections",
+        source,
+    })??;
     let connections = rebuilt.len() as u32;
     let staged = rebuilt.staged() as u32;
     tracing::info!(

@@ -7,7 +7,8 @@
 //! A CRIU that never sends `pre-dump` aborts the migration: the ports would
 //! not have been frozen.
 //!
-//! Drain before freeze (`MigrateRequest.drain_send_queues_ms`): the ports
+//! Flush before freeze (the API's `MigrateRequest.drain_send_queues_ms`,
+//! "drain" there for compatibility): the ports
 //! stay open at `pre-dump`; at `query-ext-files`, with the tree stopped, the
 //! send queues of its TCP connections get a bounded time to empty while
 //! packets still flow, and only then are the ports cut off. The freeze
@@ -38,7 +39,7 @@ use super::arm::out_stage;
 use super::pre_read::options_by_ferryd;
 use super::run::Run;
 use super::transfer::{Transferring, send_sockets};
-use crate::criu::{self, Checkpointer, CriuError};
+use crate::criu::{self, Checkpointer, CriuError, HookRefused};
 use crate::engine::link::{peer_error, silent};
 use crate::engine::precopy::MemoryStrategy;
 use crate::engine::sockettaker::{Incremental, ReadPlan, SocketTaker, Taken};
@@ -79,7 +80,7 @@ pub(super) struct PageServer {
 struct Marks {
     /// When CRIU was about to stop the process (`pre-dump`).
     frozen_at: Mutex<Option<Instant>>,
-    /// Drain before freeze: how the send queues emptied.
+    /// Flush before freeze: how the send queues emptied.
     flushed: Mutex<Option<sockstate::Flushed>>,
 }
 
@@ -134,7 +135,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
         capture: run.capture,
         collective,
         incremental: d.incremental,
-        drain: run.p.drain_send_queues,
+        flush: run.p.flush_send_queues,
         takes_tcp_options: run.p.destination_takes_tcp_options,
         takes_connections_out: run.p.destination_takes_connections_out,
         marks: marks.clone(),
@@ -322,7 +323,7 @@ struct DumpTask {
     capture: bool,
     collective: bool,
     incremental: Option<Arc<Incremental>>,
-    drain: Option<std::time::Duration>,
+    flush: Option<std::time::Duration>,
     takes_tcp_options: bool,
     takes_connections_out: bool,
     marks: Arc<Marks>,
@@ -362,15 +363,15 @@ impl DumpTask {
             with_options: req.tcp_options_by_caller,
             incremental: self.incremental,
         };
-        // Drain before freeze: the ports are cut off only once CRIU has
+        // Flush before freeze: the ports are cut off only once CRIU has
         // stopped the tree and its send queues emptied (or the bound
         // passed). Only with ferry's CRIU, which says query-ext-files as it
         // freezes the tree and network-unlock before it lets a failed
         // dump's tree run again.
-        let drain = self.drain.filter(|_| {
+        let flush = self.flush.filter(|_| {
             if !during_dump {
                 tracing::warn!(
-                    "drain before freeze needs ferry's patched CRIU (dump rollback notified): not drained"
+                    "flushing the send queues before the freeze needs ferry's patched CRIU (dump rollback notified): not flushed"
                 );
             }
             during_dump
@@ -380,7 +381,7 @@ impl DumpTask {
             id: &self.id,
             pid: req.pid,
             capture: self.capture,
-            drain,
+            flush,
             marks: &self.marks,
             taker: Some(SocketTaker::new(
                 plan,
@@ -393,11 +394,11 @@ impl DumpTask {
         };
         let dumped = criu.dump(&req, &mut |script| hook.on(script));
         if dumped.is_ok() && !hook.ports_frozen {
-            // A drain waited for query-ext-files, which never came.
+            // A flush waited for query-ext-files, which never came.
             return Err(CriuError::Failed {
                 operation: "dump",
                 reason: "CRIU froze the tree without its query-ext-files notification: \
-                         the ports were never cut off for the drain before the freeze"
+                         the ports were never cut off for the flush before the freeze"
                     .into(),
             });
         }
@@ -431,8 +432,8 @@ struct Notified<'a> {
     id: &'a str,
     pid: i32,
     capture: bool,
-    /// Drain before freeze, and its bound.
-    drain: Option<std::time::Duration>,
+    /// Flush before freeze, and its bound.
+    flush: Option<std::time::Duration>,
     marks: &'a Marks,
     taker: Option<SocketTaker>,
     ready_tx: Option<tokio::sync::oneshot::Sender<Taken>>,
@@ -441,7 +442,7 @@ struct Notified<'a> {
 }
 
 impl Notified<'_> {
-    fn on(&mut self, script: &str) -> Result<(), String> {
+    fn on(&mut self, script: &str) -> Result<(), HookRefused> {
         match script {
             // CRIU is about to stop the tree.
             "pre-dump" => self.pre_dump(),
@@ -469,22 +470,22 @@ impl Notified<'_> {
         }
     }
 
-    fn pre_dump(&mut self) -> Result<(), String> {
+    fn pre_dump(&mut self) -> Result<(), HookRefused> {
         // SIGCONT wakes the process at once: CRIU never finds it stopped
         // by the throttle (it would restore it stopped).
         drop(self.throttle.take());
         // Set before the filter changes: if that fails half-way, the abort
         // still reports the time the process was cut off. The process
-        // stops here, also when its ports are cut off later (a drain).
+        // stops here, also when its ports are cut off later (a flush).
         *lock(&self.marks.frozen_at) = Some(Instant::now());
-        if self.drain.is_some() {
+        if self.flush.is_some() {
             return Ok(());
         }
         self.freeze_ports()
     }
 
-    fn tree_frozen(&mut self) -> Result<(), String> {
-        let Some(bound) = self.drain.filter(|_| !self.ports_frozen) else {
+    fn tree_frozen(&mut self) -> Result<(), HookRefused> {
+        let Some(bound) = self.flush.filter(|_| !self.ports_frozen) else {
             if let Some(t) = self.taker.as_mut() {
                 t.tree_frozen();
             }
@@ -496,7 +497,7 @@ impl Notified<'_> {
         let taken = self.taker.as_ref().map(SocketTaker::take_now);
         tracing::debug!(
             ms = take_started.elapsed().as_secs_f64() * 1000.0,
-            "the tree's sockets taken for the drain"
+            "the tree's sockets taken for the flush"
         );
         match &taken {
             Some(Ok(sockets)) => {
@@ -505,12 +506,12 @@ impl Notified<'_> {
                     bytes_at_start = flushed.bytes_at_start,
                     bytes_left = flushed.bytes_left,
                     waited_ms = flushed.waited.as_secs_f64() * 1000.0,
-                    "send queues drained before the freeze"
+                    "send queues flushed before the freeze"
                 );
                 *lock(&self.marks.flushed) = Some(flushed);
             }
             Some(Err(e)) => {
-                tracing::warn!(error = %e, "taking the connections to drain them: not drained")
+                tracing::warn!(error = %e, "taking the connections to flush them: not flushed")
             }
             None => {}
         }
@@ -522,13 +523,16 @@ impl Notified<'_> {
     }
 
     /// Cuts the process's ports off (captured, or dropped without capture).
-    fn freeze_ports(&mut self) -> Result<(), String> {
+    fn freeze_ports(&mut self) -> Result<(), HookRefused> {
         let capture = self.capture;
         self.engine
             .processes
             .set_lifecycle(self.pid, out_stage(self.id, OutStage::Frozen { capture }));
         self.ports_frozen = true;
-        self.engine.ports.apply_now().map_err(|e| e.to_string())?;
+        self.engine
+            .ports
+            .apply_now()
+            .map_err(|e| HookRefused(e.to_string()))?;
         tracing::info!("ports frozen");
         Ok(())
     }

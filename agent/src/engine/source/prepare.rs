@@ -30,9 +30,10 @@ pub struct MigrationOptions {
     /// Pre-copy: slow down a process that writes faster than its pages
     /// cross.
     pub throttle: Option<bool>,
-    /// Drain before freeze: wait at most this long, with the process
+    /// Flush before freeze (the API's `drain_send_queues_ms`): wait at most
+    /// this long, with the process
     /// stopped and its packets still flowing, for its send queues to empty.
-    pub drain_send_queues: Option<Duration>,
+    pub flush_send_queues: Option<Duration>,
 }
 
 /// A migration that passed validation and holds the destination's
@@ -55,8 +56,8 @@ pub struct Prepared {
     /// The destination's CRIU installs connections kept out of the images
     /// (`PrepareResponse.takes_connections_out`).
     pub(super) destination_takes_connections_out: bool,
-    /// Drain before freeze, and its bound.
-    pub(super) drain_send_queues: Option<Duration>,
+    /// Flush before freeze, and its bound.
+    pub(super) flush_send_queues: Option<Duration>,
     /// How the memory moves, and when pre-copy rounds stop.
     pub(super) strategy: MemoryStrategy,
     pub(super) convergence: Convergence,
@@ -157,7 +158,7 @@ pub async fn prepare(
         socket_note,
         destination_takes_tcp_options: answer.takes_tcp_options,
         destination_takes_connections_out: answer.takes_connections_out,
-        drain_send_queues: options.drain_send_queues,
+        flush_send_queues: options.flush_send_queues,
         strategy,
         convergence,
         started,

@@ -182,7 +182,7 @@ impl Checkpointer for ScriptedCriu {
     }
 
     fn dump(&self, req: &DumpRequest, notify: NotifyHook<'_>) -> Result<Notifications, CriuError> {
-        notify("pre-dump").map_err(|e| failed(&e))?;
+        notify("pre-dump").map_err(|e| failed(&e.0))?;
         if self.fails == Some(DumpFails::BeforeFreeze) {
             return Err(failed("scripted: cannot seize the tree"));
         }
