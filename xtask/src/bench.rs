@@ -11,10 +11,6 @@ use anyhow::{Context, Result, bail};
 
 use crate::{cmd, test};
 
-/// The benchmarks' crate: root only and not a default member, like the
-/// integration crate whose harness it uses.
-pub const CRATE: &str = "ferry-bench";
-
 /// The benchmarks and the bench crate's binary behind each.
 pub const BENCHES: [(&str, &str, &str); 5] = [
     (
@@ -68,8 +64,9 @@ pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
     let path = cmd::debug_dir().join(bin);
     if !path.exists() {
         bail!(
-            "step `bench {name}` failed: {} was not built (no `{bin}` binary in the {CRATE} crate, bench/?)",
-            path.display()
+            "step `bench {name}` failed: {} was not built (no `{bin}` binary in the {} crate, bench/?)",
+            path.display(),
+            cmd::BENCH_CRATE
         );
     }
     let mut c = Command::new(&path);

@@ -96,3 +96,7 @@ pub fn on_path(name: &str) -> Option<PathBuf> {
                 .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
         })
 }
+
+/// The benchmarks' crate: root only and not a default member, like the
+/// integration crate whose harness it uses.
+pub const BENCH_CRATE: &str = "ferry-bench";

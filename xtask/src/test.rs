@@ -6,7 +6,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 
-use crate::{bench, cmd, criu, setup};
+use crate::{cmd, criu, setup};
 
 pub fn header(s: &str) {
     eprintln!("\n==== {s} ====");
@@ -25,9 +25,15 @@ pub fn ensure_setup(criu_prefix: &Path) -> Result<()> {
 /// root-only integration crate's workloads (it is not a default member,
 /// hence --workspace). Not the benchmarks, which nothing here runs: their
 /// crate is compiled and its unit tests run by [`unit`], and `cargo xtask
-/// bench` builds its binaries ([`bench::build`]).
+/// bench` builds its binaries (`crate::bench::build`).
 pub fn build() -> Result<()> {
-    let args = ["build", "--workspace", "--exclude", bench::CRATE, "--bins"];
+    let args = [
+        "build",
+        "--workspace",
+        "--exclude",
+        cmd::BENCH_CRATE,
+        "--bins",
+    ];
     header(&format!("build: cargo {}", args.join(" ")));
     cmd::run(cmd::cargo().args(args)).context("step `build` failed")
 }

@@ -15,10 +15,8 @@ use std::time::Duration;
 
 use ferry_proto::v1::{AbortRequest, MigrationOutcome};
 
-use super::arm::out_stage;
-use super::post_copy::stop_page_server;
-use super::run::Run;
-use super::translate::untranslate_in_cluster;
+use super::run::{Run, out_stage};
+use super::undo::{stop_page_server, untranslate_in_cluster};
 use super::{Phase, Stop};
 use crate::engine::{EngineError, rollback};
 use crate::managed::{Lifecycle, OutStage};
@@ -36,10 +34,11 @@ pub(super) async fn abort(run: &mut Run, err: EngineError) -> Phase {
     }
     // Post-copy: CRIU's page server holds the process; it goes first (the
     // destination's copy never ran: nothing needs it).
-    stop_page_server(run, Duration::ZERO).await;
+    stop_page_server(run.undo.page_server.take(), run.p.pid, Duration::ZERO).await;
     // The in-cluster peers' packets must come here again before the
     // process runs.
-    untranslate_in_cluster(run).await;
+    let translated = std::mem::take(&mut run.undo.translated);
+    untranslate_in_cluster(&run.engine, &run.p.migration_id, translated).await;
     // No write protection may outlive the migration.
     if let Some(pre) = run.undo.precopy.take()
         && let Err(e) = tokio::task::spawn_blocking(move || pre.stop()).await

@@ -16,20 +16,14 @@ use std::sync::Arc;
 use ferry_proto::v1::{ArmRequest, StagedConnection};
 
 use super::Phase;
-use super::run::Run;
-use super::settle::Settling;
+use super::carry::{Arming, Settling};
+use super::run::{Run, out_stage};
 use crate::engine::EngineError;
 use crate::engine::link::{peer_error, silent};
 use crate::engine::sockettaker::Incremental;
-use crate::managed::{Lifecycle, OutStage};
-use crate::process::{self, PortKey};
+use crate::managed::OutStage;
+use crate::process::PortKey;
 use crate::sockstate::packed::{Fixed, FixedParts};
-
-/// Arm's input.
-pub(super) struct Arming {
-    pub listeners: process::Listeners,
-    pub incremental: Option<Arc<Incremental>>,
-}
 
 pub(super) async fn arm(run: &mut Run, a: Arming) -> Result<Phase, EngineError> {
     let (pid, id) = (run.p.pid, run.p.migration_id.clone());
@@ -91,13 +85,4 @@ fn staged(
         })
         .collect();
     (connections, fixed)
-}
-
-/// The lifecycle of a process migration `migration_id` moves out at
-/// `stage`.
-pub(super) fn out_stage(migration_id: &str, stage: OutStage) -> Lifecycle {
-    Lifecycle::MigratingOut {
-        migration_id: migration_id.to_owned(),
-        stage,
-    }
 }

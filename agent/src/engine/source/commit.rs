@@ -17,21 +17,12 @@ use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{CommitRequest, PhaseTiming};
 
-use super::restore::Restored;
+use super::carry::{Committing, Waiting};
 use super::run::Run;
-use super::{Phase, Stop, post_copy};
+use super::{Phase, Stop};
 use crate::engine::EngineError;
 use crate::engine::link::peer_error;
 use crate::engine::queued;
-
-/// Commit's input.
-pub(super) struct Committing {
-    pub restored: Restored,
-    pub translate_end: Instant,
-    pub release_end: Instant,
-    /// Digests of what this node delivered between Arm and the freeze.
-    pub delivered: Vec<u64>,
-}
 
 /// How many times the Commit is sent before the migration is reported
 /// committed without the destination's confirmation.
@@ -83,7 +74,7 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
     let commit_end = Instant::now();
     cut_the_freeze(run, &c, commit_end, running_for);
     Ok(if postcopy {
-        Phase::PostCopy(post_copy::Waiting {
+        Phase::PostCopy(Waiting {
             resumed: commit_end,
             commit_err: last_err,
         })

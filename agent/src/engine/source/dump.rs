@@ -35,10 +35,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::Phase;
-use super::arm::out_stage;
-use super::pre_read::options_by_ferryd;
-use super::run::Run;
-use super::transfer::{Transferring, send_sockets};
+use super::carry::{Dumped, Dumping, PageServer, Transferring};
+use super::run::{Run, options_by_ferryd, out_stage};
+use super::sockets::send_sockets;
 use crate::criu::{self, Checkpointer, CriuError, HookRefused};
 use crate::engine::link::{peer_error, silent};
 use crate::engine::precopy::MemoryStrategy;
@@ -52,28 +51,6 @@ use crate::sync::lock;
 /// Assisted post-copy: the most ranges `RestoreRequest.local_pages` names
 /// (about 20 bytes each, well inside the peer's 16 MiB messages).
 const MAX_LOCAL_RANGES: usize = 200_000;
-
-/// Dump's input.
-pub(super) struct Dumping {
-    pub incremental: Option<Arc<Incremental>>,
-    /// Incremental, protocol 9: the connections' fixed parts Arm carried;
-    /// the freeze sends those still described by them as packed records.
-    pub armed_fixed: Option<Arc<sockstate::packed::FixedParts>>,
-}
-
-/// What a dump's blocking task returns: CRIU's notifications and what was
-/// read from the stopped tree's sockets.
-pub(super) type Dumped = (criu::Notifications, Taken);
-
-/// A lazy dump still running as a page server.
-pub(super) struct PageServer {
-    pub task: tokio::task::JoinHandle<Result<Dumped, CriuError>>,
-    /// The CRIU child's PID while it runs (0 once it answered).
-    pub criu_pid: Arc<AtomicI32>,
-    /// The page tunnel's pump: the page server's connection carried to
-    /// the destination inside the peer connection (`pagetunnel.rs`).
-    pub tunnel: Option<tokio::task::JoinHandle<Result<pagetunnel::Moved, EngineError>>>,
-}
 
 /// What the dump's notification hook records for the migration.
 #[derive(Default)]

@@ -55,10 +55,12 @@
 
 mod abort;
 mod arm;
+mod carry;
 mod commit;
 mod discard;
 mod dump;
 mod outgoing;
+mod peers;
 mod post_copy;
 mod pre_copy;
 mod pre_read;
@@ -67,11 +69,13 @@ mod release;
 mod restore;
 mod run;
 mod settle;
+mod sockets;
 mod start;
 #[cfg(test)]
 mod tests;
 mod transfer;
 mod translate;
+mod undo;
 
 use std::sync::Arc;
 
@@ -92,16 +96,16 @@ enum Phase {
     Start,
     PreCopy,
     PreRead,
-    Listen(settle::Listening),
-    Arm(arm::Arming),
-    Settle(settle::Settling),
-    Dump(dump::Dumping),
-    Transfer(transfer::Transferring),
-    Restore(restore::Restoring),
-    Translate(translate::Translating),
-    Release(release::Releasing),
-    Commit(commit::Committing),
-    PostCopy(post_copy::Waiting),
+    Listen(carry::Listening),
+    Arm(carry::Arming),
+    Settle(carry::Settling),
+    Dump(carry::Dumping),
+    Transfer(carry::Transferring),
+    Restore(carry::Restoring),
+    Translate(carry::Translating),
+    Release(carry::Releasing),
+    Commit(carry::Committing),
+    PostCopy(carry::Waiting),
     Discard(Stop),
     Abort(EngineError),
     Done(Stop),

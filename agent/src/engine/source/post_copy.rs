@@ -13,27 +13,16 @@
 use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{PostCopyState, PostCopyStatusRequest};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
-use super::dump::Dumped;
+use super::carry::Waiting;
 use super::run::Run;
+use super::undo::stop_page_server;
 use super::{Phase, Stop};
-use crate::criu;
 use crate::engine::EngineError;
-use crate::process;
 
 /// How long the source keeps a page server whose destination does not
 /// answer PostCopyStatus once the page server's connection is gone.
 const POSTCOPY_UNCONFIRMED: Duration = Duration::from_secs(30);
-
-/// PostCopy's input.
-pub(super) struct Waiting {
-    /// When the Commit was answered: the process runs on the destination.
-    pub resumed: Instant,
-    /// The Commit's last error, if it was never confirmed.
-    pub commit_err: Option<EngineError>,
-}
 
 pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
     let Waiting {
@@ -80,7 +69,12 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
     let page = crate::memtrack::page_size();
     let stop = match verdict {
         Ok(r) if r.state == PostCopyState::Done as i32 => {
-            stop_page_server(run, Duration::from_secs(10)).await;
+            stop_page_server(
+                run.undo.page_server.take(),
+                run.p.pid,
+                Duration::from_secs(10),
+            )
+            .await;
             run.report.postcopy_pages = r.pages;
             run.report.postcopy_local_pages = r.local_pages;
             run.report.postcopy_faults = r.faults;
@@ -96,7 +90,7 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             Stop::Committed(commit_err)
         }
         Ok(r) => {
-            stop_page_server(run, Duration::ZERO).await;
+            stop_page_server(run.undo.page_server.take(), run.p.pid, Duration::ZERO).await;
             run.report.postcopy_pages = r.pages;
             run.report.postcopy_local_pages = r.local_pages;
             run.report.postcopy_faults = r.faults;
@@ -110,7 +104,12 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             })
         }
         Err(why) => {
-            stop_page_server(run, Duration::from_secs(1)).await;
+            stop_page_server(
+                run.undo.page_server.take(),
+                run.p.pid,
+                Duration::from_secs(1),
+            )
+            .await;
             run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
             Stop::Committed(Some(EngineError::Internal(format!(
                 "post-copy: {} never confirmed that every page arrived ({why}); the source's copy was discarded once its page server had no connection for {} s",
@@ -120,63 +119,4 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         }
     };
     Phase::Discard(stop)
-}
-
-/// Ends a post-copy dump's page server. `grace`: how long it may take to
-/// end by itself (the daemon's close ends it); then, or at once with a
-/// zero grace, CRIU is killed, the process kept stopped (SIGSTOP, pending
-/// while CRIU holds it, takes effect when CRIU lets go).
-pub(super) async fn stop_page_server(run: &mut Run, grace: Duration) {
-    let Some(server) = run.undo.page_server.take() else {
-        return;
-    };
-    end_page_server_criu(run.p.pid, server.task, &server.criu_pid, grace).await;
-    // CRIU's end of the tunnel is closed now; the pump passes that on and
-    // ends. A tunnel the destination holds open is cut.
-    if let Some(mut tunnel) = server.tunnel {
-        match tokio::time::timeout(Duration::from_secs(2), &mut tunnel).await {
-            Ok(Ok(Ok(moved))) => {
-                tracing::info!(out = moved.out, into = moved.into, "page tunnel closed")
-            }
-            Ok(Ok(Err(e))) => tracing::info!(error = %e, "page tunnel ended"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "page tunnel task"),
-            Err(_) => {
-                tunnel.abort();
-                tracing::warn!("page tunnel still open 2 s after the page server ended; cut");
-            }
-        }
-    }
-}
-
-async fn end_page_server_criu(
-    pid: i32,
-    mut task: tokio::task::JoinHandle<Result<Dumped, criu::CriuError>>,
-    criu_pid: &std::sync::atomic::AtomicI32,
-    grace: Duration,
-) {
-    let log = |r: Result<Result<Dumped, criu::CriuError>, tokio::task::JoinError>| match r {
-        Ok(Ok(_)) => tracing::info!("CRIU's page server ended"),
-        Ok(Err(e)) => tracing::info!(error = %e, "CRIU's page server ended"),
-        Err(e) => tracing::warn!(error = %e, "CRIU's page server task"),
-    };
-    if !grace.is_zero() {
-        if let Ok(r) = tokio::time::timeout(grace, &mut task).await {
-            log(r);
-            return;
-        }
-        tracing::warn!("CRIU's page server still runs; killing it");
-    }
-    for p in process::process_tree(pid) {
-        let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
-    }
-    let criu = criu_pid.load(std::sync::atomic::Ordering::SeqCst);
-    if criu > 0
-        && let Err(e) = kill(Pid::from_raw(criu), Signal::SIGKILL)
-    {
-        tracing::warn!(pid = criu, error = %e, "killing CRIU's page server");
-    }
-    match tokio::time::timeout(Duration::from_secs(10), task).await {
-        Ok(r) => log(r),
-        Err(_) => tracing::error!("CRIU's page server did not end 10 s after SIGKILL"),
-    }
 }

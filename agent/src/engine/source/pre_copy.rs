@@ -47,5 +47,5 @@ pub(super) async fn pre_copy(run: &mut Run) -> Result<Phase, EngineError> {
     // Tracking is on until the dump: an abort from here on ends it.
     run.undo.precopy = Some(pre);
     result?;
-    Ok(super::start::after_pre_copy(run))
+    Ok(run.after_pre_copy())
 }

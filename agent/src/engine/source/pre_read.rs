@@ -13,9 +13,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::Phase;
-use super::run::Run;
-use super::settle::Listening;
-use crate::criu::{Checkpointer, OPTS_BY_CALLER_MARK};
+use super::carry::Listening;
+use super::run::{Run, options_by_ferryd};
 use crate::engine::sockettaker::Incremental;
 use crate::engine::{EngineError, blocking};
 use crate::process;
@@ -52,17 +51,6 @@ pub(super) async fn pre_read(run: &mut Run) -> Result<Phase, EngineError> {
             Ok(Phase::Listen(Listening { incremental: None }))
         }
     }
-}
-
-/// Whether ferryd reads and carries the connections' socket options
-/// (collective, the destination takes them, and this node's CRIU leaves
-/// them out). The pre-read and the dump must agree on it.
-pub(super) fn options_by_ferryd(
-    collective: bool,
-    destination_takes: bool,
-    criu: &dyn Checkpointer,
-) -> bool {
-    collective && destination_takes && criu.has_patch(OPTS_BY_CALLER_MARK)
 }
 
 /// Attaches the setsockopt watch to the cgroups of `pid`'s tree, then

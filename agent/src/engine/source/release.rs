@@ -11,37 +11,9 @@
 use std::time::Instant;
 
 use super::Phase;
-use super::arm::out_stage;
-use super::commit::Committing;
-use super::restore::Restored;
-use super::run::Run;
+use super::carry::{Committing, Releasing};
+use super::run::{Run, out_stage};
 use crate::managed::OutStage;
-
-/// Release's input.
-pub(super) struct Releasing {
-    pub restored: Restored,
-    pub translate_end: Instant,
-    /// Digests of what this node delivered between Arm and the freeze.
-    pub delivered: Vec<u64>,
-}
-
-/// Digests of what this node delivered while recording, once the capture
-/// ring's collection started at the transfer is done.
-pub(super) async fn delivered_log(run: &mut Run) -> Vec<u64> {
-    if let Err(e) = run.finish_collecting().await {
-        // The destination holds a restored copy: go on without the log;
-        // the replay then also feeds what the source delivered, and TCP
-        // drops those duplicates (a UDP datagram could be doubled).
-        tracing::error!(error = %e, "collecting the delivered log");
-    }
-    let delivered = run
-        .engine
-        .dataplane
-        .capture
-        .take_delivered(&run.p.migration_id);
-    tracing::debug!(packets = delivered.len(), "delivered while recording");
-    delivered
-}
 
 pub(super) async fn release(run: &mut Run, r: Releasing) -> Phase {
     let released = if run.p.strategy.is_postcopy() {

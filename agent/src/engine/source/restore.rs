@@ -10,35 +10,10 @@ use std::time::Instant;
 use ferry_proto::v1::RestoreRequest;
 
 use super::Phase;
-use super::release::Releasing;
+use super::carry::{Releasing, Restored, Restoring, Translating};
 use super::run::Run;
-use super::translate::Translating;
 use crate::engine::EngineError;
 use crate::engine::link::{peer_error, silent};
-use crate::sockstate;
-
-/// Restore's input.
-pub(super) struct Restoring {
-    pub freeze_start: Instant,
-    pub dump_end: Instant,
-    pub transfer_end: Instant,
-    /// Assisted post-copy: the pages the destination serves itself.
-    pub local_pages: Vec<ferry_proto::v1::StoredPages>,
-    pub unread: Vec<sockstate::QueuedDatagram>,
-}
-
-/// A process the destination restored, and the times that lead to it.
-pub(super) struct Restored {
-    pub freeze_start: Instant,
-    pub dump_end: Instant,
-    pub transfer_end: Instant,
-    pub restore_end: Instant,
-    /// The destination's own timing of the restore.
-    pub restore_criu_us: u64,
-    pub criu_startup_us: u64,
-    pub image_scan_us: u64,
-    pub unread: Vec<sockstate::QueuedDatagram>,
-}
 
 pub(super) async fn restore(run: &mut Run, r: Restoring) -> Result<Phase, EngineError> {
     // While the destination restores, the connections the TCP state
@@ -99,7 +74,7 @@ pub(super) async fn restore(run: &mut Run, r: Restoring) -> Result<Phase, Engine
     // now on, before this copy goes.
     Ok(if answer.in_cluster.is_empty() {
         let translate_end = restored.restore_end;
-        let delivered = super::release::delivered_log(run).await;
+        let delivered = run.delivered_log().await;
         Phase::Release(Releasing {
             restored,
             translate_end,

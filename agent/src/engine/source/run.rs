@@ -12,46 +12,18 @@ use ferry_proto::v1::{
 };
 use tokio::sync::mpsc;
 
-use super::dump::PageServer;
-use super::transfer::SocketsSent;
-use super::{Prepared, Stop};
-use crate::engine::precopy::Precopy;
+use super::carry::Listening;
+use super::peers::PendingLink;
+use super::undo::Undo;
+use super::{Phase, Prepared, Stop};
+use crate::criu::{Checkpointer, OPTS_BY_CALLER_MARK};
 use crate::engine::{Engine, EngineError};
+use crate::managed::{Lifecycle, OutStage};
 use crate::process::PortKey;
-use crate::sockstate;
+use crate::sockstate::SocketMigration;
 
 /// Where a migration's progress goes (`Control.Migrate`'s stream).
 pub type Events = mpsc::Sender<Result<MigrationEvent, tonic::Status>>;
-
-/// What a migration has done that an abort must undo, filled in by the
-/// phases as they do it and emptied as later phases hand it on.
-#[derive(Default)]
-pub(super) struct Undo {
-    /// A capture session is open here for the migration (from Arm, until
-    /// Release).
-    pub capturing_here: bool,
-    /// Pre-copy: dirty tracking on (from PreCopy until the dump is done).
-    pub precopy: Option<Precopy>,
-    /// Collective socket migration: the process's connections, held by
-    /// ferryd in repair mode from the moment CRIU froze the tree (or the
-    /// end of the dump, with a CRIU lacking ferry's patch). Turned back on
-    /// an abort; closed (silently) after the commit.
-    pub held: Option<Arc<sockstate::Held>>,
-    /// Collective: the transfer of the connections' states, started with
-    /// the dump; an abort waits for it, so that it reaches the destination
-    /// after the states did.
-    pub sockets_sending: Option<tokio::task::JoinHandle<SocketsSent>>,
-    /// Post-copy: the lazy dump's CRIU, serving the stopped process's
-    /// pages from the moment its images are written.
-    pub page_server: Option<PageServer>,
-    /// The collection of this node's capture ring running during the
-    /// transfer: whoever needs the delivered log or the captured packets
-    /// next waits for it first (the ring has one reader at a time).
-    pub collecting: Option<tokio::task::JoinHandle<()>>,
-    /// In-cluster connections the peers' nodes translate for this
-    /// migration, by node.
-    pub translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
-}
 
 /// A migration from this node, from its first phase to its end.
 pub(super) struct Run {
@@ -74,7 +46,7 @@ pub(super) struct Run {
     pub undo: Undo,
     /// Connections to the nodes at the far end of the process's
     /// connections, opened at Start (see `translate.rs`).
-    pub peer_links: Vec<(String, super::translate::PendingLink)>,
+    pub peer_links: Vec<(String, PendingLink)>,
     /// perf's scheduler hooks for CRIU's breakpoints: opening from Start,
     /// held from the dump to the end of the migration.
     pub sched_hooks: Option<tokio::task::JoinHandle<std::io::Result<crate::criu::SchedHooks>>>,
@@ -207,6 +179,34 @@ impl Run {
         }
     }
 
+    /// The phase after pre-copy, or instead of it.
+    pub fn after_pre_copy(&self) -> Phase {
+        if self.p.socket_migration == SocketMigration::Incremental {
+            Phase::PreRead
+        } else {
+            Phase::Listen(Listening { incremental: None })
+        }
+    }
+
+    /// Digests of what this node delivered while recording, once the
+    /// capture ring's collection started at the transfer is done.
+    pub async fn delivered_log(&mut self) -> Vec<u64> {
+        if let Err(e) = self.finish_collecting().await {
+            // The destination holds a restored copy: go on without the
+            // log; the replay then also feeds what the source delivered,
+            // and TCP drops those duplicates (a UDP datagram could be
+            // doubled).
+            tracing::error!(error = %e, "collecting the delivered log");
+        }
+        let delivered = self
+            .engine
+            .dataplane
+            .capture
+            .take_delivered(&self.p.migration_id);
+        tracing::debug!(packets = delivered.len(), "delivered while recording");
+        delivered
+    }
+
     /// Waits for the collection of the capture ring started at the
     /// transfer, if any.
     pub async fn finish_collecting(&mut self) -> Result<(), EngineError> {
@@ -279,4 +279,24 @@ impl Run {
         );
         self.report
     }
+}
+
+/// The lifecycle of a process migration `migration_id` moves out at
+/// `stage`.
+pub(super) fn out_stage(migration_id: &str, stage: OutStage) -> Lifecycle {
+    Lifecycle::MigratingOut {
+        migration_id: migration_id.to_owned(),
+        stage,
+    }
+}
+
+/// Whether ferryd reads and carries the connections' socket options
+/// (collective, the destination takes them, and this node's CRIU leaves
+/// them out). The pre-read and the dump must agree on it.
+pub(super) fn options_by_ferryd(
+    collective: bool,
+    destination_takes: bool,
+    criu: &dyn Checkpointer,
+) -> bool {
+    collective && destination_takes && criu.has_patch(OPTS_BY_CALLER_MARK)
 }

@@ -7,14 +7,11 @@
 //! handshakes under way have ended, within a bound, or the migration stops
 //! there, the process running.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Phase;
-use super::arm::Arming;
-use super::dump::Dumping;
+use super::carry::{Arming, Dumping, Listening, Settling};
 use super::run::Run;
-use crate::engine::sockettaker::Incremental;
 use crate::engine::{EngineError, blocking};
 use crate::process;
 
@@ -24,19 +21,6 @@ use crate::process;
 /// accepts within milliseconds; a client answers a SYN-ACK within one
 /// round trip.
 const PENDING_CONNECTIONS_BOUND: Duration = Duration::from_millis(500);
-
-/// Listen's input: what the pre-read found, if it ran.
-pub(super) struct Listening {
-    pub incremental: Option<Arc<Incremental>>,
-}
-
-/// Settle's input.
-pub(super) struct Settling {
-    pub listeners: process::Listeners,
-    pub incremental: Option<Arc<Incremental>>,
-    /// Incremental, protocol 9: the connections' fixed parts Arm carried.
-    pub armed_fixed: Option<Arc<crate::sockstate::packed::FixedParts>>,
-}
 
 pub(super) async fn listen(run: &mut Run, l: Listening) -> Result<Phase, EngineError> {
     let pid = run.p.pid;

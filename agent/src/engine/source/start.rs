@@ -5,7 +5,6 @@
 use super::Phase;
 use super::run::Run;
 use crate::engine::EngineError;
-use crate::sockstate::SocketMigration;
 
 pub(super) async fn start(run: &mut Run) -> Result<Phase, EngineError> {
     let images = run.images();
@@ -16,7 +15,7 @@ pub(super) async fn start(run: &mut Run) -> Result<Phase, EngineError> {
     // grace-period wait is not in the freeze (`criu::SchedHooks`); opened
     // beside the steps before the dump, held until the migration ends.
     run.sched_hooks = Some(tokio::task::spawn_blocking(crate::criu::SchedHooks::hold));
-    run.peer_links = super::translate::open_peer_links(
+    run.peer_links = super::peers::open_peer_links(
         &run.engine,
         &run.p.sockets.tcp_peers,
         &run.p.destination.name,
@@ -24,15 +23,6 @@ pub(super) async fn start(run: &mut Run) -> Result<Phase, EngineError> {
     Ok(if run.p.strategy.is_precopy() {
         Phase::PreCopy
     } else {
-        after_pre_copy(run)
+        run.after_pre_copy()
     })
-}
-
-/// The phase after pre-copy, or instead of it.
-pub(super) fn after_pre_copy(run: &Run) -> Phase {
-    if run.p.socket_migration == SocketMigration::Incremental {
-        Phase::PreRead
-    } else {
-        Phase::Listen(super::settle::Listening { incremental: None })
-    }
 }

@@ -8,46 +8,16 @@
 //! while images still arrive. The capture ring's packets (what this node
 //! delivered while recording) are sorted beside them.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::mpsc;
 
 use super::Phase;
-use super::restore::Restoring;
+use super::carry::{Restoring, Transferring};
 use super::run::Run;
-use crate::config::PeerConfig;
-use crate::engine::link::{PeerLink, peer_error, silent};
-use crate::engine::sockettaker::ReadConnections;
+use super::sockets::SentSockets;
+use crate::engine::link::{peer_error, silent};
 use crate::engine::{EngineError, images};
-use crate::memtrack::RangeSet;
-use crate::sockstate;
-
-/// Transfer's input.
-pub(super) struct Transferring {
-    pub freeze_start: Instant,
-    pub dump_end: Instant,
-    /// Pre-copy: the pages the destination holds that are still current.
-    pub held_pages: HashMap<u32, RangeSet>,
-    /// Assisted post-copy: those the destination serves itself.
-    pub local_pages: Vec<ferry_proto::v1::StoredPages>,
-    /// The UDP datagrams the stopped process's sockets hold unread.
-    pub unread: Vec<sockstate::QueuedDatagram>,
-}
-
-/// What the socket transfer of a collective migration answers.
-pub(super) struct SentSockets {
-    /// The message's size.
-    bytes: u64,
-    answer: ferry_proto::v1::TransferSocketsResponse,
-    /// Incremental: how the connections were read.
-    counts: Option<sockstate::ReadCounts>,
-    /// Bytes in the connections' send queues.
-    send_queued: u64,
-}
-
-pub(super) type SocketsSent = Result<Option<SentSockets>, EngineError>;
 
 pub(super) async fn transfer(run: &mut Run, t: Transferring) -> Result<Phase, EngineError> {
     let (tx, rx) = mpsc::channel(8);
@@ -185,64 +155,4 @@ fn count_sockets(run: &mut Run, sent: Option<SentSockets>) {
         rebuild_ms = answer.rebuild_us as f64 / 1000.0,
         "destination rebuilt the connections"
     );
-}
-
-/// Sends the connections' states to the destination in one message as
-/// soon as the socket reader has them, which is during the dump.
-pub(super) async fn send_sockets(
-    link: Arc<dyn PeerLink>,
-    migration_id: String,
-    source_node: String,
-    destination: PeerConfig,
-    deadline: Duration,
-    states_from: tokio::sync::oneshot::Receiver<Result<ReadConnections, sockstate::SockStateError>>,
-    armed_fixed: Option<Arc<sockstate::packed::FixedParts>>,
-) -> SocketsSent {
-    let read = states_from.await.map_err(|_| {
-        EngineError::Internal("the dump ended before the connections were read".into())
-    })??;
-    let states = read.states?;
-    let queued: usize = states
-        .iter()
-        .map(|c| c.send_queue.len() + c.recv_queue.len())
-        .sum();
-    tracing::info!(
-        connections = states.len(),
-        held = read.held.len(),
-        queued_bytes = queued,
-        ms = read.took.as_secs_f64() * 1000.0,
-        preread = read.counts.map(|c| c.preread),
-        touched = read.counts.map(|c| c.touched),
-        unknown = read.counts.map(|c| c.unknown),
-        "TCP connections read in one batch"
-    );
-    let counts = read.counts;
-    let send_queued = states.iter().map(|c| c.send_queue.len() as u64).sum();
-    let (packed, whole) = match &armed_fixed {
-        Some(fixed) => sockstate::packed::pack(&states, fixed),
-        None => (Default::default(), states.iter().collect()),
-    };
-    tracing::debug!(
-        packed = packed.records.len() / sockstate::packed::RECORD_LEN,
-        whole = whole.len(),
-        "connections' states encoded"
-    );
-    let req = ferry_proto::v1::TransferSocketsRequest {
-        migration_id,
-        source_node,
-        tcp_connections: whole.into_iter().map(|c| c.to_pb()).collect(),
-        packed: packed.records,
-        packed_queues: packed.queues,
-    };
-    let bytes = prost::Message::encoded_len(&req) as u64;
-    match tokio::time::timeout(deadline, link.transfer_sockets(req)).await {
-        Ok(Ok(r)) => Ok(Some(SentSockets {
-            bytes,
-            answer: r,
-            counts,
-            send_queued,
-        })),
-        Ok(Err(s)) => Err(peer_error(&destination.name, s)),
-        Err(_) => Err(silent(&destination, "the socket transfer", deadline)),
-    }
 }

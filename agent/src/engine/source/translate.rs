@@ -11,27 +11,16 @@ use std::time::Instant;
 use ferry_proto::v1::{InClusterFlow, TranslationsRequest};
 
 use super::Phase;
-use super::release::Releasing;
-use super::restore::Restored;
+use super::carry::{Releasing, Translating};
 use super::run::Run;
 use crate::config::PeerConfig;
 use crate::engine::link::{PeerLink, peer_error, silent};
-use crate::engine::{Engine, EngineError, blocking};
-
-/// Translate's input.
-pub(super) struct Translating {
-    pub restored: Restored,
-    /// The in-cluster connections the destination holds, as restored there.
-    pub in_cluster: Vec<InClusterFlow>,
-}
-
-/// A Peer link being opened.
-pub(super) type PendingLink = tokio::task::JoinHandle<Result<Arc<dyn PeerLink>, EngineError>>;
+use crate::engine::{EngineError, blocking};
 
 pub(super) async fn translate(run: &mut Run, t: Translating) -> Result<Phase, EngineError> {
     translate_in_cluster(run, t.in_cluster).await?;
     let translate_end = Instant::now();
-    let delivered = super::release::delivered_log(run).await;
+    let delivered = run.delivered_log().await;
     Ok(Phase::Release(Releasing {
         restored: t.restored,
         translate_end,
@@ -98,32 +87,6 @@ async fn translate_in_cluster(run: &mut Run, flows: Vec<InClusterFlow>) -> Resul
     Ok(())
 }
 
-/// Starts connecting to every other node of the cluster that the process
-/// has a TCP connection to (`tcp_peers`): those are the nodes an in-cluster
-/// translation may go to, and translating inside the freeze then costs no
-/// TCP and TLS handshake. Not to `destination`, which the migration's own
-/// link reaches.
-pub(super) fn open_peer_links(
-    engine: &Arc<Engine>,
-    tcp_peers: &std::collections::BTreeSet<std::net::Ipv4Addr>,
-    destination: &str,
-) -> Vec<(String, PendingLink)> {
-    tcp_peers
-        .iter()
-        .filter(|ip| **ip != engine.config.cluster.address)
-        .filter_map(|ip| engine.cluster.peer_at(*ip))
-        .filter(|peer| peer.name != destination)
-        .map(|peer| {
-            let engine = engine.clone();
-            let name = peer.name.clone();
-            (
-                name,
-                tokio::spawn(async move { Ok(engine.links.connect(&peer).await?) }),
-            )
-        })
-        .collect()
-}
-
 /// The link to `peer` opened before the freeze (the migration's own for
 /// the destination), or a new one (none was opened, or it failed:
 /// connecting again gives the error now).
@@ -144,38 +107,4 @@ async fn peer_link(run: &mut Run, peer: &PeerConfig) -> Result<Arc<dyn PeerLink>
         }
     }
     Ok(run.engine.links.connect(peer).await?)
-}
-
-/// Undoes [`translate_in_cluster`] (an abort): best effort, logged.
-pub(super) async fn untranslate_in_cluster(run: &mut Run) {
-    for (node, flows) in std::mem::take(&mut run.undo.translated) {
-        let req = TranslationsRequest {
-            migration_id: run.p.migration_id.clone(),
-            flows,
-        };
-        let result = if node == run.engine.node() {
-            let engine = run.engine.clone();
-            blocking("removing translations", move || {
-                engine.dataplane.remove_translations(engine.here(), &req)
-            })
-            .await
-            .and_then(|r| r.map_err(EngineError::from))
-            .map(|_| ())
-        } else {
-            match run.engine.cluster.peer(&node) {
-                Some(peer) => match run.engine.links.connect(&peer).await {
-                    Ok(link) => link
-                        .remove_translations(req)
-                        .await
-                        .map(|_| ())
-                        .map_err(|s| peer_error(&node, s)),
-                    Err(e) => Err(e.into()),
-                },
-                None => Err(EngineError::Internal(format!("no peer config for {node}"))),
-            }
-        };
-        if let Err(e) = result {
-            tracing::error!(node = %node, error = %e, "removing the translations of an aborted migration");
-        }
-    }
 }
