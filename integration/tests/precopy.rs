@@ -234,7 +234,7 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
 /// the freeze carries a small part; it runs normally on the destination,
 /// with every page it wrote. (What this does to Noack (2003)'s RMA process
 /// over 1 Gb/s is measured by `cargo xtask bench algorithms -- --throttle
-/// auto`: docs/results.md.)
+/// auto`: docs/results.md, "Pre-copy with a throttle".)
 #[test]
 fn a_writer_faster_than_the_link_converges_when_throttled() {
     if !ferry_integration::can_run("a_writer_faster_than_the_link_converges_when_throttled") {

@@ -86,7 +86,7 @@ const PATCHES: &[Patch] = &[
     },
     // A socket's flags are read with F_GETFL instead of parsing its
     // /proc/PID/fdinfo file, inside the freeze (~20 ms at 1024 sockets,
-    // measured A/B in docs/results.md).
+    // measured A/B in commit 271331c).
     Patch {
         what: "socket flags without fdinfo",
         text: include_str!("../criu/socket-flags-without-fdinfo.patch"),
@@ -102,7 +102,7 @@ const PATCHES: &[Patch] = &[
     // Connections handed over as `ferry-tcp:[<ino>]` stay in CRIU's
     // process and the restored task takes each by pidfd_getfd(), instead
     // of through CRIU's fdstore, whose lookups are quadratic (~6 ms of the
-    // restore at 1024 connections, measured A/B in docs/results.md). Its
+    // restore at 1024 connections, measured A/B in commit fecccdc). Its
     // pidfd is closed before the tasks resume since mark "2" (the first
     // version leaked it into the restored process).
     Patch {

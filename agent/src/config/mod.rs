@@ -142,8 +142,8 @@ pub struct MigrationConfig {
     /// with what does not move read before the freeze,
     /// `sockstate::preread`) or "iterative" (CRIU's own path, one
     /// connection at a time). Incremental: its freeze was the shortest in
-    /// every comparison measured here (docs/results.md, `cargo xtask bench
-    /// freeze`); it falls back to collective by itself without cgroup v2,
+    /// every comparison measured here (docs/results.md, "The freeze at 16
+    /// to 4096 connections"; `cargo xtask bench freeze`); it falls back to collective by itself without cgroup v2,
     /// and collective to iterative for sockets it cannot move.
     pub sockets: SocketMigration,
     /// How memory moves when a request does not say: "total-copy" (all in

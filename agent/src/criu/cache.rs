@@ -3,8 +3,8 @@
 //! Every CRIU run starts by probing the kernel (`kerndat_init`: vDSO
 //! layouts, socket diag modules, netns links, memory tracking, ...), which
 //! takes about 85 ms on this project's machines and under 10 ms when the
-//! result is cached (measured with `criu check -v4`, see
-//! `docs/results.md`). On the source that cost is paid before CRIU's
+//! result is cached (measured with `criu check -v4`, commit a39bad0). On
+//! the source that cost is paid before CRIU's
 //! `pre-dump` notification, while the process still runs; on the
 //! destination the restore's CRIU starts after the process was stopped, so
 //! without the cache every migration's freeze carries it.

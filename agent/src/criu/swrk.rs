@@ -486,7 +486,7 @@ impl Worker {
         // down its memory and descriptors: ~1 ms of CPU for each of the
         // dump's and the restore's workers at 1024 connections, which ran
         // inside the freeze on cores the freeze keeps busy (perf, 6
-        // migrations, docs/results.md). Behind every other thread, it
+        // migrations, commit 805a614). Behind every other thread, it
         // runs when a core is idle. Not after an error: CRIU may still be
         // resuming the tasks it stopped.
         if result.is_ok() {

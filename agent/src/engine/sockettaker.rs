@@ -5,7 +5,7 @@
 //! TCP connection) needs the tree stopped and nothing else. CRIU stops it a
 //! few milliseconds into the dump (PTRACE_SEIZE) and then spends most of
 //! the dump on its descriptors, one at a time: ~85 ms of ~100 for 1,025
-//! sockets here (docs/results.md). Right after the tree is frozen CRIU asks
+//! sockets here (measured in commit d83d1aa). Right after the tree is frozen CRIU asks
 //! its RPC caller for external files (`query-ext-files`): from there the
 //! reading runs on its own thread beside the dump, and the connections'
 //! states leave for the destination as soon as they are read, so that it
