@@ -463,6 +463,23 @@ fn rig(
     f
 }
 
+/// A process under management with a scripted CRIU that dumps it and a
+/// scripted destination that fails at `step`, if one is named.
+fn plain_rig(step: Option<Step>) -> (Echo, Arc<ScriptedDestination>, Fixture) {
+    let echo = Echo::start();
+    let destination = Arc::new(ScriptedDestination {
+        fails: step,
+        ..Default::default()
+    });
+    let f = rig(
+        &echo,
+        ScriptedCriu::default(),
+        destination.clone(),
+        Arc::default(),
+    );
+    (echo, destination, f)
+}
+
 /// The last state the filter was given for `port`.
 fn last_filter_state(f: &Fixture, port: PortKey) -> String {
     let calls = f.filter.0.lock().unwrap();
@@ -635,14 +652,7 @@ async fn a_cancel_stops_the_migration_until_the_restore_begins() {
         ("transfer_images", false),
         ("restore", true),
     ] {
-        let mut echo = Echo::start();
-        let destination = Arc::new(ScriptedDestination::default());
-        let f = rig(
-            &echo,
-            ScriptedCriu::default(),
-            destination.clone(),
-            Arc::default(),
-        );
+        let (mut echo, destination, f) = plain_rig(None);
         let prepared = prepare(&f.engine, echo.pid, "node1", MigrationOptions::default())
             .await
             .unwrap();
@@ -680,17 +690,7 @@ async fn a_cancel_stops_the_migration_until_the_restore_begins() {
 /// no write protection outlives it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_pre_copy_round_ends_the_tracking_and_resumes() {
-    let mut echo = Echo::start();
-    let destination = Arc::new(ScriptedDestination {
-        fails: Some("transfer_pages"),
-        ..Default::default()
-    });
-    let f = rig(
-        &echo,
-        ScriptedCriu::default(),
-        destination.clone(),
-        Arc::default(),
-    );
+    let (mut echo, destination, f) = plain_rig(Some("transfer_pages"));
     let options = MigrationOptions {
         strategy: Some(MemoryStrategy::PreCopy),
         ..Default::default()
@@ -715,14 +715,7 @@ async fn a_failed_pre_copy_round_ends_the_tracking_and_resumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migration_commits_and_the_source_copy_goes() {
     for sockets in [SocketMigration::Iterative, SocketMigration::Collective] {
-        let echo = Echo::start();
-        let destination = Arc::new(ScriptedDestination::default());
-        let f = rig(
-            &echo,
-            ScriptedCriu::default(),
-            destination.clone(),
-            Arc::default(),
-        );
+        let (echo, destination, f) = plain_rig(None);
         let options = MigrationOptions {
             sockets: Some(sockets),
             ..Default::default()
@@ -759,17 +752,7 @@ async fn a_migration_commits_and_the_source_copy_goes() {
 /// A destination that refuses in Prepare leaves the process as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_in_prepare_leaves_no_trace() {
-    let mut echo = Echo::start();
-    let destination = Arc::new(ScriptedDestination {
-        fails: Some("prepare"),
-        ..Default::default()
-    });
-    let f = rig(
-        &echo,
-        ScriptedCriu::default(),
-        destination.clone(),
-        Arc::default(),
-    );
+    let (mut echo, destination, f) = plain_rig(Some("prepare"));
     let err = prepare(&f.engine, echo.pid, "node1", MigrationOptions::default())
         .await
         .unwrap_err();
