@@ -31,7 +31,7 @@ pub async fn follow(mut stream: tonic::Streaming<DrainEvent>, as_json: bool) -> 
                 if as_json && let Some(f) = &summary {
                     println!("{f}");
                 }
-                return Err(crate::status_error(s));
+                return Err(crate::connection::status_error(s));
             }
         };
         match ev.event {

@@ -14,7 +14,7 @@ use ferry_proto::v1::{
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_stream::StreamExt;
 
-use crate::{Client, status_error};
+use crate::connection::{Client, status_error};
 
 /// How long a lost agent is waited for (a restart under systemd takes a
 /// couple of seconds) before ferry gives up following.

@@ -1,0 +1,512 @@
+//! What the CLI prints of the agent's records, as tables and text or as
+//! JSON (`--json`): nodes, processes, migration reports, the data plane and
+//! the balancer.
+
+use anyhow::Result;
+use ferry_proto::v1::{self as pb, MigrationReport};
+use serde_json::json;
+
+/// `ferry nodes`: a table of the cluster's nodes.
+pub(crate) fn print_nodes(nodes: Vec<pb::Node>, as_json: bool) -> Result<()> {
+    if as_json {
+        let v: Vec<_> = nodes.iter().map(|n| json!({
+            "name": n.name, "peer_address": n.peer_address, "self": n.is_self,
+            "reachable": n.reachable, "peer_protocol_version": n.peer_protocol_version,
+            "managed_processes": n.managed_processes, "error": n.error,
+            "membership_state": n.membership_state, "load": if n.has_load { json!(n.load) } else { json!(null) },
+            "load_age_ms": n.load_age_ms, "candidate": n.candidate, "cordoned": n.cordoned,
+        })).collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  NOTE",
+            "NODE", "PEER ADDRESS", "STATE", "SWIM", "LOAD", "PROTOCOL", "MANAGED"
+        );
+        for n in nodes {
+            let state = if n.reachable { "up" } else { "down" };
+            let mut note = if n.is_self {
+                "this node".to_owned()
+            } else if n.candidate {
+                format!("balancer candidate {}", n.error)
+            } else {
+                n.error
+            };
+            if n.cordoned {
+                note = format!("cordoned; {note}");
+            }
+            let load = if n.has_load {
+                format!("{:.2}", n.load)
+            } else {
+                "-".into()
+            };
+            println!(
+                "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {}",
+                n.name,
+                n.peer_address,
+                state,
+                n.membership_state,
+                load,
+                n.peer_protocol_version,
+                n.managed_processes,
+                note
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `ferry ps`: a table of managed processes, with the ports refused them
+/// and the nodes that did not answer.
+pub(crate) fn print_processes(r: pb::ListProcessesResponse, as_json: bool) -> Result<()> {
+    if as_json {
+        let v: Vec<_> = r.processes.iter().map(|p| json!({
+            "pid": p.pid, "argv": p.argv, "ports": p.ports.iter().map(port_str).collect::<Vec<_>>(),
+            "tcp_listening": p.tcp_listening, "tcp_established": p.tcp_established,
+            "udp_sockets": p.udp_sockets, "state": p.state, "origin": p.origin,
+            "port_conflicts": p.port_conflicts, "node": p.node,
+        })).collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"node": r.node, "processes": v, "unreachable": r.unreachable})
+            )?
+        );
+    } else {
+        println!(
+            "{:<12} {:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  COMMAND",
+            "NODE", "PID", "STATE", "ORIGIN", "PORTS", "LISTEN", "ESTAB", "UDP"
+        );
+        for p in r.processes {
+            let ports = p.ports.iter().map(port_str).collect::<Vec<_>>().join(",");
+            println!(
+                "{:<12} {:>8} {:<10} {:<12} {:<18} {:>6} {:>6} {:>4}  {}",
+                p.node,
+                p.pid,
+                p.state,
+                p.origin,
+                ports,
+                p.tcp_listening,
+                p.tcp_established,
+                p.udp_sockets,
+                p.argv.join(" ")
+            );
+            for c in &p.port_conflicts {
+                println!("{:>21} refused: {c}; its packets go there", "");
+            }
+        }
+        for u in &r.unreachable {
+            eprintln!("not listed: {u}");
+        }
+    }
+    Ok(())
+}
+
+/// A migration's report: how `ferry migrate` ends, `ferry report` and
+/// `ferry cancel`.
+pub(crate) fn print_report(r: &MigrationReport, as_json: bool) -> Result<()> {
+    let names = ReportNames::of(r);
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&report_json(r, &names))?);
+        return Ok(());
+    }
+    print_report_text(r, &names);
+    Ok(())
+}
+
+/// The report's enums as the words printed for them.
+struct ReportNames {
+    outcome: &'static str,
+    sockets: &'static str,
+    strategy: &'static str,
+}
+
+impl ReportNames {
+    fn of(r: &MigrationReport) -> Self {
+        let outcome = match pb::MigrationOutcome::try_from(r.outcome) {
+            Ok(pb::MigrationOutcome::Committed) => "committed",
+            Ok(pb::MigrationOutcome::Aborted) => "aborted",
+            Ok(pb::MigrationOutcome::Lost) => "lost",
+            _ => "unknown",
+        };
+        let sockets = match pb::SocketMigration::try_from(r.sockets) {
+            Ok(pb::SocketMigration::Collective) => "collective",
+            Ok(pb::SocketMigration::Iterative) => "iterative",
+            Ok(pb::SocketMigration::Incremental) => "incremental",
+            _ => "unknown",
+        };
+        let strategy = match pb::Strategy::try_from(r.strategy) {
+            Ok(pb::Strategy::TotalCopy) => "total-copy",
+            Ok(pb::Strategy::PreCopy) => "pre-copy",
+            Ok(pb::Strategy::QueuedPreCopy) => "queued-pre-copy",
+            Ok(pb::Strategy::PostCopy) => "post-copy",
+            Ok(pb::Strategy::AssistedPostCopy) => "assisted-post-copy",
+            _ => "unknown",
+        };
+        ReportNames {
+            outcome,
+            sockets,
+            strategy,
+        }
+    }
+}
+
+fn report_json(r: &MigrationReport, names: &ReportNames) -> serde_json::Value {
+    let ReportNames {
+        outcome,
+        sockets,
+        strategy,
+    } = *names;
+    let mut v = json!({
+        "migration_id": r.migration_id, "outcome": outcome, "error": r.error,
+        "strategy": strategy, "source_node": r.source_node, "destination_node": r.destination_node,
+        "source_pid": r.source_pid, "destination_pid": r.destination_pid,
+        "preparation_time_ms": ms(r.preparation_time_us), "freeze_time_ms": ms(r.freeze_time_us),
+        "post_processing_time_ms": ms(r.post_processing_time_us), "total_time_ms": ms(r.total_time_us),
+        "image_bytes": r.image_bytes, "image_files": r.image_files, "bytes_transferred": r.bytes_transferred,
+        "tcp_established": r.tcp_established, "tcp_listening": r.tcp_listening, "udp_sockets": r.udp_sockets,
+        "ports": r.ports.iter().map(port_str).collect::<Vec<_>>(),
+        "phases": r.phases.iter().map(|p| json!({"phase": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
+        "freeze_parts": r.freeze_parts.iter().map(|p| json!({"part": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
+        "resumed_on_source": r.resumed_on_source, "started_at_unix_ms": r.started_at_unix_ms,
+        "capture": r.capture,
+        "memory_tracking": r.memory_tracking, "convergence": r.convergence,
+        "throttled_to_percent": r.throttled_to_percent,
+        "dumped_pages": r.dumped_pages, "freeze_pages": r.freeze_pages, "precopied_pages": r.precopied_pages,
+        "postcopy_pages": r.postcopy_pages,
+        "rounds": r.rounds.iter().map(|x| json!({
+            "round": x.round, "written_pages": x.written_pages, "sent_pages": x.sent_pages,
+            "sent_bytes": x.sent_bytes, "delayed_pages": x.delayed_pages, "ms": ms(x.duration_us),
+        })).collect::<Vec<_>>(),
+        "socket_migration": sockets, "socket_migration_note": r.sockets_note,
+        "replay": r.replay.as_ref().map(|s| json!({
+            "captured": s.captured, "replayed": s.replayed,
+            "skipped_delivered": s.skipped_delivered, "failed": s.failed,
+            "replay_time_ms": ms(s.replay_time_us),
+        })),
+    });
+    // Apart: one more field in the literal above is past json!'s
+    // recursion limit.
+    v["connections_preread"] = json!(r.connections_preread);
+    v["connections_read_in_freeze"] = json!(r.connections_read_in_freeze);
+    v["connections_staged"] = json!(r.connections_staged);
+    v["drain_time_ms"] = json!(ms(r.drain_time_us));
+    v["drain_bytes_at_start"] = json!(r.drain_bytes_at_start);
+    v["drain_bytes_left"] = json!(r.drain_bytes_left);
+    if let Some(s) = &r.replay {
+        v["replay"]["carried"] = json!(s.carried);
+    }
+    v
+}
+
+fn print_report_text(r: &MigrationReport, names: &ReportNames) {
+    println!("migration {}  {}", r.migration_id, names.outcome);
+    println!(
+        "  {} PID {} -> {} PID {}",
+        r.source_node, r.source_pid, r.destination_node, r.destination_pid
+    );
+    println!("  strategy            {}", names.strategy);
+    print_memory(r);
+    print_connections(r, names.sockets);
+    print_phases(r);
+    print_error(r);
+}
+
+/// The report's pre-copy rounds, freeze, post-copy and totals.
+fn print_memory(r: &MigrationReport) {
+    if !r.rounds.is_empty() {
+        println!(
+            "  preparation time    {:>10.1} ms  ({} rounds, {}; dirty pages by {})",
+            ms(r.preparation_time_us),
+            r.rounds.len(),
+            r.convergence,
+            r.memory_tracking
+        );
+        for x in &r.rounds {
+            println!(
+                "    round {:>3}  {:>8} written  {:>8} sent  {:>8} delayed  {:>8.1} ms",
+                x.round,
+                x.written_pages,
+                x.sent_pages,
+                x.delayed_pages,
+                ms(x.duration_us)
+            );
+        }
+        println!(
+            "  pages in freeze     {} of {} dumped ({} pre-copied)",
+            r.freeze_pages, r.dumped_pages, r.precopied_pages
+        );
+    }
+    println!("  freeze time         {:>10.1} ms", ms(r.freeze_time_us));
+    if r.strategy == pb::Strategy::PostCopy as i32
+        || r.strategy == pb::Strategy::AssistedPostCopy as i32
+    {
+        println!(
+            "  post-processing     {:>10.1} ms  ({} pages after the resume, {} of them from the live pass)",
+            ms(r.post_processing_time_us),
+            r.postcopy_pages,
+            r.postcopy_local_pages
+        );
+        println!(
+            "  delay after resume  {:>10.1} ms  ({} page faults waited for)",
+            ms(r.postcopy_fault_wait_us),
+            r.postcopy_faults
+        );
+    }
+    println!("  total time          {:>10.1} ms", ms(r.total_time_us));
+    println!(
+        "  bytes transferred   {:>10}  ({} image files)",
+        r.bytes_transferred, r.image_files
+    );
+}
+
+/// The report's sockets, how they moved, the drain and the packets
+/// captured in the freeze.
+fn print_connections(r: &MigrationReport, sockets: &str) {
+    println!(
+        "  sockets             {} established, {} listening, {} UDP; ports {}",
+        r.tcp_established,
+        r.tcp_listening,
+        r.udp_sockets,
+        r.ports.iter().map(port_str).collect::<Vec<_>>().join(",")
+    );
+    println!("  socket migration    {sockets}");
+    if r.sockets == pb::SocketMigration::Incremental as i32 {
+        println!(
+            "                      {} connections read before the freeze, {} read whole in it, \
+             {} rebuilt on sockets opened before it",
+            r.connections_preread, r.connections_read_in_freeze, r.connections_staged
+        );
+    }
+    if !r.sockets_note.is_empty() {
+        println!("                      ({})", r.sockets_note);
+    }
+    if r.drain_time_us > 0 || r.drain_bytes_at_start > 0 {
+        println!(
+            "  drain before freeze {:>10.1} ms  ({} bytes queued, {} left)",
+            ms(r.drain_time_us),
+            r.drain_bytes_at_start,
+            r.drain_bytes_left
+        );
+    }
+    match (&r.replay, r.capture) {
+        (Some(s), _) => println!(
+            "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms); {} unread UDP datagrams carried",
+            s.captured,
+            s.replayed,
+            s.skipped_delivered,
+            s.failed,
+            ms(s.replay_time_us),
+            s.carried
+        ),
+        (None, false) => println!("  packets in freeze   dropped (capture off)"),
+        (None, true) => {}
+    }
+}
+
+fn print_phases(r: &MigrationReport) {
+    println!("  phases:");
+    for p in &r.phases {
+        println!("    {:<10} {:>10.1} ms", p.phase, ms(p.duration_us));
+    }
+    if !r.freeze_parts.is_empty() {
+        println!("  the freeze, part by part:");
+        for p in &r.freeze_parts {
+            println!("    {:<30} {:>10.1} ms", p.phase, ms(p.duration_us));
+        }
+    }
+}
+
+fn print_error(r: &MigrationReport) {
+    if !r.error.is_empty() {
+        println!("  error: {}", r.error);
+        if r.resumed_on_source {
+            println!("  the process was resumed on {}", r.source_node);
+        }
+        if r.outcome == pb::MigrationOutcome::Lost as i32 {
+            println!("  the process runs nowhere: post-copy could not complete its memory");
+        }
+    }
+}
+
+pub(crate) fn print_data_plane(d: &pb::DataPlane, as_json: bool) -> Result<()> {
+    let c = d.counters.unwrap_or_default();
+    let rows = [
+        ("passed", c.passed, "to owned ports, delivered"),
+        (
+            "dropped_not_owned",
+            c.dropped_not_owned,
+            "to other nodes' ports",
+        ),
+        (
+            "dropped_frozen",
+            c.dropped_frozen,
+            "to frozen ports, not captured",
+        ),
+        (
+            "passed_other",
+            c.passed_other,
+            "ARP, ICMP, IPv6, later fragments",
+        ),
+        ("egress_blocked", c.egress_blocked, "from frozen ports"),
+        ("captured", c.captured, "kept while a process moved"),
+        ("capture_lost", c.capture_lost, "capture ring full"),
+        (
+            "recorded",
+            c.recorded,
+            "delivered and logged before a freeze",
+        ),
+        ("replayed", c.replayed, "captured, then replayed here"),
+        (
+            "skipped_delivered",
+            c.skipped_delivered,
+            "captured, delivered on the source",
+        ),
+        ("replay_failed", c.replay_failed, "captured, replay failed"),
+        ("translated", c.translated, "in-cluster packets rewritten"),
+        ("held", c.held, "in-cluster packets held until a commit"),
+    ];
+    let ports: Vec<(String, &str)> = d
+        .ports
+        .iter()
+        .map(|p| {
+            (
+                p.port.as_ref().map(port_str).unwrap_or_default(),
+                p.state.as_str(),
+            )
+        })
+        .collect();
+    if as_json {
+        let mut counters = serde_json::Map::new();
+        for (name, v, _) in rows {
+            counters.insert(name.to_owned(), json!(v));
+        }
+        let v = json!({
+            "node": d.node, "interface": d.interface, "counters": counters,
+            "ports": ports.iter().map(|(p, s)| json!({"port": p, "state": s})).collect::<Vec<_>>(),
+            "cluster_interface": d.cluster_interface, "translations": d.translations,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("data plane of {} on {}", d.node, d.interface);
+    for (name, v, what) in rows {
+        println!("  {name:<18} {v:>12}  {what}");
+    }
+    println!("ports:");
+    if ports.is_empty() {
+        println!("  (none)");
+    }
+    for (p, s) in ports {
+        println!("  {p:<12} {s}");
+    }
+    println!("in-cluster rules on {}:", d.cluster_interface);
+    if d.translations.is_empty() {
+        println!("  (none)");
+    }
+    for t in &d.translations {
+        println!("  {t}");
+    }
+    Ok(())
+}
+
+pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
+    let stats = b.stats.unwrap_or_default();
+    if as_json {
+        let v = json!({
+            "node": b.node, "enabled": b.enabled, "local_load": b.local_load,
+            "export_load": b.export_load, "cpus": b.cpus, "last_decision": b.last_decision,
+            "calm_down_remaining_ms": b.calm_down_remaining_ms,
+            "peers": b.peers.iter().map(|p| json!({"node": p.node, "load": p.load, "age_ms": p.age_ms})).collect::<Vec<_>>(),
+            "processes": b.processes.iter().map(|p| json!({"pid": p.pid, "load": p.load, "resident_ms": p.resident_ms, "migratable": p.migratable, "argv": p.argv})).collect::<Vec<_>>(),
+            "migrations": b.migrations.iter().map(|m| json!({
+                "migration_id": m.migration_id, "source_pid": m.source_pid, "destination_pid": m.destination_pid,
+                "argv": m.argv, "from": m.from_node, "to": m.to_node, "at_unix_ms": m.at_unix_ms,
+                "committed": m.committed, "error": m.error,
+            })).collect::<Vec<_>>(),
+            "stats": {
+                "ticks": stats.ticks, "offers_sent": stats.offers_sent, "offers_accepted": stats.offers_accepted,
+                "offers_refused": stats.offers_refused, "offers_timed_out": stats.offers_timed_out,
+                "migrations_committed": stats.migrations_committed, "migrations_aborted": stats.migrations_aborted,
+                "incoming_accepted": stats.incoming_accepted, "incoming_refused": stats.incoming_refused,
+                "gossip_received": stats.gossip_received, "gossip_stale_dropped": stats.gossip_stale_dropped,
+                "gossip_future_dated": stats.gossip_future_dated,
+            },
+            "policy_toml": b.policy_toml,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "balancer of {}: {}",
+        b.node,
+        if b.enabled { "on" } else { "off" }
+    );
+    println!(
+        "  load {:.2} (export {:.2}) on {} CPUs; last turn: {}",
+        b.local_load, b.export_load, b.cpus, b.last_decision
+    );
+    if b.calm_down_remaining_ms > 0 {
+        println!("  calming down for {} ms more", b.calm_down_remaining_ms);
+    }
+    println!(
+        "  offers {} sent, {} accepted, {} refused, {} timed out; migrations {} committed, {} aborted; incoming {} accepted, {} refused",
+        stats.offers_sent,
+        stats.offers_accepted,
+        stats.offers_refused,
+        stats.offers_timed_out,
+        stats.migrations_committed,
+        stats.migrations_aborted,
+        stats.incoming_accepted,
+        stats.incoming_refused
+    );
+    println!("peers (export load as believed here):");
+    for p in &b.peers {
+        println!("  {:<16} {:>8.2}  {:>6} ms old", p.node, p.load, p.age_ms);
+    }
+    println!("processes:");
+    for p in &b.processes {
+        println!(
+            "  {:>8} {:>8.2}  resident {:>8} ms{}  {}",
+            p.pid,
+            p.load,
+            p.resident_ms,
+            if p.migratable { "" } else { " (moving)" },
+            p.argv.join(" ")
+        );
+    }
+    if !b.migrations.is_empty() {
+        println!("migrations started here:");
+        for m in &b.migrations {
+            println!(
+                "  PID {} -> {} PID {}  {}{}",
+                m.source_pid,
+                m.to_node,
+                m.destination_pid,
+                if m.committed { "committed" } else { "aborted" },
+                if m.error.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", m.error)
+                }
+            );
+        }
+    }
+    println!("policy:");
+    for line in b.policy_toml.lines() {
+        println!("  {line}");
+    }
+    Ok(())
+}
+
+pub(crate) fn port_str(p: &pb::Port) -> String {
+    let proto = match pb::Protocol::try_from(p.protocol) {
+        Ok(pb::Protocol::Tcp) => "tcp",
+        Ok(pb::Protocol::Udp) => "udp",
+        _ => "?",
+    };
+    format!("{}/{}", p.port, proto)
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
