@@ -1,5 +1,5 @@
 //! `cargo xtask fuzz [TARGET] [--seconds N]`: runs the cargo-fuzz targets in
-//! `fuzz/` (their bodies are in `agent/src/fuzzing.rs`), each for N seconds
+//! `fuzz/` (their bodies are in `agent/src/fuzzing/`), each for N seconds
 //! from its kept corpus, and fails on the first finding (a panic, a failed
 //! invariant, a hang or a sanitizer report; libFuzzer leaves the input in
 //! `fuzz/artifacts/TARGET/`).
