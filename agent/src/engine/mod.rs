@@ -209,10 +209,10 @@
 //! scan, CRIU's start-up and restore, translation, release, replay, and
 //! what the RPCs around them cost), which add up to the freeze time.
 //!
-//! The destination's side is in `destination.rs`; its states are
-//! `Reserved ─> Receiving ─> Restored ─> (Committed | Aborted)`; a
-//! post-copy's daemon outlives the slot after the Commit, watched until it
-//! ends (`PostCopies`).
+//! The destination's side is in [`destination`]: its slot's states are
+//! `Reserved ─> Received ─> Restored`, then empty again (committed or
+//! aborted); a post-copy's daemon outlives the slot after the Commit,
+//! watched until it ends (`PostCopies`).
 
 pub mod cancel;
 mod context;
