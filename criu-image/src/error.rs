@@ -71,6 +71,16 @@ pub enum ImageError {
         problem: PagemapProblem,
     },
 
+    /// An mm image whose memory areas CRIU would refuse or that cannot be
+    /// told apart: a required field missing, an empty or unaligned area,
+    /// areas out of order or overlapping.
+    #[error("{path} at byte {offset}: mm: {problem}")]
+    BadMm {
+        path: PathBuf,
+        offset: u64,
+        problem: String,
+    },
+
     /// A pages file whose size is not what its pagemap's present runs take:
     /// a short file lacks pages, a long one has bytes no run accounts for,
     /// and either way the offsets of the pagemap cannot be trusted for it.

@@ -77,6 +77,7 @@
 
 mod error;
 mod image;
+pub mod mm;
 pub mod pagemap;
 mod socket;
 mod wire;

@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the bench crate's binary behind each.
-pub const BENCHES: [(&str, &str, &str); 5] = [
+pub const BENCHES: [(&str, &str, &str); 6] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -29,6 +29,11 @@ pub const BENCHES: [(&str, &str, &str); 5] = [
         "total copy vs pre-copy vs queued pre-copy over 10 Mb/s, 100 Mb/s and 1 Gb/s links (Noack (2003), tables 5.1, 5.3, 5.6)",
     ),
     (
+        "memory",
+        "ferry-bench-memory",
+        "the freeze, total time, post-resume window, bytes and the destination's extra memory of processes of 64 MiB to 4 GiB at several write rates, per strategy, on unshaped and 1 Gb/s links",
+    ),
+    (
         "replay",
         "ferry-bench-replay",
         "replaying captured packets: raw IPPROTO_RAW socket vs TUN vs the wire (µs/packet, delivery, hooks passed)",
@@ -36,21 +41,24 @@ pub const BENCHES: [(&str, &str, &str); 5] = [
     (
         "ab",
         "ferry-bench-ab",
-        "two builds' freeze in interleaved rounds (--a NAME=DIR[:CRIU] --b NAME=DIR[:CRIU] [--rounds N] [-- freeze bench args]; each DIR a copy of target/debug)",
+        "two builds' freeze in interleaved rounds (--a NAME=DIR[:CRIU] --b NAME=DIR[:CRIU] [--rounds N] [-- freeze bench args]; each DIR a copy of target/release)",
     ),
 ];
 
 /// Every binary a benchmark starts: the agent, the integration crate's
 /// workloads and the bench crate's own (`ferry-bench-ab` runs
-/// `ferry-bench-freeze`), so that `target/debug` is also what `bench ab`
-/// takes as a build's directory.
-pub fn build() -> Result<()> {
-    let args = ["build", "--workspace", "--bins"];
+/// `ferry-bench-freeze`), so that `target/release` (or `target/debug`) is
+/// also what `bench ab` takes as a build's directory.
+pub fn build(release: bool) -> Result<()> {
+    let mut args = vec!["build", "--workspace", "--bins"];
+    if release {
+        args.push("--release");
+    }
     test::header(&format!("build: cargo {}", args.join(" ")));
-    cmd::run(cmd::cargo().args(args)).context("step `build` failed")
+    cmd::run(cmd::cargo().args(&args)).context("step `build` failed")
 }
 
-pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
+pub fn run(criu_prefix: &Path, name: &str, args: &[String], release: bool) -> Result<()> {
     let Some((_, bin, _)) = BENCHES.iter().find(|(n, _, _)| *n == name) else {
         let known: Vec<String> = BENCHES
             .iter()
@@ -59,9 +67,14 @@ pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
         bail!("no benchmark `{name}`; known: {}", known.join(", "));
     };
     test::ensure_setup(criu_prefix)?;
-    build()?;
+    build(release)?;
     test::header(&format!("bench {name}"));
-    let path = cmd::debug_dir().join(bin);
+    let dir = if release {
+        cmd::release_dir()
+    } else {
+        cmd::debug_dir()
+    };
+    let path = dir.join(bin);
     if !path.exists() {
         bail!(
             "step `bench {name}` failed: {} was not built (no `{bin}` binary in the {} crate, bench/?)",
@@ -72,5 +85,7 @@ pub fn run(criu_prefix: &Path, name: &str, args: &[String]) -> Result<()> {
     let mut c = Command::new(&path);
     c.args(args);
     test::ferry_env(&mut c, criu_prefix);
+    // The agent and the workloads of the same profile as the benchmark.
+    c.env("FERRY_BIN_DIR", &dir);
     cmd::run(&mut c).with_context(|| format!("step `bench {name}` failed"))
 }

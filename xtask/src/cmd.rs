@@ -54,7 +54,16 @@ pub fn workspace_root() -> PathBuf {
 /// Where cargo puts debug binaries: honours CARGO_TARGET_DIR, which the
 /// nested cargo invocations inherit.
 pub fn debug_dir() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
+    target_dir().join("debug")
+}
+
+/// Where cargo puts release binaries (the build users deploy).
+pub fn release_dir() -> PathBuf {
+    target_dir().join("release")
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|p| {
             if p.is_absolute() {
@@ -63,8 +72,7 @@ pub fn debug_dir() -> PathBuf {
                 workspace_root().join(p)
             }
         })
-        .unwrap_or_else(|| workspace_root().join("target"));
-    target.join("debug")
+        .unwrap_or_else(|| workspace_root().join("target"))
 }
 
 pub fn cargo() -> Command {

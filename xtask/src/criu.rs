@@ -188,6 +188,14 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/connections-not-collected.patch"),
         mark: "ferry-conns-uncollected",
     },
+    // After pre-copy the dump leaves out the pages the destination holds
+    // and the task did not write since (ferryd lists them; PAGEMAP_SCAN
+    // tells written ones): the freeze does not read, write or send them.
+    Patch {
+        what: "pre-copied pages left out of the dump",
+        text: include_str!("../criu/held-pages-left-out.patch"),
+        mark: "ferry-held-pages",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -69,9 +69,15 @@ enum Command {
     /// Set up if needed, build, and run a benchmark (root; the bench crate's
     /// binaries): `gap` (capture and replay against drop and retransmit),
     /// `freeze` (socket modes at scale), `algorithms` (memory strategies
-    /// over shaped links), `replay`, `ab` (two builds' freeze); extra
-    /// arguments go to it (`cargo xtask bench gap -- --runs 20`).
+    /// over shaped links), `memory` (the freeze against the process's
+    /// memory), `replay`, `ab` (two builds' freeze); extra arguments go to
+    /// it (`cargo xtask bench gap -- --runs 20`). Built and run in the
+    /// release profile, the build users deploy; `--debug` for the debug
+    /// profile (`cargo xtask bench --debug gap`).
     Bench {
+        /// The debug profile instead of release (figures not to publish).
+        #[arg(long)]
+        debug: bool,
         name: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -96,7 +102,7 @@ fn main() -> std::process::ExitCode {
         Command::Test => test::run_all(prefix),
         Command::Integration { args } => test::run_integration(prefix, &args),
         Command::Demo { args } => demo::run(prefix, &args),
-        Command::Bench { name, args } => bench::run(prefix, &name, &args),
+        Command::Bench { debug, name, args } => bench::run(prefix, &name, &args, !debug),
         Command::Sim(args) => sim::run(&args),
         Command::Fuzz(args) => fuzz::run(&args),
     };

@@ -36,16 +36,37 @@ struct Args {
     /// valid, 1 with the offending field named if not.
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     check_config: Option<Option<PathBuf>>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Installs a restored process's pre-copied pages from the page store
+    /// (ferryd starts it for a migration, with its control socket and
+    /// stores at descriptors 3 and on; not for use by hand).
+    Fill {
+        /// The fill plan (JSON), written by ferryd.
+        #[arg(long)]
+        plan: PathBuf,
+        /// Where the filler logs.
+        #[arg(long)]
+        log: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(Command::Fill { plan, log }) = &args.command {
+        return fill(plan, log);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    match main_exec() {
+    match main_exec(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -55,8 +76,30 @@ fn main() -> ExitCode {
     }
 }
 
-fn main_exec() -> Result<()> {
-    let args = Args::parse();
+/// `ferryd fill`: logs to its own file (its stderr is /dev/null), exits 0
+/// once every page is in.
+fn fill(plan: &Path, log: &Path) -> ExitCode {
+    match std::fs::File::create(log) {
+        Ok(file) => tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "info".into()),
+            )
+            .with_ansi(false)
+            .with_writer(std::sync::Mutex::new(file))
+            .init(),
+        Err(e) => eprintln!("ferryd fill: {}: {e}", log.display()),
+    }
+    match ferry_agent::fill::filler::main(plan) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn main_exec(args: Args) -> Result<()> {
     if let Some(file) = args.check_config {
         return check_config(file.as_deref().unwrap_or(&args.config));
     }

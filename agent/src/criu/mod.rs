@@ -7,9 +7,10 @@
 
 mod cache;
 mod error;
+pub mod held;
 pub mod lazy;
 mod sched_hooks;
-mod spawn;
+pub(crate) mod spawn;
 mod swrk;
 mod version;
 
@@ -25,8 +26,8 @@ pub use swrk::{
 };
 pub use version::{
     CONNS_OUT_IMAGE_PREFIX, CONNS_OUT_MARK, CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES,
-    INHERITED_TCP_MARK, MIN_CRIU_VERSION, OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK, TCP_TABLE_MARK,
-    has_patch, missing_patches, probe_version, require_patch,
+    HELD_PAGES_MARK, INHERITED_TCP_MARK, MIN_CRIU_VERSION, OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK,
+    TCP_TABLE_MARK, has_patch, missing_patches, probe_version, require_patch,
 };
 
 /// CRIU as the source of a migration uses it: which build it is, and the

@@ -27,12 +27,12 @@ use nix::unistd::Pid;
 
 /// A child started by [`spawn`]; [`SpawnedChild::wait`] reaps it.
 #[derive(Debug)]
-pub(super) struct SpawnedChild {
+pub(crate) struct SpawnedChild {
     pid: i32,
 }
 
 impl SpawnedChild {
-    pub(super) fn id(&self) -> i32 {
+    pub(crate) fn id(&self) -> i32 {
         self.pid
     }
 
@@ -46,7 +46,7 @@ impl SpawnedChild {
 /// stdout and stderr are /dev/null. Each `(from, to)` of `dup_onto` is
 /// `dup2`ed in the child, in order; each descriptor of `keep` is
 /// inherited under its own number (the rest stay close-on-exec).
-pub(super) fn spawn(
+pub(crate) fn spawn(
     program: &Path,
     args: &[&str],
     dup_onto: &[(RawFd, RawFd)],

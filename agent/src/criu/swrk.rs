@@ -52,12 +52,19 @@ pub struct DumpRequest {
     /// (`ferry-conns-<files id>.img` records their descriptors), and the
     /// restore must get every one of them from ferryd's table.
     pub connections_out: bool,
+    /// Pre-copy, with ferry's held-pages patch: the pages listed in the
+    /// image directory's `ferry-held-<pid>.img` files
+    /// ([`super::held::write`]) and not written since are left out of the
+    /// dump as parent runs (the destination holds them).
+    pub held_pages: bool,
 }
 
 /// The external key that asks ferry's patched CRIU for that.
 const TCP_OPTIONS_BY_CALLER: &str = "ferry:tcp-opts-by-caller";
 /// The external key for `connections_out`.
 const CONNECTIONS_OUT: &str = "ferry:conns-out";
+/// The external key for `held_pages`.
+const HELD_PAGES: &str = "ferry:held-pages";
 
 /// CRIU's page server for a lazy dump.
 ///
@@ -101,8 +108,9 @@ pub struct RestoreRequest {
     /// `Some` even when empty, since such images need CRIU's
     /// `--tcp-close` on restore too. Needs ferry's patch to CRIU.
     pub inherited_tcp: Option<Vec<(String, RawFd)>>,
-    /// Post-copy: the private memory comes from a lazy-pages daemon
-    /// already listening on `lazy-pages.socket` in `log_dir` (CRIU's work
+    /// The lazy runs of the private memory come from a lazy-pages daemon
+    /// (post-copy) or ferry's page filler ([`crate::fill`]) already
+    /// listening on `lazy-pages.socket` in `log_dir` (CRIU's work
     /// directory).
     pub lazy_pages: bool,
 }
@@ -148,6 +156,9 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         if req.connections_out {
             opts.external.push(CONNECTIONS_OUT.to_owned());
         }
+    }
+    if req.held_pages {
+        opts.external.push(HELD_PAGES.to_owned());
     }
     opts.set_network_lock(Criu_network_lock_method::SKIP);
     opts.set_leave_stopped(true);

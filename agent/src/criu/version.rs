@@ -116,6 +116,12 @@ pub const TCP_TABLE_MARK: &str = "ferry-tcp-table1";
 /// numbers too (the first could put a service fd on a connection's).
 pub const CONNS_OUT_MARK: &str = "ferry-conns-out2";
 
+/// The mark of `xtask/criu/held-pages-left-out.patch`: a dump asked to
+/// (`ferry:held-pages`) leaves out the pages the destination holds (listed
+/// per task in `ferry-held-<pid>.img`, and not written since, by
+/// PAGEMAP_SCAN) as parent runs of the pagemap.
+pub const HELD_PAGES_MARK: &str = "ferry-held-pages";
+
 /// How the files of that patch are named in an image directory
 /// (`ferry-conns-<files id>.img`).
 pub const CONNS_OUT_IMAGE_PREFIX: &str = "ferry-conns-";
@@ -177,6 +183,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         "ferry-conns-uncollected",
         "only listening TCP sockets collected by the dump (a dump that does not grow with the machine's other connections)",
+    ),
+    (
+        HELD_PAGES_MARK,
+        "pre-copied pages left out of the dump (a dump that follows the pages written, not the memory's size)",
     ),
 ];
 
@@ -285,6 +295,7 @@ mod tests {
                 "pid namespace's procfs only when needed (a shorter dump, a read-only working directory)",
                 "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
                 "only listening TCP sockets collected by the dump (a dump that does not grow with the machine's other connections)",
+                "pre-copied pages left out of the dump (a dump that follows the pages written, not the memory's size)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

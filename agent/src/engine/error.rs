@@ -106,6 +106,10 @@ pub enum EngineError {
     /// The pages pre-copied to this node are not what a step needs.
     #[error("{0}")]
     PageStore(String),
+    /// The page filler (pages left out of a pre-copy's dump) could not
+    /// start or failed.
+    #[error(transparent)]
+    Fill(#[from] crate::fill::FillError),
     /// The dump's images could not be read as they must be.
     #[error("{what}: {source}")]
     Image {
@@ -256,6 +260,7 @@ impl EngineError {
             | EngineError::LazyPages(_)
             | EngineError::PageTunnel(_)
             | EngineError::PageStore(_)
+            | EngineError::Fill(_)
             | EngineError::Image { .. }
             | EngineError::Images(_)
             | EngineError::Tracking { .. }

@@ -116,7 +116,13 @@ pub struct ImageCounts {
     /// those the destination copied from its store instead.
     pub dumped_page_bytes: u64,
     pub stored_bytes: u64,
+    /// Bytes of the pages the dump left out (parent runs: ferry's
+    /// held-pages patch), which the destination fills from its store.
+    pub left_out_bytes: u64,
 }
+
+/// Per pages image: its pieces and its size.
+type PagePlans = HashMap<String, (Vec<PagePiece>, u64)>;
 
 /// One piece of a pages image, in file order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,11 +136,9 @@ enum PagePiece {
 /// How to send each pages image of the pre-copied processes: the pages the
 /// destination holds (`held`, per PID in its namespace) by reference, the
 /// rest as data. Checks each layout against its pages file.
-fn plan_pages(
-    dir: &Path,
-    held: &HashMap<u32, RangeSet>,
-) -> Result<HashMap<String, (Vec<PagePiece>, u64)>, EngineError> {
+fn plan_pages(dir: &Path, held: &HashMap<u32, RangeSet>) -> Result<(PagePlans, u64), EngineError> {
     let mut plans = HashMap::new();
+    let mut left_out = 0u64;
     for (vpid, held) in held {
         let map = ferry_criu_image::pagemap::read_pagemap(dir, *vpid).map_err(|source| {
             EngineError::Image {
@@ -151,6 +155,9 @@ fn plan_pages(
         let mut pieces = Vec::new();
         let mut stored_bytes = 0;
         for run in &map.runs {
+            if run.in_parent() {
+                left_out += run.nr_pages * map.page_size;
+            }
             let Some(offset) = run.pages_file_offset else {
                 continue;
             };
@@ -189,7 +196,7 @@ fn plan_pages(
         tracing::debug!(pid = vpid, file = %map.pages_file, bytes = size, stored_bytes, "pages image plan");
         plans.insert(map.pages_file.clone(), (pieces, size));
     }
-    Ok(plans)
+    Ok((plans, left_out))
 }
 
 /// Streams every file of `dir` as chunks into `tx`, from a blocking thread.
@@ -202,7 +209,7 @@ pub fn read_images(
     held: &HashMap<u32, RangeSet>,
     tx: tokio::sync::mpsc::Sender<ImageChunk>,
 ) -> Result<ImageCounts, EngineError> {
-    let plans = plan_pages(&dir, held)?;
+    let (plans, left_out_bytes) = plan_pages(&dir, held)?;
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .map_err(EngineError::io(format!("listing {}", dir.display())))?
         .filter_map(|e| e.ok())
@@ -217,7 +224,10 @@ pub fn read_images(
         pending: None,
         pending_bytes: 0,
     };
-    let mut counts = ImageCounts::default();
+    let mut counts = ImageCounts {
+        left_out_bytes,
+        ..Default::default()
+    };
     for name in names {
         let path = dir.join(&name);
         let mut f = std::fs::File::open(&path)

@@ -1,12 +1,19 @@
-//! The destination's store of pre-copied pages: one file per process in the
-//! work directory, pages appended as they first arrive, and an index from
-//! page address to place in the file, so that a later round's copy of a
-//! page overwrites the earlier one in place. (A sparse file at offset =
-//! address would need no index, but user addresses reach 2^47 and more,
-//! beyond the largest file of most file systems.) The image stream's
-//! `StoredPages` pieces are copied out of it into the pages image CRIU
-//! restores from; pages that arrived together sit together, so most of
-//! that copy is a few large reads.
+//! The destination's store of pre-copied pages: one sparse file per
+//! process in the work directory, each page at the offset of its address,
+//! and the set of pages that arrived. A later round's copy of a page lands
+//! on the earlier one, so the store never holds two copies of a page.
+//!
+//! Addresses reach 2^47 (2^56 with 5-level tables), beyond the largest file
+//! of some file systems (ext4: 16 TiB) but not of tmpfs, where ferry's work
+//! directory lives; a work directory that cannot hold such a file gets an
+//! anonymous in-memory file (memfd) instead, with the same layout.
+//!
+//! With the address as the offset, the pages of a memory area lie together
+//! in the file as in the process: the destination's page filler
+//! ([`crate::fill`]) maps a window of the file per area and installs the
+//! pages from it by userfaultfd after the resume, with no copy in the
+//! freeze; and the pages image of an older peer's restore (`StoredPages`
+//! pieces) is cut out of the file in large in-kernel copies.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -16,28 +23,67 @@ use std::path::{Path, PathBuf};
 use ferry_proto::v1::{PageBatch, StoredPages};
 
 use super::EngineError;
-use crate::memtrack;
+use crate::memtrack::{self, RangeSet};
 
 /// Addresses above this are no user-space address on any x86_64 or
-/// aarch64 paging mode (57-bit with 5-level tables).
-const USER_ADDRESS_LIMIT: u64 = 1 << 57;
+/// aarch64 paging mode (57-bit with 5-level tables). The size of every
+/// store file.
+pub const USER_ADDRESS_LIMIT: u64 = 1 << 57;
 
 /// One process's pages.
 #[derive(Debug)]
 struct Stored {
+    /// Sparse, [`USER_ADDRESS_LIMIT`] bytes: a page at its address.
     file: File,
-    /// Page address -> offset in `file`.
-    index: HashMap<u64, u64>,
-    /// Length of `file`.
-    len: u64,
+    /// The pages that arrived.
+    held: RangeSet,
 }
 
 #[derive(Debug)]
 pub struct PageStore {
     dir: PathBuf,
     processes: HashMap<u32, Stored>,
+    /// Pages and bytes received, counting a page each time it came.
     pub pages: u64,
     pub bytes: u64,
+}
+
+/// A store file for process `pid`: in `dir` if its file system takes a
+/// file of [`USER_ADDRESS_LIMIT`] bytes, an anonymous in-memory one if not.
+fn create_file(dir: &Path, pid: u32) -> Result<File, EngineError> {
+    std::fs::create_dir_all(dir).map_err(EngineError::io(format!("creating {}", dir.display())))?;
+    let path = dir.join(format!("memory-{pid}"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .map_err(EngineError::io(format!("creating {}", path.display())))?;
+    match file.set_len(USER_ADDRESS_LIMIT) {
+        Ok(()) => Ok(file),
+        Err(e)
+            if e.raw_os_error() == Some(libc::EFBIG) || e.raw_os_error() == Some(libc::EINVAL) =>
+        {
+            let _ = std::fs::remove_file(&path);
+            tracing::warn!(dir = %dir.display(), "the work directory cannot hold sparse files of 2^57 bytes (not tmpfs?): pre-copied pages go to an in-memory file");
+            // SAFETY: memfd_create reads a NUL-terminated name and returns
+            // a new descriptor or -1; nothing else is touched.
+            let raw = unsafe { libc::memfd_create(c"ferry-pages".as_ptr(), libc::MFD_CLOEXEC) };
+            if raw < 0 {
+                return Err(EngineError::io("creating an in-memory page store")(
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            // SAFETY: `raw` is a descriptor just returned to us, owned by
+            // nothing else.
+            let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+            file.set_len(USER_ADDRESS_LIMIT)
+                .map_err(EngineError::io("sizing the in-memory page store"))?;
+            Ok(file)
+        }
+        Err(e) => Err(EngineError::io(format!("sizing {}", path.display()))(e)),
+    }
 }
 
 impl PageStore {
@@ -52,22 +98,12 @@ impl PageStore {
 
     fn process(&mut self, pid: u32) -> Result<&mut Stored, EngineError> {
         if !self.processes.contains_key(&pid) {
-            std::fs::create_dir_all(&self.dir)
-                .map_err(EngineError::io(format!("creating {}", self.dir.display())))?;
-            let path = self.dir.join(format!("memory-{pid}"));
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&path)
-                .map_err(EngineError::io(format!("creating {}", path.display())))?;
+            let file = create_file(&self.dir, pid)?;
             self.processes.insert(
                 pid,
                 Stored {
                     file,
-                    index: HashMap::new(),
-                    len: 0,
+                    held: RangeSet::new(),
                 },
             );
         }
@@ -98,7 +134,8 @@ impl PageStore {
                     format!("{:#x} is not page-aligned", run.vaddr),
                 ));
             }
-            run.vaddr
+            let end = run
+                .vaddr
                 .checked_add(len)
                 .filter(|e| *e <= USER_ADDRESS_LIMIT)
                 .ok_or_else(|| {
@@ -108,36 +145,17 @@ impl PageStore {
                     )
                 })?;
             let stored = self.process(run.pid)?;
-            // Each page where it was, new ones at the end; written in
-            // stretches whose places follow each other.
-            let pages = len / page;
-            let mut i = 0;
-            while i < pages {
-                let place = |st: &mut Stored, k: u64| -> u64 {
-                    let addr = run.vaddr + k * page;
-                    *st.index.entry(addr).or_insert_with(|| {
-                        st.len += page;
-                        st.len - page
-                    })
-                };
-                let first = place(stored, i);
-                let mut j = i + 1;
-                while j < pages && place(stored, j) == first + (j - i) * page {
-                    j += 1;
-                }
-                let data = &run.data[(i * page) as usize..(j * page) as usize];
-                stored
-                    .file
-                    .write_all_at(data, first)
-                    .map_err(|e| match e.raw_os_error() {
-                        Some(libc::ENOSPC) => EngineError::Io {
-                            what: "storing pre-copied pages (the work directory is full)".into(),
-                            source: e,
-                        },
-                        _ => EngineError::io("storing pre-copied pages")(e),
-                    })?;
-                i = j;
-            }
+            stored
+                .file
+                .write_all_at(&run.data, run.vaddr)
+                .map_err(|e| match e.raw_os_error() {
+                    Some(libc::ENOSPC) => EngineError::Io {
+                        what: "storing pre-copied pages (the work directory is full)".into(),
+                        source: e,
+                    },
+                    _ => EngineError::io("storing pre-copied pages")(e),
+                })?;
+            stored.held.insert(run.vaddr, end);
             self.pages += len / page;
             self.bytes += len;
         }
@@ -159,92 +177,68 @@ impl PageStore {
         let Some(end) = stored.vaddr.checked_add(stored.length) else {
             return Some(stored.vaddr);
         };
-        let mut addr = stored.vaddr;
-        while addr < end {
-            if !st.index.contains_key(&addr) {
-                return Some(addr);
-            }
-            addr += page;
-        }
-        None
+        st.held
+            .split(stored.vaddr, end)
+            .into_iter()
+            .find(|(_, _, held)| !held)
+            .map(|(s, _, _)| s)
+    }
+
+    /// The store file of process `pid`, if any page of it arrived: a page
+    /// at the offset of its address.
+    pub fn file(&self, pid: u32) -> Option<&File> {
+        self.processes.get(&pid).map(|st| &st.file)
     }
 
     /// `len` bytes of process `pid`'s pages from `vaddr`, from the store;
     /// refuses a range of which any page never arrived. Blocking.
     pub fn read(&self, pid: u32, vaddr: u64, len: u64) -> Result<Vec<u8>, EngineError> {
-        let page = memtrack::page_size();
-        let missing = |addr: u64| {
-            EngineError::PageStore(format!(
-                "pages of pid {pid} at {vaddr:#x}+{len}: page {addr:#x} is not in the store"
-            ))
+        let wanted = StoredPages {
+            pid,
+            vaddr,
+            length: len,
         };
-        let st = self.processes.get(&pid).ok_or_else(|| missing(vaddr))?;
-        let mut out = vec![0u8; len as usize];
-        let mut done = 0u64;
-        while done < len {
-            let addr = vaddr + done;
-            let first = *st.index.get(&addr).ok_or_else(|| missing(addr))?;
-            let mut n = page;
-            while done + n < len && st.index.get(&(addr + n)) == Some(&(first + n)) {
-                n += page;
-            }
-            st.file
-                .read_exact_at(&mut out[done as usize..(done + n) as usize], first)
-                .map_err(EngineError::io("reading pre-copied pages"))?;
-            done += n;
+        if let Some(addr) = self.first_missing(&wanted) {
+            return Err(EngineError::PageStore(format!(
+                "pages of pid {pid} at {vaddr:#x}+{len}: page {addr:#x} is not in the store"
+            )));
         }
+        let st = &self.processes[&pid];
+        let mut out = vec![0u8; len as usize];
+        st.file
+            .read_exact_at(&mut out, vaddr)
+            .map_err(EngineError::io("reading pre-copied pages"))?;
         Ok(out)
     }
 
     /// Appends `stored` to `out`, from the store; refuses a range of which
     /// any page never arrived.
     pub fn copy_out(&self, stored: &StoredPages, out: &mut File) -> Result<(), EngineError> {
-        let page = memtrack::page_size();
-        let missing = |what: &str| {
+        let missing = |what: String| {
             EngineError::BadImage(format!(
                 "stored pages of pid {} at {:#x}+{}: {what}",
                 stored.pid, stored.vaddr, stored.length
             ))
         };
         let Some(st) = self.processes.get(&stored.pid) else {
-            return Err(missing("none of this process were pre-copied"));
+            return Err(missing("none of this process were pre-copied".into()));
         };
-        if !stored.vaddr.is_multiple_of(page) || !stored.length.is_multiple_of(page) {
-            return Err(missing("not whole pages"));
-        }
-        let end = stored
-            .vaddr
-            .checked_add(stored.length)
-            .ok_or_else(|| missing("beyond the address space"))?;
-        let place = |addr: u64| st.index.get(&addr).copied();
         // Every page first: nothing is written for a range that fails.
-        let mut addr = stored.vaddr;
-        while addr < end {
-            if place(addr).is_none() {
-                return Err(missing(&format!("page {addr:#x} was never pre-copied")));
-            }
-            addr += page;
+        if let Some(addr) = self.first_missing(stored) {
+            return Err(missing(format!("page {addr:#x} was never pre-copied")));
         }
-        // Runs of pages whose places follow each other cross in one
-        // in-kernel copy (copy_file_range), not through a buffer here: at
-        // the freeze this copies most of the process's memory.
-        let max = 64u64 << 20;
-        let mut addr = stored.vaddr;
-        while addr < end {
-            let first = place(addr).expect("checked above");
-            let mut n = page;
-            while addr + n < end && n < max && place(addr + n) == Some(first + n) {
-                n += page;
-            }
-            copy_range(&st.file, first, out, n)?;
-            addr += n;
-        }
-        Ok(())
+        // One in-kernel copy (copy_file_range), not through a buffer here:
+        // with an older peer this copies most of the process's memory in
+        // the freeze.
+        copy_range(&st.file, stored.vaddr, out, stored.length)
     }
 }
 
-/// Appends `len` bytes of `from` at `offset` to `to` (at its position).
+/// Appends `len` bytes of `from` at `offset` to `to` (at its position):
+/// in the kernel (copy_file_range) where both files allow it, through a
+/// buffer otherwise (an in-memory store and a file elsewhere: `EXDEV`).
 fn copy_range(from: &File, mut offset: u64, to: &mut File, len: u64) -> Result<(), EngineError> {
+    use std::io::Write;
     use std::os::fd::AsRawFd;
     let mut left = len;
     while left > 0 {
@@ -262,15 +256,30 @@ fn copy_range(from: &File, mut offset: u64, to: &mut File, len: u64) -> Result<(
             )
         };
         if n < 0 {
-            return Err(EngineError::io("copying pre-copied pages")(
-                std::io::Error::last_os_error(),
-            ));
+            let e = std::io::Error::last_os_error();
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP)
+            ) {
+                break;
+            }
+            return Err(EngineError::io("copying pre-copied pages")(e));
         }
         if n == 0 {
             return Err(EngineError::PageStore(format!(
                 "pre-copied pages end early at {offset}"
             )));
         }
+        offset += n as u64;
+        left -= n as u64;
+    }
+    let mut buf = vec![0u8; (left as usize).min(1 << 20)];
+    while left > 0 {
+        let n = (left as usize).min(buf.len());
+        from.read_exact_at(&mut buf[..n], offset)
+            .map_err(EngineError::io("reading pre-copied pages"))?;
+        to.write_all(&buf[..n])
+            .map_err(EngineError::io("copying pre-copied pages"))?;
         offset += n as u64;
         left -= n as u64;
     }

@@ -388,6 +388,17 @@ impl Precopy {
         })
     }
 
+    /// Per PID in its namespace, the pages the destination holds with the
+    /// content they had at the last round's scan, which write-protected
+    /// them again: a write since shows in the next scan (CRIU's, with
+    /// ferry's held-pages patch, or [`Precopy::finish`]).
+    pub fn held(&self) -> Vec<(u32, RangeSet)> {
+        self.tracked
+            .iter()
+            .map(|t| (t.vpid, t.held.clone()))
+            .collect()
+    }
+
     /// With the process stopped (after the dump): the last scan, then
     /// tracking ends. Returns, per PID in its namespace, the pages the
     /// destination holds with the content they have now. Blocking.
@@ -417,6 +428,16 @@ impl Precopy {
                 })?;
             t.tracker.stop();
             let h = h.intersection(&own);
+            let page = memtrack::page_size();
+            tracing::debug!(
+                vpid = t.vpid,
+                held_at_last_round = t.held.len() / page,
+                written_since = scan.stale.len() / page,
+                tracked = scan.tracked.len() / page,
+                own = own.len() / page,
+                held = h.len() / page,
+                "last dirty-page scan"
+            );
             held.insert(t.vpid, h);
         }
         Ok(held)

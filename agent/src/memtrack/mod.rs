@@ -36,7 +36,7 @@
 
 mod inject;
 pub mod ranges;
-mod uffd;
+use crate::uffd;
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -248,7 +248,7 @@ impl Tracker {
             }
             Err(e) => return Err(io("closing its userfaultfd")(e)),
         }
-        uffd::api(uffd.as_fd()).map_err(|e| TrackError::Unsupported {
+        uffd::api_wp_async(uffd.as_fd()).map_err(|e| TrackError::Unsupported {
             pid,
             reason: format!("asynchronous userfaultfd write protection (Linux 6.7+): {e}"),
         })?;

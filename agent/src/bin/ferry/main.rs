@@ -2,6 +2,9 @@
 //! Control API.
 
 #![warn(clippy::too_many_lines)]
+// The report's JSON (output.rs) is one `json!` with more fields than the
+// macro's default recursion limit allows.
+#![recursion_limit = "256"]
 
 use std::process::ExitCode;
 

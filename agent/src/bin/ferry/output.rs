@@ -173,6 +173,9 @@ fn report_json(r: &MigrationReport, names: &ReportNames) -> serde_json::Value {
         "throttled_to_percent": r.throttled_to_percent,
         "dumped_pages": r.dumped_pages, "freeze_pages": r.freeze_pages, "precopied_pages": r.precopied_pages,
         "postcopy_pages": r.postcopy_pages,
+        "left_out_pages": r.left_out_pages, "filled_pages": r.filled_pages,
+        "fill_ms": ms(r.fill_time_us), "fill_faults": r.fill_faults,
+        "fill_fault_wait_ms": ms(r.fill_fault_wait_us),
         "rounds": r.rounds.iter().map(|x| json!({
             "round": x.round, "written_pages": x.written_pages, "sent_pages": x.sent_pages,
             "sent_bytes": x.sent_bytes, "delayed_pages": x.delayed_pages, "ms": ms(x.duration_us),
@@ -235,6 +238,16 @@ fn print_memory(r: &MigrationReport) {
             "  pages in freeze     {} of {} dumped ({} pre-copied)",
             r.freeze_pages, r.dumped_pages, r.precopied_pages
         );
+        if r.left_out_pages > 0 {
+            println!(
+                "  left out of dump    {} pages, {} filled from the store after the resume in {:.1} ms ({} faults, {:.1} ms waited)",
+                r.left_out_pages,
+                r.filled_pages,
+                ms(r.fill_time_us),
+                r.fill_faults,
+                ms(r.fill_fault_wait_us)
+            );
+        }
     }
     println!("  freeze time         {:>10.1} ms", ms(r.freeze_time_us));
     if r.strategy == pb::Strategy::PostCopy as i32

@@ -9,6 +9,7 @@ use ferry_proto::v1::{CommitRequest, CommitResponse};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
+use super::fill::{FillWatch, watch_fill};
 use super::{
     Incoming, IncomingState, PostCopyWatch, Step, UDP_CATCH_UP_BUFFER, expect, release_holds,
     watch_postcopy,
@@ -55,6 +56,20 @@ pub async fn commit(
                     "the lazy-pages daemon ended ({other:?}) before the resume: {}",
                     criu::lazy::log_tail(&d.work_dir.join(criu::lazy::LOG))
                 )));
+            }
+        }
+    }
+    // Pre-copy with pages left out: a filler that already failed means
+    // missing pages, refused likewise; one already done filled them all.
+    let mut filled_before_resume = None;
+    if let Some(f) = inc.filler.as_mut() {
+        match f.early_end() {
+            None => {}
+            Some(Ok(stats)) => filled_before_resume = Some(stats),
+            Some(Err(why)) => {
+                return Err(EngineError::Fill(crate::fill::FillError::Failed(format!(
+                    "before the resume: {why}"
+                ))));
             }
         }
     }
@@ -122,6 +137,28 @@ pub async fn commit(
                 },
             );
             tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here, its pages follow");
+            return Ok(CommitResponse {
+                pid,
+                replay,
+                running_for_us: running_for(),
+            });
+        }
+        // Pages left out of the dump: the filler still installs them; the
+        // directory (the plan, the socket, the log) goes when it ends.
+        if let Some(filler) = inc.filler.take() {
+            watch_fill(
+                engine,
+                FillWatch {
+                    migration_id: inc.migration_id.clone(),
+                    from: inc.from.clone(),
+                    pid,
+                    filler,
+                    dir: inc.dir.clone(),
+                    resumed_at,
+                    filled_before_resume,
+                },
+            );
+            tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here, its held pages go in");
             return Ok(CommitResponse {
                 pid,
                 replay,

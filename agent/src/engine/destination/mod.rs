@@ -46,6 +46,7 @@ use crate::process::PortKey;
 mod abort;
 mod arm;
 mod commit;
+mod fill;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fixture;
 mod page_tunnel;
@@ -231,6 +232,10 @@ pub struct Incoming {
     /// the restore until Commit hands it to a watcher (or an abort kills
     /// it).
     pub(super) lazy: Option<criu::lazy::Daemon>,
+    /// Pre-copy with pages left out of the dump: the page filler that
+    /// installs them from the store, from just before the restore until
+    /// Commit hands it to a watcher (or an abort kills it).
+    pub(super) filler: Option<crate::fill::handle::Filler>,
     /// Post-copy: the page tunnel, from PageTunnel until the daemon's end
     /// (the pump outlives the slot after Commit) or an abort.
     pub(super) tunnel: Option<IncomingTunnel>,
@@ -267,6 +272,10 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
     }
     if let Some(t) = &incoming.tunnel {
         t.pump.abort();
+    }
+    // The filler goes with the copy it fed (dropping the slot reaps it).
+    if let Some(f) = &incoming.filler {
+        f.signal_kill();
     }
     if let IncomingState::Restored { pid } = incoming.state {
         if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {

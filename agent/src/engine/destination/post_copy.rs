@@ -28,7 +28,7 @@ pub(super) type PostCopyEntry = (
 );
 
 impl PostCopies {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PostCopyEntry>> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PostCopyEntry>> {
         crate::sync::lock(&self.0)
     }
 }
@@ -49,6 +49,25 @@ pub(super) struct PostCopyWatch {
     pub(super) served_locally: Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// Publishes a migration's work after the resume (a post-copy, a fill) as
+/// running, for `PostCopyStatus`; the sender updates it.
+pub(super) fn publish_running(
+    engine: &Engine,
+    migration_id: &str,
+    from: String,
+) -> tokio::sync::watch::Sender<pb::PostCopyStatusResponse> {
+    let (tx, rx) = tokio::sync::watch::channel(pb::PostCopyStatusResponse {
+        state: pb::PostCopyState::Running as i32,
+        ..Default::default()
+    });
+    engine
+        .incoming
+        .postcopies
+        .lock()
+        .insert(migration_id.to_owned(), (from, rx));
+    tx
+}
+
 /// Watches a committed post-copy's lazy-pages daemon: exit 0 means every
 /// page is in; anything else means the running process would read zeros
 /// where its missing pages are, so it is killed at once. Either way the
@@ -64,15 +83,7 @@ pub(super) fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
         done_before_resume,
         served_locally,
     } = watched;
-    let (tx, rx) = tokio::sync::watch::channel(pb::PostCopyStatusResponse {
-        state: pb::PostCopyState::Running as i32,
-        ..Default::default()
-    });
-    engine
-        .incoming
-        .postcopies
-        .lock()
-        .insert(migration_id.clone(), (from, rx));
+    let tx = publish_running(engine, &migration_id, from);
     let engine = engine.clone();
     tokio::spawn(async move {
         let status = daemon.child.wait().await;

@@ -55,6 +55,9 @@ pub async fn prepare(
                     && criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK)
                     && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK)
                     && criu::has_patch(&criu_path, criu::CONNS_OUT_MARK),
+                // Any CRIU restores lazy runs; the filler needs a kernel
+                // whose userfaultfd reports forks, remaps and unmaps.
+                fills_held_pages: crate::fill::available(),
             }
         })
     })
@@ -138,6 +141,7 @@ pub async fn prepare(
         udp_buffers: None,
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
+        filler: None,
         tunnel: None,
         dir,
         state: IncomingState::Reserved,

@@ -95,6 +95,120 @@ pub(super) fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Resul
     Ok(())
 }
 
+/// The page filler for the pages the dump left out (parent runs of the
+/// pagemaps: this node holds them), started; none if the dump left none
+/// out. Each left-out page must be in the store: a dump that left out a
+/// page this node lacks is refused here, before the restore.
+async fn start_filler(inc: &Incoming) -> Result<Option<crate::fill::handle::Filler>, EngineError> {
+    let (images, store, dir) = (inc.images(), inc.pages.clone(), inc.dir.clone());
+    let id = inc.migration_id.clone();
+    blocking("starting the page filler", move || {
+        let Some((plan, stores)) = plan_fill(&images, &store, &id)? else {
+            return Ok(None);
+        };
+        let exe = std::env::current_exe().map_err(EngineError::io(
+            "finding ferryd's own binary for the page filler",
+        ))?;
+        let fds: Vec<_> = stores.iter().map(AsFd::as_fd).collect();
+        let filler = crate::fill::handle::Filler::start(
+            &exe,
+            &dir,
+            &plan,
+            &fds,
+            crate::fill::handle::READY_WITHIN,
+        )?;
+        tracing::info!(
+            pid = filler.pid(),
+            tasks = plan.tasks.len(),
+            mib = plan.bytes() >> 20,
+            "page filler ready for the pages left out of the dump"
+        );
+        Ok(Some(filler))
+    })
+    .await?
+}
+
+/// What the filler installs: per task with parent runs in its pagemap
+/// (turned lazy here), those runs cut at its memory areas, and its store.
+fn plan_fill(
+    images: &std::path::Path,
+    store: &std::sync::Mutex<crate::engine::pagestore::PageStore>,
+    migration_id: &str,
+) -> Result<Option<(crate::fill::Plan, Vec<std::fs::File>)>, EngineError> {
+    use ferry_criu_image::{mm, pagemap};
+    let image_err = |what: &'static str| move |source| EngineError::Image { what, source };
+    let mut pids: Vec<u32> = std::fs::read_dir(images)
+        .map_err(EngineError::io(format!("listing {}", images.display())))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_prefix("pagemap-")?
+                .strip_suffix(".img")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    pids.sort_unstable();
+    let mut plan = crate::fill::Plan {
+        migration_id: migration_id.to_owned(),
+        workers: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+        tasks: Vec::new(),
+    };
+    let mut stores = Vec::new();
+    let store = crate::sync::lock(store);
+    for pid in pids {
+        let lazy = pagemap::left_out_to_lazy(images, pid)
+            .map_err(image_err("turning the pages left out into lazy runs"))?;
+        if lazy.is_empty() {
+            continue;
+        }
+        let page = crate::memtrack::page_size();
+        for r in &lazy {
+            let end = r.vaddr + r.nr_pages * page;
+            if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
+                pid,
+                vaddr: r.vaddr,
+                length: end - r.vaddr,
+            }) {
+                return Err(EngineError::BadImage(format!(
+                    "the dump left out page {addr:#x} of pid {pid} as held here, but it was never pre-copied here"
+                )));
+            }
+        }
+        let vmas = mm::read_vmas(images, pid).map_err(image_err("reading the memory areas"))?;
+        let mut task = crate::fill::TaskPlan {
+            vpid: pid,
+            store: stores.len(),
+            windows: Vec::new(),
+            runs: Vec::new(),
+        };
+        for r in &lazy {
+            let (mut at, end) = (r.vaddr, r.vaddr + r.nr_pages * page);
+            while at < end {
+                let Some(v) = vmas.iter().find(|v| v.start <= at && at < v.end) else {
+                    return Err(EngineError::BadImage(format!(
+                        "pid {pid}: lazy page {at:#x} is in no memory area of its mm image"
+                    )));
+                };
+                let cut = end.min(v.end);
+                task.runs.push((at, cut));
+                if task.windows.last() != Some(&(v.start, v.end)) {
+                    task.windows.push((v.start, v.end));
+                }
+                at = cut;
+            }
+        }
+        let file = store
+            .file(pid)
+            .ok_or_else(|| EngineError::BadImage(format!("pid {pid}: no page store here")))?
+            .try_clone()
+            .map_err(EngineError::io("duplicating a page store"))?;
+        stores.push(file);
+        plan.tasks.push(task);
+    }
+    Ok((!plan.tasks.is_empty()).then_some((plan, stores)))
+}
+
 /// Finds the process's connections to other cluster nodes in its images,
 /// gives them this node's cluster address and holds them (blocking). All
 /// holds or none.
@@ -136,6 +250,11 @@ pub async fn restore(
         None
     };
     let image_scan = prepare_images(engine, inc).await?;
+    // Pre-copy: pages the dump left out, filled from the store after the
+    // resume. Listening before the restore starts, like a daemon.
+    if lazy_from.is_none() {
+        inc.filler = start_filler(inc).await?;
+    }
     let handed = if req.collective_sockets {
         hand_over_connections(engine, inc, lazy_from.is_some())?
     } else {
@@ -147,7 +266,7 @@ pub async fn restore(
         log_dir: inc.dir.clone(),
         log_level: engine.config.criu_log_level,
         inherited_tcp: handed.inherited_tcp,
-        lazy_pages: lazy_from.is_some(),
+        lazy_pages: lazy_from.is_some() || inc.filler.is_some(),
     };
     let started = Instant::now();
     // Post-copy: the daemon must listen (and reach the page server) before
@@ -183,6 +302,10 @@ pub async fn restore(
             if let Some(mut d) = inc.lazy.take() {
                 let _ = d.child.kill().await;
                 tracing::warn!(log = %criu::lazy::log_tail(&d.work_dir.join(criu::lazy::LOG)), "restore failed; lazy-pages daemon killed");
+            }
+            if let Some(f) = inc.filler.take() {
+                let _ = tokio::task::spawn_blocking(move || f.kill()).await;
+                tracing::warn!("restore failed; page filler killed");
             }
             return Err(e.into());
         }

@@ -3,7 +3,9 @@
 //! sockets close silently, in repair mode) and forgets it. The Commit does
 //! not wait for that exit (a thousand descriptors closed, their /proc
 //! entries dropped), whose CPU the destination needs inside the freeze on
-//! a small machine; the migration's end waits for it.
+//! a small machine; the migration's end waits for it. Pages left out of
+//! the dump: the destination fills them from its store, and [`Phase::Fill`]
+//! asks how that went.
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -21,6 +23,9 @@ pub(super) async fn discard(run: &mut Run, stop: Stop) -> Phase {
     run.engine.processes.depart(pid);
     if let Err(e) = run.engine.ports.apply().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
+    }
+    if run.held_left_out && matches!(stop, Stop::Committed(_)) {
+        return Phase::Fill(stop);
     }
     Phase::Done(stop)
 }

@@ -80,6 +80,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
     } else {
         (None, None)
     };
+    let held_pages = leave_held_pages_out(run).await?;
     let criu_pid = Arc::new(AtomicI32::new(0));
     let collective = run.p.socket_migration.is_collective();
     let marks = Arc::new(Marks::default());
@@ -108,6 +109,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
             criu_pid: Some(criu_pid.clone()),
             tcp_options_by_caller: false,
             connections_out: false,
+            held_pages,
         },
         capture: run.capture,
         collective,
@@ -163,6 +165,9 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
             "CRIU dumped without its pre-dump notification: the ports were never frozen".into(),
         ));
     };
+    if held_pages {
+        remove_held_files(&run.images());
+    }
     // Pre-copy: with the process stopped, the last scan says which of the
     // pages the destination holds are still current; tracking ends.
     let held_pages = match run.undo.precopy.take() {
@@ -177,6 +182,45 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
         local_pages,
         unread: taken.unread,
     }))
+}
+
+/// Pre-copy to a destination that fills held pages itself, with ferry's
+/// held-pages patch here: lists the pages the destination holds for CRIU
+/// (`ferry-held-<pid>.img`), which leaves them out of the dump unless the
+/// process wrote them since the last round. Whether it does.
+async fn leave_held_pages_out(run: &Run) -> Result<bool, EngineError> {
+    let Some(pre) = run.undo.precopy.as_ref() else {
+        return Ok(false);
+    };
+    if run.p.strategy.is_postcopy()
+        || !run.p.destination_fills_held_pages
+        || !criu::has_patch(&run.engine.config.criu_path, criu::HELD_PAGES_MARK)
+    {
+        return Ok(false);
+    }
+    let held = pre.held();
+    let images = run.images();
+    blocking("listing the held pages for CRIU", move || {
+        for (vpid, set) in &held {
+            criu::held::write(&images, *vpid, set)?;
+        }
+        Ok::<_, CriuError>(())
+    })
+    .await??;
+    Ok(true)
+}
+
+/// The held-page lists, once CRIU has read them: notes to this node's CRIU
+/// that the destination does not need.
+fn remove_held_files(images: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(images) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_str().is_some_and(criu::held::is_held_file) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Post-copy: waits for CRIU's `status-ready` (images written, page server

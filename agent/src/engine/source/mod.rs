@@ -10,14 +10,15 @@
 //! [`crate::engine`]; what each phase does, in its file:
 //!
 //! ```text
-//! Start ─> (PreCopy) ─> (PreRead) ─> Listen ─> (Arm) ─> Settle ─> Dump ─> Transfer ─> Restore ─> (Translate) ─> Release ─> Commit ─> (PostCopy) ─> Discard ─> Done
+//! Start ─> (PreCopy) ─> (PreRead) ─> Listen ─> (Arm) ─> Settle ─> Dump ─> Transfer ─> Restore ─> (Translate) ─> Release ─> Commit ─> (PostCopy) ─> Discard ─> (Fill) ─> Done
 //!   │          │            │           │        │        │        │         │           │            │                      │
 //!   └──────────┴────────────┴───────────┴────────┴────────┴────────┴─────────┴───────────┴────────────┴─> Abort ─> Done <────┘ (post-copy)
 //! ```
 //!
 //! A phase in parentheses is skipped when the migration does not need it
 //! (a strategy without pre-copy, connections moved without a pre-read,
-//! capture off, no in-cluster connection, not post-copy).
+//! capture off, no in-cluster connection, not post-copy, no page left
+//! out of the dump for the destination to fill).
 //!
 //! | phase | file | next | may abort | cancel | report phase |
 //! |---|---|---|---|---|---|
@@ -34,7 +35,8 @@
 //! | Release | `release.rs` | Commit | no | - | release |
 //! | Commit | `commit.rs` | Discard, PostCopy | post-copy only | - | commit |
 //! | PostCopy | `post_copy.rs` | Discard | no | - | post-copy |
-//! | Discard | `discard.rs` | Done | no | - | discard |
+//! | Discard | `discard.rs` | Fill, Done | no | - | discard |
+//! | Fill | `fill.rs` | Done | no | - | fill |
 //! | Abort | `abort.rs` | Done | no | - | abort |
 //! | Done | `mod.rs` | - | no | - | - |
 //!
@@ -59,6 +61,7 @@ mod carry;
 mod commit;
 mod discard;
 mod dump;
+mod fill;
 mod outgoing;
 mod peers;
 mod post_copy;
@@ -107,6 +110,7 @@ enum Phase {
     Commit(carry::Committing),
     PostCopy(carry::Waiting),
     Discard(Stop),
+    Fill(Stop),
     Abort(EngineError),
     Done(Stop),
 }
@@ -128,6 +132,7 @@ pub enum PhaseName {
     Commit,
     PostCopy,
     Discard,
+    Fill,
     Abort,
     Done,
 }
@@ -144,7 +149,7 @@ pub enum CancelPoint {
 }
 
 impl PhaseName {
-    pub const ALL: [PhaseName; 16] = [
+    pub const ALL: [PhaseName; 17] = [
         PhaseName::Start,
         PhaseName::PreCopy,
         PhaseName::PreRead,
@@ -159,6 +164,7 @@ impl PhaseName {
         PhaseName::Commit,
         PhaseName::PostCopy,
         PhaseName::Discard,
+        PhaseName::Fill,
         PhaseName::Abort,
         PhaseName::Done,
     ];
@@ -179,6 +185,7 @@ impl PhaseName {
             PhaseName::Commit => "Commit",
             PhaseName::PostCopy => "PostCopy",
             PhaseName::Discard => "Discard",
+            PhaseName::Fill => "Fill",
             PhaseName::Abort => "Abort",
             PhaseName::Done => "Done",
         }
@@ -201,7 +208,8 @@ impl PhaseName {
             Release => &[Commit],
             Commit => &[Discard, PostCopy],
             PostCopy => &[Discard],
-            Discard | Abort => &[Done],
+            Discard => &[Fill, Done],
+            Fill | Abort => &[Done],
             Done => &[],
         }
     }
@@ -250,6 +258,7 @@ impl PhaseName {
             Commit => "commit",
             PostCopy => "post-copy",
             Discard => "discard",
+            Fill => "fill",
             Abort => "abort",
             Start | Listen | Settle | Done => return None,
         })
@@ -273,6 +282,7 @@ impl Phase {
             Phase::Commit(_) => PhaseName::Commit,
             Phase::PostCopy(_) => PhaseName::PostCopy,
             Phase::Discard(_) => PhaseName::Discard,
+            Phase::Fill(_) => PhaseName::Fill,
             Phase::Abort(_) => PhaseName::Abort,
             Phase::Done(_) => PhaseName::Done,
         }
@@ -315,6 +325,7 @@ async fn step(run: &mut Run, phase: Phase) -> Phase {
         Phase::Commit(c) => commit::commit(run, c).await,
         Phase::PostCopy(w) => Ok(post_copy::post_copy(run, w).await),
         Phase::Discard(stop) => Ok(discard::discard(run, stop).await),
+        Phase::Fill(stop) => Ok(fill::fill(run, stop).await),
         Phase::Abort(e) => Ok(abort::abort(run, e).await),
         Phase::Done(stop) => Ok(Phase::Done(stop)),
     };

@@ -56,6 +56,9 @@ pub struct Prepared {
     /// The destination's CRIU installs connections kept out of the images
     /// (`PrepareResponse.takes_connections_out`).
     pub(super) destination_takes_connections_out: bool,
+    /// The destination restores pages left out of a pre-copy's dump from
+    /// its page store (`PrepareResponse.fills_held_pages`).
+    pub(super) destination_fills_held_pages: bool,
     /// Flush before freeze, and its bound.
     pub(super) flush_send_queues: Option<Duration>,
     /// How the memory moves, and when pre-copy rounds stop.
@@ -158,6 +161,7 @@ pub async fn prepare(
         socket_note,
         destination_takes_tcp_options: answer.takes_tcp_options,
         destination_takes_connections_out: answer.takes_connections_out,
+        destination_fills_held_pages: answer.fills_held_pages,
         flush_send_queues: options.flush_send_queues,
         strategy,
         convergence,

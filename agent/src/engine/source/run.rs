@@ -51,6 +51,9 @@ pub(super) struct Run {
     /// held from the dump to the end of the migration.
     pub sched_hooks: Option<tokio::task::JoinHandle<std::io::Result<crate::criu::SchedHooks>>>,
     pub held_sched_hooks: Option<crate::criu::SchedHooks>,
+    /// The dump left pages out that the destination holds: it fills them
+    /// after the resume ([`super::Phase::Fill`] asks how).
+    pub held_left_out: bool,
 }
 
 impl Run {
@@ -118,6 +121,7 @@ impl Run {
             peer_links: Vec::new(),
             sched_hooks: None,
             held_sched_hooks: None,
+            held_left_out: false,
             engine,
             p,
             events,

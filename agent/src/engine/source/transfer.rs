@@ -126,9 +126,12 @@ fn count_images(run: &mut Run, counts: &images::ImageCounts) {
     run.report.bytes_transferred += counts.bytes;
     if run.p.strategy.is_precopy() {
         let page = crate::memtrack::page_size();
-        run.report.dumped_pages = counts.dumped_page_bytes / page;
-        run.report.precopied_pages = counts.stored_bytes / page;
+        // Pages left out of the dump are the process's too, and held.
+        run.report.dumped_pages = (counts.dumped_page_bytes + counts.left_out_bytes) / page;
+        run.report.precopied_pages = (counts.stored_bytes + counts.left_out_bytes) / page;
         run.report.freeze_pages = run.report.dumped_pages - run.report.precopied_pages;
+        run.report.left_out_pages = counts.left_out_bytes / page;
+        run.held_left_out = counts.left_out_bytes > 0;
     }
 }
 

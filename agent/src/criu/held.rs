@@ -1,0 +1,84 @@
+//! The pages a pre-copy's destination holds, as ferry's held-pages patch to
+//! CRIU reads them (`xtask/criu/held-pages-left-out.patch`): one file per
+//! task in the image directory, `ferry-held-<pid in its namespace>.img`,
+//! a header `{ u32 magic "FHP1", u32 count }` then `count` ranges
+//! `{ u64 start, u64 end }`, page-aligned, sorted and disjoint, in the
+//! host's byte order. A task without a file has none held.
+
+use std::path::{Path, PathBuf};
+
+use super::CriuError;
+use crate::memtrack::RangeSet;
+
+const MAGIC: u32 = 0x3150_4846; // "FHP1"
+/// The most ranges the patch reads.
+pub const MAX_RANGES: usize = 1 << 24;
+
+/// Where the file of task `vpid` goes.
+pub fn path(images_dir: &Path, vpid: u32) -> PathBuf {
+    images_dir.join(format!("ferry-held-{vpid}.img"))
+}
+
+/// Writes the held pages of task `vpid` (an empty set writes nothing).
+/// Blocking.
+pub fn write(images_dir: &Path, vpid: u32, held: &RangeSet) -> Result<(), CriuError> {
+    if held.is_empty() {
+        return Ok(());
+    }
+    let ranges: Vec<(u64, u64)> = held.iter().collect();
+    let path = path(images_dir, vpid);
+    if ranges.len() > MAX_RANGES {
+        return Err(CriuError::Io {
+            path,
+            source: std::io::Error::other(format!(
+                "{} held ranges, more than the {MAX_RANGES} CRIU reads",
+                ranges.len()
+            )),
+        });
+    }
+    let mut bytes = Vec::with_capacity(8 + 16 * ranges.len());
+    bytes.extend(MAGIC.to_ne_bytes());
+    bytes.extend((ranges.len() as u32).to_ne_bytes());
+    for (start, end) in ranges {
+        bytes.extend(start.to_ne_bytes());
+        bytes.extend(end.to_ne_bytes());
+    }
+    std::fs::write(&path, bytes).map_err(|source| CriuError::Io { path, source })
+}
+
+/// Whether `name` is such a file: ferryd's note to its own CRIU, which the
+/// destination does not need.
+pub fn is_held_file(name: &str) -> bool {
+    name.starts_with("ferry-held-") && name.ends_with(".img")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_the_layout_the_patch_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut held = RangeSet::new();
+        held.insert(0x1000, 0x3000);
+        held.insert(0x8000, 0x9000);
+        write(dir.path(), 7, &held).unwrap();
+        let b = std::fs::read(path(dir.path(), 7)).unwrap();
+        let word = |i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().unwrap());
+        let long = |i: usize| u64::from_ne_bytes(b[i..i + 8].try_into().unwrap());
+        assert_eq!(b.len(), 8 + 2 * 16);
+        #[cfg(target_endian = "little")]
+        assert_eq!(&b[0..4], b"FHP1");
+        assert_eq!(word(0), MAGIC);
+        assert_eq!(word(4), 2);
+        assert_eq!(
+            (long(8), long(16), long(24), long(32)),
+            (0x1000, 0x3000, 0x8000, 0x9000)
+        );
+        assert!(is_held_file("ferry-held-7.img"));
+        assert!(!is_held_file("pagemap-7.img"));
+        // Nothing held: no file.
+        write(dir.path(), 8, &RangeSet::new()).unwrap();
+        assert!(!path(dir.path(), 8).exists());
+    }
+}

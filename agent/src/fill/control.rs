@@ -1,0 +1,227 @@
+//! The messages between ferryd and its page filler, on a `SOCK_SEQPACKET`
+//! pair (one message per send, descriptors attached to theirs).
+//!
+//! ferryd -> filler: `U` + the task's PID in its namespace (i32, little
+//! endian) with its userfaultfd attached; `F`: CRIU's restore finished
+//! (the areas are in place). Filler -> ferryd: `R`: ready (plan read,
+//! store mapped); `D` + the [`FillStats`] as JSON: every page is in; `E` +
+//! text: it failed.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
+    sendmsg, socketpair,
+};
+
+use super::{FillError, FillStats};
+
+/// A message's bytes and the descriptor attached to it, if any.
+pub(super) type Received = (Vec<u8>, Option<OwnedFd>);
+
+/// The largest message: a report.
+const MAX_MESSAGE: usize = 4096;
+
+/// What ferryd tells the filler.
+#[derive(Debug)]
+pub enum ToFiller {
+    Uffd { vpid: i32, uffd: OwnedFd },
+    RestoreFinished,
+}
+
+/// What the filler tells ferryd.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FromFiller {
+    Ready,
+    Done(FillStats),
+    Failed(String),
+}
+
+/// A connected pair: (ferryd's end, the filler's end), close-on-exec.
+pub fn pair() -> Result<(OwnedFd, OwnedFd), FillError> {
+    socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| FillError::io("creating the filler's control socket")(e.into()))
+}
+
+fn send(sock: BorrowedFd<'_>, bytes: &[u8], fd: Option<RawFd>) -> Result<(), FillError> {
+    let iov = [IoSlice::new(bytes)];
+    let fds = fd.map(|f| [f]);
+    let cmsgs: Vec<ControlMessage<'_>> = fds
+        .as_ref()
+        .map(|f| vec![ControlMessage::ScmRights(f)])
+        .unwrap_or_default();
+    loop {
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(_) => return Ok(()),
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(FillError::io("sending to the page filler's peer")(e.into())),
+        }
+    }
+}
+
+/// Receives one message and the descriptor attached to it, if any; `None`
+/// at the end (the peer closed). Blocking unless the socket is not.
+fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>, FillError> {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+    loop {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = match recvmsg::<()>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(m) => m,
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => {
+                return Err(FillError::io("reading from the page filler's peer")(
+                    e.into(),
+                ));
+            }
+        };
+        let mut fd = None;
+        for c in msg
+            .cmsgs()
+            .map_err(|e| FillError::Protocol(format!("control message: {e}")))?
+        {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for f in fds {
+                    // SAFETY: SCM_RIGHTS installed these descriptors in our
+                    // table for this message; nothing else owns them.
+                    let owned = unsafe { OwnedFd::from_raw_fd(f) };
+                    if fd.is_none() {
+                        fd = Some(owned);
+                    }
+                }
+            }
+        }
+        let n = msg.bytes;
+        if n == 0 && fd.is_none() {
+            return Ok(None);
+        }
+        buf.truncate(n);
+        return Ok(Some((buf, fd)));
+    }
+}
+
+pub fn send_to_filler(sock: BorrowedFd<'_>, m: &ToFiller) -> Result<(), FillError> {
+    match m {
+        ToFiller::Uffd { vpid, uffd } => {
+            let mut b = vec![b'U'];
+            b.extend(vpid.to_le_bytes());
+            send(sock, &b, Some(uffd.as_raw_fd()))
+        }
+        ToFiller::RestoreFinished => send(sock, b"F", None),
+    }
+}
+
+/// The next message for the filler; `None` once ferryd closed its end.
+pub fn recv_in_filler(sock: BorrowedFd<'_>) -> Result<Option<ToFiller>, FillError> {
+    let Some((b, fd)) = recv(sock)? else {
+        return Ok(None);
+    };
+    match (b.first(), fd) {
+        (Some(b'U'), Some(uffd)) if b.len() == 5 => Ok(Some(ToFiller::Uffd {
+            vpid: i32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
+            uffd,
+        })),
+        (Some(b'F'), None) if b.len() == 1 => Ok(Some(ToFiller::RestoreFinished)),
+        (first, fd) => Err(FillError::Protocol(format!(
+            "unexpected message {first:?} of {} bytes{}",
+            b.len(),
+            if fd.is_some() {
+                " with a descriptor"
+            } else {
+                ""
+            }
+        ))),
+    }
+}
+
+pub fn send_from_filler(sock: BorrowedFd<'_>, m: &FromFiller) -> Result<(), FillError> {
+    let b = match m {
+        FromFiller::Ready => b"R".to_vec(),
+        FromFiller::Done(stats) => {
+            let mut b = b"D".to_vec();
+            b.extend(serde_json::to_vec(stats).expect("plain numbers serialize"));
+            b
+        }
+        FromFiller::Failed(why) => {
+            let mut b = b"E".to_vec();
+            b.extend(why.as_bytes().iter().take(MAX_MESSAGE - 1));
+            b
+        }
+    };
+    send(sock, &b, None)
+}
+
+/// The filler's next word; `None` once it closed its end (exited).
+pub fn recv_from_filler(sock: BorrowedFd<'_>) -> Result<Option<FromFiller>, FillError> {
+    let Some((b, _)) = recv(sock)? else {
+        return Ok(None);
+    };
+    match b.split_first() {
+        Some((b'R', [])) => Ok(Some(FromFiller::Ready)),
+        Some((b'D', json)) => serde_json::from_slice(json)
+            .map(|s| Some(FromFiller::Done(s)))
+            .map_err(|e| FillError::Protocol(format!("a report that is not JSON: {e}"))),
+        Some((b'E', text)) => Ok(Some(FromFiller::Failed(
+            String::from_utf8_lossy(text).into_owned(),
+        ))),
+        other => Err(FillError::Protocol(format!(
+            "unexpected message {:?}",
+            other.map(|(c, _)| *c)
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn messages_cross_with_their_descriptors() {
+        let (ours, theirs) = pair().unwrap();
+        let (probe, _keep) = pair().unwrap();
+        send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Uffd {
+                vpid: 42,
+                uffd: probe,
+            },
+        )
+        .unwrap();
+        send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        match recv_in_filler(theirs.as_fd()).unwrap() {
+            Some(ToFiller::Uffd { vpid: 42, uffd }) => assert!(uffd.as_raw_fd() >= 0),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            recv_in_filler(theirs.as_fd()).unwrap(),
+            Some(ToFiller::RestoreFinished)
+        ));
+        let stats = FillStats {
+            pages: 7,
+            faults: 2,
+            ..Default::default()
+        };
+        for m in [
+            FromFiller::Ready,
+            FromFiller::Done(stats),
+            FromFiller::Failed("no".into()),
+        ] {
+            send_from_filler(theirs.as_fd(), &m).unwrap();
+            assert_eq!(recv_from_filler(ours.as_fd()).unwrap(), Some(m));
+        }
+        drop(theirs);
+        assert_eq!(recv_from_filler(ours.as_fd()).unwrap(), None);
+    }
+}

@@ -1,0 +1,837 @@
+//! The filler itself: the event loop over the restored tasks'
+//! userfaultfds and the workers that install the pending pages (see the
+//! module above for the design).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use super::control::{self, FromFiller, ToFiller};
+use super::pending::{Chunk, Pending};
+use super::{FillError, FillStats, Plan};
+use crate::memtrack;
+use crate::uffd::{self, Installed, Message};
+
+/// Bytes a worker installs at once: large enough for memory speed, small
+/// enough that a fault waits little for the gate (about a tenth of a
+/// millisecond here).
+const CHUNK: u64 = 512 << 10;
+/// Pages installed at a fault: the faulting page and the pending ones after
+/// it, for a process that reads on.
+const FAULT_PAGES: u64 = 16;
+/// How long the event loop sleeps at most between looks at the workers.
+const POLL_MS: i32 = 50;
+
+/// A read-only window of a store: `[start, end)` of the process's
+/// addresses, mapped from the store file at the same offsets.
+struct Window {
+    start: u64,
+    end: u64,
+    ptr: *const u8,
+}
+
+/// One store, mapped.
+struct Store {
+    file: File,
+    windows: Vec<Window>,
+}
+
+// SAFETY: the windows are read-only shared mappings owned by the Store,
+// unmapped only when it drops; reading them from any thread is sound.
+unsafe impl Send for Store {}
+// SAFETY: as above: nothing writes through the pointers.
+unsafe impl Sync for Store {}
+
+impl Store {
+    fn map(file: File, windows: &[(u64, u64)]) -> Result<Self, FillError> {
+        let mut store = Store {
+            file,
+            windows: Vec::new(),
+        };
+        for &(start, end) in windows {
+            let len = (end - start) as usize;
+            // SAFETY: a new read-only shared mapping of the store file at a
+            // page-aligned offset (Plan::check); the kernel picks the
+            // address, so nothing of ours is replaced.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED | libc::MAP_NORESERVE,
+                    store.file.as_raw_fd(),
+                    start as libc::off_t,
+                )
+            };
+            if ptr == libc::MAP_FAILED {
+                return Err(FillError::io(format!(
+                    "mapping the page store at {start:#x}+{len}"
+                ))(std::io::Error::last_os_error()));
+            }
+            store.windows.push(Window {
+                start,
+                end,
+                ptr: ptr.cast(),
+            });
+        }
+        Ok(store)
+    }
+
+    /// Where the `len` bytes at store offset `off` are mapped, if inside one
+    /// window.
+    fn src(&self, off: u64, len: u64) -> Option<*const u8> {
+        let w = self
+            .windows
+            .iter()
+            .find(|w| w.start <= off && off + len <= w.end)?;
+        // SAFETY: inside the window, as just checked.
+        Some(unsafe { w.ptr.add((off - w.start) as usize) })
+    }
+
+    /// Frees the store's pages of `[off, off + len)` (installed, or no
+    /// longer wanted): the store shrinks as the process fills.
+    fn release(&self, off: u64, len: u64) {
+        // SAFETY: fallocate on our descriptor; no memory is passed.
+        let _ = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        for w in &self.windows {
+            // SAFETY: unmaps exactly a mapping this Store made.
+            unsafe { libc::munmap(w.ptr.cast_mut().cast(), (w.end - w.start) as usize) };
+        }
+    }
+}
+
+/// One task being filled.
+struct Task {
+    uffd: OwnedFd,
+    vpid: i32,
+    store: Option<Arc<Store>>,
+    pending: Pending,
+    /// Its memory is gone (it exited).
+    gone: bool,
+}
+
+#[derive(Default)]
+struct State {
+    tasks: Vec<Task>,
+    restore_finished: Option<Instant>,
+    /// A task forked: several tasks may take the same store pages, which
+    /// are no longer released once installed.
+    forked: bool,
+    /// Chunks a worker took and has not given back.
+    in_flight: usize,
+    /// Round robin over the tasks.
+    next: usize,
+    stats: FillStats,
+    failed: Option<String>,
+}
+
+impl State {
+    fn all_done(&self) -> bool {
+        self.restore_finished.is_some()
+            && self.in_flight == 0
+            && self.tasks.iter().all(|t| t.gone || t.pending.is_empty())
+    }
+
+    /// A chunk for a worker: from the next task with pages pending.
+    fn pick(&mut self) -> Option<(usize, Chunk)> {
+        let n = self.tasks.len();
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            let t = &mut self.tasks[i];
+            if t.gone || t.store.is_none() {
+                continue;
+            }
+            if let Some(c) = t.pending.take_first(CHUNK) {
+                self.next = (i + 1) % n;
+                self.in_flight += 1;
+                return Some((i, c));
+            }
+        }
+        None
+    }
+}
+
+/// What installing a chunk did.
+#[derive(Debug, Default)]
+struct Outcome {
+    installed: u64,
+    /// Pages found already there (never overwritten).
+    existing: u64,
+    /// Pages whose area is gone.
+    dropped: u64,
+    /// What is left to do later (the areas are changing).
+    rest: Option<Chunk>,
+    /// The task's memory is gone.
+    gone: bool,
+}
+
+/// Installs `c` from `store` into the process of `uffd`; a chunk that
+/// spans areas split since the plan (an `mprotect` of part of an area sends
+/// no message) goes page by page.
+fn install(uffd: BorrowedFd<'_>, store: &Store, mut c: Chunk) -> Result<Outcome, FillError> {
+    let page = memtrack::page_size();
+    let mut out = Outcome::default();
+    let mut pagewise = false;
+    while c.len > 0 {
+        let len = if pagewise { page } else { c.len };
+        let src = store.src(c.src, len).ok_or_else(|| {
+            FillError::Plan(format!(
+                "store offset {:#x}+{len} is outside every window",
+                c.src
+            ))
+        })?;
+        // SAFETY: `src..src + len` is inside a mapped window of `store`,
+        // which the caller keeps alive.
+        let r = unsafe { uffd::copy(uffd, c.dst, src, len) }.map_err(FillError::io(format!(
+            "installing {len} bytes at {:#x}",
+            c.dst
+        )))?;
+        if r != Installed::All {
+            tracing::debug!(dst = format_args!("{:#x}", c.dst), len, ?r, "install");
+        }
+        match r {
+            Installed::All => {
+                out.installed += len;
+                c = c.after(len);
+            }
+            Installed::Exists { done } => {
+                out.installed += done;
+                out.existing += page;
+                c = c.after((done + page).min(c.len));
+            }
+            Installed::Changing { done } => {
+                out.installed += done;
+                out.rest = Some(c.after(done));
+                return Ok(out);
+            }
+            Installed::NoArea { done } => {
+                out.installed += done;
+                c = c.after(done);
+                if pagewise || c.len <= page {
+                    out.dropped += page.min(c.len);
+                    c = c.after(page.min(c.len));
+                } else {
+                    pagewise = true;
+                }
+            }
+            Installed::Gone => {
+                out.gone = true;
+                return Ok(out);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Books an outcome; returns whether a fault's page is now in.
+fn book(st: &mut State, i: usize, taken: Chunk, out: &Outcome, at_fault: bool) {
+    let page = memtrack::page_size();
+    st.stats.pages += out.installed / page;
+    if at_fault {
+        st.stats.fault_pages += out.installed / page;
+    }
+    st.stats.dropped_pages += out.dropped / page;
+    let forked = st.forked;
+    if out.gone {
+        let t = &mut st.tasks[i];
+        let lost = (taken.len - out.installed) / page + t.pending.bytes() / page;
+        t.gone = true;
+        t.pending = Pending::default();
+        st.stats.dropped_pages += lost;
+        return;
+    }
+    let t = &mut st.tasks[i];
+    let done = taken.len - out.rest.map_or(0, |r| r.len);
+    if !forked && let Some(s) = &t.store {
+        s.release(taken.src, done);
+    }
+    if let Some(rest) = out.rest {
+        t.pending.put_back(rest);
+    }
+}
+
+/// Drops `[start, end)` from `pending`; returns the bytes dropped.
+fn drop_range(pending: &mut Pending, start: u64, end: u64) -> u64 {
+    let before = pending.bytes();
+    pending.remove(start, end);
+    before - pending.bytes()
+}
+
+/// The filler's shared state.
+pub struct Filler {
+    plan: Plan,
+    stores: HashMap<u32, Arc<Store>>,
+    state: Mutex<State>,
+    /// Held shared by a worker for each chunk, exclusively while messages
+    /// are read and handled.
+    gate: RwLock<()>,
+}
+
+impl Filler {
+    /// Maps the stores: `stores[i]` is the plan's store `i`.
+    pub fn new(plan: Plan, stores: Vec<File>) -> Result<Self, FillError> {
+        plan.check(memtrack::page_size())?;
+        let mut files: Vec<Option<File>> = stores.into_iter().map(Some).collect();
+        let mut mapped = HashMap::new();
+        for t in &plan.tasks {
+            let file = files
+                .get_mut(t.store)
+                .and_then(Option::take)
+                .ok_or_else(|| {
+                    FillError::Plan(format!("task {}: no store {} (or shared)", t.vpid, t.store))
+                })?;
+            mapped.insert(t.vpid, Arc::new(Store::map(file, &t.windows)?));
+        }
+        Ok(Filler {
+            plan,
+            stores: mapped,
+            state: Mutex::new(State::default()),
+            gate: RwLock::new(()),
+        })
+    }
+
+    fn add_task(&self, vpid: i32, uffd: OwnedFd) {
+        let plan = u32::try_from(vpid)
+            .ok()
+            .and_then(|v| self.plan.tasks.iter().find(|t| t.vpid == v));
+        let pending = plan.map_or_else(Pending::default, |t| Pending::new(t.runs.iter().copied()));
+        tracing::debug!(vpid, bytes = pending.bytes(), "task arrived");
+        let store = u32::try_from(vpid)
+            .ok()
+            .and_then(|v| self.stores.get(&v).cloned());
+        let mut st = crate::sync::lock(&self.state);
+        st.stats.tasks += 1;
+        st.tasks.push(Task {
+            uffd,
+            vpid,
+            store,
+            pending,
+            gone: false,
+        });
+    }
+
+    /// Serves the tasks whose userfaultfds arrive on `ctl` until every
+    /// pending page is in; returns how it went.
+    pub fn run(&self, ctl: BorrowedFd<'_>) -> Result<FillStats, FillError> {
+        let (wake_rx, wake_tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| FillError::io("creating the workers' pipe")(e.into()))?;
+        std::thread::scope(|s| {
+            let start_workers = || {
+                for _ in 0..self.plan.workers.max(1) {
+                    let tx = &wake_tx;
+                    s.spawn(move || {
+                        self.work();
+                        let _ = nix::unistd::write(tx, b"w");
+                    });
+                }
+            };
+            let result = self.events(ctl, wake_rx.as_fd(), start_workers);
+            if let Err(e) = &result {
+                // The workers stop at their next chunk.
+                crate::sync::lock(&self.state).failed = Some(e.to_string());
+            }
+            result
+        })?;
+        let mut st = crate::sync::lock(&self.state);
+        if let Some(started) = st.restore_finished {
+            st.stats.fill_us = started.elapsed().as_micros() as u64;
+        }
+        // Closing the userfaultfds ends the registrations: a page the
+        // process never had faults in as zeros from now on.
+        let stats = st.stats;
+        st.tasks.clear();
+        Ok(stats)
+    }
+
+    /// The event loop: control messages, the tasks' messages, until every
+    /// pending page is in.
+    fn events(
+        &self,
+        ctl: BorrowedFd<'_>,
+        workers: BorrowedFd<'_>,
+        start_workers: impl FnOnce(),
+    ) -> Result<(), FillError> {
+        let mut ctl_open = true;
+        let mut start_workers = Some(start_workers);
+        let mut retry: Vec<(usize, u64)> = Vec::new();
+        loop {
+            {
+                let st = crate::sync::lock(&self.state);
+                if let Some(why) = &st.failed {
+                    return Err(FillError::Failed(why.clone()));
+                }
+                if st.all_done() && retry.is_empty() {
+                    return Ok(());
+                }
+            }
+            let (ctl_ready, uffds_ready) =
+                self.wait(ctl_open.then_some(ctl), workers, !retry.is_empty())?;
+            let woke = Instant::now();
+            if ctl_ready {
+                match control::recv_in_filler(ctl)? {
+                    Some(ToFiller::Uffd { vpid, uffd }) => self.add_task(vpid, uffd),
+                    Some(ToFiller::RestoreFinished) => {
+                        crate::sync::lock(&self.state).restore_finished = Some(Instant::now());
+                        if let Some(start) = start_workers.take() {
+                            start();
+                        }
+                    }
+                    None => {
+                        ctl_open = false;
+                        if crate::sync::lock(&self.state).restore_finished.is_none() {
+                            return Err(FillError::Protocol(
+                                "ferryd went away before the restore finished".into(),
+                            ));
+                        }
+                    }
+                }
+            }
+            if !uffds_ready.is_empty() || !retry.is_empty() {
+                self.handle_messages(&uffds_ready, &mut retry, woke)?;
+            }
+        }
+    }
+
+    /// Polls the control socket, the workers' pipe and the tasks'
+    /// userfaultfds; returns whether the control socket is readable and
+    /// which tasks are.
+    fn wait(
+        &self,
+        ctl: Option<BorrowedFd<'_>>,
+        workers: BorrowedFd<'_>,
+        soon: bool,
+    ) -> Result<(bool, Vec<usize>), FillError> {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let pollfd = |fd: i32| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        fds.push(pollfd(ctl.map_or(-1, |c| c.as_raw_fd())));
+        fds.push(pollfd(workers.as_raw_fd()));
+        let live: Vec<usize> = {
+            let st = crate::sync::lock(&self.state);
+            st.tasks
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| !t.gone)
+                .map(|(i, t)| {
+                    fds.push(pollfd(t.uffd.as_raw_fd()));
+                    i
+                })
+                .collect()
+        };
+        let timeout = if soon { 1 } else { POLL_MS };
+        // SAFETY: `fds` is a valid array of pollfd for the call; a negative
+        // fd is ignored by poll.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                return Ok((false, Vec::new()));
+            }
+            return Err(FillError::io("polling the userfaultfds")(e));
+        }
+        if fds[1].revents != 0 {
+            let mut b = [0u8; 64];
+            let _ = nix::unistd::read(workers, &mut b);
+        }
+        let ctl_ready = fds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        let ready = live
+            .into_iter()
+            .zip(&fds[2..])
+            .filter(|(_, p)| p.revents != 0)
+            .map(|(i, _)| i)
+            .collect();
+        Ok((ctl_ready, ready))
+    }
+
+    /// Reads and handles the messages of the `ready` tasks, and the faults
+    /// to try again, with no worker installing.
+    fn handle_messages(
+        &self,
+        ready: &[usize],
+        retry: &mut Vec<(usize, u64)>,
+        woke: Instant,
+    ) -> Result<(), FillError> {
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = crate::sync::lock(&self.state);
+        let mut faults = std::mem::take(retry);
+        for &i in ready {
+            let mut msgs = Vec::new();
+            if let Err(e) = uffd::read_messages(st.tasks[i].uffd.as_fd(), &mut msgs) {
+                // The task is gone (its userfaultfd ends with its memory).
+                tracing::debug!(vpid = st.tasks[i].vpid, error = %e, "userfaultfd read failed");
+                let t = &mut st.tasks[i];
+                t.gone = true;
+                continue;
+            }
+            for m in msgs {
+                match m {
+                    Message::PageFault { address } => {
+                        st.stats.faults += 1;
+                        faults.push((i, address));
+                    }
+                    other => self.area_changed(&mut st, i, other)?,
+                }
+            }
+        }
+        for (i, address) in faults {
+            if !self.fault(&mut st, i, address)? {
+                retry.push((i, address));
+            } else {
+                st.stats.fault_wait_us += woke.elapsed().as_micros() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Answers a fault; false if the areas are changing and it must wait
+    /// for the next messages.
+    fn fault(&self, st: &mut State, i: usize, address: u64) -> Result<bool, FillError> {
+        let page = memtrack::page_size();
+        let addr = address & !(page - 1);
+        if st.tasks[i].gone {
+            return Ok(true);
+        }
+        let taken = st.tasks[i].pending.take_at(addr, FAULT_PAGES * page);
+        if let (Some(c), Some(store)) = (taken, st.tasks[i].store.clone()) {
+            let out = install(st.tasks[i].uffd.as_fd(), &store, c)?;
+            let waiting = out.rest.is_some_and(|r| r.dst == addr);
+            if out.existing > 0 {
+                let _ = uffd::wake(st.tasks[i].uffd.as_fd(), addr, page);
+            }
+            book(st, i, c, &out, true);
+            return Ok(!waiting);
+        }
+        // Not pending: a page the process never had (or one already in).
+        let t = &mut st.tasks[i];
+        match uffd::zeropage(t.uffd.as_fd(), addr, page)
+            .map_err(FillError::io(format!("mapping a zero page at {addr:#x}")))?
+        {
+            Installed::All => st.stats.zero_pages += 1,
+            Installed::Exists { .. } => {
+                let _ = uffd::wake(t.uffd.as_fd(), addr, page);
+            }
+            Installed::Changing { .. } => return Ok(false),
+            Installed::NoArea { .. } => {}
+            Installed::Gone => t.gone = true,
+        }
+        Ok(true)
+    }
+
+    /// Applies a change of a task's areas to its pending pages.
+    fn area_changed(&self, st: &mut State, i: usize, m: Message) -> Result<(), FillError> {
+        let page = memtrack::page_size();
+        tracing::debug!(vpid = st.tasks[i].vpid, ?m, "area changed");
+        match m {
+            Message::Fork { uffd } => {
+                // The child has the parent's areas and lacks the same
+                // pages, from the same store.
+                let parent = &st.tasks[i];
+                let child = Task {
+                    uffd,
+                    vpid: parent.vpid,
+                    store: parent.store.clone(),
+                    pending: parent.pending.clone(),
+                    gone: false,
+                };
+                st.forked = true;
+                st.stats.tasks += 1;
+                st.tasks.push(child);
+            }
+            Message::Remap { from, to, len } => st.tasks[i].pending.remap(from, to, len),
+            Message::Remove { start, end } => {
+                // Zeros from now on, and no fault reaches us there: the
+                // range leaves the registration.
+                let t = &mut st.tasks[i];
+                if let Err(e) = uffd::unregister(t.uffd.as_fd(), start, end) {
+                    if e.raw_os_error() == Some(libc::ENOMEM) {
+                        t.gone = true;
+                    } else {
+                        return Err(FillError::io(format!("unregistering {start:#x}-{end:#x}"))(
+                            e,
+                        ));
+                    }
+                }
+                let dropped = drop_range(&mut t.pending, start, end);
+                st.stats.dropped_pages += dropped / page;
+            }
+            Message::Unmap { start, end } => {
+                let dropped = drop_range(&mut st.tasks[i].pending, start, end);
+                st.stats.dropped_pages += dropped / page;
+            }
+            Message::PageFault { .. } => unreachable!("faults are answered apart"),
+            Message::Other { event } => {
+                return Err(FillError::Protocol(format!(
+                    "userfaultfd event {event:#x} of task {} is unknown here",
+                    st.tasks[i].vpid
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// A worker: installs chunks until none is left.
+    fn work(&self) {
+        loop {
+            let gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+            let job = {
+                let mut st = crate::sync::lock(&self.state);
+                if st.failed.is_some() {
+                    return;
+                }
+                st.pick().map(|(i, c)| {
+                    let t = &st.tasks[i];
+                    (
+                        i,
+                        c,
+                        t.store.clone().expect("picked tasks have a store"),
+                        t.uffd.as_raw_fd(),
+                    )
+                })
+            };
+            let Some((i, c, store, raw)) = job else {
+                return;
+            };
+            // SAFETY: the task's userfaultfd stays open while the gate is
+            // held: tasks are only added or marked gone under the gate's
+            // exclusive side, and closed after the workers end.
+            let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+            let result = install(fd, &store, c);
+            let mut st = crate::sync::lock(&self.state);
+            st.in_flight -= 1;
+            match result {
+                Ok(out) => {
+                    let changing = out.rest.is_some();
+                    book(&mut st, i, c, &out, false);
+                    drop(st);
+                    drop(gate);
+                    if changing {
+                        // The reader takes the gate next and reads what is
+                        // changing; then this chunk goes again.
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+                Err(e) => {
+                    st.failed = Some(e.to_string());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// `ferryd fill`: the filler process. Its control socket is descriptor
+/// [`super::CONTROL_FD`], its stores [`super::FIRST_STORE_FD`] and on, as
+/// ferryd spawned it.
+pub fn main(plan_path: &Path) -> Result<(), FillError> {
+    // SAFETY: ferryd hands the control socket at this number, and nothing
+    // else in this process owns it.
+    let ctl = unsafe { OwnedFd::from_raw_fd(super::CONTROL_FD) };
+    let outcome = run_from(plan_path, ctl.as_fd());
+    let report = match &outcome {
+        Ok(stats) => FromFiller::Done(*stats),
+        Err(e) => FromFiller::Failed(e.to_string()),
+    };
+    // ferryd may be gone (killed during the fill): the fill stands anyway.
+    let _ = control::send_from_filler(ctl.as_fd(), &report);
+    outcome.map(|stats| {
+        tracing::info!(?stats, "every page in");
+    })
+}
+
+fn run_from(plan_path: &Path, ctl: BorrowedFd<'_>) -> Result<FillStats, FillError> {
+    let text = std::fs::read(plan_path).map_err(FillError::io(format!(
+        "reading the plan {}",
+        plan_path.display()
+    )))?;
+    let plan: Plan =
+        serde_json::from_slice(&text).map_err(|e| FillError::Plan(format!("not JSON: {e}")))?;
+    let n = plan.tasks.iter().map(|t| t.store + 1).max().unwrap_or(0);
+    let stores = (0..n)
+        .map(|i| {
+            // SAFETY: ferryd hands store `i` at this number, and nothing
+            // else in this process owns it.
+            unsafe { File::from_raw_fd(super::FIRST_STORE_FD + i as i32) }
+        })
+        .collect();
+    let filler = Filler::new(plan, stores)?;
+    control::send_from_filler(ctl, &FromFiller::Ready)?;
+    filler.run(ctl)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The filler against a real userfaultfd: this test process plays the
+    //! restored task (its own anonymous memory, registered for missing
+    //! pages) and, on its main thread, faults, discards, unmaps and moves
+    //! memory while the filler runs on another.
+
+    use super::*;
+    use crate::fill::TaskPlan;
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    const PAGES: u64 = 1024;
+
+    /// What the store holds for the page at `addr`.
+    fn pattern(addr: u64) -> u8 {
+        (addr >> 12) as u8 ^ 0x5a
+    }
+
+    fn map(len: u64) -> u64 {
+        // SAFETY: a new private anonymous mapping; the kernel picks where.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p as u64
+    }
+
+    fn byte(addr: u64) -> u8 {
+        // SAFETY: reads one byte of a mapping this test made and keeps.
+        unsafe { std::ptr::read_volatile(addr as *const u8) }
+    }
+
+    #[test]
+    fn fills_faulted_and_pending_pages_and_follows_the_areas() {
+        let page = memtrack::page_size();
+        let len = PAGES * page;
+        let base = map(len);
+        let at = |i: u64| base + i * page;
+        // The userfaultfd a restore would hand over.
+        // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
+        let raw =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: just returned to us.
+        let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        uffd::api(uffd.as_fd(), uffd::FILL_FEATURES).unwrap();
+        uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+
+        // The store: a page at the offset of its address; the first three
+        // quarters are held, the rest the process never had.
+        // SAFETY: a new memfd, or -1.
+        let raw = unsafe { libc::memfd_create(c"test-store".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: just returned to us.
+        let store = unsafe { File::from_raw_fd(raw) };
+        store.set_len(1 << 47).unwrap();
+        let held = PAGES * 3 / 4;
+        for i in 0..held {
+            use std::os::unix::fs::FileExt;
+            store
+                .write_all_at(&vec![pattern(at(i)); page as usize], at(i))
+                .unwrap();
+        }
+        let plan = Plan {
+            migration_id: "t".into(),
+            workers: 2,
+            tasks: vec![TaskPlan {
+                vpid: 1,
+                store: 0,
+                windows: vec![(base, base + len)],
+                runs: vec![(base, at(held))],
+            }],
+        };
+        let filler = Filler::new(plan, vec![store]).unwrap();
+        let (ours, theirs) = control::pair().unwrap();
+        std::thread::scope(|s| {
+            let running = s.spawn(|| filler.run(theirs.as_fd()));
+            control::send_to_filler(
+                ours.as_fd(),
+                &ToFiller::Uffd {
+                    vpid: 1,
+                    uffd: uffd.try_clone().unwrap(),
+                },
+            )
+            .unwrap();
+            // Before the restore finishes only faults are answered.
+            assert_eq!(byte(at(5)), pattern(at(5)));
+            assert_eq!(byte(at(held + 3)), 0, "never had: zeros");
+            // A write to a missing page lands on its content, and stays.
+            // SAFETY: writes one byte of this test's own mapping.
+            unsafe { std::ptr::write_volatile(at(50) as *mut u8, 0xee) };
+            // Discarded: reads as zeros, never filled.
+            let (discard_at, discard_len) = (at(100) as *mut libc::c_void, (100 * page) as usize);
+            // SAFETY: madvise on this test's own mapping.
+            let discarded = unsafe { libc::madvise(discard_at, discard_len, libc::MADV_DONTNEED) };
+            assert_eq!(discarded, 0);
+            // Unmapped: left alone.
+            // SAFETY: unmaps part of this test's own mapping.
+            let unmapped = unsafe { libc::munmap(at(300) as *mut libc::c_void, discard_len) };
+            assert_eq!(unmapped, 0);
+            // Moved: the content follows to the new address.
+            let elsewhere = map(100 * page);
+            // SAFETY: moves part of this test's mapping over another of its
+            // mappings.
+            let moved = unsafe {
+                libc::mremap(
+                    at(500) as *mut _,
+                    (100 * page) as usize,
+                    (100 * page) as usize,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    elsewhere as *mut libc::c_void,
+                )
+            };
+            assert_eq!(moved as u64, elsewhere);
+            control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+            let stats = running.join().unwrap().unwrap();
+            assert_eq!(stats.tasks, 1);
+            assert!(stats.faults >= 3, "{stats:?}");
+            assert_eq!(stats.zero_pages, 1, "{stats:?}");
+            assert_eq!(stats.dropped_pages, 200, "{stats:?}");
+            assert_eq!(stats.pages + stats.dropped_pages, held, "{stats:?}");
+            // As ferryd does once the filler is done: the last copy of the
+            // userfaultfd closes, and pages never had fault in as zeros.
+            drop(uffd);
+
+            for i in 0..PAGES {
+                if (300..400).contains(&i) {
+                    continue;
+                }
+                let want = match i {
+                    50 => 0xee,
+                    100..200 => 0,
+                    500..600 => continue,
+                    i if i < held => pattern(at(i)),
+                    _ => 0,
+                };
+                assert_eq!(byte(at(i)), want, "page {i}");
+                assert_eq!(
+                    byte(at(i) + page - 1),
+                    if i == 50 { pattern(at(50)) } else { want },
+                    "page {i} end"
+                );
+            }
+            for k in 0..100 {
+                assert_eq!(
+                    byte(elsewhere + k * page),
+                    pattern(at(500 + k)),
+                    "moved page {k}"
+                );
+            }
+        });
+    }
+}

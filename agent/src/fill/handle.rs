@@ -1,0 +1,404 @@
+//! ferryd's side of a page filler: starting `ferryd fill`, relaying the
+//! restore's userfaultfds to it, and hearing how it ended.
+
+use std::io::IoSliceMut;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+
+use super::control::{self, FromFiller, ToFiller};
+use super::{CONTROL_FD, FIRST_STORE_FD, FillError, FillStats, Plan};
+
+/// The socket CRIU's restore connects to, in its working directory
+/// (`criu/uffd.c`, `LAZY_PAGES_SOCK_NAME`).
+pub const SOCKET: &str = "lazy-pages.socket";
+/// What the restore sends last, before the tasks run
+/// (`LAZY_PAGES_RESTORE_FINISHED`, "RSTF").
+const RESTORE_FINISHED: i32 = 0x5253_5446;
+/// The plan's file and the filler's log, in the restore's working
+/// directory.
+pub const PLAN: &str = "fill-plan.json";
+pub const LOG: &str = "fill.log";
+
+/// A running filler.
+pub struct Filler {
+    pid: i32,
+    /// ferryd's end of the control socket.
+    ctl: OwnedFd,
+    relay: Option<std::thread::JoinHandle<Result<(), FillError>>>,
+    stop: Arc<AtomicBool>,
+    /// ferryd's copies of the restored tasks' userfaultfds: while one is
+    /// open, a missing page makes the process wait, never read zeros.
+    kept: Arc<Mutex<Vec<OwnedFd>>>,
+    dir: PathBuf,
+    /// Its report, if read before [`Filler::finish`] ([`Filler::early_end`]).
+    report: Option<Option<FromFiller>>,
+    /// Reaped: nothing left to do on drop.
+    reaped: bool,
+}
+
+impl std::fmt::Debug for Filler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Filler")
+            .field("pid", &self.pid)
+            .field("dir", &self.dir)
+            .finish()
+    }
+}
+
+impl Filler {
+    /// Starts `exe fill` (ferryd's own binary) with `plan` and the
+    /// `stores` it names, and listens on [`SOCKET`] in `dir` (the
+    /// restore's working directory) for the restore. Returns once the
+    /// filler mapped its stores. Blocking.
+    pub fn start(
+        exe: &Path,
+        dir: &Path,
+        plan: &Plan,
+        stores: &[BorrowedFd<'_>],
+        ready_within: Duration,
+    ) -> Result<Filler, FillError> {
+        let plan_path = dir.join(PLAN);
+        let json = serde_json::to_vec(plan).expect("a plan serializes");
+        std::fs::write(&plan_path, json)
+            .map_err(FillError::io(format!("writing {}", plan_path.display())))?;
+        let socket = dir.join(SOCKET);
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket)
+            .map_err(FillError::io(format!("listening on {}", socket.display())))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(FillError::io("a non-blocking listener"))?;
+        let (ours, theirs) = control::pair()?;
+        // Each descriptor goes to its number in the child by a dup2 in
+        // turn: copies above every target first, so that no dup2 lands on
+        // a descriptor a later one still reads.
+        let high = |fd: BorrowedFd<'_>| {
+            // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a valid descriptor returns a
+            // new one at or above 1024, or -1; no memory is passed.
+            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 1024) };
+            if r < 0 {
+                return Err(FillError::io("duplicating a descriptor for the filler")(
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            // SAFETY: the kernel just returned this descriptor to us.
+            Ok(unsafe { OwnedFd::from_raw_fd(r) })
+        };
+        let mut sources = vec![high(theirs.as_fd())?];
+        for s in stores {
+            sources.push(high(*s)?);
+        }
+        drop(theirs);
+        let dup_onto: Vec<(RawFd, RawFd)> = sources
+            .iter()
+            .enumerate()
+            .map(|(i, fd)| {
+                let to = if i == 0 {
+                    CONTROL_FD
+                } else {
+                    FIRST_STORE_FD + i as i32 - 1
+                };
+                (fd.as_raw_fd(), to)
+            })
+            .collect();
+        let log = dir.join(LOG);
+        let (plan_arg, log_arg) = (plan_path.to_string_lossy(), log.to_string_lossy());
+        let child = crate::criu::spawn::spawn(
+            exe,
+            &["fill", "--plan", &plan_arg, "--log", &log_arg],
+            &dup_onto,
+            &[],
+        )
+        .map_err(FillError::io(format!("starting {} fill", exe.display())))?
+        .id();
+        drop(sources);
+        let mut filler = Filler {
+            pid: child,
+            ctl: ours,
+            relay: None,
+            stop: Arc::new(AtomicBool::new(false)),
+            kept: Arc::new(Mutex::new(Vec::new())),
+            dir: dir.to_owned(),
+            report: None,
+            reaped: false,
+        };
+        // Ready, or why not.
+        set_timeout(filler.ctl.as_fd(), Some(ready_within))?;
+        let first = control::recv_from_filler(filler.ctl.as_fd());
+        set_timeout(filler.ctl.as_fd(), None)?;
+        match first {
+            Ok(Some(FromFiller::Ready)) => {}
+            other => {
+                let why = match other {
+                    Ok(Some(FromFiller::Failed(why))) => why,
+                    Ok(m) => format!("{m:?} instead of ready"),
+                    Err(e) => e.to_string(),
+                };
+                filler.kill();
+                return Err(FillError::Failed(format!("at its start: {why}")));
+            }
+        }
+        let ctl = filler
+            .ctl
+            .try_clone()
+            .map_err(FillError::io("duplicating the control socket"))?;
+        let (stop, kept) = (filler.stop.clone(), filler.kept.clone());
+        filler.relay = Some(
+            std::thread::Builder::new()
+                .name("fill-relay".into())
+                .spawn(move || relay(listener, ctl, &stop, &kept))
+                .map_err(FillError::io("starting the relay thread"))?,
+        );
+        Ok(filler)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Sends the filler SIGKILL (an abort: the process it filled is killed
+    /// too, or never ran); dropping the handle reaps it.
+    pub fn signal_kill(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Err(e) = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid),
+            nix::sys::signal::Signal::SIGKILL,
+        ) && e != nix::errno::Errno::ESRCH
+        {
+            tracing::warn!(pid = self.pid, error = %e, "killing the page filler");
+        }
+    }
+
+    /// Kills the filler and reaps it. Blocking (the relay thread's next
+    /// look, a tenth of a second at most).
+    pub fn kill(mut self) {
+        self.signal_kill();
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.pid), None);
+        self.reaped = true;
+        if let Some(r) = self.relay.take() {
+            let _ = r.join();
+        }
+    }
+
+    /// If the filler already ended (before the resume: a small fill, or a
+    /// failure), how: `Ok` if every page is in. Never blocks.
+    pub fn early_end(&mut self) -> Option<Result<FillStats, String>> {
+        if self.report.is_none() {
+            let mut p = [libc::pollfd {
+                fd: self.ctl.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            // SAFETY: one valid pollfd for the call; no wait.
+            let n = unsafe { libc::poll(p.as_mut_ptr(), 1, 0) };
+            if n <= 0 {
+                return None;
+            }
+            self.report = Some(control::recv_from_filler(self.ctl.as_fd()).unwrap_or(None));
+        }
+        Some(match self.report.as_ref().expect("read above") {
+            Some(FromFiller::Done(stats)) => Ok(*stats),
+            Some(FromFiller::Failed(why)) => Err(why.clone()),
+            other => Err(format!("it ended without a report ({other:?})")),
+        })
+    }
+
+    /// Waits for the filler's report and its exit. Its copies of the
+    /// userfaultfds close after that.
+    pub async fn finish(mut self) -> Result<FillStats, FillError> {
+        let ctl = self
+            .ctl
+            .try_clone()
+            .map_err(FillError::io("duplicating the control socket"))?;
+        let report = match self.report.take() {
+            Some(r) => Ok(r),
+            None => tokio::task::spawn_blocking(move || control::recv_from_filler(ctl.as_fd()))
+                .await
+                .map_err(|e| FillError::Failed(format!("waiting for the filler: {e}")))?,
+        };
+        let status = crate::reaper::wait_exit(self.pid).await;
+        self.reaped = true;
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(r) = self.relay.take() {
+            let _ = tokio::task::spawn_blocking(move || r.join()).await;
+        }
+        let tail = || log_tail(&self.dir.join(LOG));
+        match report {
+            Ok(Some(FromFiller::Done(stats))) => Ok(stats),
+            Ok(Some(FromFiller::Failed(why))) => Err(FillError::Failed(why)),
+            Ok(m) => Err(FillError::Failed(format!(
+                "it ended ({status:?}) without a report ({m:?}): {}",
+                tail()
+            ))),
+            Err(e) => Err(FillError::Failed(format!("{e}: {}", tail()))),
+        }
+    }
+}
+
+impl Drop for Filler {
+    /// A filler dropped without [`Filler::finish`] or [`Filler::kill`] (a
+    /// slot discarded): killed and reaped off this thread.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if self.reaped {
+            return;
+        }
+        self.signal_kill();
+        let (pid, relay) = (self.pid, self.relay.take());
+        std::thread::spawn(move || {
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+            if let Some(r) = relay {
+                let _ = r.join();
+            }
+        });
+    }
+}
+
+fn set_timeout(sock: BorrowedFd<'_>, t: Option<Duration>) -> Result<(), FillError> {
+    let tv = t.map_or(nix::sys::time::TimeVal::new(0, 0), |t| {
+        nix::sys::time::TimeVal::new(t.as_secs() as i64, t.subsec_micros() as i64)
+    });
+    nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::ReceiveTimeout, &tv)
+        .map_err(|e| FillError::io("setting a receive timeout")(e.into()))
+}
+
+/// The last lines of the filler's log.
+pub fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(5)..].join(" | ")
+}
+
+/// The relay: waits for the restore's connection, then passes each task's
+/// userfaultfd to the filler (keeping a copy) and says when the restore
+/// finished.
+fn relay(
+    listener: UnixListener,
+    ctl: OwnedFd,
+    stop: &AtomicBool,
+    kept: &Mutex<Vec<OwnedFd>>,
+) -> Result<(), FillError> {
+    let conn = loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match listener.accept() {
+            Ok((c, _)) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let mut p = [libc::pollfd {
+                    fd: listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }];
+                // SAFETY: one valid pollfd for the call.
+                unsafe { libc::poll(p.as_mut_ptr(), 1, 50) };
+            }
+            Err(e) => return Err(FillError::io("accepting the restore")(e)),
+        }
+    };
+    conn.set_nonblocking(false)
+        .map_err(FillError::io("a blocking connection"))?;
+    conn.set_read_timeout(Some(Duration::from_millis(100)))
+        .map_err(FillError::io("a read timeout"))?;
+    let mut finished = false;
+    loop {
+        let Some((word, _)) = read_exact(&conn, 4, stop)? else {
+            return if finished {
+                Ok(())
+            } else {
+                Err(FillError::Protocol(
+                    "the restore closed its connection before it finished".into(),
+                ))
+            };
+        };
+        let value = i32::from_ne_bytes(word[..4].try_into().expect("4 bytes"));
+        if value == RESTORE_FINISHED {
+            finished = true;
+            control::send_to_filler(ctl.as_fd(), &ToFiller::RestoreFinished)?;
+            continue;
+        }
+        if value < 0 {
+            // A zombie: no userfaultfd follows.
+            continue;
+        }
+        let Some((_, Some(uffd))) = read_exact(&conn, 1, stop)? else {
+            return Err(FillError::Protocol(format!(
+                "task {value}: no userfaultfd came with it"
+            )));
+        };
+        let copy = uffd
+            .try_clone()
+            .map_err(FillError::io("duplicating a userfaultfd"))?;
+        crate::sync::lock(kept).push(copy);
+        control::send_to_filler(ctl.as_fd(), &ToFiller::Uffd { vpid: value, uffd })?;
+    }
+}
+
+/// Reads exactly `n` bytes (and a descriptor sent with them, if any);
+/// `None` at the end of the connection.
+fn read_exact(
+    conn: &UnixStream,
+    n: usize,
+    stop: &AtomicBool,
+) -> Result<Option<control::Received>, FillError> {
+    let mut got = Vec::with_capacity(n);
+    let mut fd = None;
+    while got.len() < n {
+        let mut buf = vec![0u8; n - got.len()];
+        let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+        let received = {
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            match recvmsg::<()>(
+                conn.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
+                Ok(msg) => {
+                    let mut fds = Vec::new();
+                    for c in msg
+                        .cmsgs()
+                        .map_err(|e| FillError::Protocol(format!("control message: {e}")))?
+                    {
+                        if let ControlMessageOwned::ScmRights(f) = c {
+                            fds.extend(f);
+                        }
+                    }
+                    Ok((msg.bytes, fds))
+                }
+                Err(e) => Err(e),
+            }
+        };
+        let (k, fds) = match received {
+            Ok(r) => r,
+            Err(nix::Error::EINTR) => continue,
+            Err(nix::Error::EAGAIN) => {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(None);
+                }
+                continue;
+            }
+            Err(e) => return Err(FillError::io("reading the restore's connection")(e.into())),
+        };
+        for f in fds {
+            // SAFETY: SCM_RIGHTS installed these descriptors in our table
+            // for this message; nothing else owns them.
+            let owned = unsafe { OwnedFd::from_raw_fd(f) };
+            fd.get_or_insert(owned);
+        }
+        if k == 0 {
+            return Ok(None);
+        }
+        got.extend_from_slice(&buf[..k]);
+    }
+    Ok(Some((got, fd)))
+}
+
+/// How long a filler may take to map its stores and say it is ready.
+pub const READY_WITHIN: Duration = Duration::from_secs(10);
