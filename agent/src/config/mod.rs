@@ -162,6 +162,40 @@ pub struct MigrationConfig {
     /// cross (`engine::throttle`) when a request does not say. Off: its
     /// clients would see it slow without having asked.
     pub throttle: bool,
+    /// The most memory an incoming migration may take on this node, in
+    /// MiB: the process's resident set, plus its page store and images
+    /// when the work dir is in memory (tmpfs). Unset: what the kernel says
+    /// is available (MemAvailable) is the limit. A source whose process
+    /// does not fit is refused at Prepare, before anything stops.
+    pub incoming_memory_limit_mib: Option<u64>,
+}
+
+impl MigrationConfig {
+    /// The first setting out of range: its field and why.
+    fn problem(&self) -> Option<(&'static str, String)> {
+        if !(1..=MAX_DOWNTIME_BUDGET_MS).contains(&self.downtime_budget_ms) {
+            return Some((
+                "migration.downtime_budget_ms",
+                format!(
+                    "{} is outside 1..={MAX_DOWNTIME_BUDGET_MS}",
+                    self.downtime_budget_ms
+                ),
+            ));
+        }
+        if self.incoming_memory_limit_mib == Some(0) {
+            return Some((
+                "migration.incoming_memory_limit_mib",
+                "must be > 0 (leave it unset for no limit but the kernel's)".into(),
+            ));
+        }
+        if !(1..=MAX_PRECOPY_ROUNDS).contains(&self.max_rounds) {
+            return Some((
+                "migration.max_rounds",
+                format!("{} is outside 1..={MAX_PRECOPY_ROUNDS}", self.max_rounds),
+            ));
+        }
+        None
+    }
 }
 
 /// The most a request or the config may ask for.
@@ -179,6 +213,7 @@ impl Default for MigrationConfig {
             downtime_budget_ms: 30,
             max_rounds: 10,
             throttle: false,
+            incoming_memory_limit_mib: None,
         }
     }
 }
@@ -421,23 +456,8 @@ impl Config {
             }
             Err(e) => return Err(invalid("policy", e.to_string())),
         }
-        if !(1..=MAX_DOWNTIME_BUDGET_MS).contains(&self.migration.downtime_budget_ms) {
-            return Err(invalid(
-                "migration.downtime_budget_ms",
-                format!(
-                    "{} is outside 1..={MAX_DOWNTIME_BUDGET_MS}",
-                    self.migration.downtime_budget_ms
-                ),
-            ));
-        }
-        if !(1..=MAX_PRECOPY_ROUNDS).contains(&self.migration.max_rounds) {
-            return Err(invalid(
-                "migration.max_rounds",
-                format!(
-                    "{} is outside 1..={MAX_PRECOPY_ROUNDS}",
-                    self.migration.max_rounds
-                ),
-            ));
+        if let Some((field, reason)) = self.migration.problem() {
+            return Err(invalid(field, reason));
         }
         if let Some(addr) = self.metrics.listen {
             if addr.port() == 0 {
@@ -630,6 +650,10 @@ address = "198.19.0.2:7100"
                 "migration.downtime_budget_ms",
             ),
             ("[migration]\nmax_rounds = 1001\n", "migration.max_rounds"),
+            (
+                "[migration]\nincoming_memory_limit_mib = 0\n",
+                "migration.incoming_memory_limit_mib",
+            ),
             ("[migration]\nstrategy = \"post-it\"\n", "strategy"),
         ] {
             let err = Config::parse(&format!("{GOOD}\n{bad}"), Path::new("t.toml"))

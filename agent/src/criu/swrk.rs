@@ -469,7 +469,8 @@ impl Worker {
         })
     }
 
-    fn pid(&self) -> i32 {
+    /// The CRIU process's PID (0 once it ended).
+    pub fn pid(&self) -> i32 {
         self.child.as_ref().map_or(0, |c| c.id())
     }
 

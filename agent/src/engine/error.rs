@@ -24,6 +24,8 @@ pub enum EngineError {
         migration_id: String,
         from: String,
     },
+    #[error("{node} cannot hold the process: {detail}")]
+    NoRoom { node: String, detail: String },
     #[error("port {port} is already owned on {node} by PID {pid}")]
     PortTaken {
         port: String,
@@ -227,7 +229,9 @@ impl EngineError {
             | EngineError::WrongState { .. }
             | EngineError::HostSetting(_)
             | EngineError::PostCopy(_) => Code::FailedPrecondition,
-            EngineError::DestinationBusy { .. } => Code::ResourceExhausted,
+            EngineError::DestinationBusy { .. } | EngineError::NoRoom { .. } => {
+                Code::ResourceExhausted
+            }
             EngineError::Cancelled { .. } => Code::Cancelled,
             EngineError::Cordoned { .. } => Code::FailedPrecondition,
             EngineError::NotItsSource { .. } => Code::PermissionDenied,

@@ -241,6 +241,15 @@ impl Precopy {
             let mut pending = 0u64;
             for (t, scan) in self.tracked.iter_mut().zip(scans) {
                 written_pages += scan.written.len() / page;
+                tracing::debug!(
+                    round,
+                    vpid = t.vpid,
+                    written = scan.written.len() / page,
+                    stale = scan.stale.len() / page,
+                    tracked = scan.tracked.len() / page,
+                    held_before = t.held.len() / page,
+                    "pre-copy scan"
+                );
                 t.held.remove_all(&scan.stale);
                 let send = match self.strategy {
                     MemoryStrategy::QueuedPreCopy => {

@@ -187,6 +187,7 @@ fn prepare_m1() -> Vec<u8> {
         source_pid: 42,
         argv: vec!["server".into()],
         ports: vec![port(pb::Protocol::Tcp, 7000)],
+        ..Default::default()
     }
     .encode_to_vec()
 }

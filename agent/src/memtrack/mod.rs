@@ -297,7 +297,23 @@ impl Tracker {
             }
             scan.tracked.insert(m.start, m.end);
         }
-        let flags = uffd::PM_SCAN_CHECK_WPASYNC | if rearm { uffd::PM_SCAN_WP_MATCHING } else { 0 };
+        // While the process runs, a mapping in the range may be replaced
+        // between the read of its mappings and this scan: a new one, not
+        // registered yet. The scan passes over it (PM_SCAN_WP_MATCHING
+        // without PM_SCAN_CHECK_WPASYNC skips mappings that cannot be
+        // write-protected) and goes on; the next scan finds it new and
+        // counts it all stale. Failing there instead (EPERM) would leave
+        // the rest of the range unscanned and, to be safe, all of it
+        // stale: a tracked range merges with a registered neighbour, so a
+        // process that remaps a small buffer beside a large region would
+        // lose the region's held pages at every such scan. The last scan
+        // (the process stopped) still fails on such a mapping: nothing
+        // changes under it then.
+        let flags = if rearm {
+            uffd::PM_SCAN_WP_MATCHING
+        } else {
+            uffd::PM_SCAN_CHECK_WPASYNC
+        };
         // Present pages only: a scan that re-protects a hole of a file
         // mapping leaves a marker there, which /proc/<pid>/pagemap shows as
         // a swapped page, and CRIU would then dump the file's page as the

@@ -33,6 +33,31 @@ for line in sys.stdin:
     elif w[0] == "d":
         page = int(w[1])
         mm.madvise(mmap.MADV_DONTNEED, page * P, P)
+    elif w[0] == "c":
+        # Another mapping, next to this one, replaced again and again by a
+        # thread (as a process's scratch buffers are): unmapped and mapped
+        # anew at the same place, so that it is new (not registered) at
+        # any moment, and merged with this one whenever it is registered.
+        import threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        FIXED_NOREPLACE, FIXED = 0x100000, 0x10
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        at = None
+        for cand in (base + 64 * P, base - 4 * P):
+            if libc.mmap(cand, 4 * P, 3, flags | FIXED_NOREPLACE, -1, 0) == cand:
+                at = cand
+                break
+        assert at is not None
+        def churn():
+            while True:
+                libc.munmap(at, 4 * P)
+                libc.mmap(at, 4 * P, 3, flags | FIXED, -1, 0)
+                ctypes.memset(at, 0x33, 4 * P)
+        threading.Thread(target=churn, daemon=True).start()
     elif w[0] == "m":
         extra = mmap.mmap(-1, 4 * P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         extra[0:4 * P] = b"\x55" * (4 * P)
@@ -288,4 +313,40 @@ VmFlags: rd ex mr mw me de sd
         }
     );
     assert!(!m[1].writable && !m[1].private && !m[1].uffd_wp);
+}
+
+/// A mapping replaced again and again next to a tracked one (merged with
+/// it whenever the tracker registers it, new and unregistered the moment
+/// after) leaves the tracked one's pages held: only what was written
+/// counts as stale. (A scan that stopped at the new mapping once marked
+/// the whole merged range stale, and a pre-copy then resent it all in the
+/// freeze.)
+#[test]
+fn a_mapping_replaced_beside_a_tracked_one_does_not_make_it_stale() {
+    if !root() {
+        return;
+    }
+    let Some(mut w) = Workload::spawn() else {
+        return;
+    };
+    let mut t = Tracker::start(w.pid()).unwrap();
+    let first = t.scan(true).unwrap();
+    assert_eq!(written_in(&first, w.region()), [w.region()]);
+    assert_eq!(w.ask("c"), "ok");
+    let (start, end) = w.region();
+    for round in 0..300 {
+        let s = t.scan(true).unwrap();
+        let stale: Vec<_> = s.stale.within(start, end).iter().collect();
+        assert!(
+            stale.is_empty(),
+            "scan {round}: {stale:x?} stale, nothing written"
+        );
+        if round % 50 == 49 {
+            // A write still shows.
+            assert_eq!(w.ask("w 7 1"), "ok");
+            let s = t.scan(true).unwrap();
+            assert_eq!(written_in(&s, w.region()), [w.page(7)]);
+        }
+    }
+    t.stop();
 }

@@ -1,6 +1,7 @@
 //! What ferryd reads about a process from procfs: identity, process tree,
 //! and the sockets it holds.
 
+pub mod memory;
 mod sock_diag;
 mod sockets;
 mod stat;

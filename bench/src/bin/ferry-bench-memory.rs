@@ -14,11 +14,15 @@
 //! shaped to 1 Gb/s (`--links`; `tbf` on each node's cluster interface).
 //! Per migration: the freeze and its parts, the total time, the window after
 //! the resume in which the process still depends on the source
-//! (post-processing), bytes sent, the post-copy fill rate and fault wait,
-//! and the destination's peak extra memory: the bytes of its work directory
-//! (images, page store) plus the growth of its agent's resident memory and
-//! the memory of the CRIU processes it runs, sampled every 20 ms from just
-//! before the migration to its end.
+//! (post-processing), pre-copy's pages left out of the dump and the time
+//! the destination took to install them from its store after the resume
+//! (local fill), bytes sent, the fill rate after the resume (post-copy's
+//! from the source, pre-copy's from the store) and fault wait, and the
+//! destination's peak extra memory twice: this bench's sample (the bytes
+//! of its work directory, images and page store, plus the growth of its
+//! agent's resident memory and the memory of the CRIU processes it runs,
+//! every 20 ms from just before the migration to its end) and the
+//! destination's own figure from the report.
 //!
 //! Writes `memory.csv` (one row per migration), `memory.md` (medians) and
 //! `memory.svg` (median freeze against size, one line per strategy, at the
@@ -117,10 +121,19 @@ struct Row {
     /// Post-copy: pages that came after the resume, and from where.
     postcopy_pages: u64,
     postcopy_local_pages: u64,
-    /// Post-copy: the background fill's rate, MB/s (0 otherwise).
+    /// Pre-copy: pages left out of the dump, installed from the
+    /// destination's store after the resume, and how long that took.
+    left_out_pages: u64,
+    local_fill_ms: f64,
+    /// The rate of the fill after the resume, MB/s: post-copy's from the
+    /// source, or pre-copy's from the store (0 without one).
     fill_mb_s: f64,
+    /// Page faults answered after the resume, and their summed wait.
     faults: u64,
     fault_wait_ms: f64,
+    /// The destination's own figure for its peak extra memory
+    /// (`destination_peak_extra_bytes`), beside this bench's sample.
+    dest_reported_peak_mib: f64,
     /// The freeze's parts, "name ms; ...".
     freeze_parts: String,
 }
@@ -138,7 +151,12 @@ impl Row {
         dest_peak: u64,
     ) -> Self {
         let window_ms = ms(r.post_processing_time_us);
-        let fill_bytes = r.postcopy_pages * 4096;
+        let local_fill_ms = ms(r.fill_time_us);
+        let (fill_bytes, fill_ms) = if r.postcopy_pages > 0 {
+            (r.postcopy_pages * 4096, window_ms)
+        } else {
+            (r.filled_pages * 4096, local_fill_ms)
+        };
         Row {
             size_mib,
             write_rate,
@@ -155,13 +173,16 @@ impl Row {
             freeze_pages: r.freeze_pages,
             postcopy_pages: r.postcopy_pages,
             postcopy_local_pages: r.postcopy_local_pages,
-            fill_mb_s: if window_ms > 0.0 && fill_bytes > 0 {
-                fill_bytes as f64 / 1e6 / (window_ms / 1000.0)
+            left_out_pages: r.left_out_pages,
+            local_fill_ms,
+            fill_mb_s: if fill_ms > 0.0 && fill_bytes > 0 {
+                fill_bytes as f64 / 1e6 / (fill_ms / 1000.0)
             } else {
                 0.0
             },
-            faults: r.postcopy_faults,
-            fault_wait_ms: ms(r.postcopy_fault_wait_us),
+            faults: r.postcopy_faults + r.fill_faults,
+            fault_wait_ms: ms(r.postcopy_fault_wait_us + r.fill_fault_wait_us),
+            dest_reported_peak_mib: r.destination_peak_extra_bytes as f64 / f64::from(1u32 << 20),
             freeze_parts: r
                 .freeze_parts
                 .iter()
@@ -365,14 +386,14 @@ async fn bench_process(
     Ok(())
 }
 
-const CSV_HEADER: &str = "size_mib,write_rate,link,strategy,run,profile,freeze_ms,total_ms,window_ms,bytes,dest_peak_mib,preparation_ms,precopied_pages,freeze_pages,postcopy_pages,postcopy_local_pages,fill_mb_s,faults,fault_wait_ms,freeze_parts\n";
+const CSV_HEADER: &str = "size_mib,write_rate,link,strategy,run,profile,freeze_ms,total_ms,window_ms,bytes,dest_peak_mib,preparation_ms,precopied_pages,freeze_pages,postcopy_pages,postcopy_local_pages,left_out_pages,local_fill_ms,fill_mb_s,faults,fault_wait_ms,dest_reported_peak_mib,freeze_parts\n";
 
 fn csv(rows: &[Row], profile: &str) -> String {
     let mut out = String::from(CSV_HEADER);
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{profile},{:.3},{:.3},{:.3},{},{:.1},{:.3},{},{},{},{},{:.1},{},{:.3},\"{}\"",
+            "{},{},{},{},{},{profile},{:.3},{:.3},{:.3},{},{:.1},{:.3},{},{},{},{},{},{:.3},{:.1},{},{:.3},{:.1},\"{}\"",
             r.size_mib,
             r.write_rate,
             r.link,
@@ -388,9 +409,12 @@ fn csv(rows: &[Row], profile: &str) -> String {
             r.freeze_pages,
             r.postcopy_pages,
             r.postcopy_local_pages,
+            r.left_out_pages,
+            r.local_fill_ms,
             r.fill_mb_s,
             r.faults,
             r.fault_wait_ms,
+            r.dest_reported_peak_mib,
             r.freeze_parts
         );
     }
@@ -455,9 +479,12 @@ fn tables(rows: &[Row], args: &Args, profile: &str) -> String {
             );
             let _ = writeln!(
                 md,
-                "| MiB | strategy | freeze ms | freeze's largest parts, ms | total ms | window ms | MB sent | dest. peak MiB | fill MB/s | faults | fault wait ms |"
+                "| MiB | strategy | freeze ms | freeze's largest parts, ms | total ms | window ms | local fill ms | MB sent | dest. peak MiB (sampled / reported) | fill MB/s | faults | fault wait ms |"
             );
-            let _ = writeln!(md, "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(
+                md,
+                "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+            );
             for size in &sizes {
                 for strategy in &args.strategies {
                     let cell: Vec<&Row> = cell_rows
@@ -470,13 +497,15 @@ fn tables(rows: &[Row], args: &Args, profile: &str) -> String {
                     }
                     let _ = writeln!(
                         md,
-                        "| {size} | {strategy} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} |",
+                        "| {size} | {strategy} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} / {:.0} | {:.0} | {:.0} | {:.1} |",
                         med(&cell, |r| r.freeze_ms),
                         parts(&cell),
                         med(&cell, |r| r.total_ms),
                         med(&cell, |r| r.window_ms),
+                        med(&cell, |r| r.local_fill_ms),
                         med(&cell, |r| r.bytes as f64 / 1e6),
                         med(&cell, |r| r.dest_peak_mib),
+                        med(&cell, |r| r.dest_reported_peak_mib),
                         med(&cell, |r| r.fill_mb_s),
                         med(&cell, |r| r.faults as f64),
                         med(&cell, |r| r.fault_wait_ms),

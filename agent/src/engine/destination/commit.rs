@@ -115,7 +115,9 @@ pub async fn commit(
     // otherwise hold up the source's confirmation (the process runs
     // already). The directory is the migration's own; the next migration
     // gets another.
+    let mut peak_extra_bytes = 0;
     if let Some(mut inc) = slot.take() {
+        peak_extra_bytes = inc.peak.peak();
         // Post-copy: the daemon still feeds the running process; the
         // directory (its socket, its log) goes when it ends.
         if let Some(daemon) = inc.lazy.take() {
@@ -134,6 +136,7 @@ pub async fn commit(
                         .as_ref()
                         .map(|t| t.served_locally.clone())
                         .unwrap_or_default(),
+                    peak: inc.peak.clone(),
                 },
             );
             tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here, its pages follow");
@@ -141,6 +144,7 @@ pub async fn commit(
                 pid,
                 replay,
                 running_for_us: running_for(),
+                peak_extra_bytes: inc.peak.peak(),
             });
         }
         // Pages left out of the dump: the filler still installs them; the
@@ -156,6 +160,7 @@ pub async fn commit(
                     dir: inc.dir.clone(),
                     resumed_at,
                     filled_before_resume,
+                    peak: inc.peak.clone(),
                 },
             );
             tracing::info!(pid, migration = %req.migration_id, "migration committed; process runs here, its held pages go in");
@@ -163,6 +168,7 @@ pub async fn commit(
                 pid,
                 replay,
                 running_for_us: running_for(),
+                peak_extra_bytes: inc.peak.peak(),
             });
         }
         let keep_logs = crate::engine::keeps_every_log(&engine.config)
@@ -181,6 +187,7 @@ pub async fn commit(
         pid,
         replay,
         running_for_us: running_for(),
+        peak_extra_bytes,
     })
 }
 

@@ -16,6 +16,8 @@ use crate::engine::Engine;
 use crate::fill::FillStats;
 use crate::fill::handle::Filler;
 
+use super::peak::PeakMeter;
+
 /// A committed fill, handed from Commit to its watcher.
 pub(super) struct FillWatch {
     pub(super) migration_id: String,
@@ -29,6 +31,7 @@ pub(super) struct FillWatch {
     pub(super) resumed_at: Instant,
     /// The filler's report, if it was done before the resume.
     pub(super) filled_before_resume: Option<FillStats>,
+    pub(super) peak: Arc<PeakMeter>,
 }
 
 /// Watches a committed fill: done means every held page is in; a failure
@@ -46,6 +49,7 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
             dir,
             resumed_at,
             filled_before_resume,
+            peak,
             ..
         } = w;
         let outcome = filler.finish().await;
@@ -54,7 +58,7 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
         } else {
             resumed_at.elapsed().as_micros() as u64
         };
-        let answer = match outcome {
+        let mut answer = match outcome {
             Ok(stats) => {
                 tracing::info!(
                     migration = %migration_id,
@@ -74,6 +78,7 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
                     local_pages: stats.pages,
                     faults: stats.faults,
                     fault_wait_us: stats.fault_wait_us,
+                    peak_extra_bytes: 0,
                 }
             }
             Err(e) => {
@@ -94,6 +99,8 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
                 }
             }
         };
+        answer.peak_extra_bytes = peak.peak();
+        drop(peak);
         if crate::engine::keeps_every_log(&engine.config) {
             crate::engine::keep_logs(&engine.config.work_dir, &dir, &migration_id);
         }

@@ -45,11 +45,13 @@ use crate::process::PortKey;
 
 mod abort;
 mod arm;
+mod capacity;
 mod commit;
 mod fill;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fixture;
 mod page_tunnel;
+mod peak;
 mod post_copy;
 mod prepare;
 mod restore;
@@ -239,6 +241,9 @@ pub struct Incoming {
     /// Post-copy: the page tunnel, from PageTunnel until the daemon's end
     /// (the pump outlives the slot after Commit) or an abort.
     pub(super) tunnel: Option<IncomingTunnel>,
+    /// What the migration takes of this node's memory, sampled from
+    /// Prepare to the end of the work after the resume.
+    pub(super) peak: Arc<peak::PeakMeter>,
     pub(super) dir: PathBuf,
     pub(super) state: IncomingState,
     pub(super) last_activity: Instant,

@@ -47,6 +47,7 @@ pub(super) struct PostCopyWatch {
     pub(super) done_before_resume: bool,
     /// Assisted post-copy: pages answered from the store.
     pub(super) served_locally: Arc<std::sync::atomic::AtomicU64>,
+    pub(super) peak: Arc<super::peak::PeakMeter>,
 }
 
 /// Publishes a migration's work after the resume (a post-copy, a fill) as
@@ -82,6 +83,7 @@ pub(super) fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
         resumed_at,
         done_before_resume,
         served_locally,
+        peak,
     } = watched;
     let tx = publish_running(engine, &migration_id, from);
     let engine = engine.clone();
@@ -105,7 +107,7 @@ pub(super) fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
             .await
             .unwrap_or_default()
         };
-        let answer = match status {
+        let mut answer = match status {
             Ok(s) if s.success() => {
                 let post = if done_before_resume {
                     Duration::ZERO
@@ -122,6 +124,7 @@ pub(super) fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
                     local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
                     faults: delay.faults,
                     fault_wait_us: delay.waited_us,
+                    peak_extra_bytes: 0,
                 }
             }
             other => {
@@ -156,9 +159,12 @@ pub(super) fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
                     local_pages: served_locally.load(std::sync::atomic::Ordering::Relaxed),
                     faults: delay.faults,
                     fault_wait_us: delay.waited_us,
+                    peak_extra_bytes: 0,
                 }
             }
         };
+        answer.peak_extra_bytes = peak.peak();
+        drop(peak);
         let removed = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir)).await;
         if let Ok(Err(e)) = removed {
             tracing::warn!(error = %e, "removing a post-copy's images");

@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{PrepareRequest, PrepareResponse};
 
+use super::capacity::Room;
+use super::peak::PeakMeter;
 use super::{Incoming, IncomingState, RestoreWorker, discard};
 use crate::criu;
 use crate::dataplane::PortState;
@@ -43,6 +45,23 @@ pub async fn prepare(
         .map(PortKey::from_pb)
         .collect::<Result<Vec<_>, _>>()?;
     engine.cordon.refuse_if_on()?;
+    let room = {
+        let (dir, limit) = (
+            engine.config.work_dir.clone(),
+            engine.config.migration.incoming_memory_limit_mib,
+        );
+        crate::engine::blocking("reading this node's free memory", move || {
+            Room::read(&dir, limit)
+        })
+        .await??
+    };
+    room.check(engine.node(), &req)?;
+    tracing::debug!(
+        resident_mib = req.resident_bytes >> 20,
+        dumped_mib = req.dumped_bytes >> 20,
+        ?room,
+        "room for the process"
+    );
     let criu_path = engine.config.criu_path.clone();
     let takes = tokio::task::spawn_blocking(move || {
         criu::probe_version(&criu_path).map(|_| {
@@ -116,6 +135,11 @@ pub async fn prepare(
             .ok()
     };
     let sched_hooks = crate::engine::held_sched_hooks(sched_hooks).await;
+    let peak = PeakMeter::start(dir.clone());
+    if let Some(w) = &restore_worker {
+        // The restored tree is CRIU's child until the restore ends.
+        peak.watch(w.worker.pid());
+    }
     engine.ports.reserve(&ports, PortState::Frozen);
     if let Err(e) = engine.ports.refresh().await {
         engine.ports.release(&ports);
@@ -143,6 +167,7 @@ pub async fn prepare(
         lazy: None,
         filler: None,
         tunnel: None,
+        peak,
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),

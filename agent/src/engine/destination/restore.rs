@@ -254,6 +254,9 @@ pub async fn restore(
     // resume. Listening before the restore starts, like a daemon.
     if lazy_from.is_none() {
         inc.filler = start_filler(inc).await?;
+        if let Some(f) = &inc.filler {
+            inc.peak.watch(f.pid());
+        }
     }
     let handed = if req.collective_sockets {
         hand_over_connections(engine, inc, lazy_from.is_some())?
@@ -285,6 +288,7 @@ pub async fn restore(
             pid = daemon.pid,
             "lazy-pages daemon listening, on the page tunnel"
         );
+        inc.peak.watch(daemon.pid);
         inc.lazy = Some(daemon);
     }
     let (worker, rebuilt) = (handed.worker, handed.rebuilt);
@@ -336,6 +340,7 @@ pub async fn restore(
     );
     // CRIU made it our child (rst_sibling): reap it whenever it ends.
     engine.supervisor.watch_exit(outcome.pid, "restored");
+    inc.peak.watch(outcome.pid);
     inc.advance(Step::Restore, outcome.pid);
     // Restored, so the source's Abort kills this copy.
     options_set?;

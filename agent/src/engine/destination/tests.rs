@@ -43,7 +43,30 @@ fn prepare_req(id: &str, port: u32) -> PrepareRequest {
             protocol: pb::Protocol::Tcp as i32,
             port,
         }],
+        resident_bytes: 8 << 20,
+        dumped_bytes: 6 << 20,
     }
+}
+
+#[tokio::test]
+async fn a_process_larger_than_the_node_can_hold_is_refused_before_anything_is_reserved() {
+    let f = fixture();
+    let huge = PrepareRequest {
+        resident_bytes: 1 << 60,
+        ..prepare_req("aaaa", 7000)
+    };
+    let err = prepare(&f.engine, huge).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+    assert!(
+        err.to_string()
+            .contains("1099511627776.0 MiB for the process"),
+        "{err}"
+    );
+    assert!(f.filter.0.lock().unwrap().is_empty(), "ports touched");
+    assert!(!f.engine.config.work_dir.join("incoming/aaaa").exists());
+    // Nothing held: the next Prepare gets the slot.
+    prepare(&f.engine, prepare_req("bbbb", 7000)).await.unwrap();
+    abort_test_migration(&f.engine, "bbbb").await;
 }
 
 #[tokio::test]

@@ -79,6 +79,10 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             run.report.postcopy_local_pages = r.local_pages;
             run.report.postcopy_faults = r.faults;
             run.report.postcopy_fault_wait_us = r.fault_wait_us;
+            run.report.destination_peak_extra_bytes = run
+                .report
+                .destination_peak_extra_bytes
+                .max(r.peak_extra_bytes);
             run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
             run.report.post_processing_time_us = r.post_processing_us;
             tracing::info!(
@@ -95,6 +99,10 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             run.report.postcopy_local_pages = r.local_pages;
             run.report.postcopy_faults = r.faults;
             run.report.postcopy_fault_wait_us = r.fault_wait_us;
+            run.report.destination_peak_extra_bytes = run
+                .report
+                .destination_peak_extra_bytes
+                .max(r.peak_extra_bytes);
             run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
             run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
             Stop::Lost(EngineError::Peer {

@@ -218,7 +218,7 @@ async fn reserve(
     // Fresh socket list: ports opened since the last refresh move too.
     let tree = process::process_tree(pid);
     let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
-    vet(pid, tree).await?;
+    vet(pid, tree.clone()).await?;
     // A connection to a process on the destination node would have to
     // become a connection within one host: no rewrite of one end does
     // that. Refused now, before anything is touched.
@@ -233,6 +233,11 @@ async fn reserve(
             ),
         });
     }
+    let memory = blocking("reading the process tree's memory", {
+        let tree = tree.clone();
+        move || process::memory::tree_memory(&tree)
+    })
+    .await??;
     let link = engine.links.connect(peer).await?;
     let version = hello(engine, link.as_ref(), peer, pid, strategy).await?;
     let answer = link
@@ -243,6 +248,8 @@ async fn reserve(
             source_pid: pid,
             argv,
             ports: sockets.ports.iter().map(PortKey::to_pb).collect(),
+            resident_bytes: memory.resident,
+            dumped_bytes: memory.dumped,
         })
         .await
         .map_err(|s| peer_error(&peer.name, s))?;
