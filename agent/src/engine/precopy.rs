@@ -458,6 +458,14 @@ impl Precopy {
             t.tracker.stop();
         }
     }
+
+    /// Ends tracking of processes that are being killed (see
+    /// [`Tracker::abandon`]).
+    pub fn abandon(mut self) {
+        for t in &mut self.tracked {
+            t.tracker.abandon();
+        }
+    }
 }
 
 /// Reads `to_send` from the running processes and streams it to the

@@ -449,6 +449,14 @@ impl Tracker {
     }
 }
 
+impl Tracker {
+    /// Ends tracking of a process that is being killed: its userfaultfd
+    /// closes, with nothing unprotected first (no page of it will run).
+    pub fn abandon(&mut self) {
+        self.uffd.take();
+    }
+}
+
 impl Drop for Tracker {
     fn drop(&mut self) {
         self.stop();

@@ -21,6 +21,11 @@ pub(super) async fn discard(run: &mut Run, stop: Stop) -> Phase {
         tracing::warn!(pid, error = %e, "killing the source copy");
     }
     run.engine.processes.depart(pid);
+    // Pages left out of the dump: tracking went on past the dump; it ends
+    // with the copy, nothing unprotected.
+    if let Some(pre) = run.undo.precopy.take() {
+        pre.abandon();
+    }
     if let Err(e) = run.engine.ports.apply().await {
         tracing::error!(error = %e, "releasing the ports of the migrated process");
     }
