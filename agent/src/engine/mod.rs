@@ -23,6 +23,26 @@
 //!   tracking ends; the Transfer then names those pages (`StoredPages`)
 //!   instead of carrying them. An abort ends tracking before the process
 //!   resumes: no write protection outlives a migration.
+//!   **Pages left out** (a destination whose `PrepareResponse` says
+//!   `fills_held_pages`, and a source CRIU with ferry's held-pages patch;
+//!   new fields, no new version: an older peer leaves them unset): the
+//!   source lists the held pages for CRIU, whose dump leaves out those
+//!   not written since the last round (holes "in the parent" in the
+//!   pagemap), so neither the dump, the transfer nor the restore touches
+//!   them inside the freeze, and there is no last scan. The destination
+//!   turns those holes into lazy entries, restores with lazy pages and
+//!   hands the userfaultfds to its page filler ([`crate::fill`]), which
+//!   installs the pages from its page store after the resume, faults
+//!   first. The process never waits on the source for them. After
+//!   Discard the source asks `Peer.PostCopyStatus` how the fill went
+//!   (**Fill**): a failed fill means the destination killed the process
+//!   (its missing pages would read as zeros) and the report says
+//!   `MIGRATION_OUTCOME_LOST`.
+//! - **Room**: at Prepare the source sends the tree's resident and dumped
+//!   bytes, and a destination that cannot hold them (MemAvailable or its
+//!   `[migration] incoming_memory_limit_mib`; its work dir's free space; a
+//!   tmpfs work dir counts against memory) refuses with
+//!   RESOURCE_EXHAUSTED, before anything stops.
 //! - **Pre-read** (incremental socket migration only, no peer call): the
 //!   source attaches a setsockopt watch (a `cgroup/setsockopt` eBPF
 //!   program, `ferry_ebpf::SockoptWatch`) to the process tree's cgroups,

@@ -11,6 +11,9 @@
 //! process's memory too, so a migration that loses or mixes up any page of
 //! either shows up as a mismatch at `check`.
 //!
+//! `--shapes` adds memory of other kinds, written and checked the same
+//! way: transparent huge pages, shared anonymous memory, a memfd.
+//!
 //! `--mode getpid` makes it a process that only calls getpid(2) in a loop
 //! (Noack (2003)'s light-weight process); `--busy` drops the 1 ms pause
 //! between bursts of writes (Noack (2003)'s RMA process writes as fast as
@@ -51,6 +54,11 @@ struct Args {
     /// ...gets this percentage of the writes.
     #[arg(long, default_value_t = 90)]
     hot_share: u32,
+    /// Also hold memory of other kinds, written and checked like the main
+    /// region: 8 MiB of transparent huge pages (MADV_HUGEPAGE), 1 MiB
+    /// shared anonymous, 1 MiB of a memfd mapped shared.
+    #[arg(long)]
+    shapes: bool,
 }
 
 const PAGE: usize = 4096;
@@ -129,10 +137,96 @@ impl Drop for Side {
     }
 }
 
+/// A region of another kind (`--shapes`): its pages, each with the
+/// version it was last written at.
+struct Shape {
+    name: &'static str,
+    id: u64,
+    at: *mut u8,
+    versions: Vec<u64>,
+}
+
+impl Shape {
+    /// Maps `pages` pages with `flags` (and `fd`), `align`-aligned, with
+    /// `advice` (0: none), and writes each once.
+    fn map(
+        name: &'static str,
+        id: u64,
+        pages: usize,
+        flags: i32,
+        fd: i32,
+        align: usize,
+        advice: i32,
+    ) -> Shape {
+        let len = pages * PAGE;
+        // SAFETY: a fresh mapping the kernel places; nothing refers to it.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len + align,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(raw, libc::MAP_FAILED, "mmap of the {name} region");
+        let at = (raw as usize).next_multiple_of(align.max(PAGE)) as *mut u8;
+        if advice != 0 {
+            // SAFETY: advice on part of the mapping just made.
+            let r = unsafe { libc::madvise(at.cast(), len, advice) };
+            assert_eq!(r, 0, "madvise of the {name} region");
+        }
+        let shape = Shape {
+            name,
+            id,
+            at,
+            versions: vec![0; pages],
+        };
+        for k in 0..pages {
+            pattern(shape.page(k), id + k as u64, 0);
+        }
+        shape
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn page(&self, k: usize) -> &mut [u8] {
+        // SAFETY: `at` is a live mapping of `versions.len()` pages owned by
+        // this Shape (never unmapped), and callers never hold two of these
+        // slices at once.
+        unsafe { std::slice::from_raw_parts_mut(self.at.add(k * PAGE), PAGE) }
+    }
+
+    /// The three kinds of `--shapes`.
+    fn all() -> Vec<Shape> {
+        let private = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let shared = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
+        // SAFETY: creates a memfd, or returns -1.
+        let memfd = unsafe { libc::memfd_create(c"ferry-memwriter".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(memfd >= 0, "memfd_create");
+        // SAFETY: sizes the memfd just made.
+        assert_eq!(unsafe { libc::ftruncate(memfd, 1 << 20) }, 0);
+        vec![
+            Shape::map(
+                "huge-page",
+                2 << 40,
+                2048,
+                private,
+                -1,
+                2 << 20,
+                libc::MADV_HUGEPAGE,
+            ),
+            Shape::map("shared", 3 << 40, 256, shared, -1, PAGE, 0),
+            Shape::map("memfd", 4 << 40, 256, libc::MAP_SHARED, memfd, PAGE, 0),
+        ]
+    }
+}
+
 struct Memory {
     pages: Vec<u8>,
     versions: Vec<u64>,
     side: Side,
+    shapes: Vec<Shape>,
     writes: u64,
     rng: u64,
     pipe: (std::fs::File, std::fs::File),
@@ -173,6 +267,18 @@ impl Memory {
         self.writes += 1;
     }
 
+    /// Rewrites one page of one of the other kinds.
+    fn write_shape(&mut self) {
+        if self.shapes.is_empty() {
+            return;
+        }
+        let which = (self.next() % self.shapes.len() as u64) as usize;
+        let k = (self.next() % self.shapes[which].versions.len() as u64) as usize;
+        let shape = &mut self.shapes[which];
+        shape.versions[k] += 1;
+        pattern(shape.page(k), shape.id + k as u64, shape.versions[k]);
+    }
+
     fn check(&mut self, scratch: &mut [u8]) -> String {
         for i in 0..self.versions.len() {
             pattern(scratch, i as u64, self.versions[i]);
@@ -186,7 +292,17 @@ impl Memory {
                 return format!("bad side page {k} generation {}", self.side.generation);
             }
         }
-        format!("ok {} {}", self.writes, self.versions.len() + SIDE_PAGES)
+        let mut pages = self.versions.len() + SIDE_PAGES;
+        for shape in &self.shapes {
+            for (k, v) in shape.versions.iter().enumerate() {
+                pattern(scratch, shape.id + k as u64, *v);
+                if shape.page(k) != scratch {
+                    return format!("bad {} page {k} version {v}", shape.name);
+                }
+            }
+            pages += shape.versions.len();
+        }
+        format!("ok {} {}", self.writes, pages)
     }
 }
 
@@ -215,6 +331,11 @@ fn main() {
         pages: vec![0u8; n * PAGE],
         versions: vec![0; n],
         side: Side::map(0),
+        shapes: if args.shapes {
+            Shape::all()
+        } else {
+            Vec::new()
+        },
         writes: 0,
         rng: 0x2545_f491_4f6c_dd1d,
         pipe: (std::fs::File::from(r), std::fs::File::from(w)),
@@ -238,6 +359,9 @@ fn main() {
             for _ in 0..args.writes_per_ms {
                 mem.write_one(&args, &mut scratch);
             }
+        }
+        if !getpid && args.writes_per_ms > 0 {
+            mem.write_shape();
         }
         if !getpid && side_remapped.elapsed() >= Duration::from_millis(200) {
             mem.side.remap();
