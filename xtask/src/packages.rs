@@ -37,6 +37,11 @@ pub const PACKAGES: &[&str] = &[
     // observability test (integration/src/prometheus.rs); the test starts
     // its own in a namespace, the package's service is not needed.
     "prometheus",
+    // Redis, the in-memory database whose data set moves with it in the
+    // memory strategies' test (integration/tests/redis.rs); the test runs
+    // its own server under ferry, the package's service is not needed.
+    "redis-server",
+    "redis-tools",
     // CRIU's build dependencies
     "libbsd-dev",
     "libcap-dev",

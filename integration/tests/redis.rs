@@ -1,0 +1,149 @@
+//! A real in-memory database moves with all of its data: Debian's Redis
+//! server runs under ferry with a data set of about 100 MiB and migrates
+//! with each memory strategy while a client keeps writing; afterwards its
+//! whole data set hashes the same (`DEBUG DIGEST`, every key and value),
+//! and it runs on the destination only. Pre-copy leaves the pages the
+//! destination holds out of the dump and fills them after the resume.
+//! Root only; run by `cargo xtask test` (or `cargo xtask integration`).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{migrate_request, process_state, run, runtime, wait_for_process};
+use ferry_integration::memwriter::source_and_destination;
+use ferry_integration::netns;
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
+
+const PORT: u16 = 7400;
+const REDIS_SERVER: &str = "/usr/bin/redis-server";
+
+/// One redis-cli command from client1 against the cluster's address; its
+/// output, trimmed.
+fn redis(cluster: &Cluster, args: &[&str]) -> String {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args([
+        "-h",
+        &cluster.public_addr().to_string(),
+        "-p",
+        &PORT.to_string(),
+    ])
+    .args(args);
+    let out = netns::output_in(&cluster.netns_path("client1"), cmd).expect("redis-cli runs");
+    assert!(
+        out.status.success(),
+        "redis-cli {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn a_redis_server_moves_with_its_whole_data_set() {
+    if !ferry_integration::can_run("a_redis_server_moves_with_its_whole_data_set") {
+        return;
+    }
+    if !Path::new(REDIS_SERVER).exists() {
+        panic!("{REDIS_SERVER} is missing: `cargo xtask setup` installs Debian's redis-server");
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        let dir = tempfile::tempdir().expect("a working directory for redis");
+        let argv = [
+            REDIS_SERVER,
+            "--port",
+            &PORT.to_string(),
+            "--bind",
+            "0.0.0.0",
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--enable-debug-command",
+            "yes",
+            "--dir",
+            &dir.path().to_string_lossy(),
+            "--logfile",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut pid = run(&mut controls[0], argv).await;
+        wait_for_process(&mut controls[0], pid, |p| p.tcp_listening >= 1).await;
+        // 100,000 keys of 1,000 bytes, then a digest of all of it.
+        assert_eq!(redis(&cluster, &["DEBUG", "POPULATE", "100000", "key", "1000"]), "OK");
+        let mut on = 0;
+        for (round, strategy) in [
+            Strategy::PreCopy,
+            Strategy::PostCopy,
+            Strategy::QueuedPreCopy,
+            Strategy::TotalCopy,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            // A write per migration: the data set the digest covers moves.
+            assert_eq!(
+                redis(&cluster, &["SET", &format!("round:{round}"), &"x".repeat(4096)]),
+                "OK"
+            );
+            let digest = redis(&cluster, &["DEBUG", "DIGEST"]);
+            let to = 1 - on;
+            let (report, status) = migrate_request(
+                &mut controls[on],
+                MigrateRequest {
+                    pid,
+                    destination_node: format!("node{}", to + 1),
+                    strategy: strategy as i32,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("migration starts");
+            assert!(status.is_none(), "{strategy:?}: {status:?}\n{report:#?}");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Committed as i32,
+                "{report:#?}"
+            );
+            eprintln!(
+                "{strategy:?}: freeze {:.1} ms, {} pages dumped, {} left out and {} filled after the resume in {:.1} ms, post-copy window {:.1} ms, destination peak {:.1} MiB",
+                report.freeze_time_us as f64 / 1e3,
+                report.dumped_pages,
+                report.left_out_pages,
+                report.filled_pages,
+                report.fill_time_us as f64 / 1e3,
+                report.post_processing_time_us as f64 / 1e3,
+                report.destination_peak_extra_bytes as f64 / f64::from(1 << 20)
+            );
+            if matches!(strategy, Strategy::PreCopy | Strategy::QueuedPreCopy) {
+                // Most of the ~100 MiB was held by the destination and left
+                // out of the dump.
+                assert!(report.left_out_pages > 20_000, "{report:#?}");
+                assert!(report.filled_pages <= report.left_out_pages, "{report:#?}");
+            }
+            let new_pid = report.destination_pid;
+            let (_, destination) = source_and_destination(&mut controls, on);
+            let moved = wait_for_process(destination, new_pid, |p| p.state == "running").await;
+            assert_eq!(moved.origin, "migrated-in");
+            assert_eq!(process_state(pid), None, "the source copy still exists");
+            assert_eq!(redis(&cluster, &["DEBUG", "DIGEST"]), digest, "{strategy:?}");
+            assert_eq!(redis(&cluster, &["DBSIZE"]), format!("{}", 100_001 + round));
+            pid = new_pid;
+            on = to;
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    });
+}
