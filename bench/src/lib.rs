@@ -4,7 +4,8 @@
 //!
 //! The benchmarks are this crate's binaries, run as root by `cargo xtask
 //! bench NAME`: `ferry-bench-gap`, `ferry-bench-freeze`,
-//! `ferry-bench-algorithms`, `ferry-bench-memory`, `ferry-bench-replay` and
+//! `ferry-bench-algorithms`, `ferry-bench-memory`, `ferry-bench-redis`,
+//! `ferry-bench-replay` and
 //! `ferry-bench-ab`.
 //! They print tables and write them under `target/bench/`; timings are
 //! measured, never pass/fail.

@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the bench crate's binary behind each.
-pub const BENCHES: [(&str, &str, &str); 6] = [
+pub const BENCHES: [(&str, &str, &str); 7] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -32,6 +32,11 @@ pub const BENCHES: [(&str, &str, &str); 6] = [
         "memory",
         "ferry-bench-memory",
         "the freeze, total time, post-resume window, bytes and the destination's extra memory of processes of 64 MiB to 4 GiB at several write rates, per strategy, on unshaped and 1 Gb/s links",
+    ),
+    (
+        "redis",
+        "ferry-bench-redis",
+        "Debian's Redis server with a large data set, migrated while a client reads: freeze, the client's longest wait, the post-resume window, the destination's extra memory, the data set's digest checked",
     ),
     (
         "replay",

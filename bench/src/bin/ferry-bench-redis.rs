@@ -1,0 +1,383 @@
+//! `cargo xtask bench redis`: the scenario issue 34 was found with, a real
+//! in-memory database with a large data set, migrated while a client reads
+//! from it. Debian's Redis server runs under ferry with `--sizes` MiB of
+//! data (`DEBUG POPULATE` of 1,000-byte values), and a client in the
+//! client namespace sends `GET`s of random keys back to back over one
+//! connection during every migration. Per migration: the freeze, the
+//! longest the client waited for one answer (what a user sees), the time
+//! the process still depends on the source (post-copy's window) and the
+//! destination's peak extra memory; after each, `DEBUG DIGEST` of the
+//! whole data set must match the one taken before, or the bench stops.
+//!
+//! Writes `redis.csv` and `redis.md` to `--out` (default
+//! `target/bench/redis`). Timings are what this machine measured, never
+//! pass/fail.
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddrV4, TcpStream};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use ferry_bench::stats::median_unsorted;
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::managed::{migrate_request, run, wait_for_process, wait_until_gone};
+use ferry_integration::netns;
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
+
+const PORT: u16 = 7600;
+const REDIS_SERVER: &str = "/usr/bin/redis-server";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry-bench-redis",
+    about = "a Redis server with a large data set, migrated while a client reads"
+)]
+struct Args {
+    /// Data set sizes, MiB of values, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "64,1024")]
+    sizes: Vec<usize>,
+    /// Cluster links: "unshaped" or a tc rate ("1gbit"), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1gbit")]
+    links: Vec<String>,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "total-copy,pre-copy,post-copy"
+    )]
+    strategies: Vec<String>,
+    /// Migrations per size, link and strategy.
+    #[arg(long, default_value_t = 2)]
+    runs: usize,
+    #[arg(long, default_value = "target/bench/redis")]
+    out: PathBuf,
+}
+
+fn strategy_of(name: &str) -> Result<Strategy> {
+    Ok(match name {
+        "total-copy" => Strategy::TotalCopy,
+        "pre-copy" => Strategy::PreCopy,
+        "queued-pre-copy" => Strategy::QueuedPreCopy,
+        "post-copy" => Strategy::PostCopy,
+        "assisted-post-copy" => Strategy::AssistedPostCopy,
+        other => bail!("unknown strategy {other:?}"),
+    })
+}
+
+struct Row {
+    size_mib: usize,
+    link: String,
+    strategy: String,
+    run: usize,
+    freeze_ms: f64,
+    client_max_wait_ms: f64,
+    client_answers: u64,
+    window_ms: f64,
+    left_out_pages: u64,
+    dest_peak_mib: f64,
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+/// One redis-cli command from client1; its output, trimmed.
+fn redis(cluster: &Cluster, args: &[&str]) -> Result<String> {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args([
+        "-h",
+        &cluster.public_addr().to_string(),
+        "-p",
+        &PORT.to_string(),
+    ])
+    .args(args);
+    let out = netns::output_in(&cluster.netns_path("client1"), cmd)?;
+    if !out.status.success() {
+        bail!(
+            "redis-cli {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Reads one reply to a GET: a bulk string ("$<n>" then n bytes) or nil.
+fn read_reply(r: &mut BufReader<TcpStream>, line: &mut String) -> std::io::Result<()> {
+    line.clear();
+    r.read_line(line)?;
+    match line.trim_end().strip_prefix('$') {
+        Some(n) if !n.starts_with('-') => {
+            let n: usize = n
+                .parse()
+                .map_err(|_| std::io::Error::other(format!("bad reply {line:?}")))?;
+            let mut body = vec![0u8; n + 2];
+            r.read_exact(&mut body)
+        }
+        Some(_) => Ok(()),
+        None => Err(std::io::Error::other(format!("bad reply {line:?}"))),
+    }
+}
+
+/// A client that GETs random keys back to back until stopped; returns the
+/// longest wait for one answer and the answers it got.
+fn reader(
+    netns_path: PathBuf,
+    target: SocketAddrV4,
+    keys: usize,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<Result<(Duration, u64)>> {
+    std::thread::spawn(move || {
+        netns::run_in(&netns_path, || -> Result<(Duration, u64)> {
+            let stream = TcpStream::connect(target)?;
+            stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+            let mut w = stream.try_clone()?;
+            let mut r = BufReader::new(stream);
+            let (mut longest, mut answers, mut rng) = (Duration::ZERO, 0u64, 0x9e37_79b9u64);
+            let mut line = String::new();
+            while !stop.load(Ordering::Relaxed) {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let sent = Instant::now();
+                w.write_all(format!("GET key:{}\r\n", rng % keys as u64).as_bytes())?;
+                read_reply(&mut r, &mut line)?;
+                longest = longest.max(sent.elapsed());
+                answers += 1;
+            }
+            Ok((longest, answers))
+        })?
+    })
+}
+
+async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<Row>) -> Result<()> {
+    let mut controls = [
+        cluster.control("node1").await?,
+        cluster.control("node2").await?,
+    ];
+    let dir = tempfile::tempdir()?;
+    for &size in &args.sizes {
+        let argv = [
+            REDIS_SERVER,
+            "--port",
+            &PORT.to_string(),
+            "--bind",
+            "0.0.0.0",
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--enable-debug-command",
+            "yes",
+            "--dir",
+            &dir.path().to_string_lossy(),
+            "--logfile",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut pid = run(&mut controls[0], argv).await;
+        wait_for_process(&mut controls[0], pid, |p| p.tcp_listening >= 1).await;
+        let keys = size * 1024 * 1024 / 1000;
+        let populated = redis(
+            cluster,
+            &["DEBUG", "POPULATE", &keys.to_string(), "key", "1000"],
+        )?;
+        if populated != "OK" {
+            bail!("DEBUG POPULATE: {populated}");
+        }
+        let mut on = 0usize;
+        for run_no in 0..args.runs {
+            for strategy in &args.strategies {
+                let digest = redis(cluster, &["DEBUG", "DIGEST"])?;
+                let to = 1 - on;
+                let stop = Arc::new(AtomicBool::new(false));
+                let client = reader(
+                    cluster.netns_path("client1"),
+                    SocketAddrV4::new(cluster.public_addr(), PORT),
+                    keys,
+                    stop.clone(),
+                );
+                // The client is reading before the migration starts.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let migrated = migrate_request(
+                    &mut controls[on],
+                    MigrateRequest {
+                        pid,
+                        destination_node: format!("node{}", to + 1),
+                        strategy: strategy_of(strategy)? as i32,
+                        ..Default::default()
+                    },
+                )
+                .await;
+                // Until the post-copy window (if any) is surely over.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                stop.store(true, Ordering::Relaxed);
+                let (report, status) = migrated?;
+                let what = format!("{size} MiB over {link}, {strategy}, run {run_no}");
+                if let Some(s) = status {
+                    bail!("{what}: migration failed: {s:?}\n{report:#?}");
+                }
+                if report.outcome != MigrationOutcome::Committed as i32 {
+                    bail!("{what}: not committed: {report:#?}");
+                }
+                let (longest, answers) = client
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("{what}: the client panicked"))?
+                    .with_context(|| format!("{what}: the client"))?;
+                let after = redis(cluster, &["DEBUG", "DIGEST"])?;
+                if after != digest {
+                    bail!("{what}: the data set changed: digest {digest} before, {after} after");
+                }
+                let row = Row {
+                    size_mib: size,
+                    link: link.to_owned(),
+                    strategy: strategy.clone(),
+                    run: run_no,
+                    freeze_ms: ms(report.freeze_time_us),
+                    client_max_wait_ms: longest.as_secs_f64() * 1000.0,
+                    client_answers: answers,
+                    window_ms: ms(report.post_processing_time_us),
+                    left_out_pages: report.left_out_pages,
+                    dest_peak_mib: report.destination_peak_extra_bytes as f64
+                        / f64::from(1u32 << 20),
+                };
+                println!(
+                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  client's longest wait {:>8.1} ms ({} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB",
+                    row.size_mib,
+                    row.link,
+                    row.strategy,
+                    row.run,
+                    row.freeze_ms,
+                    row.client_max_wait_ms,
+                    row.client_answers,
+                    row.window_ms,
+                    row.left_out_pages,
+                    row.dest_peak_mib
+                );
+                rows.push(row);
+                pid = report.destination_pid;
+                on = to;
+            }
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        wait_until_gone(pid);
+    }
+    Ok(())
+}
+
+fn csv(rows: &[Row], profile: &str) -> String {
+    let mut out = String::from(
+        "size_mib,link,strategy,run,profile,freeze_ms,client_max_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "{},{},{},{},{profile},{:.3},{:.3},{},{:.3},{},{:.1}",
+            r.size_mib,
+            r.link,
+            r.strategy,
+            r.run,
+            r.freeze_ms,
+            r.client_max_wait_ms,
+            r.client_answers,
+            r.window_ms,
+            r.left_out_pages,
+            r.dest_peak_mib
+        );
+    }
+    out
+}
+
+fn table(rows: &[Row], args: &Args, profile: &str) -> String {
+    let mut md = String::from(
+        "| data set MiB, link | strategy | freeze ms | client's longest wait ms | window ms | dest. peak MiB |\n|---|---|---:|---:|---:|---:|\n",
+    );
+    for link in &args.links {
+        for size in &args.sizes {
+            for strategy in &args.strategies {
+                let cell: Vec<&Row> = rows
+                    .iter()
+                    .filter(|r| &r.link == link && r.size_mib == *size && &r.strategy == strategy)
+                    .collect();
+                if cell.is_empty() {
+                    continue;
+                }
+                let med = |f: fn(&Row) -> f64| {
+                    median_unsorted(&cell.iter().map(|r| f(r)).collect::<Vec<_>>())
+                };
+                let _ = writeln!(
+                    md,
+                    "| {size}, {link} | {strategy} | {:.1} | {:.1} | {:.1} | {:.0} |",
+                    med(|r| r.freeze_ms),
+                    med(|r| r.client_max_wait_ms),
+                    med(|r| r.window_ms),
+                    med(|r| r.dest_peak_mib),
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        md,
+        "\n({profile} build, medians of {} migrations)",
+        args.runs
+    );
+    md
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    for s in &args.strategies {
+        strategy_of(s)?;
+    }
+    if !std::path::Path::new(REDIS_SERVER).exists() {
+        bail!("{REDIS_SERVER} is missing: `cargo xtask setup` installs Debian's redis-server");
+    }
+    let profile = if ferry_integration::bin_path("ferryd")
+        .components()
+        .any(|c| c.as_os_str() == "release")
+    {
+        "release"
+    } else {
+        "debug"
+    };
+    println!("binaries: {profile} profile");
+    let rt = ferry_integration::managed::runtime();
+    let mut rows = Vec::new();
+    for link in &args.links {
+        if link != "unshaped" && !link.ends_with("bit") {
+            bail!("--links: {link:?} is neither \"unshaped\" nor a tc rate like 1gbit");
+        }
+        let cluster = Cluster::start(ClusterSpec::new(2, 1)).context("starting the cluster")?;
+        if link != "unshaped" {
+            cluster.shape_cluster_links(Some((link, 1_250_000, "100ms")));
+        }
+        rt.block_on(bench_link(&cluster, &args, link, &mut rows))?;
+    }
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("redis.csv"), csv(&rows, profile))?;
+    let md = table(&rows, &args, profile);
+    std::fs::write(args.out.join("redis.md"), &md)?;
+    println!("\n{md}");
+    println!(
+        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {}` (root; {profile} build; 2 cores here).",
+        args.sizes
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+        args.links.join(","),
+        args.strategies.join(","),
+        args.runs
+    );
+    Ok(())
+}
