@@ -43,12 +43,10 @@ struct Args {
 #[derive(Debug, clap::Subcommand)]
 enum Command {
     /// Installs a restored process's pre-copied pages from the page store
-    /// (ferryd starts it for a migration, with its control socket and
-    /// stores at descriptors 3 and on; not for use by hand).
+    /// (ferryd starts it for a migration, with its control socket at
+    /// descriptor 3, over which the stores and the plan come; not for use
+    /// by hand).
     Fill {
-        /// The fill plan (JSON), written by ferryd.
-        #[arg(long)]
-        plan: PathBuf,
         /// Where the filler logs.
         #[arg(long)]
         log: PathBuf,
@@ -57,8 +55,8 @@ enum Command {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Some(Command::Fill { plan, log }) = &args.command {
-        return fill(plan, log);
+    if let Some(Command::Fill { log }) = &args.command {
+        return fill(log);
     }
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -78,7 +76,7 @@ fn main() -> ExitCode {
 
 /// `ferryd fill`: logs to its own file (its stderr is /dev/null), exits 0
 /// once every page is in.
-fn fill(plan: &Path, log: &Path) -> ExitCode {
+fn fill(log: &Path) -> ExitCode {
     match std::fs::File::create(log) {
         Ok(file) => tracing_subscriber::fmt()
             .with_env_filter(
@@ -90,7 +88,7 @@ fn fill(plan: &Path, log: &Path) -> ExitCode {
             .init(),
         Err(e) => eprintln!("ferryd fill: {}: {e}", log.display()),
     }
-    match ferry_agent::fill::filler::main(plan) {
+    match ferry_agent::fill::filler::main() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

@@ -1,11 +1,13 @@
 //! The messages between ferryd and its page filler, on a `SOCK_SEQPACKET`
 //! pair (one message per send, descriptors attached to theirs).
 //!
-//! ferryd -> filler: `U` + the task's PID in its namespace (i32, little
-//! endian) with its userfaultfd attached; `F`: CRIU's restore finished
-//! (the areas are in place). Filler -> ferryd: `R`: ready (plan read,
-//! store mapped); `D` + the [`FillStats`] as JSON: every page is in; `E` +
-//! text: it failed.
+//! ferryd -> filler: first, once the plan is known, `S` + the store's
+//! index (u32, little endian) with the store attached, for each store, then
+//! `P` + the plan file's path (UTF-8); then `U` + the task's PID in its
+//! namespace (i32, little endian) with its userfaultfd attached; `F`:
+//! CRIU's restore finished (the areas are in place). Filler -> ferryd:
+//! `R`: ready (plan read, stores mapped); `D` + the [`FillStats`] as JSON:
+//! every page is in; `E` + text: it failed.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -26,6 +28,8 @@ const MAX_MESSAGE: usize = 4096;
 /// What ferryd tells the filler.
 #[derive(Debug)]
 pub enum ToFiller {
+    Store { index: u32, store: OwnedFd },
+    Plan { path: String },
     Uffd { vpid: i32, uffd: OwnedFd },
     RestoreFinished,
 }
@@ -113,6 +117,19 @@ fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>, FillError> {
 
 pub fn send_to_filler(sock: BorrowedFd<'_>, m: &ToFiller) -> Result<(), FillError> {
     match m {
+        ToFiller::Store { index, store } => {
+            let mut b = vec![b'S'];
+            b.extend(index.to_le_bytes());
+            send(sock, &b, Some(store.as_raw_fd()))
+        }
+        ToFiller::Plan { path } => {
+            let mut b = vec![b'P'];
+            b.extend(path.as_bytes());
+            if b.len() > MAX_MESSAGE {
+                return Err(FillError::Plan(format!("plan path {path:?} is too long")));
+            }
+            send(sock, &b, None)
+        }
         ToFiller::Uffd { vpid, uffd } => {
             let mut b = vec![b'U'];
             b.extend(vpid.to_le_bytes());
@@ -133,6 +150,14 @@ pub fn recv_in_filler(sock: BorrowedFd<'_>) -> Result<Option<ToFiller>, FillErro
             uffd,
         })),
         (Some(b'F'), None) if b.len() == 1 => Ok(Some(ToFiller::RestoreFinished)),
+        (Some(b'S'), Some(store)) if b.len() == 5 => Ok(Some(ToFiller::Store {
+            index: u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
+            store,
+        })),
+        (Some(b'P'), None) => Ok(Some(ToFiller::Plan {
+            path: String::from_utf8(b[1..].to_vec())
+                .map_err(|_| FillError::Protocol("a plan path that is not UTF-8".into()))?,
+        })),
         (first, fd) => Err(FillError::Protocol(format!(
             "unexpected message {first:?} of {} bytes{}",
             b.len(),
@@ -200,6 +225,15 @@ mod tests {
         )
         .unwrap();
         send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        let (store, _keep_store) = pair().unwrap();
+        send_to_filler(ours.as_fd(), &ToFiller::Store { index: 3, store }).unwrap();
+        send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Plan {
+                path: "/run/ferry/plan.json".into(),
+            },
+        )
+        .unwrap();
         match recv_in_filler(theirs.as_fd()).unwrap() {
             Some(ToFiller::Uffd { vpid: 42, uffd }) => assert!(uffd.as_raw_fd() >= 0),
             other => panic!("{other:?}"),
@@ -208,6 +242,14 @@ mod tests {
             recv_in_filler(theirs.as_fd()).unwrap(),
             Some(ToFiller::RestoreFinished)
         ));
+        match recv_in_filler(theirs.as_fd()).unwrap() {
+            Some(ToFiller::Store { index: 3, store }) => assert!(store.as_raw_fd() >= 0),
+            other => panic!("{other:?}"),
+        }
+        match recv_in_filler(theirs.as_fd()).unwrap() {
+            Some(ToFiller::Plan { path }) => assert_eq!(path, "/run/ferry/plan.json"),
+            other => panic!("{other:?}"),
+        }
         let stats = FillStats {
             pages: 7,
             faults: 2,

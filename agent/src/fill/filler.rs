@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -391,6 +390,9 @@ impl Filler {
                             start();
                         }
                     }
+                    Some(m @ (ToFiller::Store { .. } | ToFiller::Plan { .. })) => {
+                        return Err(FillError::Protocol(format!("{m:?} after the plan")));
+                    }
                     None => {
                         ctl_open = false;
                         if crate::sync::lock(&self.state).restore_finished.is_none() {
@@ -638,13 +640,17 @@ impl Filler {
 }
 
 /// `ferryd fill`: the filler process. Its control socket is descriptor
-/// [`super::CONTROL_FD`], its stores [`super::FIRST_STORE_FD`] and on, as
-/// ferryd spawned it.
-pub fn main(plan_path: &Path) -> Result<(), FillError> {
+/// [`super::CONTROL_FD`], as ferryd spawned it (ahead of the freeze when it
+/// can); the stores and the plan come over it once the plan is known.
+pub fn main() -> Result<(), FillError> {
     // SAFETY: ferryd hands the control socket at this number, and nothing
     // else in this process owns it.
     let ctl = unsafe { OwnedFd::from_raw_fd(super::CONTROL_FD) };
-    let outcome = run_from(plan_path, ctl.as_fd());
+    let outcome = wait_for_plan(ctl.as_fd()).and_then(|(plan, stores)| {
+        let filler = Filler::new(plan, stores)?;
+        control::send_from_filler(ctl.as_fd(), &FromFiller::Ready)?;
+        filler.run(ctl.as_fd())
+    });
     let report = match &outcome {
         Ok(stats) => FromFiller::Done(*stats),
         Err(e) => FromFiller::Failed(e.to_string()),
@@ -656,24 +662,42 @@ pub fn main(plan_path: &Path) -> Result<(), FillError> {
     })
 }
 
-fn run_from(plan_path: &Path, ctl: BorrowedFd<'_>) -> Result<FillStats, FillError> {
-    let text = std::fs::read(plan_path).map_err(FillError::io(format!(
-        "reading the plan {}",
-        plan_path.display()
-    )))?;
+/// The stores (`S`), then the plan (`P`): the plan read, its stores in
+/// order.
+fn wait_for_plan(ctl: BorrowedFd<'_>) -> Result<(Plan, Vec<File>), FillError> {
+    let mut stores: Vec<Option<File>> = Vec::new();
+    let path = loop {
+        match control::recv_in_filler(ctl)? {
+            Some(ToFiller::Store { index, store }) => {
+                let i = index as usize;
+                if i >= 4096 {
+                    return Err(FillError::Protocol(format!("store index {i}")));
+                }
+                if stores.len() <= i {
+                    stores.resize_with(i + 1, || None);
+                }
+                stores[i] = Some(File::from(store));
+            }
+            Some(ToFiller::Plan { path }) => break path,
+            Some(other) => {
+                return Err(FillError::Protocol(format!("{other:?} before the plan")));
+            }
+            None => {
+                return Err(FillError::Protocol(
+                    "ferryd went away before the plan".into(),
+                ));
+            }
+        }
+    };
+    let text = std::fs::read(&path).map_err(FillError::io(format!("reading the plan {path}")))?;
     let plan: Plan =
         serde_json::from_slice(&text).map_err(|e| FillError::Plan(format!("not JSON: {e}")))?;
-    let n = plan.tasks.iter().map(|t| t.store + 1).max().unwrap_or(0);
-    let stores = (0..n)
-        .map(|i| {
-            // SAFETY: ferryd hands store `i` at this number, and nothing
-            // else in this process owns it.
-            unsafe { File::from_raw_fd(super::FIRST_STORE_FD + i as i32) }
-        })
-        .collect();
-    let filler = Filler::new(plan, stores)?;
-    control::send_from_filler(ctl, &FromFiller::Ready)?;
-    filler.run(ctl)
+    let stores = stores
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| s.ok_or_else(|| FillError::Plan(format!("store {i} was never sent"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((plan, stores))
 }
 
 #[cfg(test)]

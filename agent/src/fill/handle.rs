@@ -12,7 +12,7 @@ use std::time::Duration;
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
 
 use super::control::{self, FromFiller, ToFiller};
-use super::{CONTROL_FD, FIRST_STORE_FD, FillError, FillStats, Plan};
+use super::{CONTROL_FD, FillError, FillStats, Plan};
 
 /// The socket CRIU's restore connects to, in its working directory
 /// (`criu/uffd.c`, `LAZY_PAGES_SOCK_NAME`).
@@ -51,83 +51,111 @@ impl std::fmt::Debug for Filler {
     }
 }
 
-impl Filler {
-    /// Starts `exe fill` (ferryd's own binary) with `plan` and the
-    /// `stores` it names, and listens on [`SOCKET`] in `dir` (the
-    /// restore's working directory) for the restore. Returns once the
+/// A filler process started ahead of the plan (at Arm, before the
+/// freeze: its fork and exec then cost the freeze nothing), waiting for
+/// its stores and plan on the control socket. Dropped unused, it is
+/// killed and reaped.
+pub struct Spawned {
+    pid: i32,
+    ctl: Option<OwnedFd>,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for Spawned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spawned").field("pid", &self.pid).finish()
+    }
+}
+
+impl Spawned {
+    /// Starts `exe fill` (ferryd's own binary), logging to [`LOG`] in
+    /// `dir` (the restore's working directory). Blocking: a fork and an
+    /// exec.
+    pub fn spawn(exe: &Path, dir: &Path) -> Result<Spawned, FillError> {
+        let (ours, theirs) = control::pair()?;
+        // The control socket goes to its number in the child by a dup2
+        // from a copy above it, so that the dup2 cannot land on it.
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a valid descriptor returns a
+        // new one at or above 1024, or -1; no memory is passed.
+        let r = unsafe { libc::fcntl(theirs.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 1024) };
+        if r < 0 {
+            return Err(FillError::io("duplicating the filler's control socket")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: the kernel just returned this descriptor to us.
+        let high = unsafe { OwnedFd::from_raw_fd(r) };
+        drop(theirs);
+        let log = dir.join(LOG);
+        let log_arg = log.to_string_lossy();
+        let pid = crate::criu::spawn::spawn(
+            exe,
+            &["fill", "--log", &log_arg],
+            &[(high.as_raw_fd(), CONTROL_FD)],
+            &[],
+        )
+        .map_err(FillError::io(format!("starting {} fill", exe.display())))?
+        .id();
+        Ok(Spawned {
+            pid,
+            ctl: Some(ours),
+            dir: dir.to_owned(),
+        })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Hands the filler its `plan` and the `stores` it names, and listens
+    /// on [`SOCKET`] in its directory for the restore. Returns once the
     /// filler mapped its stores. Blocking.
     pub fn start(
-        exe: &Path,
-        dir: &Path,
+        mut self,
         plan: &Plan,
         stores: &[BorrowedFd<'_>],
         ready_within: Duration,
     ) -> Result<Filler, FillError> {
-        let plan_path = dir.join(PLAN);
+        let ctl = self.ctl.take().expect("taken only here");
+        let mut filler = Filler {
+            pid: self.pid,
+            ctl,
+            relay: None,
+            stop: Arc::new(AtomicBool::new(false)),
+            kept: Arc::new(Mutex::new(Vec::new())),
+            dir: self.dir.clone(),
+            report: None,
+            reaped: false,
+        };
+        let plan_path = self.dir.join(PLAN);
         let json = serde_json::to_vec(plan).expect("a plan serializes");
         std::fs::write(&plan_path, json)
             .map_err(FillError::io(format!("writing {}", plan_path.display())))?;
-        let socket = dir.join(SOCKET);
+        let socket = self.dir.join(SOCKET);
         let _ = std::fs::remove_file(&socket);
         let listener = UnixListener::bind(&socket)
             .map_err(FillError::io(format!("listening on {}", socket.display())))?;
         listener
             .set_nonblocking(true)
             .map_err(FillError::io("a non-blocking listener"))?;
-        let (ours, theirs) = control::pair()?;
-        // Each descriptor goes to its number in the child by a dup2 in
-        // turn: copies above every target first, so that no dup2 lands on
-        // a descriptor a later one still reads.
-        let high = |fd: BorrowedFd<'_>| {
-            // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a valid descriptor returns a
-            // new one at or above 1024, or -1; no memory is passed.
-            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 1024) };
-            if r < 0 {
-                return Err(FillError::io("duplicating a descriptor for the filler")(
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            // SAFETY: the kernel just returned this descriptor to us.
-            Ok(unsafe { OwnedFd::from_raw_fd(r) })
-        };
-        let mut sources = vec![high(theirs.as_fd())?];
-        for s in stores {
-            sources.push(high(*s)?);
+        for (index, store) in stores.iter().enumerate() {
+            let store = store
+                .try_clone_to_owned()
+                .map_err(FillError::io("duplicating a store for the filler"))?;
+            control::send_to_filler(
+                filler.ctl.as_fd(),
+                &ToFiller::Store {
+                    index: index as u32,
+                    store,
+                },
+            )?;
         }
-        drop(theirs);
-        let dup_onto: Vec<(RawFd, RawFd)> = sources
-            .iter()
-            .enumerate()
-            .map(|(i, fd)| {
-                let to = if i == 0 {
-                    CONTROL_FD
-                } else {
-                    FIRST_STORE_FD + i as i32 - 1
-                };
-                (fd.as_raw_fd(), to)
-            })
-            .collect();
-        let log = dir.join(LOG);
-        let (plan_arg, log_arg) = (plan_path.to_string_lossy(), log.to_string_lossy());
-        let child = crate::criu::spawn::spawn(
-            exe,
-            &["fill", "--plan", &plan_arg, "--log", &log_arg],
-            &dup_onto,
-            &[],
-        )
-        .map_err(FillError::io(format!("starting {} fill", exe.display())))?
-        .id();
-        drop(sources);
-        let mut filler = Filler {
-            pid: child,
-            ctl: ours,
-            relay: None,
-            stop: Arc::new(AtomicBool::new(false)),
-            kept: Arc::new(Mutex::new(Vec::new())),
-            dir: dir.to_owned(),
-            report: None,
-            reaped: false,
-        };
+        control::send_to_filler(
+            filler.ctl.as_fd(),
+            &ToFiller::Plan {
+                path: plan_path.to_string_lossy().into_owned(),
+            },
+        )?;
         // Ready, or why not.
         set_timeout(filler.ctl.as_fd(), Some(ready_within))?;
         let first = control::recv_from_filler(filler.ctl.as_fd());
@@ -156,6 +184,35 @@ impl Filler {
                 .map_err(FillError::io("starting the relay thread"))?,
         );
         Ok(filler)
+    }
+}
+
+impl Drop for Spawned {
+    /// Unused (no fill after all, or an abort): killed and reaped off this
+    /// thread.
+    fn drop(&mut self) {
+        if self.ctl.is_none() {
+            // Became a Filler, which owns the process now.
+            return;
+        }
+        let pid = nix::unistd::Pid::from_raw(self.pid);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        std::thread::spawn(move || {
+            let _ = nix::sys::wait::waitpid(pid, None);
+        });
+    }
+}
+
+impl Filler {
+    /// [`Spawned::spawn`] then [`Spawned::start`].
+    pub fn start(
+        exe: &Path,
+        dir: &Path,
+        plan: &Plan,
+        stores: &[BorrowedFd<'_>],
+        ready_within: Duration,
+    ) -> Result<Filler, FillError> {
+        Spawned::spawn(exe, dir)?.start(plan, stores, ready_within)
     }
 
     pub fn pid(&self) -> i32 {

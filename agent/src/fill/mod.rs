@@ -57,8 +57,6 @@ use serde::{Deserialize, Serialize};
 
 /// The descriptor a filler gets its control socket on.
 pub const CONTROL_FD: i32 = 3;
-/// The descriptor of the first store; the others follow.
-pub const FIRST_STORE_FD: i32 = 4;
 
 /// What the filler installs.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,8 +74,8 @@ pub struct Plan {
 pub struct TaskPlan {
     /// Its PID in its namespace, as CRIU's restore names it.
     pub vpid: u32,
-    /// Its store: descriptor [`FIRST_STORE_FD`] + `store`, a page at the
-    /// offset of its address.
+    /// Its store: the one ferryd sent with this index (`S`, see
+    /// [`control`]), a page at the offset of its address.
     pub store: usize,
     /// The memory areas that hold its runs, `[start, end)`: the windows of
     /// the store the filler maps.

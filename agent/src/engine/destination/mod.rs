@@ -238,6 +238,9 @@ pub struct Incoming {
     /// installs them from the store, from just before the restore until
     /// Commit hands it to a watcher (or an abort kills it).
     pub(super) filler: Option<crate::fill::handle::Filler>,
+    /// Pre-copy: a filler process started after the first round, waiting
+    /// for the plan the restore gives it (dropped unused: killed).
+    pub(super) filler_ahead: Option<crate::fill::handle::Spawned>,
     /// Post-copy: the page tunnel, from PageTunnel until the daemon's end
     /// (the pump outlives the slot after Commit) or an abort.
     pub(super) tunnel: Option<IncomingTunnel>,

@@ -99,24 +99,28 @@ pub(super) fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Resul
 /// pagemaps: this node holds them), started; none if the dump left none
 /// out. Each left-out page must be in the store: a dump that left out a
 /// page this node lacks is refused here, before the restore.
-async fn start_filler(inc: &Incoming) -> Result<Option<crate::fill::handle::Filler>, EngineError> {
+async fn start_filler(
+    inc: &mut Incoming,
+) -> Result<Option<crate::fill::handle::Filler>, EngineError> {
     let (images, store, dir) = (inc.images(), inc.pages.clone(), inc.dir.clone());
     let id = inc.migration_id.clone();
+    let ahead = inc.filler_ahead.take();
     blocking("starting the page filler", move || {
         let Some((plan, stores)) = plan_fill(&images, &store, &id)? else {
+            // Nothing left out: the filler started ahead goes (dropped).
             return Ok(None);
         };
-        let exe = std::env::current_exe().map_err(EngineError::io(
-            "finding ferryd's own binary for the page filler",
-        ))?;
         let fds: Vec<_> = stores.iter().map(AsFd::as_fd).collect();
-        let filler = crate::fill::handle::Filler::start(
-            &exe,
-            &dir,
-            &plan,
-            &fds,
-            crate::fill::handle::READY_WITHIN,
-        )?;
+        let within = crate::fill::handle::READY_WITHIN;
+        let filler = match ahead {
+            Some(spawned) => spawned.start(&plan, &fds, within)?,
+            None => {
+                let exe = std::env::current_exe().map_err(EngineError::io(
+                    "finding ferryd's own binary for the page filler",
+                ))?;
+                crate::fill::handle::Filler::start(&exe, &dir, &plan, &fds, within)?
+            }
+        };
         tracing::info!(
             pid = filler.pid(),
             tasks = plan.tasks.len(),

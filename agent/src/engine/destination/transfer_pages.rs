@@ -61,9 +61,48 @@ pub async fn transfer_pages(
         pages += p;
         bytes += b;
     }
-    if id.is_none() {
+    let Some(id) = id else {
         return Err(EngineError::BadImage("no page batch received".into()));
-    }
+    };
     tracing::debug!(pages, bytes, "pre-copied pages received");
+    start_filler_ahead(engine, &id).await;
     Ok(ferry_proto::v1::TransferPagesResponse { pages, bytes })
+}
+
+/// After the first round: the page filler that may install these pages
+/// after the resume, started now, so that its fork and exec cost the
+/// freeze nothing (the restore hands it its plan). Without it the restore
+/// starts one itself.
+async fn start_filler_ahead(engine: &Arc<Engine>, id: &str) {
+    let dir = {
+        let slot = engine.incoming.lock().await;
+        match slot.as_ref() {
+            Some(inc) if inc.migration_id == id && inc.filler_ahead.is_none() => inc.dir.clone(),
+            _ => return,
+        }
+    };
+    if !crate::fill::available() {
+        return;
+    }
+    let spawned = tokio::task::spawn_blocking(move || {
+        let exe = std::env::current_exe()
+            .map_err(crate::fill::FillError::io("finding ferryd's own binary"))?;
+        crate::fill::handle::Spawned::spawn(&exe, &dir)
+    })
+    .await;
+    match spawned {
+        Ok(Ok(s)) => {
+            let mut slot = engine.incoming.lock().await;
+            if let Some(inc) = slot.as_mut()
+                && inc.migration_id == id
+                && inc.filler_ahead.is_none()
+            {
+                tracing::debug!(pid = s.pid(), "page filler started ahead of the freeze");
+                inc.filler_ahead = Some(s);
+            }
+            // Otherwise the migration ended meanwhile: dropped, killed.
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "starting the page filler ahead"),
+        Err(e) => tracing::warn!(error = %e, "starting the page filler ahead"),
+    }
 }
