@@ -22,8 +22,11 @@
 //! # The process
 //!
 //! The filler is a process of its own (`ferryd fill`), spawned by ferryd
-//! for the Restore step ([`handle::Filler::start`]): if ferryd is killed
-//! during the fill, the filler goes on and the process keeps its memory.
+//! after the first pre-copy round ([`handle::Spawned::spawn`], so that its
+//! fork and exec are not in the freeze; at the Restore step if it was not)
+//! and handed its stores and plan by the Restore step
+//! ([`handle::Spawned::start`]): if ferryd is killed during the fill, the
+//! filler goes on and the process keeps its memory.
 //! ferryd listens on `lazy-pages.socket` in the restore's working
 //! directory, where CRIU's restore connects (`criu/uffd.c`: per task, its
 //! PID in its namespace as an `int`, then its userfaultfd by `SCM_RIGHTS`,
