@@ -10,5 +10,6 @@
 //! They print tables and write them under `target/bench/`; timings are
 //! measured, never pass/fail.
 
+pub mod run;
 pub mod softnet;
 pub mod stats;

@@ -40,6 +40,7 @@ pub mod postgres;
 pub mod privilege;
 pub mod prometheus;
 pub mod reap;
+pub mod redis;
 pub mod reflection;
 pub mod tls;
 pub mod tmpfs;

@@ -30,10 +30,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use ferry_bench::run::strategy_of;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
 use ferry_integration::workload::request_line;
-use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -111,17 +112,6 @@ fn noack_figures(process: &str, link: &str) -> Option<NoackTable> {
         )),
         _ => None,
     }
-}
-
-fn strategy_of(name: &str) -> Result<Strategy> {
-    Ok(match name {
-        "total-copy" => Strategy::TotalCopy,
-        "pre-copy" => Strategy::PreCopy,
-        "queued-pre-copy" => Strategy::QueuedPreCopy,
-        "post-copy" => Strategy::PostCopy,
-        "assisted-post-copy" => Strategy::AssistedPostCopy,
-        other => bail!("unknown strategy {other:?}"),
-    })
 }
 
 /// The writer's arguments for a process kind.

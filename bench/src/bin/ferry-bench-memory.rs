@@ -38,12 +38,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use ferry_bench::run::strategy_of;
 use ferry_bench::stats::median_unsorted;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, wait_until_gone};
 use ferry_integration::memwriter::MemWriter;
 use ferry_integration::workload::request_line;
-use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -76,27 +77,6 @@ struct Args {
     reference: bool,
     #[arg(long, default_value = "target/bench/memory")]
     out: PathBuf,
-}
-
-fn strategy_of(name: &str) -> Result<Strategy> {
-    Ok(match name {
-        "total-copy" => Strategy::TotalCopy,
-        "pre-copy" => Strategy::PreCopy,
-        "queued-pre-copy" => Strategy::QueuedPreCopy,
-        "post-copy" => Strategy::PostCopy,
-        "assisted-post-copy" => Strategy::AssistedPostCopy,
-        other => bail!("unknown strategy {other:?}"),
-    })
-}
-
-/// The profile of the binaries under test, from where they are.
-fn profile() -> String {
-    let dir = ferry_integration::bin_path("ferryd");
-    if dir.components().any(|c| c.as_os_str() == "release") {
-        "release".into()
-    } else {
-        "debug".into()
-    }
 }
 
 /// One migration.
@@ -579,7 +559,7 @@ fn main() -> Result<()> {
             bail!("--links: {link:?} is neither \"unshaped\" nor a tc rate like 1gbit");
         }
     }
-    let profile = profile();
+    let profile = ferry_bench::run::profile();
     println!("binaries: {profile} profile");
     let rt = ferry_integration::managed::runtime();
     let mut rows = Vec::new();
@@ -610,10 +590,10 @@ fn main() -> Result<()> {
         }
     }
     std::fs::create_dir_all(&args.out)?;
-    std::fs::write(args.out.join("memory.csv"), csv(&rows, &profile))?;
-    let md = tables(&rows, &args, &profile);
+    std::fs::write(args.out.join("memory.csv"), csv(&rows, profile))?;
+    let md = tables(&rows, &args, profile);
     std::fs::write(args.out.join("memory.md"), &md)?;
-    std::fs::write(args.out.join("memory.svg"), plot(&rows, &args, &profile))?;
+    std::fs::write(args.out.join("memory.svg"), plot(&rows, &args, profile))?;
     println!("{md}");
     println!(
         "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {}` (root; {profile} build; 2 cores here).",

@@ -17,21 +17,22 @@ use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use ferry_bench::run::strategy_of;
 use ferry_bench::stats::median_unsorted;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process, wait_until_gone};
 use ferry_integration::netns;
-use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
+use ferry_integration::redis::{REDIS_SERVER, Redis};
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome};
 
 const PORT: u16 = 7600;
-const REDIS_SERVER: &str = "/usr/bin/redis-server";
+const REDIS: Redis = Redis { port: PORT };
 
 #[derive(Debug, Parser)]
 #[command(
@@ -58,17 +59,6 @@ struct Args {
     out: PathBuf,
 }
 
-fn strategy_of(name: &str) -> Result<Strategy> {
-    Ok(match name {
-        "total-copy" => Strategy::TotalCopy,
-        "pre-copy" => Strategy::PreCopy,
-        "queued-pre-copy" => Strategy::QueuedPreCopy,
-        "post-copy" => Strategy::PostCopy,
-        "assisted-post-copy" => Strategy::AssistedPostCopy,
-        other => bail!("unknown strategy {other:?}"),
-    })
-}
-
 struct Row {
     size_mib: usize,
     link: String,
@@ -88,22 +78,7 @@ fn ms(us: u64) -> f64 {
 
 /// One redis-cli command from client1; its output, trimmed.
 fn redis(cluster: &Cluster, args: &[&str]) -> Result<String> {
-    let mut cmd = Command::new("redis-cli");
-    cmd.args([
-        "-h",
-        &cluster.public_addr().to_string(),
-        "-p",
-        &PORT.to_string(),
-    ])
-    .args(args);
-    let out = netns::output_in(&cluster.netns_path("client1"), cmd)?;
-    if !out.status.success() {
-        bail!(
-            "redis-cli {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    Ok(REDIS.cli(cluster, args)?)
 }
 
 /// Reads one reply to a GET: a bulk string ("$<n>" then n bytes) or nil.
@@ -161,27 +136,7 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
     ];
     let dir = tempfile::tempdir()?;
     for &size in &args.sizes {
-        let argv = [
-            REDIS_SERVER,
-            "--port",
-            &PORT.to_string(),
-            "--bind",
-            "0.0.0.0",
-            "--protected-mode",
-            "no",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--enable-debug-command",
-            "yes",
-            "--dir",
-            &dir.path().to_string_lossy(),
-            "--logfile",
-            "",
-        ]
-        .map(String::from)
-        .to_vec();
+        let argv = REDIS.argv(dir.path());
         let mut pid = run(&mut controls[0], argv).await;
         wait_for_process(&mut controls[0], pid, |p| p.tcp_listening >= 1).await;
         let keys = size * 1024 * 1024 / 1000;
@@ -339,17 +294,10 @@ fn main() -> Result<()> {
     for s in &args.strategies {
         strategy_of(s)?;
     }
-    if !std::path::Path::new(REDIS_SERVER).exists() {
+    if !Redis::installed() {
         bail!("{REDIS_SERVER} is missing: `cargo xtask setup` installs Debian's redis-server");
     }
-    let profile = if ferry_integration::bin_path("ferryd")
-        .components()
-        .any(|c| c.as_os_str() == "release")
-    {
-        "release"
-    } else {
-        "debug"
-    };
+    let profile = ferry_bench::run::profile();
     println!("binaries: {profile} profile");
     let rt = ferry_integration::managed::runtime();
     let mut rows = Vec::new();

@@ -1,0 +1,60 @@
+//! What every migration bench asks of its run: the strategy a name on the
+//! command line means, and the build profile of the binaries under test.
+
+use ferry_proto::v1::Strategy;
+
+/// A strategy name no bench knows.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "unknown strategy {0:?} (total-copy, pre-copy, queued-pre-copy, post-copy, assisted-post-copy)"
+)]
+pub struct UnknownStrategy(pub String);
+
+/// The strategy a `--strategies` name means.
+pub fn strategy_of(name: &str) -> Result<Strategy, UnknownStrategy> {
+    Ok(match name {
+        "total-copy" => Strategy::TotalCopy,
+        "pre-copy" => Strategy::PreCopy,
+        "queued-pre-copy" => Strategy::QueuedPreCopy,
+        "post-copy" => Strategy::PostCopy,
+        "assisted-post-copy" => Strategy::AssistedPostCopy,
+        other => return Err(UnknownStrategy(other.to_owned())),
+    })
+}
+
+/// "release" or "debug": the profile of the agent under test, from where
+/// it is (`FERRY_BIN_DIR`, which `cargo xtask bench` sets).
+pub fn profile() -> &'static str {
+    if ferry_integration::bin_path("ferryd")
+        .components()
+        .any(|c| c.as_os_str() == "release")
+    {
+        "release"
+    } else {
+        "debug"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_every_strategy() {
+        for (name, s) in [
+            ("total-copy", Strategy::TotalCopy),
+            ("pre-copy", Strategy::PreCopy),
+            ("queued-pre-copy", Strategy::QueuedPreCopy),
+            ("post-copy", Strategy::PostCopy),
+            ("assisted-post-copy", Strategy::AssistedPostCopy),
+        ] {
+            assert_eq!(strategy_of(name).unwrap(), s);
+        }
+        assert!(
+            strategy_of("post-it")
+                .unwrap_err()
+                .to_string()
+                .contains("post-it")
+        );
+    }
+}
