@@ -73,6 +73,15 @@ pub(crate) struct Framed<'a> {
     pub entries: Vec<Entry<'a>>,
 }
 
+/// The whole image file at `path`.
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>, ImageError> {
+    std::fs::read(path).map_err(|source| ImageError::Io {
+        path: path.to_owned(),
+        op: "read",
+        source,
+    })
+}
+
 /// Checks the header and splits the file into entries.
 pub(crate) fn frame<'a>(
     path: &Path,

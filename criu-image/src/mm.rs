@@ -20,7 +20,6 @@
 //!
 //! The other fields (offsets, files, madvise bits) are not read.
 
-use std::fs;
 use std::path::Path;
 
 use crate::error::ImageError;
@@ -54,11 +53,7 @@ pub struct Vma {
 /// ascending address order, none empty, none overlapping.
 pub fn read_vmas(images_dir: &Path, pid: u32) -> Result<Vec<Vma>, ImageError> {
     let path = images_dir.join(format!("mm-{pid}.img"));
-    let bytes = fs::read(&path).map_err(|source| ImageError::Io {
-        path: path.clone(),
-        op: "read",
-        source,
-    })?;
+    let bytes = image::read(&path)?;
     parse(&path, &bytes)
 }
 
@@ -195,7 +190,7 @@ mod tests {
             vma(0x10_0000, 0x30_0000, 0x22),
             vma(0x50_0000, 0x60_0000, 0x2),
         ]);
-        fs::write(dir.path().join("mm-9.img"), bytes).unwrap();
+        std::fs::write(dir.path().join("mm-9.img"), bytes).unwrap();
         let vmas = read_vmas(dir.path(), 9).unwrap();
         assert_eq!(
             vmas,
