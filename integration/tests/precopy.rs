@@ -10,11 +10,15 @@
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{migrate_request, process_state, runtime, wait_for_process};
+use ferry_integration::managed::{
+    migrate_committed, migrate_request, process_state, runtime, wait_for_process,
+};
 use ferry_integration::memwriter::{MemWriter, source_and_destination, write_protected};
+use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
     MigrateRequest, MigrationOutcome, MigrationReport, PrecopyThrottle, Strategy,
 };
+use tonic::transport::Channel;
 
 const PORT: u16 = 7300;
 
@@ -22,6 +26,29 @@ const WRITER: MemWriter = MemWriter { port: PORT };
 
 fn check(cluster: &Cluster) -> u64 {
     WRITER.check(cluster)
+}
+
+/// [`MemWriter::moved_intact`] for the writer that `report` moved from the
+/// node at `on`.
+async fn moved_intact(
+    cluster: &Cluster,
+    controls: &mut [ControlClient<Channel>; 2],
+    on: usize,
+    pid: i32,
+    report: &MigrationReport,
+    writes: u64,
+) -> u64 {
+    let (source, destination) = source_and_destination(controls, on);
+    WRITER
+        .moved_intact(
+            cluster,
+            source,
+            destination,
+            pid,
+            report.destination_pid,
+            writes,
+        )
+        .await
 }
 
 fn request(pid: i32, to: &str, strategy: Strategy) -> MigrateRequest {
@@ -146,19 +173,7 @@ fn memory_is_intact_after_migration_with_each_strategy() {
             }
             // It runs on the destination, gone from the source, with every
             // page it wrote, and goes on writing.
-            let later = {
-                let (source, destination) = source_and_destination(&mut controls, on);
-                WRITER
-                    .moved_intact(
-                        &cluster,
-                        source,
-                        destination,
-                        pid,
-                        report.destination_pid,
-                        writes,
-                    )
-                    .await
-            };
+            let later = moved_intact(&cluster, &mut controls, on, pid, &report, writes).await;
             assert!(!write_protected(report.destination_pid));
             writes = later;
             pid = report.destination_pid;
@@ -343,19 +358,7 @@ fn a_writer_faster_than_the_link_converges_when_throttled() {
             }
             // On the destination: running (not left stopped by the
             // throttle), writing, with all it wrote.
-            let later = {
-                let (source, destination) = source_and_destination(&mut controls, on);
-                WRITER
-                    .moved_intact(
-                        &cluster,
-                        source,
-                        destination,
-                        pid,
-                        report.destination_pid,
-                        writes,
-                    )
-                    .await
-            };
+            let later = moved_intact(&cluster, &mut controls, on, pid, &report, writes).await;
             assert_ne!(
                 process_state(report.destination_pid),
                 Some('T'),
@@ -430,11 +433,8 @@ fn a_destination_without_room_for_the_process_refuses_it_before_anything_stops()
         let small = small_writer
             .start_with(&mut controls[0], &["--kib", "2048"])
             .await;
-        let (report, status) =
-            migrate_request(&mut controls[0], request(small, "node2", Strategy::PreCopy))
-                .await
-                .expect("migration starts");
-        assert!(status.is_none(), "{status:?}\n{report:#?}");
+        let report =
+            migrate_committed(&mut controls[0], request(small, "node2", Strategy::PreCopy)).await;
         assert_eq!(
             report.outcome,
             MigrationOutcome::Committed as i32,
@@ -484,13 +484,11 @@ fn every_kind_of_memory_is_intact_after_each_strategy() {
             Strategy::PreCopy,
         ] {
             let to = 1 - on;
-            let (report, status) = migrate_request(
+            let report = migrate_committed(
                 &mut controls[on],
                 request(pid, &format!("node{}", to + 1), strategy),
             )
-            .await
-            .expect("migration starts");
-            assert!(status.is_none(), "{strategy:?}: {status:?}\n{report:#?}");
+            .await;
             assert_eq!(
                 report.outcome,
                 MigrationOutcome::Committed as i32,
@@ -503,19 +501,7 @@ fn every_kind_of_memory_is_intact_after_each_strategy() {
                 // shared-memory images, never left out).
                 assert!(report.left_out_pages > 2048, "{}", summary(&report));
             }
-            let later = {
-                let (source, destination) = source_and_destination(&mut controls, on);
-                WRITER
-                    .moved_intact(
-                        &cluster,
-                        source,
-                        destination,
-                        pid,
-                        report.destination_pid,
-                        writes,
-                    )
-                    .await
-            };
+            let later = moved_intact(&cluster, &mut controls, on, pid, &report, writes).await;
             writes = later;
             pid = report.destination_pid;
             on = to;

@@ -1,6 +1,6 @@
 //! The most memory an incoming migration took on this node at once, for
-//! the report: its directory's allocated blocks (page store, images: a
-//! tmpfs work dir holds them in memory) plus the resident sets of the
+//! the report: the blocks of its page store and pages images (a tmpfs
+//! work dir holds them in memory) plus the resident sets of the
 //! processes it started here (CRIU, the page filler, the lazy-pages
 //! daemon, and the restored tree). Sampled every [`PERIOD`] on a thread of
 //! its own, from Prepare to the end of the work after the resume.
@@ -75,20 +75,26 @@ impl Drop for PeakMeter {
     }
 }
 
-/// Bytes allocated to the files under `dir` (a sparse store counts what
-/// it holds, not its length).
+/// Bytes allocated to what holds the process's pages under the
+/// migration's directory `dir`: the page store (`precopy/`, sparse: what
+/// it holds, not its length) and the pages images (`images/pages-*.img`).
+/// The other images are small, and a stat of each of a thousand
+/// connections' images every sample would take CPU from the freeze.
 fn dir_bytes(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
+    let allocated = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.blocks() * 512);
     let mut sum = 0;
-    for e in entries.flatten() {
-        let Ok(m) = e.metadata() else { continue };
-        if m.is_dir() {
-            sum += dir_bytes(&e.path());
-        } else {
-            sum += m.blocks() * 512;
+    for (sub, wanted) in [
+        ("precopy", (|_: &str| true) as fn(&str) -> bool),
+        ("images", |n: &str| n.starts_with("pages-")),
+    ] {
+        let Ok(entries) = std::fs::read_dir(dir.join(sub)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_name().to_str().is_some_and(wanted) {
+                sum += allocated(&e.path());
+            }
         }
     }
     sum
@@ -151,7 +157,7 @@ mod tests {
         assert!(tree > alone(pid), "tree {tree}, shell alone {}", alone(pid));
         meter.watch(pid);
         // 4 MiB written, then gone: the peak keeps it.
-        let f = dir.path().join("sub/pages");
+        let f = dir.path().join("precopy/1");
         std::fs::create_dir_all(f.parent().unwrap()).unwrap();
         std::fs::write(&f, vec![1u8; 4 << 20]).unwrap();
         std::thread::sleep(PERIOD * 5);

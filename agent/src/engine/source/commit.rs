@@ -55,7 +55,7 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
             Ok(r) => {
                 run.report.destination_pid = r.pid;
                 run.report.replay = r.replay;
-                run.report.destination_peak_extra_bytes = r.peak_extra_bytes;
+                run.note_destination_peak(r.peak_extra_bytes);
                 running_for = Duration::from_micros(r.running_for_us);
                 last_err = None;
                 break;

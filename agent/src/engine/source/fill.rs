@@ -48,10 +48,7 @@ pub(super) async fn fill(run: &mut Run, stop: Stop) -> Phase {
             run.report.fill_time_us = r.post_processing_us;
             run.report.fill_faults = r.faults;
             run.report.fill_fault_wait_us = r.fault_wait_us;
-            run.report.destination_peak_extra_bytes = run
-                .report
-                .destination_peak_extra_bytes
-                .max(r.peak_extra_bytes);
+            run.note_destination_peak(r.peak_extra_bytes);
             if r.state == PostCopyState::Failed as i32 {
                 return Phase::Done(Stop::Lost(EngineError::Peer {
                     node: run.p.destination.name.clone(),

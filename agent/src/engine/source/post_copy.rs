@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use ferry_proto::v1::{PostCopyState, PostCopyStatusRequest};
+use ferry_proto::v1::{PostCopyState, PostCopyStatusRequest, PostCopyStatusResponse};
 
 use super::carry::Waiting;
 use super::run::Run;
@@ -66,7 +66,6 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         tracing::warn!(reason = %why, serving, "post-copy status unknown; asking again");
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
-    let page = crate::memtrack::page_size();
     let stop = match verdict {
         Ok(r) if r.state == PostCopyState::Done as i32 => {
             stop_page_server(
@@ -75,15 +74,7 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
                 Duration::from_secs(10),
             )
             .await;
-            run.report.postcopy_pages = r.pages;
-            run.report.postcopy_local_pages = r.local_pages;
-            run.report.postcopy_faults = r.faults;
-            run.report.postcopy_fault_wait_us = r.fault_wait_us;
-            run.report.destination_peak_extra_bytes = run
-                .report
-                .destination_peak_extra_bytes
-                .max(r.peak_extra_bytes);
-            run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
+            take_figures(run, &r);
             run.report.post_processing_time_us = r.post_processing_us;
             tracing::info!(
                 pages = r.pages,
@@ -95,15 +86,7 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         }
         Ok(r) => {
             stop_page_server(run.undo.page_server.take(), run.p.pid, Duration::ZERO).await;
-            run.report.postcopy_pages = r.pages;
-            run.report.postcopy_local_pages = r.local_pages;
-            run.report.postcopy_faults = r.faults;
-            run.report.postcopy_fault_wait_us = r.fault_wait_us;
-            run.report.destination_peak_extra_bytes = run
-                .report
-                .destination_peak_extra_bytes
-                .max(r.peak_extra_bytes);
-            run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
+            take_figures(run, &r);
             run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
             Stop::Lost(EngineError::Peer {
                 node: run.p.destination.name.clone(),
@@ -127,4 +110,15 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         }
     };
     Phase::Discard(stop)
+}
+
+/// What the destination's last word says of the pages after the resume.
+fn take_figures(run: &mut Run, r: &PostCopyStatusResponse) {
+    let page = crate::memtrack::page_size();
+    run.report.postcopy_pages = r.pages;
+    run.report.postcopy_local_pages = r.local_pages;
+    run.report.postcopy_faults = r.faults;
+    run.report.postcopy_fault_wait_us = r.fault_wait_us;
+    run.note_destination_peak(r.peak_extra_bytes);
+    run.report.bytes_transferred += r.pages.saturating_sub(r.local_pages) * page;
 }

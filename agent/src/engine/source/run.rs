@@ -225,6 +225,14 @@ impl Run {
 
     /// The migration's end: the report completed, kept and announced, the
     /// images gone (the logs kept if it failed, or at log level 4).
+    /// The destination's figure for its peak extra memory so far (the
+    /// Commit's, then the one after the resume's work): the report keeps
+    /// the highest.
+    pub fn note_destination_peak(&mut self, bytes: u64) {
+        let peak = &mut self.report.destination_peak_extra_bytes;
+        *peak = (*peak).max(bytes);
+    }
+
     pub async fn end(mut self, stop: Stop) -> MigrationReport {
         let engine = self.engine.clone();
         match stop {
