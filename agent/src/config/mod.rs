@@ -153,8 +153,10 @@ pub struct MigrationConfig {
     /// pass, then post-copy of what was written since). Total copy until another one
     /// measurably wins here (docs/results.md, `cargo xtask bench algorithms`).
     pub strategy: MemoryStrategy,
-    /// Pre-copy: freeze once the pages left would cross in this many
-    /// milliseconds at the rate measured so far (1..=60000).
+    /// Pre-copy: the longest the pages left for the freeze may take to
+    /// cross at the rate measured so far, in milliseconds (1..=60000);
+    /// within it, rounds go on while they still halve what is left
+    /// (`engine::precopy::Convergence`).
     pub downtime_budget_ms: u32,
     /// Pre-copy: freeze after this many rounds at most (1..=1000).
     pub max_rounds: u32,

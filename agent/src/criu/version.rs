@@ -188,6 +188,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         HELD_PAGES_MARK,
         "pre-copied pages left out of the dump (a dump that follows the pages written, not the memory's size)",
     ),
+    (
+        "ferry-held-scan",
+        "held pages scanned by their write-protect bits alone (a dump that does not read each held page's struct page)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
