@@ -20,9 +20,11 @@ mod ownership;
 pub mod pin;
 mod replay;
 mod sockopt_watch;
+mod task_iter;
 mod tcpstate;
 mod translate;
 mod translate_maps;
+mod vmaflags;
 
 pub use error::DataPlaneError;
 pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
@@ -30,3 +32,4 @@ pub use replay::{MAX_UDP_PAYLOAD, ReplayError, Replayer, udp_datagram};
 pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
 pub use tcpstate::{TaskSocket, TcpClock, TcpKernelState, TcpStateReader};
 pub use translate::{RuleAction, RuleState, TranslationCounters, TranslationRule, Translator};
+pub use vmaflags::{VmaFlags, VmaFlagsReader};

@@ -203,6 +203,13 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/held-pages-fast-scan.patch"),
         mark: "ferry-held-scan",
     },
+    // The mappings' flags from ferryd's BPF iterators and maps, not smaps,
+    // whose page counts walk every resident page in the freeze.
+    Patch {
+        what: "mappings' flags without smaps",
+        text: include_str!("../criu/vma-flags-without-smaps.patch"),
+        mark: "ferry-vma-flags",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -225,6 +225,7 @@ fn prepare_work_dir(config: &Config) -> Result<()> {
     }
     warn_if_not_tmpfs(&config.work_dir);
     prepare_criu_cache(config);
+    prepare_vma_flags(config);
     Ok(())
 }
 
@@ -585,6 +586,21 @@ fn bind_control_socket(path: &Path) -> Result<tokio::net::UnixListener> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("restricting {}", path.display()))?;
     Ok(listener)
+}
+
+/// Learns, in the background, how to hand CRIU the mappings' flags
+/// (`criu::vmflags`: a BPF program to load and probe mappings to make),
+/// so that no migration does it between its last pre-copy round and the
+/// freeze, while the process dirties more pages. Nothing here is fatal:
+/// without it CRIU reads smaps.
+fn prepare_vma_flags(config: &Config) {
+    if !ferry_agent::criu::has_patch(&config.criu_path, ferry_agent::criu::VMA_FLAGS_MARK) {
+        return;
+    }
+    tokio::task::spawn_blocking(|| match ferry_agent::criu::vmflags::available() {
+        Ok(()) => tracing::info!("the mappings' flags go to CRIU without smaps' page walk"),
+        Err(why) => tracing::info!(%why, "CRIU reads the mappings' flags from smaps"),
+    });
 }
 
 /// Readies CRIU's cache of kernel probes and fills it in the background,

@@ -13,6 +13,7 @@ mod sched_hooks;
 pub(crate) mod spawn;
 mod swrk;
 mod version;
+pub mod vmflags;
 
 pub use cache::{
     CACHE_FILE, CacheDir, DEFAULT_CACHE_DIR, cache_present, default_cache_dir, prepare_cache_dir,
@@ -27,7 +28,7 @@ pub use swrk::{
 pub use version::{
     CONNS_OUT_IMAGE_PREFIX, CONNS_OUT_MARK, CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES,
     HELD_PAGES_MARK, INHERITED_TCP_MARK, MIN_CRIU_VERSION, OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK,
-    TCP_TABLE_MARK, has_patch, missing_patches, probe_version, require_patch,
+    TCP_TABLE_MARK, VMA_FLAGS_MARK, has_patch, missing_patches, probe_version, require_patch,
 };
 
 /// CRIU as the source of a migration uses it: which build it is, and the

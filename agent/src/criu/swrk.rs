@@ -57,6 +57,11 @@ pub struct DumpRequest {
     /// ([`super::held::write`]) and not written since are left out of the
     /// dump as parent runs (the destination holds them).
     pub held_pages: bool,
+    /// With ferry's vma-flags patch: iterators of the mappings' flags
+    /// (`super::vmflags`, listed in the image directory), which CRIU
+    /// inherits at these numbers and reads instead of smaps. The caller
+    /// keeps them open until the dump ends.
+    pub vma_flags_fds: Vec<RawFd>,
 }
 
 /// The external key that asks ferry's patched CRIU for that.
@@ -65,6 +70,8 @@ const TCP_OPTIONS_BY_CALLER: &str = "ferry:tcp-opts-by-caller";
 const CONNECTIONS_OUT: &str = "ferry:conns-out";
 /// The external key for `held_pages`.
 const HELD_PAGES: &str = "ferry:held-pages";
+/// The external key for `vma_flags_fds`.
+const VMA_FLAGS: &str = "ferry:vma-flags";
 
 /// CRIU's page server for a lazy dump.
 ///
@@ -160,6 +167,9 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
     if req.held_pages {
         opts.external.push(HELD_PAGES.to_owned());
     }
+    if !req.vma_flags_fds.is_empty() {
+        opts.external.push(VMA_FLAGS.to_owned());
+    }
     opts.set_network_lock(Criu_network_lock_method::SKIP);
     opts.set_leave_stopped(true);
     opts.set_log_level(req.log_level);
@@ -186,7 +196,7 @@ pub fn dump(req: &DumpRequest, on_notify: NotifyHook<'_>) -> Result<Notification
         &req.images_dir,
         &req.log_dir,
         Inherited {
-            kept: &[],
+            kept: &req.vma_flags_fds,
             handed_over,
         },
         on_notify,

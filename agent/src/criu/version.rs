@@ -122,6 +122,13 @@ pub const CONNS_OUT_MARK: &str = "ferry-conns-out2";
 /// PAGEMAP_SCAN) as parent runs of the pagemap.
 pub const HELD_PAGES_MARK: &str = "ferry-held-pages";
 
+/// The mark of `xtask/criu/vma-flags-without-smaps.patch`: a dump asked
+/// to (`ferry:vma-flags`) reads each mapping's flags from ferryd's BPF
+/// iterators (`ferry-vmflags.img`, `super::vmflags`) and
+/// `/proc/<pid>/maps`, not from smaps, whose page counts walk every
+/// resident page in the freeze.
+pub const VMA_FLAGS_MARK: &str = "ferry-vma-flags";
+
 /// How the files of that patch are named in an image directory
 /// (`ferry-conns-<files id>.img`).
 pub const CONNS_OUT_IMAGE_PREFIX: &str = "ferry-conns-";
@@ -191,6 +198,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         "ferry-held-scan",
         "held pages scanned by their write-protect bits alone (a dump that does not read each held page's struct page)",
+    ),
+    (
+        VMA_FLAGS_MARK,
+        "mappings' flags from ferryd's iterators, not smaps (a dump that does not count every resident page)",
     ),
 ];
 
@@ -300,6 +311,8 @@ mod tests {
                 "kept-out connections installed at their numbers by pidfd_getfd alone (a shorter restore)",
                 "only listening TCP sockets collected by the dump (a dump that does not grow with the machine's other connections)",
                 "pre-copied pages left out of the dump (a dump that follows the pages written, not the memory's size)",
+                "held pages scanned by their write-protect bits alone (a dump that does not read each held page's struct page)",
+                "mappings' flags from ferryd's iterators, not smaps (a dump that does not count every resident page)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

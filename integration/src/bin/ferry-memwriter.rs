@@ -12,7 +12,9 @@
 //! either shows up as a mismatch at `check`.
 //!
 //! `--shapes` adds memory of other kinds, written and checked the same
-//! way: transparent huge pages, shared anonymous memory, a memfd.
+//! way: transparent huge pages, shared anonymous memory, a memfd, and
+//! small regions with advice (MADV_DONTDUMP, MADV_WIPEONFORK, MADV_RANDOM)
+//! or mlock(2)ed, whose flags `check` also finds in smaps.
 //!
 //! `--mode getpid` makes it a process that only calls getpid(2) in a loop
 //! (Noack (2003)'s light-weight process); `--busy` drops the 1 ms pause
@@ -56,12 +58,15 @@ struct Args {
     hot_share: u32,
     /// Also hold memory of other kinds, written and checked like the main
     /// region: 8 MiB of transparent huge pages (MADV_HUGEPAGE), 1 MiB
-    /// shared anonymous, 1 MiB of a memfd mapped shared.
+    /// shared anonymous, 1 MiB of a memfd mapped shared, and 64 KiB each
+    /// with MADV_DONTDUMP, MADV_WIPEONFORK, MADV_RANDOM, and locked.
     #[arg(long)]
     shapes: bool,
 }
 
 const PAGE: usize = 4096;
+/// `Shape::map`'s "advice" that mlock(2)s the region instead.
+const LOCK: i32 = -1;
 const SIDE_PAGES: usize = 16;
 const SIDE_ID: u64 = 1 << 40;
 
@@ -144,6 +149,9 @@ struct Shape {
     id: u64,
     at: *mut u8,
     versions: Vec<u64>,
+    /// The mnemonic smaps' "VmFlags:" shows for it (its advice or lock),
+    /// which a migration must keep.
+    flag: Option<&'static str>,
 }
 
 impl Shape {
@@ -172,7 +180,11 @@ impl Shape {
         };
         assert_ne!(raw, libc::MAP_FAILED, "mmap of the {name} region");
         let at = (raw as usize).next_multiple_of(align.max(PAGE)) as *mut u8;
-        if advice != 0 {
+        if advice == LOCK {
+            // SAFETY: locks part of the mapping just made.
+            let r = unsafe { libc::mlock(at.cast(), len) };
+            assert_eq!(r, 0, "mlock of the {name} region");
+        } else if advice != 0 {
             // SAFETY: advice on part of the mapping just made.
             let r = unsafe { libc::madvise(at.cast(), len, advice) };
             assert_eq!(r, 0, "madvise of the {name} region");
@@ -182,6 +194,7 @@ impl Shape {
             id,
             at,
             versions: vec![0; pages],
+            flag: None,
         };
         for k in 0..pages {
             pattern(shape.page(k), id + k as u64, 0);
@@ -197,7 +210,34 @@ impl Shape {
         unsafe { std::slice::from_raw_parts_mut(self.at.add(k * PAGE), PAGE) }
     }
 
-    /// The three kinds of `--shapes`.
+    fn flagged(mut self, flag: &'static str) -> Shape {
+        self.flag = Some(flag);
+        self
+    }
+
+    /// Whether smaps shows its flag on the mapping holding it (`None`:
+    /// yes, or it has none).
+    fn flag_missing(&self, smaps: &str) -> Option<String> {
+        let flag = self.flag?;
+        let at = self.at as u64;
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                if inside {
+                    return (!flags.split_whitespace().any(|f| f == flag))
+                        .then(|| format!("{} region lost {flag:?}: {}", self.name, flags.trim()));
+                }
+            } else if let Some((range, _)) = line.split_once(' ')
+                && let Some((a, b)) = range.split_once('-')
+                && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+            {
+                inside = a <= at && at < b;
+            }
+        }
+        Some(format!("{} region not in smaps", self.name))
+    }
+
+    /// The kinds of `--shapes`.
     fn all() -> Vec<Shape> {
         let private = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
         let shared = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
@@ -215,9 +255,34 @@ impl Shape {
                 -1,
                 2 << 20,
                 libc::MADV_HUGEPAGE,
-            ),
+            )
+            .flagged("hg"),
             Shape::map("shared", 3 << 40, 256, shared, -1, PAGE, 0),
             Shape::map("memfd", 4 << 40, 256, libc::MAP_SHARED, memfd, PAGE, 0),
+            // Advice and a lock, which the dump reads among the mappings'
+            // flags and the restore applies again.
+            Shape::map(
+                "dontdump",
+                5 << 40,
+                16,
+                private,
+                -1,
+                PAGE,
+                libc::MADV_DONTDUMP,
+            )
+            .flagged("dd"),
+            Shape::map(
+                "wipeonfork",
+                6 << 40,
+                16,
+                private,
+                -1,
+                PAGE,
+                libc::MADV_WIPEONFORK,
+            )
+            .flagged("wf"),
+            Shape::map("random", 7 << 40, 16, private, -1, PAGE, libc::MADV_RANDOM).flagged("rr"),
+            Shape::map("locked", 8 << 40, 16, private, -1, PAGE, LOCK).flagged("lo"),
         ]
     }
 }
@@ -293,6 +358,12 @@ impl Memory {
             }
         }
         let mut pages = self.versions.len() + SIDE_PAGES;
+        if self.shapes.iter().any(|s| s.flag.is_some()) {
+            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+            if let Some(bad) = self.shapes.iter().find_map(|s| s.flag_missing(&smaps)) {
+                return format!("bad {bad}");
+            }
+        }
         for shape in &self.shapes {
             for (k, v) in shape.versions.iter().enumerate() {
                 pattern(scratch, shape.id + k as u64, *v);

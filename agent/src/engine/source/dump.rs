@@ -110,6 +110,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
             tcp_options_by_caller: false,
             connections_out: false,
             held_pages,
+            vma_flags_fds: Vec::new(),
         },
         capture: run.capture,
         collective,
@@ -145,6 +146,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
         Some(ours) => wait_for_page_server(run, dump_task, ready_rx, criu_pid, ours).await?,
     };
     run.freeze_start = *lock(&marks.frozen_at);
+    remove_notes_to_criu(&run.images());
     if let Some(f) = *lock(&marks.flushed) {
         run.report.drain_time_us = f.waited.as_micros() as u64;
         run.report.drain_bytes_at_start = f.bytes_at_start;
@@ -174,7 +176,6 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
         // tracking before the process runs again) ends it.
         // Each pages image is still planned (nothing in it held: what
         // CRIU dumped was written), for the counts of what it left out.
-        remove_held_files(&run.images());
         run.undo
             .precopy
             .as_ref()
@@ -230,15 +231,31 @@ async fn leave_held_pages_out(run: &Run) -> Result<bool, EngineError> {
     Ok(true)
 }
 
-/// The held-page lists, once CRIU has read them: notes to this node's CRIU
-/// that the destination does not need.
-fn remove_held_files(images: &std::path::Path) {
+/// The held-page lists and the mappings' iterators, once CRIU has read
+/// them: notes to this node's CRIU that the destination does not need.
+fn remove_notes_to_criu(images: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(images) else {
         return;
     };
     for e in entries.flatten() {
-        if e.file_name().to_str().is_some_and(criu::held::is_held_file) {
+        if e.file_name()
+            .to_str()
+            .is_some_and(|n| criu::held::is_held_file(n) || criu::vmflags::is_vmflags_file(n))
+        {
             let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Opens the iterators of the mappings' flags for each process of the
+/// tree (`criu::vmflags`); `None`: CRIU reads smaps. Blocking.
+fn hand_vma_flags(req: &criu::DumpRequest) -> Option<criu::vmflags::ForCriu> {
+    let pids = crate::process::process_tree(req.pid);
+    match criu::vmflags::prepare(&req.images_dir, &pids) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(error = %e, "the mappings' flags not handed to CRIU: it reads smaps");
+            None
         }
     }
 }
@@ -379,6 +396,16 @@ impl DumpTask {
         // Read once per CRIU binary, before CRIU starts.
         let during_dump = criu.has_patch(criu::DUMP_ROLLBACK_MARK);
         let mut req = self.req;
+        // The mappings' flags for CRIU without smaps' page walk in the
+        // freeze: iterators opened now, read by CRIU once the tree is
+        // stopped; open until the dump ends.
+        let vma_flags = criu
+            .has_patch(criu::VMA_FLAGS_MARK)
+            .then(|| hand_vma_flags(&req))
+            .flatten();
+        if let Some(v) = &vma_flags {
+            req.vma_flags_fds = v.fds();
+        }
         // Collective, and both ends' CRIU can leave the connections'
         // options to ferryd: CRIU's dump records the connections without
         // them and ferryd reads them with their state.
