@@ -35,6 +35,18 @@ pub fn profile() -> &'static str {
     }
 }
 
+/// A report's freeze parts of 1 ms or more, "phase ms; phase ms", in the
+/// report's order (the benches' CSV column `freeze_parts`).
+pub fn freeze_parts(report: &ferry_proto::v1::MigrationReport) -> String {
+    report
+        .freeze_parts
+        .iter()
+        .filter(|p| p.duration_us >= 1000)
+        .map(|p| format!("{} {:.0}", p.phase, p.duration_us as f64 / 1000.0))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

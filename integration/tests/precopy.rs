@@ -4,8 +4,10 @@
 //! it wrote; failures before the commit leave it running on the source,
 //! intact and without write protection; a destination without room for
 //! the process refuses it before anything stops; memory of every kind
-//! (huge pages, shared anonymous, memfd) moves intact with every strategy. Root only; run by `cargo
-//! xtask test` (or `cargo xtask integration`).
+//! (huge pages, shared anonymous, memfd, advised and locked regions) moves intact with every
+//! strategy; a committed process is filled from the destination's own store with the source's
+//! agent killed at the commit. Root only; run by `cargo xtask test` (or `cargo xtask
+//! integration`).
 
 use std::time::Duration;
 
@@ -507,4 +509,85 @@ fn every_kind_of_memory_is_intact_after_each_strategy() {
             on = to;
         }
     });
+}
+
+/// After a pre-copy migration commits, the process never waits on the
+/// source: its agent killed (SIGKILL) the moment the commit ends the
+/// stopped copy there, the destination still installs every page it holds
+/// from its own store, and all of the process's memory is intact.
+#[test]
+fn a_committed_process_is_filled_with_the_source_gone() {
+    if !ferry_integration::can_run("a_committed_process_is_filled_with_the_source_gone") {
+        return;
+    }
+    let rt = runtime();
+    let mut cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let (killed_log_len, migration) = rt.block_on(async {
+        let mut source = cluster.control("node1").await.expect("control node1");
+        // 512 MiB: the destination's fill from its store after the resume
+        // (~0.2 s at 2.4 GB/s) outlasts the moments between the commit and
+        // the kill.
+        let pid = WRITER
+            .start_with(&mut source, &["--mib", "512", "--writes-per-ms", "5"])
+            .await;
+        let before = check(&cluster);
+        let migration = tokio::spawn(async move {
+            migrate_request(&mut source, request(pid, "node2", Strategy::PreCopy)).await
+        });
+        // The commit ends the stopped copy on the source (discard).
+        let deadline = std::time::Instant::now() + Duration::from_secs(180);
+        while cluster.pids_in("node1").contains(&pid) {
+            assert!(
+                !migration.is_finished() && std::time::Instant::now() < deadline,
+                "the process stayed on node1: {:?}",
+                if migration.is_finished() {
+                    Some(migration.await)
+                } else {
+                    None
+                }
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let agent = nix::unistd::Pid::from_raw(cluster.agent_pid("node1"));
+        nix::sys::signal::kill(agent, nix::sys::signal::Signal::SIGKILL).expect("SIGKILL");
+        let killed_log_len = cluster.log_text("node2").len();
+        // On node2, with nothing left on node1 to ask.
+        let after = check(&cluster);
+        assert!(after >= before, "writes went back from {before} to {after}");
+        (killed_log_len, migration)
+    });
+    let _ = cluster.stop_agent("node1");
+    // The migration's call ends with its agent: an error, or the report
+    // if it was sent before the kill.
+    let _ = rt.block_on(migration);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let filled = loop {
+        let log = cluster.log_text("node2");
+        let after_kill = &log[killed_log_len.min(log.len())..];
+        assert!(
+            !log.contains("fill failed after the resume"),
+            "{}",
+            cluster.log_tail("node2", 40)
+        );
+        if after_kill.contains("every held page is in") {
+            break true;
+        }
+        if log[..killed_log_len].contains("every held page is in") {
+            break false;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node2's fill did not end: {}",
+            cluster.log_tail("node2", 40)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        filled,
+        "the fill ended before the source's agent was killed: nothing shown"
+    );
+    // Still running, all of its memory intact.
+    let first = check(&cluster);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(check(&cluster) > first, "the process does not run on node2");
 }

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ferry_bench::run::strategy_of;
+use ferry_bench::run::{freeze_parts, strategy_of};
 use ferry_bench::stats::median_unsorted;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, wait_until_gone};
@@ -163,13 +163,7 @@ impl Row {
             faults: r.postcopy_faults + r.fill_faults,
             fault_wait_ms: ms(r.postcopy_fault_wait_us + r.fill_fault_wait_us),
             dest_reported_peak_mib: r.destination_peak_extra_bytes as f64 / f64::from(1u32 << 20),
-            freeze_parts: r
-                .freeze_parts
-                .iter()
-                .filter(|p| p.duration_us >= 1000)
-                .map(|p| format!("{} {:.0}", p.phase, ms(p.duration_us)))
-                .collect::<Vec<_>>()
-                .join("; "),
+            freeze_parts: freeze_parts(r),
         }
     }
 }

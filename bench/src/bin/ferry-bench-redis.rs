@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ferry_bench::run::strategy_of;
+use ferry_bench::run::{freeze_parts, strategy_of};
 use ferry_bench::stats::median_unsorted;
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process, wait_until_gone};
@@ -70,6 +70,7 @@ struct Row {
     window_ms: f64,
     left_out_pages: u64,
     dest_peak_mib: f64,
+    freeze_parts: String,
 }
 
 fn ms(us: u64) -> f64 {
@@ -202,9 +203,10 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     left_out_pages: report.left_out_pages,
                     dest_peak_mib: report.destination_peak_extra_bytes as f64
                         / f64::from(1u32 << 20),
+                    freeze_parts: freeze_parts(&report),
                 };
                 println!(
-                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  client's longest wait {:>8.1} ms ({} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB",
+                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  client's longest wait {:>8.1} ms ({} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  [{}]",
                     row.size_mib,
                     row.link,
                     row.strategy,
@@ -214,7 +216,8 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     row.client_answers,
                     row.window_ms,
                     row.left_out_pages,
-                    row.dest_peak_mib
+                    row.dest_peak_mib,
+                    row.freeze_parts
                 );
                 rows.push(row);
                 pid = report.destination_pid;
@@ -232,12 +235,12 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
 
 fn csv(rows: &[Row], profile: &str) -> String {
     let mut out = String::from(
-        "size_mib,link,strategy,run,profile,freeze_ms,client_max_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib\n",
+        "size_mib,link,strategy,run,profile,freeze_ms,client_max_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib,freeze_parts\n",
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{},{},{profile},{:.3},{:.3},{},{:.3},{},{:.1}",
+            "{},{},{},{},{profile},{:.3},{:.3},{},{:.3},{},{:.1},\"{}\"",
             r.size_mib,
             r.link,
             r.strategy,
@@ -247,7 +250,8 @@ fn csv(rows: &[Row], profile: &str) -> String {
             r.client_answers,
             r.window_ms,
             r.left_out_pages,
-            r.dest_peak_mib
+            r.dest_peak_mib,
+            r.freeze_parts
         );
     }
     out
