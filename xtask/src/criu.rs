@@ -210,6 +210,20 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/vma-flags-without-smaps.patch"),
         mark: "ferry-vma-flags",
     },
+    // No struct page reads in the scan of private anonymous memory (a
+    // post-copy dump scans all of it in the freeze).
+    Patch {
+        what: "anonymous memory scanned without struct page reads",
+        text: include_str!("../criu/anonymous-scan-without-struct-pages.patch"),
+        mark: "ferry-anon-scan",
+    },
+    // The lazy-pages daemon waits for answers and faults instead of
+    // spinning a core through the post-copy fill.
+    Patch {
+        what: "lazy-pages daemon without spinning",
+        text: include_str!("../criu/lazy-pages-wait-for-answers.patch"),
+        mark: "ferry-lazy-waits",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

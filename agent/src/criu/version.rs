@@ -203,6 +203,14 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         VMA_FLAGS_MARK,
         "mappings' flags from ferryd's iterators, not smaps (a dump that does not count every resident page)",
     ),
+    (
+        "ferry-anon-scan",
+        "anonymous memory scanned without struct page reads (a post-copy dump that does not read every page)",
+    ),
+    (
+        "ferry-lazy-waits",
+        "lazy-pages daemon waiting for answers, not spinning (a core left to the process during post-copy)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -313,6 +321,8 @@ mod tests {
                 "pre-copied pages left out of the dump (a dump that follows the pages written, not the memory's size)",
                 "held pages scanned by their write-protect bits alone (a dump that does not read each held page's struct page)",
                 "mappings' flags from ferryd's iterators, not smaps (a dump that does not count every resident page)",
+                "anonymous memory scanned without struct page reads (a post-copy dump that does not read every page)",
+                "lazy-pages daemon waiting for answers, not spinning (a core left to the process during post-copy)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.
