@@ -56,8 +56,9 @@ const FIXED: [(&str, u8); 3] = [("pf", 10), ("io", 14), ("ht", 22)];
 /// How a probe mapping gets its flag.
 #[derive(Debug, Clone, Copy)]
 enum Probe {
-    /// mmap(2) with these flags besides MAP_ANONYMOUS (and MAP_PRIVATE
-    /// unless `shared_type` is its own mapping type).
+    /// mmap(2) with these flags besides MAP_ANONYMOUS, and MAP_PRIVATE
+    /// unless they are a mapping type of their own (`own_type`:
+    /// MAP_DROPPABLE).
     Map {
         flags: i32,
         own_type: bool,
