@@ -321,39 +321,12 @@ fn make(probe: Option<Probe>) -> Result<Option<ProbeMapping>, Unavailable> {
 /// The mnemonics of smaps' "VmFlags:" lines of this process, by mapping
 /// start.
 fn own_smaps() -> Result<BTreeMap<u64, (u64, BTreeSet<String>)>, Unavailable> {
-    let text = std::fs::read_to_string("/proc/self/smaps")
+    let maps = crate::memtrack::mappings(std::process::id() as i32)
         .map_err(|e| Unavailable(format!("reading /proc/self/smaps: {e}")))?;
-    parse_smaps(&text)
-}
-
-fn parse_smaps(text: &str) -> Result<BTreeMap<u64, (u64, BTreeSet<String>)>, Unavailable> {
-    let mut out = BTreeMap::new();
-    let mut current = None;
-    for line in text.lines() {
-        if let Some(flags) = line.strip_prefix("VmFlags:") {
-            let Some((start, end)) = current.take() else {
-                return Err(Unavailable("smaps: VmFlags before a mapping".into()));
-            };
-            out.insert(
-                start,
-                (end, flags.split_whitespace().map(str::to_owned).collect()),
-            );
-        } else if let Some(range) = mapping_range(line) {
-            current = Some(range);
-        }
-    }
-    Ok(out)
-}
-
-/// The range of a mapping's first line ("start-end perms ..."), not of a
-/// field line ("Size: ...").
-fn mapping_range(line: &str) -> Option<(u64, u64)> {
-    let first = line.split_whitespace().next()?;
-    let (s, e) = first.split_once('-')?;
-    Some((
-        u64::from_str_radix(s, 16).ok()?,
-        u64::from_str_radix(e, 16).ok()?,
-    ))
+    Ok(maps
+        .into_iter()
+        .map(|m| (m.start, (m.end, m.vm_flags)))
+        .collect())
 }
 
 /// The mapping of `by_start` holding `addr`.
@@ -452,20 +425,6 @@ fn learn(reader: &mut VmaFlagsReader) -> Result<Mnemonics, Unavailable> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn smaps_parse_by_mapping() {
-        let text = "00400000-00452000 r-xp 00000000 08:02 173521 /usr/bin/dbus-daemon\n\
-                    Size:                328 kB\n\
-                    VmFlags: rd ex mr mw me dw\n\
-                    7ffd0000-7ffd2000 rw-p 00000000 00:00 0 [stack]\n\
-                    Rss: 8 kB\n\
-                    VmFlags: rd wr mr mw me gd ac\n";
-        let m = parse_smaps(text).unwrap();
-        assert_eq!(m.len(), 2);
-        assert!(m[&0x7ffd_0000].1.contains("gd"));
-        assert_eq!(m[&0x40_0000].0, 0x45_2000);
-    }
 
     #[test]
     fn the_file_has_the_layout_the_patch_reads() {

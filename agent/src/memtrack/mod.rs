@@ -113,6 +113,8 @@ pub struct Mapping {
     pub special: bool,
     /// Registered for userfaultfd write protection ("uw" in VmFlags).
     pub uffd_wp: bool,
+    /// Every mnemonic of its "VmFlags:" line.
+    pub vm_flags: std::collections::BTreeSet<String>,
 }
 
 impl Mapping {
@@ -136,8 +138,9 @@ fn parse_smaps(text: &str) -> Vec<Mapping> {
     for line in text.lines() {
         if let Some(flags) = line.strip_prefix("VmFlags:") {
             if let Some(m) = out.last_mut() {
-                m.uffd_wp = flags.split_whitespace().any(|f| f == "uw");
-                m.may_write = flags.split_whitespace().any(|f| f == "mw");
+                m.vm_flags = flags.split_whitespace().map(str::to_owned).collect();
+                m.uffd_wp = m.vm_flags.contains("uw");
+                m.may_write = m.vm_flags.contains("mw");
             }
             continue;
         }
@@ -167,6 +170,7 @@ fn parse_smaps(text: &str) -> Vec<Mapping> {
                 "[vdso]" | "[vvar]" | "[vvar_vclock]" | "[vsyscall]" | "[uprobes]"
             ),
             uffd_wp: false,
+            vm_flags: Default::default(),
         });
     }
     out

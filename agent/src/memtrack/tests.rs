@@ -309,7 +309,10 @@ VmFlags: rd ex mr mw me de sd
             private: true,
             may_write: true,
             special: false,
-            uffd_wp: true
+            uffd_wp: true,
+            vm_flags: ["rd", "wr", "mr", "mw", "me", "ac", "uw"]
+                .map(str::to_owned)
+                .into()
         }
     );
     assert!(!m[1].writable && !m[1].private && !m[1].uffd_wp);
