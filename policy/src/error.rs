@@ -1,5 +1,6 @@
 //! The crate's error, gathering each module's own.
 
+use crate::field::InvalidField;
 use crate::information::InformationError;
 use crate::load::LoadError;
 use crate::transfer::TransferError;
@@ -18,11 +19,8 @@ pub enum PolicyError {
     Information(#[from] InformationError),
 }
 
-impl PolicyError {
-    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
-        PolicyError::InvalidField {
-            field,
-            reason: reason.into(),
-        }
+impl From<InvalidField> for PolicyError {
+    fn from(InvalidField { field, reason }: InvalidField) -> Self {
+        PolicyError::InvalidField { field, reason }
     }
 }

@@ -23,6 +23,7 @@
 pub mod balancer;
 pub mod config;
 pub mod error;
+pub mod field;
 pub mod information;
 pub mod load;
 pub mod location;

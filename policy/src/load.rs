@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::PolicyError;
+use crate::field::InvalidField;
 use crate::node::ProcessId;
 use crate::time::Instant;
 
@@ -73,9 +73,9 @@ impl Default for LoadConfig {
 }
 
 impl LoadConfig {
-    pub fn validate(&self) -> Result<(), PolicyError> {
+    pub fn validate(&self) -> Result<(), InvalidField> {
         if !(0.0..1.0).contains(&self.decay) {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "load.decay",
                 format!("{} is not in [0, 1)", self.decay),
             ));
@@ -83,7 +83,7 @@ impl LoadConfig {
         non_negative("load.stabilizer", self.stabilizer)?;
         non_negative("load.process_table_weight", self.process_table_weight)?;
         if self.process_table_size == 0 {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "load.process_table_size",
                 "must be at least 1",
             ));
@@ -92,22 +92,22 @@ impl LoadConfig {
     }
 }
 
-pub(crate) fn non_negative(field: &'static str, value: f64) -> Result<(), PolicyError> {
+pub(crate) fn non_negative(field: &'static str, value: f64) -> Result<(), InvalidField> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(PolicyError::invalid(
+        Err(InvalidField::new(
             field,
             format!("{value} is not a finite number >= 0"),
         ))
     }
 }
 
-pub(crate) fn positive(field: &'static str, value: f64) -> Result<(), PolicyError> {
+pub(crate) fn positive(field: &'static str, value: f64) -> Result<(), InvalidField> {
     if value.is_finite() && value > 0.0 {
         Ok(())
     } else {
-        Err(PolicyError::invalid(
+        Err(InvalidField::new(
             field,
             format!("{value} is not a finite number > 0"),
         ))

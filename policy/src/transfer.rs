@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::PolicyError;
+use crate::field::InvalidField;
 use crate::load::{non_negative, positive};
 use crate::node::NodeId;
 use crate::time::Instant;
@@ -99,11 +99,11 @@ impl Default for TransferConfig {
 }
 
 impl TransferConfig {
-    pub fn validate(&self) -> Result<(), PolicyError> {
+    pub fn validate(&self) -> Result<(), InvalidField> {
         positive("transfer.threshold", self.threshold)?;
         non_negative("transfer.average_gap", self.average_gap)?;
         if self.reservation_timeout_ms == 0 {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "transfer.reservation_timeout_ms",
                 "must be > 0",
             ));

@@ -31,7 +31,7 @@ pub use own_load::OwnLoadOnly;
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use crate::error::PolicyError;
+use crate::field::InvalidField;
 use crate::node::{NodeId, PeerLoad};
 use crate::time::Instant;
 
@@ -182,9 +182,9 @@ impl Default for InformationConfig {
 }
 
 impl InformationConfig {
-    pub fn validate(&self) -> Result<(), PolicyError> {
+    pub fn validate(&self) -> Result<(), InvalidField> {
         if self.period_ms == 0 {
-            return Err(PolicyError::invalid("information.period_ms", "must be > 0"));
+            return Err(InvalidField::new("information.period_ms", "must be > 0"));
         }
         let min_vector = if self.kind == InformationKind::Hearsay {
             2
@@ -192,7 +192,7 @@ impl InformationConfig {
             1
         };
         if self.vector_size < min_vector {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "information.vector_size",
                 format!(
                     "{} is too small: {:?} needs at least {min_vector}",
@@ -201,13 +201,13 @@ impl InformationConfig {
             ));
         }
         if self.fanout == 0 {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "information.fanout",
                 "must be at least 1",
             ));
         }
         if self.max_age_ms <= self.period_ms {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "information.max_age_ms",
                 format!(
                     "{} must exceed the period ({} ms), or every belief expires before it is renewed",
@@ -216,7 +216,7 @@ impl InformationConfig {
             ));
         }
         if self.failure_timeout_ms <= self.period_ms {
-            return Err(PolicyError::invalid(
+            return Err(InvalidField::new(
                 "information.failure_timeout_ms",
                 format!(
                     "{} must exceed the period ({} ms)",
@@ -293,7 +293,7 @@ mod tests {
     #[test]
     fn config_rejects_nonsense_naming_the_field() {
         let bad = |c: InformationConfig| match c.validate() {
-            Err(PolicyError::InvalidField { field, .. }) => field,
+            Err(InvalidField { field, .. }) => field,
             other => panic!("expected an invalid field, got {other:?}"),
         };
         let ok = InformationConfig::default();
