@@ -240,13 +240,19 @@ mod tests {
         let inherited = unsafe { libc::dup(file.as_raw_fd()) };
         assert!(inherited > 2);
         let pid = spawn(&["sleep".into(), "30".into()]).unwrap();
-        // The program runs once /proc lists its command line as sleep's.
+        // Read the descriptors once sleep sleeps: its command line shows
+        // right after the exec, while the dynamic loader still holds the
+        // libraries it opens (as descriptor 3) for a moment.
+        let sleeping = |syscall: String| {
+            syscall
+                .split_whitespace()
+                .next()
+                .and_then(|n| n.parse().ok())
+                == Some(libc::SYS_clock_nanosleep)
+        };
         let deadline = Instant::now() + Duration::from_secs(5);
-        while std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
-            .map(|c| !c.starts_with("sleep"))
-            .unwrap_or(true)
-        {
-            assert!(Instant::now() < deadline, "sleep never ran");
+        while !std::fs::read_to_string(format!("/proc/{pid}/syscall")).is_ok_and(sleeping) {
+            assert!(Instant::now() < deadline, "sleep never slept");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let fds: Vec<i32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
