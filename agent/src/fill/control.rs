@@ -5,9 +5,14 @@
 //! index (u32, little endian) with the store attached, for each store, then
 //! `P` + the plan file's path (UTF-8); then `U` + the task's PID in its
 //! namespace (i32, little endian) with its userfaultfd attached; `F`:
-//! CRIU's restore finished (the areas are in place). Filler -> ferryd:
-//! `R`: ready (plan read, stores mapped); `D` + the [`FillStats`] as JSON:
-//! every page is in; `E` + text: it failed.
+//! CRIU's restore finished (the areas are in place). For a plan whose
+//! pages follow ([`super::Plan::follows`]): `A` + the store's task (u32)
+//! and ranges `{u64 start, u64 end}` of store offsets: those pages are in
+//! the store now; `X` + text: no more will come. Filler -> ferryd: `R`:
+//! ready (plan read, stores mapped); `W` + task (u32) + start + end (u64):
+//! a page fault waits on those store pages, ask for them first; `D` + the
+//! [`FillStats`] as JSON: every page is in; `E` + text: it failed.
+//! Integers little endian.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -28,16 +33,43 @@ const MAX_MESSAGE: usize = 4096;
 /// What ferryd tells the filler.
 #[derive(Debug)]
 pub enum ToFiller {
-    Store { index: u32, store: OwnedFd },
-    Plan { path: String },
-    Uffd { vpid: i32, uffd: OwnedFd },
+    Store {
+        index: u32,
+        store: OwnedFd,
+    },
+    Plan {
+        path: String,
+    },
+    Uffd {
+        vpid: i32,
+        uffd: OwnedFd,
+    },
     RestoreFinished,
+    /// Pages of task `vpid`'s store that arrived, as store offsets; at most
+    /// [`MAX_ARRIVED`] ranges.
+    Arrived {
+        vpid: u32,
+        ranges: Vec<(u64, u64)>,
+    },
+    /// The pages still to come never will (the source is gone).
+    Lost {
+        why: String,
+    },
 }
+
+/// The most ranges one `Arrived` message carries.
+pub const MAX_ARRIVED: usize = (MAX_MESSAGE - 5) / 16;
 
 /// What the filler tells ferryd.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FromFiller {
     Ready,
+    /// A fault waits on these store offsets of task `vpid`'s store.
+    Want {
+        vpid: u32,
+        start: u64,
+        end: u64,
+    },
     Done(FillStats),
     Failed(String),
 }
@@ -136,6 +168,26 @@ pub fn send_to_filler(sock: BorrowedFd<'_>, m: &ToFiller) -> Result<(), FillErro
             send(sock, &b, Some(uffd.as_raw_fd()))
         }
         ToFiller::RestoreFinished => send(sock, b"F", None),
+        ToFiller::Arrived { vpid, ranges } => {
+            if ranges.len() > MAX_ARRIVED {
+                return Err(FillError::Protocol(format!(
+                    "{} arrived ranges in one message, more than {MAX_ARRIVED}",
+                    ranges.len()
+                )));
+            }
+            let mut b = vec![b'A'];
+            b.extend(vpid.to_le_bytes());
+            for (start, end) in ranges {
+                b.extend(start.to_le_bytes());
+                b.extend(end.to_le_bytes());
+            }
+            send(sock, &b, None)
+        }
+        ToFiller::Lost { why } => {
+            let mut b = vec![b'X'];
+            b.extend(why.as_bytes().iter().take(MAX_MESSAGE - 1));
+            send(sock, &b, None)
+        }
     }
 }
 
@@ -153,6 +205,19 @@ pub fn recv_in_filler(sock: BorrowedFd<'_>) -> Result<Option<ToFiller>, FillErro
         (Some(b'S'), Some(store)) if b.len() == 5 => Ok(Some(ToFiller::Store {
             index: u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
             store,
+        })),
+        (Some(b'A'), None) if b.len() >= 5 && (b.len() - 5) % 16 == 0 => {
+            let long = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+            Ok(Some(ToFiller::Arrived {
+                vpid: u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
+                ranges: (5..b.len())
+                    .step_by(16)
+                    .map(|i| (long(i), long(i + 8)))
+                    .collect(),
+            }))
+        }
+        (Some(b'X'), None) => Ok(Some(ToFiller::Lost {
+            why: String::from_utf8_lossy(&b[1..]).into_owned(),
         })),
         (Some(b'P'), None) => Ok(Some(ToFiller::Plan {
             path: String::from_utf8(b[1..].to_vec())
@@ -173,6 +238,13 @@ pub fn recv_in_filler(sock: BorrowedFd<'_>) -> Result<Option<ToFiller>, FillErro
 pub fn send_from_filler(sock: BorrowedFd<'_>, m: &FromFiller) -> Result<(), FillError> {
     let b = match m {
         FromFiller::Ready => b"R".to_vec(),
+        FromFiller::Want { vpid, start, end } => {
+            let mut b = b"W".to_vec();
+            b.extend(vpid.to_le_bytes());
+            b.extend(start.to_le_bytes());
+            b.extend(end.to_le_bytes());
+            b
+        }
         FromFiller::Done(stats) => {
             let mut b = b"D".to_vec();
             b.extend(serde_json::to_vec(stats).expect("plain numbers serialize"));
@@ -194,6 +266,11 @@ pub fn recv_from_filler(sock: BorrowedFd<'_>) -> Result<Option<FromFiller>, Fill
     };
     match b.split_first() {
         Some((b'R', [])) => Ok(Some(FromFiller::Ready)),
+        Some((b'W', rest)) if rest.len() == 20 => Ok(Some(FromFiller::Want {
+            vpid: u32::from_le_bytes(rest[0..4].try_into().expect("4 bytes")),
+            start: u64::from_le_bytes(rest[4..12].try_into().expect("8 bytes")),
+            end: u64::from_le_bytes(rest[12..20].try_into().expect("8 bytes")),
+        })),
         Some((b'D', json)) => serde_json::from_slice(json)
             .map(|s| Some(FromFiller::Done(s)))
             .map_err(|e| FillError::Protocol(format!("a report that is not JSON: {e}"))),
@@ -250,6 +327,38 @@ mod tests {
             Some(ToFiller::Plan { path }) => assert_eq!(path, "/run/ferry/plan.json"),
             other => panic!("{other:?}"),
         }
+        let ranges: Vec<(u64, u64)> = (0..MAX_ARRIVED as u64)
+            .map(|i| (i << 20, (i << 20) + 0x3000))
+            .collect();
+        send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Arrived {
+                vpid: 9,
+                ranges: ranges.clone(),
+            },
+        )
+        .unwrap();
+        match recv_in_filler(theirs.as_fd()).unwrap() {
+            Some(ToFiller::Arrived { vpid: 9, ranges: r }) => assert_eq!(r, ranges),
+            other => panic!("{other:?}"),
+        }
+        let mut too_many = ranges;
+        too_many.push((0, 0x1000));
+        assert!(
+            send_to_filler(
+                ours.as_fd(),
+                &ToFiller::Arrived {
+                    vpid: 9,
+                    ranges: too_many
+                }
+            )
+            .is_err()
+        );
+        send_to_filler(ours.as_fd(), &ToFiller::Lost { why: "cut".into() }).unwrap();
+        match recv_in_filler(theirs.as_fd()).unwrap() {
+            Some(ToFiller::Lost { why }) => assert_eq!(why, "cut"),
+            other => panic!("{other:?}"),
+        }
         let stats = FillStats {
             pages: 7,
             faults: 2,
@@ -257,6 +366,11 @@ mod tests {
         };
         for m in [
             FromFiller::Ready,
+            FromFiller::Want {
+                vpid: 3,
+                start: 0x7f00_0000_0000,
+                end: 0x7f00_0001_0000,
+            },
             FromFiller::Done(stats),
             FromFiller::Failed("no".into()),
         ] {

@@ -5,13 +5,13 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use super::control::{self, FromFiller, ToFiller};
 use super::pending::{Chunk, Pending};
 use super::{FillError, FillStats, Plan};
-use crate::memtrack;
+use crate::memtrack::{self, RangeSet};
 use crate::uffd::{self, Installed, Message};
 
 /// Bytes a worker installs at once: large enough for memory speed, small
@@ -23,6 +23,9 @@ const CHUNK: u64 = 512 << 10;
 const FAULT_PAGES: u64 = 16;
 /// How long the event loop sleeps at most between looks at the workers.
 const POLL_MS: i32 = 50;
+/// Pages asked for first at a fault on pages still to come: the faulting
+/// page and those after it, for a process that reads on.
+const WANT_PAGES: u64 = 64;
 
 /// A read-only window of a store: `[start, end)` of the process's
 /// addresses, mapped from the store file at the same offsets.
@@ -117,16 +120,38 @@ impl Drop for Store {
 /// One task being filled.
 struct Task {
     uffd: OwnedFd,
+    /// Its store's task in the plan (a forked child's is its parent's).
     vpid: i32,
     store: Option<Arc<Store>>,
+    /// In the store, to install.
     pending: Pending,
+    /// Not in the store yet (a plan whose pages follow): moves to
+    /// `pending` as it arrives.
+    coming: Pending,
     /// Its memory is gone (it exited).
     gone: bool,
+}
+
+/// A page fault waiting for its page to arrive in the store.
+#[derive(Debug, Clone, Copy)]
+struct Fault {
+    task: usize,
+    address: u64,
+    /// When the filler read it.
+    since: Instant,
 }
 
 #[derive(Default)]
 struct State {
     tasks: Vec<Task>,
+    /// A plan whose pages follow: per store (by its task), the offsets
+    /// that arrived, and those asked for first.
+    arrived: HashMap<i32, RangeSet>,
+    wanted: HashMap<i32, RangeSet>,
+    /// Asks for ferryd, sent by the event loop.
+    wants: Vec<(i32, u64, u64)>,
+    /// Faults waiting for their pages to arrive.
+    parked: Vec<Fault>,
     restore_finished: Option<Instant>,
     /// A task forked: several tasks may take the same store pages, which
     /// are no longer released once installed.
@@ -143,7 +168,32 @@ impl State {
     fn all_done(&self) -> bool {
         self.restore_finished.is_some()
             && self.in_flight == 0
-            && self.tasks.iter().all(|t| t.gone || t.pending.is_empty())
+            && self
+                .tasks
+                .iter()
+                .all(|t| t.gone || (t.pending.is_empty() && t.coming.is_empty()))
+    }
+
+    /// Whether pages are still to arrive for a live task.
+    fn awaiting(&self) -> bool {
+        self.tasks.iter().any(|t| !t.gone && !t.coming.is_empty())
+    }
+
+    /// Store offsets `ranges` of task `vpid`'s store arrived: what its
+    /// tasks still lack there becomes installable, and the faults waiting
+    /// are tried again.
+    fn arrive(&mut self, vpid: i32, ranges: &[(u64, u64)]) {
+        let arrived = self.arrived.entry(vpid).or_default();
+        for &(a, b) in ranges {
+            arrived.insert(a, b);
+        }
+        for t in self.tasks.iter_mut().filter(|t| t.vpid == vpid && !t.gone) {
+            for &(a, b) in ranges {
+                for c in t.coming.extract_stored(a, b) {
+                    t.pending.put_back(c);
+                }
+            }
+        }
     }
 
     /// A chunk for a worker: from the next task with pages pending.
@@ -248,9 +298,11 @@ fn book(st: &mut State, i: usize, taken: Chunk, out: &Outcome, at_fault: bool) {
     let forked = st.forked;
     if out.gone {
         let t = &mut st.tasks[i];
-        let lost = (taken.len - out.installed) / page + t.pending.bytes() / page;
+        let lost =
+            (taken.len - out.installed) / page + t.pending.bytes() / page + t.coming.bytes() / page;
         t.gone = true;
         t.pending = Pending::default();
+        t.coming = Pending::default();
         st.stats.dropped_pages += lost;
         return;
     }
@@ -271,11 +323,22 @@ fn drop_range(pending: &mut Pending, start: u64, end: u64) -> u64 {
     before - pending.bytes()
 }
 
+/// What became of a page fault.
+enum Answer {
+    Answered,
+    /// The areas are changing: again after the next messages.
+    Retry,
+    /// Its page is still to come: again once it arrives.
+    Parked,
+}
+
 /// The filler's shared state.
 pub struct Filler {
     plan: Plan,
     stores: HashMap<u32, Arc<Store>>,
     state: Mutex<State>,
+    /// Signalled when pages arrive (or the fill ends), for idle workers.
+    arrivals: Condvar,
     /// Held shared by a worker for each chunk, exclusively while messages
     /// are read and handled.
     gate: RwLock<()>,
@@ -300,6 +363,7 @@ impl Filler {
             plan,
             stores: mapped,
             state: Mutex::new(State::default()),
+            arrivals: Condvar::new(),
             gate: RwLock::new(()),
         })
     }
@@ -308,20 +372,46 @@ impl Filler {
         let plan = u32::try_from(vpid)
             .ok()
             .and_then(|v| self.plan.tasks.iter().find(|t| t.vpid == v));
-        let pending = plan.map_or_else(Pending::default, |t| Pending::new(t.runs.iter().copied()));
-        tracing::debug!(vpid, bytes = pending.bytes(), "task arrived");
+        let runs = plan.map_or_else(Pending::default, |t| Pending::new(t.runs.iter().copied()));
         let store = u32::try_from(vpid)
             .ok()
             .and_then(|v| self.stores.get(&v).cloned());
         let mut st = crate::sync::lock(&self.state);
+        // Pages that follow: in the store only what arrived so far.
+        let (pending, coming) = if self.plan.follows {
+            let mut coming = runs;
+            let mut pending = Pending::default();
+            for (a, b) in st
+                .arrived
+                .get(&vpid)
+                .map(|r| r.iter().collect::<Vec<_>>())
+                .unwrap_or_default()
+            {
+                for c in coming.extract_stored(a, b) {
+                    pending.put_back(c);
+                }
+            }
+            (pending, coming)
+        } else {
+            (runs, Pending::default())
+        };
+        tracing::debug!(
+            vpid,
+            bytes = pending.bytes(),
+            coming = coming.bytes(),
+            "task arrived"
+        );
         st.stats.tasks += 1;
         st.tasks.push(Task {
             uffd,
             vpid,
             store,
             pending,
+            coming,
             gone: false,
         });
+        drop(st);
+        self.arrivals.notify_all();
     }
 
     /// Serves the tasks whose userfaultfds arrive on `ctl` until every
@@ -344,6 +434,7 @@ impl Filler {
                 // The workers stop at their next chunk.
                 crate::sync::lock(&self.state).failed = Some(e.to_string());
             }
+            self.arrivals.notify_all();
             result
         })?;
         let mut st = crate::sync::lock(&self.state);
@@ -367,7 +458,7 @@ impl Filler {
     ) -> Result<(), FillError> {
         let mut ctl_open = true;
         let mut start_workers = Some(start_workers);
-        let mut retry: Vec<(usize, u64)> = Vec::new();
+        let mut retry: Vec<Fault> = Vec::new();
         loop {
             {
                 let st = crate::sync::lock(&self.state);
@@ -390,6 +481,24 @@ impl Filler {
                             start();
                         }
                     }
+                    Some(ToFiller::Arrived { vpid, ranges }) => {
+                        let vpid = i32::try_from(vpid).map_err(|_| {
+                            FillError::Protocol(format!("pages arrived for task {vpid}"))
+                        })?;
+                        let mut st = crate::sync::lock(&self.state);
+                        st.arrive(vpid, &ranges);
+                        let parked = std::mem::take(&mut st.parked);
+                        drop(st);
+                        retry.extend(parked);
+                        self.arrivals.notify_all();
+                    }
+                    Some(ToFiller::Lost { why }) => {
+                        if crate::sync::lock(&self.state).awaiting() {
+                            return Err(FillError::Failed(format!(
+                                "the pages still to come are lost: {why}"
+                            )));
+                        }
+                    }
                     Some(m @ (ToFiller::Store { .. } | ToFiller::Plan { .. })) => {
                         return Err(FillError::Protocol(format!("{m:?} after the plan")));
                     }
@@ -405,6 +514,20 @@ impl Filler {
             }
             if !uffds_ready.is_empty() || !retry.is_empty() {
                 self.handle_messages(&uffds_ready, &mut retry, woke)?;
+            }
+            let wants = std::mem::take(&mut crate::sync::lock(&self.state).wants);
+            for (vpid, start, end) in wants {
+                // A ferryd gone leaves the faults to the background order.
+                if ctl_open {
+                    let want = FromFiller::Want {
+                        vpid: vpid as u32,
+                        start,
+                        end,
+                    };
+                    if let Err(e) = control::send_from_filler(ctl, &want) {
+                        tracing::warn!(error = %e, "asking ferryd for pages first");
+                    }
+                }
             }
         }
     }
@@ -468,7 +591,7 @@ impl Filler {
     fn handle_messages(
         &self,
         ready: &[usize],
-        retry: &mut Vec<(usize, u64)>,
+        retry: &mut Vec<Fault>,
         woke: Instant,
     ) -> Result<(), FillError> {
         let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
@@ -487,29 +610,55 @@ impl Filler {
                 match m {
                     Message::PageFault { address } => {
                         st.stats.faults += 1;
-                        faults.push((i, address));
+                        faults.push(Fault {
+                            task: i,
+                            address,
+                            since: woke,
+                        });
                     }
                     other => self.area_changed(&mut st, i, other)?,
                 }
             }
         }
-        for (i, address) in faults {
-            if !self.fault(&mut st, i, address)? {
-                retry.push((i, address));
-            } else {
-                st.stats.fault_wait_us += woke.elapsed().as_micros() as u64;
+        // A fault waiting for a page the process since dropped (another
+        // thread's madvise or munmap) is answered now, not at the next
+        // arrival.
+        let (stale, parked): (Vec<Fault>, Vec<Fault>) =
+            std::mem::take(&mut st.parked).into_iter().partition(|f| {
+                let t = &st.tasks[f.task];
+                t.gone || !t.coming.contains(f.address & !(memtrack::page_size() - 1))
+            });
+        st.parked = parked;
+        faults.extend(stale);
+        for f in faults {
+            match self.fault(&mut st, f.task, f.address)? {
+                Answer::Answered => st.stats.fault_wait_us += f.since.elapsed().as_micros() as u64,
+                Answer::Retry => retry.push(f),
+                Answer::Parked => st.parked.push(f),
             }
         }
         Ok(())
     }
 
-    /// Answers a fault; false if the areas are changing and it must wait
-    /// for the next messages.
-    fn fault(&self, st: &mut State, i: usize, address: u64) -> Result<bool, FillError> {
+    /// Answers a fault, or says when to try again.
+    fn fault(&self, st: &mut State, i: usize, address: u64) -> Result<Answer, FillError> {
         let page = memtrack::page_size();
         let addr = address & !(page - 1);
         if st.tasks[i].gone {
-            return Ok(true);
+            return Ok(Answer::Answered);
+        }
+        // Still to come: ask for it (and the pages after it) first, once.
+        if let Some(c) = st.tasks[i].coming.take_at(addr, WANT_PAGES * page) {
+            let t = &mut st.tasks[i];
+            t.coming.put_back(c);
+            let vpid = t.vpid;
+            let wanted = st.wanted.entry(vpid).or_default();
+            if !wanted.contains(c.src, c.src + page) {
+                wanted.insert(c.src, c.src + c.len);
+                st.wants.push((vpid, c.src, c.src + c.len));
+                st.stats.faults_on_arrival += 1;
+            }
+            return Ok(Answer::Parked);
         }
         let taken = st.tasks[i].pending.take_at(addr, FAULT_PAGES * page);
         if let (Some(c), Some(store)) = (taken, st.tasks[i].store.clone()) {
@@ -519,7 +668,11 @@ impl Filler {
                 let _ = uffd::wake(st.tasks[i].uffd.as_fd(), addr, page);
             }
             book(st, i, c, &out, true);
-            return Ok(!waiting);
+            return Ok(if waiting {
+                Answer::Retry
+            } else {
+                Answer::Answered
+            });
         }
         // Not pending: a page the process never had (or one already in).
         let t = &mut st.tasks[i];
@@ -530,11 +683,11 @@ impl Filler {
             Installed::Exists { .. } => {
                 let _ = uffd::wake(t.uffd.as_fd(), addr, page);
             }
-            Installed::Changing { .. } => return Ok(false),
+            Installed::Changing { .. } => return Ok(Answer::Retry),
             Installed::NoArea { .. } => {}
             Installed::Gone => t.gone = true,
         }
-        Ok(true)
+        Ok(Answer::Answered)
     }
 
     /// Applies a change of a task's areas to its pending pages.
@@ -551,13 +704,17 @@ impl Filler {
                     vpid: parent.vpid,
                     store: parent.store.clone(),
                     pending: parent.pending.clone(),
+                    coming: parent.coming.clone(),
                     gone: false,
                 };
                 st.forked = true;
                 st.stats.tasks += 1;
                 st.tasks.push(child);
             }
-            Message::Remap { from, to, len } => st.tasks[i].pending.remap(from, to, len),
+            Message::Remap { from, to, len } => {
+                st.tasks[i].pending.remap(from, to, len);
+                st.tasks[i].coming.remap(from, to, len);
+            }
             Message::Remove { start, end } => {
                 // Zeros from now on, and no fault reaches us there: the
                 // range leaves the registration.
@@ -571,11 +728,14 @@ impl Filler {
                         ));
                     }
                 }
-                let dropped = drop_range(&mut t.pending, start, end);
+                let dropped =
+                    drop_range(&mut t.pending, start, end) + drop_range(&mut t.coming, start, end);
                 st.stats.dropped_pages += dropped / page;
             }
             Message::Unmap { start, end } => {
-                let dropped = drop_range(&mut st.tasks[i].pending, start, end);
+                let t = &mut st.tasks[i];
+                let dropped =
+                    drop_range(&mut t.pending, start, end) + drop_range(&mut t.coming, start, end);
                 st.stats.dropped_pages += dropped / page;
             }
             Message::PageFault { .. } => unreachable!("faults are answered apart"),
@@ -589,7 +749,8 @@ impl Filler {
         Ok(())
     }
 
-    /// A worker: installs chunks until none is left.
+    /// A worker: installs chunks until none is left (none in the store and
+    /// none to come).
     fn work(&self) {
         loop {
             let gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
@@ -609,7 +770,16 @@ impl Filler {
                 })
             };
             let Some((i, c, store, raw)) = job else {
-                return;
+                drop(gate);
+                // Pages still to come: wait for them, not holding the gate.
+                let st = crate::sync::lock(&self.state);
+                if st.failed.is_some() || !st.awaiting() {
+                    return;
+                }
+                let _ = self
+                    .arrivals
+                    .wait_timeout(st, Duration::from_millis(POLL_MS as u64));
+                continue;
             };
             // SAFETY: the task's userfaultfd stays open while the gate is
             // held: tasks are only added or marked gone under the gate's
@@ -756,6 +926,202 @@ mod tests {
         );
     }
 
+    /// A store file (memfd) as large as any address.
+    fn empty_store() -> File {
+        // SAFETY: a new memfd, or -1.
+        let raw = unsafe { libc::memfd_create(c"test-store".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: just returned to us.
+        let store = unsafe { File::from_raw_fd(raw) };
+        store.set_len(1 << 47).unwrap();
+        store
+    }
+
+    /// A userfaultfd of this process with the filler's features.
+    fn fill_uffd() -> OwnedFd {
+        // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
+        let raw =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: just returned to us.
+        let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        uffd::api(uffd.as_fd(), uffd::FILL_FEATURES).unwrap();
+        uffd
+    }
+
+    #[test]
+    fn installs_pages_as_they_arrive_and_asks_for_faulted_ones_first() {
+        // Fork events, as below: alone in its process.
+        if std::env::var_os(ISOLATED).is_none() {
+            return in_a_process_of_its_own(
+                "fill::filler::tests::installs_pages_as_they_arrive_and_asks_for_faulted_ones_first",
+            );
+        }
+        use std::os::unix::fs::FileExt;
+        let page = memtrack::page_size();
+        let len = PAGES * page;
+        let base = map(len);
+        let at = |i: u64| base + i * page;
+        let uffd = fill_uffd();
+        uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+        let store = empty_store();
+        let feed = store.try_clone().unwrap();
+        let plan = Plan {
+            migration_id: "t".into(),
+            workers: 2,
+            follows: true,
+            tasks: vec![TaskPlan {
+                vpid: 1,
+                store: 0,
+                windows: vec![(base, base + len)],
+                runs: vec![(base, base + len)],
+            }],
+        };
+        let filler = Filler::new(plan, vec![store]).unwrap();
+        let (ours, theirs) = control::pair().unwrap();
+        // Arrived before the task's userfaultfd: installable at once.
+        feed.write_all_at(&vec![pattern(at(0)); page as usize], at(0))
+            .unwrap();
+        std::thread::scope(|s| {
+            let running = s.spawn(|| filler.run(theirs.as_fd()));
+            control::send_to_filler(
+                ours.as_fd(),
+                &ToFiller::Arrived {
+                    vpid: 1,
+                    ranges: vec![(at(0), at(1))],
+                },
+            )
+            .unwrap();
+            control::send_to_filler(
+                ours.as_fd(),
+                &ToFiller::Uffd {
+                    vpid: 1,
+                    uffd: uffd.try_clone().unwrap(),
+                },
+            )
+            .unwrap();
+            control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+            // The source: sends from the last page down, slowly, and what
+            // is asked for first.
+            let source = s.spawn(|| {
+                let mut sent = RangeSet::new();
+                sent.insert(at(0), at(1));
+                let mut wants = Vec::new();
+                let mut next = PAGES;
+                let send = |sent: &mut RangeSet, a: u64, b: u64| {
+                    let mut fresh = RangeSet::new();
+                    fresh.insert(a, b);
+                    fresh.remove_all(sent);
+                    for (x, y) in fresh.iter() {
+                        let data: Vec<u8> = (x..y)
+                            .step_by(page as usize)
+                            .flat_map(|p| vec![pattern(p); page as usize])
+                            .collect();
+                        feed.write_all_at(&data, x).unwrap();
+                    }
+                    let ranges: Vec<(u64, u64)> = fresh.iter().collect();
+                    sent.insert_all(&fresh);
+                    if !ranges.is_empty() {
+                        control::send_to_filler(
+                            ours.as_fd(),
+                            &ToFiller::Arrived { vpid: 1, ranges },
+                        )
+                        .unwrap();
+                    }
+                };
+                while !sent.contains(base, base + len) {
+                    let mut p = [libc::pollfd {
+                        fd: ours.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    }];
+                    // SAFETY: one valid pollfd.
+                    if unsafe { libc::poll(p.as_mut_ptr(), 1, 2) } > 0 {
+                        match control::recv_from_filler(ours.as_fd()).unwrap() {
+                            Some(FromFiller::Want {
+                                vpid: 1,
+                                start,
+                                end,
+                            }) => {
+                                wants.push((start, end));
+                                send(&mut sent, start, end);
+                            }
+                            other => panic!("{other:?}"),
+                        }
+                        continue;
+                    }
+                    if next > 0 {
+                        let from = next.saturating_sub(8);
+                        send(&mut sent, at(from), at(next));
+                        next = from;
+                    }
+                }
+                wants
+            });
+            // The first page arrived before the task: no wait.
+            assert_eq!(byte(at(0)), pattern(at(0)));
+            // Page 10 is far from the source's order: the fault asks.
+            assert_eq!(byte(at(10)), pattern(at(10)));
+            // A write to a page still to come lands on its content.
+            // SAFETY: writes one byte of this test's own mapping.
+            unsafe { std::ptr::write_volatile(at(20) as *mut u8, 0xee) };
+            let wants = source.join().unwrap();
+            assert!(
+                wants.iter().any(|&(a, b)| a <= at(10) && at(11) <= b),
+                "page 10 was never asked for first: {wants:?}"
+            );
+            let stats = running.join().unwrap().unwrap();
+            assert!(stats.faults_on_arrival >= 1, "{stats:?}");
+            assert_eq!(stats.pages, PAGES, "{stats:?}");
+            assert_eq!(stats.zero_pages, 0, "{stats:?}");
+            for i in 0..PAGES {
+                let want = if i == 20 { 0xee } else { pattern(at(i)) };
+                assert_eq!(byte(at(i)), want, "page {i}");
+                assert_eq!(byte(at(i) + page - 1), pattern(at(i)), "page {i} end");
+            }
+        });
+        drop(uffd);
+    }
+
+    #[test]
+    fn a_fill_whose_pages_stop_coming_fails() {
+        // The source gone with pages still to come: the fill fails, for
+        // ferryd to kill the process, which would wait or read zeros.
+        let (base, len) = (0x7f00_0000_0000, PAGES * memtrack::page_size());
+        let plan = Plan {
+            migration_id: "t".into(),
+            workers: 1,
+            follows: true,
+            tasks: vec![TaskPlan {
+                vpid: 1,
+                store: 0,
+                windows: vec![(base, base + len)],
+                runs: vec![(base, base + len)],
+            }],
+        };
+        let filler = Filler::new(plan, vec![empty_store()]).unwrap();
+        let (ours, theirs) = control::pair().unwrap();
+        let unregistered = fill_uffd();
+        control::send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Uffd {
+                vpid: 1,
+                uffd: unregistered,
+            },
+        )
+        .unwrap();
+        control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        control::send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Lost {
+                why: "the link is cut".into(),
+            },
+        )
+        .unwrap();
+        let e = filler.run(theirs.as_fd()).unwrap_err();
+        assert!(e.to_string().contains("the link is cut"), "{e}");
+    }
+
     #[test]
     fn fills_faulted_and_pending_pages_and_follows_the_areas() {
         // Its userfaultfd asks for fork events, which the kernel reports
@@ -798,6 +1164,7 @@ mod tests {
         let plan = Plan {
             migration_id: "t".into(),
             workers: 2,
+            follows: false,
             tasks: vec![TaskPlan {
                 vpid: 1,
                 store: 0,

@@ -67,6 +67,13 @@ pub struct Plan {
     pub migration_id: String,
     /// Threads installing pages in the background.
     pub workers: usize,
+    /// The stores fill while the filler runs (post-copy: the pages come
+    /// from the source after the resume): a page is installed only once
+    /// ferryd said it arrived (`A`), a fault on one still to come waits
+    /// for it and asks for it first (`W`). Otherwise every run is in its
+    /// store from the start.
+    #[serde(default)]
+    pub follows: bool,
     /// The tasks with pages to install. A task of the restored tree that
     /// is not listed has none: its faults get zero pages.
     pub tasks: Vec<TaskPlan>,
@@ -147,6 +154,10 @@ pub struct FillStats {
     /// Pages dropped before they were installed: the process unmapped or
     /// discarded them, or exited.
     pub dropped_pages: u64,
+    /// Of `faults`, those that waited for their page to arrive in the
+    /// store (a plan whose pages follow).
+    #[serde(default)]
+    pub faults_on_arrival: u64,
     /// From the end of the restore to the last page.
     pub fill_us: u64,
     /// Tasks the filler served (forks during the fill included).
@@ -191,6 +202,7 @@ mod tests {
         let ok = Plan {
             migration_id: "m".into(),
             workers: 2,
+            follows: false,
             tasks: vec![TaskPlan {
                 vpid: 1,
                 store: 0,

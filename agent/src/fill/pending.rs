@@ -153,6 +153,40 @@ impl Pending {
         }
     }
 
+    /// Takes out every part whose content is at store offsets in `[a, b)`
+    /// (pages that just arrived in the store), in address order. Where no
+    /// `mremap` moved anything the offsets are the addresses and the
+    /// lookup is by address; otherwise every range is looked at.
+    pub fn extract_stored(&mut self, a: u64, b: u64) -> Vec<Chunk> {
+        if a >= b {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let moved: Vec<(u64, u64, u64)> = self
+            .ranges
+            .iter()
+            .filter(|(s, (_, src))| *s != src)
+            .map(|(s, (e, src))| (*s, *e, *src))
+            .collect();
+        if moved.is_empty() {
+            return self.extract(a, b);
+        }
+        for (s, e, src) in self
+            .ranges
+            .iter()
+            .map(|(s, (e, src))| (*s, *e, *src))
+            .filter(|(s, e, src)| *src < b && a < src + (e - s))
+            .collect::<Vec<_>>()
+        {
+            // The part of [s, e) whose offsets are in [a, b).
+            let from = s + a.saturating_sub(src);
+            let to = e.min(s + (b - src));
+            out.extend(self.extract(from, to));
+        }
+        out.sort_unstable_by_key(|c| c.dst);
+        out
+    }
+
     /// Whether the page at `addr` is pending.
     pub fn contains(&self, addr: u64) -> bool {
         self.ranges
@@ -228,6 +262,36 @@ mod tests {
         );
         p.remove(0, u64::MAX);
         assert!(p.is_empty());
+    }
+
+    #[test]
+    fn what_arrived_in_the_store_is_found_by_offset_even_after_a_move() {
+        let mut p = Pending::new([(0x1000, 0x5000), (0x8000, 0x9000)]);
+        let got = p.extract_stored(0x2000, 0x8800);
+        assert_eq!(
+            got.iter()
+                .map(|c| (c.dst, c.src, c.len))
+                .collect::<Vec<_>>(),
+            [(0x2000, 0x2000, 0x3000), (0x8000, 0x8000, 0x800)]
+        );
+        assert_eq!(
+            list(&p),
+            [(0x1000, 0x2000, 0x1000), (0x8800, 0x9000, 0x8800)]
+        );
+        // Moved: the content of offset 0x1000 now sits at 0x40000.
+        p.remap(0x1000, 0x40000, 0x1000);
+        let got = p.extract_stored(0x1000, 0x1800);
+        assert_eq!(
+            got.iter()
+                .map(|c| (c.dst, c.src, c.len))
+                .collect::<Vec<_>>(),
+            [(0x40000, 0x1000, 0x800)]
+        );
+        assert_eq!(
+            list(&p),
+            [(0x8800, 0x9000, 0x8800), (0x40800, 0x41000, 0x1800)]
+        );
+        assert!(p.extract_stored(0x20000, 0x30000).is_empty());
     }
 
     #[test]

@@ -156,6 +156,7 @@ fn plan_fill(
     let mut plan = crate::fill::Plan {
         migration_id: migration_id.to_owned(),
         workers: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+        follows: false,
         tasks: Vec::new(),
     };
     let mut stores = Vec::new();
