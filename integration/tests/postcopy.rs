@@ -1,9 +1,13 @@
-//! Post-copy end to end (CRIU lazy pages): `ferry-memwriter` resumes on
-//! the destination with none of its private memory, its pages follow, and
-//! its own check of its memory passes there; a post-copy that fails
-//! before the resume leaves it running, intact, on the source, with no
-//! CRIU page server or lazy-pages daemon left behind. Root only; run by
-//! `cargo xtask test` (or `cargo xtask integration`).
+//! Post-copy end to end, with the pages following by ferryd (the default:
+//! the dump leaves them in the stopped copy, ferryd streams them, the
+//! destination's page filler installs them) and by CRIU's lazy pages:
+//! `ferry-memwriter` resumes on the destination with none of its private
+//! memory, its pages follow, and its own check of its memory passes there;
+//! a post-copy that fails before the resume leaves it running, intact, on
+//! the source, with no CRIU page server or lazy-pages daemon left behind;
+//! one whose source loses the pages after the resume is reported lost and
+//! runs nowhere. Root only; run by `cargo xtask test` (or `cargo xtask
+//! integration`).
 
 use std::time::Duration;
 
@@ -101,6 +105,21 @@ async fn no_criu_left(cluster: &Cluster, node: &str) {
     );
 }
 
+/// Who moves the pages after the resume (`[migration] post_copy_pages`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pages {
+    Ferryd,
+    Criu,
+}
+
+fn cluster_for(pages: Pages) -> Cluster {
+    let mut spec = ClusterSpec::new(2, 1);
+    if pages == Pages::Criu {
+        spec.extra_config = "[migration]\npost_copy_pages = \"criu\"\n".into();
+    }
+    Cluster::start(spec).expect("cluster")
+}
+
 fn summary(r: &MigrationReport) -> String {
     format!(
         "freeze {:.1} ms, post-processing {:.1} ms, total {:.1} ms, {} pages after the resume, {} bytes ({} of images); phases {}",
@@ -123,8 +142,21 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
     if !ferry_integration::can_run("memory_follows_the_process_after_a_post_copy_migration") {
         return;
     }
+    memory_follows(Pages::Ferryd);
+}
+
+#[test]
+fn memory_follows_the_process_after_a_post_copy_migration_by_criu() {
+    if !ferry_integration::can_run("memory_follows_the_process_after_a_post_copy_migration_by_criu")
+    {
+        return;
+    }
+    memory_follows(Pages::Criu);
+}
+
+fn memory_follows(pages: Pages) {
     let rt = runtime();
-    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let cluster = cluster_for(pages);
     let first_id = rt.block_on(async {
         let mut controls = [
             cluster.control("node1").await.expect("control node1"),
@@ -150,7 +182,7 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
             );
             assert!(report.error.is_empty(), "{report:#?}");
             assert_eq!(report.strategy, Strategy::PostCopy as i32);
-            eprintln!("post-copy to {to_name}: {}", summary(&report));
+            eprintln!("post-copy ({pages:?}) to {to_name}: {}", summary(&report));
             // Most of the 64 MiB followed the process (the freeze carried
             // none of it: the images are small).
             assert!(report.postcopy_pages >= 16384 / 2, "{}", summary(&report));
@@ -192,10 +224,16 @@ fn memory_follows_the_process_after_a_post_copy_migration() {
                     )
                     .await
             };
-            // No page server, no daemon, no images left.
+            // No page server, no daemon, no images left, no write
+            // protection on the process (ferryd's pages write-protect the
+            // source's copy before the freeze).
             no_criu_left(&cluster, "node1").await;
             no_criu_left(&cluster, "node2").await;
             assert!(cluster.incoming_dir_is_empty(&to_name));
+            assert!(
+                !write_protected(report.destination_pid),
+                "write protection on the destination's copy"
+            );
             writes = later;
             pid = report.destination_pid;
             on = to;
@@ -326,15 +364,17 @@ fn a_failed_post_copy_migration_leaves_the_process_intact_on_the_source() {
         return;
     }
     let rt = runtime();
-    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let cluster = cluster_for(Pages::Ferryd);
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let pid = WRITER.start(&mut node1, 64, 10).await;
         let before = check(&cluster);
 
         // The restore fails (node2's port is taken by a process its agent
-        // does not manage), with the lazy-pages daemon already started
-        // there and CRIU's page server serving on node1.
+        // does not manage), with the page filler already started there
+        // and the source's copy write-protected (ferryd's post-copy), or
+        // (assisted) the lazy-pages daemon started there and CRIU's page
+        // server serving on node1.
         {
             let _squatter = cluster
                 .spawn_in_node(
@@ -406,8 +446,24 @@ fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
     ) {
         return;
     }
+    source_of_pages_dies(Pages::Criu);
+}
+
+#[test]
+fn a_post_copy_whose_stopped_copy_dies_after_the_resume_is_reported_lost() {
+    if !ferry_integration::can_run(
+        "a_post_copy_whose_stopped_copy_dies_after_the_resume_is_reported_lost",
+    ) {
+        return;
+    }
+    source_of_pages_dies(Pages::Ferryd);
+}
+
+/// After the resume, what the pages come from dies on the source: CRIU's
+/// page server, or (ferryd's pages) the stopped copy they are read from.
+fn source_of_pages_dies(pages: Pages) {
     let rt = runtime();
-    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let cluster = cluster_for(pages);
     rt.block_on(async {
         let mut controls = [
             cluster.control("node1").await.expect("control node1"),
@@ -426,7 +482,19 @@ fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
             match stream.message().await {
                 Ok(Some(ev)) => match ev.event {
                     // The process runs on node2 now; its pages still come
-                    // from node1's CRIU page server: kill it.
+                    // from node1: kill the stopped copy they are read from.
+                    Some(ferry_proto::v1::migration_event::Event::Progress(p))
+                        if p.phase == "post-copy" && pages == Pages::Ferryd =>
+                    {
+                        assert!(criu_children(&cluster, "node1").is_empty());
+                        nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        )
+                        .expect("killing the stopped copy");
+                        killed.push(pid);
+                    }
+                    // Or node1's CRIU page server: kill it.
                     Some(ferry_proto::v1::migration_event::Event::Progress(p))
                         if p.phase == "post-copy" =>
                     {
@@ -462,7 +530,7 @@ fn a_post_copy_whose_page_server_dies_after_the_resume_is_reported_lost() {
                 }
             }
         }
-        assert!(!killed.is_empty(), "no page server to kill on node1");
+        assert!(!killed.is_empty(), "nothing to kill on node1");
         let report = report.expect("a report");
         eprintln!("lost: {}\n{}", report.error, summary(&report));
         assert_eq!(report.outcome, MigrationOutcome::Lost as i32, "{report:#?}");

@@ -224,6 +224,14 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/lazy-pages-wait-for-answers.patch"),
         mark: "ferry-lazy-waits",
     },
+    // A held-pages file may hold every page, written or not: post-copy's
+    // pages stay in the stopped task for ferryd to send after the resume,
+    // instead of being spliced into pipes inside the freeze.
+    Patch {
+        what: "post-copy's pages left in the stopped task",
+        text: include_str!("../criu/held-pages-written-or-not.patch"),
+        mark: "ferry-held-all",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -283,6 +283,18 @@ impl Peer for PeerService {
         ))
     }
 
+    type PostCopyPagesStream = destination::WantsOut;
+
+    async fn post_copy_pages(
+        &self,
+        request: Request<Streaming<ferry_proto::v1::PageBatch>>,
+    ) -> Result<Response<Self::PostCopyPagesStream>, Status> {
+        let caller = caller(&request);
+        Ok(Response::new(
+            destination::post_copy_pages(&self.engine, caller, request.into_inner()).await?,
+        ))
+    }
+
     async fn post_copy_status(
         &self,
         request: Request<PostCopyStatusRequest>,

@@ -79,6 +79,22 @@ impl MemoryStrategy {
     }
 }
 
+/// Who moves a post-copy's pages after the resume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PostCopyPages {
+    /// ferryd: the dump leaves the pages in the stopped copy, the source's
+    /// ferryd streams them after the resume (faulted ones first), the
+    /// destination's page filler installs them with several threads
+    /// (`engine::destination::pages_follow`). Needs ferry's CRIU and a
+    /// destination speaking peer protocol 10; CRIU's otherwise.
+    #[default]
+    Ferryd,
+    /// CRIU's page server and lazy-pages daemon (the dump moves every page
+    /// into pipes inside the freeze).
+    Criu,
+}
+
 /// How a migration moves the process's TCP connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]

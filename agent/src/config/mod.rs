@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 mod choices;
 
-pub use choices::{MemoryStrategy, Role, SocketMigration};
+pub use choices::{MemoryStrategy, PostCopyPages, Role, SocketMigration};
 
 /// Where `cargo xtask setup` installs CRIU.
 pub const DEFAULT_CRIU_PATH: &str = "/opt/ferry/criu/bin/criu";
@@ -170,6 +170,12 @@ pub struct MigrationConfig {
     /// is available (MemAvailable) is the limit. A source whose process
     /// does not fit is refused at Prepare, before anything stops.
     pub incoming_memory_limit_mib: Option<u64>,
+    /// Post-copy: who moves the pages after the resume, "ferryd" (the
+    /// dump copies none; ferryd streams them from the stopped copy and the
+    /// destination's page filler installs them) or "criu" (CRIU's page
+    /// server and lazy-pages daemon). ferryd's falls back to CRIU's with a
+    /// destination or a CRIU that lacks it.
+    pub post_copy_pages: PostCopyPages,
 }
 
 impl MigrationConfig {
@@ -216,6 +222,7 @@ impl Default for MigrationConfig {
             max_rounds: 10,
             throttle: false,
             incoming_memory_limit_mib: None,
+            post_copy_pages: PostCopyPages::Ferryd,
         }
     }
 }

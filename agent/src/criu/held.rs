@@ -11,6 +11,9 @@ use super::CriuError;
 use crate::memtrack::RangeSet;
 
 const MAGIC: u32 = 0x3150_4846; // "FHP1"
+/// Every page with data in the ranges is held, written or not
+/// (`xtask/criu/held-pages-written-or-not.patch`).
+const MAGIC_ALL: u32 = 0x3250_4846; // "FHP2"
 /// The most ranges the patch reads.
 pub const MAX_RANGES: usize = 1 << 24;
 
@@ -22,6 +25,20 @@ pub fn path(images_dir: &Path, vpid: u32) -> PathBuf {
 /// Writes the held pages of task `vpid` (an empty set writes nothing).
 /// Blocking.
 pub fn write(images_dir: &Path, vpid: u32, held: &RangeSet) -> Result<(), CriuError> {
+    write_as(images_dir, vpid, held, MAGIC)
+}
+
+/// Post-copy whose pages follow by ferryd: every page of task `vpid`
+/// with data that a lazy restore can fill is held, written or not (the
+/// "FHP2" file: one range, all of user space). Blocking.
+pub fn write_all(images_dir: &Path, vpid: u32) -> Result<(), CriuError> {
+    let mut everything = RangeSet::new();
+    // Above every user-space address (57-bit with 5-level page tables).
+    everything.insert(0, 1 << 57);
+    write_as(images_dir, vpid, &everything, MAGIC_ALL)
+}
+
+fn write_as(images_dir: &Path, vpid: u32, held: &RangeSet, magic: u32) -> Result<(), CriuError> {
     if held.is_empty() {
         return Ok(());
     }
@@ -37,7 +54,7 @@ pub fn write(images_dir: &Path, vpid: u32, held: &RangeSet) -> Result<(), CriuEr
         });
     }
     let mut bytes = Vec::with_capacity(8 + 16 * ranges.len());
-    bytes.extend(MAGIC.to_ne_bytes());
+    bytes.extend(magic.to_ne_bytes());
     bytes.extend((ranges.len() as u32).to_ne_bytes());
     for (start, end) in ranges {
         bytes.extend(start.to_ne_bytes());
@@ -80,5 +97,12 @@ mod tests {
         // Nothing held: no file.
         write(dir.path(), 8, &RangeSet::new()).unwrap();
         assert!(!path(dir.path(), 8).exists());
+        // Everything, written or not: its own magic, one range.
+        write_all(dir.path(), 9).unwrap();
+        let b = std::fs::read(path(dir.path(), 9)).unwrap();
+        #[cfg(target_endian = "little")]
+        assert_eq!(&b[0..4], b"FHP2");
+        assert_eq!(b.len(), 8 + 16);
+        assert_eq!(u64::from_ne_bytes(b[8..16].try_into().unwrap()), 0);
     }
 }

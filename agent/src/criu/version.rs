@@ -122,6 +122,12 @@ pub const CONNS_OUT_MARK: &str = "ferry-conns-out2";
 /// PAGEMAP_SCAN) as parent runs of the pagemap.
 pub const HELD_PAGES_MARK: &str = "ferry-held-pages";
 
+/// The mark of `xtask/criu/held-pages-written-or-not.patch`: a held-pages
+/// file with the magic "FHP2" leaves out every page with data in its
+/// ranges, written or not (post-copy whose pages ferryd sends from the
+/// stopped task after the resume).
+pub const HELD_ALL_MARK: &str = "ferry-held-all";
+
 /// The mark of `xtask/criu/vma-flags-without-smaps.patch`: a dump asked
 /// to (`ferry:vma-flags`) reads each mapping's flags from ferryd's BPF
 /// iterators (`ferry-vmflags.img`, `super::vmflags`) and
@@ -210,6 +216,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         "ferry-lazy-waits",
         "lazy-pages daemon waiting for answers, not spinning (a core left to the process during post-copy)",
+    ),
+    (
+        HELD_ALL_MARK,
+        "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
     ),
 ];
 
@@ -323,6 +333,7 @@ mod tests {
                 "mappings' flags from ferryd's iterators, not smaps (a dump that does not count every resident page)",
                 "anonymous memory scanned without struct page reads (a post-copy dump that does not read every page)",
                 "lazy-pages daemon waiting for answers, not spinning (a core left to the process during post-copy)",
+                "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

@@ -21,6 +21,9 @@ use crate::config::PeerConfig;
 /// What a page tunnel's destination end sends back.
 pub type TunnelIn = Pin<Box<dyn Stream<Item = Result<pb::TunnelBytes, Status>> + Send>>;
 
+/// What a post-copy's destination asks for first.
+pub type WantsIn = Pin<Box<dyn Stream<Item = Result<pb::PageWant, Status>> + Send>>;
+
 /// Another agent's Peer API, as the source of a migration calls it. Each
 /// call stands alone: several may run at once (the images beside the
 /// connections' states).
@@ -42,6 +45,7 @@ pub trait PeerLink: Send + Sync + std::fmt::Debug {
         req: pb::TransferSocketsRequest,
     ) -> Result<pb::TransferSocketsResponse, Status>;
     async fn page_tunnel(&self, out: ReceiverStream<pb::TunnelBytes>) -> Result<TunnelIn, Status>;
+    async fn post_copy_pages(&self, out: ReceiverStream<pb::PageBatch>) -> Result<WantsIn, Status>;
     async fn restore(&self, req: pb::RestoreRequest) -> Result<pb::RestoreResponse, Status>;
     async fn commit(&self, req: pb::CommitRequest) -> Result<pb::CommitResponse, Status>;
     async fn abort(&self, req: pb::AbortRequest) -> Result<pb::AbortResponse, Status>;
@@ -101,6 +105,11 @@ impl PeerLink for GrpcLink {
     async fn page_tunnel(&self, out: ReceiverStream<pb::TunnelBytes>) -> Result<TunnelIn, Status> {
         Ok(Box::pin(
             self.0.clone().page_tunnel(out).await?.into_inner(),
+        ))
+    }
+    async fn post_copy_pages(&self, out: ReceiverStream<pb::PageBatch>) -> Result<WantsIn, Status> {
+        Ok(Box::pin(
+            self.0.clone().post_copy_pages(out).await?.into_inner(),
         ))
     }
     async fn restore(&self, req: pb::RestoreRequest) -> Result<pb::RestoreResponse, Status> {

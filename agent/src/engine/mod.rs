@@ -224,6 +224,38 @@
 //! Pages after the resume are counted by the destination's daemon (its
 //! log's "UFFD transferred pages") and reported as `postcopy_pages`.
 //!
+//! # Post-copy with pages that follow by ferryd (protocol 10, the default)
+//!
+//! ```text
+//! Validate ─> Prepare ─> Arm ─> Dump (held) ─> Transfer ─> PostCopyPages (asks only) ─> Restore (pages_follow) ─> … ─> Commit ─> PostCopyPages (all) ─> Discard ─> Committed
+//! ```
+//!
+//! CRIU's lazy dump moves every private page into pipes for its page
+//! server inside the freeze (at 4 GiB ~130 ms of splicing and ~33 ms of
+//! bookkeeping), and its lazy-pages daemon keeps one request in flight
+//! from one thread. Instead, with `[migration] post_copy_pages = "ferryd"`,
+//! a destination of protocol 10 and ferry's CRIU:
+//!
+//! - **Dump (held)**: ferryd gives CRIU a held-pages file per process that
+//!   holds every page ("FHP2", `xtask/criu/held-pages-written-or-not.patch`):
+//!   the dump leaves each page with data of a lazily restorable area in
+//!   the stopped copy (a parent run of the pagemap), and reads, copies and
+//!   sends none of them.
+//! - **PostCopyPages, then Restore (pages_follow)**: the source reads the
+//!   left-out runs from its pagemaps and opens `Peer.PostCopyPages` before
+//!   the Restore (CRIU's restorer itself faults on some of those pages).
+//!   The destination turns the runs lazy and gives them to its page filler
+//!   ([`crate::fill`]) with an empty store; until the Commit the source
+//!   sends only the pages the filler's faults ask for, so the freeze
+//!   shares nothing with background traffic.
+//! - **Commit, then Post-copy**: from the Commit the source streams every
+//!   page, read from its stopped copy (`pagesender.rs`), asks first; the
+//!   destination stores each batch and tells the filler, which installs
+//!   them with several threads (`destination/pages_follow.rs`). The rest
+//!   is as above: `PostCopyStatus` until the filler is done, the stopped
+//!   copy kept until then, and a stream that ends with pages still to
+//!   come makes the destination kill the process and report it lost.
+//!
 //! Every committed migration's report cuts the freeze into its parts
 //! (`freeze_parts`: CRIU's dump, the transfer, the destination's image
 //! scan, CRIU's start-up and restore, translation, release, replay, and
@@ -240,6 +272,7 @@ pub mod destination;
 mod images;
 pub mod link;
 pub(crate) mod localpages;
+mod pagesender;
 pub(crate) mod pagestore;
 mod pagetunnel;
 pub mod precopy;

@@ -184,6 +184,12 @@ impl PageStore {
             .map(|(s, _, _)| s)
     }
 
+    /// The store file of process `pid`, made empty if none is yet (pages
+    /// that follow the resume arrive into it).
+    pub fn open(&mut self, pid: u32) -> Result<&File, EngineError> {
+        Ok(&self.process(pid)?.file)
+    }
+
     /// The store file of process `pid`, if any page of it arrived: a page
     /// at the offset of its address.
     pub fn file(&self, pid: u32) -> Option<&File> {

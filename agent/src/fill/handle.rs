@@ -36,8 +36,12 @@ pub struct Filler {
     /// open, a missing page makes the process wait, never read zeros.
     kept: Arc<Mutex<Vec<OwnedFd>>>,
     dir: PathBuf,
-    /// Its report, if read before [`Filler::finish`] ([`Filler::early_end`]).
-    report: Option<Option<FromFiller>>,
+    /// Its report, once its words thread read it: `None` inside if it
+    /// ended without one.
+    report: Arc<std::sync::OnceLock<Option<FromFiller>>>,
+    /// Reads what the filler says from the start: asks for pages (a plan
+    /// whose pages follow) go on at once, the report is kept.
+    words: Option<std::thread::JoinHandle<()>>,
     /// Reaped: nothing left to do on drop.
     reaped: bool,
 }
@@ -109,12 +113,15 @@ impl Spawned {
 
     /// Hands the filler its `plan` and the `stores` it names, and listens
     /// on [`SOCKET`] in its directory for the restore. Returns once the
-    /// filler mapped its stores. Blocking.
+    /// filler mapped its stores. A plan whose pages follow: the pages its
+    /// faults wait on go to `wants` (from the restore on: the restore
+    /// itself may fault). Blocking.
     pub fn start(
         mut self,
         plan: &Plan,
         stores: &[BorrowedFd<'_>],
         ready_within: Duration,
+        wants: Option<tokio::sync::mpsc::UnboundedSender<Want>>,
     ) -> Result<Filler, FillError> {
         let ctl = self.ctl.take().expect("taken only here");
         let mut filler = Filler {
@@ -124,7 +131,8 @@ impl Spawned {
             stop: Arc::new(AtomicBool::new(false)),
             kept: Arc::new(Mutex::new(Vec::new())),
             dir: self.dir.clone(),
-            report: None,
+            report: Arc::default(),
+            words: None,
             reaped: false,
         };
         let plan_path = self.dir.join(PLAN);
@@ -183,6 +191,20 @@ impl Spawned {
                 .spawn(move || relay(listener, ctl, &stop, &kept))
                 .map_err(FillError::io("starting the relay thread"))?,
         );
+        let ctl = filler
+            .ctl
+            .try_clone()
+            .map_err(FillError::io("duplicating the control socket"))?;
+        let report = filler.report.clone();
+        filler.words = Some(
+            std::thread::Builder::new()
+                .name("fill-words".into())
+                .spawn(move || {
+                    let last = Filler::next_report(ctl.as_fd(), wants.as_ref());
+                    let _ = report.set(last.unwrap_or(None));
+                })
+                .map_err(FillError::io("starting the filler's reader"))?,
+        );
         Ok(filler)
     }
 }
@@ -211,12 +233,41 @@ impl Filler {
         plan: &Plan,
         stores: &[BorrowedFd<'_>],
         ready_within: Duration,
+        wants: Option<tokio::sync::mpsc::UnboundedSender<Want>>,
     ) -> Result<Filler, FillError> {
-        Spawned::spawn(exe, dir)?.start(plan, stores, ready_within)
+        Spawned::spawn(exe, dir)?.start(plan, stores, ready_within, wants)
     }
 
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// A plan whose pages follow: what tells the filler which pages
+    /// arrived in its stores.
+    pub fn arrivals(&self) -> Result<Arrivals, FillError> {
+        let ctl = self
+            .ctl
+            .try_clone()
+            .map_err(FillError::io("duplicating the control socket"))?;
+        Ok(Arrivals { ctl })
+    }
+
+    /// The filler's next word other than an ask for pages, which goes on
+    /// to [`Filler::follow`]'s receiver. Blocking.
+    fn next_report(
+        ctl: BorrowedFd<'_>,
+        wants: Option<&tokio::sync::mpsc::UnboundedSender<Want>>,
+    ) -> Result<Option<FromFiller>, FillError> {
+        loop {
+            match control::recv_from_filler(ctl)? {
+                Some(FromFiller::Want { vpid, start, end }) => {
+                    if let Some(w) = wants {
+                        let _ = w.send(Want { vpid, start, end });
+                    }
+                }
+                other => return Ok(other),
+            }
+        }
     }
 
     /// Sends the filler SIGKILL (an abort: the process it filled is killed
@@ -241,25 +292,15 @@ impl Filler {
         if let Some(r) = self.relay.take() {
             let _ = r.join();
         }
+        if let Some(w) = self.words.take() {
+            let _ = w.join();
+        }
     }
 
     /// If the filler already ended (before the resume: a small fill, or a
     /// failure), how: `Ok` if every page is in. Never blocks.
     pub fn early_end(&mut self) -> Option<Result<FillStats, String>> {
-        if self.report.is_none() {
-            let mut p = [libc::pollfd {
-                fd: self.ctl.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            }];
-            // SAFETY: one valid pollfd for the call; no wait.
-            let n = unsafe { libc::poll(p.as_mut_ptr(), 1, 0) };
-            if n <= 0 {
-                return None;
-            }
-            self.report = Some(control::recv_from_filler(self.ctl.as_fd()).unwrap_or(None));
-        }
-        Some(match self.report.as_ref().expect("read above") {
+        Some(match self.report.get()? {
             Some(FromFiller::Done(stats)) => Ok(*stats),
             Some(FromFiller::Failed(why)) => Err(why.clone()),
             other => Err(format!("it ended without a report ({other:?})")),
@@ -269,16 +310,14 @@ impl Filler {
     /// Waits for the filler's report and its exit. Its copies of the
     /// userfaultfds close after that.
     pub async fn finish(mut self) -> Result<FillStats, FillError> {
-        let ctl = self
-            .ctl
-            .try_clone()
-            .map_err(FillError::io("duplicating the control socket"))?;
-        let report = match self.report.take() {
-            Some(r) => Ok(r),
-            None => tokio::task::spawn_blocking(move || control::recv_from_filler(ctl.as_fd()))
+        if let Some(w) = self.words.take() {
+            tokio::task::spawn_blocking(move || w.join())
                 .await
-                .map_err(|e| FillError::Failed(format!("waiting for the filler: {e}")))?,
-        };
+                .map_err(|e| FillError::Failed(format!("waiting for the filler: {e}")))?
+                .map_err(|_| FillError::Failed("the filler's reader panicked".into()))?;
+        }
+        let report: Result<Option<FromFiller>, FillError> =
+            Ok(self.report.get().cloned().unwrap_or(None));
         let status = crate::reaper::wait_exit(self.pid).await;
         self.reaped = true;
         self.stop.store(true, Ordering::Relaxed);
@@ -307,13 +346,53 @@ impl Drop for Filler {
             return;
         }
         self.signal_kill();
-        let (pid, relay) = (self.pid, self.relay.take());
+        let (pid, relay, words) = (self.pid, self.relay.take(), self.words.take());
         std::thread::spawn(move || {
             let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
             if let Some(r) = relay {
                 let _ = r.join();
             }
+            if let Some(w) = words {
+                let _ = w.join();
+            }
         });
+    }
+}
+
+/// Pages a fault of the filled process waits on: store offsets of task
+/// `vpid`'s store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Want {
+    pub vpid: u32,
+    pub start: u64,
+    pub end: u64,
+}
+
+/// Tells a filler whose pages follow what arrived in its stores.
+#[derive(Debug)]
+pub struct Arrivals {
+    ctl: OwnedFd,
+}
+
+impl Arrivals {
+    /// Store offsets `ranges` of task `vpid`'s store hold their pages now.
+    /// Blocking (briefly: the filler reads its control socket at once).
+    pub fn arrived(&self, vpid: u32, ranges: &[(u64, u64)]) -> Result<(), FillError> {
+        for part in ranges.chunks(control::MAX_ARRIVED) {
+            control::send_to_filler(
+                self.ctl.as_fd(),
+                &ToFiller::Arrived {
+                    vpid,
+                    ranges: part.to_vec(),
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// No more pages will come; a filler still waiting for some fails.
+    pub fn lost(&self, why: &str) -> Result<(), FillError> {
+        control::send_to_filler(self.ctl.as_fd(), &ToFiller::Lost { why: why.into() })
     }
 }
 

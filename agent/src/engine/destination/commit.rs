@@ -150,9 +150,15 @@ pub async fn commit(
         // Pages left out of the dump: the filler still installs them; the
         // directory (the plan, the socket, the log) goes when it ends.
         if let Some(filler) = inc.filler.take() {
+            // Pages that follow: the source's stream may open now.
+            let follows = inc.following.take().map(|f| {
+                super::pages_follow::await_pages(f);
+                inc.migration_id.clone()
+            });
             watch_fill(
                 engine,
                 FillWatch {
+                    follows,
                     migration_id: inc.migration_id.clone(),
                     from: inc.from.clone(),
                     pid,

@@ -31,6 +31,9 @@ pub(super) struct FillWatch {
     pub(super) resumed_at: Instant,
     /// The filler's report, if it was done before the resume.
     pub(super) filled_before_resume: Option<FillStats>,
+    /// Post-copy with pages that follow: its entry in the engine's
+    /// follows, removed when the fill ends.
+    pub(super) follows: Option<String>,
     pub(super) peak: Arc<PeakMeter>,
 }
 
@@ -50,9 +53,13 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
             resumed_at,
             filled_before_resume,
             peak,
+            follows,
             ..
         } = w;
         let outcome = filler.finish().await;
+        if let Some(id) = &follows {
+            engine.incoming.follows.remove(id);
+        }
         let window = if filled_before_resume.is_some() {
             0
         } else {
@@ -75,7 +82,9 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
                     total_pages: stats.pages + stats.dropped_pages,
                     post_processing_us: window,
                     error: String::new(),
-                    local_pages: stats.pages,
+                    // Pages that follow came from the source; held
+                    // pages from this node's store.
+                    local_pages: if follows.is_some() { 0 } else { stats.pages },
                     faults: stats.faults,
                     fault_wait_us: stats.fault_wait_us,
                     peak_extra_bytes: 0,

@@ -27,7 +27,9 @@
 //! takes any state, and a migration it does not hold (idempotent).
 //! Post-copy: Restore starts CRIU's lazy-pages daemon first; Commit hands
 //! it to a watcher which kills the process if the daemon fails, and answers
-//! `PostCopyStatus` (`post_copy.rs`). `steps_and_the_table_agree` checks the
+//! `PostCopyStatus` (`post_copy.rs`). Post-copy with pages that follow
+//! (protocol 10): Restore gives the page filler an empty store; after
+//! Commit the source's `PostCopyPages` fills it (`pages_follow.rs`). `steps_and_the_table_agree` checks the
 //! table against [`IncomingState::accepts`] and [`IncomingState::after`].
 
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -51,6 +53,7 @@ mod fill;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fixture;
 mod page_tunnel;
+mod pages_follow;
 mod peak;
 mod post_copy;
 mod prepare;
@@ -68,6 +71,7 @@ use arm::{armed_fixed, take_staged};
 pub use commit::commit;
 use page_tunnel::IncomingTunnel;
 pub use page_tunnel::{TunnelOut, page_tunnel};
+pub use pages_follow::{Follows, WantsOut, post_copy_pages};
 pub use post_copy::{PostCopies, post_copy_status};
 use post_copy::{PostCopyWatch, watch_postcopy};
 pub use prepare::prepare;
@@ -238,6 +242,9 @@ pub struct Incoming {
     /// installs them from the store, from just before the restore until
     /// Commit hands it to a watcher (or an abort kills it).
     pub(super) filler: Option<crate::fill::handle::Filler>,
+    /// Post-copy with pages that follow (protocol 10): what the source's
+    /// page stream feeds, from the Restore until Commit registers it.
+    pub(super) following: Option<Arc<pages_follow::Following>>,
     /// Pre-copy: a filler process started after the first round, waiting
     /// for the plan the restore gives it (dropped unused: killed).
     pub(super) filler_ahead: Option<crate::fill::handle::Spawned>,
@@ -281,9 +288,13 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
     if let Some(t) = &incoming.tunnel {
         t.pump.abort();
     }
-    // The filler goes with the copy it fed (dropping the slot reaps it).
+    // The filler goes with the copy it fed (dropping the slot reaps it),
+    // and pages that follow are no longer taken.
     if let Some(f) = &incoming.filler {
         f.signal_kill();
+    }
+    if let Some(f) = &incoming.following {
+        engine.incoming.follows.remove(&f.migration_id);
     }
     if let IncomingState::Restored { pid } = incoming.state {
         if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {

@@ -166,6 +166,7 @@ pub async fn prepare(
         pages: Arc::new(std::sync::Mutex::new(PageStore::new(&dir.join("precopy")))),
         lazy: None,
         filler: None,
+        following: None,
         filler_ahead: None,
         tunnel: None,
         peak,

@@ -46,6 +46,35 @@ pub(super) fn lazy_tunnel_end(engine: &Engine, inc: &mut Incoming) -> Result<Own
         })
 }
 
+/// Post-copy with pages that follow: a protocol that has it, no CRIU
+/// lazy pages beside it, and a kernel whose userfaultfd the filler can use.
+fn check_pages_follow(
+    engine: &Engine,
+    inc: &Incoming,
+    req: &RestoreRequest,
+) -> Result<(), EngineError> {
+    if inc.protocol_version < ferry_proto::PEER_PROTOCOL_PAGES_FOLLOW {
+        return Err(EngineError::WrongState {
+            migration_id: inc.migration_id.clone(),
+            state: "prepared with a protocol without pages that follow",
+            step: "post-copy restore",
+        });
+    }
+    if req.lazy_pages || !req.local_pages.is_empty() {
+        return Err(EngineError::InvalidField {
+            field: "pages_follow",
+            reason: "pages that follow come from ferryd, not from CRIU's lazy pages (lazy_pages, local_pages)".into(),
+        });
+    }
+    if !crate::fill::available() {
+        return Err(EngineError::HostSetting(format!(
+            "post-copy with pages that follow on {}: this kernel's userfaultfd lacks the events the page filler needs",
+            engine.node()
+        )));
+    }
+    Ok(())
+}
+
 /// Assisted post-copy: the pages Restore says this node holds current,
 /// answered from the store from now on. Each must be in the store.
 pub(super) fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Result<(), EngineError> {
@@ -96,40 +125,92 @@ pub(super) fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Resul
 }
 
 /// The page filler for the pages the dump left out (parent runs of the
-/// pagemaps: this node holds them), started; none if the dump left none
-/// out. Each left-out page must be in the store: a dump that left out a
-/// page this node lacks is refused here, before the restore.
+/// pagemaps), started; none if the dump left none out. Pre-copy: this node
+/// holds them, and each must be in the store (a dump that left out a page
+/// this node lacks is refused here, before the restore). `follows`: a
+/// post-copy whose pages come after the Commit (`pages_follow.rs`); the
+/// filler installs them as they arrive.
 async fn start_filler(
     inc: &mut Incoming,
-) -> Result<Option<crate::fill::handle::Filler>, EngineError> {
+    follows: bool,
+) -> Result<Option<StartedFiller>, EngineError> {
     let (images, store, dir) = (inc.images(), inc.pages.clone(), inc.dir.clone());
     let id = inc.migration_id.clone();
     let ahead = inc.filler_ahead.take();
     blocking("starting the page filler", move || {
-        let Some((plan, stores)) = plan_fill(&images, &store, &id)? else {
+        let Some((plan, stores)) = plan_fill(&images, &store, &id, follows)? else {
             // Nothing left out: the filler started ahead goes (dropped).
             return Ok(None);
         };
         let fds: Vec<_> = stores.iter().map(AsFd::as_fd).collect();
         let within = crate::fill::handle::READY_WITHIN;
+        let (wants_tx, wants) = if follows {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
         let filler = match ahead {
-            Some(spawned) => spawned.start(&plan, &fds, within)?,
+            Some(spawned) => spawned.start(&plan, &fds, within, wants_tx)?,
             None => {
                 let exe = std::env::current_exe().map_err(EngineError::io(
                     "finding ferryd's own binary for the page filler",
                 ))?;
-                crate::fill::handle::Filler::start(&exe, &dir, &plan, &fds, within)?
+                crate::fill::handle::Filler::start(&exe, &dir, &plan, &fds, within, wants_tx)?
             }
         };
         tracing::info!(
             pid = filler.pid(),
             tasks = plan.tasks.len(),
             mib = plan.bytes() >> 20,
+            follows,
             "page filler ready for the pages left out of the dump"
         );
-        Ok(Some(filler))
+        Ok(Some(StartedFiller {
+            filler,
+            plan,
+            wants,
+        }))
     })
     .await?
+}
+
+/// A page filler started for the restore, with its plan and (pages that
+/// follow) its asks.
+struct StartedFiller {
+    filler: crate::fill::handle::Filler,
+    plan: crate::fill::Plan,
+    wants: Option<tokio::sync::mpsc::UnboundedReceiver<crate::fill::handle::Want>>,
+}
+
+/// Post-copy with pages that follow: the filler's plan and its asks, for
+/// the source's page stream after the Commit.
+fn following(
+    inc: &Incoming,
+    filler: &crate::fill::handle::Filler,
+    plan: &crate::fill::Plan,
+    wants: tokio::sync::mpsc::UnboundedReceiver<crate::fill::handle::Want>,
+) -> Result<super::pages_follow::Following, EngineError> {
+    let arrivals = filler.arrivals()?;
+    let expected = plan
+        .tasks
+        .iter()
+        .map(|t| {
+            let mut set = RangeSet::new();
+            for &(s, e) in &t.runs {
+                set.insert(s, e);
+            }
+            (t.vpid, set)
+        })
+        .collect();
+    Ok(super::pages_follow::Following::new(
+        &inc.migration_id,
+        &inc.from,
+        inc.pages.clone(),
+        arrivals,
+        wants,
+        expected,
+    ))
 }
 
 /// What the filler installs: per task with parent runs in its pagemap
@@ -138,6 +219,7 @@ fn plan_fill(
     images: &std::path::Path,
     store: &std::sync::Mutex<crate::engine::pagestore::PageStore>,
     migration_id: &str,
+    follows: bool,
 ) -> Result<Option<(crate::fill::Plan, Vec<std::fs::File>)>, EngineError> {
     use ferry_criu_image::{mm, pagemap};
     let image_err = |what: &'static str| move |source| EngineError::Image { what, source };
@@ -156,11 +238,11 @@ fn plan_fill(
     let mut plan = crate::fill::Plan {
         migration_id: migration_id.to_owned(),
         workers: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
-        follows: false,
+        follows,
         tasks: Vec::new(),
     };
     let mut stores = Vec::new();
-    let store = crate::sync::lock(store);
+    let mut store = crate::sync::lock(store);
     for pid in pids {
         let lazy = pagemap::left_out_to_lazy(images, pid)
             .map_err(image_err("turning the pages left out into lazy runs"))?;
@@ -168,7 +250,7 @@ fn plan_fill(
             continue;
         }
         let page = crate::memtrack::page_size();
-        for r in &lazy {
+        for r in lazy.iter().filter(|_| !follows) {
             let end = r.vaddr + r.nr_pages * page;
             if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
                 pid,
@@ -203,11 +285,15 @@ fn plan_fill(
                 at = cut;
             }
         }
-        let file = store
-            .file(pid)
-            .ok_or_else(|| EngineError::BadImage(format!("pid {pid}: no page store here")))?
-            .try_clone()
-            .map_err(EngineError::io("duplicating a page store"))?;
+        let file = if follows {
+            store.open(pid)?
+        } else {
+            store
+                .file(pid)
+                .ok_or_else(|| EngineError::BadImage(format!("pid {pid}: no page store here")))?
+        }
+        .try_clone()
+        .map_err(EngineError::io("duplicating a page store"))?;
         stores.push(file);
         plan.tasks.push(task);
     }
@@ -246,6 +332,9 @@ pub async fn restore(
 ) -> Result<RestoreResponse, EngineError> {
     let mut slot = engine.incoming.lock().await;
     let inc = expect(&mut slot, &req.migration_id, Step::Restore)?;
+    if req.pages_follow {
+        check_pages_follow(engine, inc, &req)?;
+    }
     if !req.local_pages.is_empty() {
         set_local_pages(inc, &req)?;
     }
@@ -256,12 +345,20 @@ pub async fn restore(
     };
     let image_scan = prepare_images(engine, inc).await?;
     // Pre-copy: pages the dump left out, filled from the store after the
-    // resume. Listening before the restore starts, like a daemon.
-    if lazy_from.is_none() {
-        inc.filler = start_filler(inc).await?;
-        if let Some(f) = &inc.filler {
-            inc.peak.watch(f.pid());
+    // resume; post-copy with pages that follow: as they arrive. Listening
+    // before the restore starts, like a daemon.
+    // Pages that follow: the source's stream may open from now on (the
+    // restore itself faults on some of them).
+    if lazy_from.is_none()
+        && let Some(started) = start_filler(inc, req.pages_follow).await?
+    {
+        inc.peak.watch(started.filler.pid());
+        if let Some(wants) = started.wants {
+            let f = Arc::new(following(inc, &started.filler, &started.plan, wants)?);
+            engine.incoming.follows.insert(f.clone());
+            inc.following = Some(f);
         }
+        inc.filler = Some(started.filler);
     }
     let handed = if req.collective_sockets {
         hand_over_connections(engine, inc, lazy_from.is_some())?

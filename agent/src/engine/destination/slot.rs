@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex, Weak};
 
-use super::{Incoming, PostCopies, RebuiltSockets, StagedSlot};
+use super::{Follows, Incoming, PostCopies, RebuiltSockets, StagedSlot};
 use crate::sync::lock;
 
 #[derive(Debug, Default)]
@@ -26,6 +26,9 @@ pub struct IncomingSlot {
     /// Post-copy migrations committed here whose pages still follow (and,
     /// for a while, how they ended): `Peer.PostCopyStatus`.
     pub postcopies: PostCopies,
+    /// Post-copies committed here whose pages follow by ferryd, for the
+    /// source's `Peer.PostCopyPages`.
+    pub follows: Follows,
 }
 
 impl IncomingSlot {

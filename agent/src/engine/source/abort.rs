@@ -35,6 +35,9 @@ pub(super) async fn abort(run: &mut Run, err: EngineError) -> Phase {
     // Post-copy: CRIU's page server holds the process; it goes first (the
     // destination's copy never ran: nothing needs it).
     stop_page_server(run.undo.page_server.take(), run.p.pid, Duration::ZERO).await;
+    // Pages that follow: the stream stops (the destination discards what
+    // it received with its copy).
+    run.undo.page_sending = None;
     // The in-cluster peers' packets must come here again before the
     // process runs.
     let translated = std::mem::take(&mut run.undo.translated);

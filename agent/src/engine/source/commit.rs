@@ -73,6 +73,10 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
         }
     }
     let commit_end = Instant::now();
+    // Pages that follow: all of them now, not only those asked for.
+    if let Some(s) = &run.undo.page_sending {
+        s.release();
+    }
     cut_the_freeze(run, &c, commit_end, running_for);
     Ok(if postcopy {
         Phase::PostCopy(Waiting {

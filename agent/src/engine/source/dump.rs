@@ -68,7 +68,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
     // Post-copy: the page server's connection, made before the freeze.
     // CRIU gets one end (this process closes its copy once CRIU runs), the
     // page tunnel the other.
-    let (lazy, tunnel_end) = if run.p.strategy.is_postcopy() {
+    let (lazy, tunnel_end) = if run.p.strategy.is_postcopy() && !run.p.pages_follow {
         let pair = pagetunnel::loopback_pair().await?;
         (
             Some(criu::LazyDump {
@@ -209,11 +209,14 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
 /// held-pages patch here: lists the pages the destination holds for CRIU
 /// (`ferry-held-<pid>.img`), which leaves them out of the dump unless the
 /// process wrote them since the last round. Whether it does.
-async fn leave_held_pages_out(run: &Run) -> Result<bool, EngineError> {
+async fn leave_held_pages_out(run: &mut Run) -> Result<bool, EngineError> {
+    if run.p.pages_follow {
+        return leave_every_page_in_place(run).await.map(|()| true);
+    }
     let Some(pre) = run.undo.precopy.as_ref() else {
         return Ok(false);
     };
-    if run.p.strategy.is_postcopy()
+    if (run.p.strategy.is_postcopy() && !run.p.pages_follow)
         || !run.p.destination_fills_held_pages
         || !criu::has_patch(&run.engine.config.criu_path, criu::HELD_PAGES_MARK)
     {
@@ -229,6 +232,26 @@ async fn leave_held_pages_out(run: &Run) -> Result<bool, EngineError> {
     })
     .await??;
     Ok(true)
+}
+
+/// Post-copy whose pages follow by ferryd: every process of the tree
+/// holds all its pages with data for the dump (held-pages files "FHP2"),
+/// which leaves them in the stopped copy; the processes are kept for the
+/// sender.
+async fn leave_every_page_in_place(run: &mut Run) -> Result<(), EngineError> {
+    let (pid, images) = (run.p.pid, run.images());
+    run.pages_follow_from = blocking("listing the held pages for CRIU", move || {
+        let mut found = Vec::new();
+        for p in crate::process::process_tree(pid) {
+            let vpid = crate::memtrack::ns_pid(p)
+                .map_err(EngineError::io(format!("reading the namespace PID of {p}")))?;
+            criu::held::write_all(&images, vpid)?;
+            found.push((vpid, p));
+        }
+        Ok::<_, EngineError>(found)
+    })
+    .await??;
+    Ok(())
 }
 
 /// The held-page lists and the mappings' iterators, once CRIU has read

@@ -9,6 +9,13 @@
 //! page server still has a connection, then [`POSTCOPY_UNCONFIRMED`] more,
 //! and the migration is reported committed with an error saying it was
 //! never confirmed.
+//!
+//! Pages that follow by ferryd (protocol 10): no page server; the dump
+//! left the private pages in the stopped copy, and the stream opened
+//! before the Restore (`crate::engine::pagesender`), which carried only
+//! the pages the destination asked for until the Commit, now carries them
+//! all, asks first, while this phase waits for the destination's word as
+//! above.
 
 use std::time::{Duration, Instant};
 
@@ -30,6 +37,11 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         commit_err,
     } = w;
     let deadline = run.deadline;
+    let sender = run.undo.page_sending.take();
+    if run.p.pages_follow && sender.is_none() {
+        // Nothing was left out: nothing follows, no fill to wait for.
+        return Phase::Discard(Stop::Committed(commit_err));
+    }
     let mut silent_since: Option<Instant> = None;
     let verdict = loop {
         let ask = run.p.link.post_copy_status(PostCopyStatusRequest {
@@ -56,7 +68,8 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             .undo
             .page_server
             .as_ref()
-            .is_some_and(|s| !s.task.is_finished());
+            .is_some_and(|s| !s.task.is_finished())
+            || sender.as_ref().is_some_and(|s| !s.is_finished());
         if !serving {
             let since = *silent_since.get_or_insert_with(Instant::now);
             if since.elapsed() > POSTCOPY_UNCONFIRMED {
@@ -66,6 +79,10 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         tracing::warn!(reason = %why, serving, "post-copy status unknown; asking again");
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
+    if let Some(task) = sender {
+        task.end(matches!(&verdict, Ok(r) if r.state == PostCopyState::Done as i32))
+            .await;
+    }
     let stop = match verdict {
         Ok(r) if r.state == PostCopyState::Done as i32 => {
             stop_page_server(

@@ -59,6 +59,10 @@ pub struct Prepared {
     /// The destination restores pages left out of a pre-copy's dump from
     /// its page store (`PrepareResponse.fills_held_pages`).
     pub(super) destination_fills_held_pages: bool,
+    /// Post-copy: the pages follow by ferryd (the dump leaves them in the
+    /// stopped copy, `Peer.PostCopyPages` carries them after the resume),
+    /// not by CRIU's page server.
+    pub(super) pages_follow: bool,
     /// Flush before freeze, and its bound.
     pub(super) flush_send_queues: Option<Duration>,
     /// How the memory moves, and when pre-copy rounds stop.
@@ -162,6 +166,7 @@ pub async fn prepare(
         destination_takes_tcp_options: answer.takes_tcp_options,
         destination_takes_connections_out: answer.takes_connections_out,
         destination_fills_held_pages: answer.fills_held_pages,
+        pages_follow: pages_follow(engine, strategy, protocol_version, answer.fills_held_pages),
         flush_send_queues: options.flush_send_queues,
         strategy,
         convergence,
@@ -169,6 +174,39 @@ pub async fn prepare(
         started_wall,
         cancel: Default::default(),
     })
+}
+
+/// Whether a post-copy's pages follow by ferryd: asked for (the default),
+/// and both ends can (a destination of protocol 10 whose page filler runs,
+/// a CRIU here that leaves held pages out of the dump). Otherwise CRIU's
+/// lazy pages, as before.
+fn pages_follow(
+    engine: &Engine,
+    strategy: MemoryStrategy,
+    protocol_version: u32,
+    destination_fills: bool,
+) -> bool {
+    if strategy != MemoryStrategy::PostCopy
+        || engine.config.migration.post_copy_pages != crate::config::PostCopyPages::Ferryd
+    {
+        return false;
+    }
+    let why_not = if protocol_version < ferry_proto::PEER_PROTOCOL_PAGES_FOLLOW {
+        Some("the destination speaks an older peer protocol")
+    } else if !destination_fills {
+        Some("the destination's page filler cannot run")
+    } else if !crate::criu::has_patch(&engine.config.criu_path, crate::criu::HELD_ALL_MARK) {
+        Some("this node's CRIU lacks ferry's patch that leaves the pages in the stopped task")
+    } else {
+        None
+    };
+    if let Some(why) = why_not {
+        tracing::info!(
+            reason = why,
+            "post-copy's pages follow by CRIU's lazy pages"
+        );
+    }
+    why_not.is_none()
 }
 
 /// Claims the process, so that no second migration of it can start;

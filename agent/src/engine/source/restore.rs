@@ -12,8 +12,8 @@ use ferry_proto::v1::RestoreRequest;
 use super::Phase;
 use super::carry::{Releasing, Restored, Restoring, Translating};
 use super::run::Run;
-use crate::engine::EngineError;
 use crate::engine::link::{peer_error, silent};
+use crate::engine::{EngineError, blocking, pagesender};
 
 pub(super) async fn restore(run: &mut Run, r: Restoring) -> Result<Phase, EngineError> {
     // While the destination restores, the connections the TCP state
@@ -34,11 +34,15 @@ pub(super) async fn restore(run: &mut Run, r: Restoring) -> Result<Phase, Engine
             }
         })
     });
+    if run.p.pages_follow {
+        open_page_stream(run).await?;
+    }
     let restore = run.p.link.restore(RestoreRequest {
         migration_id: run.p.migration_id.clone(),
         collective_sockets: run.p.socket_migration.is_collective(),
         lazy_pages: run.undo.page_server.is_some(),
         local_pages: r.local_pages,
+        pages_follow: run.p.pages_follow,
     });
     let restore = tokio::time::timeout(run.deadline, restore).await;
     // Done before anything else touches the connections (an abort's
@@ -86,4 +90,35 @@ pub(super) async fn restore(run: &mut Run, r: Restoring) -> Result<Phase, Engine
             in_cluster: answer.in_cluster,
         })
     })
+}
+
+/// Post-copy whose pages follow by ferryd: the pages the dump left in the
+/// stopped copy, read from its page maps, and the stream that will carry
+/// them, opened before the Restore (whose restorer faults on some). None
+/// left out: no stream.
+async fn open_page_stream(run: &mut Run) -> Result<(), EngineError> {
+    let (images, pids) = (run.images(), run.pages_follow_from.clone());
+    let left = blocking("listing the pages left out of the dump", move || {
+        pagesender::left_out(&images, &pids)
+    })
+    .await??;
+    if left.is_empty() {
+        return Ok(());
+    }
+    let bytes: u64 = left.iter().map(|l| l.pages.len()).sum();
+    tracing::info!(
+        mib = bytes >> 20,
+        "the pages left out of the dump follow after the commit"
+    );
+    run.undo.page_sending = Some(
+        pagesender::Sending::open(
+            run.p.link.clone(),
+            &run.p.destination.name,
+            run.p.migration_id.clone(),
+            left,
+            run.deadline,
+        )
+        .await?,
+    );
+    Ok(())
 }

@@ -54,6 +54,10 @@ pub(super) struct Run {
     /// The dump left pages out that the destination holds: it fills them
     /// after the resume ([`super::Phase::Fill`] asks how).
     pub held_left_out: bool,
+    /// Post-copy whose pages follow by ferryd: the processes of the tree,
+    /// (PID in its namespace, host PID), as the dump found them; their
+    /// stopped copies are what the pages are read from.
+    pub pages_follow_from: Vec<(u32, i32)>,
 }
 
 impl Run {
@@ -122,6 +126,7 @@ impl Run {
             sched_hooks: None,
             held_sched_hooks: None,
             held_left_out: false,
+            pages_follow_from: Vec::new(),
             engine,
             p,
             events,

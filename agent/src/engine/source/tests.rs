@@ -33,7 +33,7 @@ use crate::criu::{
 };
 use crate::dataplane::PortState;
 use crate::engine::destination::fixture::Fixture;
-use crate::engine::link::{Connector, PeerLink, TunnelIn};
+use crate::engine::link::{Connector, PeerLink, TunnelIn, WantsIn};
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
 use crate::process::{self, PortKey};
 use crate::sockstate::SocketMigration;
@@ -308,6 +308,10 @@ impl PeerLink for ScriptedDestination {
     }
     async fn page_tunnel(&self, _: ReceiverStream<pb::TunnelBytes>) -> Result<TunnelIn, Status> {
         self.call("page_tunnel")?;
+        Err(Status::unimplemented("no post-copy here"))
+    }
+    async fn post_copy_pages(&self, _: ReceiverStream<pb::PageBatch>) -> Result<WantsIn, Status> {
+        self.call("post_copy_pages")?;
         Err(Status::unimplemented("no post-copy here"))
     }
     async fn restore(&self, _: pb::RestoreRequest) -> Result<pb::RestoreResponse, Status> {

@@ -38,6 +38,9 @@ pub(super) struct Undo {
     /// Post-copy: the lazy dump's CRIU, serving the stopped process's
     /// pages from the moment its images are written.
     pub page_server: Option<PageServer>,
+    /// Post-copy whose pages follow by ferryd: the page stream, open from
+    /// just before the Restore (dropped, it stops).
+    pub page_sending: Option<crate::engine::pagesender::Sending>,
     /// The collection of this node's capture ring running during the
     /// transfer: whoever needs the delivered log or the captured packets
     /// next waits for it first (the ring has one reader at a time).

@@ -1,0 +1,333 @@
+//! Post-copy with pages that follow (protocol 10): after the Commit, the
+//! source sends the pages its dump left out on `Peer.PostCopyPages`; each
+//! batch lands in the page store and the page filler hears that it
+//! arrived, and the pages the filler's faults wait on go back to the
+//! source, which sends them next.
+//!
+//! # Why not CRIU's lazy pages
+//!
+//! CRIU's lazy dump moves every page of the process into pipes inside the
+//! freeze (at 4 GiB, ~130 ms of splicing and ~33 ms of bookkeeping), and
+//! its lazy-pages daemon keeps one request in flight and installs from a
+//! single thread (300-345 MB/s here without a link limit). Here the dump
+//! leaves the pages where they are (the held-pages patch, as if the
+//! destination held them all), the source reads them from its stopped
+//! copy after the resume, and the filler installs them with several
+//! threads, faults first.
+//!
+//! # Lifetime
+//!
+//! Restore makes the [`Following`] beside the filler and registers it here
+//! by migration id, for the source's stream, which opens before the
+//! restore starts (the restore itself faults on some pages: CRIU's
+//! restorer writes into the task's memory). Until the Commit the source
+//! sends only the pages asked for, so that the freeze is not shared with
+//! the background traffic. A Commit gives the source [`OPEN_WITHIN`] more
+//! to have opened it; an abort removes the entry, and the entry goes when
+//! the fill ends. A stream
+//! that ends or breaks before every page arrived tells the filler the rest
+//! is lost: it fails, and the fill's watcher kills the process (a missing
+//! page would otherwise read as zeros or wait forever).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_proto::v1::{self as pb, PageBatch};
+use futures::StreamExt;
+
+use crate::engine::pagestore::PageStore;
+use crate::engine::{Engine, EngineError};
+use crate::fill::handle::{Arrivals, Want};
+use crate::memtrack::RangeSet;
+use crate::sync::lock;
+
+/// How long the source has, from the Commit, to open its page stream.
+pub(super) const OPEN_WITHIN: Duration = Duration::from_secs(30);
+
+/// Wants waiting for the source, at most, before the filler's asks wait.
+const WANTS_IN_FLIGHT: usize = 256;
+
+/// The post-copies committed here whose pages still follow, by migration
+/// id.
+#[derive(Debug, Default)]
+pub struct Follows {
+    by_id: Mutex<HashMap<String, Arc<Following>>>,
+    /// Woken at each insert: a stream opened before its Restore waits.
+    inserted: tokio::sync::Notify,
+}
+
+impl Follows {
+    pub(super) fn insert(&self, f: Arc<Following>) {
+        lock(&self.by_id).insert(f.migration_id.clone(), f);
+        self.inserted.notify_waiters();
+    }
+
+    /// Migration `migration_id`'s pages, once its Restore registered
+    /// them; `None` after `within`.
+    async fn wait_for(&self, migration_id: &str, within: Duration) -> Option<Arc<Following>> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let inserted = self.inserted.notified();
+            if let Some(f) = self.get(migration_id) {
+                return Some(f);
+            }
+            if tokio::time::timeout_at(deadline, inserted).await.is_err() {
+                return self.get(migration_id);
+            }
+        }
+    }
+
+    pub(super) fn remove(&self, migration_id: &str) {
+        lock(&self.by_id).remove(migration_id);
+    }
+
+    fn get(&self, migration_id: &str) -> Option<Arc<Following>> {
+        lock(&self.by_id).get(migration_id).cloned()
+    }
+}
+
+/// One migration's pages still to come.
+pub(in crate::engine) struct Following {
+    pub(super) migration_id: String,
+    /// The node it came from, the only one that may send them.
+    pub(super) from: String,
+    store: Arc<Mutex<PageStore>>,
+    arrivals: Arrivals,
+    /// The filler's asks; taken by the stream (it is opened once).
+    wants: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Want>>>,
+    /// Per process (PID in its namespace), the pages not arrived yet.
+    remaining: Mutex<HashMap<u32, RangeSet>>,
+}
+
+impl std::fmt::Debug for Following {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Following")
+            .field("migration_id", &self.migration_id)
+            .field("from", &self.from)
+            .finish()
+    }
+}
+
+impl Following {
+    /// `expected`: per process, the pages the filler waits for (the runs
+    /// of its plan, at their dump-time addresses).
+    pub(super) fn new(
+        migration_id: &str,
+        from: &str,
+        store: Arc<Mutex<PageStore>>,
+        arrivals: Arrivals,
+        wants: tokio::sync::mpsc::UnboundedReceiver<Want>,
+        expected: HashMap<u32, RangeSet>,
+    ) -> Following {
+        Following {
+            migration_id: migration_id.to_owned(),
+            from: from.to_owned(),
+            store,
+            arrivals,
+            wants: Mutex::new(Some(wants)),
+            remaining: Mutex::new(expected),
+        }
+    }
+
+    /// Pages still to come.
+    fn remaining_bytes(&self) -> u64 {
+        lock(&self.remaining).values().map(RangeSet::len).sum()
+    }
+
+    /// Tells the filler the rest is lost, if anything is still to come.
+    fn give_up(&self, why: &str) {
+        let left = self.remaining_bytes();
+        if left == 0 {
+            return;
+        }
+        let why = format!(
+            "{why}, with {} pages still to come",
+            left / crate::memtrack::page_size()
+        );
+        tracing::error!(migration = %self.migration_id, reason = %why, "post-copy pages lost");
+        if let Err(e) = self.arrivals.lost(&why) {
+            tracing::warn!(error = %e, "telling the page filler its pages are lost");
+        }
+    }
+
+    /// Stores a batch and tells the filler what arrived. Each run must be
+    /// pages the dump left out that did not arrive yet: a page stored twice
+    /// after the filler installed it would stay in the store. Blocking.
+    fn take(&self, batch: &PageBatch) -> Result<u64, EngineError> {
+        let page = crate::memtrack::page_size();
+        let mut arrived: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
+        {
+            let mut remaining = lock(&self.remaining);
+            for (i, run) in batch.runs.iter().enumerate() {
+                let end = run.vaddr.checked_add(run.data.len() as u64);
+                let expected = remaining.get(&run.pid);
+                let fits = end.zip(expected).is_some_and(|(end, set)| {
+                    run.vaddr % page == 0 && end % page == 0 && set.contains(run.vaddr, end)
+                });
+                if !fits {
+                    return Err(EngineError::InvalidField {
+                        field: "runs",
+                        reason: format!(
+                            "runs[{i}]: {} bytes at {:#x} of pid {} are not pages the dump left out, or arrived already",
+                            run.data.len(),
+                            run.vaddr,
+                            run.pid
+                        ),
+                    });
+                }
+            }
+            for run in &batch.runs {
+                let end = run.vaddr + run.data.len() as u64;
+                if let Some(set) = remaining.get_mut(&run.pid) {
+                    set.remove(run.vaddr, end);
+                }
+                arrived.entry(run.pid).or_default().push((run.vaddr, end));
+            }
+        }
+        lock(&self.store).write(batch)?;
+        for (pid, ranges) in arrived {
+            self.arrivals
+                .arrived(pid, &ranges)
+                .map_err(|e| EngineError::Internal(format!("telling the page filler: {e}")))?;
+        }
+        Ok(batch.runs.iter().map(|r| r.data.len() as u64).sum())
+    }
+}
+
+/// A committed post-copy's pages: given up on if the source's stream is
+/// not open within [`OPEN_WITHIN`].
+pub(super) fn await_pages(f: Arc<Following>) {
+    tokio::spawn(async move {
+        tokio::time::sleep(OPEN_WITHIN).await;
+        if lock(&f.wants).is_some() {
+            f.give_up(&format!(
+                "{} did not send the pages within {} s of the commit",
+                f.from,
+                OPEN_WITHIN.as_secs()
+            ));
+        }
+    });
+}
+
+/// The stream a PostCopyPages answers with: the pages faults wait on.
+pub type WantsOut = tokio_stream::wrappers::ReceiverStream<Result<pb::PageWant, tonic::Status>>;
+
+/// `Peer.PostCopyPages`: the pages of a post-copy restored here, from the
+/// node it came from (`caller`, as its certificate names it; `None`
+/// without TLS).
+pub async fn post_copy_pages(
+    engine: &Arc<Engine>,
+    caller: Option<String>,
+    mut stream: tonic::Streaming<PageBatch>,
+) -> Result<WantsOut, EngineError> {
+    let first = stream
+        .next()
+        .await
+        .ok_or_else(|| EngineError::InvalidField {
+            field: "migration_id",
+            reason: "the page stream ended before its first batch".into(),
+        })?
+        .map_err(|s| EngineError::BadImage(format!("page stream broke: {}", s.message())))?;
+    // Opened before the Restore registers the pages (the source opens it
+    // first, for the restore's own faults): only by the node that
+    // prepared the migration here.
+    let id = first.migration_id.clone();
+    let from = match engine.incoming.follows.get(&id) {
+        Some(f) => f.from.clone(),
+        None => engine
+            .incoming
+            .source_of(&id)
+            .ok_or_else(|| EngineError::UnknownMigration {
+                migration_id: id.clone(),
+            })?,
+    };
+    if let Some(node) = caller
+        && node != from
+    {
+        return Err(EngineError::NotItsSource {
+            migration_id: id,
+            from,
+            caller: node,
+        });
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(WANTS_IN_FLIGHT);
+    let engine = engine.clone();
+    tokio::spawn(async move {
+        let Some(f) = engine.incoming.follows.wait_for(&id, OPEN_WITHIN).await else {
+            let why = format!("migration {id} restored no pages that follow here");
+            let _ = tx.send(Err(tonic::Status::failed_precondition(why))).await;
+            return;
+        };
+        let Some(wants) = lock(&f.wants).take() else {
+            let why = format!("migration {id} already receives its pages");
+            let _ = tx.send(Err(tonic::Status::failed_precondition(why))).await;
+            return;
+        };
+        take_pages(f, first, stream, wants, tx).await;
+    });
+    Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Stores what the source sends, and passes the filler's asks on, until
+/// the stream ends; pages still to come then are lost.
+async fn take_pages(
+    f: Arc<Following>,
+    first: PageBatch,
+    mut stream: tonic::Streaming<PageBatch>,
+    mut wants: tokio::sync::mpsc::UnboundedReceiver<Want>,
+    tx: tokio::sync::mpsc::Sender<Result<pb::PageWant, tonic::Status>>,
+) {
+    {
+        let mut next = Some(Ok(first));
+        let mut bytes = 0u64;
+        let outcome: Result<(), String> = loop {
+            let batch = match next.take() {
+                Some(b) => Some(b),
+                None => tokio::select! {
+                    b = stream.next() => b,
+                    Some(w) = wants.recv() => {
+                        let want = pb::PageWant {
+                            pid: w.vpid,
+                            vaddr: w.start,
+                            length: w.end - w.start,
+                        };
+                        // A source that stopped reading: the stream's end
+                        // says how it went.
+                        let _ = tx.send(Ok(want)).await;
+                        continue;
+                    }
+                },
+            };
+            let batch = match batch {
+                None => break Ok(()),
+                Some(Err(s)) => break Err(format!("the page stream broke: {}", s.message())),
+                Some(Ok(b)) => b,
+            };
+            if batch.migration_id != f.migration_id && !batch.migration_id.is_empty() {
+                break Err(format!(
+                    "migration_id changed from {} to {} mid-stream",
+                    f.migration_id, batch.migration_id
+                ));
+            }
+            let taker = f.clone();
+            match tokio::task::spawn_blocking(move || taker.take(&batch)).await {
+                Ok(Ok(n)) => bytes += n,
+                Ok(Err(e)) => break Err(e.to_string()),
+                Err(e) => break Err(format!("storing pages: {e}")),
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                f.give_up(&format!("{} ended the page stream", f.from));
+                tracing::info!(migration = %f.migration_id, mib = bytes >> 20, "post-copy pages received");
+            }
+            Err(why) => {
+                let _ = tx
+                    .send(Err(tonic::Status::invalid_argument(why.clone())))
+                    .await;
+                f.give_up(&why);
+            }
+        }
+    }
+}

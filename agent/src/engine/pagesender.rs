@@ -1,0 +1,295 @@
+//! Post-copy with pages that follow, the source's side: after the resume,
+//! the pages the dump left in the stopped copy are read from it
+//! (`process_vm_readv`) and streamed to the destination on
+//! `Peer.PostCopyPages`, in address order, except that the pages the
+//! destination's faults wait on, which it names on the same stream, go
+//! first. The destination's side is `destination::pages_follow`.
+//!
+//! Batches are small and few are in flight, so that a fault's pages do not
+//! queue behind much background traffic: at most [`DEPTH`] batches of
+//! [`CHUNK`] bytes (1 MiB, ~8 ms at 1 Gb/s) wait here before an ask.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+use std::time::Duration;
+
+use ferry_proto::v1::{PageBatch, PageRun, PageWant};
+use futures::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::EngineError;
+use super::link::{PeerLink, peer_error};
+use crate::memtrack::{self, RangeSet};
+
+/// Bytes per batch.
+const CHUNK: u64 = 256 << 10;
+/// Batches queued for the stream.
+const DEPTH: usize = 4;
+
+/// One process's pages to send.
+#[derive(Debug, Clone)]
+pub struct LeftOut {
+    /// Its PID in its namespace (the images', the destination's).
+    pub vpid: u32,
+    /// Its host PID, stopped, to read from.
+    pub pid: i32,
+    pub pages: RangeSet,
+}
+
+/// What the stream carried.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sent {
+    pub bytes: u64,
+    /// Asks from the destination's faults, and the bytes sent for them.
+    pub asks: u64,
+    pub asked_bytes: u64,
+}
+
+/// The pages the dump left out (parent runs of each pagemap image in
+/// `images`) of the processes `pids` (PID in its namespace, host PID).
+/// Blocking.
+pub fn left_out(images: &Path, pids: &[(u32, i32)]) -> Result<Vec<LeftOut>, EngineError> {
+    let mut out = Vec::new();
+    for &(vpid, pid) in pids {
+        let map = ferry_criu_image::pagemap::read_pagemap(images, vpid).map_err(|source| {
+            EngineError::Image {
+                what: "reading the dump's page map",
+                source,
+            }
+        })?;
+        let mut pages = RangeSet::new();
+        for r in map.runs.iter().filter(|r| r.in_parent()) {
+            pages.insert(r.vaddr, r.vaddr + r.nr_pages * map.page_size);
+        }
+        if !pages.is_empty() {
+            out.push(LeftOut { vpid, pid, pages });
+        }
+    }
+    Ok(out)
+}
+
+/// What the sender may send.
+const ASKED_ONLY: u8 = 0;
+const EVERYTHING: u8 = 1;
+const STOP: u8 = 2;
+
+/// A page stream to the destination, open: until [`Sending::release`] (the
+/// Commit) only the pages the destination asks for cross, so that the
+/// freeze shares nothing with the background traffic; then every page.
+/// Dropped, it stops.
+pub struct Sending {
+    gate: Arc<AtomicU8>,
+    task: tokio::task::JoinHandle<Result<Sent, EngineError>>,
+}
+
+impl std::fmt::Debug for Sending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sending").finish()
+    }
+}
+
+impl Sending {
+    /// Opens `Peer.PostCopyPages` to the destination behind `link` (within
+    /// `open_within`) for the pages `left`.
+    pub async fn open(
+        link: Arc<dyn PeerLink>,
+        destination: &str,
+        migration_id: String,
+        left: Vec<LeftOut>,
+        open_within: Duration,
+    ) -> Result<Sending, EngineError> {
+        let (tx, rx) = tokio::sync::mpsc::channel(DEPTH);
+        // The first batch names the migration; the channel has room for it.
+        let _ = tx
+            .send(PageBatch {
+                migration_id: migration_id.clone(),
+                round: 0,
+                runs: Vec::new(),
+            })
+            .await;
+        let mut wants_in =
+            match tokio::time::timeout(open_within, link.post_copy_pages(ReceiverStream::new(rx)))
+                .await
+            {
+                Ok(Ok(w)) => w,
+                Ok(Err(s)) => return Err(peer_error(destination, s)),
+                Err(_) => {
+                    return Err(EngineError::PeerUnavailable {
+                        node: destination.to_owned(),
+                        address: String::new(),
+                        reason: format!(
+                            "PostCopyPages not answered within {} s",
+                            open_within.as_secs()
+                        ),
+                    });
+                }
+            };
+        let (want_tx, want_rx) = std::sync::mpsc::channel::<PageWant>();
+        let wants = tokio::spawn(async move {
+            while let Some(w) = wants_in.next().await {
+                match w {
+                    Ok(w) => {
+                        if want_tx.send(w).is_err() {
+                            break;
+                        }
+                    }
+                    Err(s) => return Err(s),
+                }
+            }
+            Ok(())
+        });
+        let gate = Arc::new(AtomicU8::new(ASKED_ONLY));
+        let (g, destination) = (gate.clone(), destination.to_owned());
+        let task = tokio::spawn(async move {
+            let read = tokio::task::spawn_blocking(move || {
+                read_and_send(left, &want_rx, &tx, &migration_id, &g)
+            })
+            .await
+            .map_err(|source| EngineError::Task {
+                what: "sending the pages",
+                source,
+            })?;
+            // The destination's word on the stream, if it ended it with an
+            // error (a batch it refused): a better reason than a closed
+            // stream.
+            let said = match tokio::time::timeout(Duration::from_secs(2), wants).await {
+                Ok(Ok(Err(s))) => Some(s),
+                _ => None,
+            };
+            match (read, said) {
+                (Ok(sent), None) => Ok(sent),
+                (_, Some(s)) => Err(peer_error(&destination, s)),
+                (Err(e), None) => Err(e),
+            }
+        });
+        Ok(Sending { gate, task })
+    }
+
+    /// The Commit: every page may go now.
+    pub fn release(&self) {
+        let _ =
+            self.gate
+                .compare_exchange(ASKED_ONLY, EVERYTHING, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Waits for the sender's end (`done`: the destination has every page)
+    /// or stops it, and says how it went.
+    pub async fn end(mut self, done: bool) {
+        if !done {
+            self.gate.store(STOP, Ordering::SeqCst);
+        }
+        let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(Sent::default()) }));
+        match tokio::time::timeout(Duration::from_secs(10), task).await {
+            Ok(Ok(Ok(sent))) => tracing::info!(
+                mib = sent.bytes >> 20,
+                asks = sent.asks,
+                asked_kib = sent.asked_bytes >> 10,
+                "post-copy pages sent"
+            ),
+            Ok(Ok(Err(e))) if done => tracing::warn!(error = %e, "sending the post-copy pages"),
+            Ok(Ok(Err(e))) => tracing::info!(error = %e, "post-copy page sender stopped"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the post-copy page sender"),
+            Err(_) => tracing::warn!(
+                "the post-copy page sender still runs after the destination's answer"
+            ),
+        }
+    }
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        self.gate.store(STOP, Ordering::SeqCst);
+    }
+}
+
+/// The blocking part: reads the pages and queues them, asks first.
+fn read_and_send(
+    mut left: Vec<LeftOut>,
+    wants: &std::sync::mpsc::Receiver<PageWant>,
+    tx: &tokio::sync::mpsc::Sender<PageBatch>,
+    migration_id: &str,
+    gate: &AtomicU8,
+) -> Result<Sent, EngineError> {
+    let mut sent = Sent::default();
+    let stopped = || EngineError::StreamClosed("post-copy page (stopped)");
+    loop {
+        loop {
+            let w = match gate.load(Ordering::SeqCst) {
+                STOP => return Err(stopped()),
+                EVERYTHING => match wants.try_recv() {
+                    Ok(w) => w,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                },
+                // Before the Commit: only asks, waited for.
+                _ => match wants.recv_timeout(Duration::from_millis(5)) {
+                    Ok(w) => w,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Err(EngineError::StreamClosed("post-copy page"));
+                    }
+                },
+            };
+            let Some(t) = left.iter_mut().find(|t| t.vpid == w.pid) else {
+                continue;
+            };
+            let asked = t.pages.within(w.vaddr, w.vaddr.saturating_add(w.length));
+            sent.asks += 1;
+            for (s, e) in asked.iter() {
+                let n = send_range(t, s, e, tx, migration_id)?;
+                sent.asked_bytes += n;
+                sent.bytes += n;
+            }
+        }
+        let Some(t) = left.iter_mut().find(|t| !t.pages.is_empty()) else {
+            return Ok(sent);
+        };
+        let (s, e) = t.pages.iter().next().expect("not empty");
+        sent.bytes += send_range(t, s, e.min(s + CHUNK), tx, migration_id)?;
+    }
+}
+
+/// Reads `[s, e)` of `t`'s stopped copy and queues it, in batches of at
+/// most [`CHUNK`]; the range leaves `t`'s pages. Returns the bytes.
+fn send_range(
+    t: &mut LeftOut,
+    s: u64,
+    e: u64,
+    tx: &tokio::sync::mpsc::Sender<PageBatch>,
+    migration_id: &str,
+) -> Result<u64, EngineError> {
+    let mut at = s;
+    while at < e {
+        let len = (e - at).min(CHUNK);
+        let mut data = vec![0u8; len as usize];
+        let n = memtrack::read_remote(t.pid, at, &mut data).map_err(EngineError::io(format!(
+            "reading pages {at:#x}+{len} of the stopped copy (PID {})",
+            t.pid
+        )))?;
+        if n as u64 != len {
+            return Err(EngineError::Internal(format!(
+                "pages {:#x}+{len} of the stopped copy (PID {}) the dump left out are not all mapped",
+                at + n as u64,
+                t.pid
+            )));
+        }
+        t.pages.remove(at, at + len);
+        tx.blocking_send(PageBatch {
+            migration_id: migration_id.to_owned(),
+            round: 0,
+            runs: vec![PageRun {
+                pid: t.vpid,
+                vaddr: at,
+                data,
+            }],
+        })
+        .map_err(|_| EngineError::StreamClosed("post-copy page"))?;
+        at += len;
+    }
+    Ok(e - s)
+}
