@@ -5,9 +5,11 @@
 //! destination's faults wait on, which it names on the same stream, go
 //! first. The destination's side is `destination::pages_follow`.
 //!
-//! Batches are small and few are in flight, so that a fault's pages do not
-//! queue behind much background traffic: at most [`DEPTH`] batches of
-//! [`CHUNK`] bytes (1 MiB, ~8 ms at 1 Gb/s) wait here before an ask.
+//! Little is in flight, so that a fault's pages do not queue behind much
+//! background traffic, here, in the connection or in a shaped link's
+//! queue: the destination acknowledges what it stored, and the background
+//! pages sent and not stored stay under [`WINDOW`] (~8 ms at 1 Gb/s);
+//! the pages asked for pass it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -27,6 +29,8 @@ use crate::memtrack::{self, RangeSet};
 const CHUNK: u64 = 256 << 10;
 /// Batches queued for the stream.
 const DEPTH: usize = 4;
+/// Background bytes sent and not yet stored by the destination, at most.
+const WINDOW: u64 = 1 << 20;
 
 /// One process's pages to send.
 #[derive(Debug, Clone)]
@@ -127,13 +131,14 @@ impl Sending {
                 }
             };
         let (want_tx, want_rx) = std::sync::mpsc::channel::<PageWant>();
+        // Read to the end, even once the reader is done: dropping the
+        // answers would reset the stream, and the batches still queued in
+        // it would be lost.
         let wants = tokio::spawn(async move {
             while let Some(w) = wants_in.next().await {
                 match w {
                     Ok(w) => {
-                        if want_tx.send(w).is_err() {
-                            break;
-                        }
+                        let _ = want_tx.send(w);
                     }
                     Err(s) => return Err(s),
                 }
@@ -217,16 +222,19 @@ fn read_and_send(
     gate: &AtomicU8,
 ) -> Result<Sent, EngineError> {
     let mut sent = Sent::default();
+    let mut stored = 0u64;
     let stopped = || EngineError::StreamClosed("post-copy page (stopped)");
     loop {
         loop {
+            let open = sent.bytes.saturating_sub(stored) < WINDOW;
             let w = match gate.load(Ordering::SeqCst) {
                 STOP => return Err(stopped()),
-                EVERYTHING => match wants.try_recv() {
+                EVERYTHING if open => match wants.try_recv() {
                     Ok(w) => w,
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
                 },
-                // Before the Commit: only asks, waited for.
+                // Before the Commit (only asks), or the window full: wait
+                // for a word from the destination.
                 _ => match wants.recv_timeout(Duration::from_millis(5)) {
                     Ok(w) => w,
                     Err(RecvTimeoutError::Timeout) => continue,
@@ -235,6 +243,10 @@ fn read_and_send(
                     }
                 },
             };
+            stored = stored.max(w.stored_bytes);
+            if w.length == 0 {
+                continue;
+            }
             let Some(t) = left.iter_mut().find(|t| t.vpid == w.pid) else {
                 continue;
             };

@@ -75,6 +75,10 @@ struct Args {
     /// the freeze is compared with (size 0 in the tables).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     reference: bool,
+    /// Who moves post-copy's pages after the resume (`[migration]
+    /// post_copy_pages` of every agent): "ferryd" or "criu".
+    #[arg(long, default_value = "ferryd")]
+    post_copy_pages: String,
     #[arg(long, default_value = "target/bench/memory")]
     out: PathBuf,
 }
@@ -553,12 +557,26 @@ fn main() -> Result<()> {
             bail!("--links: {link:?} is neither \"unshaped\" nor a tc rate like 1gbit");
         }
     }
+    if !["ferryd", "criu"].contains(&args.post_copy_pages.as_str()) {
+        bail!(
+            "--post-copy-pages: {:?} is neither \"ferryd\" nor \"criu\"",
+            args.post_copy_pages
+        );
+    }
     let profile = ferry_bench::run::profile();
-    println!("binaries: {profile} profile");
+    println!(
+        "binaries: {profile} profile; post-copy's pages by {}",
+        args.post_copy_pages
+    );
     let rt = ferry_integration::managed::runtime();
     let mut rows = Vec::new();
     for link in &args.links {
-        let cluster = Cluster::start(ClusterSpec::new(2, 1)).context("starting the cluster")?;
+        let mut spec = ClusterSpec::new(2, 1);
+        spec.extra_config = format!(
+            "[migration]\npost_copy_pages = \"{}\"\n",
+            args.post_copy_pages
+        );
+        let cluster = Cluster::start(spec).context("starting the cluster")?;
         if link != "unshaped" {
             // A burst of 10 ms at 1 Gb/s.
             cluster.shape_cluster_links(Some((link, 1_250_000, "100ms")));
@@ -590,12 +608,13 @@ fn main() -> Result<()> {
     std::fs::write(args.out.join("memory.svg"), plot(&rows, &args, profile))?;
     println!("{md}");
     println!(
-        "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {}` (root; {profile} build; 2 cores here).",
+        "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {} --post-copy-pages {}` (root; {profile} build; 2 cores here).",
         join(&args.sizes),
         join(&args.rates),
         args.links.join(","),
         args.strategies.join(","),
-        args.runs
+        args.runs,
+        args.post_copy_pages
     );
     println!("written to {}", args.out.display());
     Ok(())

@@ -291,6 +291,7 @@ async fn take_pages(
                             pid: w.vpid,
                             vaddr: w.start,
                             length: w.end - w.start,
+                            stored_bytes: bytes,
                         };
                         // A source that stopped reading: the stream's end
                         // says how it went.
@@ -312,7 +313,16 @@ async fn take_pages(
             }
             let taker = f.clone();
             match tokio::task::spawn_blocking(move || taker.take(&batch)).await {
-                Ok(Ok(n)) => bytes += n,
+                Ok(Ok(0)) => {}
+                Ok(Ok(n)) => {
+                    bytes += n;
+                    // The source's window moves on.
+                    let ack = pb::PageWant {
+                        stored_bytes: bytes,
+                        ..Default::default()
+                    };
+                    let _ = tx.send(Ok(ack)).await;
+                }
                 Ok(Err(e)) => break Err(e.to_string()),
                 Err(e) => break Err(format!("storing pages: {e}")),
             }
