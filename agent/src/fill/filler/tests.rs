@@ -1,0 +1,420 @@
+//! The filler against a real userfaultfd: this test process plays the
+//! restored task (its own anonymous memory, registered for missing
+//! pages) and, on its main thread, faults, discards, unmaps and moves
+//! memory while the filler runs on another.
+
+use super::*;
+use crate::fill::TaskPlan;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+const PAGES: u64 = 1024;
+
+/// What the store holds for the page at `addr`.
+fn pattern(addr: u64) -> u8 {
+    (addr >> 12) as u8 ^ 0x5a
+}
+
+fn map(len: u64) -> u64 {
+    // SAFETY: a new private anonymous mapping; the kernel picks where.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    p as u64
+}
+
+fn byte(addr: u64) -> u8 {
+    // SAFETY: reads one byte of a mapping this test made and keeps.
+    unsafe { std::ptr::read_volatile(addr as *const u8) }
+}
+
+/// Set in the process of its own that runs a test needing one.
+const ISOLATED: &str = "FERRY_TEST_ISOLATED";
+
+/// Runs test `name` of this binary alone in a new process (the test
+/// harness's own, filtered to it) and asserts it passed.
+fn in_a_process_of_its_own(name: &str) {
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--test-threads", "1"])
+        .env(ISOLATED, "1")
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "{name}, run in a process of its own: {status}"
+    );
+}
+
+/// A store file (memfd) as large as any address.
+fn empty_store() -> File {
+    // SAFETY: a new memfd, or -1.
+    let raw = unsafe { libc::memfd_create(c"test-store".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: just returned to us.
+    let store = unsafe { File::from_raw_fd(raw) };
+    store.set_len(1 << 47).unwrap();
+    store
+}
+
+/// A userfaultfd of this process with the filler's features.
+fn fill_uffd() -> OwnedFd {
+    // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
+    let raw =
+        unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: just returned to us.
+    let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    uffd::api(uffd.as_fd(), uffd::FILL_FEATURES).unwrap();
+    uffd
+}
+
+#[test]
+fn installs_pages_as_they_arrive_and_asks_for_faulted_ones_first() {
+    // Fork events, as below: alone in its process.
+    if std::env::var_os(ISOLATED).is_none() {
+        return in_a_process_of_its_own(
+            "fill::filler::tests::installs_pages_as_they_arrive_and_asks_for_faulted_ones_first",
+        );
+    }
+    use std::os::unix::fs::FileExt;
+    let page = memtrack::page_size();
+    let len = PAGES * page;
+    let base = map(len);
+    let at = |i: u64| base + i * page;
+    let uffd = fill_uffd();
+    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+    let store = empty_store();
+    let feed = store.try_clone().unwrap();
+    let plan = Plan {
+        migration_id: "t".into(),
+        workers: 2,
+        follows: true,
+        tasks: vec![TaskPlan {
+            vpid: 1,
+            store: 0,
+            windows: vec![(base, base + len)],
+            runs: vec![(base, base + len)],
+        }],
+    };
+    let filler = Filler::new(plan, vec![store]).unwrap();
+    let (ours, theirs) = control::pair().unwrap();
+    // Arrived before the task's userfaultfd: installable at once.
+    feed.write_all_at(&vec![pattern(at(0)); page as usize], at(0))
+        .unwrap();
+    std::thread::scope(|s| {
+        let running = s.spawn(|| filler.run(theirs.as_fd()));
+        control::send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Arrived {
+                vpid: 1,
+                ranges: vec![(at(0), at(1))],
+            },
+        )
+        .unwrap();
+        control::send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Uffd {
+                vpid: 1,
+                uffd: uffd.try_clone().unwrap(),
+            },
+        )
+        .unwrap();
+        control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        // The source: sends from the last page down, slowly, and what
+        // is asked for first.
+        let source = s.spawn(|| {
+            let mut sent = RangeSet::new();
+            sent.insert(at(0), at(1));
+            let mut wants = Vec::new();
+            let mut next = PAGES;
+            let send = |sent: &mut RangeSet, a: u64, b: u64| {
+                let mut fresh = RangeSet::new();
+                fresh.insert(a, b);
+                fresh.remove_all(sent);
+                for (x, y) in fresh.iter() {
+                    let data: Vec<u8> = (x..y)
+                        .step_by(page as usize)
+                        .flat_map(|p| vec![pattern(p); page as usize])
+                        .collect();
+                    feed.write_all_at(&data, x).unwrap();
+                }
+                let ranges: Vec<(u64, u64)> = fresh.iter().collect();
+                sent.insert_all(&fresh);
+                if !ranges.is_empty() {
+                    control::send_to_filler(
+                        ours.as_fd(),
+                        &ToFiller::Arrived { vpid: 1, ranges },
+                    )
+                    .unwrap();
+                }
+            };
+            while !sent.contains(base, base + len) {
+                let mut p = [libc::pollfd {
+                    fd: ours.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }];
+                // SAFETY: one valid pollfd.
+                if unsafe { libc::poll(p.as_mut_ptr(), 1, 2) } > 0 {
+                    match control::recv_from_filler(ours.as_fd()).unwrap() {
+                        Some(FromFiller::Want {
+                            vpid: 1,
+                            start,
+                            end,
+                        }) => {
+                            wants.push((start, end));
+                            send(&mut sent, start, end);
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                    continue;
+                }
+                if next > 0 {
+                    let from = next.saturating_sub(8);
+                    send(&mut sent, at(from), at(next));
+                    next = from;
+                }
+            }
+            wants
+        });
+        // The first page arrived before the task: no wait.
+        assert_eq!(byte(at(0)), pattern(at(0)));
+        // Page 10 is far from the source's order: the fault asks.
+        assert_eq!(byte(at(10)), pattern(at(10)));
+        // A write to a page still to come lands on its content.
+        // SAFETY: writes one byte of this test's own mapping.
+        unsafe { std::ptr::write_volatile(at(20) as *mut u8, 0xee) };
+        let wants = source.join().unwrap();
+        assert!(
+            wants.iter().any(|&(a, b)| a <= at(10) && at(11) <= b),
+            "page 10 was never asked for first: {wants:?}"
+        );
+        let stats = running.join().unwrap().unwrap();
+        assert!(stats.faults_on_arrival >= 1, "{stats:?}");
+        assert_eq!(stats.pages, PAGES, "{stats:?}");
+        assert_eq!(stats.zero_pages, 0, "{stats:?}");
+        for i in 0..PAGES {
+            let want = if i == 20 { 0xee } else { pattern(at(i)) };
+            assert_eq!(byte(at(i)), want, "page {i}");
+            assert_eq!(byte(at(i) + page - 1), pattern(at(i)), "page {i} end");
+        }
+    });
+    drop(uffd);
+}
+
+#[test]
+fn a_fill_whose_pages_stop_coming_fails() {
+    // The source gone with pages still to come: the fill fails, for
+    // ferryd to kill the process, which would wait or read zeros.
+    let (base, len) = (0x7f00_0000_0000, PAGES * memtrack::page_size());
+    let plan = Plan {
+        migration_id: "t".into(),
+        workers: 1,
+        follows: true,
+        tasks: vec![TaskPlan {
+            vpid: 1,
+            store: 0,
+            windows: vec![(base, base + len)],
+            runs: vec![(base, base + len)],
+        }],
+    };
+    let filler = Filler::new(plan, vec![empty_store()]).unwrap();
+    let (ours, theirs) = control::pair().unwrap();
+    let unregistered = fill_uffd();
+    control::send_to_filler(
+        ours.as_fd(),
+        &ToFiller::Uffd {
+            vpid: 1,
+            uffd: unregistered,
+        },
+    )
+    .unwrap();
+    control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+    control::send_to_filler(
+        ours.as_fd(),
+        &ToFiller::Lost {
+            why: "the link is cut".into(),
+        },
+    )
+    .unwrap();
+    let e = filler.run(theirs.as_fd()).unwrap_err();
+    assert!(e.to_string().contains("the link is cut"), "{e}");
+}
+
+#[test]
+fn fills_faulted_and_pending_pages_and_follows_the_areas() {
+    // Its userfaultfd asks for fork events, which the kernel reports
+    // for every fork of the whole process: another test's thread
+    // forking meanwhile would wait on this one's reader, and hung
+    // there once when the reader was gone. So the test runs alone.
+    if std::env::var_os(ISOLATED).is_none() {
+        return in_a_process_of_its_own(
+            "fill::filler::tests::fills_faulted_and_pending_pages_and_follows_the_areas",
+        );
+    }
+    let page = memtrack::page_size();
+    let len = PAGES * page;
+    let base = map(len);
+    let at = |i: u64| base + i * page;
+    // The userfaultfd a restore would hand over.
+    // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
+    let raw =
+        unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: just returned to us.
+    let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    uffd::api(uffd.as_fd(), uffd::FILL_FEATURES).unwrap();
+    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+
+    // The store: a page at the offset of its address; the first three
+    // quarters are held, the rest the process never had.
+    // SAFETY: a new memfd, or -1.
+    let raw = unsafe { libc::memfd_create(c"test-store".as_ptr(), libc::MFD_CLOEXEC) };
+    // SAFETY: just returned to us.
+    let store = unsafe { File::from_raw_fd(raw) };
+    store.set_len(1 << 47).unwrap();
+    let held = PAGES * 3 / 4;
+    for i in 0..held {
+        use std::os::unix::fs::FileExt;
+        store
+            .write_all_at(&vec![pattern(at(i)); page as usize], at(i))
+            .unwrap();
+    }
+    let plan = Plan {
+        migration_id: "t".into(),
+        workers: 2,
+        follows: false,
+        tasks: vec![TaskPlan {
+            vpid: 1,
+            store: 0,
+            windows: vec![(base, base + len)],
+            runs: vec![(base, at(held))],
+        }],
+    };
+    let filler = Filler::new(plan, vec![store]).unwrap();
+    let (ours, theirs) = control::pair().unwrap();
+    std::thread::scope(|s| {
+        let running = s.spawn(|| filler.run(theirs.as_fd()));
+        control::send_to_filler(
+            ours.as_fd(),
+            &ToFiller::Uffd {
+                vpid: 1,
+                uffd: uffd.try_clone().unwrap(),
+            },
+        )
+        .unwrap();
+        // Before the restore finishes only faults are answered.
+        assert_eq!(byte(at(5)), pattern(at(5)));
+        assert_eq!(byte(at(held + 3)), 0, "never had: zeros");
+        // A write to a missing page lands on its content, and stays.
+        // SAFETY: writes one byte of this test's own mapping.
+        unsafe { std::ptr::write_volatile(at(50) as *mut u8, 0xee) };
+        // Discarded: reads as zeros, never filled.
+        let (discard_at, discard_len) = (at(100) as *mut libc::c_void, (100 * page) as usize);
+        // SAFETY: madvise on this test's own mapping.
+        let discarded = unsafe { libc::madvise(discard_at, discard_len, libc::MADV_DONTNEED) };
+        assert_eq!(discarded, 0);
+        // Unmapped: left alone.
+        // SAFETY: unmaps part of this test's own mapping.
+        let unmapped = unsafe { libc::munmap(at(300) as *mut libc::c_void, discard_len) };
+        assert_eq!(unmapped, 0);
+        // Moved: the content follows to the new address.
+        let elsewhere = map(100 * page);
+        // SAFETY: moves part of this test's mapping over another of its
+        // mappings.
+        let moved = unsafe {
+            libc::mremap(
+                at(500) as *mut _,
+                (100 * page) as usize,
+                (100 * page) as usize,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                elsewhere as *mut libc::c_void,
+            )
+        };
+        assert_eq!(moved as u64, elsewhere);
+        // A fork: the child lacks the parent's missing pages too and
+        // gets them from the same store, through the userfaultfd the
+        // fork event brings (UFFD_FEATURE_EVENT_FORK).
+        // SAFETY: the child only reads memory and calls _exit, both
+        // async-signal-safe, so forking this multi-threaded process is
+        // sound.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "{}", std::io::Error::last_os_error());
+        if child == 0 {
+            let skipped = |i: &u64| {
+                *i == 50
+                    || (100..200).contains(i)
+                    || (300..400).contains(i)
+                    || (500..600).contains(i)
+            };
+            let right = (0..held)
+                .filter(|i| !skipped(i))
+                .all(|i| byte(at(i)) == pattern(at(i)));
+            // SAFETY: ends the child at once, nothing of the test run.
+            unsafe { libc::_exit(if right { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // SAFETY: polls the child forked above.
+        while unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) } == 0 {
+            if std::time::Instant::now() > deadline {
+                // SAFETY: kills and reaps the child forked above.
+                unsafe {
+                    libc::kill(child, libc::SIGKILL);
+                    libc::waitpid(child, &mut status, 0);
+                }
+                panic!("the forked child never got its pages");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the forked child read wrong pages (status {status:#x})"
+        );
+        control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        let stats = running.join().unwrap().unwrap();
+        assert_eq!(stats.tasks, 2, "{stats:?}");
+        assert!(stats.faults >= 3, "{stats:?}");
+        assert_eq!(stats.zero_pages, 1, "{stats:?}");
+        // The parent's discarded and unmapped pages, and whatever the
+        // child had left when it ended.
+        assert!(stats.dropped_pages >= 200, "{stats:?}");
+        assert!(stats.pages + stats.dropped_pages >= held, "{stats:?}");
+        // As ferryd does once the filler is done: the last copy of the
+        // userfaultfd closes, and pages never had fault in as zeros.
+        drop(uffd);
+
+        for i in 0..PAGES {
+            if (300..400).contains(&i) {
+                continue;
+            }
+            let want = match i {
+                50 => 0xee,
+                100..200 => 0,
+                500..600 => continue,
+                i if i < held => pattern(at(i)),
+                _ => 0,
+            };
+            assert_eq!(byte(at(i)), want, "page {i}");
+            assert_eq!(
+                byte(at(i) + page - 1),
+                if i == 50 { pattern(at(50)) } else { want },
+                "page {i} end"
+            );
+        }
+        for k in 0..100 {
+            assert_eq!(
+                byte(elsewhere + k * page),
+                pattern(at(500 + k)),
+                "moved page {k}"
+            );
+        }
+    });
+}
