@@ -66,8 +66,7 @@ fn empty_store() -> File {
 /// A userfaultfd of this process with the filler's features.
 fn fill_uffd() -> OwnedFd {
     // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
-    let raw =
-        unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    let raw = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
     assert!(raw >= 0, "{}", std::io::Error::last_os_error());
     // SAFETY: just returned to us.
     let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
@@ -148,11 +147,8 @@ fn installs_pages_as_they_arrive_and_asks_for_faulted_ones_first() {
                 let ranges: Vec<(u64, u64)> = fresh.iter().collect();
                 sent.insert_all(&fresh);
                 if !ranges.is_empty() {
-                    control::send_to_filler(
-                        ours.as_fd(),
-                        &ToFiller::Arrived { vpid: 1, ranges },
-                    )
-                    .unwrap();
+                    control::send_to_filler(ours.as_fd(), &ToFiller::Arrived { vpid: 1, ranges })
+                        .unwrap();
                 }
             };
             while !sent.contains(base, base + len) {
@@ -264,22 +260,12 @@ fn fills_faulted_and_pending_pages_and_follows_the_areas() {
     let base = map(len);
     let at = |i: u64| base + i * page;
     // The userfaultfd a restore would hand over.
-    // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
-    let raw =
-        unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-    assert!(raw >= 0, "{}", std::io::Error::last_os_error());
-    // SAFETY: just returned to us.
-    let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-    uffd::api(uffd.as_fd(), uffd::FILL_FEATURES).unwrap();
+    let uffd = fill_uffd();
     uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
 
     // The store: a page at the offset of its address; the first three
     // quarters are held, the rest the process never had.
-    // SAFETY: a new memfd, or -1.
-    let raw = unsafe { libc::memfd_create(c"test-store".as_ptr(), libc::MFD_CLOEXEC) };
-    // SAFETY: just returned to us.
-    let store = unsafe { File::from_raw_fd(raw) };
-    store.set_len(1 << 47).unwrap();
+    let store = empty_store();
     let held = PAGES * 3 / 4;
     for i in 0..held {
         use std::os::unix::fs::FileExt;
