@@ -375,6 +375,12 @@ pub struct Arrivals {
 }
 
 impl Arrivals {
+    /// On a filler's control socket (ferryd's end), for tests and tools
+    /// that run a filler without this handle.
+    pub fn on(ctl: OwnedFd) -> Arrivals {
+        Arrivals { ctl }
+    }
+
     /// Store offsets `ranges` of task `vpid`'s store hold their pages now.
     /// Blocking (briefly: the filler reads its control socket at once).
     pub fn arrived(&self, vpid: u32, ranges: &[(u64, u64)]) -> Result<(), FillError> {

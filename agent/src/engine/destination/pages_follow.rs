@@ -152,18 +152,25 @@ impl Following {
     }
 
     /// Stores a batch and tells the filler what arrived. Each run must be
-    /// pages the dump left out that did not arrive yet: a page stored twice
-    /// after the filler installed it would stay in the store. Blocking.
+    /// pages the dump left out that did not arrive yet (nor earlier in the
+    /// batch): a page stored twice after the filler installed it would
+    /// stay in the store. Pages count as arrived once stored: a batch that
+    /// cannot be stored leaves them still to come. Blocking (one stream
+    /// at a time calls it).
     fn take(&self, batch: &PageBatch) -> Result<u64, EngineError> {
         let page = crate::memtrack::page_size();
-        let mut arrived: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
+        let mut arrived: HashMap<u32, RangeSet> = HashMap::new();
         {
-            let mut remaining = lock(&self.remaining);
+            let remaining = lock(&self.remaining);
             for (i, run) in batch.runs.iter().enumerate() {
                 let end = run.vaddr.checked_add(run.data.len() as u64);
-                let expected = remaining.get(&run.pid);
-                let fits = end.zip(expected).is_some_and(|(end, set)| {
-                    run.vaddr % page == 0 && end % page == 0 && set.contains(run.vaddr, end)
+                let fits = end.zip(remaining.get(&run.pid)).is_some_and(|(end, set)| {
+                    run.vaddr % page == 0
+                        && end % page == 0
+                        && set.contains(run.vaddr, end)
+                        && arrived
+                            .get(&run.pid)
+                            .is_none_or(|a| a.within(run.vaddr, end).is_empty())
                 });
                 if !fits {
                     return Err(EngineError::InvalidField {
@@ -176,17 +183,22 @@ impl Following {
                         ),
                     });
                 }
-            }
-            for run in &batch.runs {
-                let end = run.vaddr + run.data.len() as u64;
-                if let Some(set) = remaining.get_mut(&run.pid) {
-                    set.remove(run.vaddr, end);
-                }
-                arrived.entry(run.pid).or_default().push((run.vaddr, end));
+                arrived
+                    .entry(run.pid)
+                    .or_default()
+                    .insert(run.vaddr, run.vaddr + run.data.len() as u64);
             }
         }
         lock(&self.store).write(batch)?;
+        let mut remaining = lock(&self.remaining);
+        for (pid, ranges) in &arrived {
+            if let Some(set) = remaining.get_mut(pid) {
+                set.remove_all(ranges);
+            }
+        }
+        drop(remaining);
         for (pid, ranges) in arrived {
+            let ranges: Vec<(u64, u64)> = ranges.iter().collect();
             self.arrivals
                 .arrived(pid, &ranges)
                 .map_err(|e| EngineError::Internal(format!("telling the page filler: {e}")))?;
@@ -338,6 +350,89 @@ async fn take_pages(
                     .await;
                 f.give_up(&why);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fill::control::{self, ToFiller};
+    use ferry_proto::v1::PageRun;
+    use std::os::fd::AsFd;
+
+    fn batch(runs: &[(u32, u64, usize)]) -> PageBatch {
+        PageBatch {
+            migration_id: "m".into(),
+            round: 0,
+            runs: runs
+                .iter()
+                .map(|&(pid, vaddr, pages)| PageRun {
+                    pid,
+                    vaddr,
+                    data: vec![0xab; pages * 4096],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn each_page_left_out_is_taken_once_and_the_filler_hears_of_it() {
+        if crate::memtrack::page_size() != 4096 {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Mutex::new(PageStore::new(dir.path())));
+        let (ours, filler_end) = control::pair().unwrap();
+        let (_wants_tx, wants) = tokio::sync::mpsc::unbounded_channel();
+        let mut expected = RangeSet::new();
+        expected.insert(0x10000, 0x14000);
+        let f = Following::new(
+            "m",
+            "node1",
+            store.clone(),
+            Arrivals::on(ours),
+            wants,
+            HashMap::from([(7, expected)]),
+        );
+        assert_eq!(f.take(&batch(&[(7, 0x10000, 2)])).unwrap(), 8192);
+        match control::recv_in_filler(filler_end.as_fd()).unwrap() {
+            Some(ToFiller::Arrived { vpid: 7, ranges }) => {
+                assert_eq!(ranges, [(0x10000, 0x12000)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(f.remaining_bytes(), 0x2000);
+        assert!(
+            crate::sync::lock(&store)
+                .first_missing(&ferry_proto::v1::StoredPages {
+                    pid: 7,
+                    vaddr: 0x10000,
+                    length: 0x2000
+                })
+                .is_none()
+        );
+        // Again, outside what was left out, another process, or twice in
+        // one batch: refused, and nothing counts as arrived.
+        for bad in [
+            batch(&[(7, 0x10000, 1)]),
+            batch(&[(7, 0x14000, 1)]),
+            batch(&[(8, 0x12000, 1)]),
+            batch(&[(7, 0x12000, 1), (7, 0x12000, 1)]),
+        ] {
+            let e = f.take(&bad).unwrap_err();
+            assert!(
+                matches!(e, EngineError::InvalidField { field: "runs", .. }),
+                "{e}"
+            );
+        }
+        assert_eq!(f.remaining_bytes(), 0x2000);
+        // The stream ends with pages still to come: the filler hears they
+        // are lost, naming how many.
+        f.give_up("the source ended the page stream");
+        match control::recv_in_filler(filler_end.as_fd()).unwrap() {
+            Some(ToFiller::Lost { why }) => assert!(why.contains("2 pages still to come"), "{why}"),
+            other => panic!("{other:?}"),
         }
     }
 }
