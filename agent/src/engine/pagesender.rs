@@ -96,7 +96,8 @@ const STOP: u8 = 2;
 /// Dropped, it stops.
 pub struct Sending {
     gate: Arc<AtomicU8>,
-    task: tokio::task::JoinHandle<Result<Sent, EngineError>>,
+    /// Taken by [`Sending::end`].
+    task: Option<tokio::task::JoinHandle<Result<Sent, EngineError>>>,
 }
 
 impl std::fmt::Debug for Sending {
@@ -180,7 +181,10 @@ impl Sending {
                 (Err(e), None) => Err(e),
             }
         });
-        Ok(Sending { gate, task })
+        Ok(Sending {
+            gate,
+            task: Some(task),
+        })
     }
 
     /// The Commit: every page may go now.
@@ -191,7 +195,7 @@ impl Sending {
     }
 
     pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
+        self.task.as_ref().is_none_or(|t| t.is_finished())
     }
 
     /// Waits for the sender's end (`done`: the destination has every page)
@@ -200,7 +204,9 @@ impl Sending {
         if !done {
             self.gate.store(STOP, Ordering::SeqCst);
         }
-        let task = std::mem::replace(&mut self.task, tokio::spawn(async { Ok(Sent::default()) }));
+        let Some(task) = self.task.take() else {
+            return;
+        };
         match tokio::time::timeout(Duration::from_secs(10), task).await {
             Ok(Ok(Ok(sent))) => tracing::info!(
                 mib = sent.bytes >> 20,

@@ -210,8 +210,14 @@ impl Following {
 /// A committed post-copy's pages: given up on if the source's stream is
 /// not open within [`OPEN_WITHIN`].
 pub(super) fn await_pages(f: Arc<Following>) {
+    // Weak: the timer must not keep the store (and its pages) past the
+    // fill's end.
+    let f = Arc::downgrade(&f);
     tokio::spawn(async move {
         tokio::time::sleep(OPEN_WITHIN).await;
+        let Some(f) = f.upgrade() else {
+            return;
+        };
         if lock(&f.wants).is_some() {
             f.give_up(&format!(
                 "{} did not send the pages within {} s of the commit",

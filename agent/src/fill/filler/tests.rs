@@ -63,6 +63,22 @@ fn empty_store() -> File {
     store
 }
 
+/// A plan for task 1: one window `[base, base + len)` of store 0, pages
+/// to install in `run`.
+fn one_task(base: u64, len: u64, run: (u64, u64), follows: bool, workers: usize) -> Plan {
+    Plan {
+        migration_id: "t".into(),
+        workers,
+        follows,
+        tasks: vec![TaskPlan {
+            vpid: 1,
+            store: 0,
+            windows: vec![(base, base + len)],
+            runs: vec![run],
+        }],
+    }
+}
+
 /// A userfaultfd of this process with the filler's features.
 fn fill_uffd() -> OwnedFd {
     // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
@@ -91,17 +107,7 @@ fn installs_pages_as_they_arrive_and_asks_for_faulted_ones_first() {
     uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
     let store = empty_store();
     let feed = store.try_clone().unwrap();
-    let plan = Plan {
-        migration_id: "t".into(),
-        workers: 2,
-        follows: true,
-        tasks: vec![TaskPlan {
-            vpid: 1,
-            store: 0,
-            windows: vec![(base, base + len)],
-            runs: vec![(base, base + len)],
-        }],
-    };
+    let plan = one_task(base, len, (base, base + len), true, 2);
     let filler = Filler::new(plan, vec![store]).unwrap();
     let (ours, theirs) = control::pair().unwrap();
     // Arrived before the task's userfaultfd: installable at once.
@@ -212,17 +218,7 @@ fn a_fill_whose_pages_stop_coming_fails() {
     // The source gone with pages still to come: the fill fails, for
     // ferryd to kill the process, which would wait or read zeros.
     let (base, len) = (0x7f00_0000_0000, PAGES * memtrack::page_size());
-    let plan = Plan {
-        migration_id: "t".into(),
-        workers: 1,
-        follows: true,
-        tasks: vec![TaskPlan {
-            vpid: 1,
-            store: 0,
-            windows: vec![(base, base + len)],
-            runs: vec![(base, base + len)],
-        }],
-    };
+    let plan = one_task(base, len, (base, base + len), true, 1);
     let filler = Filler::new(plan, vec![empty_store()]).unwrap();
     let (ours, theirs) = control::pair().unwrap();
     let unregistered = fill_uffd();
@@ -275,17 +271,7 @@ fn fills_faulted_and_pending_pages_and_follows_the_areas() {
             .write_all_at(&vec![pattern(at(i)); page as usize], at(i))
             .unwrap();
     }
-    let plan = Plan {
-        migration_id: "t".into(),
-        workers: 2,
-        follows: false,
-        tasks: vec![TaskPlan {
-            vpid: 1,
-            store: 0,
-            windows: vec![(base, base + len)],
-            runs: vec![(base, at(held))],
-        }],
-    };
+    let plan = one_task(base, len, (base, at(held)), false, 2);
     let filler = Filler::new(plan, vec![store]).unwrap();
     let (ours, theirs) = control::pair().unwrap();
     std::thread::scope(|s| {
