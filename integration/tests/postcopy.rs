@@ -5,8 +5,9 @@
 //! memory, its pages follow, and its own check of its memory passes there;
 //! a post-copy that fails before the resume leaves it running, intact, on
 //! the source, with no CRIU page server or lazy-pages daemon left behind;
-//! one whose source loses the pages after the resume is reported lost and
-//! runs nowhere. Root only; run by `cargo xtask test` (or `cargo xtask
+//! one whose source loses the pages after the resume, or whose
+//! destination agent is killed during the fill, is reported lost and runs
+//! nowhere (rather than on zeros where its pages never came). Root only; run by `cargo xtask test` (or `cargo xtask
 //! integration`).
 
 use std::time::Duration;
@@ -558,6 +559,134 @@ fn source_of_pages_dies(pages: Pages) {
         assert!(list(&mut controls[1]).await.is_empty());
         no_criu_left(&cluster, "node1").await;
         no_criu_left(&cluster, "node2").await;
+        assert!(cluster.incoming_dir_is_empty("node2"));
+    });
+}
+
+/// The agent's children named `comm` with `arg` on their command line,
+/// still running.
+fn agent_children(cluster: &Cluster, node: &str, comm: &str, arg: &str) -> Vec<i32> {
+    let agent = cluster.agent_pid(node);
+    let mut found = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{agent}/task")) else {
+        return found;
+    };
+    for t in tasks.flatten() {
+        let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for c in children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<i32>().ok())
+        {
+            let name = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
+            let cmdline = std::fs::read(format!("/proc/{c}/cmdline")).unwrap_or_default();
+            let has_arg = cmdline.split(|b| *b == 0).any(|a| a == arg.as_bytes());
+            if name.trim() == comm && has_arg && process_state(c).is_some_and(|s| s != 'Z') {
+                found.push(c);
+            }
+        }
+    }
+    found
+}
+
+async fn ended_within(pid: i32, within: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if process_state(pid).is_none_or(|s| s == 'Z') {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+#[test]
+fn a_post_copy_whose_destination_agent_dies_during_the_fill_runs_nowhere_rather_than_on_zeros() {
+    if !ferry_integration::can_run(
+        "a_post_copy_whose_destination_agent_dies_during_the_fill_runs_nowhere_rather_than_on_zeros",
+    ) {
+        return;
+    }
+    // The destination's ferryd is SIGKILLed while the pages still follow:
+    // the restored process must not wait forever on the pages no one will
+    // bring, nor read zeros in their place once no one holds its
+    // userfaultfd: the page filler, left alone, kills it. The source
+    // reports the migration lost and keeps nothing.
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.extra_config = "peer_timeout_secs = 2\n".into();
+    let mut cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        // Big enough that its pages take a while to follow.
+        let pid = WRITER.start(&mut node1, 768, 10).await;
+        check(&cluster);
+        let mut stream = node1
+            .migrate(post_copy(pid, "node2"))
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let (mut report, mut end, mut restored, mut filler) = (None, None, Vec::new(), Vec::new());
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    Some(ferry_proto::v1::migration_event::Event::Progress(p))
+                        if p.phase == "post-copy" && filler.is_empty() =>
+                    {
+                        restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
+                        filler = agent_children(&cluster, "node2", "ferryd", "fill");
+                        assert_eq!(restored.len(), 1, "the restored writer on node2");
+                        assert_eq!(filler.len(), 1, "node2's page filler");
+                        nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(cluster.agent_pid("node2")),
+                            nix::sys::signal::Signal::SIGKILL,
+                        )
+                        .expect("killing node2's agent");
+                    }
+                    Some(ferry_proto::v1::migration_event::Event::Report(r)) => report = Some(r),
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    end = Some(s);
+                    break;
+                }
+            }
+        }
+        assert!(
+            !filler.is_empty(),
+            "the fill ended before the agent could be killed"
+        );
+        let report = report.expect("a report");
+        eprintln!(
+            "outcome: {:?} {}\n{}",
+            end.as_ref().map(|s| s.code()),
+            report.error,
+            summary(&report)
+        );
+        assert_eq!(report.outcome, MigrationOutcome::Lost as i32, "{report:#?}");
+        assert_eq!(end.map(|s| s.code()), Some(tonic::Code::DataLoss));
+        // The filler killed the restored process and ended; the source's
+        // stopped copy is gone too.
+        assert!(
+            ended_within(restored[0], Duration::from_secs(10)).await,
+            "the restored process still runs (state {:?}) without its pages",
+            process_state(restored[0])
+        );
+        assert!(
+            ended_within(filler[0], Duration::from_secs(10)).await,
+            "the page filler still runs"
+        );
+        assert_eq!(process_state(pid), None, "the source's copy still exists");
+        assert!(list(&mut node1).await.is_empty());
+        no_criu_left(&cluster, "node1").await;
+        // node2's agent comes back; nothing of the migration runs there.
+        cluster
+            .start_agent("node2")
+            .expect("node2's agent restarts");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        let left = list(&mut node2).await;
+        assert!(left.is_empty(), "{left:?}");
         assert!(cluster.incoming_dir_is_empty("node2"));
     });
 }

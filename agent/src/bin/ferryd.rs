@@ -224,6 +224,9 @@ fn prepare_work_dir(config: &Config) -> Result<()> {
             .with_context(|| format!("making work_dir {} root only", config.work_dir.display()))?;
     }
     warn_if_not_tmpfs(&config.work_dir);
+    // Nothing migrates before this ferryd serves: a migration's directory
+    // is what a killed ferryd left.
+    ferry_agent::engine::sweep_left_behind(&config.work_dir);
     prepare_criu_cache(config);
     prepare_vma_flags(config);
     Ok(())

@@ -254,7 +254,10 @@
 //!   them with several threads (`destination/pages_follow.rs`). The rest
 //!   is as above: `PostCopyStatus` until the filler is done, the stopped
 //!   copy kept until then, and a stream that ends with pages still to
-//!   come makes the destination kill the process and report it lost.
+//!   come makes the destination kill the process and report it lost. A
+//!   destination that no longer answers once the stream broke off with
+//!   pages unsent is lost too (its filler kills the restored tasks, which
+//!   it holds by pidfd, even with its ferryd dead).
 //!
 //! Every committed migration's report cuts the freeze into its parts
 //! (`freeze_parts`: CRIU's dump, the transfer, the destination's image
@@ -319,6 +322,38 @@ pub fn keep_logs(work_dir: &std::path::Path, dir: &std::path::Path, migration_id
     }
 }
 
+/// At ferryd's start: the directories of migrations a previous ferryd left
+/// (killed in the middle of one): their logs go to `<work_dir>/logs`, the
+/// rest (images, page stores) is removed. A page filler that outlived its
+/// ferryd keeps its open stores and its log (renamed, same file). Returns
+/// how many were swept. Blocking.
+pub fn sweep_left_behind(work_dir: &std::path::Path) -> usize {
+    let mut swept = 0;
+    for side in ["incoming", "outgoing"] {
+        let Ok(entries) = std::fs::read_dir(work_dir.join(side)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            let path = e.path();
+            if !path.is_dir() {
+                continue;
+            }
+            keep_logs(work_dir, &path, &id);
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => {
+                    swept += 1;
+                    tracing::warn!(migration = %id, side, "removed what an earlier ferryd left of a migration");
+                }
+                Err(err) => {
+                    tracing::warn!(dir = %path.display(), error = %err, "removing a migration's leftovers")
+                }
+            }
+        }
+    }
+    swept
+}
+
 /// The scheduler hooks opened by `open`, or none: without them CRIU's
 /// first breakpoint waits for a grace period, as it did before.
 pub(crate) async fn held_sched_hooks(
@@ -362,5 +397,26 @@ pub(crate) fn set_private(dir: &std::path::Path) {
     use std::os::unix::fs::PermissionsExt;
     if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
         tracing::warn!(dir = %dir.display(), error = %e, "restricting permissions");
+    }
+}
+
+#[cfg(test)]
+mod sweep_tests {
+    #[test]
+    fn leftovers_of_migrations_go_and_their_logs_stay() {
+        let work = tempfile::tempdir().unwrap();
+        let inc = work.path().join("incoming/abc");
+        std::fs::create_dir_all(inc.join("images")).unwrap();
+        std::fs::write(inc.join("images/pages-1.img"), b"pages").unwrap();
+        std::fs::write(inc.join("fill.log"), b"it failed").unwrap();
+        std::fs::create_dir_all(work.path().join("outgoing/def")).unwrap();
+        assert_eq!(super::sweep_left_behind(work.path()), 2);
+        assert!(!inc.exists());
+        assert!(!work.path().join("outgoing/def").exists());
+        assert_eq!(
+            std::fs::read(work.path().join("logs/abc-fill.log")).unwrap(),
+            b"it failed"
+        );
+        assert_eq!(super::sweep_left_behind(work.path()), 0);
     }
 }

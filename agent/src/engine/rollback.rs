@@ -18,14 +18,14 @@ use nix::unistd::Pid;
 use crate::process;
 
 use super::EngineError;
-use crate::sockstate::sys::{self, get_int, pidfd_getfd, pidfd_open, set_int};
+use crate::sockstate::sys::{self, get_int, pidfd_getfd, set_int};
 
 /// Clears TCP_REPAIR on every TCP socket of the tree that has it set;
 /// returns how many.
 fn leave_repair_mode(tree: &[i32]) -> Result<u32, EngineError> {
     let mut fixed = 0;
     for &pid in tree {
-        let pidfd = match pidfd_open(pid) {
+        let pidfd = match crate::process::pidfd::open(pid) {
             Ok(fd) => fd,
             Err(e) if e.raw_os_error() == Some(libc::ESRCH) => continue,
             Err(e) => return Err(EngineError::io(format!("pidfd_open({pid})"))(e)),

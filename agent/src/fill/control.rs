@@ -5,7 +5,9 @@
 //! index (u32, little endian) with the store attached, for each store, then
 //! `P` + the plan file's path (UTF-8); then `U` + the task's PID in its
 //! namespace (i32, little endian) with its userfaultfd attached; `F`:
-//! CRIU's restore finished (the areas are in place). For a plan whose
+//! CRIU's restore finished (the areas are in place); `K` + a task's host
+//! PID (i32) with its pidfd attached, for each task of the restored tree:
+//! the filler kills them should it fail. For a plan whose
 //! pages follow ([`super::Plan::follows`]): `A` + the store's task (u32)
 //! and ranges `{u64 start, u64 end}` of store offsets: those pages are in
 //! the store now; `X` + text: no more will come. Filler -> ferryd: `R`:
@@ -45,6 +47,13 @@ pub enum ToFiller {
         uffd: OwnedFd,
     },
     RestoreFinished,
+    /// A task of the restored tree (host PID, and a pidfd of it), which
+    /// the filler kills should it fail: once no one holds its
+    /// userfaultfd, a page the filler did not install reads as zeros.
+    Guard {
+        pid: i32,
+        pidfd: OwnedFd,
+    },
     /// Pages of task `vpid`'s store that arrived, as store offsets; at most
     /// [`MAX_ARRIVED`] ranges.
     Arrived {
@@ -168,6 +177,11 @@ pub fn send_to_filler(sock: BorrowedFd<'_>, m: &ToFiller) -> Result<(), FillErro
             send(sock, &b, Some(uffd.as_raw_fd()))
         }
         ToFiller::RestoreFinished => send(sock, b"F", None),
+        ToFiller::Guard { pid, pidfd } => {
+            let mut b = vec![b'K'];
+            b.extend(pid.to_le_bytes());
+            send(sock, &b, Some(pidfd.as_raw_fd()))
+        }
         ToFiller::Arrived { vpid, ranges } => {
             if ranges.len() > MAX_ARRIVED {
                 return Err(FillError::Protocol(format!(
@@ -202,6 +216,10 @@ pub fn recv_in_filler(sock: BorrowedFd<'_>) -> Result<Option<ToFiller>, FillErro
             uffd,
         })),
         (Some(b'F'), None) if b.len() == 1 => Ok(Some(ToFiller::RestoreFinished)),
+        (Some(b'K'), Some(pidfd)) if b.len() == 5 => Ok(Some(ToFiller::Guard {
+            pid: i32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
+            pidfd,
+        })),
         (Some(b'S'), Some(store)) if b.len() == 5 => Ok(Some(ToFiller::Store {
             index: u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
             store,
@@ -325,6 +343,12 @@ mod tests {
         }
         match recv_in_filler(theirs.as_fd()).unwrap() {
             Some(ToFiller::Plan { path }) => assert_eq!(path, "/run/ferry/plan.json"),
+            other => panic!("{other:?}"),
+        }
+        let (pidfd, _keep_pidfd) = pair().unwrap();
+        send_to_filler(ours.as_fd(), &ToFiller::Guard { pid: 77, pidfd }).unwrap();
+        match recv_in_filler(theirs.as_fd()).unwrap() {
+            Some(ToFiller::Guard { pid: 77, pidfd }) => assert!(pidfd.as_raw_fd() >= 0),
             other => panic!("{other:?}"),
         }
         let ranges: Vec<(u64, u64)> = (0..MAX_ARRIVED as u64)

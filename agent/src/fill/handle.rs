@@ -252,6 +252,21 @@ impl Filler {
         Ok(Arrivals { ctl })
     }
 
+    /// Hands the filler the restored tree's tasks (host PIDs), which it
+    /// kills should it fail: ferryd does too, but ferryd may be gone by
+    /// then. A task already gone is left out. Blocking (briefly).
+    pub fn guard(&self, pids: &[i32]) -> Result<(), FillError> {
+        for &pid in pids {
+            let pidfd = match crate::process::pidfd::open(pid) {
+                Ok(fd) => fd,
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => continue,
+                Err(e) => return Err(FillError::io(format!("pidfd_open({pid})"))(e)),
+            };
+            control::send_to_filler(self.ctl.as_fd(), &ToFiller::Guard { pid, pidfd })?;
+        }
+        Ok(())
+    }
+
     /// The filler's next word other than an ask for pages, which goes on
     /// to [`Filler::follow`]'s receiver. Blocking.
     fn next_report(

@@ -26,7 +26,12 @@
 //! fork and exec are not in the freeze; at the Restore step if it was not)
 //! and handed its stores and plan by the Restore step
 //! ([`handle::Spawned::start`]): if ferryd is killed during the fill, the
-//! filler goes on and the process keeps its memory.
+//! filler goes on and the process keeps its memory. Pages that follow
+//! come through ferryd, though: with ferryd gone and pages still to come,
+//! the filler fails. A filler that fails kills the restored tasks, which
+//! ferryd hands it by pidfd after the restore: ferryd would too, but may
+//! be gone, and once no one holds their userfaultfds a page not installed
+//! reads as zeros.
 //! ferryd listens on `lazy-pages.socket` in the restore's working
 //! directory, where CRIU's restore connects (`criu/uffd.c`: per task, its
 //! PID in its namespace as an `int`, then its userfaultfd by `SCM_RIGHTS`,

@@ -221,7 +221,7 @@ impl Tracker {
         }
         let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))
             .map_err(io("opening its pagemap"))?;
-        let pidfd = crate::sockstate::sys::pidfd_open(pid).map_err(io("pidfd_open"))?;
+        let pidfd = crate::process::pidfd::open(pid).map_err(io("pidfd_open"))?;
         let mut thread = inject::Seized::new(pid).map_err(io("seizing its main thread"))?;
         let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | uffd::UFFD_USER_MODE_ONLY;
         let fd = thread

@@ -2,6 +2,7 @@
 //! and the sockets it holds.
 
 pub mod memory;
+pub mod pidfd;
 mod sock_diag;
 mod sockets;
 mod stat;

@@ -53,7 +53,7 @@ pub(super) fn for_each_socket(
     mut f: impl FnMut(u64, OwnedFd) -> Result<(), SockStateError>,
 ) -> Result<(), SockStateError> {
     for &pid in tree {
-        let pidfd = sys::pidfd_open(pid).map_err(|source| SockStateError::Process {
+        let pidfd = crate::process::pidfd::open(pid).map_err(|source| SockStateError::Process {
             op: "pidfd_open",
             pid,
             source,

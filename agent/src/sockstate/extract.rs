@@ -187,7 +187,7 @@ fn take_listed(
             }
             let pidfd = match &pidfd {
                 Some(p) => p,
-                None => pidfd.insert(sys::pidfd_open(pid).map_err(|source| {
+                None => pidfd.insert(crate::process::pidfd::open(pid).map_err(|source| {
                     SockStateError::Process {
                         op: "pidfd_open",
                         pid,

@@ -71,17 +71,6 @@ fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor
-    // or -1; no memory is passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor the kernel just gave us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
 /// A duplicate, in this process, of descriptor `target` of the process
 /// behind `pidfd` (same open file: same socket).
 pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, target: RawFd) -> io::Result<OwnedFd> {

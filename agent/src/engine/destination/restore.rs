@@ -440,6 +440,15 @@ pub async fn restore(
         ms = restore_time.as_secs_f64() * 1000.0,
         "restored (stopped)"
     );
+    // The filler kills the tree should it fail, even with ferryd gone by
+    // then (killed during the fill): a page it did not install would read
+    // as zeros once no one holds the userfaultfds.
+    if let Some(filler) = &inc.filler {
+        let tree = crate::process::process_tree(outcome.pid);
+        if let Err(e) = filler.guard(&tree) {
+            tracing::warn!(error = %e, "handing the restored tasks to the page filler");
+        }
+    }
     // CRIU made it our child (rst_sibling): reap it whenever it ends.
     engine.supervisor.watch_exit(outcome.pid, "restored");
     inc.peak.watch(outcome.pid);

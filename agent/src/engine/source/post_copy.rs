@@ -8,7 +8,11 @@
 //! says so. A destination that cannot be asked: the copy stays while the
 //! page server still has a connection, then [`POSTCOPY_UNCONFIRMED`] more,
 //! and the migration is reported committed with an error saying it was
-//! never confirmed.
+//! never confirmed. With pages that follow by ferryd, a destination that
+//! cannot be asked once the page stream broke off with pages unsent
+//! cannot have them (the stream is not taken up again): the migration is
+//! lost (the destination's page filler kills the process there, even
+//! with its ferryd gone).
 //!
 //! Pages that follow by ferryd (protocol 10): no page server; the dump
 //! left the private pages in the stopped copy, and the stream opened
@@ -60,6 +64,11 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             Ok(Err(s)) => s.message().to_owned(),
             Err(_) => format!("no answer within {} s", deadline.as_secs() + 2),
         };
+        // No word from the destination, and pages it will never get: it
+        // cannot have gone on with them.
+        if sender.as_ref().is_some_and(|s| s.broke_off()) {
+            break Err(Unconfirmed::PagesCut(why));
+        }
         // No word from the destination. While the page server is still
         // connected the daemon may still need it: keep it. Once it is not,
         // the daemon has ended one way or the other; wait a little for the
@@ -73,7 +82,7 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
         if !serving {
             let since = *silent_since.get_or_insert_with(Instant::now);
             if since.elapsed() > POSTCOPY_UNCONFIRMED {
-                break Err(why);
+                break Err(Unconfirmed::Silent(why));
             }
         }
         tracing::warn!(reason = %why, serving, "post-copy status unknown; asking again");
@@ -111,7 +120,17 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
                 message: format!("post-copy failed after the resume: {}", r.error),
             })
         }
-        Err(why) => {
+        Err(Unconfirmed::PagesCut(why)) => {
+            run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
+            Stop::Lost(EngineError::Peer {
+                node: run.p.destination.name.clone(),
+                code: tonic::Code::DataLoss,
+                message: format!(
+                    "post-copy failed after the resume: the page stream broke off with pages unsent, and the destination does not answer ({why}); its page filler kills the process there"
+                ),
+            })
+        }
+        Err(Unconfirmed::Silent(why)) => {
             stop_page_server(
                 run.undo.page_server.take(),
                 run.p.pid,
@@ -120,13 +139,23 @@ pub(super) async fn post_copy(run: &mut Run, w: Waiting) -> Phase {
             .await;
             run.report.post_processing_time_us = resumed.elapsed().as_micros() as u64;
             Stop::Committed(Some(EngineError::Internal(format!(
-                "post-copy: {} never confirmed that every page arrived ({why}); the source's copy was discarded once its page server had no connection for {} s",
+                "post-copy: {} never confirmed that every page arrived ({why}); the source's copy was discarded once the pages had stopped flowing for {} s",
                 run.p.destination.name,
                 POSTCOPY_UNCONFIRMED.as_secs()
             ))))
         }
     };
     Phase::Discard(stop)
+}
+
+/// Why the destination's word on the fill never came.
+enum Unconfirmed {
+    /// It did not answer for [`POSTCOPY_UNCONFIRMED`] once the pages had
+    /// stopped flowing.
+    Silent(String),
+    /// It does not answer, and the page stream broke off with pages
+    /// unsent.
+    PagesCut(String),
 }
 
 /// What the destination's last word says of the pages after the resume.

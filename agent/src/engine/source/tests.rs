@@ -121,7 +121,7 @@ struct ScriptedCriu {
 /// The TCP sockets of `pid` that are connected, as (descriptor number,
 /// ferryd's duplicate).
 fn tcp_connections_of(pid: i32) -> Vec<(i32, std::os::fd::OwnedFd)> {
-    let pidfd = sys::pidfd_open(pid).unwrap();
+    let pidfd = crate::process::pidfd::open(pid).unwrap();
     let mut found = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()

@@ -93,6 +93,29 @@ impl Store {
         Some(unsafe { w.ptr.add((off - w.start) as usize) })
     }
 
+    /// Maps the store's pages at `src..src + len` into this process's page
+    /// tables before they are installed. UFFDIO_COPY reads its source with
+    /// page faults off first: a store page not mapped here yet (it was
+    /// written after the mapping was made, as every page that follows is)
+    /// fails that copy, which the kernel then zero-fills and repeats with
+    /// faults on, one page at a time. Populating the chunk in one call
+    /// spares that (measured: the filler's copy was 16 % of the two CPUs
+    /// of a 4 GiB post-copy fill, its failed first tries' zeroing 2 %).
+    /// Advice only: a kernel without `MADV_POPULATE_READ` (before 5.14)
+    /// takes the slow way.
+    fn populate(src: *const u8, len: u64) {
+        // SAFETY: `src..src + len` is inside a read-only shared window of
+        // a Store (the caller got `src` from `Store::src`); populating it
+        // reads nothing into our memory and changes no contents.
+        let _ = unsafe {
+            libc::madvise(
+                src.cast_mut().cast(),
+                len as usize,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+    }
+
     /// Frees the store's pages of `[off, off + len)` (installed, or no
     /// longer wanted): the store shrinks as the process fills.
     fn release(&self, off: u64, len: u64) {
@@ -162,6 +185,9 @@ struct State {
     next: usize,
     stats: FillStats,
     failed: Option<String>,
+    /// The restored tree's tasks, by pidfd (host PID beside it, for the
+    /// log), killed should the fill fail.
+    guards: Vec<(i32, OwnedFd)>,
 }
 
 impl State {
@@ -236,6 +262,9 @@ fn install(uffd: BorrowedFd<'_>, store: &Store, mut c: Chunk) -> Result<Outcome,
     let page = memtrack::page_size();
     let mut out = Outcome::default();
     let mut pagewise = false;
+    if let Some(src) = store.src(c.src, c.len) {
+        Store::populate(src, c.len);
+    }
     while c.len > 0 {
         let len = if pagewise { page } else { c.len };
         let src = store.src(c.src, len).ok_or_else(|| {
@@ -436,7 +465,8 @@ impl Filler {
             }
             self.arrivals.notify_all();
             result
-        })?;
+        })
+        .inspect_err(|e| self.kill_guarded(e))?;
         let mut st = crate::sync::lock(&self.state);
         if let Some(started) = st.restore_finished {
             st.stats.fill_us = started.elapsed().as_micros() as u64;
@@ -446,6 +476,22 @@ impl Filler {
         let stats = st.stats;
         st.tasks.clear();
         Ok(stats)
+    }
+
+    /// The fill failed: kills the restored tree's tasks. ferryd kills the
+    /// process too when it hears of the failure, and holds the
+    /// userfaultfds meanwhile; but ferryd may be gone (killed during the
+    /// fill), and once this process exits no one holds them: the pages
+    /// not installed would read as zeros.
+    fn kill_guarded(&self, why: &FillError) {
+        let guards = std::mem::take(&mut crate::sync::lock(&self.state).guards);
+        for (pid, pidfd) in &guards {
+            match crate::process::pidfd::send_kill(pidfd.as_fd()) {
+                Ok(()) => tracing::error!(pid, reason = %why, "fill failed: task killed"),
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(e) => tracing::error!(pid, error = %e, "fill failed: killing a task"),
+            }
+        }
     }
 
     /// The event loop: control messages, the tasks' messages, until every
@@ -475,6 +521,9 @@ impl Filler {
             if ctl_ready {
                 match control::recv_in_filler(ctl)? {
                     Some(ToFiller::Uffd { vpid, uffd }) => self.add_task(vpid, uffd),
+                    Some(ToFiller::Guard { pid, pidfd }) => {
+                        crate::sync::lock(&self.state).guards.push((pid, pidfd));
+                    }
                     Some(ToFiller::RestoreFinished) => {
                         crate::sync::lock(&self.state).restore_finished = Some(Instant::now());
                         if let Some(start) = start_workers.take() {
@@ -504,9 +553,17 @@ impl Filler {
                     }
                     None => {
                         ctl_open = false;
-                        if crate::sync::lock(&self.state).restore_finished.is_none() {
+                        let st = crate::sync::lock(&self.state);
+                        if st.restore_finished.is_none() {
                             return Err(FillError::Protocol(
                                 "ferryd went away before the restore finished".into(),
+                            ));
+                        }
+                        // Pages that follow come through ferryd: none
+                        // will any more. (Pages in the stores go on.)
+                        if st.awaiting() {
+                            return Err(FillError::Failed(
+                                "ferryd went away with pages still to come".into(),
                             ));
                         }
                     }

@@ -243,6 +243,96 @@ fn a_fill_whose_pages_stop_coming_fails() {
 }
 
 #[test]
+fn a_fill_whose_ferryd_dies_with_pages_to_come_kills_the_process() {
+    // ferryd killed during a post-copy fill: no page will arrive, and once
+    // the filler exits no one holds the userfaultfd (the missing pages
+    // would read as zeros): the filler fails and kills the tasks it was
+    // handed. A `sleep` stands for the restored task.
+    let (base, len) = (0x7f00_0000_0000, PAGES * memtrack::page_size());
+    let plan = one_task(base, len, (base, base + len), true, 1);
+    let filler = Filler::new(plan, vec![empty_store()]).unwrap();
+    let (ours, theirs) = control::pair().unwrap();
+    let mut task = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let pidfd = crate::process::pidfd::open(task.id() as i32).unwrap();
+    for m in [
+        ToFiller::Uffd {
+            vpid: 1,
+            uffd: fill_uffd(),
+        },
+        ToFiller::Guard {
+            pid: task.id() as i32,
+            pidfd,
+        },
+        ToFiller::RestoreFinished,
+    ] {
+        control::send_to_filler(ours.as_fd(), &m).unwrap();
+    }
+    drop(ours);
+    let e = filler.run(theirs.as_fd()).unwrap_err();
+    assert!(e.to_string().contains("pages still to come"), "{e}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(task.wait().unwrap().signal(), Some(libc::SIGKILL));
+}
+
+#[test]
+fn a_fill_from_the_store_goes_on_without_ferryd() {
+    // Pre-copy's pages are all in the store: ferryd gone changes nothing,
+    // and the task handed over is not killed.
+    if std::env::var_os(ISOLATED).is_none() {
+        return in_a_process_of_its_own(
+            "fill::filler::tests::a_fill_from_the_store_goes_on_without_ferryd",
+        );
+    }
+    use std::os::unix::fs::FileExt;
+    let page = memtrack::page_size();
+    let len = 16 * page;
+    let base = map(len);
+    let uffd = fill_uffd();
+    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+    let store = empty_store();
+    for i in 0..16 {
+        let a = base + i * page;
+        store
+            .write_all_at(&vec![pattern(a); page as usize], a)
+            .unwrap();
+    }
+    let filler = Filler::new(
+        one_task(base, len, (base, base + len), false, 1),
+        vec![store],
+    )
+    .unwrap();
+    let (ours, theirs) = control::pair().unwrap();
+    let mut task = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let pidfd = crate::process::pidfd::open(task.id() as i32).unwrap();
+    for m in [
+        ToFiller::Uffd { vpid: 1, uffd },
+        ToFiller::Guard {
+            pid: task.id() as i32,
+            pidfd,
+        },
+        ToFiller::RestoreFinished,
+    ] {
+        control::send_to_filler(ours.as_fd(), &m).unwrap();
+    }
+    drop(ours);
+    let stats = filler.run(theirs.as_fd()).unwrap();
+    assert_eq!(stats.pages, 16);
+    for i in 0..16 {
+        let a = base + i * page;
+        assert_eq!(byte(a), pattern(a));
+    }
+    assert!(task.try_wait().unwrap().is_none(), "the task was killed");
+    task.kill().unwrap();
+    task.wait().unwrap();
+}
+
+#[test]
 fn fills_faulted_and_pending_pages_and_follows_the_areas() {
     // Its userfaultfd asks for fork events, which the kernel reports
     // for every fork of the whole process: another test's thread
