@@ -45,7 +45,17 @@ pub async fn wait_for_process(
     pid: i32,
     ok: impl Fn(&ManagedProcess) -> bool,
 ) -> ManagedProcess {
-    let deadline = Instant::now() + PROCESS_WAIT;
+    wait_for_process_within(control, pid, PROCESS_WAIT, ok).await
+}
+
+/// [`wait_for_process`], up to `within`.
+pub async fn wait_for_process_within(
+    control: &mut ControlClient<Channel>,
+    pid: i32,
+    within: Duration,
+    ok: impl Fn(&ManagedProcess) -> bool,
+) -> ManagedProcess {
+    let deadline = Instant::now() + within;
     loop {
         let procs = list(control).await;
         if let Some(p) = procs.iter().find(|p| p.pid == pid && ok(p)) {

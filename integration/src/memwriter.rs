@@ -9,7 +9,9 @@ use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
 
 use crate::cluster::Cluster;
-use crate::managed::{list, process_state, run, wait_for_process};
+use crate::managed::{
+    PROCESS_WAIT, list, process_state, run, wait_for_process, wait_for_process_within,
+};
 use crate::workload::request_line;
 
 /// A memory writer listening on `port` of the cluster's public address.
@@ -54,7 +56,15 @@ impl MemWriter {
         let mut argv = vec![Self::binary(), "--port".into(), self.port.to_string()];
         argv.extend(args.iter().map(|a| a.to_string()));
         let pid = run(control, argv).await;
-        wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
+        // It fills its memory before it listens: 4 GiB took more than
+        // 10 s right after a large migration had freed as much.
+        let mib: u64 = args
+            .windows(2)
+            .find(|w| w[0] == "--mib")
+            .and_then(|w| w[1].parse().ok())
+            .unwrap_or(0);
+        let within = PROCESS_WAIT + Duration::from_secs(5 * mib / 1024);
+        wait_for_process_within(control, pid, within, |p| p.tcp_listening == 1).await;
         pid
     }
 

@@ -39,24 +39,7 @@ fn post_copy(pid: i32, to: &str) -> MigrateRequest {
 /// server, a lazy-pages daemon, a restore). Other CRIUs on the machine
 /// (other tests, benchmarks) are not ours.
 fn criu_children(cluster: &Cluster, node: &str) -> Vec<i32> {
-    let agent = cluster.agent_pid(node);
-    let mut found = Vec::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{agent}/task")) else {
-        return found;
-    };
-    for t in tasks.flatten() {
-        let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-        for c in children
-            .split_whitespace()
-            .filter_map(|c| c.parse::<i32>().ok())
-        {
-            let comm = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
-            if comm.trim() == "criu" && process_state(c).is_some_and(|s| s != 'Z') {
-                found.push(c);
-            }
-        }
-    }
-    found
+    agent_children(cluster, node, "criu", None)
 }
 
 /// The TCP sockets of a process that are not connected over loopback
@@ -563,9 +546,9 @@ fn source_of_pages_dies(pages: Pages) {
     });
 }
 
-/// The agent's children named `comm` with `arg` on their command line,
-/// still running.
-fn agent_children(cluster: &Cluster, node: &str, comm: &str, arg: &str) -> Vec<i32> {
+/// The agent's children named `comm` (with `arg` on their command line,
+/// if given), still running.
+fn agent_children(cluster: &Cluster, node: &str, comm: &str, arg: Option<&str>) -> Vec<i32> {
     let agent = cluster.agent_pid(node);
     let mut found = Vec::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{agent}/task")) else {
@@ -579,7 +562,8 @@ fn agent_children(cluster: &Cluster, node: &str, comm: &str, arg: &str) -> Vec<i
         {
             let name = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
             let cmdline = std::fs::read(format!("/proc/{c}/cmdline")).unwrap_or_default();
-            let has_arg = cmdline.split(|b| *b == 0).any(|a| a == arg.as_bytes());
+            let has_arg =
+                arg.is_none_or(|arg| cmdline.split(|b| *b == 0).any(|a| a == arg.as_bytes()));
             if name.trim() == comm && has_arg && process_state(c).is_some_and(|s| s != 'Z') {
                 found.push(c);
             }
@@ -634,7 +618,7 @@ fn a_post_copy_whose_destination_agent_dies_during_the_fill_runs_nowhere_rather_
                         if p.phase == "post-copy" && filler.is_empty() =>
                     {
                         restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
-                        filler = agent_children(&cluster, "node2", "ferryd", "fill");
+                        filler = agent_children(&cluster, "node2", "ferryd", Some("fill"));
                         assert_eq!(restored.len(), 1, "the restored writer on node2");
                         assert_eq!(filler.len(), 1, "node2's page filler");
                         nix::sys::signal::kill(
