@@ -49,13 +49,14 @@ const CHUNKS_IN_WINDOW: u64 = 2;
 const ASK_LEAD: u64 = 16 << 10;
 /// While faults ask (one within [`FAULTING_FOR`]), the background pages
 /// unacknowledged stay under this much, whatever the rate: the next
-/// fault's pages then queue behind less. Measured (1 GiB, release, 1 Gb/s):
-/// the faults' summed wait went from 0.95 to 0.68-0.75 s with the fill still at
-/// the link's 119 MB/s, and a Redis client reading random keys got 24,000-28,000
-/// answers instead of 19,500 in the 10 s window, its longest wait
-/// 59-110 ms instead of 127-170; without a link limit the summed wait
-/// went from 390 to 283-288 ms, and the fill from 372 to 312-347 MB/s: a
-/// writer that faults throughout keeps the window small.
+/// fault's pages then queue behind less. Measured (1 GiB, release build):
+/// at 1 Gb/s the faults' summed wait went from 0.95 to 0.68-0.75 s with
+/// the fill still at the link's 119 MB/s, and a Redis client reading
+/// random keys got 24,000-28,000 answers instead of 19,500 in the 10 s
+/// window, its longest wait 59-110 ms instead of 127-170; without a link
+/// limit the summed wait went from 390 to 283-288 ms, and the fill from
+/// 372 to 312-347 MB/s: a writer that faults throughout keeps the window
+/// small.
 const FAULTING_WINDOW: u64 = 2 * MIN_CHUNK;
 const FAULTING_FOR: Duration = Duration::from_millis(20);
 /// Batches queued for the stream.
