@@ -93,6 +93,10 @@ pub enum EngineError {
     /// failed) before the process resumed; it was not resumed.
     #[error("post-copy: {0}")]
     PostCopy(String),
+    /// The Commit found the restored copy without its memory (its page
+    /// filler failed before the resume): it was not resumed.
+    #[error("not resumed: {0}")]
+    NotResumed(String),
     /// Stopped by `Control.CancelMigration` before the restore.
     #[error("cancelled by {by}")]
     Cancelled { by: String },
@@ -228,7 +232,8 @@ impl EngineError {
             | EngineError::NoCommonVersion { .. }
             | EngineError::WrongState { .. }
             | EngineError::HostSetting(_)
-            | EngineError::PostCopy(_) => Code::FailedPrecondition,
+            | EngineError::PostCopy(_)
+            | EngineError::NotResumed(_) => Code::FailedPrecondition,
             EngineError::DestinationBusy { .. } | EngineError::NoRoom { .. } => {
                 Code::ResourceExhausted
             }

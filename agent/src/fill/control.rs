@@ -125,6 +125,11 @@ fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>, FillError> {
         ) {
             Ok(m) => m,
             Err(nix::Error::EINTR) => continue,
+            // The peer closed with messages of ours unread (ferryd's last
+            // word crossed the filler's report and exit): the kernel says
+            // so once, ahead of what the peer sent before closing, which
+            // is still to read.
+            Err(nix::Error::ECONNRESET) => continue,
             Err(e) => {
                 return Err(FillError::io("reading from the page filler's peer")(
                     e.into(),
@@ -402,6 +407,23 @@ mod tests {
             assert_eq!(recv_from_filler(ours.as_fd()).unwrap(), Some(m));
         }
         drop(theirs);
+        assert_eq!(recv_from_filler(ours.as_fd()).unwrap(), None);
+    }
+
+    #[test]
+    fn a_report_is_read_even_when_the_filler_left_a_message_unread() {
+        // ferryd's message crosses the filler's report and exit: the filler
+        // closes with it unread, and the kernel reports ECONNRESET to
+        // ferryd's end once, before the report still queued there.
+        let (ours, theirs) = pair().unwrap();
+        send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        let done = FromFiller::Done(FillStats {
+            pages: 15,
+            ..Default::default()
+        });
+        send_from_filler(theirs.as_fd(), &done).unwrap();
+        drop(theirs);
+        assert_eq!(recv_from_filler(ours.as_fd()).unwrap(), Some(done));
         assert_eq!(recv_from_filler(ours.as_fd()).unwrap(), None);
     }
 }

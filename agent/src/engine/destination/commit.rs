@@ -59,17 +59,18 @@ pub async fn commit(
             }
         }
     }
-    // Pre-copy with pages left out: a filler that already failed means
-    // missing pages, refused likewise; one already done filled them all.
+    // Pages left out: a filler that already failed means missing pages,
+    // refused likewise (FAILED_PRECONDITION: the source resumes its copy);
+    // one already done filled them all.
     let mut filled_before_resume = None;
     if let Some(f) = inc.filler.as_mut() {
         match f.early_end() {
             None => {}
             Some(Ok(stats)) => filled_before_resume = Some(stats),
             Some(Err(why)) => {
-                return Err(EngineError::Fill(crate::fill::FillError::Failed(format!(
-                    "before the resume: {why}"
-                ))));
+                return Err(EngineError::NotResumed(format!(
+                    "its page filler failed before the resume: {why}"
+                )));
             }
         }
     }

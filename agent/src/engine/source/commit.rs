@@ -3,10 +3,13 @@
 //! `crate::engine::queued`; as keys from 4); the destination resumes the
 //! process and replays what it captured, and answers how long the process
 //! had been running, which comes off the freeze. Retried a few times: the
-//! copy here is released, the destination holds the process. Post-copy:
-//! a destination whose lazy-pages daemon already failed refuses to resume
-//! (FAILED_PRECONDITION), and the migration rolls back to the intact copy
-//! here.
+//! copy here is released, the destination holds the process. A
+//! destination that cannot resume the process refuses (FAILED_PRECONDITION:
+//! post-copy's lazy-pages daemon, or the page filler of pages left out of
+//! the dump, already failed), and the migration rolls back to the intact
+//! copy here. A refusal can only be that: after a Commit that resumed the
+//! process (its answer lost) the destination no longer knows the
+//! migration, and a retry finds NOT_FOUND.
 //!
 //! The report's freeze is cut into its parts here (`freeze_parts`: CRIU's
 //! dump, the transfer, the destination's image scan, CRIU's start-up and
@@ -60,9 +63,9 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
                 last_err = None;
                 break;
             }
-            // Post-copy: the destination refused to resume the process
-            // (its lazy-pages daemon failed first); ours is intact.
-            Err(s) if postcopy && s.code() == tonic::Code::FailedPrecondition => {
+            // The destination refused to resume the process (its pages
+            // could not all be installed); ours is intact.
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
                 return Err(peer_error(&run.p.destination.name, s));
             }
             Err(s) => {
