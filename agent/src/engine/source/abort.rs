@@ -85,6 +85,13 @@ pub(super) async fn abort(run: &mut Run, err: EngineError) -> Phase {
         tracing::debug!(error = %e, "the socket transfer ended with the migration");
     }
     tell_destination(run, &err).await;
+    // Ports released at the commit point (a Commit the destination
+    // refused) come back by the peers' word, the destination's reservation
+    // gone with the Abort: asked now rather than at the next periodic
+    // pass, meanwhile every node drops their packets.
+    if let Err(e) = run.engine.ports.refresh().await {
+        tracing::error!(error = %e, "claiming the resumed process's ports again");
+    }
     Phase::Done(Stop::Aborted)
 }
 
