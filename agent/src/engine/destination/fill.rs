@@ -8,8 +8,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferry_proto::v1 as pb;
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 use super::post_copy::{POSTCOPY_STATUS_KEPT, publish_running};
 use crate::engine::Engine;
@@ -91,9 +89,7 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
                 }
             }
             Err(e) => {
-                if let Err(k) = kill(Pid::from_raw(pid), Signal::SIGKILL)
-                    && k != nix::errno::Errno::ESRCH
-                {
+                if let Err(k) = crate::process::pidfd::kill_tree(pid) {
                     tracing::error!(pid, error = %k, "killing a process whose pages are lost");
                 }
                 let error =

@@ -7,8 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{self as pb};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 use crate::criu;
 use crate::engine::{Engine, EngineError};
@@ -128,9 +126,7 @@ pub(super) fn watch_postcopy(engine: &Arc<Engine>, watched: PostCopyWatch) {
                 }
             }
             other => {
-                if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL)
-                    && e != nix::errno::Errno::ESRCH
-                {
+                if let Err(e) = crate::process::pidfd::kill_tree(pid) {
                     tracing::error!(pid, error = %e, "killing a process whose pages are lost");
                 }
                 let how = match other {
