@@ -478,11 +478,17 @@ fn rig(
 /// A process under management with a scripted CRIU that dumps it and a
 /// scripted destination that fails at `step`, if one is named.
 fn plain_rig(step: Option<Step>) -> (Echo, Arc<ScriptedDestination>, Fixture) {
-    let echo = Echo::start();
-    let destination = Arc::new(ScriptedDestination {
+    rig_to(ScriptedDestination {
         fails: step,
         ..Default::default()
-    });
+    })
+}
+
+/// A process under management with a scripted CRIU that dumps it, and
+/// `destination`.
+fn rig_to(destination: ScriptedDestination) -> (Echo, Arc<ScriptedDestination>, Fixture) {
+    let echo = Echo::start();
+    let destination = Arc::new(destination);
     let f = rig(
         &echo,
         ScriptedCriu::default(),
@@ -768,17 +774,10 @@ async fn a_migration_commits_and_the_source_copy_goes() {
 /// say nobody owns it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_the_destination_refuses_rolls_back() {
-    let mut echo = Echo::start();
-    let destination = Arc::new(ScriptedDestination {
+    let (mut echo, destination, f) = rig_to(ScriptedDestination {
         refuses_commit: true,
         ..Default::default()
     });
-    let f = rig(
-        &echo,
-        ScriptedCriu::default(),
-        destination.clone(),
-        Arc::default(),
-    );
     let report = migrate(&f, echo.pid, MigrationOptions::default()).await;
     assert_rolled_back(&f, &mut echo, &report, "the commit refused");
     assert!(report.error.contains("not resumed"), "{}", report.error);

@@ -79,6 +79,16 @@ fn one_task(base: u64, len: u64, run: (u64, u64), follows: bool, workers: usize)
     }
 }
 
+/// A new area of `len` bytes of this process, registered for missing
+/// pages on a userfaultfd with the filler's features: (its address, the
+/// userfaultfd a restore would hand over).
+fn registered_area(len: u64) -> (u64, OwnedFd) {
+    let base = map(len);
+    let uffd = fill_uffd();
+    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+    (base, uffd)
+}
+
 /// A userfaultfd of this process with the filler's features.
 fn fill_uffd() -> OwnedFd {
     // SAFETY: userfaultfd takes flags and returns a descriptor or -1.
@@ -101,10 +111,8 @@ fn installs_pages_as_they_arrive_and_asks_for_faulted_ones_first() {
     use std::os::unix::fs::FileExt;
     let page = memtrack::page_size();
     let len = PAGES * page;
-    let base = map(len);
+    let (base, uffd) = registered_area(len);
     let at = |i: u64| base + i * page;
-    let uffd = fill_uffd();
-    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
     let store = empty_store();
     let feed = store.try_clone().unwrap();
     let plan = one_task(base, len, (base, base + len), true, 2);
@@ -289,9 +297,7 @@ fn a_fill_from_the_store_goes_on_without_ferryd() {
     use std::os::unix::fs::FileExt;
     let page = memtrack::page_size();
     let len = 16 * page;
-    let base = map(len);
-    let uffd = fill_uffd();
-    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
+    let (base, uffd) = registered_area(len);
     let store = empty_store();
     for i in 0..16 {
         let a = base + i * page;
@@ -345,11 +351,8 @@ fn fills_faulted_and_pending_pages_and_follows_the_areas() {
     }
     let page = memtrack::page_size();
     let len = PAGES * page;
-    let base = map(len);
+    let (base, uffd) = registered_area(len);
     let at = |i: u64| base + i * page;
-    // The userfaultfd a restore would hand over.
-    let uffd = fill_uffd();
-    uffd::register_missing(uffd.as_fd(), base, base + len).unwrap();
 
     // The store: a page at the offset of its address; the first three
     // quarters are held, the rest the process never had.
