@@ -478,7 +478,7 @@ mod tests {
                     runs: vec![PageRun {
                         pid: PID,
                         vaddr: BASE + from * page(),
-                        data,
+                        data: data.into(),
                     }],
                 })
                 .expect("store");

@@ -362,11 +362,13 @@ fn send_range(
     let mut at = s;
     while at < e {
         let len = (e - at).min(chunk);
-        let mut data = vec![0u8; len as usize];
-        let n = memtrack::read_remote(t.pid, at, &mut data).map_err(EngineError::io(format!(
-            "reading pages {at:#x}+{len} of the stopped copy (PID {})",
-            t.pid
-        )))?;
+        let data = memtrack::read_remote_vec(t.pid, at, len as usize).map_err(EngineError::io(
+            format!(
+                "reading pages {at:#x}+{len} of the stopped copy (PID {})",
+                t.pid
+            ),
+        ))?;
+        let n = data.len();
         if n as u64 != len {
             return Err(EngineError::Internal(format!(
                 "pages {:#x}+{len} of the stopped copy (PID {}) the dump left out are not all mapped",
@@ -381,7 +383,7 @@ fn send_range(
             runs: vec![PageRun {
                 pid: t.vpid,
                 vaddr: at,
-                data,
+                data: data.into(),
             }],
         })
         .map_err(|_| EngineError::StreamClosed("post-copy page"))?;

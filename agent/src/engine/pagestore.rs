@@ -314,13 +314,13 @@ mod tests {
         s.write(&batch(vec![PageRun {
             pid: 1,
             vaddr: base,
-            data: vec![1u8; 3 * p as usize],
+            data: vec![1u8; 3 * p as usize].into(),
         }]))
         .unwrap();
         s.write(&batch(vec![PageRun {
             pid: 1,
             vaddr: base + p,
-            data: vec![2u8; p as usize],
+            data: vec![2u8; p as usize].into(),
         }]))
         .unwrap();
         let out_path = dir.path().join("pages-1.img");
@@ -375,7 +375,7 @@ mod tests {
         s.write(&batch(vec![PageRun {
             pid: 1,
             vaddr: base,
-            data: vec![7; p as usize],
+            data: vec![7; p as usize].into(),
         }]))
         .unwrap();
         let past = StoredPages {
@@ -398,7 +398,7 @@ mod tests {
                 PageRun {
                     pid: 0,
                     vaddr: 0,
-                    data: vec![0; p as usize],
+                    data: vec![0; p as usize].into(),
                 },
                 "runs.pid",
             ),
@@ -406,7 +406,7 @@ mod tests {
                 PageRun {
                     pid: 1,
                     vaddr: 1,
-                    data: vec![0; p as usize],
+                    data: vec![0; p as usize].into(),
                 },
                 "runs.vaddr",
             ),
@@ -414,7 +414,7 @@ mod tests {
                 PageRun {
                     pid: 1,
                     vaddr: 0,
-                    data: vec![0; 10],
+                    data: vec![0; 10].into(),
                 },
                 "runs.data",
             ),
@@ -422,7 +422,7 @@ mod tests {
                 PageRun {
                     pid: 1,
                     vaddr: 0,
-                    data: vec![],
+                    data: vec![].into(),
                 },
                 "runs.data",
             ),
@@ -430,7 +430,7 @@ mod tests {
                 PageRun {
                     pid: 1,
                     vaddr: USER_ADDRESS_LIMIT,
-                    data: vec![0; p as usize],
+                    data: vec![0; p as usize].into(),
                 },
                 "runs.vaddr",
             ),

@@ -564,12 +564,11 @@ fn read_pages(
             let mut at = start;
             while at < end {
                 let len = ((end - at) as usize).min(BATCH_BYTES);
-                let mut data = vec![0u8; len];
-                let n = match memtrack::read_remote(pid, at, &mut data) {
-                    Ok(n) => n,
+                let mut data = match memtrack::read_remote_vec(pid, at, len) {
+                    Ok(data) => data,
                     // Unmapped since the scan: the next scan (or the last)
                     // accounts for it.
-                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => 0,
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => Vec::new(),
                     Err(e) => {
                         return Err(EngineError::Io {
                             what: format!("reading the memory of {pid}"),
@@ -577,7 +576,7 @@ fn read_pages(
                         });
                     }
                 };
-                let n = (n as u64 / page * page) as usize;
+                let n = (data.len() as u64 / page * page) as usize;
                 if n == 0 {
                     // Skip the page that failed; try the rest.
                     at += page;
@@ -590,7 +589,7 @@ fn read_pages(
                 batch.runs.push(PageRun {
                     pid: vpid,
                     vaddr: at,
-                    data,
+                    data: data.into(),
                 });
                 at += n as u64;
                 if batch_bytes >= BATCH_BYTES {

@@ -36,7 +36,7 @@ async fn local_pages_session(data: &[u8]) {
     let mut batch = batch;
     for run in &mut batch.runs {
         let pages = (run.data.len() as u64).div_ceil(page).clamp(1, 4);
-        let mut data = run.data.clone();
+        let mut data = run.data.to_vec();
         if data.is_empty() {
             data.push(0);
         }

@@ -201,7 +201,7 @@ fn pages_m1() -> Vec<u8> {
         runs: vec![pb::PageRun {
             pid: 1,
             vaddr: 0x40_0000,
-            data: vec![0xa5; page as usize],
+            data: vec![0xa5; page as usize].into(),
         }],
     }])
 }
@@ -382,7 +382,7 @@ fn local_pages_seeds() -> Vec<Vec<u8>> {
         runs: vec![pb::PageRun {
             pid: 1,
             vaddr: 0x40_0000,
-            data: vec![0x5a; 16],
+            data: vec![0x5a; 16].into(),
         }],
     };
     let held = pb::RestoreRequest {
@@ -509,7 +509,7 @@ pub fn regressions() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         runs: vec![pb::PageRun {
             pid: 1,
             vaddr: 0x40_0000,
-            data: vec![1; page as usize],
+            data: vec![1; page as usize].into(),
         }],
     }]);
     let images = delimited(&[pb::ImageChunk {

@@ -86,6 +86,34 @@ pub fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+/// Reads up to `len` bytes at `addr` of process `pid` into a new buffer,
+/// as long as what could be read (short at the first unmapped page). The
+/// buffer is not zeroed first: a page stream reads gigabytes, and zeroing
+/// each buffer before the kernel overwrites it cost the source a few per
+/// cent of its CPU.
+pub fn read_remote_vec(pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf: Vec<u8> = Vec::with_capacity(len);
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len,
+    };
+    // SAFETY: `local` describes the `len` bytes of `buf`'s allocation,
+    // valid for writes for the whole call; the kernel only writes them.
+    // `remote` is only read, in the other process, with its own checks.
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel wrote the first `n` bytes (`n <= len`, the
+    // capacity); the rest stays outside the vector's length.
+    unsafe { buf.set_len(n as usize) };
+    Ok(buf)
+}
+
 /// The PID of `pid` inside its own PID namespace (the innermost of the
 /// `NSpid` line): the number CRIU names its images by.
 pub fn ns_pid(pid: i32) -> io::Result<u32> {

@@ -79,6 +79,10 @@ struct Args {
     /// post_copy_pages` of every agent): "ferryd" or "criu".
     #[arg(long, default_value = "ferryd")]
     post_copy_pages: String,
+    /// Mutual TLS between the agents (the default, as deployed); `false`
+    /// runs the cluster on plain TCP, to see what encryption costs.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    tls: bool,
     #[arg(long, default_value = "target/bench/memory")]
     out: PathBuf,
 }
@@ -565,13 +569,15 @@ fn main() -> Result<()> {
     }
     let profile = ferry_bench::run::profile();
     println!(
-        "binaries: {profile} profile; post-copy's pages by {}",
-        args.post_copy_pages
+        "binaries: {profile} profile; post-copy's pages by {}; TLS between the agents: {}",
+        args.post_copy_pages,
+        if args.tls { "on" } else { "off" }
     );
     let rt = ferry_integration::managed::runtime();
     let mut rows = Vec::new();
     for link in &args.links {
         let mut spec = ClusterSpec::new(2, 1);
+        spec.tls = args.tls;
         spec.extra_config = format!(
             "[migration]\npost_copy_pages = \"{}\"\n",
             args.post_copy_pages
@@ -608,13 +614,14 @@ fn main() -> Result<()> {
     std::fs::write(args.out.join("memory.svg"), plot(&rows, &args, profile))?;
     println!("{md}");
     println!(
-        "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {} --post-copy-pages {}` (root; {profile} build; 2 cores here).",
+        "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {} --post-copy-pages {} --tls {}` (root; {profile} build; 2 cores here).",
         join(&args.sizes),
         join(&args.rates),
         args.links.join(","),
         args.strategies.join(","),
         args.runs,
-        args.post_copy_pages
+        args.post_copy_pages,
+        args.tls
     );
     println!("written to {}", args.out.display());
     Ok(())

@@ -376,7 +376,7 @@ mod tests {
                 .map(|&(pid, vaddr, pages)| PageRun {
                     pid,
                     vaddr,
-                    data: vec![0xab; pages * 4096],
+                    data: vec![0xab; pages * 4096].into(),
                 })
                 .collect(),
         }
