@@ -51,6 +51,20 @@ pub struct Cluster {
     /// This node's certificate and the cluster CA, when `[tls]` is set:
     /// then every Peer connection is mutual TLS.
     tls: Option<TlsMaterial>,
+    /// `peer_timeout_secs`: also how long a Peer connection may stay
+    /// silent (see [`keepalive`]).
+    peer_timeout: Duration,
+}
+
+/// HTTP/2 keepalive of a Peer connection that waits `peer_timeout` at most
+/// for an answer: a ping every half of it, and the connection closed when
+/// a ping is not answered within it. A connection whose peer is cut off
+/// (no reset, no ICMP: packets just vanish) would otherwise hang until the
+/// kernel gives up on it after a quarter of an hour; a post-copy's page
+/// stream, which has no end of its own to wait for, would hold the
+/// restored process on its faults as long. Returns (interval, timeout).
+pub fn keepalive(peer_timeout: Duration) -> (Duration, Duration) {
+    ((peer_timeout / 2).max(Duration::from_secs(1)), peer_timeout)
 }
 
 impl Cluster {
@@ -65,6 +79,7 @@ impl Cluster {
             configured: config.peers.clone(),
             membership,
             tls,
+            peer_timeout: Duration::from_secs(config.peer_timeout_secs),
         }
     }
 
@@ -185,6 +200,10 @@ impl Cluster {
             .map_err(|e| unreachable(e.to_string()))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
+        let (interval, timeout) = keepalive(self.peer_timeout);
+        let endpoint = endpoint
+            .http2_keep_alive_interval(interval)
+            .keep_alive_timeout(timeout);
         let channel = endpoint
             .connect()
             .await

@@ -513,6 +513,23 @@ impl Cluster {
         }
     }
 
+    /// Cuts `node` off the cluster network, or joins it again (`cut:
+    /// false`): its port on the router's cluster bridge leaves the bridge,
+    /// so that every frame either way is dropped without a word (no
+    /// carrier change, no reset, no ICMP), as when a cable or a switch
+    /// port fails. Panics if `ip` fails.
+    pub fn cut_cluster_link(&self, node: &str, cut: bool) {
+        let port = format!("n{}c", self.node_index(node) + 1);
+        let line = if cut {
+            format!("link set {port} nomaster")
+        } else {
+            format!("link set {port} master {} up", topology::CLUSTER_BRIDGE)
+        };
+        let router = self.router.as_ref().map(NetNs::name);
+        cmd::ip_batch(router, &[line])
+            .unwrap_or_else(|e| panic!("cutting {node} off the cluster network ({cut}): {e}"));
+    }
+
     /// `/run/netns/<ns>` of `node1`.., `client1`.. or `router`.
     pub fn netns_path(&self, name: &str) -> PathBuf {
         if name == "router" {
@@ -559,6 +576,18 @@ impl Cluster {
     /// The node's tmpfs work dir.
     pub fn work_dir(&self, node: &str) -> PathBuf {
         self.node(node).dir.join("work")
+    }
+
+    /// Fills the node's work dir: its tmpfs is capped at what it holds now,
+    /// so that the next new page written there fails with `ENOSPC`
+    /// (`full: false` lifts the cap). Returns the bytes it held.
+    pub fn work_dir_full(&self, node: &str, full: bool) -> u64 {
+        let dir = self.work_dir(node);
+        let fs = nix::sys::statfs::statfs(&dir).expect("statfs of the work dir");
+        let used = (fs.blocks() - fs.blocks_free()) * fs.block_size() as u64;
+        crate::tmpfs::remount_size(&dir, full.then_some(used.max(fs.block_size() as u64)))
+            .unwrap_or_else(|e| panic!("capping {node}'s work dir: {e}"));
+        used
     }
 
     pub fn config_path(&self, node: &str) -> &Path {

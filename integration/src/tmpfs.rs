@@ -88,6 +88,28 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Caps the tmpfs at `path` at `bytes` (at least what it holds), or gives
+/// it back tmpfs's default, half the memory (`None`; not `size=0`, no
+/// limit: a tmpfs cannot be limited again after that), by remounting it:
+/// what it holds stays.
+pub fn remount_size(path: &Path, bytes: Option<u64>) -> Result<(), MountError> {
+    let data = match bytes {
+        Some(b) => format!("size={b}"),
+        None => "size=50%".to_owned(),
+    };
+    mount(
+        None::<&str>,
+        path,
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(data.as_str()),
+    )
+    .map_err(|source| MountError::Mount {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// Unmounts `path`, retrying while busy, then lazily.
 pub fn unmount_path(path: &Path) -> Result<(), MountError> {
     for _ in 0..10 {

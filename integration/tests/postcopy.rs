@@ -674,3 +674,93 @@ fn a_post_copy_whose_destination_agent_dies_during_the_fill_runs_nowhere_rather_
         assert!(cluster.incoming_dir_is_empty("node2"));
     });
 }
+
+#[test]
+fn a_post_copy_whose_cluster_link_is_cut_during_the_fill_reports_the_loss_on_both_sides() {
+    if !ferry_integration::can_run(
+        "a_post_copy_whose_cluster_link_is_cut_during_the_fill_reports_the_loss_on_both_sides",
+    ) {
+        return;
+    }
+    // The destination is cut off the cluster network while the pages still
+    // follow: nothing is refused, reset or answered, packets just vanish.
+    // Neither side may wait forever: the destination gives the pages up
+    // and kills the process rather than let it wait on them (or read
+    // zeros), the source reports the migration lost and keeps nothing;
+    // neither copy runs once the link is back.
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.extra_config = "peer_timeout_secs = 2\n".into();
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        // Big enough that its pages take a while to follow.
+        let pid = WRITER.start(&mut node1, 768, 10).await;
+        check(&cluster);
+        let mut stream = node1
+            .migrate(post_copy(pid, "node2"))
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let (mut report, mut end, mut restored) = (None, None, Vec::new());
+        let watched = tokio::time::timeout(Duration::from_secs(120), async {
+            loop {
+                match stream.message().await {
+                    Ok(Some(ev)) => match ev.event {
+                        Some(ferry_proto::v1::migration_event::Event::Progress(p))
+                            if p.phase == "post-copy" && restored.is_empty() =>
+                        {
+                            restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
+                            assert_eq!(restored.len(), 1, "the restored writer on node2");
+                            cluster.cut_cluster_link("node2", true);
+                        }
+                        Some(ferry_proto::v1::migration_event::Event::Report(r)) => {
+                            report = Some(r)
+                        }
+                        _ => {}
+                    },
+                    Ok(None) => break,
+                    Err(s) => {
+                        end = Some(s);
+                        break;
+                    }
+                }
+            }
+        })
+        .await;
+        assert!(
+            watched.is_ok(),
+            "the source still waits 120 s after the cut"
+        );
+        assert!(!restored.is_empty(), "the fill ended before the cut");
+        let report = report.expect("a report");
+        eprintln!(
+            "outcome: {:?} {}\n{}",
+            end.as_ref().map(|s| s.code()),
+            report.error,
+            summary(&report)
+        );
+        assert_eq!(report.outcome, MigrationOutcome::Lost as i32, "{report:#?}");
+        assert_eq!(end.map(|s| s.code()), Some(tonic::Code::DataLoss));
+        assert_eq!(process_state(pid), None, "the source's copy still exists");
+        // node2 gave the pages up on its own, cut off as it is.
+        assert!(
+            ended_within(restored[0], Duration::from_secs(60)).await,
+            "the restored process still runs (state {:?}) without its pages",
+            process_state(restored[0])
+        );
+        cluster.cut_cluster_link("node2", false);
+        for _ in 0..50 {
+            if list(&mut node2).await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(list(&mut node1).await.is_empty());
+        assert!(list(&mut node2).await.is_empty());
+        no_criu_left(&cluster, "node1").await;
+        no_criu_left(&cluster, "node2").await;
+        assert!(cluster.incoming_dir_is_empty("node2"));
+    });
+}

@@ -18,7 +18,7 @@ use ferry_integration::managed::{
 use ferry_integration::memwriter::{MemWriter, source_and_destination, write_protected};
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    MigrateRequest, MigrationOutcome, MigrationReport, PrecopyThrottle, Strategy,
+    MigrateRequest, MigrationOutcome, MigrationReport, PrecopyThrottle, Strategy, migration_event,
 };
 use tonic::transport::Channel;
 
@@ -276,6 +276,200 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
         wait_for_process(&mut node1, pid, |p| p.state == "running").await;
         let after = check(&cluster);
         assert!(after > before, "the process stopped writing");
+    });
+}
+
+/// The destination's work dir fills up after a pre-copy round (its tmpfs
+/// capped at what it holds then: the pages already sent stay, any new
+/// page of the store or the images fails with ENOSPC): the migration aborts
+/// with the reason, and the process keeps running on the source, with every
+/// page it wrote, no write protection and nothing left on the destination.
+/// With room again, it moves.
+#[test]
+fn a_destination_work_dir_filling_up_during_the_rounds_leaves_the_process_on_the_source() {
+    if !ferry_integration::can_run(
+        "a_destination_work_dir_filling_up_during_the_rounds_leaves_the_process_on_the_source",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = WRITER.start(&mut node1, 64, 10).await;
+        let before = check(&cluster);
+        for strategy in [Strategy::PreCopy, Strategy::QueuedPreCopy] {
+            let mut stream = node1
+                .migrate(MigrateRequest {
+                    max_rounds: 1000,
+                    downtime_budget_ms: 1,
+                    ..request(pid, "node2", strategy)
+                })
+                .await
+                .expect("migration starts")
+                .into_inner();
+            let (mut report, mut status, mut held) = (None, None, None);
+            loop {
+                match stream.message().await {
+                    Ok(Some(ev)) => match ev.event {
+                        // After the round that sent most of the memory
+                        // (a queued pre-copy's first only watches).
+                        Some(migration_event::Event::Progress(p))
+                            if p.phase.starts_with("pre-copy round")
+                                && p.bytes_transferred >= 32 << 20
+                                && held.is_none() =>
+                        {
+                            held = Some(cluster.work_dir_full("node2", true));
+                        }
+                        Some(migration_event::Event::Report(r)) => report = Some(r),
+                        _ => {}
+                    },
+                    Ok(None) => break,
+                    Err(s) => {
+                        status = Some(s);
+                        break;
+                    }
+                }
+            }
+            let held = held.expect("no pre-copy round sent half the memory");
+            assert!(
+                held >= 32 << 20,
+                "{strategy:?}: node2 held {held} bytes after the first round"
+            );
+            let report = report.expect("a report");
+            assert_eq!(
+                report.outcome,
+                MigrationOutcome::Aborted as i32,
+                "{strategy:?}: {report:#?}"
+            );
+            assert!(report.resumed_on_source, "{report:#?}");
+            assert!(
+                report.error.contains("full") || report.error.contains("No space left"),
+                "{strategy:?}: the reason is not said: {}",
+                report.error
+            );
+            assert!(
+                status.is_some(),
+                "{strategy:?}: the migration ended without an error"
+            );
+            eprintln!("{strategy:?}, node2's work dir full: {}", report.error);
+            assert!(!write_protected(pid), "write protection left behind");
+            wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+            assert!(cluster.incoming_dir_is_empty("node2"));
+            cluster.work_dir_full("node2", false);
+        }
+        // Served by node1 again, with all it wrote, and writing on.
+        cluster
+            .wait_listening("node1", PORT, Duration::from_secs(10))
+            .expect("listening on node1");
+        assert!(check(&cluster) > before, "the process stopped writing");
+
+        // With room again, it moves.
+        let report = migrate_committed(&mut node1, request(pid, "node2", Strategy::PreCopy)).await;
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        assert_eq!(process_state(pid), None, "source copy still exists");
+        check(&cluster);
+    });
+}
+
+/// The destination is cut off the cluster network during the pre-copy
+/// rounds (its port leaves the cluster's switch: no reset, no ICMP, the
+/// packets vanish): within the peer timeout the source gives up, and the
+/// process runs on there, with every page it wrote and no write
+/// protection. Once the link is back, the destination hears of the abort
+/// and keeps nothing, and the process can move.
+#[test]
+fn a_cluster_link_cut_during_the_rounds_leaves_the_process_on_the_source() {
+    if !ferry_integration::can_run(
+        "a_cluster_link_cut_during_the_rounds_leaves_the_process_on_the_source",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.extra_config = "peer_timeout_secs = 2\n".into();
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = WRITER.start(&mut node1, 64, 10).await;
+        let before = check(&cluster);
+        let mut stream = node1
+            .migrate(MigrateRequest {
+                max_rounds: 1000,
+                downtime_budget_ms: 1,
+                ..request(pid, "node2", Strategy::PreCopy)
+            })
+            .await
+            .expect("migration starts")
+            .into_inner();
+        let (mut report, mut status, mut cut) = (None, None, false);
+        let watched = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match stream.message().await {
+                    Ok(Some(ev)) => match ev.event {
+                        Some(migration_event::Event::Progress(p))
+                            if p.phase.starts_with("pre-copy round") && !cut =>
+                        {
+                            cluster.cut_cluster_link("node2", true);
+                            cut = true;
+                        }
+                        Some(migration_event::Event::Report(r)) => report = Some(r),
+                        _ => {}
+                    },
+                    Ok(None) => break,
+                    Err(s) => {
+                        status = Some(s);
+                        break;
+                    }
+                }
+            }
+        })
+        .await;
+        assert!(watched.is_ok(), "the source still waits 60 s after the cut");
+        assert!(cut, "no pre-copy round was reported");
+        let report = report.expect("a report");
+        eprintln!(
+            "cut during the rounds: {:?} {}",
+            status.as_ref().map(|s| s.code()),
+            report.error
+        );
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Aborted as i32,
+            "{report:#?}"
+        );
+        assert!(report.resumed_on_source, "{report:#?}");
+        assert!(status.is_some(), "the migration ended without an error");
+        assert!(!write_protected(pid), "write protection left behind");
+        wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        cluster
+            .wait_listening("node1", PORT, Duration::from_secs(10))
+            .expect("listening on node1");
+        assert!(check(&cluster) > before, "the process stopped writing");
+
+        // The link is back: node2 hears of the abort and keeps nothing.
+        cluster.cut_cluster_link("node2", false);
+        let mut empty = false;
+        for _ in 0..100 {
+            if cluster.incoming_dir_is_empty("node2") {
+                empty = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(empty, "node2 keeps the aborted migration's pages");
+        let report = migrate_committed(&mut node1, request(pid, "node2", Strategy::PreCopy)).await;
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        assert_eq!(process_state(pid), None, "source copy still exists");
+        check(&cluster);
     });
 }
 

@@ -529,8 +529,12 @@ fn serve_peer(
             .tls_config(m.peer_server())
             .context("the peer port's TLS configuration")?;
     }
+    let (interval, timeout) =
+        ferry_agent::cluster::keepalive(Duration::from_secs(node.config.peer_timeout_secs));
     Ok(peer_builder
         .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(interval))
+        .http2_keepalive_timeout(Some(timeout))
         // After the handshake (CA-signed client certificate): a node's.
         .layer(tower::util::option_layer(tls.map(|_| AuthLayer::peer())))
         .add_service(

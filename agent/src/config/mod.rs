@@ -59,7 +59,11 @@ pub struct Config {
     pub criu_log_level: i32,
     /// How long the source waits for the destination's answer to each step
     /// taken while the process is frozen (image transfer, restore) before
-    /// it gives up, aborts and resumes the process.
+    /// it gives up, aborts and resumes the process. Also how long a Peer
+    /// connection may go silent: each side pings every half of it and
+    /// closes a connection whose ping is not answered within it, so that a
+    /// cut link ends a pre-copy round or a post-copy's page stream (the
+    /// pages then count as lost) within 1.5 times this.
     #[serde(default = "default_peer_timeout_secs")]
     pub peer_timeout_secs: u64,
     /// Control API for the local CLI: a Unix socket, root only.

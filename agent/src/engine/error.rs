@@ -58,7 +58,7 @@ pub enum EngineError {
     },
     #[error("{field}: {reason}")]
     InvalidField { field: &'static str, reason: String },
-    #[error("{node} unreachable at {address}: {reason}")]
+    #[error("{node} unreachable{}: {reason}", at_address(.address))]
     PeerUnavailable {
         node: String,
         address: String,
@@ -295,4 +295,14 @@ pub async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|source| EngineError::Task { what, source })
+}
+
+/// " at ADDRESS", or nothing when the address is not known (a call on an
+/// open connection that broke).
+fn at_address(address: &str) -> String {
+    if address.is_empty() {
+        String::new()
+    } else {
+        format!(" at {address}")
+    }
 }

@@ -151,10 +151,12 @@ impl Connector for Cluster {
 /// What a peer's refusal means to the migration.
 pub fn peer_error(node: &str, s: Status) -> EngineError {
     match s.code() {
+        // The transport's cause (a keepalive ping unanswered, a reset...)
+        // is in the status's source, its message only says "http2 error".
         tonic::Code::Unavailable => EngineError::PeerUnavailable {
             node: node.to_owned(),
             address: String::new(),
-            reason: s.message().to_owned(),
+            reason: with_causes(&s),
         },
         code => EngineError::Peer {
             node: node.to_owned(),
@@ -162,6 +164,21 @@ pub fn peer_error(node: &str, s: Status) -> EngineError {
             message: s.message().to_owned(),
         },
     }
+}
+
+/// A status's message and the causes below it.
+fn with_causes(s: &Status) -> String {
+    let mut reason = s.message().to_owned();
+    let mut cause = std::error::Error::source(s);
+    while let Some(c) = cause {
+        let m = c.to_string();
+        if !reason.contains(&m) {
+            reason.push_str(": ");
+            reason.push_str(&m);
+        }
+        cause = c.source();
+    }
+    reason
 }
 
 /// A peer that did not answer `step` within `waited`.

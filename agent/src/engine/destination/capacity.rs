@@ -47,11 +47,17 @@ impl Room {
             .map_err(|e| EngineError::io(format!("statfs of {}", existing.display()))(e.into()))?;
         let kind = fs.filesystem_type().0;
         let limit = limit_mib.map(|m| m.saturating_mul(1 << 20));
+        let in_memory = kind == TMPFS_MAGIC || kind == RAMFS_MAGIC;
         Ok(Room {
             memory: limit.map_or(available, |l| l.min(available)),
             limited: limit.is_some_and(|l| l < available),
-            work_dir_free: fs.blocks_available().saturating_mul(fs.block_size() as u64),
-            work_dir_in_memory: kind == TMPFS_MAGIC || kind == RAMFS_MAGIC,
+            work_dir_free: work_dir_free(
+                in_memory,
+                fs.blocks(),
+                fs.blocks_available(),
+                fs.block_size() as u64,
+            ),
+            work_dir_in_memory: in_memory,
         })
     }
 
@@ -102,6 +108,17 @@ impl Room {
             });
         }
         Ok(())
+    }
+}
+
+/// Free bytes in the work dir's file system, from its `statfs`. A tmpfs
+/// mounted without a size limit (`size=0`) and a ramfs report no blocks at
+/// all: only memory bounds them, which [`Room::check`] counts.
+fn work_dir_free(in_memory: bool, blocks: u64, available: u64, block_size: u64) -> u64 {
+    if in_memory && blocks == 0 {
+        u64::MAX
+    } else {
+        available.saturating_mul(block_size)
     }
 }
 
@@ -182,6 +199,25 @@ mod tests {
         };
         let err = full.check("n", &req(20, 20)).unwrap_err();
         assert!(err.to_string().contains("10.0 MiB free"), "{err}");
+    }
+
+    #[test]
+    fn a_tmpfs_without_a_size_limit_is_bounded_by_memory_alone() {
+        // statfs of `mount -t tmpfs -o size=0` (and of a ramfs): no blocks.
+        assert_eq!(work_dir_free(true, 0, 0, 4096), u64::MAX);
+        // A full tmpfs with a limit, and a disk, report what they have.
+        assert_eq!(work_dir_free(true, 256, 0, 4096), 0);
+        assert_eq!(work_dir_free(false, 0, 0, 4096), 0);
+        assert_eq!(work_dir_free(false, 1000, 10, 4096), 40960);
+        let room = Room {
+            memory: 100 << 20,
+            limited: false,
+            work_dir_free: work_dir_free(true, 0, 0, 4096),
+            work_dir_in_memory: true,
+        };
+        room.check("node2", &req(40, 40)).unwrap();
+        let e = room.check("node2", &req(60, 60)).unwrap_err();
+        assert!(e.to_string().contains("MemAvailable"), "{e}");
     }
 
     #[test]
