@@ -485,3 +485,35 @@ fn fills_faulted_and_pending_pages_and_follows_the_areas() {
         }
     });
 }
+
+/// Blocks the file holds, in bytes.
+fn file_bytes(f: &File) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    f.metadata().unwrap().blocks() * 512
+}
+
+#[test]
+fn installed_pages_leave_the_store_in_batches_and_all_at_its_end() {
+    const MIB: u64 = 1 << 20;
+    // SAFETY: memfd_create reads a NUL-terminated name and returns a new
+    // descriptor or -1.
+    let raw = unsafe { libc::memfd_create(c"store-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0);
+    // SAFETY: a descriptor just returned to us, owned by nothing else.
+    let file = unsafe { File::from_raw_fd(raw) };
+    std::os::unix::fs::FileExt::write_all_at(&file, &vec![7u8; (12 * MIB) as usize], 0).unwrap();
+    let watch = file.try_clone().unwrap();
+    let store = Store::map(file, &[(0, 12 * MIB)]).unwrap();
+    // Under a batch: nothing is freed yet.
+    store.release(0, 4 * MIB);
+    store.release(6 * MIB, 2 * MIB);
+    assert_eq!(file_bytes(&watch), 12 * MIB);
+    // A batch gathered: all of it goes, the rest stays.
+    store.release(4 * MIB, 2 * MIB);
+    assert_eq!(file_bytes(&watch), 4 * MIB);
+    store.release(8 * MIB, MIB);
+    assert_eq!(file_bytes(&watch), 4 * MIB);
+    // The store's end frees what it still kept.
+    drop(store);
+    assert_eq!(file_bytes(&watch), 3 * MIB);
+}
