@@ -661,12 +661,22 @@ fn every_kind_of_memory_is_intact_after_each_strategy() {
             cluster.control("node2").await.expect("control node2"),
         ];
         // 16 MiB written as usual, plus 8 MiB of transparent huge pages,
-        // 1 MiB shared anonymous and 1 MiB of a memfd, all rewritten while
-        // it runs and checked after each migration.
+        // 1 MiB shared anonymous, 1 MiB of a memfd and 1 MiB of a file
+        // mapped private (in the cluster's dir, seen by both nodes), all
+        // rewritten while it runs and checked after each migration.
+        let private_file = cluster.dir().join("private-file");
         let mut pid = WRITER
             .start_with(
                 &mut controls[0],
-                &["--mib", "16", "--writes-per-ms", "5", "--shapes"],
+                &[
+                    "--mib",
+                    "16",
+                    "--writes-per-ms",
+                    "5",
+                    "--shapes",
+                    "--private-file",
+                    private_file.to_str().expect("a UTF-8 path"),
+                ],
             )
             .await;
         let mut writes = check(&cluster);

@@ -62,6 +62,11 @@ struct Args {
     /// with MADV_DONTDUMP, MADV_WIPEONFORK, MADV_RANDOM, and locked.
     #[arg(long)]
     shapes: bool,
+    /// With `--shapes`, also 1 MiB of this file (made here, 1 MiB of
+    /// zeros) mapped private and written (copy-on-write pages over a file):
+    /// the file must be at the same path wherever the process moves.
+    #[arg(long, requires = "shapes")]
+    private_file: Option<std::path::PathBuf>,
 }
 
 const PAGE: usize = 4096;
@@ -237,8 +242,8 @@ impl Shape {
         Some(format!("{} region not in smaps", self.name))
     }
 
-    /// The kinds of `--shapes`.
-    fn all() -> Vec<Shape> {
+    /// The kinds of `--shapes`, and a private mapping of `private_file`.
+    fn all(private_file: Option<&std::path::Path>) -> Vec<Shape> {
         let private = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
         let shared = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
         // SAFETY: creates a memfd, or returns -1.
@@ -246,7 +251,7 @@ impl Shape {
         assert!(memfd >= 0, "memfd_create");
         // SAFETY: sizes the memfd just made.
         assert_eq!(unsafe { libc::ftruncate(memfd, 1 << 20) }, 0);
-        vec![
+        let mut shapes = vec![
             Shape::map(
                 "huge-page",
                 2 << 40,
@@ -283,7 +288,29 @@ impl Shape {
             .flagged("wf"),
             Shape::map("random", 7 << 40, 16, private, -1, PAGE, libc::MADV_RANDOM).flagged("rr"),
             Shape::map("locked", 8 << 40, 16, private, -1, PAGE, LOCK).flagged("lo"),
-        ]
+        ];
+        if let Some(path) = private_file {
+            // Readable: a private writable mapping reads the file.
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .expect("creating the private file");
+            file.set_len(1 << 20).expect("sizing the private file");
+            // The mapping keeps the file open; the descriptor may go.
+            shapes.push(Shape::map(
+                "private-file",
+                9 << 40,
+                256,
+                libc::MAP_PRIVATE,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                PAGE,
+                0,
+            ));
+        }
+        shapes
     }
 }
 
@@ -403,7 +430,7 @@ fn main() {
         versions: vec![0; n],
         side: Side::map(0),
         shapes: if args.shapes {
-            Shape::all()
+            Shape::all(args.private_file.as_deref())
         } else {
             Vec::new()
         },
