@@ -663,7 +663,9 @@ fn every_kind_of_memory_is_intact_after_each_strategy() {
         // 16 MiB written as usual, plus 8 MiB of transparent huge pages,
         // 1 MiB shared anonymous, 1 MiB of a memfd and 1 MiB of a file
         // mapped private (in the cluster's dir, seen by both nodes), all
-        // rewritten while it runs and checked after each migration.
+        // rewritten while it runs and checked after each migration; and a
+        // child that must still share a page of shared anonymous memory
+        // and one of a memfd with it.
         let private_file = cluster.dir().join("private-file");
         let mut pid = WRITER
             .start_with(
@@ -676,6 +678,7 @@ fn every_kind_of_memory_is_intact_after_each_strategy() {
                     "--shapes",
                     "--private-file",
                     private_file.to_str().expect("a UTF-8 path"),
+                    "--child",
                 ],
             )
             .await;

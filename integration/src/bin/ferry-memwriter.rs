@@ -14,7 +14,10 @@
 //! `--shapes` adds memory of other kinds, written and checked the same
 //! way: transparent huge pages, shared anonymous memory, a memfd, and
 //! small regions with advice (MADV_DONTDUMP, MADV_WIPEONFORK, MADV_RANDOM)
-//! or mlock(2)ed, whose flags `check` also finds in smaps.
+//! or mlock(2)ed, whose flags `check` also finds in smaps; with
+//! `--private-file`, a file mapped private and written. `--child` forks a
+//! child that shares a page of shared anonymous memory and one of a memfd
+//! with the writer, which `check` finds still shared.
 //!
 //! `--mode getpid` makes it a process that only calls getpid(2) in a loop
 //! (Noack (2003)'s light-weight process); `--busy` drops the 1 ms pause
@@ -67,6 +70,11 @@ struct Args {
     /// the file must be at the same path wherever the process moves.
     #[arg(long, requires = "shapes")]
     private_file: Option<std::path::PathBuf>,
+    /// Fork a child that shares a page of anonymous shared memory and one
+    /// of a memfd with the writer: `check` then also checks that both
+    /// are still one page for the two processes.
+    #[arg(long)]
+    child: bool,
 }
 
 const PAGE: usize = 4096;
@@ -314,11 +322,137 @@ impl Shape {
     }
 }
 
+/// A child sharing memory with the writer (`--child`): a page of shared
+/// anonymous memory and a page of a memfd, both mapped before the fork. At
+/// each check the writer puts a fresh value in both and the child, asked
+/// over a pipe, reads them back: a migration that gave either process a
+/// copy of its own instead of the one shared page shows as a mismatch.
+struct Child {
+    anon: *mut u64,
+    memfd: *mut u64,
+    /// The writer's ends: asks to the child, answers from it.
+    ask: std::fs::File,
+    answer: std::fs::File,
+    value: u64,
+}
+
+impl Child {
+    fn fork() -> Child {
+        use std::io::Read;
+        use std::os::fd::{FromRawFd, OwnedFd};
+        // SAFETY: creates a memfd, or returns -1.
+        let memfd =
+            unsafe { libc::memfd_create(c"ferry-memwriter-tree".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(memfd >= 0, "memfd_create");
+        // SAFETY: `memfd` was just returned to us and is owned by nothing
+        // else; the mapping below keeps the memfd alive once it drops.
+        let memfd = unsafe { OwnedFd::from_raw_fd(memfd) };
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&memfd);
+        // SAFETY: sizes the memfd just made.
+        let sized = unsafe { libc::ftruncate(fd, PAGE as i64) };
+        assert_eq!(sized, 0, "sizing the memfd");
+        let map = |flags: i32, fd: i32| {
+            // SAFETY: a fresh one-page mapping the kernel places.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    PAGE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    flags,
+                    fd,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED, "mmap of a page shared with the child");
+            p.cast::<u64>()
+        };
+        let anon = map(libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1);
+        let memfd = map(libc::MAP_SHARED, fd);
+        let (ask_r, ask_w) = nix::unistd::pipe().expect("pipe");
+        let (answer_r, answer_w) = nix::unistd::pipe().expect("pipe");
+        // SAFETY: the writer has one thread (it forks before it listens),
+        // so the child may go on with anything; it only reads its pipe
+        // and the two pages, and leaves by _exit.
+        match unsafe { libc::fork() } {
+            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+            0 => {
+                drop((ask_w, answer_r));
+                let mut ask = std::fs::File::from(ask_r);
+                let mut answer = std::fs::File::from(answer_w);
+                let mut buf = [0u8; 8];
+                // Until the writer goes (end of file).
+                while ask.read_exact(&mut buf).is_ok() {
+                    // SAFETY: reads the two pages mapped before the fork,
+                    // which the child keeps.
+                    let seen = unsafe {
+                        [
+                            std::ptr::read_volatile(anon),
+                            std::ptr::read_volatile(memfd),
+                        ]
+                    };
+                    let mut out = [0u8; 16];
+                    out[..8].copy_from_slice(&seen[0].to_le_bytes());
+                    out[8..].copy_from_slice(&seen[1].to_le_bytes());
+                    if answer.write_all(&out).is_err() {
+                        break;
+                    }
+                }
+                // SAFETY: leaves the child without running the writer's
+                // exit handlers.
+                unsafe { libc::_exit(0) }
+            }
+            _ => Child {
+                anon,
+                memfd,
+                ask: std::fs::File::from(ask_w),
+                answer: std::fs::File::from(answer_r),
+                value: 0,
+            },
+        }
+    }
+
+    /// What is wrong with the shared pages, if anything.
+    fn check(&mut self) -> Option<String> {
+        use std::io::Read;
+        self.value = self.value.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        // SAFETY: writes the two pages mapped in `fork`, which the writer
+        // keeps.
+        unsafe {
+            std::ptr::write_volatile(self.anon, self.value);
+            std::ptr::write_volatile(self.memfd, !self.value);
+        }
+        let mut seen = [0u8; 16];
+        if let Err(e) = self
+            .ask
+            .write_all(&self.value.to_le_bytes())
+            .and_then(|()| self.answer.read_exact(&mut seen))
+        {
+            return Some(format!("bad child: {e}"));
+        }
+        let anon = u64::from_le_bytes(seen[..8].try_into().unwrap());
+        let memfd = u64::from_le_bytes(seen[8..].try_into().unwrap());
+        if anon != self.value {
+            return Some(format!(
+                "bad shared page: the child sees {anon:#x}, not {:#x}",
+                self.value
+            ));
+        }
+        if memfd != !self.value {
+            return Some(format!(
+                "bad memfd page: the child sees {memfd:#x}, not {:#x}",
+                !self.value
+            ));
+        }
+        None
+    }
+}
+
 struct Memory {
     pages: Vec<u8>,
     versions: Vec<u64>,
     side: Side,
     shapes: Vec<Shape>,
+    child: Option<Child>,
     writes: u64,
     rng: u64,
     pipe: (std::fs::File, std::fs::File),
@@ -400,6 +534,9 @@ impl Memory {
             }
             pages += shape.versions.len();
         }
+        if let Some(bad) = self.child.as_mut().and_then(Child::check) {
+            return bad;
+        }
         format!("ok {} {}", self.writes, pages)
     }
 }
@@ -434,6 +571,7 @@ fn main() {
         } else {
             Vec::new()
         },
+        child: args.child.then(Child::fork),
         writes: 0,
         rng: 0x2545_f491_4f6c_dd1d,
         pipe: (std::fs::File::from(r), std::fs::File::from(w)),
