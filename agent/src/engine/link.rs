@@ -156,7 +156,10 @@ pub fn peer_error(node: &str, s: Status) -> EngineError {
         tonic::Code::Unavailable => EngineError::PeerUnavailable {
             node: node.to_owned(),
             address: String::new(),
-            reason: with_causes(&s),
+            reason: crate::error_chain::with_sources(
+                s.message().to_owned(),
+                std::error::Error::source(&s),
+            ),
         },
         code => EngineError::Peer {
             node: node.to_owned(),
@@ -164,21 +167,6 @@ pub fn peer_error(node: &str, s: Status) -> EngineError {
             message: s.message().to_owned(),
         },
     }
-}
-
-/// A status's message and the causes below it.
-fn with_causes(s: &Status) -> String {
-    let mut reason = s.message().to_owned();
-    let mut cause = std::error::Error::source(s);
-    while let Some(c) = cause {
-        let m = c.to_string();
-        if !reason.contains(&m) {
-            reason.push_str(": ");
-            reason.push_str(&m);
-        }
-        cause = c.source();
-    }
-    reason
 }
 
 /// A peer that did not answer `step` within `waited`.
@@ -190,5 +178,28 @@ pub fn silent(peer: &PeerConfig, step: &str, waited: Duration) -> EngineError {
             "no answer to {step} within {} s (peer_timeout_secs)",
             waited.as_secs()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_connection_names_its_cause() {
+        let mut s = Status::unavailable("http2 error");
+        s.set_source(std::sync::Arc::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "keep-alive timed out",
+        )));
+        let e = peer_error("node2", s);
+        assert!(matches!(e, EngineError::PeerUnavailable { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "node2 unreachable: http2 error: keep-alive timed out"
+        );
+        // A refusal keeps its code and message.
+        let e = peer_error("node2", Status::resource_exhausted("full"));
+        assert_eq!(e.to_string(), "node2: full");
     }
 }
