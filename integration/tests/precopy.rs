@@ -62,6 +62,73 @@ fn request(pid: i32, to: &str, strategy: Strategy) -> MigrateRequest {
     }
 }
 
+/// What a pre-copy migration with a fault injected came to.
+struct Faulted {
+    report: MigrationReport,
+    /// The status the migration's stream ended with (`None`: cleanly).
+    status: Option<tonic::Status>,
+}
+
+/// Migrates `pid` to node2 with `strategy`, rounds going on (budget 1 ms,
+/// up to 1000 rounds), and calls `fault` once, at the first progress
+/// event `at` accepts. Panics if the migration outlives `within` or
+/// `fault` was never called.
+async fn migrate_with_fault(
+    node1: &mut ControlClient<Channel>,
+    pid: i32,
+    strategy: Strategy,
+    within: Duration,
+    at: impl Fn(&ferry_proto::v1::MigrationProgress) -> bool,
+    fault: impl FnOnce(),
+) -> Faulted {
+    let mut stream = node1
+        .migrate(MigrateRequest {
+            max_rounds: 1000,
+            downtime_budget_ms: 1,
+            ..request(pid, "node2", strategy)
+        })
+        .await
+        .expect("migration starts")
+        .into_inner();
+    let (mut report, mut status, mut fault) = (None, None, Some(fault));
+    let followed = tokio::time::timeout(within, async {
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    Some(migration_event::Event::Progress(p)) if fault.is_some() && at(&p) => {
+                        (fault.take().expect("checked"))();
+                    }
+                    Some(migration_event::Event::Report(r)) => report = Some(r),
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    status = Some(s);
+                    break;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        followed.is_ok(),
+        "{strategy:?}: the migration still runs after {within:?}"
+    );
+    assert!(
+        fault.is_none(),
+        "{strategy:?}: the migration ended before the fault"
+    );
+    Faulted {
+        report: report.expect("a report"),
+        status,
+    }
+}
+
+/// The round events of a pre-copy (the first one, or later ones).
+fn a_round(p: &ferry_proto::v1::MigrationProgress) -> bool {
+    p.phase.starts_with("pre-copy round")
+}
+
 fn summary(r: &MigrationReport) -> String {
     format!(
         "strategy {} freeze {:.1} ms ({}), preparation {:.1} ms, total {:.1} ms, {} bytes, rounds {:?} ({}), pages in freeze {} of {} ({} pre-copied, {} left out of the dump), {} filled after the resume in {:.1} ms ({} faults), destination peak {:.1} MiB",
@@ -236,35 +303,21 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
 
         // 2. The destination's agent dies during the pre-copy rounds.
         let agent2 = cluster.agent_pid("node2");
-        let mut stream = node1
-            .migrate(MigrateRequest {
-                max_rounds: 1000,
-                downtime_budget_ms: 1,
-                ..request(pid, "node2", Strategy::PreCopy)
-            })
-            .await
-            .expect("migration starts")
-            .into_inner();
-        let mut report = None;
-        let mut killed = false;
-        while let Ok(Some(ev)) = stream.message().await {
-            match ev.event {
-                Some(ferry_proto::v1::migration_event::Event::Progress(p))
-                    if p.phase.starts_with("pre-copy round") && !killed =>
-                {
-                    nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(agent2),
-                        nix::sys::signal::Signal::SIGKILL,
-                    )
-                    .expect("killing node2's agent");
-                    killed = true;
-                }
-                Some(ferry_proto::v1::migration_event::Event::Report(r)) => report = Some(r),
-                _ => {}
-            }
-        }
-        assert!(killed, "no pre-copy round was reported");
-        let report = report.expect("a report");
+        let Faulted { report, .. } = migrate_with_fault(
+            &mut node1,
+            pid,
+            Strategy::PreCopy,
+            Duration::from_secs(120),
+            a_round,
+            || {
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(agent2),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .expect("killing node2's agent")
+            },
+        )
+        .await;
         assert_eq!(
             report.outcome,
             MigrationOutcome::Aborted as i32,
@@ -299,44 +352,23 @@ fn a_destination_work_dir_filling_up_during_the_rounds_leaves_the_process_on_the
         let pid = WRITER.start(&mut node1, 64, 10).await;
         let before = check(&cluster);
         for strategy in [Strategy::PreCopy, Strategy::QueuedPreCopy] {
-            let mut stream = node1
-                .migrate(MigrateRequest {
-                    max_rounds: 1000,
-                    downtime_budget_ms: 1,
-                    ..request(pid, "node2", strategy)
-                })
-                .await
-                .expect("migration starts")
-                .into_inner();
-            let (mut report, mut status, mut held) = (None, None, None);
-            loop {
-                match stream.message().await {
-                    Ok(Some(ev)) => match ev.event {
-                        // After the round that sent most of the memory
-                        // (a queued pre-copy's first only watches).
-                        Some(migration_event::Event::Progress(p))
-                            if p.phase.starts_with("pre-copy round")
-                                && p.bytes_transferred >= 32 << 20
-                                && held.is_none() =>
-                        {
-                            held = Some(cluster.work_dir_full("node2", true));
-                        }
-                        Some(migration_event::Event::Report(r)) => report = Some(r),
-                        _ => {}
-                    },
-                    Ok(None) => break,
-                    Err(s) => {
-                        status = Some(s);
-                        break;
-                    }
-                }
-            }
-            let held = held.expect("no pre-copy round sent half the memory");
+            let mut held = None;
+            // After the round that sent most of the memory (a queued
+            // pre-copy's first only watches).
+            let Faulted { report, status } = migrate_with_fault(
+                &mut node1,
+                pid,
+                strategy,
+                Duration::from_secs(120),
+                |p| a_round(p) && p.bytes_transferred >= 32 << 20,
+                || held = Some(cluster.work_dir_full("node2", true)),
+            )
+            .await;
+            let held = held.expect("the work dir was filled");
             assert!(
                 held >= 32 << 20,
                 "{strategy:?}: node2 held {held} bytes after the first round"
             );
-            let report = report.expect("a report");
             assert_eq!(
                 report.outcome,
                 MigrationOutcome::Aborted as i32,
@@ -397,41 +429,15 @@ fn a_cluster_link_cut_during_the_rounds_leaves_the_process_on_the_source() {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let pid = WRITER.start(&mut node1, 64, 10).await;
         let before = check(&cluster);
-        let mut stream = node1
-            .migrate(MigrateRequest {
-                max_rounds: 1000,
-                downtime_budget_ms: 1,
-                ..request(pid, "node2", Strategy::PreCopy)
-            })
-            .await
-            .expect("migration starts")
-            .into_inner();
-        let (mut report, mut status, mut cut) = (None, None, false);
-        let watched = tokio::time::timeout(Duration::from_secs(60), async {
-            loop {
-                match stream.message().await {
-                    Ok(Some(ev)) => match ev.event {
-                        Some(migration_event::Event::Progress(p))
-                            if p.phase.starts_with("pre-copy round") && !cut =>
-                        {
-                            cluster.cut_cluster_link("node2", true);
-                            cut = true;
-                        }
-                        Some(migration_event::Event::Report(r)) => report = Some(r),
-                        _ => {}
-                    },
-                    Ok(None) => break,
-                    Err(s) => {
-                        status = Some(s);
-                        break;
-                    }
-                }
-            }
-        })
+        let Faulted { report, status } = migrate_with_fault(
+            &mut node1,
+            pid,
+            Strategy::PreCopy,
+            Duration::from_secs(60),
+            a_round,
+            || cluster.cut_cluster_link("node2", true),
+        )
         .await;
-        assert!(watched.is_ok(), "the source still waits 60 s after the cut");
-        assert!(cut, "no pre-copy round was reported");
-        let report = report.expect("a report");
         eprintln!(
             "cut during the rounds: {:?} {}",
             status.as_ref().map(|s| s.code()),
