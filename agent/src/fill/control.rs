@@ -7,7 +7,8 @@
 //! namespace (i32, little endian) with its userfaultfd attached; `F`:
 //! CRIU's restore finished (the areas are in place); `K` + a task's host
 //! PID (i32) with its pidfd attached, for each task of the restored tree:
-//! the filler kills them should it fail. For a plan whose
+//! the filler kills them should it fail; `G`: the process resumed, the
+//! background installs may start. For a plan whose
 //! pages follow ([`super::Plan::follows`]): `A` + the store's task (u32)
 //! and ranges `{u64 start, u64 end}` of store offsets: those pages are in
 //! the store now; `X` + text: no more will come. Filler -> ferryd: `R`:
@@ -47,6 +48,13 @@ pub enum ToFiller {
         uffd: OwnedFd,
     },
     RestoreFinished,
+    /// The restored process runs: the background installs start. Before,
+    /// only faults are answered: in the freeze, installing threads would
+    /// take the two CPUs from the restore and the commit, and every area
+    /// change the restorer makes (its own memory unmapped: a message the
+    /// filler must read before the task goes on) would wait for their
+    /// chunks.
+    Resumed,
     /// A task of the restored tree (host PID, and a pidfd of it), which
     /// the filler kills should it fail: once no one holds its
     /// userfaultfd, a page the filler did not install reads as zeros.
@@ -182,6 +190,7 @@ pub fn send_to_filler(sock: BorrowedFd<'_>, m: &ToFiller) -> Result<(), FillErro
             send(sock, &b, Some(uffd.as_raw_fd()))
         }
         ToFiller::RestoreFinished => send(sock, b"F", None),
+        ToFiller::Resumed => send(sock, b"G", None),
         ToFiller::Guard { pid, pidfd } => {
             let mut b = vec![b'K'];
             b.extend(pid.to_le_bytes());
@@ -221,6 +230,7 @@ pub fn recv_in_filler(sock: BorrowedFd<'_>) -> Result<Option<ToFiller>, FillErro
             uffd,
         })),
         (Some(b'F'), None) if b.len() == 1 => Ok(Some(ToFiller::RestoreFinished)),
+        (Some(b'G'), None) if b.len() == 1 => Ok(Some(ToFiller::Resumed)),
         (Some(b'K'), Some(pidfd)) if b.len() == 5 => Ok(Some(ToFiller::Guard {
             pid: i32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
             pidfd,
@@ -325,6 +335,7 @@ mod tests {
         )
         .unwrap();
         send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        send_to_filler(ours.as_fd(), &ToFiller::Resumed).unwrap();
         let (store, _keep_store) = pair().unwrap();
         send_to_filler(ours.as_fd(), &ToFiller::Store { index: 3, store }).unwrap();
         send_to_filler(
@@ -341,6 +352,10 @@ mod tests {
         assert!(matches!(
             recv_in_filler(theirs.as_fd()).unwrap(),
             Some(ToFiller::RestoreFinished)
+        ));
+        assert!(matches!(
+            recv_in_filler(theirs.as_fd()).unwrap(),
+            Some(ToFiller::Resumed)
         ));
         match recv_in_filler(theirs.as_fd()).unwrap() {
             Some(ToFiller::Store { index: 3, store }) => assert!(store.as_raw_fd() >= 0),

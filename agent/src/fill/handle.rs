@@ -267,6 +267,12 @@ impl Filler {
         Ok(())
     }
 
+    /// Tells the filler the process resumed: its background installs
+    /// start ([`ToFiller::Resumed`]).
+    pub fn resumed(&self) -> Result<(), FillError> {
+        control::send_to_filler(self.ctl.as_fd(), &ToFiller::Resumed)
+    }
+
     /// The filler's next word other than an ask for pages, which goes on
     /// to [`Filler::follow`]'s receiver. Blocking.
     fn next_report(

@@ -105,6 +105,7 @@ pub async fn commit(
         entered,
     };
     let (replay, resumed_early) = resume_and_replay(engine, inc, pid, handed).await?;
+    filler_may_install(inc);
     let resumed_at = resumed_early.unwrap_or_else(Instant::now);
     let running_for = || resumed_at.elapsed().as_micros() as u64;
     if let Some(before) = udp_buffers {
@@ -222,6 +223,16 @@ pub(super) fn resume_rebuilt(rebuilt: &mut Option<crate::sockstate::Rebuilt>) {
         && let Err(e) = r.resume()
     {
         tracing::error!(error = %e, "taking the rebuilt connections out of repair mode");
+    }
+}
+
+/// The process runs: the page filler's background installs start (in the
+/// freeze they would have taken the CPUs from it).
+fn filler_may_install(inc: &Incoming) {
+    if let Some(f) = inc.filler.as_ref()
+        && let Err(e) = f.resumed()
+    {
+        tracing::warn!(error = %e, "telling the page filler the process resumed");
     }
 }
 

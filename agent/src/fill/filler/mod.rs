@@ -36,13 +36,15 @@ struct Window {
 }
 
 /// Installed pages the store keeps until this many bytes of them can go
-/// at once. Each release punches a hole in the store file under its inode
-/// lock, which ferryd's writes of the pages that follow hold too: released
-/// chunk by chunk (up to 512 KiB), the filler spent half of its time
-/// spinning on that lock in a 4 GiB post-copy fill (perf, release build,
-/// 2 cores). The store then holds at most this much of pages already
-/// installed, besides those still to install.
-const RELEASE_BATCH: u64 = 8 << 20;
+/// at once: a 32nd of the store's windows, within these bounds. Each
+/// release punches a hole in the store file under its inode lock, which
+/// ferryd's writes of the pages that follow hold too: released chunk by
+/// chunk (up to 512 KiB), the filler spent half of its time spinning on
+/// that lock in a 4 GiB post-copy fill (perf, release build, 2 cores).
+/// The store then holds at most this much of pages already installed,
+/// besides those still to install: a few per cent of the process.
+const RELEASE_BATCH_MIN: u64 = 512 << 10;
+const RELEASE_BATCH_MAX: u64 = 8 << 20;
 
 /// One store, mapped.
 struct Store {
@@ -50,6 +52,8 @@ struct Store {
     windows: Vec<Window>,
     /// Installed, not released yet: `[offset, end)` of the store file.
     installed: Mutex<RangeSet>,
+    /// How much of that goes at once.
+    release_batch: u64,
 }
 
 // SAFETY: the windows are read-only shared mappings owned by the Store,
@@ -64,6 +68,8 @@ impl Store {
             file,
             windows: Vec::new(),
             installed: Mutex::new(RangeSet::new()),
+            release_batch: (windows.iter().map(|(s, e)| e - s).sum::<u64>() / 32)
+                .clamp(RELEASE_BATCH_MIN, RELEASE_BATCH_MAX),
         };
         for &(start, end) in windows {
             let len = (end - start) as usize;
@@ -129,7 +135,7 @@ impl Store {
     }
 
     /// Frees the store's pages of `[off, off + len)` (installed, or no
-    /// longer wanted) once [`RELEASE_BATCH`] bytes of such pages gathered:
+    /// longer wanted) once `release_batch` bytes of such pages gathered:
     /// the store shrinks as the process fills.
     fn release(&self, off: u64, len: u64) {
         if len == 0 {
@@ -138,7 +144,7 @@ impl Store {
         let ranges = {
             let mut installed = crate::sync::lock(&self.installed);
             installed.insert(off, off + len);
-            if installed.len() < RELEASE_BATCH {
+            if installed.len() < self.release_batch {
                 return;
             }
             std::mem::take(&mut *installed)
@@ -558,6 +564,8 @@ impl Filler {
                     }
                     Some(ToFiller::RestoreFinished) => {
                         crate::sync::lock(&self.state).restore_finished = Some(Instant::now());
+                    }
+                    Some(ToFiller::Resumed) => {
                         if let Some(start) = start_workers.take() {
                             start();
                         }
@@ -590,6 +598,10 @@ impl Filler {
                             return Err(FillError::Protocol(
                                 "ferryd went away before the restore finished".into(),
                             ));
+                        }
+                        // No word of the resume will come: install on.
+                        if let Some(start) = start_workers.take() {
+                            start();
                         }
                         // Pages that follow come through ferryd: none
                         // will any more. (Pages in the stores go on.)

@@ -140,6 +140,7 @@ fn installs_pages_as_they_arrive_and_asks_for_faulted_ones_first() {
         )
         .unwrap();
         control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        control::send_to_filler(ours.as_fd(), &ToFiller::Resumed).unwrap();
         // The source: sends from the last page down, slowly, and what
         // is asked for first.
         let source = s.spawn(|| {
@@ -239,6 +240,7 @@ fn a_fill_whose_pages_stop_coming_fails() {
     )
     .unwrap();
     control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+    control::send_to_filler(ours.as_fd(), &ToFiller::Resumed).unwrap();
     control::send_to_filler(
         ours.as_fd(),
         &ToFiller::Lost {
@@ -275,6 +277,7 @@ fn a_fill_whose_ferryd_dies_with_pages_to_come_kills_the_process() {
             pidfd,
         },
         ToFiller::RestoreFinished,
+        ToFiller::Resumed,
     ] {
         control::send_to_filler(ours.as_fd(), &m).unwrap();
     }
@@ -323,6 +326,7 @@ fn a_fill_from_the_store_goes_on_without_ferryd() {
             pidfd,
         },
         ToFiller::RestoreFinished,
+        ToFiller::Resumed,
     ] {
         control::send_to_filler(ours.as_fd(), &m).unwrap();
     }
@@ -446,6 +450,7 @@ fn fills_faulted_and_pending_pages_and_follows_the_areas() {
             "the forked child read wrong pages (status {status:#x})"
         );
         control::send_to_filler(ours.as_fd(), &ToFiller::RestoreFinished).unwrap();
+        control::send_to_filler(ours.as_fd(), &ToFiller::Resumed).unwrap();
         let stats = running.join().unwrap().unwrap();
         assert_eq!(stats.tasks, 2, "{stats:?}");
         assert!(stats.faults >= 3, "{stats:?}");
@@ -503,7 +508,16 @@ fn installed_pages_leave_the_store_in_batches_and_all_at_its_end() {
     let file = unsafe { File::from_raw_fd(raw) };
     std::os::unix::fs::FileExt::write_all_at(&file, &vec![7u8; (12 * MIB) as usize], 0).unwrap();
     let watch = file.try_clone().unwrap();
-    let store = Store::map(file, &[(0, 12 * MIB)]).unwrap();
+    let small = Store::map(file.try_clone().unwrap(), &[(0, 12 * MIB)]).unwrap();
+    // Windows of 12 MiB: batches of 512 KiB (a 32nd, at least 512 KiB).
+    small.release(11 * MIB, 256 << 10);
+    assert_eq!(file_bytes(&watch), 12 * MIB);
+    small.release(11 * MIB + (256 << 10), 256 << 10);
+    assert_eq!(file_bytes(&watch), 23 * MIB / 2);
+    drop(small);
+    std::os::unix::fs::FileExt::write_all_at(&file, &vec![7u8; (12 * MIB) as usize], 0).unwrap();
+    // Windows of 256 MiB (the file behind them is 12): batches of 8 MiB.
+    let store = Store::map(file, &[(0, 256 * MIB)]).unwrap();
     // Under a batch: nothing is freed yet.
     store.release(0, 4 * MIB);
     store.release(6 * MIB, 2 * MIB);
