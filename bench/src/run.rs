@@ -22,16 +22,34 @@ pub fn strategy_of(name: &str) -> Result<Strategy, UnknownStrategy> {
     })
 }
 
-/// "release" or "debug": the profile of the agent under test, from where
-/// it is (`FERRY_BIN_DIR`, which `cargo xtask bench` sets).
+/// "release" or "debug": the profile of the agent under test, as its
+/// `ferryd --version` says (binaries copied out of `target/` keep it), or,
+/// from an older ferryd that does not say, from where it is
+/// (`FERRY_BIN_DIR`, which `cargo xtask bench` sets).
 pub fn profile() -> &'static str {
-    if ferry_integration::bin_path("ferryd")
-        .components()
-        .any(|c| c.as_os_str() == "release")
-    {
-        "release"
+    let ferryd = ferry_integration::bin_path("ferryd");
+    let said = std::process::Command::new(&ferryd)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| profile_in_version(&String::from_utf8_lossy(&o.stdout)));
+    said.unwrap_or_else(|| {
+        if ferryd.components().any(|c| c.as_os_str() == "release") {
+            "release"
+        } else {
+            "debug"
+        }
+    })
+}
+
+/// The profile `ferryd --version` names ("ferryd 0.1.0 (release build)").
+fn profile_in_version(version: &str) -> Option<&'static str> {
+    if version.contains("(release build)") {
+        Some("release")
+    } else if version.contains("(debug build)") {
+        Some("debug")
     } else {
-        "debug"
+        None
     }
 }
 
@@ -50,6 +68,19 @@ pub fn freeze_parts(report: &ferry_proto::v1::MigrationReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_profile_is_read_from_ferryds_version() {
+        assert_eq!(
+            profile_in_version("ferryd 0.1.0 (release build)\n"),
+            Some("release")
+        );
+        assert_eq!(
+            profile_in_version("ferryd 0.1.0 (debug build)\n"),
+            Some("debug")
+        );
+        assert_eq!(profile_in_version("ferryd 0.1.0\n"), None);
+    }
 
     #[test]
     fn names_every_strategy() {

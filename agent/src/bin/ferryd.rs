@@ -21,10 +21,17 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+/// `--version`: the build profile too, which benchmarks state with their
+/// figures (optimised or not changes them several-fold).
+#[cfg(debug_assertions)]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (debug build)");
+#[cfg(not(debug_assertions))]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (release build)");
+
 #[derive(Debug, Parser)]
 #[command(
     name = "ferryd",
-    version,
+    version = VERSION,
     about = "The ferry agent: live migration of processes with their connections"
 )]
 struct Args {
