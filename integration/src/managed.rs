@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationReport, RunProcessRequest,
-    Strategy, migration_event,
+    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationEvent, MigrationProgress,
+    MigrationReport, RunProcessRequest, Strategy, migration_event,
 };
 use tonic::transport::Channel;
 
@@ -137,6 +137,53 @@ pub async fn migrate_committed(
         .expect("the migration starts");
     assert!(status.is_none(), "did not commit: {status:?} {report:#?}");
     report
+}
+
+/// What a migration with a fault injected came to.
+pub struct Faulted {
+    pub report: MigrationReport,
+    /// The status the migration's stream ended with (`None`: cleanly).
+    pub status: Option<tonic::Status>,
+}
+
+/// Follows a migration's events to its end and runs `fault` once, at the
+/// first progress event `at` accepts (a phase, a round). Panics if the
+/// migration outlives `within`, ends before the fault or without a report.
+pub async fn follow_with_fault(
+    stream: &mut tonic::Streaming<MigrationEvent>,
+    within: Duration,
+    at: impl Fn(&MigrationProgress) -> bool,
+    fault: impl AsyncFnOnce(),
+) -> Faulted {
+    let (mut report, mut status, mut fault) = (None, None, Some(fault));
+    let followed = tokio::time::timeout(within, async {
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    Some(migration_event::Event::Progress(p)) if fault.is_some() && at(&p) => {
+                        (fault.take().expect("checked"))().await;
+                    }
+                    Some(migration_event::Event::Report(r)) => report = Some(r),
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    status = Some(s);
+                    break;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        followed.is_ok(),
+        "the migration still runs after {within:?}"
+    );
+    assert!(fault.is_none(), "the migration ended before the fault");
+    Faulted {
+        report: report.expect("a report"),
+        status,
+    }
 }
 
 /// Reads a server stream to its end; returns the status it ended with,

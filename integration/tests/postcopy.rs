@@ -13,7 +13,9 @@
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{list, migrate_request, process_state, runtime, wait_for_process};
+use ferry_integration::managed::{
+    Faulted, follow_with_fault, list, migrate_request, process_state, runtime, wait_for_process,
+};
 use ferry_integration::memwriter::{MemWriter, source_and_destination, write_protected};
 use ferry_integration::peer::{self, block_on_in};
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
@@ -610,38 +612,27 @@ fn a_post_copy_whose_destination_agent_dies_during_the_fill_runs_nowhere_rather_
             .await
             .expect("migration starts")
             .into_inner();
-        let (mut report, mut end, mut restored, mut filler) = (None, None, Vec::new(), Vec::new());
-        loop {
-            match stream.message().await {
-                Ok(Some(ev)) => match ev.event {
-                    Some(ferry_proto::v1::migration_event::Event::Progress(p))
-                        if p.phase == "post-copy" && filler.is_empty() =>
-                    {
-                        restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
-                        filler = agent_children(&cluster, "node2", "ferryd", Some("fill"));
-                        assert_eq!(restored.len(), 1, "the restored writer on node2");
-                        assert_eq!(filler.len(), 1, "node2's page filler");
-                        nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(cluster.agent_pid("node2")),
-                            nix::sys::signal::Signal::SIGKILL,
-                        )
-                        .expect("killing node2's agent");
-                    }
-                    Some(ferry_proto::v1::migration_event::Event::Report(r)) => report = Some(r),
-                    _ => {}
-                },
-                Ok(None) => break,
-                Err(s) => {
-                    end = Some(s);
-                    break;
-                }
-            }
-        }
-        assert!(
-            !filler.is_empty(),
-            "the fill ended before the agent could be killed"
-        );
-        let report = report.expect("a report");
+        let (mut restored, mut filler) = (Vec::new(), Vec::new());
+        let Faulted {
+            report,
+            status: end,
+        } = follow_with_fault(
+            &mut stream,
+            Duration::from_secs(120),
+            |p| p.phase == "post-copy",
+            async || {
+                restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
+                filler = agent_children(&cluster, "node2", "ferryd", Some("fill"));
+                assert_eq!(restored.len(), 1, "the restored writer on node2");
+                assert_eq!(filler.len(), 1, "node2's page filler");
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(cluster.agent_pid("node2")),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .expect("killing node2's agent");
+            },
+        )
+        .await;
         eprintln!(
             "outcome: {:?} {}\n{}",
             end.as_ref().map(|s| s.code()),
@@ -703,38 +694,21 @@ fn a_post_copy_whose_cluster_link_is_cut_during_the_fill_reports_the_loss_on_bot
             .await
             .expect("migration starts")
             .into_inner();
-        let (mut report, mut end, mut restored) = (None, None, Vec::new());
-        let watched = tokio::time::timeout(Duration::from_secs(120), async {
-            loop {
-                match stream.message().await {
-                    Ok(Some(ev)) => match ev.event {
-                        Some(ferry_proto::v1::migration_event::Event::Progress(p))
-                            if p.phase == "post-copy" && restored.is_empty() =>
-                        {
-                            restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
-                            assert_eq!(restored.len(), 1, "the restored writer on node2");
-                            cluster.cut_cluster_link("node2", true);
-                        }
-                        Some(ferry_proto::v1::migration_event::Event::Report(r)) => {
-                            report = Some(r)
-                        }
-                        _ => {}
-                    },
-                    Ok(None) => break,
-                    Err(s) => {
-                        end = Some(s);
-                        break;
-                    }
-                }
-            }
-        })
+        let mut restored = Vec::new();
+        let Faulted {
+            report,
+            status: end,
+        } = follow_with_fault(
+            &mut stream,
+            Duration::from_secs(120),
+            |p| p.phase == "post-copy",
+            async || {
+                restored = list(&mut node2).await.iter().map(|p| p.pid).collect();
+                assert_eq!(restored.len(), 1, "the restored writer on node2");
+                cluster.cut_cluster_link("node2", true);
+            },
+        )
         .await;
-        assert!(
-            watched.is_ok(),
-            "the source still waits 120 s after the cut"
-        );
-        assert!(!restored.is_empty(), "the fill ended before the cut");
-        let report = report.expect("a report");
         eprintln!(
             "outcome: {:?} {}\n{}",
             end.as_ref().map(|s| s.code()),

@@ -13,12 +13,13 @@ use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    migrate_committed, migrate_request, process_state, runtime, wait_for_process,
+    Faulted, follow_with_fault, migrate_committed, migrate_request, process_state, runtime,
+    wait_for_process,
 };
 use ferry_integration::memwriter::{MemWriter, source_and_destination, write_protected};
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    MigrateRequest, MigrationOutcome, MigrationReport, PrecopyThrottle, Strategy, migration_event,
+    MigrateRequest, MigrationOutcome, MigrationReport, PrecopyThrottle, Strategy,
 };
 use tonic::transport::Channel;
 
@@ -62,17 +63,39 @@ fn request(pid: i32, to: &str, strategy: Strategy) -> MigrateRequest {
     }
 }
 
-/// What a pre-copy migration with a fault injected came to.
-struct Faulted {
-    report: MigrationReport,
-    /// The status the migration's stream ended with (`None`: cleanly).
-    status: Option<tonic::Status>,
+/// After an abort: the report says so and that the process resumed on
+/// the source, where it runs with no write protection left.
+async fn kept_on_the_source(
+    node1: &mut ControlClient<Channel>,
+    pid: i32,
+    report: &MigrationReport,
+) {
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Aborted as i32,
+        "{report:#?}"
+    );
+    assert!(report.resumed_on_source, "{report:#?}");
+    assert!(!write_protected(pid), "write protection left behind");
+    wait_for_process(node1, pid, |p| p.state == "running").await;
+}
+
+/// The process moves to node2 after all (pre-copy): committed, the
+/// source's copy gone, every page it wrote there.
+async fn moves_after_all(cluster: &Cluster, node1: &mut ControlClient<Channel>, pid: i32) {
+    let report = migrate_committed(node1, request(pid, "node2", Strategy::PreCopy)).await;
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Committed as i32,
+        "{report:#?}"
+    );
+    assert_eq!(process_state(pid), None, "source copy still exists");
+    check(cluster);
 }
 
 /// Migrates `pid` to node2 with `strategy`, rounds going on (budget 1 ms,
-/// up to 1000 rounds), and calls `fault` once, at the first progress
-/// event `at` accepts. Panics if the migration outlives `within` or
-/// `fault` was never called.
+/// up to 1000 rounds), with `fault` at the first progress event `at`
+/// accepts ([`follow_with_fault`]).
 async fn migrate_with_fault(
     node1: &mut ControlClient<Channel>,
     pid: i32,
@@ -90,38 +113,7 @@ async fn migrate_with_fault(
         .await
         .expect("migration starts")
         .into_inner();
-    let (mut report, mut status, mut fault) = (None, None, Some(fault));
-    let followed = tokio::time::timeout(within, async {
-        loop {
-            match stream.message().await {
-                Ok(Some(ev)) => match ev.event {
-                    Some(migration_event::Event::Progress(p)) if fault.is_some() && at(&p) => {
-                        (fault.take().expect("checked"))();
-                    }
-                    Some(migration_event::Event::Report(r)) => report = Some(r),
-                    _ => {}
-                },
-                Ok(None) => break,
-                Err(s) => {
-                    status = Some(s);
-                    break;
-                }
-            }
-        }
-    })
-    .await;
-    assert!(
-        followed.is_ok(),
-        "{strategy:?}: the migration still runs after {within:?}"
-    );
-    assert!(
-        fault.is_none(),
-        "{strategy:?}: the migration ended before the fault"
-    );
-    Faulted {
-        report: report.expect("a report"),
-        status,
-    }
+    follow_with_fault(&mut stream, within, at, async || fault()).await
 }
 
 /// The round events of a pre-copy (the first one, or later ones).
@@ -282,16 +274,9 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
                     .await
                     .expect("migration starts");
                 assert_eq!(status.map(|s| s.code()), Some(tonic::Code::Aborted));
-                assert_eq!(
-                    report.outcome,
-                    MigrationOutcome::Aborted as i32,
-                    "{report:#?}"
-                );
-                assert!(report.resumed_on_source, "{report:#?}");
+                kept_on_the_source(&mut node1, pid, &report).await;
                 assert!(!report.rounds.is_empty(), "{report:#?}");
                 eprintln!("abort after pre-copy: {}", report.error);
-                assert!(!write_protected(pid), "write protection left behind");
-                wait_for_process(&mut node1, pid, |p| p.state == "running").await;
             }
         }
         assert!(cluster.incoming_dir_is_empty("node2"));
@@ -318,15 +303,8 @@ fn a_failed_precopy_migration_leaves_the_process_intact_on_the_source() {
             },
         )
         .await;
-        assert_eq!(
-            report.outcome,
-            MigrationOutcome::Aborted as i32,
-            "{report:#?}"
-        );
-        assert!(report.resumed_on_source, "{report:#?}");
         eprintln!("abort with the destination gone: {}", report.error);
-        assert!(!write_protected(pid), "write protection left behind");
-        wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        kept_on_the_source(&mut node1, pid, &report).await;
         let after = check(&cluster);
         assert!(after > before, "the process stopped writing");
     });
@@ -369,12 +347,7 @@ fn a_destination_work_dir_filling_up_during_the_rounds_leaves_the_process_on_the
                 held >= 32 << 20,
                 "{strategy:?}: node2 held {held} bytes after the first round"
             );
-            assert_eq!(
-                report.outcome,
-                MigrationOutcome::Aborted as i32,
-                "{strategy:?}: {report:#?}"
-            );
-            assert!(report.resumed_on_source, "{report:#?}");
+            kept_on_the_source(&mut node1, pid, &report).await;
             assert!(
                 report.error.contains("full") || report.error.contains("No space left"),
                 "{strategy:?}: the reason is not said: {}",
@@ -385,8 +358,6 @@ fn a_destination_work_dir_filling_up_during_the_rounds_leaves_the_process_on_the
                 "{strategy:?}: the migration ended without an error"
             );
             eprintln!("{strategy:?}, node2's work dir full: {}", report.error);
-            assert!(!write_protected(pid), "write protection left behind");
-            wait_for_process(&mut node1, pid, |p| p.state == "running").await;
             assert!(cluster.incoming_dir_is_empty("node2"));
             cluster.work_dir_full("node2", false);
         }
@@ -397,14 +368,7 @@ fn a_destination_work_dir_filling_up_during_the_rounds_leaves_the_process_on_the
         assert!(check(&cluster) > before, "the process stopped writing");
 
         // With room again, it moves.
-        let report = migrate_committed(&mut node1, request(pid, "node2", Strategy::PreCopy)).await;
-        assert_eq!(
-            report.outcome,
-            MigrationOutcome::Committed as i32,
-            "{report:#?}"
-        );
-        assert_eq!(process_state(pid), None, "source copy still exists");
-        check(&cluster);
+        moves_after_all(&cluster, &mut node1, pid).await;
     });
 }
 
@@ -443,15 +407,8 @@ fn a_cluster_link_cut_during_the_rounds_leaves_the_process_on_the_source() {
             status.as_ref().map(|s| s.code()),
             report.error
         );
-        assert_eq!(
-            report.outcome,
-            MigrationOutcome::Aborted as i32,
-            "{report:#?}"
-        );
-        assert!(report.resumed_on_source, "{report:#?}");
+        kept_on_the_source(&mut node1, pid, &report).await;
         assert!(status.is_some(), "the migration ended without an error");
-        assert!(!write_protected(pid), "write protection left behind");
-        wait_for_process(&mut node1, pid, |p| p.state == "running").await;
         cluster
             .wait_listening("node1", PORT, Duration::from_secs(10))
             .expect("listening on node1");
@@ -468,14 +425,7 @@ fn a_cluster_link_cut_during_the_rounds_leaves_the_process_on_the_source() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert!(empty, "node2 keeps the aborted migration's pages");
-        let report = migrate_committed(&mut node1, request(pid, "node2", Strategy::PreCopy)).await;
-        assert_eq!(
-            report.outcome,
-            MigrationOutcome::Committed as i32,
-            "{report:#?}"
-        );
-        assert_eq!(process_state(pid), None, "source copy still exists");
-        check(&cluster);
+        moves_after_all(&cluster, &mut node1, pid).await;
     });
 }
 

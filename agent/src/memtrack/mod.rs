@@ -64,26 +64,36 @@ pub fn page_size() -> u64 {
     if n > 0 { n as u64 } else { 4096 }
 }
 
-/// Reads `buf.len()` bytes at `addr` of process `pid`; returns how many
-/// could be read (short at the first unmapped page).
-pub fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+/// `process_vm_readv` of `len` bytes at `addr` of process `pid` into
+/// `dst`; how many it read (short at the first unmapped page).
+///
+/// # Safety
+/// `dst` must be valid for writes of `len` bytes for the whole call.
+unsafe fn read_remote_into(pid: i32, addr: u64, dst: *mut u8, len: usize) -> io::Result<usize> {
     let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
+        iov_base: dst.cast(),
+        iov_len: len,
     };
     let remote = libc::iovec {
         iov_base: addr as *mut libc::c_void,
-        iov_len: buf.len(),
+        iov_len: len,
     };
-    // SAFETY: `local` describes `buf`, which is valid for writes of its
-    // length for the whole call; `remote` is only read by the kernel, in
-    // the other process, with its own checks.
+    // SAFETY: `local` is writable for `len` bytes (the caller's promise);
+    // `remote` is only read by the kernel, in the other process, with its
+    // own checks.
     let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
     if n < 0 {
         Err(io::Error::last_os_error())
     } else {
         Ok(n as usize)
     }
+}
+
+/// Reads `buf.len()` bytes at `addr` of process `pid`; returns how many
+/// could be read (short at the first unmapped page).
+pub fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is writable for its length for the whole call.
+    unsafe { read_remote_into(pid, addr, buf.as_mut_ptr(), buf.len()) }
 }
 
 /// Reads up to `len` bytes at `addr` of process `pid` into a new buffer,
@@ -93,24 +103,11 @@ pub fn read_remote(pid: i32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
 /// cent of its CPU.
 pub fn read_remote_vec(pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
     let mut buf: Vec<u8> = Vec::with_capacity(len);
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: len,
-    };
-    let remote = libc::iovec {
-        iov_base: addr as *mut libc::c_void,
-        iov_len: len,
-    };
-    // SAFETY: `local` describes the `len` bytes of `buf`'s allocation,
-    // valid for writes for the whole call; the kernel only writes them.
-    // `remote` is only read, in the other process, with its own checks.
-    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // SAFETY: the allocation holds `len` bytes, writable for the call.
+    let n = unsafe { read_remote_into(pid, addr, buf.as_mut_ptr(), len) }?;
     // SAFETY: the kernel wrote the first `n` bytes (`n <= len`, the
     // capacity); the rest stays outside the vector's length.
-    unsafe { buf.set_len(n as usize) };
+    unsafe { buf.set_len(n) };
     Ok(buf)
 }
 
