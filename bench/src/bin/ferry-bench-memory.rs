@@ -83,6 +83,10 @@ struct Args {
     /// runs the cluster on plain TCP, to see what encryption costs.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     tls: bool,
+    /// CRIU's log level on every node (4 keeps every log, with a timestamp
+    /// per line, in the node's work dir; see `FERRY_TEST_LOG_DIR`).
+    #[arg(long)]
+    criu_log_level: Option<u8>,
     #[arg(long, default_value = "target/bench/memory")]
     out: PathBuf,
 }
@@ -578,8 +582,13 @@ fn main() -> Result<()> {
     for link in &args.links {
         let mut spec = ClusterSpec::new(2, 1);
         spec.tls = args.tls;
+        // Top-level keys first: the TOML sections follow.
+        let log_level = args
+            .criu_log_level
+            .map(|l| format!("criu_log_level = {l}\n"))
+            .unwrap_or_default();
         spec.extra_config = format!(
-            "[migration]\npost_copy_pages = \"{}\"\n",
+            "{log_level}[migration]\npost_copy_pages = \"{}\"\n",
             args.post_copy_pages
         );
         let cluster = Cluster::start(spec).context("starting the cluster")?;
