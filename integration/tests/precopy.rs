@@ -3,7 +3,8 @@
 //! pre-copy and queued pre-copy, and its memory on the destination is what
 //! it wrote; failures before the commit leave it running on the source,
 //! intact and without write protection; a destination without room for
-//! the process refuses it before anything stops; memory of every kind
+//! the process refuses it before anything stops, also one that grows past
+//! it during the rounds; memory of every kind
 //! (huge pages, shared anonymous, memfd, advised and locked regions) moves intact with every
 //! strategy; a committed process is filled from the destination's own store with the source's
 //! agent killed at the commit. Root only; run by `cargo xtask test` (or `cargo xtask
@@ -601,6 +602,70 @@ fn a_destination_without_room_for_the_process_refuses_it_before_anything_stops()
         small_writer.check(&cluster);
         // And the large one never left node1.
         assert!(check(&cluster) >= before);
+    });
+}
+
+/// A process that grows after Prepare, past what the destination can
+/// hold, is refused while its pre-copied pages arrive, before anything
+/// stops: 32 MiB fit node2's 160 MiB (its resident set and its page store,
+/// the work dir being a tmpfs), 32 + 300 do not. The refusal names what it
+/// grew to and the limit; the process runs on on the source with all it
+/// wrote, the grown memory too, and node2 keeps nothing.
+#[test]
+fn a_process_growing_past_the_destinations_room_during_the_rounds_is_refused_before_the_freeze() {
+    if !ferry_integration::can_run(
+        "a_process_growing_past_the_destinations_room_during_the_rounds_is_refused_before_the_freeze",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.extra_config = "[migration]\nincoming_memory_limit_mib = 160\n".into();
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = WRITER.start(&mut node1, 32, 10).await;
+        let before = check(&cluster);
+        let mut grown = String::new();
+        // Prepare passed: the pre-copy starts, and the process grows.
+        let Faulted { report, status } = migrate_with_fault(
+            &mut node1,
+            pid,
+            Strategy::PreCopy,
+            Duration::from_secs(120),
+            |p| p.phase == "pre-copy",
+            || grown = WRITER.ask(&cluster, "grow 300"),
+        )
+        .await;
+        assert_eq!(grown, format!("grown {}", (300 << 20) / 4096));
+        kept_on_the_source(&mut node1, pid, &report).await;
+        assert_eq!(report.freeze_time_us, 0, "it stopped: {}", summary(&report));
+        let status = status.expect("a refusal");
+        assert_eq!(
+            status.code(),
+            tonic::Code::ResourceExhausted,
+            "{status:?}\n{}",
+            summary(&report)
+        );
+        let message = status.message();
+        for part in [
+            "node2 cannot hold the process: it grew after Prepare",
+            "MiB announced",
+            "MiB for its page store (the work dir is in memory)",
+            "has 160.0 MiB (the limit [migration] incoming_memory_limit_mib)",
+        ] {
+            assert!(message.contains(part), "{part:?} not in {message:?}");
+        }
+        eprintln!("refused: {message}");
+        assert!(cluster.incoming_dir_is_empty("node2"));
+        // Served by node1 still, every page intact (the grown ones too:
+        // the check's page count has them), and writing on.
+        let answer = WRITER.ask(&cluster, "check");
+        let words: Vec<&str> = answer.split_whitespace().collect();
+        assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
+        let pages: usize = words[2].parse().expect("a page count");
+        assert!(pages >= (332 << 20) / 4096, "{answer}");
+        assert!(check(&cluster) > before, "the process stopped writing");
     });
 }
 

@@ -865,6 +865,12 @@ fn final_status(report: &MigrationReport) -> Option<Status> {
         _ if reason.starts_with("cancelled by") => Some(Status::cancelled(format!(
             "migration {reason}; the process still runs on the source"
         ))),
+        // No room on the destination: another node may have some.
+        _ if report.error_code == tonic::Code::ResourceExhausted as i32 => {
+            Some(Status::resource_exhausted(format!(
+                "migration aborted, the process still runs on the source: {reason}"
+            )))
+        }
         _ => Some(Status::aborted(format!(
             "migration aborted, the process still runs on the source: {reason}"
         ))),

@@ -110,6 +110,12 @@ impl PageStore {
         Ok(self.processes.get_mut(&pid).expect("inserted above"))
     }
 
+    /// Bytes of the distinct pages that arrived (a page sent again in a
+    /// later round counts once: the store holds one copy of each).
+    pub fn held_bytes(&self) -> u64 {
+        self.processes.values().map(|s| s.held.len()).sum()
+    }
+
     /// Stores a batch of pages, each field checked.
     pub fn write(&mut self, batch: &PageBatch) -> Result<(), EngineError> {
         let page = memtrack::page_size();

@@ -82,6 +82,8 @@ const PAGE: usize = 4096;
 const LOCK: i32 = -1;
 const SIDE_PAGES: usize = 16;
 const SIDE_ID: u64 = 1 << 40;
+/// The first page id of the memory the `grow` command adds.
+const GROWN_ID: u64 = 1 << 44;
 
 /// The content of page `id` at `version`: both in the first 16 bytes, the
 /// rest an LCG stream seeded by them.
@@ -453,6 +455,9 @@ struct Memory {
     side: Side,
     shapes: Vec<Shape>,
     child: Option<Child>,
+    /// Memory added by the `grow` command (a process that grows while it
+    /// migrates), each page written once and checked like the rest.
+    grown: Vec<u8>,
     writes: u64,
     rng: u64,
     pipe: (std::fs::File, std::fs::File),
@@ -505,7 +510,28 @@ impl Memory {
         pattern(shape.page(k), shape.id + k as u64, shape.versions[k]);
     }
 
+    /// Adds `mib` MiB, each page written with its pattern.
+    fn grow(&mut self, mib: usize) -> String {
+        let first = self.grown.len() / PAGE;
+        let added = (mib << 20) / PAGE;
+        self.grown.resize((first + added) * PAGE, 0);
+        for k in first..first + added {
+            pattern(
+                &mut self.grown[k * PAGE..(k + 1) * PAGE],
+                GROWN_ID + k as u64,
+                0,
+            );
+        }
+        format!("grown {}", self.grown.len() / PAGE)
+    }
+
     fn check(&mut self, scratch: &mut [u8]) -> String {
+        for k in 0..self.grown.len() / PAGE {
+            pattern(scratch, GROWN_ID + k as u64, 0);
+            if self.grown[k * PAGE..(k + 1) * PAGE] != *scratch {
+                return format!("bad grown page {k}");
+            }
+        }
         for i in 0..self.versions.len() {
             pattern(scratch, i as u64, self.versions[i]);
             if self.page(i) != scratch {
@@ -518,7 +544,7 @@ impl Memory {
                 return format!("bad side page {k} generation {}", self.side.generation);
             }
         }
-        let mut pages = self.versions.len() + SIDE_PAGES;
+        let mut pages = self.versions.len() + SIDE_PAGES + self.grown.len() / PAGE;
         if self.shapes.iter().any(|s| s.flag.is_some()) {
             let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
             if let Some(bad) = self.shapes.iter().find_map(|s| s.flag_missing(&smaps)) {
@@ -552,6 +578,10 @@ fn serve(stream: TcpStream, mem: &mut Memory, scratch: &mut [u8]) {
     let answer = match line.trim() {
         "check" => mem.check(scratch),
         "stats" => format!("writes {}", mem.writes),
+        grow if grow.starts_with("grow ") => match grow["grow ".len()..].parse() {
+            Ok(mib) => mem.grow(mib),
+            Err(e) => format!("bad size {grow:?}: {e}"),
+        },
         other => format!("unknown command {other:?}"),
     };
     let _ = (&stream).write_all(format!("{answer}\n").as_bytes());
@@ -572,6 +602,7 @@ fn main() {
             Vec::new()
         },
         child: args.child.then(Child::fork),
+        grown: Vec::new(),
         writes: 0,
         rng: 0x2545_f491_4f6c_dd1d,
         pipe: (std::fs::File::from(r), std::fs::File::from(w)),

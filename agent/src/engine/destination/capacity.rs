@@ -2,7 +2,9 @@
 //! before anything stops: its resident set must fit in the memory this
 //! node offers, and its page store and images (a copy of each page it
 //! dumps, never more: `PageStore`) in the work dir, which takes memory too
-//! when it is a tmpfs.
+//! when it is a tmpfs. A process that grows after Prepare is checked
+//! again as its pre-copied pages arrive ([`Announced`]), still before
+//! anything stops.
 
 use std::path::Path;
 
@@ -23,6 +25,10 @@ pub(super) struct Room {
     pub memory: u64,
     /// Whether `memory` is the configured limit.
     pub limited: bool,
+    /// MemAvailable alone.
+    pub available: u64,
+    /// The configured limit, `[migration] incoming_memory_limit_mib`.
+    pub limit: Option<u64>,
     /// Free bytes in the work dir's file system.
     pub work_dir_free: u64,
     /// The work dir is in memory (tmpfs, ramfs): the store takes memory.
@@ -51,6 +57,8 @@ impl Room {
         Ok(Room {
             memory: limit.map_or(available, |l| l.min(available)),
             limited: limit.is_some_and(|l| l < available),
+            available,
+            limit,
             work_dir_free: work_dir_free(
                 in_memory,
                 fs.blocks(),
@@ -109,6 +117,89 @@ impl Room {
         }
         Ok(())
     }
+
+    /// Checks again, read now, for a process whose pre-copied pages came
+    /// to more than Prepare was told ([`Announced::grown_past`]): its
+    /// resident set counts as grown by as much, and its page store holds
+    /// `stored` bytes, already taken from MemAvailable when the work dir
+    /// is in memory (not from the configured limit, which bounds all that
+    /// the migration takes).
+    pub(super) fn recheck(
+        &self,
+        node: &str,
+        announced: &Announced,
+        stored: u64,
+    ) -> Result<(), EngineError> {
+        let grown = stored.saturating_sub(announced.dumped);
+        let process = announced.resident.saturating_add(grown);
+        let store_in_memory = if self.work_dir_in_memory { stored } else { 0 };
+        let total = process.saturating_add(store_in_memory);
+        let (needs, has, source) = match self.limit {
+            Some(limit) if total > limit => (
+                total,
+                limit,
+                "the limit [migration] incoming_memory_limit_mib",
+            ),
+            _ if process > self.available => (process, self.available, "MemAvailable"),
+            _ => return Ok(()),
+        };
+        let store = if self.work_dir_in_memory && needs == total {
+            format!(
+                " and {} for its page store (the work dir is in memory), {} in all",
+                mib(stored),
+                mib(total)
+            )
+        } else {
+            String::new()
+        };
+        Err(EngineError::NoRoom {
+            node: node.to_owned(),
+            detail: format!(
+                "it grew after Prepare: its pre-copied pages came to {}, {} more than the {} announced; with its resident set grown as much it needs {} for the process{store}, and has {} ({source})",
+                mib(stored),
+                mib(grown),
+                mib(announced.dumped),
+                mib(process),
+                mib(has)
+            ),
+        })
+    }
+}
+
+/// What Prepare was told of an incoming process, kept for the re-checks
+/// while its pre-copied pages arrive: a process that grows after Prepare
+/// (a cache filling up during the rounds) would otherwise only meet the
+/// limit as a full work dir or the OOM killer, in the freeze or after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Announced {
+    /// Its resident set, bytes.
+    pub resident: u64,
+    /// What its dump would hold, bytes.
+    pub dumped: u64,
+}
+
+/// Growth between two re-checks: the files read for one are cheap, but
+/// not worth reading for every batch.
+const RECHECK_EVERY: u64 = 8 << 20;
+
+impl Announced {
+    pub(crate) fn of(req: &PrepareRequest) -> Announced {
+        Announced {
+            resident: req.resident_bytes,
+            dumped: req.dumped_bytes,
+        }
+    }
+
+    /// Whether `stored` bytes of pages held are past what was announced
+    /// and past `*next` (a re-check is due; `*next` moves on). An older
+    /// source that announced nothing is never checked, as at Prepare.
+    pub(crate) fn grown_past(&self, stored: u64, next: &mut u64) -> bool {
+        if (self.resident == 0 && self.dumped == 0) || stored <= self.dumped.max(*next) {
+            return false;
+        }
+        *next = stored.saturating_add(RECHECK_EVERY);
+        true
+    }
 }
 
 /// Free bytes in the work dir's file system, from its `statfs`. A tmpfs
@@ -150,6 +241,8 @@ mod tests {
     const IN_MEMORY: Room = Room {
         memory: 100 << 20,
         limited: true,
+        available: 1 << 40,
+        limit: Some(100 << 20),
         work_dir_free: 1 << 40,
         work_dir_in_memory: true,
     };
@@ -177,6 +270,8 @@ mod tests {
         let on_disk = Room {
             memory: 100 << 20,
             limited: false,
+            available: 100 << 20,
+            limit: None,
             work_dir_free: 40 << 20,
             work_dir_in_memory: false,
         };
@@ -212,12 +307,69 @@ mod tests {
         let room = Room {
             memory: 100 << 20,
             limited: false,
+            available: 100 << 20,
+            limit: None,
             work_dir_free: work_dir_free(true, 0, 0, 4096),
             work_dir_in_memory: true,
         };
         room.check("node2", &req(40, 40)).unwrap();
         let e = room.check("node2", &req(60, 60)).unwrap_err();
         assert!(e.to_string().contains("MemAvailable"), "{e}");
+    }
+
+    #[test]
+    fn a_process_grown_past_its_figures_is_checked_again_as_its_pages_arrive() {
+        let announced = Announced {
+            resident: 30 << 20,
+            dumped: 30 << 20,
+        };
+        let mut next = 0;
+        // Within what was announced: nothing to check.
+        assert!(!announced.grown_past(30 << 20, &mut next));
+        assert!(announced.grown_past(31 << 20, &mut next));
+        // Not again before another 8 MiB.
+        assert!(!announced.grown_past(38 << 20, &mut next));
+        assert!(announced.grown_past(40 << 20, &mut next));
+        // An older source's request without figures: never.
+        let none = Announced {
+            resident: 0,
+            dumped: 0,
+        };
+        assert!(!none.grown_past(1 << 40, &mut 0));
+
+        // Limit 100 MiB, work dir in memory: 30 + 10 grown for the process
+        // and 40 stored fit; 30 + 40 and 60 stored (130) do not.
+        IN_MEMORY.recheck("node2", &announced, 40 << 20).unwrap();
+        let err = IN_MEMORY
+            .recheck("node2", &announced, 60 << 20)
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        let msg = err.to_string();
+        for part in [
+            "node2 cannot hold the process: it grew after Prepare",
+            "came to 60.0 MiB, 30.0 MiB more than the 30.0 MiB announced",
+            "60.0 MiB for the process and 60.0 MiB for its page store",
+            "120.0 MiB in all",
+            "has 100.0 MiB (the limit [migration] incoming_memory_limit_mib)",
+        ] {
+            assert!(msg.contains(part), "{part:?} not in {msg:?}");
+        }
+        // Without a limit, the store already came out of MemAvailable: the
+        // grown process alone must fit what is left.
+        let unlimited = Room {
+            memory: 50 << 20,
+            limited: false,
+            available: 50 << 20,
+            limit: None,
+            ..IN_MEMORY
+        };
+        unlimited.recheck("n", &announced, 50 << 20).unwrap();
+        let err = unlimited.recheck("n", &announced, 51 << 20).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("51.0 MiB for the process, and has 50.0 MiB (MemAvailable)"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -251,6 +251,9 @@ pub struct Incoming {
     /// Post-copy: the page tunnel, from PageTunnel until the daemon's end
     /// (the pump outlives the slot after Commit) or an abort.
     pub(super) tunnel: Option<IncomingTunnel>,
+    /// What Prepare was told of the process's size, for the re-checks as
+    /// its pre-copied pages arrive.
+    pub(super) announced: capacity::Announced,
     /// What the migration takes of this node's memory, sampled from
     /// Prepare to the end of the work after the resume.
     pub(super) peak: Arc<peak::PeakMeter>,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{PrepareRequest, PrepareResponse};
 
-use super::capacity::Room;
+use super::capacity::{Announced, Room};
 use super::peak::PeakMeter;
 use super::{Incoming, IncomingState, RestoreWorker, discard};
 use crate::criu;
@@ -149,6 +149,7 @@ pub async fn prepare(
     engine
         .incoming
         .prepared(&req.migration_id, &req.source_node);
+    let announced = Announced::of(&req);
     *slot = Some(Incoming {
         migration_id: req.migration_id,
         from: req.source_node,
@@ -170,6 +171,7 @@ pub async fn prepare(
         filler_ahead: None,
         tunnel: None,
         peak,
+        announced,
         dir,
         state: IncomingState::Reserved,
         last_activity: Instant::now(),

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 
+use super::capacity::Room;
 use super::{Step, check_source, expect};
 use crate::engine::{Engine, EngineError};
 
@@ -15,6 +16,9 @@ pub async fn transfer_pages(
 ) -> Result<ferry_proto::v1::TransferPagesResponse, EngineError> {
     let mut id: Option<String> = None;
     let (mut pages, mut bytes) = (0u64, 0u64);
+    // Where the next re-check of this node's room is due, should the
+    // process grow past what Prepare was told.
+    let mut next_check = 0u64;
     while let Some(batch) = stream.next().await {
         let batch = batch
             .map_err(|s| EngineError::BadImage(format!("page stream broke: {}", s.message())))?;
@@ -28,7 +32,7 @@ pub async fn transfer_pages(
         }
         // The slot per batch, not for the whole round: a round on a slow
         // link is long, and an abort must not wait for it.
-        let (store, discarded) = {
+        let (store, discarded, announced) = {
             let mut slot = engine.incoming.lock().await;
             let inc = expect(&mut slot, &batch.migration_id, Step::TransferPages)?;
             check_source(inc, caller.as_deref())?;
@@ -39,10 +43,15 @@ pub async fn transfer_pages(
                     step: "pre-copy",
                 });
             }
-            (inc.pages.clone(), inc.discarded.clone())
+            (inc.pages.clone(), inc.discarded.clone(), inc.announced)
         };
         id.get_or_insert_with(|| batch.migration_id.clone());
-        let (p, b) = tokio::task::spawn_blocking(move || {
+        let (node, work_dir, limit) = (
+            engine.node().to_owned(),
+            engine.config.work_dir.clone(),
+            engine.config.migration.incoming_memory_limit_mib,
+        );
+        let (p, b, checked) = tokio::task::spawn_blocking(move || {
             // Under the discard flag's lock, as the image writer does.
             let d = crate::sync::lock(&discarded);
             if *d {
@@ -51,13 +60,25 @@ pub async fn transfer_pages(
             let mut s = crate::sync::lock(&store);
             let before = (s.pages, s.bytes);
             s.write(&batch)?;
-            Ok((s.pages - before.0, s.bytes - before.1))
+            let (p, b) = (s.pages - before.0, s.bytes - before.1);
+            // Pages counted as they came bound the distinct ones held:
+            // within what was announced, nothing to add up.
+            let mut next = next_check;
+            if s.bytes > announced.dumped {
+                let held = s.held_bytes();
+                drop(s);
+                if announced.grown_past(held, &mut next) {
+                    Room::read(&work_dir, limit)?.recheck(&node, &announced, held)?;
+                }
+            }
+            Ok((p, b, next))
         })
         .await
         .map_err(|source| EngineError::Task {
             what: "the page store",
             source,
         })??;
+        next_check = checked;
         pages += p;
         bytes += b;
     }

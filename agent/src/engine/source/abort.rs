@@ -29,6 +29,7 @@ pub(super) async fn abort(run: &mut Run, err: EngineError) -> Phase {
     tracing::warn!(error = %err, "migration failed; rolling back");
     run.report.outcome = MigrationOutcome::Aborted as i32;
     run.report.error = err.to_string();
+    run.report.error_code = err.code() as i32;
     if let Err(e) = run.finish_collecting().await {
         tracing::error!(error = %e, "collecting the capture ring");
     }

@@ -264,6 +264,7 @@ impl Run {
                 engine.processes.persist_soon();
                 self.report.outcome = MigrationOutcome::Lost as i32;
                 self.report.error = err.to_string();
+                self.report.error_code = err.code() as i32;
             }
         }
         let id = self.p.migration_id.clone();
