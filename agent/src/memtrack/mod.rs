@@ -221,6 +221,29 @@ pub struct Tracker {
     pid: i32,
     uffd: Option<OwnedFd>,
     pagemap: std::fs::File,
+    /// What the last scan that read smaps found, for the next rounds.
+    known: Option<Known>,
+}
+
+/// The mappings as the last scan that read `/proc/<pid>/smaps` saw them.
+/// smaps is where a mapping's userfaultfd registration shows ("uw"), but
+/// the kernel also counts every resident page for it: ~40 ms for a 4 GiB
+/// process on this machine, a round's floor. `/proc/<pid>/maps` costs no
+/// page walk: while it reads the same, a round takes these ranges as they
+/// were.
+///
+/// A mapping replaced by an identical-looking one (unmapped and mapped
+/// again at the same place) is not registered then, and the round's scan
+/// passes over it (no PM_SCAN_CHECK_WPASYNC); the destination's copy of it
+/// stays marked held. That costs nothing in correctness: its pages carry
+/// no write protection, so the scan inside the freeze (CRIU's, with the
+/// held-pages patch, or [`Tracker::scan`] without `rearm`, which always
+/// reads smaps) finds every one of them written and dumps it.
+#[derive(Debug)]
+struct Known {
+    maps: String,
+    tracked: RangeSet,
+    untracked: RangeSet,
 }
 
 impl std::fmt::Debug for Tracker {
@@ -285,6 +308,7 @@ impl Tracker {
             pid,
             uffd: Some(uffd),
             pagemap,
+            known: None,
         })
     }
 
@@ -305,26 +329,50 @@ impl Tracker {
                 reason: "tracking was stopped".into(),
             });
         };
-        let maps = mappings(pid).map_err(io("reading its mappings"))?;
+        let maps_text = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .map_err(io("reading its mappings"))?;
         let mut scan = Scan::default();
-        for m in &maps {
-            if !m.trackable() {
-                scan.stale.insert(m.start, m.end);
-                continue;
+        match self.known.take() {
+            Some(known) if rearm && known.maps == maps_text => {
+                scan.tracked = known.tracked.clone();
+                scan.stale = known.untracked.clone();
+                self.known = Some(known);
             }
-            if !m.uffd_wp {
-                // New, or replaced since it was registered: all of it
-                // counts as written (its pages carry no protection yet).
-                scan.stale.insert(m.start, m.end);
-                if !rearm {
-                    continue;
+            _ => {
+                let maps = mappings(pid).map_err(io("reading its mappings"))?;
+                let mut untracked = RangeSet::new();
+                for m in &maps {
+                    if !m.trackable() {
+                        untracked.insert(m.start, m.end);
+                        continue;
+                    }
+                    if !m.uffd_wp {
+                        // New, or replaced since it was registered: all of
+                        // it counts as written (its pages carry no
+                        // protection yet).
+                        scan.stale.insert(m.start, m.end);
+                        if !rearm {
+                            continue;
+                        }
+                        if let Err(e) = uffd::register_wp(uffd.as_fd(), m.start, m.end) {
+                            tracing::debug!(pid, start = m.start, end = m.end, error = %e, "mapping not trackable");
+                            untracked.insert(m.start, m.end);
+                            continue;
+                        }
+                    }
+                    scan.tracked.insert(m.start, m.end);
                 }
-                if let Err(e) = uffd::register_wp(uffd.as_fd(), m.start, m.end) {
-                    tracing::debug!(pid, start = m.start, end = m.end, error = %e, "mapping not trackable");
-                    continue;
+                scan.stale.insert_all(&untracked);
+                // maps read before smaps: a change between the two reads
+                // shows at the next round, which then reads smaps again.
+                if rearm {
+                    self.known = Some(Known {
+                        maps: maps_text,
+                        tracked: scan.tracked.clone(),
+                        untracked,
+                    });
                 }
             }
-            scan.tracked.insert(m.start, m.end);
         }
         // While the process runs, a mapping in the range may be replaced
         // between the read of its mappings and this scan: a new one, not

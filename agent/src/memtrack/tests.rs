@@ -58,6 +58,15 @@ for line in sys.stdin:
                 libc.mmap(at, 4 * P, 3, flags | FIXED, -1, 0)
                 ctypes.memset(at, 0x33, 4 * P)
         threading.Thread(target=churn, daemon=True).start()
+    elif w[0] == "r":
+        # The extra mapping replaced at its place by a new one (MAP_FIXED),
+        # written with another byte: /proc/<pid>/maps may read the same.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        at = ctypes.addressof(ctypes.c_char.from_buffer(extra))
+        assert libc.mmap(at, 4 * P, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0) == at
+        ctypes.memset(at, int(w[1]), 4 * P)
     elif w[0] == "m":
         extra = mmap.mmap(-1, 4 * P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         extra[0:4 * P] = b"\x55" * (4 * P)
@@ -351,5 +360,48 @@ fn a_mapping_replaced_beside_a_tracked_one_does_not_make_it_stale() {
             assert_eq!(written_in(&s, w.region()), [w.page(7)]);
         }
     }
+    t.stop();
+}
+
+/// A mapping replaced at its place between rounds: the rounds read smaps
+/// (where a mapping's registration shows) only when /proc/<pid>/maps
+/// changed, so one may pass over it; the last scan, the process stopped,
+/// always reads smaps and finds all of it stale, so nothing the
+/// destination held of the old mapping is kept.
+#[test]
+fn a_mapping_replaced_in_place_between_rounds_is_stale_by_the_last_scan() {
+    if !root() {
+        return;
+    }
+    let Some(mut w) = Workload::spawn() else {
+        return;
+    };
+    let pid = w.pid();
+    let p = page_size();
+    let mut t = Tracker::start(pid).unwrap();
+    let extra = u64::from_str_radix(&w.ask("m"), 16).unwrap();
+    let s = t.scan(true).unwrap();
+    assert!(s.written.contains(extra, extra + 4 * p));
+    let s = t.scan(true).unwrap();
+    assert_eq!(written_in(&s, (extra, extra + 4 * p)), []);
+    assert_eq!(w.ask("r 119"), "ok");
+    let round = t.scan(true).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    let last = t.scan(false).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    assert!(
+        last.stale.contains(extra, extra + 4 * p)
+            || round.stale.contains(extra, extra + 4 * p)
+                && round.written.contains(extra, extra + 4 * p),
+        "the replaced mapping was neither sent again by the round nor stale at the last scan"
+    );
     t.stop();
 }
