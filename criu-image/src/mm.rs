@@ -19,6 +19,11 @@
 //! | 7 | `status` | uint32, required (CRIU's `VMA_*`) |
 //!
 //! The other fields (offsets, files, madvise bits) are not read.
+//!
+//! CRIU 4.2 also lists guard areas there (`MADV_GUARD_INSTALL` markers,
+//! status `VMA_AREA_GUARD`): not memory areas but ranges inside them,
+//! after all the real ones, which the restore marks again. They are left
+//! out of what [`read_vmas`] returns.
 
 use std::path::Path;
 
@@ -34,6 +39,8 @@ const VMA_END: u32 = 2;
 const VMA_PROT: u32 = 5;
 const VMA_FLAGS: u32 = 6;
 const VMA_STATUS: u32 = 7;
+/// CRIU's `VMA_AREA_GUARD` status bit (criu/include/image.h).
+const VMA_AREA_GUARD: u32 = 1 << 16;
 
 /// One memory area of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +57,7 @@ pub struct Vma {
 
 /// Reads `images_dir/mm-<pid>.img`, `pid` as CRIU names the file (the
 /// task's pid inside its own PID namespace): its memory areas, in
-/// ascending address order, none empty, none overlapping.
+/// ascending address order, none empty, none overlapping; no guard areas.
 pub fn read_vmas(images_dir: &Path, pid: u32) -> Result<Vec<Vma>, ImageError> {
     let path = images_dir.join(format!("mm-{pid}.img"));
     let bytes = image::read(&path)?;
@@ -99,6 +106,9 @@ pub(crate) fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Vma>, ImageError> {
                     vma.start, vma.end
                 ),
             ));
+        }
+        if vma.status & VMA_AREA_GUARD != 0 {
+            continue;
         }
         if let Some(prev) = vmas.last()
             && vma.start < prev.end
@@ -156,6 +166,10 @@ mod tests {
     }
 
     fn vma(start: u64, end: u64, flags: u32) -> Vec<u8> {
+        vma_with_status(start, end, flags, 0x201)
+    }
+
+    fn vma_with_status(start: u64, end: u64, flags: u32, status: u64) -> Vec<u8> {
         let mut m = Vec::new();
         varint(&mut m, 1, start);
         varint(&mut m, 2, end);
@@ -163,7 +177,7 @@ mod tests {
         varint(&mut m, 4, 0);
         varint(&mut m, 5, 3);
         varint(&mut m, 6, u64::from(flags));
-        varint(&mut m, 7, 0x201);
+        varint(&mut m, 7, status);
         varint(&mut m, 8, u64::MAX);
         m
     }
@@ -211,6 +225,29 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[test]
+    fn leaves_out_the_guard_areas_after_the_real_ones() {
+        let p = Path::new("mm-1.img");
+        let bytes = image(&[
+            vma(0x10_0000, 0x30_0000, 0x22),
+            vma(0x50_0000, 0x60_0000, 0x22),
+            // Guards inside both, listed after them (CRIU's order).
+            vma_with_status(0x20_0000, 0x20_2000, 0, u64::from(VMA_AREA_GUARD)),
+            vma_with_status(0x50_0000, 0x50_1000, 0, u64::from(VMA_AREA_GUARD)),
+        ]);
+        let vmas = parse(p, &bytes).unwrap();
+        assert_eq!(
+            vmas.iter().map(|v| (v.start, v.end)).collect::<Vec<_>>(),
+            [(0x10_0000, 0x30_0000), (0x50_0000, 0x60_0000)]
+        );
+        // Still page-aligned and not empty.
+        let bad = image(&[
+            vma(0x10_0000, 0x30_0000, 0x22),
+            vma_with_status(0x20_0001, 0x20_2000, 0, u64::from(VMA_AREA_GUARD)),
+        ]);
+        assert!(matches!(parse(p, &bad), Err(ImageError::BadMm { .. })));
     }
 
     #[test]

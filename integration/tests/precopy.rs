@@ -4,7 +4,8 @@
 //! it wrote; failures before the commit leave it running on the source,
 //! intact and without write protection; a destination without room for
 //! the process refuses it before anything stops, also one that grows past
-//! it during the rounds; memory of every kind
+//! it during the rounds; guard pages made in pre-copied memory stay
+//! guards; memory of every kind
 //! (huge pages, shared anonymous, memfd, advised and locked regions) moves intact with every
 //! strategy; a committed process is filled from the destination's own store with the source's
 //! agent killed at the commit. Root only; run by `cargo xtask test` (or `cargo xtask
@@ -666,6 +667,51 @@ fn a_process_growing_past_the_destinations_room_during_the_rounds_is_refused_bef
         let pages: usize = words[2].parse().expect("a page count");
         assert!(pages >= (332 << 20) / 4096, "{answer}");
         assert!(check(&cluster) > before, "the process stopped writing");
+    });
+}
+
+/// Guard pages (MADV_GUARD_INSTALL) made after the first round, in memory
+/// the destination already holds, are still guards after a pre-copy
+/// migration and the rest of their region holds its content: the dump
+/// finds them in its scan of the held pages (CRIU's walk of the whole
+/// address space for guards leaves those ranges to it).
+#[test]
+fn guard_pages_made_in_pre_copied_memory_stay_guards() {
+    if !ferry_integration::can_run("guard_pages_made_in_pre_copied_memory_stay_guards") {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let pid = WRITER
+            .start_with(
+                &mut node1,
+                &["--mib", "16", "--writes-per-ms", "2", "--guard-region"],
+            )
+            .await;
+        let mut guarded = String::new();
+        let Faulted { report, status } = migrate_with_fault(
+            &mut node1,
+            pid,
+            Strategy::PreCopy,
+            Duration::from_secs(60),
+            a_round,
+            || guarded = WRITER.ask(&cluster, "guard"),
+        )
+        .await;
+        assert_eq!(guarded, "guarded");
+        assert!(status.is_none(), "{status:?}\n{}", summary(&report));
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        // The held pages' path: pages were left out of the dump.
+        assert!(report.left_out_pages > 0, "{}", summary(&report));
+        assert_eq!(process_state(pid), None, "source copy still exists");
+        // The check reads every page: the guarded ones must fault.
+        check(&cluster);
     });
 }
 

@@ -232,6 +232,14 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/held-pages-written-or-not.patch"),
         mark: "ferry-held-all",
     },
+    // The walk of the whole address space for guard markers leaves the
+    // held ranges to the page dump's scan of them, which finds every
+    // marker there (~3 ms for 4 GiB in the freeze).
+    Patch {
+        what: "guard markers of held ranges found by the held pages' scan",
+        text: include_str!("../criu/held-pages-guards.patch"),
+        mark: "ferry-held-guards",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

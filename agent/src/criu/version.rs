@@ -221,6 +221,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         HELD_ALL_MARK,
         "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
     ),
+    (
+        "ferry-held-guards",
+        "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -334,6 +338,7 @@ mod tests {
                 "anonymous memory scanned without struct page reads (a post-copy dump that does not read every page)",
                 "lazy-pages daemon waiting for answers, not spinning (a core left to the process during post-copy)",
                 "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
+                "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

@@ -75,6 +75,12 @@ struct Args {
     /// are still one page for the two processes.
     #[arg(long)]
     child: bool,
+    /// Also map 16 pages in which the `guard` command installs guard
+    /// pages (MADV_GUARD_INSTALL, Linux 6.13+) on pages 4 and 5: `check`
+    /// then also checks that those still fault and the others hold their
+    /// content.
+    #[arg(long)]
+    guard_region: bool,
 }
 
 const PAGE: usize = 4096;
@@ -82,6 +88,105 @@ const PAGE: usize = 4096;
 const LOCK: i32 = -1;
 const SIDE_PAGES: usize = 16;
 const SIDE_ID: u64 = 1 << 40;
+/// MADV_GUARD_INSTALL (include/uapi/asm-generic/mman-common.h, 6.13).
+const MADV_GUARD_INSTALL: i32 = 102;
+/// The first page id of the guard region.
+const GUARD_ID: u64 = 1 << 45;
+const GUARD_PAGES: usize = 16;
+/// The pages of the guard region the `guard` command guards.
+const GUARDED: std::ops::Range<usize> = 4..6;
+
+/// The process's view of whether it can read `len` bytes at `at`
+/// (process_vm_readv(2) on itself: a guard page gives EFAULT, not a
+/// signal).
+fn readable(at: *const u8, len: usize) -> bool {
+    let mut buf = vec![0u8; len];
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: at as *mut libc::c_void,
+        iov_len: len,
+    };
+    // SAFETY: reads from this process's own address space into `buf`,
+    // both described by valid iovecs; the kernel checks `at`.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    n == len as isize
+}
+
+/// 16 pages, some of them guard pages once asked (`--guard-region`).
+struct Guards {
+    at: *mut u8,
+    installed: bool,
+}
+
+impl Guards {
+    fn map() -> Guards {
+        // SAFETY: a fresh private mapping the kernel places.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                GUARD_PAGES * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED, "mmap of the guard region");
+        let g = Guards {
+            at: at.cast(),
+            installed: false,
+        };
+        for k in 0..GUARD_PAGES {
+            pattern(g.page(k), GUARD_ID + k as u64, 0);
+        }
+        g
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn page(&self, k: usize) -> &mut [u8] {
+        // SAFETY: `at` is a live mapping of GUARD_PAGES pages, and callers
+        // never touch a guarded page nor hold two slices at once.
+        unsafe { std::slice::from_raw_parts_mut(self.at.add(k * PAGE), PAGE) }
+    }
+
+    fn install(&mut self) -> String {
+        // SAFETY: advises pages of the mapping made in `map`, which
+        // nothing reads or writes once they are guards.
+        let r = unsafe {
+            libc::madvise(
+                self.at.add(GUARDED.start * PAGE).cast(),
+                GUARDED.len() * PAGE,
+                MADV_GUARD_INSTALL,
+            )
+        };
+        if r != 0 {
+            return format!("bad madvise: {}", std::io::Error::last_os_error());
+        }
+        self.installed = true;
+        "guarded".into()
+    }
+
+    fn check(&self, scratch: &mut [u8]) -> Option<String> {
+        for k in 0..GUARD_PAGES {
+            let page = self.at.wrapping_add(k * PAGE);
+            if self.installed && GUARDED.contains(&k) {
+                if readable(page, PAGE) {
+                    return Some(format!("bad guard page {k}: readable"));
+                }
+                continue;
+            }
+            pattern(scratch, GUARD_ID + k as u64, 0);
+            if !readable(page, PAGE) || self.page(k) != scratch {
+                return Some(format!("bad guard region page {k}"));
+            }
+        }
+        None
+    }
+}
+
 /// The first page id of the memory the `grow` command adds.
 const GROWN_ID: u64 = 1 << 44;
 
@@ -458,6 +563,7 @@ struct Memory {
     /// Memory added by the `grow` command (a process that grows while it
     /// migrates), each page written once and checked like the rest.
     grown: Vec<u8>,
+    guards: Option<Guards>,
     writes: u64,
     rng: u64,
     pipe: (std::fs::File, std::fs::File),
@@ -526,6 +632,9 @@ impl Memory {
     }
 
     fn check(&mut self, scratch: &mut [u8]) -> String {
+        if let Some(bad) = self.guards.as_ref().and_then(|g| g.check(scratch)) {
+            return bad;
+        }
         for k in 0..self.grown.len() / PAGE {
             pattern(scratch, GROWN_ID + k as u64, 0);
             if self.grown[k * PAGE..(k + 1) * PAGE] != *scratch {
@@ -578,6 +687,10 @@ fn serve(stream: TcpStream, mem: &mut Memory, scratch: &mut [u8]) {
     let answer = match line.trim() {
         "check" => mem.check(scratch),
         "stats" => format!("writes {}", mem.writes),
+        "guard" => match mem.guards.as_mut() {
+            Some(g) => g.install(),
+            None => "no guard region (--guard-region)".into(),
+        },
         grow if grow.starts_with("grow ") => match grow["grow ".len()..].parse() {
             Ok(mib) => mem.grow(mib),
             Err(e) => format!("bad size {grow:?}: {e}"),
@@ -603,6 +716,7 @@ fn main() {
         },
         child: args.child.then(Child::fork),
         grown: Vec::new(),
+        guards: args.guard_region.then(Guards::map),
         writes: 0,
         rng: 0x2545_f491_4f6c_dd1d,
         pipe: (std::fs::File::from(r), std::fs::File::from(w)),
