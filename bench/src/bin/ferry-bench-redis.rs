@@ -1,10 +1,11 @@
 //! `cargo xtask bench redis`: the scenario issue 34 was found with, a real
-//! in-memory database with a large data set, migrated while a client reads
+//! in-memory database with a large data set, migrated while clients read
 //! from it. Debian's Redis server runs under ferry with `--sizes` MiB of
-//! data (`DEBUG POPULATE` of 1,000-byte values), and a client in the
-//! client namespace sends `GET`s of random keys back to back over one
-//! connection during every migration. Per migration: the freeze, the
-//! longest the client waited for one answer (what a user sees), the time
+//! data (`DEBUG POPULATE` of 1,000-byte values), and `--clients` clients in
+//! the client namespace, one connection each, send `GET`s of random keys
+//! during every migration, back to back or one every `--interval-ms`.
+//! Per migration: the freeze, the longest any client waited for one answer
+//! and the median client's longest wait (what users see), the time
 //! the process still depends on the source (post-copy's window) and the
 //! destination's peak extra memory; after each, `DEBUG DIGEST` of the
 //! whole data set must match the one taken before, or the bench stops.
@@ -14,8 +15,7 @@
 //! pass/fail.
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddrV4, TcpStream};
+use std::net::SocketAddrV4;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +55,13 @@ struct Args {
     /// Migrations per size, link and strategy.
     #[arg(long, default_value_t = 2)]
     runs: usize,
+    /// Clients, one connection each.
+    #[arg(long, default_value_t = 1)]
+    clients: usize,
+    /// Each client's pause between an answer and its next GET, ms (0:
+    /// back to back).
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
     #[arg(long, default_value = "target/bench/redis")]
     out: PathBuf,
 }
@@ -66,6 +73,8 @@ struct Row {
     run: usize,
     freeze_ms: f64,
     client_max_wait_ms: f64,
+    /// The median over the clients of each one's longest wait.
+    client_median_wait_ms: f64,
     client_answers: u64,
     window_ms: f64,
     left_out_pages: u64,
@@ -83,49 +92,103 @@ fn redis(cluster: &Cluster, args: &[&str]) -> Result<String> {
 }
 
 /// Reads one reply to a GET: a bulk string ("$<n>" then n bytes) or nil.
-fn read_reply(r: &mut BufReader<TcpStream>, line: &mut String) -> std::io::Result<()> {
+async fn read_reply<R: tokio::io::AsyncBufRead + Unpin>(
+    r: &mut R,
+    line: &mut String,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt};
     line.clear();
-    r.read_line(line)?;
+    if r.read_line(line).await? == 0 {
+        return Err(std::io::Error::other("the server closed the connection"));
+    }
     match line.trim_end().strip_prefix('$') {
         Some(n) if !n.starts_with('-') => {
             let n: usize = n
                 .parse()
                 .map_err(|_| std::io::Error::other(format!("bad reply {line:?}")))?;
             let mut body = vec![0u8; n + 2];
-            r.read_exact(&mut body)
+            r.read_exact(&mut body).await.map(|_| ())
         }
         Some(_) => Ok(()),
         None => Err(std::io::Error::other(format!("bad reply {line:?}"))),
     }
 }
 
-/// A client that GETs random keys back to back until stopped; returns the
-/// longest wait for one answer and the answers it got.
-fn reader(
+/// One client: GETs of random keys until stopped, each after the answer
+/// to the last and `pause`; its longest wait for one answer and how many
+/// it got.
+async fn client(
+    stream: tokio::net::TcpStream,
+    keys: usize,
+    pause: Duration,
+    mut rng: u64,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<(Duration, u64)> {
+    use tokio::io::AsyncWriteExt;
+    let (r, mut w) = stream.into_split();
+    let mut r = tokio::io::BufReader::new(r);
+    let (mut longest, mut answers) = (Duration::ZERO, 0u64);
+    let mut line = String::new();
+    while !stop.load(Ordering::Relaxed) {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let sent = Instant::now();
+        w.write_all(format!("GET key:{}\r\n", rng % keys as u64).as_bytes())
+            .await?;
+        tokio::time::timeout(Duration::from_secs(60), read_reply(&mut r, &mut line))
+            .await
+            .map_err(|_| std::io::Error::other("no answer within 60 s"))??;
+        longest = longest.max(sent.elapsed());
+        answers += 1;
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+    }
+    Ok((longest, answers))
+}
+
+/// What the clients saw during one migration: each one's longest wait,
+/// and the answers they got in all.
+struct Seen {
+    longest: Vec<Duration>,
+    answers: u64,
+}
+
+/// `clients` clients in the namespace at `netns_path` (their sockets are
+/// made on this thread, which is in it), until stopped.
+fn readers(
     netns_path: PathBuf,
     target: SocketAddrV4,
     keys: usize,
+    clients: usize,
+    pause: Duration,
     stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<Result<(Duration, u64)>> {
+) -> std::thread::JoinHandle<Result<Seen>> {
     std::thread::spawn(move || {
-        netns::run_in(&netns_path, || -> Result<(Duration, u64)> {
-            let stream = TcpStream::connect(target)?;
-            stream.set_read_timeout(Some(Duration::from_secs(60)))?;
-            let mut w = stream.try_clone()?;
-            let mut r = BufReader::new(stream);
-            let (mut longest, mut answers, mut rng) = (Duration::ZERO, 0u64, 0x9e37_79b9u64);
-            let mut line = String::new();
-            while !stop.load(Ordering::Relaxed) {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                let sent = Instant::now();
-                w.write_all(format!("GET key:{}\r\n", rng % keys as u64).as_bytes())?;
-                read_reply(&mut r, &mut line)?;
-                longest = longest.max(sent.elapsed());
-                answers += 1;
-            }
-            Ok((longest, answers))
+        netns::run_in(&netns_path, || -> Result<Seen> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async {
+                let mut tasks = tokio::task::JoinSet::new();
+                for c in 0..clients {
+                    let stream = tokio::net::TcpStream::connect(target).await?;
+                    stream.set_nodelay(true)?;
+                    let seed = 0x9e37_79b9u64.wrapping_add(c as u64 * 0x1234_5678_9abc);
+                    tasks.spawn(client(stream, keys, pause, seed, stop.clone()));
+                }
+                let mut seen = Seen {
+                    longest: Vec::with_capacity(clients),
+                    answers: 0,
+                };
+                while let Some(done) = tasks.join_next().await {
+                    let (longest, answers) = done??;
+                    seen.longest.push(longest);
+                    seen.answers += answers;
+                }
+                Ok(seen)
+            })
         })?
     })
 }
@@ -154,14 +217,17 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                 let digest = redis(cluster, &["DEBUG", "DIGEST"])?;
                 let to = 1 - on;
                 let stop = Arc::new(AtomicBool::new(false));
-                let client = reader(
+                let clients = readers(
                     cluster.netns_path("client1"),
                     SocketAddrV4::new(cluster.public_addr(), PORT),
                     keys,
+                    args.clients,
+                    Duration::from_millis(args.interval_ms),
                     stop.clone(),
                 );
-                // The client is reading before the migration starts.
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // The clients are reading before the migration starts
+                // (1,000 connect in well under a second here).
+                tokio::time::sleep(Duration::from_millis(200 + args.clients as u64)).await;
                 let migrated = migrate_request(
                     &mut controls[on],
                     MigrateRequest {
@@ -183,10 +249,15 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                 if report.outcome != MigrationOutcome::Committed as i32 {
                     bail!("{what}: not committed: {report:#?}");
                 }
-                let (longest, answers) = client
+                let seen = clients
                     .join()
-                    .map_err(|_| anyhow::anyhow!("{what}: the client panicked"))?
-                    .with_context(|| format!("{what}: the client"))?;
+                    .map_err(|_| anyhow::anyhow!("{what}: the clients panicked"))?
+                    .with_context(|| format!("{what}: the clients"))?;
+                let waits: Vec<f64> = seen
+                    .longest
+                    .iter()
+                    .map(|d| d.as_secs_f64() * 1000.0)
+                    .collect();
                 let after = redis(cluster, &["DEBUG", "DIGEST"])?;
                 if after != digest {
                     bail!("{what}: the data set changed: digest {digest} before, {after} after");
@@ -197,8 +268,9 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     strategy: strategy.clone(),
                     run: run_no,
                     freeze_ms: ms(report.freeze_time_us),
-                    client_max_wait_ms: longest.as_secs_f64() * 1000.0,
-                    client_answers: answers,
+                    client_max_wait_ms: waits.iter().copied().fold(0.0, f64::max),
+                    client_median_wait_ms: median_unsorted(&waits),
+                    client_answers: seen.answers,
                     window_ms: ms(report.post_processing_time_us),
                     left_out_pages: report.left_out_pages,
                     dest_peak_mib: report.destination_peak_extra_bytes as f64
@@ -206,13 +278,14 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     freeze_parts: freeze_parts(&report),
                 };
                 println!(
-                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  client's longest wait {:>8.1} ms ({} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  [{}]",
+                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  longest wait {:>8.1} ms (median client's {:.1} ms; {} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  [{}]",
                     row.size_mib,
                     row.link,
                     row.strategy,
                     row.run,
                     row.freeze_ms,
                     row.client_max_wait_ms,
+                    row.client_median_wait_ms,
                     row.client_answers,
                     row.window_ms,
                     row.left_out_pages,
@@ -233,20 +306,23 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
     Ok(())
 }
 
-fn csv(rows: &[Row], profile: &str) -> String {
+fn csv(rows: &[Row], args: &Args, profile: &str) -> String {
     let mut out = String::from(
-        "size_mib,link,strategy,run,profile,freeze_ms,client_max_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib,freeze_parts\n",
+        "size_mib,link,strategy,run,profile,clients,interval_ms,freeze_ms,client_max_wait_ms,client_median_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib,freeze_parts\n",
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{},{},{profile},{:.3},{:.3},{},{:.3},{},{:.1},\"{}\"",
+            "{},{},{},{},{profile},{},{},{:.3},{:.3},{:.3},{},{:.3},{},{:.1},\"{}\"",
             r.size_mib,
             r.link,
             r.strategy,
             r.run,
+            args.clients,
+            args.interval_ms,
             r.freeze_ms,
             r.client_max_wait_ms,
+            r.client_median_wait_ms,
             r.client_answers,
             r.window_ms,
             r.left_out_pages,
@@ -259,7 +335,7 @@ fn csv(rows: &[Row], profile: &str) -> String {
 
 fn table(rows: &[Row], args: &Args, profile: &str) -> String {
     let mut md = String::from(
-        "| data set MiB, link | strategy | freeze ms | client's longest wait ms | window ms | dest. peak MiB |\n|---|---|---:|---:|---:|---:|\n",
+        "| data set MiB, link | strategy | freeze ms | longest wait ms (any client) | median client's longest wait ms | window ms | dest. peak MiB |\n|---|---|---:|---:|---:|---:|---:|\n",
     );
     for link in &args.links {
         for size in &args.sizes {
@@ -276,9 +352,10 @@ fn table(rows: &[Row], args: &Args, profile: &str) -> String {
                 };
                 let _ = writeln!(
                     md,
-                    "| {size}, {link} | {strategy} | {:.1} | {:.1} | {:.1} | {:.0} |",
+                    "| {size}, {link} | {strategy} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
                     med(|r| r.freeze_ms),
                     med(|r| r.client_max_wait_ms),
+                    med(|r| r.client_median_wait_ms),
                     med(|r| r.window_ms),
                     med(|r| r.dest_peak_mib),
                 );
@@ -287,8 +364,14 @@ fn table(rows: &[Row], args: &Args, profile: &str) -> String {
     }
     let _ = writeln!(
         md,
-        "\n({profile} build, medians of {} migrations)",
-        args.runs
+        "\n({profile} build, medians of {} migrations; {} client(s), {})",
+        args.runs,
+        args.clients,
+        if args.interval_ms == 0 {
+            "GETs back to back".to_owned()
+        } else {
+            format!("a GET every {} ms after each answer", args.interval_ms)
+        }
     );
     md
 }
@@ -316,12 +399,12 @@ fn main() -> Result<()> {
         rt.block_on(bench_link(&cluster, &args, link, &mut rows))?;
     }
     std::fs::create_dir_all(&args.out)?;
-    std::fs::write(args.out.join("redis.csv"), csv(&rows, profile))?;
+    std::fs::write(args.out.join("redis.csv"), csv(&rows, &args, profile))?;
     let md = table(&rows, &args, profile);
     std::fs::write(args.out.join("redis.md"), &md)?;
     println!("\n{md}");
     println!(
-        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {}` (root; {profile} build; 2 cores here).",
+        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {} --clients {} --interval-ms {}` (root; {profile} build; 2 cores here).",
         args.sizes
             .iter()
             .map(ToString::to_string)
@@ -329,7 +412,9 @@ fn main() -> Result<()> {
             .join(","),
         args.links.join(","),
         args.strategies.join(","),
-        args.runs
+        args.runs,
+        args.clients,
+        args.interval_ms
     );
     Ok(())
 }
