@@ -112,10 +112,18 @@ impl MemWriter {
     /// Its check of all its memory must answer "ok <writes> <pages>";
     /// returns the writes so far.
     pub fn check(&self, cluster: &Cluster) -> u64 {
+        self.check_pages(cluster).0
+    }
+
+    /// [`MemWriter::check`], with the pages it checked.
+    pub fn check_pages(&self, cluster: &Cluster) -> (u64, usize) {
         let answer = self.ask(cluster, "check");
         let words: Vec<&str> = answer.split_whitespace().collect();
         assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
-        words[1].parse().expect("a write count")
+        (
+            words[1].parse().expect("a write count"),
+            words[2].parse().expect("a page count"),
+        )
     }
 }
 

@@ -661,12 +661,9 @@ fn a_process_growing_past_the_destinations_room_during_the_rounds_is_refused_bef
         assert!(cluster.incoming_dir_is_empty("node2"));
         // Served by node1 still, every page intact (the grown ones too:
         // the check's page count has them), and writing on.
-        let answer = WRITER.ask(&cluster, "check");
-        let words: Vec<&str> = answer.split_whitespace().collect();
-        assert_eq!(words.first(), Some(&"ok"), "memory check: {answer}");
-        let pages: usize = words[2].parse().expect("a page count");
-        assert!(pages >= (332 << 20) / 4096, "{answer}");
-        assert!(check(&cluster) > before, "the process stopped writing");
+        let (writes, pages) = WRITER.check_pages(&cluster);
+        assert!(pages >= (332 << 20) / 4096, "{pages} pages checked");
+        assert!(writes > before, "the process stopped writing");
     });
 }
 

@@ -146,6 +146,16 @@ fn root() -> bool {
     root
 }
 
+/// Stops (`stop`) or resumes the workload, as the freeze does.
+fn signal(pid: i32, stop: bool) {
+    use nix::sys::signal::Signal::{SIGCONT, SIGSTOP};
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        if stop { SIGSTOP } else { SIGCONT },
+    )
+    .unwrap();
+}
+
 fn written_in(scan: &Scan, (start, end): (u64, u64)) -> Vec<(u64, u64)> {
     scan.written.within(start, end).iter().collect()
 }
@@ -259,11 +269,7 @@ fn a_copy_kept_from_the_scans_equals_the_memory() {
             assert_eq!(w.ask(&cmd), "ok");
         }
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .unwrap();
+    signal(pid, true);
     let last = t.scan(false).unwrap();
     apply(&last, &mut copy);
     // What the engine keeps: pages still the process's own.
@@ -286,11 +292,7 @@ fn a_copy_kept_from_the_scans_equals_the_memory() {
     }
     assert!(checked > PAGES / 2, "only {checked} pages were in the copy");
     t.stop();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGCONT,
-    )
-    .unwrap();
+    signal(pid, false);
     assert_eq!(w.ask("w 3 3"), "ok");
 }
 
@@ -386,17 +388,9 @@ fn a_mapping_replaced_in_place_between_rounds_is_stale_by_the_last_scan() {
     assert_eq!(written_in(&s, (extra, extra + 4 * p)), []);
     assert_eq!(w.ask("r 119"), "ok");
     let round = t.scan(true).unwrap();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .unwrap();
+    signal(pid, true);
     let last = t.scan(false).unwrap();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGCONT,
-    )
-    .unwrap();
+    signal(pid, false);
     assert!(
         last.stale.contains(extra, extra + 4 * p)
             || round.stale.contains(extra, extra + 4 * p)
