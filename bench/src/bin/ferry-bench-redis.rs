@@ -19,7 +19,7 @@ use std::net::SocketAddrV4;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -75,6 +75,9 @@ struct Row {
     client_max_wait_ms: f64,
     /// The median over the clients of each one's longest wait.
     client_median_wait_ms: f64,
+    /// When the longest wait of any client began, ms after the freeze
+    /// began (negative: before), from the report's start and preparation.
+    worst_wait_from_freeze_ms: f64,
     client_answers: u64,
     window_ms: f64,
     left_out_pages: u64,
@@ -115,43 +118,47 @@ async fn read_reply<R: tokio::io::AsyncBufRead + Unpin>(
 }
 
 /// One client: GETs of random keys until stopped, each after the answer
-/// to the last and `pause`; its longest wait for one answer and how many
-/// it got.
+/// to the last and `pause`; its longest wait for one answer, when that
+/// wait began, and how many answers it got.
 async fn client(
     stream: tokio::net::TcpStream,
     keys: usize,
     pause: Duration,
     mut rng: u64,
     stop: Arc<AtomicBool>,
-) -> std::io::Result<(Duration, u64)> {
+) -> std::io::Result<(Duration, SystemTime, u64)> {
     use tokio::io::AsyncWriteExt;
     let (r, mut w) = stream.into_split();
     let mut r = tokio::io::BufReader::new(r);
-    let (mut longest, mut answers) = (Duration::ZERO, 0u64);
+    let (mut longest, mut longest_at, mut answers) = (Duration::ZERO, SystemTime::now(), 0u64);
     let mut line = String::new();
     while !stop.load(Ordering::Relaxed) {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let sent = Instant::now();
+        let (sent, sent_at) = (Instant::now(), SystemTime::now());
         w.write_all(format!("GET key:{}\r\n", rng % keys as u64).as_bytes())
             .await?;
         tokio::time::timeout(Duration::from_secs(60), read_reply(&mut r, &mut line))
             .await
             .map_err(|_| std::io::Error::other("no answer within 60 s"))??;
-        longest = longest.max(sent.elapsed());
+        if sent.elapsed() > longest {
+            (longest, longest_at) = (sent.elapsed(), sent_at);
+        }
         answers += 1;
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;
         }
     }
-    Ok((longest, answers))
+    Ok((longest, longest_at, answers))
 }
 
 /// What the clients saw during one migration: each one's longest wait,
 /// and the answers they got in all.
 struct Seen {
     longest: Vec<Duration>,
+    /// When the longest wait of all began.
+    worst_at: SystemTime,
     answers: u64,
 }
 
@@ -180,10 +187,14 @@ fn readers(
                 }
                 let mut seen = Seen {
                     longest: Vec::with_capacity(clients),
+                    worst_at: SystemTime::UNIX_EPOCH,
                     answers: 0,
                 };
                 while let Some(done) = tasks.join_next().await {
-                    let (longest, answers) = done??;
+                    let (longest, at, answers) = done??;
+                    if seen.longest.iter().all(|l| *l < longest) {
+                        seen.worst_at = at;
+                    }
                     seen.longest.push(longest);
                     seen.answers += answers;
                 }
@@ -270,6 +281,17 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     freeze_ms: ms(report.freeze_time_us),
                     client_max_wait_ms: waits.iter().copied().fold(0.0, f64::max),
                     client_median_wait_ms: median_unsorted(&waits),
+                    worst_wait_from_freeze_ms: {
+                        let freeze_began = report.started_at_unix_ms as f64
+                            + report.preparation_time_us as f64 / 1000.0;
+                        let worst = seen
+                            .worst_at
+                            .duration_since(SystemTime::UNIX_EPOCH)
+                            .unwrap_or_default()
+                            .as_secs_f64()
+                            * 1000.0;
+                        worst - freeze_began
+                    },
                     client_answers: seen.answers,
                     window_ms: ms(report.post_processing_time_us),
                     left_out_pages: report.left_out_pages,
@@ -278,13 +300,14 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     freeze_parts: freeze_parts(&report),
                 };
                 println!(
-                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  longest wait {:>8.1} ms (median client's {:.1} ms; {} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  [{}]",
+                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  longest wait {:>8.1} ms (from {:+.1} ms of the freeze; median client's {:.1} ms; {} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  [{}]",
                     row.size_mib,
                     row.link,
                     row.strategy,
                     row.run,
                     row.freeze_ms,
                     row.client_max_wait_ms,
+                    row.worst_wait_from_freeze_ms,
                     row.client_median_wait_ms,
                     row.client_answers,
                     row.window_ms,
@@ -308,12 +331,12 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
 
 fn csv(rows: &[Row], args: &Args, profile: &str) -> String {
     let mut out = String::from(
-        "size_mib,link,strategy,run,profile,clients,interval_ms,freeze_ms,client_max_wait_ms,client_median_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib,freeze_parts\n",
+        "size_mib,link,strategy,run,profile,clients,interval_ms,freeze_ms,client_max_wait_ms,worst_wait_from_freeze_ms,client_median_wait_ms,client_answers,window_ms,left_out_pages,dest_peak_mib,freeze_parts\n",
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{},{},{profile},{},{},{:.3},{:.3},{:.3},{},{:.3},{},{:.1},\"{}\"",
+            "{},{},{},{},{profile},{},{},{:.3},{:.3},{:.3},{:.3},{},{:.3},{},{:.1},\"{}\"",
             r.size_mib,
             r.link,
             r.strategy,
@@ -322,6 +345,7 @@ fn csv(rows: &[Row], args: &Args, profile: &str) -> String {
             args.interval_ms,
             r.freeze_ms,
             r.client_max_wait_ms,
+            r.worst_wait_from_freeze_ms,
             r.client_median_wait_ms,
             r.client_answers,
             r.window_ms,
