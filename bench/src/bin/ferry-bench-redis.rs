@@ -62,6 +62,9 @@ struct Args {
     /// back to back).
     #[arg(long, default_value_t = 0)]
     interval_ms: u64,
+    /// Pre-copy's throttle: "auto", "off" (default: the agent's).
+    #[arg(long, value_parser = ["auto", "off"])]
+    throttle: Option<String>,
     #[arg(long, default_value = "target/bench/redis")]
     out: PathBuf,
 }
@@ -245,6 +248,11 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                         pid,
                         destination_node: format!("node{}", to + 1),
                         strategy: strategy_of(strategy)? as i32,
+                        throttle: match args.throttle.as_deref() {
+                            Some("auto") => ferry_proto::v1::PrecopyThrottle::Auto,
+                            Some("off") => ferry_proto::v1::PrecopyThrottle::Off,
+                            _ => ferry_proto::v1::PrecopyThrottle::Unspecified,
+                        } as i32,
                         ..Default::default()
                     },
                 )
@@ -428,7 +436,7 @@ fn main() -> Result<()> {
     std::fs::write(args.out.join("redis.md"), &md)?;
     println!("\n{md}");
     println!(
-        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {} --clients {} --interval-ms {}` (root; {profile} build; 2 cores here).",
+        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {} --clients {} --interval-ms {}{}` (root; {profile} build; 2 cores here).",
         args.sizes
             .iter()
             .map(ToString::to_string)
@@ -438,7 +446,11 @@ fn main() -> Result<()> {
         args.strategies.join(","),
         args.runs,
         args.clients,
-        args.interval_ms
+        args.interval_ms,
+        args.throttle
+            .as_deref()
+            .map(|t| format!(" --throttle {t}"))
+            .unwrap_or_default()
     );
     Ok(())
 }
