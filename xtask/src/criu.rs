@@ -238,7 +238,7 @@ const PATCHES: &[Patch] = &[
     Patch {
         what: "guard markers of held ranges found by the held pages' scan",
         text: include_str!("../criu/held-pages-guards.patch"),
-        mark: "ferry-held-guards",
+        mark: "ferry-held-guards2",
     },
 ];
 

@@ -222,7 +222,7 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
     ),
     (
-        "ferry-held-guards",
+        "ferry-held-guards2",
         "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
     ),
 ];

@@ -79,7 +79,7 @@ struct Row {
     /// The median over the clients of each one's longest wait.
     client_median_wait_ms: f64,
     /// When the longest wait of any client began, ms after the freeze
-    /// began (negative: before), from the report's start and preparation.
+    /// began (negative: before), from the report's start and phases.
     worst_wait_from_freeze_ms: f64,
     client_answers: u64,
     window_ms: f64,
@@ -160,8 +160,8 @@ async fn client(
 /// and the answers they got in all.
 struct Seen {
     longest: Vec<Duration>,
-    /// When the longest wait of all began.
-    worst_at: SystemTime,
+    /// The longest wait of all, and when it began.
+    worst: (Duration, SystemTime),
     answers: u64,
 }
 
@@ -190,13 +190,13 @@ fn readers(
                 }
                 let mut seen = Seen {
                     longest: Vec::with_capacity(clients),
-                    worst_at: SystemTime::UNIX_EPOCH,
+                    worst: (Duration::ZERO, SystemTime::UNIX_EPOCH),
                     answers: 0,
                 };
                 while let Some(done) = tasks.join_next().await {
                     let (longest, at, answers) = done??;
-                    if seen.longest.iter().all(|l| *l < longest) {
-                        seen.worst_at = at;
+                    if longest > seen.worst.0 {
+                        seen.worst = (longest, at);
                     }
                     seen.longest.push(longest);
                     seen.answers += answers;
@@ -287,13 +287,22 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     strategy: strategy.clone(),
                     run: run_no,
                     freeze_ms: ms(report.freeze_time_us),
-                    client_max_wait_ms: waits.iter().copied().fold(0.0, f64::max),
+                    client_max_wait_ms: seen.worst.0.as_secs_f64() * 1000.0,
                     client_median_wait_ms: median_unsorted(&waits),
                     worst_wait_from_freeze_ms: {
-                        let freeze_began = report.started_at_unix_ms as f64
-                            + report.preparation_time_us as f64 / 1000.0;
+                        // The freeze begins with the dump: the phases
+                        // before it, in order, from the migration's start.
+                        let before: u64 = report
+                            .phases
+                            .iter()
+                            .take_while(|p| p.phase != "dump")
+                            .map(|p| p.duration_us)
+                            .sum();
+                        let freeze_began =
+                            report.started_at_unix_ms as f64 + before as f64 / 1000.0;
                         let worst = seen
-                            .worst_at
+                            .worst
+                            .1
                             .duration_since(SystemTime::UNIX_EPOCH)
                             .unwrap_or_default()
                             .as_secs_f64()

@@ -20,12 +20,7 @@ const RAMFS_MAGIC: i64 = 0x8584_58f6;
 /// What the node offers, read when the request comes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Room {
-    /// Bytes of memory a migration may take: MemAvailable, or the
-    /// configured limit if lower.
-    pub memory: u64,
-    /// Whether `memory` is the configured limit.
-    pub limited: bool,
-    /// MemAvailable alone.
+    /// MemAvailable.
     pub available: u64,
     /// The configured limit, `[migration] incoming_memory_limit_mib`.
     pub limit: Option<u64>,
@@ -55,8 +50,6 @@ impl Room {
         let limit = limit_mib.map(|m| m.saturating_mul(1 << 20));
         let in_memory = kind == TMPFS_MAGIC || kind == RAMFS_MAGIC;
         Ok(Room {
-            memory: limit.map_or(available, |l| l.min(available)),
-            limited: limit.is_some_and(|l| l < available),
             available,
             limit,
             work_dir_free: work_dir_free(
@@ -69,6 +62,17 @@ impl Room {
         })
     }
 
+    /// Bytes of memory a migration may take: MemAvailable, or the
+    /// configured limit if lower.
+    fn memory(&self) -> u64 {
+        self.limit.map_or(self.available, |l| l.min(self.available))
+    }
+
+    /// Whether [`Room::memory`] is the configured limit.
+    fn limited(&self) -> bool {
+        self.limit.is_some_and(|l| l < self.available)
+    }
+
     /// Refuses a process that does not fit, naming what it needs and what
     /// there is. A request without figures (an older source) passes.
     pub(super) fn check(&self, node: &str, req: &PrepareRequest) -> Result<(), EngineError> {
@@ -76,7 +80,7 @@ impl Room {
         if resident == 0 && dumped == 0 {
             return Ok(());
         }
-        let memory_source = if self.limited {
+        let memory_source = if self.limited() {
             "the limit [migration] incoming_memory_limit_mib"
         } else {
             "MemAvailable"
@@ -93,7 +97,7 @@ impl Room {
         }
         if self.work_dir_in_memory {
             let need = resident.saturating_add(dumped);
-            if need > self.memory {
+            if need > self.memory() {
                 return Err(EngineError::NoRoom {
                     node: node.to_owned(),
                     detail: format!(
@@ -101,17 +105,17 @@ impl Room {
                         mib(resident),
                         mib(dumped),
                         mib(need),
-                        mib(self.memory)
+                        mib(self.memory())
                     ),
                 });
             }
-        } else if resident > self.memory {
+        } else if resident > self.memory() {
             return Err(EngineError::NoRoom {
                 node: node.to_owned(),
                 detail: format!(
                     "it needs {} for the process (its resident set) and has {} ({memory_source})",
                     mib(resident),
-                    mib(self.memory)
+                    mib(self.memory())
                 ),
             });
         }
@@ -239,8 +243,6 @@ mod tests {
     }
 
     const IN_MEMORY: Room = Room {
-        memory: 100 << 20,
-        limited: true,
         available: 1 << 40,
         limit: Some(100 << 20),
         work_dir_free: 1 << 40,
@@ -268,8 +270,6 @@ mod tests {
     #[test]
     fn a_work_dir_on_disk_needs_memory_for_the_process_and_room_for_the_store() {
         let on_disk = Room {
-            memory: 100 << 20,
-            limited: false,
             available: 100 << 20,
             limit: None,
             work_dir_free: 40 << 20,
@@ -305,8 +305,6 @@ mod tests {
         assert_eq!(work_dir_free(false, 0, 0, 4096), 0);
         assert_eq!(work_dir_free(false, 1000, 10, 4096), 40960);
         let room = Room {
-            memory: 100 << 20,
-            limited: false,
             available: 100 << 20,
             limit: None,
             work_dir_free: work_dir_free(true, 0, 0, 4096),
@@ -357,8 +355,6 @@ mod tests {
         // Without a limit, the store already came out of MemAvailable: the
         // grown process alone must fit what is left.
         let unlimited = Room {
-            memory: 50 << 20,
-            limited: false,
             available: 50 << 20,
             limit: None,
             ..IN_MEMORY
@@ -382,9 +378,9 @@ mod tests {
         let meminfo = "MemTotal:       24684012 kB\nMemAvailable:   23650000 kB\n";
         assert_eq!(mem_available(meminfo), Some(23_650_000 * 1024));
         let room = Room::read(Path::new("/"), Some(1)).unwrap();
-        assert_eq!(room.memory, 1 << 20);
-        assert!(room.limited);
+        assert_eq!(room.memory(), 1 << 20);
+        assert!(room.limited());
         let room = Room::read(Path::new("/"), None).unwrap();
-        assert!(room.memory > 1 << 20 && !room.limited, "{room:?}");
+        assert!(room.memory() > 1 << 20 && !room.limited(), "{room:?}");
     }
 }

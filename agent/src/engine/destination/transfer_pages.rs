@@ -19,6 +19,11 @@ pub async fn transfer_pages(
     // Where the next re-check of this node's room is due, should the
     // process grow past what Prepare was told.
     let mut next_check = 0u64;
+    let (node, work_dir, limit) = (
+        engine.node().to_owned(),
+        engine.config.work_dir.clone(),
+        engine.config.migration.incoming_memory_limit_mib,
+    );
     while let Some(batch) = stream.next().await {
         let batch = batch
             .map_err(|s| EngineError::BadImage(format!("page stream broke: {}", s.message())))?;
@@ -46,11 +51,7 @@ pub async fn transfer_pages(
             (inc.pages.clone(), inc.discarded.clone(), inc.announced)
         };
         id.get_or_insert_with(|| batch.migration_id.clone());
-        let (node, work_dir, limit) = (
-            engine.node().to_owned(),
-            engine.config.work_dir.clone(),
-            engine.config.migration.incoming_memory_limit_mib,
-        );
+        let (node, work_dir) = (node.clone(), work_dir.clone());
         let (p, b, checked) = tokio::task::spawn_blocking(move || {
             // Under the discard flag's lock, as the image writer does.
             let d = crate::sync::lock(&discarded);
