@@ -225,6 +225,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "ferry-held-guards2",
         "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
     ),
+    (
+        "ferry-held-prescan",
+        "held pages scanned from the seizing on (the scan of a pre-copied process's page tables beside the rest of the dump)",
+    ),
 ];
 
 /// What the CRIU at `path` lacks of [`FERRY_PATCHES`].
@@ -339,6 +343,7 @@ mod tests {
                 "lazy-pages daemon waiting for answers, not spinning (a core left to the process during post-copy)",
                 "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
                 "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
+                "held pages scanned from the seizing on (the scan of a pre-copied process's page tables beside the rest of the dump)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.
