@@ -238,26 +238,12 @@ impl NamespaceSockets {
             (Transport::Udp, libc::IPPROTO_UDP),
         ] {
             for family in [libc::AF_INET, libc::AF_INET6] {
-                let found =
-                    super::sock_diag::inet_sockets(family, protocol, super::sock_diag::ALL_STATES);
-                let found = match found {
-                    Ok(f) => f,
-                    // IPv6 may be off (procfs then has no tcp6 or udp6).
-                    Err(e)
-                        if family == libc::AF_INET6
-                            && matches!(
-                                e.raw_os_error(),
-                                Some(libc::ENOENT | libc::EAFNOSUPPORT | libc::EINVAL)
-                            ) =>
-                    {
-                        continue;
-                    }
-                    Err(source) => {
-                        return Err(ProcessError::Io {
-                            path: format!("sock_diag ({transport}, family {family})"),
-                            source,
-                        });
-                    }
+                let Some(found) =
+                    diag_sockets(family, protocol, super::sock_diag::ALL_STATES, || {
+                        format!("sock_diag ({transport}, family {family})")
+                    })?
+                else {
+                    continue;
                 };
                 entries.extend(found.into_iter().map(|e| {
                     let entry = TableEntry {
@@ -404,6 +390,33 @@ impl Listeners {
     }
 }
 
+/// sock_diag's sockets of ferryd's namespace in `states`; `None` for IPv6
+/// where it is off (procfs then has no tcp6 or udp6). `what` names the
+/// read in an error.
+fn diag_sockets(
+    family: i32,
+    protocol: i32,
+    states: u32,
+    what: impl Fn() -> String,
+) -> Result<Option<Vec<super::sock_diag::InetDiagEntry>>, ProcessError> {
+    match super::sock_diag::inet_sockets(family, protocol, states) {
+        Ok(found) => Ok(Some(found)),
+        Err(e)
+            if family == libc::AF_INET6
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT | libc::EAFNOSUPPORT | libc::EINVAL)
+                ) =>
+        {
+            Ok(None)
+        }
+        Err(source) => Err(ProcessError::Io {
+            path: what(),
+            source,
+        }),
+    }
+}
+
 /// The listening TCP sockets of `root`'s network namespace: table, inode
 /// and port.
 fn listening_by_procfs(root: i32) -> Result<Vec<(&'static str, u64, u16)>, ProcessError> {
@@ -423,25 +436,11 @@ fn listening_by_procfs(root: i32) -> Result<Vec<(&'static str, u64, u16)>, Proce
 fn listening_by_sock_diag() -> Result<Vec<(&'static str, u64, u16)>, ProcessError> {
     let mut out = Vec::new();
     for (table, family) in [("tcp", libc::AF_INET), ("tcp6", libc::AF_INET6)] {
-        let found = match super::sock_diag::inet_sockets(family, libc::IPPROTO_TCP, 1 << TCP_LISTEN)
-        {
-            Ok(f) => f,
-            // IPv6 may be off (procfs then has no tcp6).
-            Err(e)
-                if family == libc::AF_INET6
-                    && matches!(
-                        e.raw_os_error(),
-                        Some(libc::ENOENT | libc::EAFNOSUPPORT | libc::EINVAL)
-                    ) =>
-            {
-                continue;
-            }
-            Err(source) => {
-                return Err(ProcessError::Io {
-                    path: format!("sock_diag ({table} listeners)"),
-                    source,
-                });
-            }
+        let Some(found) = diag_sockets(family, libc::IPPROTO_TCP, 1 << TCP_LISTEN, || {
+            format!("sock_diag ({table} listeners)")
+        })?
+        else {
+            continue;
         };
         out.extend(
             found
