@@ -240,13 +240,13 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/held-pages-guards.patch"),
         mark: "ferry-held-guards2",
     },
-    // The held pages' scan by write-protect bits (~4.4 ms for 4 GiB) runs
-    // on a thread from the seizing on, beside the rest of the dump,
-    // instead of at its end.
+    // The held pages' scan by write-protect bits (~4.4 ms for 4 GiB) and
+    // the full scans of the written runs run on a thread from the seizing
+    // on, beside the rest of the dump, instead of at its end.
     Patch {
         what: "held pages scanned from the seizing on",
         text: include_str!("../criu/held-pages-prescan.patch"),
-        mark: "ferry-held-prescan",
+        mark: "ferry-held-prescan2",
     },
 ];
 

@@ -226,7 +226,7 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
         "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
     ),
     (
-        "ferry-held-prescan",
+        "ferry-held-prescan2",
         "held pages scanned from the seizing on (the scan of a pre-copied process's page tables beside the rest of the dump)",
     ),
 ];
