@@ -121,22 +121,28 @@ struct Guards {
     installed: bool,
 }
 
+/// A fresh private anonymous mapping of `pages` pages, readable and
+/// writable, where the kernel places it; `what` names it if that fails.
+fn private_pages(pages: usize, what: &str) -> *mut u8 {
+    // SAFETY: a new mapping the kernel places; nothing else refers to it.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            pages * PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(at, libc::MAP_FAILED, "mmap of the {what} region");
+    at.cast()
+}
+
 impl Guards {
     fn map() -> Guards {
-        // SAFETY: a fresh private mapping the kernel places.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                GUARD_PAGES * PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(at, libc::MAP_FAILED, "mmap of the guard region");
         let g = Guards {
-            at: at.cast(),
+            at: private_pages(GUARD_PAGES, "guard"),
             installed: false,
         };
         for k in 0..GUARD_PAGES {
@@ -211,21 +217,8 @@ struct Side {
 
 impl Side {
     fn map(generation: u64) -> Side {
-        // SAFETY: a fresh private anonymous mapping; nothing else refers
-        // to it.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                SIDE_PAGES * PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(at, libc::MAP_FAILED, "mmap of the side region");
         let side = Side {
-            at: at.cast(),
+            at: private_pages(SIDE_PAGES, "side"),
             generation,
         };
         for k in 0..SIDE_PAGES {
