@@ -41,6 +41,10 @@ const VMA_FLAGS: u32 = 6;
 const VMA_STATUS: u32 = 7;
 /// CRIU's `VMA_AREA_GUARD` status bit (criu/include/image.h).
 const VMA_AREA_GUARD: u32 = 1 << 16;
+/// CRIU's status bits of the kernel's own areas (criu/include/image.h).
+const VMA_AREA_VSYSCALL: u32 = 1 << 2;
+const VMA_AREA_VDSO: u32 = 1 << 3;
+const VMA_AREA_VVAR: u32 = 1 << 12;
 
 /// One memory area of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +57,20 @@ pub struct Vma {
     pub flags: u32,
     /// CRIU's `VMA_*` status bits (area kind).
     pub status: u32,
+}
+
+impl Vma {
+    /// Whether a lazy restore fills this area by userfaultfd: CRIU's
+    /// `vma_entry_can_be_lazy` (criu/include/vma.h): private anonymous,
+    /// not locked, not hugetlb, not the kernel's vDSO, vvar or vsyscall.
+    pub fn can_be_lazy(&self) -> bool {
+        let flag = |f: libc::c_int| self.flags & f as u32 != 0;
+        flag(libc::MAP_ANONYMOUS)
+            && flag(libc::MAP_PRIVATE)
+            && !flag(libc::MAP_LOCKED)
+            && !flag(libc::MAP_HUGETLB)
+            && self.status & (VMA_AREA_VDSO | VMA_AREA_VVAR | VMA_AREA_VSYSCALL) == 0
+    }
 }
 
 /// Reads `images_dir/mm-<pid>.img`, `pid` as CRIU names the file (the

@@ -125,7 +125,7 @@ fn a_round(p: &ferry_proto::v1::MigrationProgress) -> bool {
 
 fn summary(r: &MigrationReport) -> String {
     format!(
-        "strategy {} freeze {:.1} ms ({}), preparation {:.1} ms, total {:.1} ms, {} bytes, rounds {:?} ({}), pages in freeze {} of {} ({} pre-copied, {} left out of the dump), {} filled after the resume in {:.1} ms ({} faults), destination peak {:.1} MiB",
+        "strategy {} freeze {:.1} ms ({}), preparation {:.1} ms, total {:.1} ms, {} bytes, rounds {:?} ({}), pages in freeze {} of {} ({} pre-copied, {} left out of the dump), {} restored from the store in the freeze, {} filled after the resume in {:.1} ms ({} faults), destination peak {:.1} MiB",
         r.strategy,
         r.freeze_time_us as f64 / 1e3,
         r.freeze_parts
@@ -145,6 +145,7 @@ fn summary(r: &MigrationReport) -> String {
         r.dumped_pages,
         r.precopied_pages,
         r.left_out_pages,
+        r.restored_from_store_pages,
         r.filled_pages,
         r.fill_time_us as f64 / 1e3,
         r.fill_faults,
@@ -215,12 +216,16 @@ fn memory_is_intact_after_migration_with_each_strategy() {
                     "{}",
                     summary(&report)
                 );
-                // All of them but, at most, those of the writer's side
-                // region (16 pages, unmapped and mapped anew every 200 ms),
-                // if it went before the filler reached it.
+                // All of them, the filler's and those the restore read
+                // from the store in the freeze (pages of the binary's and
+                // libraries' file mappings it wrote), but, at most, those
+                // of the writer's side region (16 pages, unmapped and
+                // mapped anew every 200 ms), if it went before the filler
+                // reached it.
+                let installed = report.filled_pages + report.restored_from_store_pages;
+                assert!(report.restored_from_store_pages > 0, "{}", summary(&report));
                 assert!(
-                    report.filled_pages <= report.left_out_pages
-                        && report.filled_pages + 16 >= report.left_out_pages,
+                    installed <= report.left_out_pages && installed + 16 >= report.left_out_pages,
                     "{}",
                     summary(&report)
                 );

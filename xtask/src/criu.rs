@@ -248,6 +248,15 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/held-pages-prescan.patch"),
         mark: "ferry-held-prescan2",
     },
+    // Held pages are left out of every private area, not only of those a
+    // lazy restore fills: the destination gives the restore a parent
+    // image of the others, from its store (a slow link's freeze carried
+    // ~20 pages of a small process's file mappings in every migration).
+    Patch {
+        what: "held pages left out of every private area",
+        text: include_str!("../criu/held-pages-everywhere.patch"),
+        mark: "ferry-held-everywhere",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

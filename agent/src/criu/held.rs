@@ -14,6 +14,10 @@ const MAGIC: u32 = 0x3150_4846; // "FHP1"
 /// Every page with data in the ranges is held, written or not
 /// (`xtask/criu/held-pages-written-or-not.patch`).
 const MAGIC_ALL: u32 = 0x3250_4846; // "FHP2"
+/// As "FHP1", in every private area, not only in those a lazy restore
+/// fills: the destination gives the restore a parent image of the others
+/// (`xtask/criu/held-pages-everywhere.patch`).
+const MAGIC_EVERYWHERE: u32 = 0x3350_4846; // "FHP3"
 /// The most ranges the patch reads.
 pub const MAX_RANGES: usize = 1 << 24;
 
@@ -26,6 +30,14 @@ pub fn path(images_dir: &Path, vpid: u32) -> PathBuf {
 /// Blocking.
 pub fn write(images_dir: &Path, vpid: u32, held: &RangeSet) -> Result<(), CriuError> {
     write_as(images_dir, vpid, held, MAGIC)
+}
+
+/// As [`write`], for a destination that also writes the held pages of
+/// areas a lazy restore cannot fill to the restore, as a parent image
+/// ("FHP3").
+/// Blocking.
+pub fn write_everywhere(images_dir: &Path, vpid: u32, held: &RangeSet) -> Result<(), CriuError> {
+    write_as(images_dir, vpid, held, MAGIC_EVERYWHERE)
 }
 
 /// Post-copy whose pages follow by ferryd: every page of task `vpid`
@@ -104,5 +116,11 @@ mod tests {
         assert_eq!(&b[0..4], b"FHP2");
         assert_eq!(b.len(), 8 + 16);
         assert_eq!(u64::from_ne_bytes(b[8..16].try_into().unwrap()), 0);
+        // In every private area: the same ranges under their own magic.
+        write_everywhere(dir.path(), 10, &held).unwrap();
+        let b = std::fs::read(path(dir.path(), 10)).unwrap();
+        #[cfg(target_endian = "little")]
+        assert_eq!(&b[0..4], b"FHP3");
+        assert_eq!(b.len(), 8 + 2 * 16);
     }
 }

@@ -128,6 +128,12 @@ pub const HELD_PAGES_MARK: &str = "ferry-held-pages";
 /// stopped task after the resume).
 pub const HELD_ALL_MARK: &str = "ferry-held-all";
 
+/// The mark of `xtask/criu/held-pages-everywhere.patch`: a held-pages file
+/// with the magic "FHP3" leaves held pages not written since out of every
+/// private area (private file mappings the task wrote, locked areas), not
+/// only out of those a lazy restore fills.
+pub const HELD_EVERYWHERE_MARK: &str = "ferry-held-everywhere";
+
 /// The mark of `xtask/criu/vma-flags-without-smaps.patch`: a dump asked
 /// to (`ferry:vma-flags`) reads each mapping's flags from ferryd's BPF
 /// iterators (`ferry-vmflags.img`, `super::vmflags`) and
@@ -228,6 +234,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         "ferry-held-prescan2",
         "held pages scanned from the seizing on (the scan of a pre-copied process's page tables beside the rest of the dump)",
+    ),
+    (
+        HELD_EVERYWHERE_MARK,
+        "held pages left out of every private area (a freeze that carries none of a process's written file pages the destination holds)",
     ),
 ];
 
@@ -344,6 +354,7 @@ mod tests {
                 "post-copy's pages left in the stopped task (a post-copy dump that moves no page)",
                 "guard markers of held ranges found by the held pages' scan (a dump that walks a pre-copied process's page tables once)",
                 "held pages scanned from the seizing on (the scan of a pre-copied process's page tables beside the rest of the dump)",
+                "held pages left out of every private area (a freeze that carries none of a process's written file pages the destination holds)",
             ]
         );
         // A rebuilt binary is read again, not answered from the first look.

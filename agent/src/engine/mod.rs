@@ -33,7 +33,11 @@
 //!   turns those holes into lazy entries, restores with lazy pages and
 //!   hands the userfaultfds to its page filler ([`crate::fill`]), which
 //!   installs the pages from its page store after the resume, faults
-//!   first. The process never waits on the source for them. After
+//!   first. With `fills_held_pages_everywhere` (and the
+//!   held-pages-everywhere patch) the holes also cover areas a lazy
+//!   restore does not fill (private file mappings the process wrote);
+//!   the destination writes a parent image of those pages from its store
+//!   and the restore reads them from it, a few local pages in the freeze. The process never waits on the source for them. After
 //!   Discard the source asks `Peer.PostCopyStatus` how the fill went
 //!   (**Fill**): a failed fill means the destination killed the process
 //!   (its missing pages would read as zeros) and the report says

@@ -72,7 +72,7 @@ use crate::wire::{Field, Fields, WireError};
 
 mod lazy;
 
-pub use lazy::left_out_to_lazy;
+pub use lazy::{LeftOut, PARENT_DIR, prepare_left_out, write_parent};
 
 /// The run's pages are in the parent dump's images (an earlier pre-dump),
 /// not in this dump's pages file.
@@ -220,6 +220,8 @@ pub enum PagemapProblem {
     UnknownFlags { flags: u32 },
     /// Flags that do not say where the pages are, or say two places.
     ContradictoryFlags { vaddr: u64, flags: u32 },
+    /// A page left out of the dump in no memory area of the process.
+    LeftOutOutsideAreas { vaddr: u64 },
 }
 
 impl fmt::Display for PagemapProblem {
@@ -256,6 +258,10 @@ impl fmt::Display for PagemapProblem {
                 f,
                 "run at {vaddr:#x}: flags {flags:#x} do not say where its pages are \
                  (expected PE_PRESENT or PE_PARENT, not both, or PE_LAZY)"
+            ),
+            Self::LeftOutOutsideAreas { vaddr } => write!(
+                f,
+                "page {vaddr:#x} was left out of the dump but is in no memory area of the mm image"
             ),
         }
     }

@@ -174,6 +174,7 @@ fn report_json(r: &MigrationReport, names: &ReportNames) -> serde_json::Value {
         "dumped_pages": r.dumped_pages, "freeze_pages": r.freeze_pages, "precopied_pages": r.precopied_pages,
         "postcopy_pages": r.postcopy_pages,
         "left_out_pages": r.left_out_pages, "filled_pages": r.filled_pages,
+        "restored_from_store_pages": r.restored_from_store_pages,
         "fill_ms": ms(r.fill_time_us), "fill_faults": r.fill_faults,
         "fill_fault_wait_ms": ms(r.fill_fault_wait_us),
         "rounds": r.rounds.iter().map(|x| json!({
@@ -246,6 +247,12 @@ fn print_memory(r: &MigrationReport) {
                 ms(r.fill_time_us),
                 r.fill_faults,
                 ms(r.fill_fault_wait_us)
+            );
+        }
+        if r.restored_from_store_pages > 0 {
+            println!(
+                "  restored from store {} pages of file mappings and other areas not filled lazily, read on the destination in the freeze",
+                r.restored_from_store_pages
             );
         }
     }

@@ -77,6 +77,9 @@ pub async fn prepare(
                 // Any CRIU restores lazy runs; the filler needs a kernel
                 // whose userfaultfd reports forks, remaps and unmaps.
                 fills_held_pages: crate::fill::available(),
+                // A parent image written from the store before the
+                // restore (`restore.rs`'s `plan_fill`): any CRIU reads it.
+                fills_held_pages_everywhere: crate::fill::available(),
             }
         })
     })

@@ -130,17 +130,22 @@ pub(super) fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Resul
 /// this node lacks is refused here, before the restore). `follows`: a
 /// post-copy whose pages come after the Commit (`pages_follow.rs`); the
 /// filler installs them as they arrive.
+/// Also the pages the restore reads from the store (the parent image).
 async fn start_filler(
     inc: &mut Incoming,
     follows: bool,
-) -> Result<Option<StartedFiller>, EngineError> {
+) -> Result<(Option<StartedFiller>, u64), EngineError> {
     let (images, store, dir) = (inc.images(), inc.pages.clone(), inc.dir.clone());
     let id = inc.migration_id.clone();
     let ahead = inc.filler_ahead.take();
     blocking("starting the page filler", move || {
-        let Some((plan, stores)) = plan_fill(&images, &store, &id, follows)? else {
+        let PlannedFill {
+            filler: planned,
+            in_parent_pages: in_parent,
+        } = plan_fill(&images, &store, &id, follows)?;
+        let Some((plan, stores)) = planned else {
             // Nothing left out: the filler started ahead goes (dropped).
-            return Ok(None);
+            return Ok((None, in_parent));
         };
         let fds: Vec<_> = stores.iter().map(AsFd::as_fd).collect();
         let within = crate::fill::handle::READY_WITHIN;
@@ -166,11 +171,14 @@ async fn start_filler(
             follows,
             "page filler ready for the pages left out of the dump"
         );
-        Ok(Some(StartedFiller {
-            filler,
-            plan,
-            wants,
-        }))
+        Ok((
+            Some(StartedFiller {
+                filler,
+                plan,
+                wants,
+            }),
+            in_parent,
+        ))
     })
     .await?
 }
@@ -213,14 +221,26 @@ fn following(
     ))
 }
 
+/// [`plan_fill`]'s answer.
+struct PlannedFill {
+    /// The filler's plan and the stores it reads; none if nothing is left
+    /// to install lazily.
+    filler: Option<(crate::fill::Plan, Vec<std::fs::File>)>,
+    /// Pages the restore reads from the parent image written from the
+    /// store.
+    in_parent_pages: u64,
+}
+
 /// What the filler installs: per task with parent runs in its pagemap
-/// (turned lazy here), those runs cut at its memory areas, and its store.
+/// (turned lazy here), those runs cut at its memory areas, and its store;
+/// and how many pages left out of areas a lazy restore does not fill the
+/// restore reads from the parent image written here from the store.
 fn plan_fill(
     images: &std::path::Path,
     store: &std::sync::Mutex<crate::engine::pagestore::PageStore>,
     migration_id: &str,
     follows: bool,
-) -> Result<Option<(crate::fill::Plan, Vec<std::fs::File>)>, EngineError> {
+) -> Result<PlannedFill, EngineError> {
     use ferry_criu_image::{mm, pagemap};
     let image_err = |what: &'static str| move |source| EngineError::Image { what, source };
     let mut pids: Vec<u32> = std::fs::read_dir(images)
@@ -242,14 +262,56 @@ fn plan_fill(
         tasks: Vec::new(),
     };
     let mut stores = Vec::new();
+    let mut in_parent_pages = 0u64;
     let mut store = crate::sync::lock(store);
     for pid in pids {
-        let lazy = pagemap::left_out_to_lazy(images, pid)
+        let vmas = mm::read_vmas(images, pid).map_err(image_err("reading the memory areas"))?;
+        let left = pagemap::prepare_left_out(images, pid, &vmas)
             .map_err(image_err("turning the pages left out into lazy runs"))?;
+        let page = crate::memtrack::page_size();
+        // Pages left out of areas a lazy restore does not fill (ferry's
+        // held-pages-everywhere patch: private file mappings the process
+        // wrote): the restore reads them from a parent image written here
+        // from the store, a local copy of a few pages.
+        if !left.in_parent.is_empty() {
+            if follows {
+                return Err(EngineError::BadImage(format!(
+                    "pid {pid}: the dump left out pages outside the areas a lazy restore fills, \
+                     but they follow from the source"
+                )));
+            }
+            for r in &left.in_parent {
+                let end = r.vaddr + r.nr_pages * page;
+                if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
+                    pid,
+                    vaddr: r.vaddr,
+                    length: end - r.vaddr,
+                }) {
+                    return Err(EngineError::BadImage(format!(
+                        "the dump left out page {addr:#x} of pid {pid} as held here, but it was never pre-copied here"
+                    )));
+                }
+            }
+            let file = store
+                .file(pid)
+                .ok_or_else(|| EngineError::BadImage(format!("pid {pid}: no page store here")))?;
+            let bytes = pagemap::write_parent(images, pid, &left.in_parent, |vaddr, buf| {
+                use std::os::unix::fs::FileExt;
+                file.read_exact_at(buf, vaddr)
+            })
+            .map_err(image_err("writing the held pages the restore reads"))?;
+            in_parent_pages += bytes / page;
+            tracing::debug!(
+                pid,
+                bytes,
+                runs = left.in_parent.len(),
+                "held pages of areas not filled lazily, in the parent image"
+            );
+        }
+        let lazy = left.lazy;
         if lazy.is_empty() {
             continue;
         }
-        let page = crate::memtrack::page_size();
         for r in lazy.iter().filter(|_| !follows) {
             let end = r.vaddr + r.nr_pages * page;
             if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
@@ -262,7 +324,6 @@ fn plan_fill(
                 )));
             }
         }
-        let vmas = mm::read_vmas(images, pid).map_err(image_err("reading the memory areas"))?;
         let mut task = crate::fill::TaskPlan {
             vpid: pid,
             store: stores.len(),
@@ -297,7 +358,10 @@ fn plan_fill(
         stores.push(file);
         plan.tasks.push(task);
     }
-    Ok((!plan.tasks.is_empty()).then_some((plan, stores)))
+    Ok(PlannedFill {
+        filler: (!plan.tasks.is_empty()).then_some((plan, stores)),
+        in_parent_pages,
+    })
 }
 
 /// Finds the process's connections to other cluster nodes in its images,
@@ -349,9 +413,12 @@ pub async fn restore(
     // before the restore starts, like a daemon.
     // Pages that follow: the source's stream may open from now on (the
     // restore itself faults on some of them).
-    if lazy_from.is_none()
-        && let Some(started) = start_filler(inc, req.pages_follow).await?
-    {
+    let (started, held_pages_restored) = if lazy_from.is_none() {
+        start_filler(inc, req.pages_follow).await?
+    } else {
+        (None, 0)
+    };
+    if let Some(started) = started {
         inc.peak.watch(started.filler.pid());
         if let Some(wants) = started.wants {
             let f = Arc::new(following(inc, &started.filler, &started.plan, wants)?);
@@ -463,6 +530,7 @@ pub async fn restore(
         // start-up is not timed apart.
         criu_startup_us: 0,
         image_scan_us: image_scan.as_micros() as u64,
+        held_pages_restored,
     })
 }
 

@@ -224,9 +224,18 @@ async fn leave_held_pages_out(run: &mut Run) -> Result<bool, EngineError> {
     }
     let held = pre.held();
     let images = run.images();
+    // Held pages of private file mappings and other areas a lazy restore
+    // does not fill are left out too, when the destination gives the
+    // restore a parent image of them and this CRIU can.
+    let everywhere = run.p.destination_fills_held_pages_everywhere
+        && criu::has_patch(&run.engine.config.criu_path, criu::HELD_EVERYWHERE_MARK);
     blocking("listing the held pages for CRIU", move || {
         for (vpid, set) in &held {
-            criu::held::write(&images, *vpid, set)?;
+            if everywhere {
+                criu::held::write_everywhere(&images, *vpid, set)?;
+            } else {
+                criu::held::write(&images, *vpid, set)?;
+            }
         }
         Ok::<_, CriuError>(())
     })

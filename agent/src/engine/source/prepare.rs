@@ -59,6 +59,9 @@ pub struct Prepared {
     /// The destination restores pages left out of a pre-copy's dump from
     /// its page store (`PrepareResponse.fills_held_pages`).
     pub(super) destination_fills_held_pages: bool,
+    /// ... also those of areas a lazy restore cannot fill, written into
+    /// the pages image (`PrepareResponse.fills_held_pages_everywhere`).
+    pub(super) destination_fills_held_pages_everywhere: bool,
     /// Post-copy: the pages follow by ferryd (the dump leaves them in the
     /// stopped copy, `Peer.PostCopyPages` carries them after the resume),
     /// not by CRIU's page server.
@@ -166,6 +169,8 @@ pub async fn prepare(
         destination_takes_tcp_options: answer.takes_tcp_options,
         destination_takes_connections_out: answer.takes_connections_out,
         destination_fills_held_pages: answer.fills_held_pages,
+        destination_fills_held_pages_everywhere: answer.fills_held_pages
+            && answer.fills_held_pages_everywhere,
         pages_follow: pages_follow(engine, strategy, protocol_version, answer.fills_held_pages),
         flush_send_queues: options.flush_send_queues,
         strategy,

@@ -63,6 +63,7 @@ pub(super) async fn restore(run: &mut Run, r: Restoring) -> Result<Phase, Engine
         Ok(Err(s)) => return Err(peer_error(&run.p.destination.name, s)),
     };
     run.report.destination_pid = answer.pid;
+    run.report.restored_from_store_pages = answer.held_pages_restored;
     let restored = Restored {
         freeze_start: r.freeze_start,
         dump_end: r.dump_end,
