@@ -77,11 +77,15 @@ fn a_criu_that_does_not_run_fails_and_is_named() {
 #[test]
 fn a_valid_config_passes_and_shows_what_would_run() {
     let criu = Path::new(ferry_agent::config::DEFAULT_CRIU_PATH);
-    if !criu.is_file() {
-        eprintln!(
-            "skipping a_valid_config_passes_and_shows_what_would_run: no CRIU at {} (cargo xtask setup builds it)",
-            criu.display()
-        );
+    if ferry_testkit::skip(
+        "a_valid_config_passes_and_shows_what_would_run",
+        (!criu.is_file()).then(|| {
+            format!(
+                "no CRIU at {} (cargo xtask setup builds it)",
+                criu.display()
+            )
+        }),
+    ) {
         return;
     }
     let (_dir, path, out) = check(GOOD);

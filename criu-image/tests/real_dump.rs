@@ -239,8 +239,7 @@ fn wait_exit(child: &mut Child, timeout: Duration) -> io::Result<ExitStatus> {
 
 #[test]
 fn dumped_connection_is_restored_from_the_new_local_address() {
-    if let Some(reason) = skip_reason() {
-        eprintln!("skipping real_dump: {reason}");
+    if ferry_testkit::skip("real_dump", skip_reason()) {
         return;
     }
     let python = python().expect("checked by skip_reason");
@@ -480,8 +479,7 @@ fn pattern(page: u64, page_size: u64) -> Vec<u8> {
 fn pagemap_locates_the_pages_a_process_wrote() {
     use std::io::{Read, Seek, SeekFrom};
 
-    if let Some(reason) = dump_skip_reason() {
-        eprintln!("skipping real_dump pagemap: {reason}");
+    if ferry_testkit::skip("real_dump pagemap", dump_skip_reason()) {
         return;
     }
     let python = python().expect("checked by dump_skip_reason");

@@ -19,6 +19,10 @@ pub enum NstatError {
     },
     #[error("{file}: malformed: {line}")]
     Malformed { file: &'static str, line: String },
+    /// A test or benchmark that reads a counter this kernel lacks cannot
+    /// say what it claims: not a 0.
+    #[error("this kernel has no counter {name} (/proc/net/snmp, /proc/net/netstat)")]
+    Missing { name: String },
 }
 
 /// Counters by `nstat` name: the table prefix and the field (`TcpOutRsts`,
@@ -45,28 +49,35 @@ impl Nstat {
         })?
     }
 
-    /// A counter, 0 if this kernel lacks it.
-    pub fn get(&self, name: &str) -> u64 {
-        self.0.get(name).copied().unwrap_or(0)
+    /// A counter; an error if this kernel lacks it.
+    pub fn get(&self, name: &str) -> Result<u64, NstatError> {
+        self.0
+            .get(name)
+            .copied()
+            .ok_or_else(|| NstatError::Missing {
+                name: name.to_owned(),
+            })
     }
 
-    /// `self - earlier` for every counter that grew.
+    /// `self - earlier` for every counter both have (0 for those that did
+    /// not grow, so a counter read from the difference is still known).
     pub fn since(&self, earlier: &Nstat) -> Nstat {
         Nstat(
             self.0
                 .iter()
                 .filter_map(|(k, v)| {
-                    let d = v.saturating_sub(earlier.get(k));
-                    (d > 0).then(|| (k.clone(), d))
+                    let e = earlier.0.get(k)?;
+                    Some((k.clone(), v.saturating_sub(*e)))
                 })
                 .collect(),
         )
     }
 }
 
+/// The counters that are not 0, one a line.
 impl std::fmt::Display for Nstat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (k, v) in &self.0 {
+        for (k, v) in self.0.iter().filter(|(_, v)| **v > 0) {
             writeln!(f, "{k:<32} {v}")?;
         }
         Ok(())
@@ -117,17 +128,33 @@ mod tests {
         let mut m = BTreeMap::new();
         parse("snmp", text, &mut m).unwrap();
         let n = Nstat(m);
-        assert_eq!(n.get("TcpOutRsts"), 7);
-        assert_eq!(n.get("TcpExtTCPTimeouts"), 3);
-        assert_eq!(n.get("TcpMaxConn"), 0);
+        assert_eq!(n.get("TcpOutRsts").unwrap(), 7);
+        assert_eq!(n.get("TcpExtTCPTimeouts").unwrap(), 3);
+        // -1 is no counter; an absent counter is an error, not a 0.
+        for absent in ["TcpMaxConn", "TcpExtTCPNoSuchCounter"] {
+            assert!(
+                matches!(n.get(absent), Err(NstatError::Missing { ref name }) if name == absent),
+                "{absent}"
+            );
+        }
         let later = Nstat(BTreeMap::from([
             ("TcpOutRsts".to_owned(), 9),
             ("TcpExtTCPTimeouts".to_owned(), 3),
+            ("TcpExtNew".to_owned(), 1),
         ]));
+        // Both counters they share, grown or not; not one only the later has.
+        let d = later.since(&n);
         assert_eq!(
-            later.since(&n).0,
-            BTreeMap::from([("TcpOutRsts".to_owned(), 2)])
+            d.0,
+            BTreeMap::from([
+                ("TcpOutRsts".to_owned(), 2),
+                ("TcpExtTCPTimeouts".to_owned(), 0),
+            ])
         );
+        assert_eq!(d.get("TcpExtTCPTimeouts").unwrap(), 0);
+        assert!(d.get("TcpExtNew").is_err());
+        // Shown: what grew.
+        assert_eq!(d.to_string().lines().count(), 1);
         assert!(parse("snmp", "Tcp: A\n", &mut BTreeMap::new()).is_err());
     }
 }

@@ -25,21 +25,23 @@ pub fn skip_reason() -> Option<String> {
     if !Path::new("/proc/thread-self/ns/net").exists() {
         return Some("needs network namespaces (/proc/thread-self/ns/net)".into());
     }
+    let criu = crate::paths::criu_path();
+    if !criu.is_file() {
+        return Some(format!(
+            "needs CRIU at {} (cargo xtask setup builds it)",
+            criu.display()
+        ));
+    }
     None
 }
 
-/// For the first line of a privileged test: prints why it is skipped and
-/// returns false when it cannot run here.
+/// For the first line of a privileged test: false when it cannot run
+/// here, after saying why; under `cargo xtask test` it fails instead
+/// (`ferry_testkit::skip`).
 ///
 /// ```no_run
 /// if !ferry_integration::can_run("harness::flooding") { return; }
 /// ```
 pub fn can_run(test: &str) -> bool {
-    match skip_reason() {
-        None => true,
-        Some(reason) => {
-            eprintln!("skipping {test}: {reason}");
-            false
-        }
-    }
+    !ferry_testkit::skip(test, skip_reason())
 }

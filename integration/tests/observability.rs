@@ -153,53 +153,69 @@ fn reflection_and_health_answer_on_both_control_listeners() {
     .expect("node2's namespace");
     check("control over TCP", &seen);
 
-    // The real grpcurl too, where one is installed (Debian has no package:
-    // docs/api.md says how to build it); the checks above stand for it
-    // elsewhere.
-    match grpcurl() {
-        Some(grpcurl) => {
-            let socket = cluster.control_socket("node1");
-            let run = |args: &[&str]| {
-                let out = std::process::Command::new(&grpcurl)
-                    .args(["-plaintext", "-unix"])
-                    .arg(socket)
-                    .args(args)
-                    .output()
-                    .expect("running grpcurl");
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                assert!(
-                    out.status.success(),
-                    "grpcurl {args:?}: {}\n{text}{}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                text
-            };
-            let list = run(&["list"]);
-            assert!(
-                list.lines().any(|l| l == "ferry.v1.Control")
-                    && list.lines().any(|l| l == "grpc.health.v1.Health"),
-                "{list}"
-            );
-            let methods = run(&["describe", "ferry.v1.Control"]);
-            assert!(methods.contains("rpc Migrate"), "{methods}");
-            let health = run(&["grpc.health.v1.Health/Check"]);
-            assert!(health.contains("SERVING"), "{health}");
-            let nodes = run(&["ferry.v1.Control/ListNodes"]);
-            assert!(nodes.contains("\"node2\""), "{nodes}");
-        }
-        None => eprintln!("grpcurl not on PATH: checked with the reflection client above only"),
+    // The real grpcurl too (`cargo xtask setup` builds it: Debian has no
+    // package of it), over the root-only Unix socket.
+    let grpcurl = grpcurl();
+    if ferry_testkit::skip(
+        "reflection_and_health_answer_on_both_control_listeners (grpcurl)",
+        grpcurl.is_none().then(|| {
+            format!("no grpcurl at $FERRY_GRPCURL, on PATH or at {DEFAULT_GRPCURL} (cargo xtask setup builds it)")
+        }),
+    ) {
+        return;
     }
+    let grpcurl = grpcurl.expect("checked above");
+    let socket = cluster.control_socket("node1");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(&grpcurl)
+            .args(["-plaintext", "-unix"])
+            .arg(socket)
+            .args(args)
+            .output()
+            .expect("running grpcurl");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "grpcurl {args:?}: {}\n{text}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let list = run(&["list"]);
+    assert!(
+        list.lines().any(|l| l == "ferry.v1.Control")
+            && list.lines().any(|l| l == "grpc.health.v1.Health"),
+        "{list}"
+    );
+    let methods = run(&["describe", "ferry.v1.Control"]);
+    assert!(methods.contains("rpc Migrate"), "{methods}");
+    let health = run(&["grpc.health.v1.Health/Check"]);
+    assert!(health.contains("SERVING"), "{health}");
+    let nodes = run(&["ferry.v1.Control/ListNodes"]);
+    assert!(nodes.contains("\"node2\""), "{nodes}");
 }
 
-/// `grpcurl` on PATH, or at `$FERRY_GRPCURL`.
+/// Where `cargo xtask setup` builds grpcurl.
+const DEFAULT_GRPCURL: &str = "/opt/ferry/grpcurl/bin/grpcurl";
+
+/// grpcurl at `$FERRY_GRPCURL` (set by `cargo xtask test`), on PATH, or
+/// where setup builds it.
 fn grpcurl() -> Option<std::path::PathBuf> {
     if let Some(p) = std::env::var_os("FERRY_GRPCURL") {
-        return Some(p.into());
+        let p = std::path::PathBuf::from(p);
+        return p.is_file().then_some(p);
     }
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join("grpcurl"))
-        .find(|p| p.is_file())
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join("grpcurl"))
+                .find(|p| p.is_file())
+        })
+        .or_else(|| {
+            let p = std::path::PathBuf::from(DEFAULT_GRPCURL);
+            p.is_file().then_some(p)
+        })
 }
 
 /// Where the agents serve `/metrics` (every node, its own netns).

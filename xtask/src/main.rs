@@ -16,6 +16,7 @@ mod cmd;
 mod criu;
 mod demo;
 mod fuzz;
+mod grpcurl;
 mod packages;
 mod setup;
 mod sim;
@@ -52,11 +53,20 @@ enum Command {
     /// Install the Debian packages ferry needs and build CRIU >= 4.2 (idempotent; root).
     Setup,
     /// Set up if needed, build all binaries, run unit then integration tests.
-    Test,
+    /// A test that cannot run here (not root, no CRIU, a tool missing)
+    /// fails the run unless `--allow-skip`.
+    Test {
+        /// Let tests that cannot run here skip instead of failing.
+        #[arg(long)]
+        allow_skip: bool,
+    },
     /// Set up if needed, build, then run only the integration tests (root,
     /// namespaces, CRIU); extra arguments go to the test harness
     /// (`cargo xtask integration -- migrate`).
     Integration {
+        /// Let tests that cannot run here skip instead of failing.
+        #[arg(long)]
+        allow_skip: bool,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -99,8 +109,10 @@ fn main() -> std::process::ExitCode {
     let prefix = &std::path::absolute(&args.criu_prefix).unwrap_or(args.criu_prefix.clone());
     let result = match args.command {
         Command::Setup => setup::run(prefix),
-        Command::Test => test::run_all(prefix),
-        Command::Integration { args } => test::run_integration(prefix, &args),
+        Command::Test { allow_skip } => test::run_all(prefix, allow_skip),
+        Command::Integration { allow_skip, args } => {
+            test::run_integration(prefix, allow_skip, &args)
+        }
         Command::Demo { args } => demo::run(prefix, &args),
         Command::Bench { debug, name, args } => bench::run(prefix, &name, &args, !debug),
         Command::Sim(args) => sim::run(&args),
@@ -129,7 +141,20 @@ mod tests {
         // clap's, everything after it goes to the test harness untouched.
         let a = parse(&["integration", "--", "migrate", "--nocapture"]);
         assert!(
-            matches!(a.command, Command::Integration { ref args } if args == &["migrate", "--nocapture"])
+            matches!(a.command, Command::Integration { allow_skip: false, ref args } if args == &["migrate", "--nocapture"])
+        );
+        // Skipping is asked for, never the default.
+        assert!(matches!(
+            parse(&["test"]).command,
+            Command::Test { allow_skip: false }
+        ));
+        assert!(matches!(
+            parse(&["test", "--allow-skip"]).command,
+            Command::Test { allow_skip: true }
+        ));
+        let a = parse(&["integration", "--allow-skip", "--", "migrate"]);
+        assert!(
+            matches!(a.command, Command::Integration { allow_skip: true, ref args } if args == &["migrate"])
         );
         let a = parse(&["demo", "--", "--keep"]);
         assert!(matches!(a.command, Command::Demo { ref args } if args == &["--keep"]));

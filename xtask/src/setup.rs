@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 
-use crate::{cmd, criu, packages};
+use crate::{cmd, criu, grpcurl, packages};
 
 /// What a step did, when it did not fail.
 #[derive(Debug)]
@@ -21,7 +21,9 @@ pub enum Step {
 /// Whether a full setup is needed: one dpkg-query and one `criu --version`,
 /// cheap enough to run before every `cargo xtask test`.
 pub fn needed(criu_prefix: &Path) -> bool {
-    !packages::missing().is_empty() || criu::installed_ok(criu_prefix).is_none()
+    !packages::missing().is_empty()
+        || criu::installed_ok(criu_prefix).is_none()
+        || grpcurl::missing()
 }
 
 fn preflight() -> Result<()> {
@@ -111,6 +113,20 @@ pub fn run(criu_prefix: &Path) -> Result<()> {
         Err(e) => {
             summary.push(("criu", "FAILED", format!("{e:#}")));
             failed.push("criu");
+        }
+    }
+
+    eprintln!(
+        "\n-- setup: grpcurl {} at {}",
+        grpcurl::VERSION,
+        grpcurl::binary().display()
+    );
+    match grpcurl::ensure() {
+        Ok(Step::Done(s)) => summary.push(("grpcurl", "done", s)),
+        Ok(Step::Skipped(s)) => summary.push(("grpcurl", "skipped", s)),
+        Err(e) => {
+            summary.push(("grpcurl", "FAILED", format!("{e:#}")));
+            failed.push("grpcurl");
         }
     }
 

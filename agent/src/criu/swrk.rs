@@ -671,8 +671,11 @@ mod tests {
     /// session's end plays it.
     #[test]
     fn a_criu_worker_starts_at_criu_nice() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: needs root (a negative nice value)");
+        if ferry_testkit::skip(
+            "a_criu_worker_starts_at_criu_nice",
+            (!nix::unistd::geteuid().is_root())
+                .then(|| "needs root (a negative nice value)".into()),
+        ) {
             return;
         }
         let dir = tempfile::tempdir().expect("temp dir");

@@ -92,7 +92,7 @@ impl Workload {
         {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("skipped: python3 not runnable: {e}");
+                ferry_testkit::skip("memtrack", Some(format!("python3 not runnable: {e}")));
                 return None;
             }
         };
@@ -140,10 +140,10 @@ impl Drop for Workload {
 fn root() -> bool {
     // SAFETY: geteuid has no arguments and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
-    if !root {
-        eprintln!("skipped: ptrace of a child and PAGEMAP_SCAN need root here");
-    }
-    root
+    !ferry_testkit::skip(
+        "memtrack",
+        (!root).then(|| "ptrace of a child and PAGEMAP_SCAN need root here".into()),
+    )
 }
 
 /// Stops (`stop`) or resumes the workload, as the freeze does.

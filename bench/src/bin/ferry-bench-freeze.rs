@@ -636,7 +636,7 @@ async fn migrations(
                     .copied()
                     .unwrap_or(0.0)
                     .max(udp_report.max_gap().as_secs_f64() * 1e3),
-                rtos: after.since(&before).get("TcpExtTCPTimeouts"),
+                rtos: after.since(&before).get("TcpExtTCPTimeouts")?,
                 udp_lost: udp_report.lost(),
                 drain_ms: report.drain_time_us as f64 / 1e3,
                 drain_start: report.drain_bytes_at_start,

@@ -311,12 +311,12 @@ async fn migrations(cluster: &Cluster, mode: Mode, args: &Args, rows: &mut Vec<R
             tcp_gap_median_ms: median(&gaps),
             gap_max_ms: tcp_max.max(udp_report.max_gap().as_secs_f64() * 1e3),
             udp_lost: udp_report.lost(),
-            udp_rcvbuf_drops: to_after.since(&to_before).get("UdpRcvbufErrors"),
+            udp_rcvbuf_drops: to_after.since(&to_before).get("UdpRcvbufErrors")?,
             udp_duplicates: udp_report.duplicates(),
             answers,
-            resets: d0.get("TcpEstabResets") + d1.get("TcpEstabResets"),
-            retrans_segs: d0.get("TcpRetransSegs"),
-            timeouts: d0.get("TcpExtTCPTimeouts"),
+            resets: d0.get("TcpEstabResets")? + d1.get("TcpEstabResets")?,
+            retrans_segs: d0.get("TcpRetransSegs")?,
+            timeouts: d0.get("TcpExtTCPTimeouts")?,
             replayed,
         };
         if !tcp_report.failures().is_empty() {
