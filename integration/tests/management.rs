@@ -150,6 +150,20 @@ fn a_running_process_is_adopted_and_moves_with_its_connections() {
             .expect_err("adopted twice");
         assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e:?}");
         wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        // The state listed is the kernel's: a process stopped behind the
+        // agent's back is "stopped", not "running", until it continues.
+        let state = |ps: Vec<pb::ManagedProcess>| {
+            ps.into_iter()
+                .find(|p| p.pid == pid)
+                .map(|p| p.state)
+                .expect("listed")
+        };
+        assert_eq!(state(list(&mut node1).await), "running");
+        let target = nix::unistd::Pid::from_raw(pid);
+        nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+        wait_for_process(&mut node1, pid, |p| p.state == "stopped").await;
+        nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+        wait_for_process(&mut node1, pid, |p| p.state == "running").await;
         let dp = ferry_integration::managed::data_plane(&mut node1).await;
         assert!(
             dp.ports

@@ -63,7 +63,13 @@ fn process_to_pb(
         tcp_established: p.sockets.tcp_established,
         udp_sockets: p.sockets.udp,
         state: match p.lifecycle {
-            Lifecycle::Running => "running",
+            // What the kernel says, not what ferryd last did: a process
+            // left stopped (a freeze whose agent died, a SIGSTOP) is not
+            // running.
+            Lifecycle::Running => match crate::process::state_of(p.pid) {
+                Some('T' | 't') => "stopped",
+                _ => "running",
+            },
             Lifecycle::MigratingOut { .. } => "migrating",
         }
         .into(),

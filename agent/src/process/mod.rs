@@ -13,7 +13,7 @@ pub use sockets::{
     BadPort, Listeners, PendingConnections, PortKey, SocketSummary, Transport, sockets_of_tree,
     sockets_of_trees,
 };
-pub use stat::{ProcessInfo, inspect, process_tree, wait_group_stopped};
+pub use stat::{ProcessInfo, inspect, process_tree, state_of, wait_group_stopped};
 pub use unix_diag::unix_peers;
 pub use vet::{Obstacle, descriptor_obstacles, shape_obstacles};
 

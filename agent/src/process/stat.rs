@@ -60,6 +60,13 @@ pub fn inspect(pid: i32) -> Result<ProcessInfo, ProcessError> {
     })
 }
 
+/// The single-letter state of process `pid` ('R', 'S', 'T', ...), from
+/// one read of /proc/PID/stat; None if it is gone or unreadable.
+pub fn state_of(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat).map(|f| f.state)
+}
+
 /// The fields of /proc/PID/stat ferryd uses.
 #[derive(Debug, PartialEq, Eq)]
 struct StatFields {

@@ -221,6 +221,29 @@ fn following(
     ))
 }
 
+/// Every page of `runs`, which the dump left out of process `pid` as held
+/// here, is in the store: a dump that left out a page this node lacks is
+/// refused before the restore.
+fn all_held_here(
+    store: &crate::engine::pagestore::PageStore,
+    pid: u32,
+    runs: &[ferry_criu_image::pagemap::PageRun],
+    page: u64,
+) -> Result<(), EngineError> {
+    for r in runs {
+        if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
+            pid,
+            vaddr: r.vaddr,
+            length: r.nr_pages * page,
+        }) {
+            return Err(EngineError::BadImage(format!(
+                "the dump left out page {addr:#x} of pid {pid} as held here, but it was never pre-copied here"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// [`plan_fill`]'s answer.
 struct PlannedFill {
     /// The filler's plan and the stores it reads; none if nothing is left
@@ -280,18 +303,7 @@ fn plan_fill(
                      but they follow from the source"
                 )));
             }
-            for r in &left.in_parent {
-                let end = r.vaddr + r.nr_pages * page;
-                if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
-                    pid,
-                    vaddr: r.vaddr,
-                    length: end - r.vaddr,
-                }) {
-                    return Err(EngineError::BadImage(format!(
-                        "the dump left out page {addr:#x} of pid {pid} as held here, but it was never pre-copied here"
-                    )));
-                }
-            }
+            all_held_here(&store, pid, &left.in_parent, page)?;
             let file = store
                 .file(pid)
                 .ok_or_else(|| EngineError::BadImage(format!("pid {pid}: no page store here")))?;
@@ -312,17 +324,8 @@ fn plan_fill(
         if lazy.is_empty() {
             continue;
         }
-        for r in lazy.iter().filter(|_| !follows) {
-            let end = r.vaddr + r.nr_pages * page;
-            if let Some(addr) = store.first_missing(&ferry_proto::v1::StoredPages {
-                pid,
-                vaddr: r.vaddr,
-                length: end - r.vaddr,
-            }) {
-                return Err(EngineError::BadImage(format!(
-                    "the dump left out page {addr:#x} of pid {pid} as held here, but it was never pre-copied here"
-                )));
-            }
+        if !follows {
+            all_held_here(&store, pid, &lazy, page)?;
         }
         let mut task = crate::fill::TaskPlan {
             vpid: pid,
