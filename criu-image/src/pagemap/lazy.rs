@@ -216,14 +216,21 @@ pub fn write_parent(
     let mut previous_end = 0;
     for run in runs {
         let len = run.nr_pages * page_size;
-        if run.vaddr < previous_end || run.nr_pages == 0 {
+        let problem = if run.nr_pages == 0 {
+            Some(PagemapProblem::ZeroPages { vaddr: run.vaddr })
+        } else if run.vaddr < previous_end {
+            Some(PagemapProblem::OutOfOrder {
+                vaddr: run.vaddr,
+                previous_end,
+            })
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
             return Err(ImageError::BadPagemap {
                 path: dir.join(format!("pagemap-{pid}.img")),
                 offset: 0,
-                problem: PagemapProblem::OutOfOrder {
-                    vaddr: run.vaddr,
-                    previous_end,
-                },
+                problem,
             });
         }
         previous_end = run.vaddr + len;
@@ -411,6 +418,28 @@ mod tests {
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(write_parent(empty.path(), 9, &[], store).unwrap(), 0);
         assert!(!empty.path().join(PARENT_DIR).exists());
+        // Runs it cannot lay out are refused, each for what it is.
+        let run = |vaddr, nr_pages| PageRun {
+            vaddr,
+            nr_pages,
+            flags: PE_PARENT,
+            pages_file_offset: None,
+        };
+        let problem = |runs: &[PageRun]| match write_parent(empty.path(), 9, runs, store) {
+            Err(ImageError::BadPagemap { problem, .. }) => problem,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            problem(&[run(data.0, 0)]),
+            PagemapProblem::ZeroPages { vaddr: data.0 }
+        );
+        assert_eq!(
+            problem(&[run(data.0, 2), run(data.0 + ps, 1)]),
+            PagemapProblem::OutOfOrder {
+                vaddr: data.0 + ps,
+                previous_end: data.0 + 2 * ps
+            }
+        );
     }
 
     #[test]

@@ -129,8 +129,8 @@ pub(super) fn set_local_pages(inc: &mut Incoming, req: &RestoreRequest) -> Resul
 /// holds them, and each must be in the store (a dump that left out a page
 /// this node lacks is refused here, before the restore). `follows`: a
 /// post-copy whose pages come after the Commit (`pages_follow.rs`); the
-/// filler installs them as they arrive.
-/// Also the pages the restore reads from the store (the parent image).
+/// filler installs them as they arrive. With it, how many pages the
+/// restore reads from the parent image written from the store.
 async fn start_filler(
     inc: &mut Incoming,
     follows: bool,
