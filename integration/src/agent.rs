@@ -62,6 +62,8 @@ pub struct AgentLaunch {
     pub control_socket: PathBuf,
     /// Working directory of the process (the node's directory).
     pub cwd: PathBuf,
+    /// Environment variables beside the usual ones (a crash point, say).
+    pub env: Vec<(String, String)>,
 }
 
 #[derive(Debug)]
@@ -97,6 +99,7 @@ impl AgentProcess {
             .arg(&launch.config)
             .current_dir(&launch.cwd)
             .env("RUST_LOG", rust_log)
+            .envs(launch.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
@@ -164,6 +167,15 @@ impl AgentProcess {
 
     /// SIGTERM, up to `grace` for a clean exit, then SIGKILL; reaps the
     /// process. Idempotent; returns the exit status if there was a process.
+    /// The exit status if the agent has exited (reaped then), None while
+    /// it runs.
+    pub fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        match self.child.as_mut() {
+            Some(child) => child.try_wait(),
+            None => Ok(None),
+        }
+    }
+
     pub fn stop(&mut self, grace: Duration) -> Result<Option<ExitStatus>, AgentError> {
         self.terminate();
         self.reap(Instant::now() + grace)

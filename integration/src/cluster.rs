@@ -413,6 +413,14 @@ impl Cluster {
     }
 
     fn spawn_agent(&mut self, i: usize) -> Result<(), ClusterError> {
+        self.spawn_agent_with(i, Vec::new())
+    }
+
+    fn spawn_agent_with(
+        &mut self,
+        i: usize,
+        env: Vec<(String, String)>,
+    ) -> Result<(), ClusterError> {
         let node = &mut self.nodes[i];
         let launch = AgentLaunch {
             node: node.name.clone(),
@@ -422,6 +430,7 @@ impl Cluster {
             log: node.log.clone(),
             control_socket: node.control_socket.clone(),
             cwd: node.dir.clone(),
+            env,
         };
         node.agent = Some(AgentProcess::spawn(launch)?);
         Ok(())
@@ -519,15 +528,17 @@ impl Cluster {
     /// carrier change, no reset, no ICMP), as when a cable or a switch
     /// port fails. Panics if `ip` fails.
     pub fn cut_cluster_link(&self, node: &str, cut: bool) {
-        let port = format!("n{}c", self.node_index(node) + 1);
-        let line = if cut {
-            format!("link set {port} nomaster")
-        } else {
-            format!("link set {port} master {} up", topology::CLUSTER_BRIDGE)
-        };
-        let router = self.router.as_ref().map(NetNs::name);
-        cmd::ip_batch(router, &[line])
-            .unwrap_or_else(|e| panic!("cutting {node} off the cluster network ({cut}): {e}"));
+        self.link_cutter(node).cut(cut);
+    }
+
+    /// What [`Self::cut_cluster_link`] does for `node`, apart from the
+    /// cluster: for a task that cuts the link at the right moment.
+    pub fn link_cutter(&self, node: &str) -> LinkCutter {
+        LinkCutter {
+            node: node.to_owned(),
+            router: self.router.as_ref().map(|r| r.name().to_owned()),
+            port: format!("n{}c", self.node_index(node) + 1),
+        }
     }
 
     /// `/run/netns/<ns>` of `node1`.., `client1`.. or `router`.
@@ -701,9 +712,23 @@ impl Cluster {
 
     /// (Re)starts the node's agent and waits until it answers.
     pub fn start_agent(&mut self, node: &str) -> Result<(), ClusterError> {
+        self.start_agent_with_env(node, &[])
+    }
+
+    /// [`Self::start_agent`], with environment variables beside the usual
+    /// ones (e.g. `FERRY_FAULT_AT`).
+    pub fn start_agent_with_env(
+        &mut self,
+        node: &str,
+        env: &[(&str, &str)],
+    ) -> Result<(), ClusterError> {
         self.stop_agent(node)?;
         let i = self.node_index(node);
-        self.spawn_agent(i)?;
+        let env = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        self.spawn_agent_with(i, env)?;
         let timeout = self.spec.ready_timeout;
         if let Some(agent) = self.nodes[i].agent.as_mut() {
             agent.wait_ready(timeout)?;
@@ -970,4 +995,49 @@ fn reuse_time_wait_ports(client: &str) -> Result<(), ClusterError> {
         "net.ipv4.tcp_tw_reuse=1",
     ]))?;
     Ok(())
+}
+
+impl Cluster {
+    /// Waits (bounded) until the node's agent has exited by itself (a
+    /// crash point, say) and reaps it; its exit status, or None if it
+    /// still runs at the timeout.
+    pub fn wait_agent_exit(&mut self, node: &str, timeout: Duration) -> Option<ExitStatus> {
+        let i = self.node_index(node);
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let agent = self.nodes[i].agent.as_mut()?;
+            if let Ok(Some(status)) = agent.try_wait() {
+                self.nodes[i].agent = None;
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Cuts one node off the cluster network, or joins it again
+/// ([`Cluster::link_cutter`]).
+#[derive(Debug, Clone)]
+pub struct LinkCutter {
+    node: String,
+    router: Option<String>,
+    port: String,
+}
+
+impl LinkCutter {
+    /// As [`Cluster::cut_cluster_link`]. Panics if `ip` fails.
+    pub fn cut(&self, cut: bool) {
+        let port = &self.port;
+        let line = if cut {
+            format!("link set {port} nomaster")
+        } else {
+            format!("link set {port} master {} up", topology::CLUSTER_BRIDGE)
+        };
+        cmd::ip_batch(self.router.as_deref(), &[line]).unwrap_or_else(|e| {
+            panic!("cutting {} off the cluster network ({cut}): {e}", self.node)
+        });
+    }
 }

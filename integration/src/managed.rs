@@ -111,6 +111,19 @@ pub async fn migrate_request(
     control: &mut ControlClient<Channel>,
     request: MigrateRequest,
 ) -> Result<(MigrationReport, Option<tonic::Status>), tonic::Status> {
+    let (report, status) = follow_migration(control, request).await?;
+    let why = if status.is_some() { "failed" } else { "ended" };
+    let report = report.unwrap_or_else(|| panic!("stream {why} without a report"));
+    Ok((report, status))
+}
+
+/// A migration's stream to its end, whatever it brings: its report if one
+/// came (none if the agent died, say), and the error status it ended
+/// with, if any.
+pub async fn follow_migration(
+    control: &mut ControlClient<Channel>,
+    request: MigrateRequest,
+) -> Result<(Option<MigrationReport>, Option<tonic::Status>), tonic::Status> {
     let mut stream = control.migrate(request).await?.into_inner();
     let mut report = None;
     loop {
@@ -120,8 +133,8 @@ pub async fn migrate_request(
                     report = Some(r);
                 }
             }
-            Ok(None) => return Ok((report.expect("stream ended without a report"), None)),
-            Err(s) => return Ok((report.expect("stream failed without a report"), Some(s))),
+            Ok(None) => return Ok((report, None)),
+            Err(s) => return Ok((report, Some(s))),
         }
     }
 }

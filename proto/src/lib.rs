@@ -15,10 +15,10 @@ pub mod v1 {
 /// the highest version both agents list in `Hello`. Version 1 (no `Arm`,
 /// no capture) is no longer spoken: a v1 destination would drop the packets
 /// that v2 promises to keep.
-pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3, 4, 5, 6, 7, 8, 9, 10];
+pub const PEER_PROTOCOL_VERSIONS: &[u32] = &[2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
 
 /// The newest peer protocol version this build speaks.
-pub const PEER_PROTOCOL_VERSION: u32 = 10;
+pub const PEER_PROTOCOL_VERSION: u32 = 11;
 
 /// The first version whose Restore carries TCP connections migrated
 /// collectively (`RestoreRequest.tcp_connections`).
@@ -49,6 +49,12 @@ pub const PEER_PROTOCOL_PACKED_STATES: u32 = 9;
 /// (`RestoreRequest.pages_follow`, `PostCopyPages`).
 pub const PEER_PROTOCOL_PAGES_FOLLOW: u32 = 10;
 
+/// The first version whose destination remembers what it committed and
+/// says so in `AbortResponse.committed`: the question a source asks when
+/// it did not hear the Commit's answer, or comes back from a crash after
+/// its Release.
+pub const PEER_PROTOCOL_DECIDED: u32 = 11;
+
 /// Picks the highest version both sides speak.
 pub fn negotiate_peer_version(theirs: &[u32]) -> Option<u32> {
     PEER_PROTOCOL_VERSIONS
@@ -64,7 +70,7 @@ mod tests {
 
     #[test]
     fn negotiation_picks_highest_common_version() {
-        assert_eq!(negotiate_peer_version(&[2, 11]), Some(2));
+        assert_eq!(negotiate_peer_version(&[2, 12]), Some(2));
         assert_eq!(negotiate_peer_version(&[2, 3]), Some(3));
         assert_eq!(negotiate_peer_version(&[3]), Some(3));
         assert_eq!(negotiate_peer_version(&[2, 3, 4]), Some(4));
@@ -74,8 +80,12 @@ mod tests {
         assert_eq!(negotiate_peer_version(&[5, 6, 7]), Some(7));
         assert_eq!(negotiate_peer_version(&[5, 6, 7, 8]), Some(8));
         assert_eq!(negotiate_peer_version(&[5, 6, 7, 8, 9]), Some(9));
-        assert_eq!(negotiate_peer_version(&[5, 6, 7, 8, 9, 10, 11]), Some(10));
-        assert_eq!(negotiate_peer_version(&[1, 11]), None);
+        assert_eq!(negotiate_peer_version(&[5, 6, 7, 8, 9, 10]), Some(10));
+        assert_eq!(
+            negotiate_peer_version(&[5, 6, 7, 8, 9, 10, 11, 12]),
+            Some(11)
+        );
+        assert_eq!(negotiate_peer_version(&[1, 12]), None);
         assert_eq!(negotiate_peer_version(&[]), None);
     }
 }

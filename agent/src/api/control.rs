@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 use super::forward::{self, Target};
 use crate::engine::source;
 use crate::error_chain::error_chain;
-use crate::managed::Lifecycle;
+use crate::managed::{Lifecycle, OutStage};
 use crate::node::Node as AgentNode;
 use crate::process::PortKey;
 use crate::sockstate::SocketMigration;
@@ -70,9 +70,22 @@ fn process_to_pb(
                 Some('T' | 't') => "stopped",
                 _ => "running",
             },
+            Lifecycle::MigratingOut {
+                stage: OutStage::InDoubt,
+                ..
+            } => "stopped",
             Lifecycle::MigratingOut { .. } => "migrating",
         }
         .into(),
+        note: match &p.lifecycle {
+            Lifecycle::MigratingOut {
+                migration_id,
+                stage: OutStage::InDoubt,
+            } => format!(
+                "in doubt: migration {migration_id} passed its commit point and its destination has not said whether it resumed the process there; stopped here until it does"
+            ),
+            _ => String::new(),
+        },
         origin: p.origin.name().into(),
         port_conflicts: p
             .sockets

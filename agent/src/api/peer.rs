@@ -263,12 +263,13 @@ impl Peer for PeerService {
     ) -> Result<Response<AbortResponse>, Status> {
         self.check_its_source(&request, &request.get_ref().migration_id)?;
         let engine = self.engine.clone();
+        let caller = caller(&request);
         let req = request.into_inner();
-        finish(tokio::spawn(async move {
-            destination::abort(&engine, req).await
+        let committed = finish(tokio::spawn(async move {
+            destination::abort(&engine, req, caller.as_deref()).await
         }))
         .await?;
-        Ok(Response::new(AbortResponse {}))
+        Ok(Response::new(AbortResponse { committed }))
     }
 
     type PageTunnelStream = destination::TunnelOut;

@@ -143,6 +143,7 @@ fn check_config(path: &Path) -> Result<()> {
 }
 
 async fn serve(config: Config) -> Result<()> {
+    ferry_agent::engine::fault_point::announce();
     check_criu(&config);
     prepare_work_dir(&config)?;
     raise_pipe_max_size();
@@ -173,6 +174,9 @@ async fn serve(config: Config) -> Result<()> {
     if adopted > 0 {
         tracing::info!(adopted, "processes of the earlier agent managed again");
     }
+    // Migrations the earlier agent left half done: settled from the
+    // journal before anything else migrates.
+    ferry_agent::engine::recover(&node.engine).await;
     let reconciler = spawn_reconciler(&node, shutdown_rx.clone());
     if let Some(membership) = &membership {
         forward_membership_changes(&node, membership);

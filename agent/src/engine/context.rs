@@ -14,6 +14,7 @@ use crate::reports::Reports;
 use crate::supervisor::Supervisor;
 
 use super::destination::IncomingSlot;
+use super::journal::Journal;
 use super::link::Connector;
 use super::source::Outgoing;
 use crate::criu::Checkpointer;
@@ -39,6 +40,8 @@ pub struct Engine {
     pub outgoing: Outgoing,
     /// The one incoming migration this node may be receiving.
     pub incoming: IncomingSlot,
+    /// What a restart of this agent must know of its migrations.
+    pub journal: Journal,
 }
 
 /// The services an [`Engine`] is built from.
@@ -60,6 +63,7 @@ pub struct Services {
 impl Engine {
     pub fn new(s: Services) -> Self {
         Self {
+            journal: Journal::new(&s.config.work_dir),
             config: s.config,
             processes: s.processes,
             supervisor: s.supervisor,

@@ -148,6 +148,14 @@ pub enum EngineError {
         #[source]
         source: tokio::task::JoinError,
     },
+    /// This node cannot record where a migration stands (its journal):
+    /// it goes no further, since a restart could not settle it.
+    #[error("the migration journal: {0}")]
+    Journal(#[from] super::journal::JournalError),
+    /// The destination did not say whether it committed; the copy here
+    /// stays stopped until it does.
+    #[error("{0}")]
+    InDoubt(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -233,7 +241,9 @@ impl EngineError {
             | EngineError::WrongState { .. }
             | EngineError::HostSetting(_)
             | EngineError::PostCopy(_)
-            | EngineError::NotResumed(_) => Code::FailedPrecondition,
+            | EngineError::NotResumed(_)
+            | EngineError::Journal(_) => Code::FailedPrecondition,
+            EngineError::InDoubt(_) => Code::Unavailable,
             EngineError::DestinationBusy { .. } | EngineError::NoRoom { .. } => {
                 Code::ResourceExhausted
             }

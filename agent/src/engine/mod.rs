@@ -1,4 +1,4 @@
-//! The migration engine (the `migd` of Gerofi et al. (DVE)), peer protocol version 9.
+//! The migration engine (the `migd` of Gerofi et al. (DVE)), peer protocol version 11.
 //!
 //! # The migration protocol
 //!
@@ -134,12 +134,28 @@
 //!   and replays the last few captured meanwhile. The answer carries how
 //!   long the process had been running (`running_for_us`), which the
 //!   source takes off its freeze.
+//!   A Commit whose answer does not come (the link cut, the destination's
+//!   agent killed) leaves the source not knowing whether the process
+//!   resumed there: it retries the Commit, and then (protocol 11) asks
+//!   `Peer.Abort`, whose answer says whether the destination had
+//!   committed; until an answer comes the copy here stays stopped, "in
+//!   doubt" (`ferry ps`), neither resumed (the process could run twice)
+//!   nor killed (it could run nowhere). Committed: Discard; not: the
+//!   destination dropped its copy and the source rolls back.
+//! - **Journal** ([`journal`], protocol 11): each side records where a
+//!   migration stands, so that an agent killed in the middle settles it
+//!   when it comes back ([`recover`]): the source from Start (no Commit
+//!   sent: resume) and from just before the first Commit (released: ask
+//!   the destination); the destination once restored (kill that copy)
+//!   and, before the resume, committed (the process is its own; the
+//!   record answers the source's question later).
 //! - **Discard**: the answer in, the source kills its stopped copy (its
 //!   sockets close silently, in repair mode) and forgets it. The Commit
 //!   does not wait for that exit (a thousand descriptors closed, their
 //!   /proc entries dropped), whose CPU the destination needs inside the
 //!   freeze on a small machine.
-//! - **Abort**, from any step before Release: the destination drops images,
+//! - **Abort**, from any step before Release (or a Commit the destination
+//!   did not commit): the destination drops images,
 //!   captured packets and any restored copy; the source takes its sockets
 //!   out of repair mode (the collectively read ones with their own
 //!   SO_REUSEADDR), resumes the process, replays what it captured
@@ -166,6 +182,12 @@
 //! Version 9 adds `StagedConnection.fixed` and
 //! `TransferSocketsRequest.packed`; a source sends fixed parts only to a
 //! destination that chose 9, and packs only connections it described so.
+//! Version 10 adds post-copy pages that follow by ferryd (below).
+//! Version 11 adds `AbortResponse.committed`: a destination of 11 keeps a
+//! journal of what it committed and answers an Abort of a committed
+//! migration with it; a source asks that way only a destination that
+//! chose 11 (an older one answers every Abort alike), and with an older
+//! one keeps the old rule (an unconfirmed Commit counts as committed).
 //!
 //! # Post-copy (protocol 6)
 //!
@@ -276,7 +298,9 @@
 pub mod cancel;
 mod context;
 pub mod destination;
+pub mod fault_point;
 mod images;
+pub mod journal;
 pub mod link;
 pub(crate) mod localpages;
 mod pagesender;
@@ -284,6 +308,7 @@ pub(crate) mod pagestore;
 mod pagetunnel;
 pub mod precopy;
 mod queued;
+mod recover;
 mod rollback;
 mod sockettaker;
 pub mod source;
@@ -294,6 +319,7 @@ mod error;
 pub use context::{Engine, Services};
 pub use error::{EngineError, blocking};
 pub use images::{IMAGE_CHUNK_BYTES, valid_image_name};
+pub use recover::recover;
 
 /// Whether the CRIU logs of committed migrations are kept too: at log
 /// level 4 (debug), whose logs time every step of a dump and a restore.

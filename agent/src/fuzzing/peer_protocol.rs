@@ -232,6 +232,7 @@ async fn peer_sequence(data: &[u8]) {
                 migration_id: v.migration_id,
                 reason: "end of sequence".into(),
             },
+            None,
         )
         .await;
         assert!(aborted.is_ok(), "abort refused: {aborted:?}");
@@ -326,7 +327,11 @@ async fn run_step(
             let mut req = pb::AbortRequest::decode(msg).ok()?;
             fix.id(&mut req.migration_id);
             let id = req.migration_id.clone();
-            Some(destination::abort(engine, req).await.map(|()| Some(id)))
+            Some(
+                destination::abort(engine, req, None)
+                    .await
+                    .map(|_| Some(id)),
+            )
         }
         Step::Hello => {
             // The handler's only logic: the version both speak.

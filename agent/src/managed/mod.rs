@@ -80,6 +80,11 @@ pub enum OutStage {
     /// destination owns the ports; the stopped copy here is killed once
     /// the destination answered the Commit. No ports.
     Released,
+    /// Past the Release, the destination's answer to the Commit not
+    /// heard (lost, or this agent restarted since): stopped, no ports,
+    /// until the destination says whether it resumed the process. Then
+    /// the copy here is killed or resumed.
+    InDoubt,
 }
 
 #[derive(Debug, Clone)]

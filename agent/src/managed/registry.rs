@@ -141,7 +141,7 @@ impl Registry {
                     OutStage::Frozen { capture: true } => PortState::Capturing,
                     OutStage::Frozen { capture: false } => PortState::Frozen,
                     OutStage::Resuming => PortState::Releasing,
-                    OutStage::PagesOnly | OutStage::Released => continue,
+                    OutStage::PagesOnly | OutStage::Released | OutStage::InDoubt => continue,
                 },
             };
             for port in &p.sockets.ports {

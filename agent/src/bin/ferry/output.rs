@@ -63,7 +63,7 @@ pub(crate) fn print_processes(r: pb::ListProcessesResponse, as_json: bool) -> Re
             "pid": p.pid, "argv": p.argv, "ports": p.ports.iter().map(port_str).collect::<Vec<_>>(),
             "tcp_listening": p.tcp_listening, "tcp_established": p.tcp_established,
             "udp_sockets": p.udp_sockets, "state": p.state, "origin": p.origin,
-            "port_conflicts": p.port_conflicts, "node": p.node,
+            "port_conflicts": p.port_conflicts, "node": p.node, "note": p.note,
         })).collect();
         println!(
             "{}",
@@ -92,6 +92,9 @@ pub(crate) fn print_processes(r: pb::ListProcessesResponse, as_json: bool) -> Re
             );
             for c in &p.port_conflicts {
                 println!("{:>21} refused: {c}; its packets go there", "");
+            }
+            if !p.note.is_empty() {
+                println!("{:>21} {}", "", p.note);
             }
         }
         for u in &r.unreachable {

@@ -11,11 +11,13 @@ use nix::unistd::Pid;
 
 use super::fill::{FillWatch, watch_fill};
 use super::{
-    Incoming, IncomingState, PostCopyWatch, Step, UDP_CATCH_UP_BUFFER, expect, release_holds,
-    watch_postcopy,
+    Incoming, IncomingState, PostCopyWatch, Step, UDP_CATCH_UP_BUFFER, expect, record,
+    release_holds, watch_postcopy,
 };
 use crate::criu;
 use crate::dataplane::PortState;
+use crate::engine::fault_point::{self, Side};
+use crate::engine::journal::IncomingStage;
 use crate::engine::{Engine, EngineError};
 use crate::managed::{Lifecycle, ManagedProcess, Origin};
 use crate::process::{self, SocketSummary};
@@ -74,6 +76,7 @@ pub async fn commit(
             }
         }
     }
+    decide(engine, inc, pid).await?;
     // The ports are the ones announced in Prepare (read on the source
     // before the freeze); the socket counts follow at the next refresh.
     // Reading them from procfs here would cost milliseconds of freeze.
@@ -113,6 +116,7 @@ pub async fn commit(
     }
     // Remembered for a restart of this agent, now the freeze is over.
     engine.processes.persist_soon();
+    prune_journal(engine);
     // The images go after the answer: a thousand files to unlink would
     // otherwise hold up the source's confirmation (the process runs
     // already). The directory is the migration's own; the next migration
@@ -382,5 +386,24 @@ fn give_back_udp_buffers_later(pid: i32, before: Vec<(std::net::SocketAddr, i32)
             }
             Err(e) => tracing::warn!(pid, error = %e, "UDP buffer task"),
         }
+    });
+}
+
+/// The decision, recorded before the process runs: from here the process
+/// is this node's, also for a restart of this agent, and the source's
+/// question (an Abort) is answered "committed".
+async fn decide(engine: &Arc<Engine>, inc: &Incoming, pid: i32) -> Result<(), EngineError> {
+    record(engine, inc, pid, IncomingStage::Committed)?;
+    fault_point::reached(Side::Destination, "Committed").await;
+    Ok(())
+}
+
+/// Keeps the journal's committed records to the last
+/// [`COMMITTED_KEPT`](crate::engine::journal::COMMITTED_KEPT), off the
+/// runtime and after the answer's way.
+fn prune_journal(engine: &Arc<Engine>) {
+    let journal = engine.journal.clone();
+    tokio::task::spawn_blocking(move || {
+        journal.prune_committed(crate::engine::journal::COMMITTED_KEPT)
     });
 }

@@ -43,6 +43,7 @@ use nix::unistd::Pid;
 use crate::criu;
 use crate::dataplane::translation::InClusterFlow;
 use crate::engine::Engine;
+use crate::engine::journal::{IncomingStage, Record};
 use crate::process::PortKey;
 
 mod abort;
@@ -304,6 +305,10 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
             tracing::warn!(pid, error = %e, "killing the restored copy");
         }
         crate::engine::wait_dead(pid).await;
+        // Gone: a restart has nothing to kill.
+        if let Err(e) = engine.journal.remove_incoming(&incoming.migration_id) {
+            tracing::error!(error = %e, "removing the migration's journal record");
+        }
     }
     crate::engine::keep_logs(
         &engine.config.work_dir,
@@ -325,6 +330,27 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
     if let Err(e) = engine.ports.refresh().await {
         tracing::warn!(error = %e, "releasing reserved ports");
     }
+}
+
+/// Records incoming migration `inc` (its process `pid` here) at `stage`
+/// in the journal, for a restart of this agent
+/// ([`crate::engine::journal`]).
+pub(super) fn record(
+    engine: &Engine,
+    inc: &Incoming,
+    pid: i32,
+    stage: IncomingStage,
+) -> Result<(), EngineError> {
+    let start_ticks = crate::process::inspect(pid)?.start_ticks;
+    engine.journal.write(&Record::Incoming {
+        migration_id: inc.migration_id.clone(),
+        pid,
+        start_ticks,
+        argv: inc.argv.clone(),
+        from: inc.from.clone(),
+        stage,
+    })?;
+    Ok(())
 }
 
 /// Removes the holds on a migration's in-cluster connections.

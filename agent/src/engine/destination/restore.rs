@@ -11,10 +11,12 @@ use ferry_proto::v1::{RestoreRequest, RestoreResponse};
 
 use super::{
     Incoming, RebuiltSockets, Step, UDP_CATCH_UP_BUFFER, expect, hold_in_cluster,
-    in_cluster_addresses,
+    in_cluster_addresses, record,
 };
 use crate::criu;
 use crate::dataplane::translation::{self, InClusterFlow};
+use crate::engine::fault_point::{self, Side};
+use crate::engine::journal::IncomingStage;
 use crate::engine::localpages::LocalPages;
 use crate::engine::{Engine, EngineError, blocking};
 use crate::memtrack::RangeSet;
@@ -523,7 +525,10 @@ pub async fn restore(
     engine.supervisor.watch_exit(outcome.pid, "restored");
     inc.peak.watch(outcome.pid);
     inc.advance(Step::Restore, outcome.pid);
-    // Restored, so the source's Abort kills this copy.
+    // Restored, so the source's Abort kills this copy, and so does a
+    // restart of this agent (the journal).
+    record(engine, inc, outcome.pid, IncomingStage::Restored)?;
+    fault_point::reached(Side::Destination, "Restored").await;
     options_set?;
     Ok(RestoreResponse {
         pid: outcome.pid,

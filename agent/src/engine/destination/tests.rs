@@ -27,6 +27,7 @@ async fn abort_test_migration(engine: &Arc<Engine>, id: &str) {
             migration_id: id.into(),
             reason: "test".into(),
         },
+        None,
     )
     .await
     .unwrap();
@@ -95,6 +96,7 @@ async fn one_incoming_migration_at_a_time_with_its_ports_frozen() {
             migration_id: "aaaa".into(),
             reason: "again".into(),
         },
+        None,
     )
     .await
     .unwrap();
@@ -655,4 +657,44 @@ fn steps_and_the_table_agree() {
         }
     }
     assert_eq!(seen, Step::ALL, "one row per step, in order");
+}
+
+#[tokio::test]
+async fn an_abort_of_a_migration_committed_here_says_so_and_undoes_nothing() {
+    use crate::engine::journal::{IncomingStage, Record};
+    let f = fixture();
+    let committed = |id: &str| Record::Incoming {
+        migration_id: id.into(),
+        pid: 4321,
+        start_ticks: 1,
+        argv: vec!["server".into()],
+        from: "node1".into(),
+        stage: IncomingStage::Committed,
+    };
+    f.engine.journal.write(&committed("c1")).unwrap();
+    let ask = |id: &str| AbortRequest {
+        migration_id: id.into(),
+        reason: "the source did not hear the Commit's answer".into(),
+    };
+    // Its source learns that it committed; the record stays, for the
+    // next time it asks.
+    assert!(abort(&f.engine, ask("c1"), Some("node1")).await.unwrap());
+    assert!(abort(&f.engine, ask("c1"), None).await.unwrap());
+    assert_eq!(
+        f.engine.journal.incoming("c1").unwrap(),
+        Some(committed("c1"))
+    );
+    // Another node is not told, and learns nothing.
+    let e = abort(&f.engine, ask("c1"), Some("node3"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    // A migration never seen, or one restored and never resumed, was not
+    // committed.
+    assert!(!abort(&f.engine, ask("never"), Some("node1")).await.unwrap());
+    // A record that cannot be read is no answer: "not committed" could
+    // run the process twice.
+    std::fs::write(f.engine.journal.dir().join("in-bad.json"), b"{").unwrap();
+    let e = abort(&f.engine, ask("bad"), None).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Internal, "{e}");
 }

@@ -1,4 +1,5 @@
-//! Abort, from any phase before the commit point (and post-copy's Commit):
+//! Abort, from any phase before the commit point (and a Commit the
+//! destination refused or, asked, says it never committed):
 //! the process resumes here, then the destination hears it (`Peer.Abort`)
 //! and drops images, captured packets and any restored copy. Nothing is
 //! lost: the source resumed first, in case the destination is what failed.

@@ -8,8 +8,15 @@
 //! post-copy's lazy-pages daemon, or the page filler of pages left out of
 //! the dump, already failed), and the migration rolls back to the intact
 //! copy here. A refusal can only be that: after a Commit that resumed the
-//! process (its answer lost) the destination no longer knows the
-//! migration, and a retry finds NOT_FOUND.
+//! process (its answer lost) the destination no longer holds the
+//! migration, and a retry finds NOT_FOUND. Then, or when no answer came
+//! at all, the source asks the destination what it decided
+//! (`Peer.Abort`, whose answer says whether it had committed: protocol
+//! 11), as long as it takes: committed, the migration goes on; not, the
+//! destination's copy is gone and the migration rolls back here. Until
+//! the answer the copy here stays stopped ("in doubt"). The journal
+//! says released from before the first Commit, so that a restart of
+//! this agent asks the same question ([`crate::engine::recover`]).
 //!
 //! The report's freeze is cut into its parts here (`freeze_parts`: CRIU's
 //! dump, the transfer, the destination's image scan, CRIU's start-up and
@@ -18,20 +25,32 @@
 
 use std::time::{Duration, Instant};
 
-use ferry_proto::v1::{CommitRequest, PhaseTiming};
+use ferry_proto::v1::{AbortRequest, CommitRequest, PhaseTiming};
 
 use super::carry::{Committing, Waiting};
-use super::run::Run;
+use super::run::{Run, out_stage};
 use super::{Phase, Stop};
 use crate::engine::EngineError;
+use crate::engine::fault_point::{self, Side};
+use crate::engine::journal::OutgoingStage;
 use crate::engine::link::peer_error;
 use crate::engine::queued;
+use crate::managed::OutStage;
 
 /// How many times the Commit is sent before the migration is reported
 /// committed without the destination's confirmation.
 const COMMIT_ATTEMPTS: u32 = 5;
 
+/// How long between two questions to a destination that did not say
+/// whether it committed.
+const ASK_AGAIN: Duration = Duration::from_secs(1);
+
 pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, EngineError> {
+    // From the first Commit sent only the destination knows whether the
+    // process resumed there: a restart of this agent must ask it, not
+    // resume the copy here (`crate::engine::recover`).
+    run.record(OutgoingStage::Released)?;
+    fault_point::reached(Side::Source, "Committing").await;
     let postcopy = run.p.strategy.is_postcopy();
     let unread = queued::for_commit(
         run.p.protocol_version,
@@ -47,6 +66,8 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
     }
     let mut last_err = None;
     let mut running_for = Duration::ZERO;
+    // The destination remembers what it committed, and says so.
+    let decided = run.p.protocol_version >= ferry_proto::PEER_PROTOCOL_DECIDED;
     for attempt in 0..COMMIT_ATTEMPTS {
         let req = CommitRequest {
             migration_id: run.p.migration_id.clone(),
@@ -68,11 +89,40 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
             Err(s) if s.code() == tonic::Code::FailedPrecondition => {
                 return Err(peer_error(&run.p.destination.name, s));
             }
+            // A Commit that resumed the process (its answer lost) left
+            // nothing for a retry to find.
+            Err(s) if s.code() == tonic::Code::NotFound && decided => {
+                last_err = Some(peer_error(&run.p.destination.name, s));
+                break;
+            }
             Err(s) => {
                 tracing::warn!(attempt, status = %s, "commit not confirmed; retrying");
+                // Whether the destination resumed the process is unknown
+                // from here until it answers.
+                if decided && attempt == 0 {
+                    run.engine.processes.set_lifecycle(
+                        run.p.pid,
+                        out_stage(&run.p.migration_id, OutStage::InDoubt),
+                    );
+                }
                 last_err = Some(peer_error(&run.p.destination.name, s));
                 tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
             }
+        }
+    }
+    // Not confirmed: the destination says what it decided, however long
+    // that takes; until then the copy here stays stopped (resuming it
+    // could run the process twice, killing it could lose it).
+    if let Some(e) = last_err.take_if(|_| decided) {
+        tracing::warn!(error = %e, "the Commit's answer not heard: asking the destination what it decided");
+        if !ask_until_decided(run).await {
+            return Err(EngineError::Peer {
+                node: run.p.destination.name.clone(),
+                code: tonic::Code::Aborted,
+                message: format!(
+                    "the Commit was not confirmed ({e}), and the destination had not resumed the process: it aborted its copy"
+                ),
+            });
         }
     }
     let commit_end = Instant::now();
@@ -89,6 +139,39 @@ pub(super) async fn commit(run: &mut Run, mut c: Committing) -> Result<Phase, En
     } else {
         Phase::Discard(Stop::Committed(last_err))
     })
+}
+
+/// Asks the destination (`Peer.Abort`, answered with whether it had
+/// committed) until it answers; the process here is in doubt meanwhile.
+/// True if the destination had committed.
+async fn ask_until_decided(run: &mut Run) -> bool {
+    let req = AbortRequest {
+        migration_id: run.p.migration_id.clone(),
+        reason: "the source did not hear the Commit's answer".into(),
+    };
+    run.engine
+        .processes
+        .set_lifecycle(run.p.pid, out_stage(&run.p.migration_id, OutStage::InDoubt));
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        match tokio::time::timeout(run.deadline, run.p.link.abort(req.clone())).await {
+            Ok(Ok(r)) => {
+                tracing::info!(
+                    committed = r.committed,
+                    attempt,
+                    "the destination said what it decided"
+                );
+                return r.committed;
+            }
+            other => {
+                if attempt == 1 || attempt.is_multiple_of(30) {
+                    tracing::warn!(attempt, answer = ?other.map(|r| r.map(drop)), "the destination does not say what it decided; asking again");
+                }
+            }
+        }
+        tokio::time::sleep(ASK_AGAIN).await;
+    }
 }
 
 /// The freeze and its parts, in the report. The freeze ends when the

@@ -585,6 +585,10 @@ impl Notified<'_> {
     }
 
     fn tree_frozen(&mut self) -> Result<(), HookRefused> {
+        crate::engine::fault_point::reached_blocking(
+            crate::engine::fault_point::Side::Source,
+            "TreeFrozen",
+        );
         let Some(bound) = self.flush.filter(|_| !self.ports_frozen) else {
             if let Some(t) = self.taker.as_mut() {
                 t.tree_frozen();

@@ -33,7 +33,7 @@
 //! | Restore | `restore.rs` | Translate, Release | yes | closed | restore |
 //! | Translate | `translate.rs` | Release | yes | - | translate |
 //! | Release | `release.rs` | Commit | no | - | release |
-//! | Commit | `commit.rs` | Discard, PostCopy | post-copy only | - | commit |
+//! | Commit | `commit.rs` | Discard, PostCopy | if not committed | - | commit |
 //! | PostCopy | `post_copy.rs` | Discard | no | - | post-copy |
 //! | Discard | `discard.rs` | Fill, Done | no | - | discard |
 //! | Fill | `fill.rs` | Done | no | - | fill |
@@ -43,9 +43,14 @@
 //! "may abort": an error in the phase rolls the migration back (the
 //! process resumes here, with its sockets out of repair mode, and the
 //! destination drops its copy). Release is the commit point: from there the
-//! destination holds the process, and what fails is reported, not undone
-//! (post-copy's Commit excepted, whose destination may refuse to resume a
-//! copy that lost its pages: the source's is intact). "cancel":
+//! destination holds the process, and what fails is reported, not undone,
+//! unless the destination did not commit: it refused the Commit (a copy
+//! that lost its pages: the source's is intact), or, asked after a Commit
+//! whose answer was lost, says it never resumed the process (protocol 11;
+//! the copy here waits stopped, "in doubt", until it says). The journal
+//! ([`crate::engine::journal`]) records the migration from Start, and as
+//! released just before the first Commit, for a restart of this agent.
+//! "cancel":
 //! `Control.CancelMigration` stops the migration at the start of a phase
 //! that checks it; at Restore the cancel switch closes: from there the
 //! migration commits or rolls back by itself
@@ -215,7 +220,7 @@ impl PhaseName {
     }
 
     /// Whether an error in this phase rolls the migration back; for Commit
-    /// only in a post-copy (see the table).
+    /// only when the destination did not commit (see the table).
     pub fn may_abort(self) -> bool {
         use PhaseName::*;
         matches!(
@@ -307,6 +312,8 @@ enum Stop {
 /// phase that may abort leads to [`Phase::Abort`].
 async fn step(run: &mut Run, phase: Phase) -> Phase {
     let from = phase.name();
+    crate::engine::fault_point::reached(crate::engine::fault_point::Side::Source, from.as_str())
+        .await;
     if let Some(name) = from.report_phase() {
         run.phase(name).await;
     }

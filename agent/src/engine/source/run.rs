@@ -17,6 +17,7 @@ use super::peers::PendingLink;
 use super::undo::Undo;
 use super::{Phase, Prepared, Stop};
 use crate::criu::{Checkpointer, OPTS_BY_CALLER_MARK};
+use crate::engine::journal::{OutgoingStage, Record};
 use crate::engine::{Engine, EngineError};
 use crate::managed::{Lifecycle, OutStage};
 use crate::process::PortKey;
@@ -58,6 +59,8 @@ pub(super) struct Run {
     /// (PID in its namespace, host PID), as the dump found them; their
     /// stopped copies are what the pages are read from.
     pub pages_follow_from: Vec<(u32, i32)>,
+    /// The process's start time, as the journal records it.
+    start_ticks: Option<u64>,
 }
 
 impl Run {
@@ -127,12 +130,43 @@ impl Run {
             held_sched_hooks: None,
             held_left_out: false,
             pages_follow_from: Vec::new(),
+            start_ticks: None,
             engine,
             p,
             events,
             report,
             dir,
         }
+    }
+
+    /// Records the migration at `stage` in the journal, for a restart of
+    /// this agent ([`crate::engine::journal`]); the start ticks are read
+    /// once, at the first record.
+    pub fn record(&mut self, stage: OutgoingStage) -> Result<(), EngineError> {
+        let pid = self.p.pid;
+        let start_ticks = match self.start_ticks {
+            Some(t) => t,
+            None => *self
+                .start_ticks
+                .insert(crate::process::inspect(pid)?.start_ticks),
+        };
+        let argv = self
+            .engine
+            .processes
+            .registry()
+            .get(pid)
+            .map(|p| p.argv.clone())
+            .unwrap_or_default();
+        self.engine.journal.write(&Record::Outgoing {
+            migration_id: self.p.migration_id.clone(),
+            pid,
+            start_ticks,
+            argv,
+            destination: self.p.destination.name.clone(),
+            protocol_version: self.p.protocol_version,
+            stage,
+        })?;
+        Ok(())
     }
 
     /// The images' directory.
@@ -285,6 +319,10 @@ impl Run {
         engine
             .events
             .publish(cluster_event::Event::MigrationFinished(self.report.clone()));
+        // Settled: a restart has nothing left to decide.
+        if let Err(e) = engine.journal.remove_outgoing(&id) {
+            tracing::error!(error = %e, "removing the migration's journal record");
+        }
         engine.outgoing.finished(&id);
         self.p.cancel.finish(self.report.clone());
         tracing::info!(

@@ -2,13 +2,19 @@
 //! breakpoints (held from the dump on), and connections to the nodes of
 //! the process's in-cluster peers, opened before the freeze; for an
 //! incremental socket migration, the setsockopt watch's program loaded.
+//! First of all, the migration's record in the journal
+//! ([`crate::engine::journal`]).
 
 use super::Phase;
 use super::run::Run;
 use crate::engine::EngineError;
+use crate::engine::journal::OutgoingStage;
 use crate::sockstate::SocketMigration;
 
 pub(super) async fn start(run: &mut Run) -> Result<Phase, EngineError> {
+    // Before anything is touched: a restart of this agent from here on
+    // finds the migration in its journal and settles it.
+    run.record(OutgoingStage::Started)?;
     let images = run.images();
     std::fs::create_dir_all(&images)
         .map_err(EngineError::io(format!("creating {}", images.display())))?;

@@ -339,7 +339,7 @@ impl PeerLink for ScriptedDestination {
     }
     async fn abort(&self, _: pb::AbortRequest) -> Result<pb::AbortResponse, Status> {
         self.call("abort")?;
-        Ok(pb::AbortResponse {})
+        Ok(pb::AbortResponse { committed: false })
     }
     async fn post_copy_status(
         &self,
