@@ -42,6 +42,7 @@ pub mod prometheus;
 pub mod reap;
 pub mod redis;
 pub mod reflection;
+pub mod soak;
 pub mod tls;
 pub mod tmpfs;
 pub mod topology;

@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the bench crate's binary behind each.
-pub const BENCHES: [(&str, &str, &str); 7] = [
+pub const BENCHES: [(&str, &str, &str); 8] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -42,6 +42,11 @@ pub const BENCHES: [(&str, &str, &str); 7] = [
         "replay",
         "ferry-bench-replay",
         "replaying captured packets: raw IPPROTO_RAW socket vs TUN vs the wire (µs/packet, delivery, hooks passed)",
+    ),
+    (
+        "soak",
+        "ferry-bench-soak",
+        "a server moved again and again across 3 nodes under load (256 TCP clients, 24 UDP players, a PostgreSQL session): outcomes, losses, freezes, the agents' memory over time, leftovers",
     ),
     (
         "ab",

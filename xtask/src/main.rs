@@ -6,6 +6,8 @@
 //! - `demo [-- ARGS]`: set up if needed, build, run the 3-node migration demo
 //! - `bench <name> [-- ARGS]`: set up if needed, build, run a benchmark of
 //!   the bench crate (`gap`, `freeze`, `algorithms`, `replay`, `ab`)
+//! - `soak [-- ARGS]`: set up if needed, build (release), and run the soak
+//!   (`bench soak`: 1,000 migrations under load by default)
 //! - `sim <openmosix|dve|all> [--runs N] [--seed S] [--out DIR]`: run the
 //!   load-balancing simulator (no root, no setup)
 //! - `fuzz [TARGET] [--seconds N]`: run the cargo-fuzz targets in `fuzz/`
@@ -92,6 +94,17 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Set up if needed, build, and soak: one server migrated again and
+    /// again across three nodes under load, 1,000 times or for two hours
+    /// by default (`bench soak`; `cargo xtask soak -- --migrations 200
+    /// --seed 7`).
+    Soak {
+        /// The debug profile instead of release.
+        #[arg(long)]
+        debug: bool,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Run the load-balancing simulator (no root, no setup): `openmosix`
     /// (Meehan & Wynne (openMosix)'s spike experiment), `dve` (Gerofi et al. (DVE)'s scenario) or
     /// `all`; writes tables, CSV and SVG plots to target/sim/<name>/.
@@ -115,6 +128,7 @@ fn main() -> std::process::ExitCode {
         }
         Command::Demo { args } => demo::run(prefix, &args),
         Command::Bench { debug, name, args } => bench::run(prefix, &name, &args, !debug),
+        Command::Soak { debug, args } => bench::run(prefix, "soak", &args, !debug),
         Command::Sim(args) => sim::run(&args),
         Command::Fuzz(args) => fuzz::run(&args),
     };
@@ -155,6 +169,10 @@ mod tests {
         let a = parse(&["integration", "--allow-skip", "--", "migrate"]);
         assert!(
             matches!(a.command, Command::Integration { allow_skip: true, ref args } if args == &["migrate"])
+        );
+        let a = parse(&["soak", "--", "--migrations", "200", "--seed", "7"]);
+        assert!(
+            matches!(a.command, Command::Soak { debug: false, ref args } if args == &["--migrations", "200", "--seed", "7"])
         );
         let a = parse(&["demo", "--", "--keep"]);
         assert!(matches!(a.command, Command::Demo { ref args } if args == &["--keep"]));
