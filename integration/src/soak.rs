@@ -137,10 +137,12 @@ impl SoakReport {
             && self.leftovers.is_empty()
     }
 
-    /// Each node's resident-memory slope over the run, KiB per 100
-    /// migrations (least squares over its samples): a leak shows as a
-    /// slope that does not flatten in a long run.
-    pub fn rss_slopes(&self) -> Vec<(String, f64)> {
+    /// Each node's resident-memory slope, KiB per 100 migrations (least
+    /// squares over its samples), over the whole run and over its second
+    /// half: the first migrations warm the allocator and the caches up; a
+    /// leak shows as a second half's slope that does not flatten.
+    pub fn rss_slopes(&self) -> Vec<(String, f64, f64)> {
+        let half = self.migrations.len() / 2;
         let mut nodes: Vec<String> = self.samples.iter().map(|s| s.node.clone()).collect();
         nodes.sort();
         nodes.dedup();
@@ -153,7 +155,9 @@ impl SoakReport {
                     .filter(|s| s.node == node)
                     .map(|s| (s.after as f64, s.rss_kib as f64))
                     .collect();
-                (node, slope(&pts) * 100.0)
+                let late: Vec<(f64, f64)> =
+                    pts.iter().copied().filter(|p| p.0 >= half as f64).collect();
+                (node, slope(&pts) * 100.0, slope(&late) * 100.0)
             })
             .collect()
     }

@@ -191,16 +191,16 @@ fn summary(r: &SoakReport) -> String {
     }
     let _ = writeln!(
         s,
-        "\nAgents (first and last sample; resident memory's slope over all samples):\n\n| node | RSS first (KiB) | RSS last | slope (KiB / 100 migrations) | descriptors first | last | threads first | last |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        "\nAgents (first and last sample; resident memory's slope, KiB per 100 migrations, over all samples and over the second half):\n\n| node | RSS first (KiB) | RSS last | slope | slope, 2nd half | descriptors first | last | threads first | last |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
-    for (node, slope) in r.rss_slopes() {
+    for (node, slope, late) in r.rss_slopes() {
         let mine: Vec<_> = r.samples.iter().filter(|x| x.node == node).collect();
         let (Some(a), Some(b)) = (mine.first(), mine.last()) else {
             continue;
         };
         let _ = writeln!(
             s,
-            "| {node} | {} | {} | {slope:.1} | {} | {} | {} | {} |",
+            "| {node} | {} | {} | {slope:.1} | {late:.1} | {} | {} | {} | {} |",
             a.rss_kib, b.rss_kib, a.descriptors, b.descriptors, a.threads, b.threads
         );
     }
