@@ -351,6 +351,41 @@ fn agent_killed(case: &AgentKilled) {
         assert_eq!(process_state(pid), Some('T'), "{}", case.at);
     }
     cluster.start_agent(dead).expect("the agent restarts");
+    if dead == "node1" {
+        // The restarted source keeps the settled migration's report.
+        let id = field_of(&left[0].1, "migration_id");
+        let settled = rt.block_on(async {
+            let mut node1 = cluster.control("node1").await.expect("control node1");
+            let mut report = None;
+            eventually(
+                "node1 settles the migration",
+                Duration::from_secs(30),
+                async || {
+                    report = node1
+                        .get_migration(ferry_proto::v1::GetMigrationRequest {
+                            migration_id: id.clone(),
+                            ..Default::default()
+                        })
+                        .await
+                        .ok()
+                        .map(|r| r.into_inner());
+                    report.is_some()
+                },
+            )
+            .await;
+            report.expect("a report")
+        });
+        let outcome = match case.ends {
+            Ends::Moved => MigrationOutcome::Committed,
+            Ends::OnSource => MigrationOutcome::Aborted,
+        };
+        assert_eq!(settled.outcome, outcome as i32, "{}: {settled:#?}", case.at);
+        assert!(
+            settled.error.contains("restarted"),
+            "{}: {settled:#?}",
+            case.at
+        );
+    }
     if case.record == "restored" {
         assert_eq!(
             process_state(recorded_pid).filter(|s| *s != 'Z'),
@@ -507,10 +542,18 @@ fn a_commit_lost_on_a_cut_link_leaves_one_copy_that_resumes_when_the_link_return
 
 /// The `pid` of a journal record.
 fn pid_of(record: &str) -> i32 {
-    record
-        .split("\"pid\":")
-        .nth(1)
-        .and_then(|s| s.split(',').next())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {record}"))
+    field_of(record, "pid")
+        .parse()
+        .unwrap_or_else(|e| panic!("no pid in {record}: {e}"))
+}
+
+/// A field of a journal record (JSON), as text.
+fn field_of(record: &str, field: &str) -> String {
+    let v: serde_json::Value =
+        serde_json::from_str(record).unwrap_or_else(|e| panic!("{record}: {e}"));
+    match &v[field] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => panic!("no {field} in {record}"),
+        other => other.to_string(),
+    }
 }

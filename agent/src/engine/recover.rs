@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_proto::v1::AbortRequest;
+use ferry_proto::v1::{AbortRequest, MigrationOutcome, MigrationReport};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -141,6 +141,7 @@ async fn resume_unreleased(engine: &Arc<Engine>, record: &Record) {
     } else {
         tracing::warn!(pid, migration = %migration_id, "the process of an unfinished migration is gone");
     }
+    settled(engine, record, false);
     remove(engine, record);
     let engine = engine.clone();
     let (id, destination) = (migration_id.clone(), destination.clone());
@@ -240,7 +241,42 @@ async fn settle_in_doubt(engine: &Arc<Engine>, record: Record) {
     } else {
         resume_here(engine, *pid, migration_id).await;
     }
+    settled(engine, &record, committed);
     remove(engine, &record);
+}
+
+/// The report of a migration settled after a restart, kept for
+/// `GetMigration` and `ferry report`, and the process's end if it moved.
+fn settled(engine: &Engine, record: &Record, committed: bool) {
+    let Record::Outgoing {
+        migration_id,
+        pid,
+        start_ticks,
+        destination,
+        ..
+    } = record
+    else {
+        return;
+    };
+    let (outcome, how) = if committed {
+        (MigrationOutcome::Committed, "had committed it")
+    } else {
+        (MigrationOutcome::Aborted, "had not committed it")
+    };
+    let report = MigrationReport {
+        migration_id: migration_id.clone(),
+        outcome: outcome as i32,
+        source_node: engine.node().to_owned(),
+        destination_node: destination.clone(),
+        source_pid: *pid,
+        resumed_on_source: !committed && alive(*pid, *start_ticks),
+        error: format!(
+            "settled after this node's agent restarted in the migration: {destination} {how}"
+        ),
+        ..Default::default()
+    };
+    engine.reports.store(report.clone());
+    engine.processes.departed(&report);
 }
 
 /// `Peer.Abort` to `destination` until it answers (at most `attempts`
