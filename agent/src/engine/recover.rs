@@ -10,7 +10,10 @@
 //! is killed); what needs the destination's word is asked in the
 //! background, the process stopped and "in doubt" meanwhile (`ferry ps`
 //! says so), for as long as the destination does not answer: resuming it
-//! without that word could run it on two nodes.
+//! without that word could run it on two nodes. A source's settled
+//! migration gets a report (`GetMigration`), saying it was settled after a
+//! restart. Not recovered yet: the translations a source had its in-cluster
+//! peers add before it died (the journal does not list them).
 
 use std::sync::Arc;
 use std::time::Duration;
