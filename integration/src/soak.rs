@@ -415,18 +415,7 @@ async fn leftovers(cluster: &Cluster, server_node: &str, pid: i32) -> Vec<String
                 left.push(format!("{node}: images {}", e.display()));
             }
         }
-        let records: Vec<(String, String)> = std::fs::read_dir(work.join("journal"))
-            .map(|d| {
-                d.flatten()
-                    .map(|e| {
-                        (
-                            e.file_name().to_string_lossy().into_owned(),
-                            std::fs::read_to_string(e.path()).unwrap_or_default(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let records = cluster.journal_records(node);
         for (name, body) in records {
             if !(name.starts_with("in-") && body.contains("\"committed\"")) {
                 left.push(format!("{node}: journal record {name}: {body}"));

@@ -107,25 +107,6 @@ fn crashed(cluster: &mut Cluster, node: &str) {
     );
 }
 
-/// The journal records left on `node`, as (file name, contents).
-fn journal(cluster: &Cluster, node: &str) -> Vec<(String, String)> {
-    let dir = cluster.work_dir(node).join("journal");
-    let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
-        .map(|d| {
-            d.flatten()
-                .map(|e| {
-                    (
-                        e.file_name().to_string_lossy().into_owned(),
-                        std::fs::read_to_string(e.path()).unwrap_or_default(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    out.sort();
-    out
-}
-
 /// Waits (bounded) until `cond` holds, polling every 50 ms.
 async fn eventually(what: &str, within: Duration, mut cond: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + within;
@@ -158,8 +139,8 @@ async fn carries_on_at_node1(cluster: &Cluster, pid: i32, client: SeqClient, bef
         async || list(&mut node2).await.is_empty() && cluster.incoming_dir_is_empty("node2"),
     )
     .await;
-    assert_eq!(journal(cluster, "node1"), vec![]);
-    assert_eq!(journal(cluster, "node2"), vec![]);
+    assert_eq!(cluster.journal_records("node1"), vec![]);
+    assert_eq!(cluster.journal_records("node2"), vec![]);
 }
 
 /// The process runs on node2 (the destination) and not on node1, every
@@ -188,8 +169,8 @@ async fn carries_on_at_node2(cluster: &Cluster, pid: i32, client: SeqClient, bef
         CONNECTIONS
     );
     client.stop().assert_clean();
-    assert_eq!(journal(cluster, "node1"), vec![]);
-    let kept = journal(cluster, "node2");
+    assert_eq!(cluster.journal_records("node1"), vec![]);
+    let kept = cluster.journal_records("node2");
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert!(kept[0].1.contains("\"committed\""), "{kept:?}");
 }
@@ -323,7 +304,7 @@ fn agent_killed(case: &AgentKilled) {
         })
     });
     crashed(&mut cluster, dead);
-    let left = journal(&cluster, dead);
+    let left = cluster.journal_records(dead);
     assert_eq!(left.len(), 1, "{}: {left:?}", case.at);
     assert!(
         left[0].1.contains(&format!("\"{}\"", case.record)),
@@ -434,7 +415,7 @@ fn a_source_agent_that_cannot_ask_the_destination_keeps_the_copy_stopped_in_doub
     cluster.stop_agent("node2").expect("node2's agent stops");
     // node2's agent was stopped (SIGTERM) with a restored copy it had
     // recorded: the copy is still there, stopped.
-    let restored = journal(&cluster, "node2");
+    let restored = cluster.journal_records("node2");
     assert_eq!(restored.len(), 1, "{restored:?}");
     assert!(restored[0].1.contains("\"restored\""), "{restored:?}");
     let restored_pid = pid_of(&restored[0].1);
@@ -525,7 +506,7 @@ fn a_commit_lost_on_a_cut_link_leaves_one_copy_that_resumes_when_the_link_return
         },
     ));
     assert_eq!(process_state(pid), Some('T'), "node1's copy runs");
-    let restored = journal(&cluster, "node2");
+    let restored = cluster.journal_records("node2");
     assert_eq!(restored.len(), 1, "{restored:?}");
     assert!(restored[0].1.contains("\"restored\""), "{restored:?}");
     cluster.cut_cluster_link("node2", false);

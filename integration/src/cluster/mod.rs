@@ -9,7 +9,7 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus};
+use std::process::Command;
 use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ use ferry_proto::v1::control_client::ControlClient;
 use tempfile::TempDir;
 use tonic::transport::Channel;
 
-use crate::agent::{AgentError, AgentLaunch, AgentProcess, LOG_TAIL_LINES, log_tail};
+use crate::agent::{AgentError, AgentProcess, LOG_TAIL_LINES, log_tail};
 use crate::agent_config::AgentConfig;
 use crate::cmd::{self, CmdError};
 use crate::inspect::{self, InspectError};
@@ -28,6 +28,11 @@ use crate::reap;
 use crate::tls::ClusterTls;
 use crate::tmpfs::{MountError, Tmpfs};
 use crate::{control, paths, topology};
+
+mod agents;
+mod link_cut;
+
+pub use link_cut::LinkCutter;
 
 #[derive(thiserror::Error)]
 pub enum ClusterError {
@@ -412,30 +417,6 @@ impl Cluster {
         Ok(ns)
     }
 
-    fn spawn_agent(&mut self, i: usize) -> Result<(), ClusterError> {
-        self.spawn_agent_with(i, Vec::new())
-    }
-
-    fn spawn_agent_with(
-        &mut self,
-        i: usize,
-        env: Vec<(String, String)>,
-    ) -> Result<(), ClusterError> {
-        let node = &mut self.nodes[i];
-        let launch = AgentLaunch {
-            node: node.name.clone(),
-            binary: self.ferryd.clone(),
-            config: node.config.clone(),
-            netns: node.netns.path(),
-            log: node.log.clone(),
-            control_socket: node.control_socket.clone(),
-            cwd: node.dir.clone(),
-            env,
-        };
-        node.agent = Some(AgentProcess::spawn(launch)?);
-        Ok(())
-    }
-
     fn node(&self, name: &str) -> &Node {
         self.nodes
             .iter()
@@ -519,25 +500,6 @@ impl Cluster {
                 status.success(),
                 "shaping {node}'s clu0 ({limit:?}): {status}"
             );
-        }
-    }
-
-    /// Cuts `node` off the cluster network, or joins it again (`cut:
-    /// false`): its port on the router's cluster bridge leaves the bridge,
-    /// so that every frame either way is dropped without a word (no
-    /// carrier change, no reset, no ICMP), as when a cable or a switch
-    /// port fails. Panics if `ip` fails.
-    pub fn cut_cluster_link(&self, node: &str, cut: bool) {
-        self.link_cutter(node).cut(cut);
-    }
-
-    /// What [`Self::cut_cluster_link`] does for `node`, apart from the
-    /// cluster: for a task that cuts the link at the right moment.
-    pub fn link_cutter(&self, node: &str) -> LinkCutter {
-        LinkCutter {
-            node: node.to_owned(),
-            router: self.router.as_ref().map(|r| r.name().to_owned()),
-            port: format!("n{}c", self.node_index(node) + 1),
         }
     }
 
@@ -699,41 +661,6 @@ impl Cluster {
             Ok(mut entries) => entries.next().is_none(),
             Err(e) => e.kind() == std::io::ErrorKind::NotFound,
         }
-    }
-
-    /// Stops the node's agent (SIGTERM, 5 s, SIGKILL).
-    pub fn stop_agent(&mut self, node: &str) -> Result<Option<ExitStatus>, ClusterError> {
-        let i = self.node_index(node);
-        match self.nodes[i].agent.take() {
-            Some(mut agent) => Ok(agent.stop(Duration::from_secs(5))?),
-            None => Ok(None),
-        }
-    }
-
-    /// (Re)starts the node's agent and waits until it answers.
-    pub fn start_agent(&mut self, node: &str) -> Result<(), ClusterError> {
-        self.start_agent_with_env(node, &[])
-    }
-
-    /// [`Self::start_agent`], with environment variables beside the usual
-    /// ones (e.g. `FERRY_FAULT_AT`).
-    pub fn start_agent_with_env(
-        &mut self,
-        node: &str,
-        env: &[(&str, &str)],
-    ) -> Result<(), ClusterError> {
-        self.stop_agent(node)?;
-        let i = self.node_index(node);
-        let env = env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        self.spawn_agent_with(i, env)?;
-        let timeout = self.spec.ready_timeout;
-        if let Some(agent) = self.nodes[i].agent.as_mut() {
-            agent.wait_ready(timeout)?;
-        }
-        Ok(())
     }
 
     /// Peers of the ESTABLISHED TCP sockets on `local_port` in the node.
@@ -995,49 +922,4 @@ fn reuse_time_wait_ports(client: &str) -> Result<(), ClusterError> {
         "net.ipv4.tcp_tw_reuse=1",
     ]))?;
     Ok(())
-}
-
-impl Cluster {
-    /// Waits (bounded) until the node's agent has exited by itself (a
-    /// crash point, say) and reaps it; its exit status, or None if it
-    /// still runs at the timeout.
-    pub fn wait_agent_exit(&mut self, node: &str, timeout: Duration) -> Option<ExitStatus> {
-        let i = self.node_index(node);
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            let agent = self.nodes[i].agent.as_mut()?;
-            if let Ok(Some(status)) = agent.try_wait() {
-                self.nodes[i].agent = None;
-                return Some(status);
-            }
-            if std::time::Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-/// Cuts one node off the cluster network, or joins it again
-/// ([`Cluster::link_cutter`]).
-#[derive(Debug, Clone)]
-pub struct LinkCutter {
-    node: String,
-    router: Option<String>,
-    port: String,
-}
-
-impl LinkCutter {
-    /// As [`Cluster::cut_cluster_link`]. Panics if `ip` fails.
-    pub fn cut(&self, cut: bool) {
-        let port = &self.port;
-        let line = if cut {
-            format!("link set {port} nomaster")
-        } else {
-            format!("link set {port} master {} up", topology::CLUSTER_BRIDGE)
-        };
-        cmd::ip_batch(self.router.as_deref(), &[line]).unwrap_or_else(|e| {
-            panic!("cutting {} off the cluster network ({cut}): {e}", self.node)
-        });
-    }
 }
