@@ -118,23 +118,20 @@ impl Ports {
     /// their ends announced.
     pub async fn refresh(self: &Arc<Self>) -> Result<(), PortsError> {
         let me = self.clone();
-        let (gone, unclaimed) = tokio::task::spawn_blocking(move || {
+        let unclaimed = tokio::task::spawn_blocking(move || {
             let _one = lock(&me.refreshing);
             // Two statements: the registry's guard must be gone before the
             // reads (a temporary lives to the end of its statement).
             let running = me.processes.registry().running();
             let read = crate::managed::read_sockets(running);
-            let gone = me.processes.registry().refresh(read);
-            (gone, me.unclaimed_ports())
+            me.processes.refresh(read);
+            me.unclaimed_ports()
         })
         .await
         .map_err(|source| PortsError::Task {
             what: "refreshing the ports",
             source,
         })?;
-        for (p, exit) in gone {
-            self.processes.announce_exit(&p, exit);
-        }
         if !unclaimed.is_empty() {
             self.check_claims(unclaimed).await;
         }

@@ -181,10 +181,11 @@ impl Supervisor {
     /// ports released and its end announced, unless a migration stopped
     /// or moved it (see [`crate::managed::Registry::ended`]).
     async fn ended(self: &Arc<Self>, pid: i32, exit: ferry_proto::v1::ProcessExit) {
-        let ended = self.processes.registry().ended(pid, &exit);
-        let Some(p) = ended else { return };
-        tracing::info!(pid, how = %exit.description, "managed process ended");
-        self.processes.announce_exit(&p, exit);
+        let how = exit.description.clone();
+        if self.processes.ended(pid, exit).is_none() {
+            return;
+        }
+        tracing::info!(pid, how = %how, "managed process ended");
         self.processes.persist_soon();
         if let Err(e) = self.ports.refresh().await {
             tracing::warn!(error = %e, "releasing ports of an exited process");

@@ -422,9 +422,7 @@ async fn own_ports(engine: &Arc<Engine>, pid: i32) {
     })
     .await
     {
-        Ok(read) => {
-            engine.processes.registry().refresh(read);
-        }
+        Ok(read) => engine.processes.refresh(read),
         Err(e) => tracing::error!(pid, error = %e, "reading a process's sockets"),
     }
     if let Err(e) = engine.ports.apply().await {

@@ -101,9 +101,40 @@ impl Processes {
         self.events.publish(Event::ProcessStarted(started));
     }
 
-    /// Remembers how `p` ended and tells the event stream.
-    pub fn announce_exit(&self, p: &ManagedProcess, exit: pb::ProcessExit) {
-        self.remember_end(p.pid, ProcessEnd::Exited(exit.clone()));
+    /// Process `pid` ended (its exit watcher saw it go): forgotten and its
+    /// end announced if it ended by itself ([`Registry::ended`]), else
+    /// left to the migration that holds it. The end is remembered under
+    /// the registry's lock, so a `WaitProcess` that reads both finds the
+    /// process or its end, never neither.
+    pub fn ended(&self, pid: i32, exit: pb::ProcessExit) -> Option<ManagedProcess> {
+        let p = {
+            let mut reg = self.registry();
+            let p = reg.ended(pid, &exit)?;
+            self.remember_end(pid, ProcessEnd::Exited(exit.clone()));
+            p
+        };
+        self.publish_exit(&p, exit);
+        Some(p)
+    }
+
+    /// Takes the sockets `read` ([`Registry::refresh`]); the processes it
+    /// finds gone (died in a migration that let go of them) are forgotten
+    /// and their ends remembered under the same lock, then announced.
+    pub fn refresh(&self, read: Vec<super::SocketsRead>) {
+        let gone = {
+            let mut reg = self.registry();
+            let gone = reg.refresh(read);
+            for (p, exit) in &gone {
+                self.remember_end(p.pid, ProcessEnd::Exited(exit.clone()));
+            }
+            gone
+        };
+        for (p, exit) in gone {
+            self.publish_exit(&p, exit);
+        }
+    }
+
+    fn publish_exit(&self, p: &ManagedProcess, exit: pb::ProcessExit) {
         self.events.publish(Event::ProcessExited(pb::ProcessExited {
             pid: p.pid,
             argv: p.argv.clone(),
