@@ -7,70 +7,16 @@
 //! migration is left in either journal but the destination's record of a
 //! commit. Root only; run by `cargo xtask test`.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::managed::{
-    follow_migration, list, process_state, run, runtime, wait_for_process,
+use ferry_integration::faults::{
+    Ends, carries_on_at_node1, carries_on_at_node2, cluster_with_fault, crashed, echo_server,
+    eventually, field_of, pid_of, request,
 };
-use ferry_integration::workload::SeqClient;
+use ferry_integration::managed::{follow_migration, process_state, runtime, wait_for_process};
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy, migration_event};
 use tonic::transport::Channel;
-
-const SHARED_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
-const ECHO_PORT: u16 = 7000;
-const CONNECTIONS: usize = 4;
-
-/// A two-node cluster (short peer timeout) whose `crashing` node's agent
-/// runs with the crash point `at`.
-fn cluster_crashing(crashing: &str, at: &str) -> Cluster {
-    let mut spec = ClusterSpec::new(2, 1);
-    spec.extra_config = "peer_timeout_secs = 2\n".into();
-    let mut cluster = Cluster::start(spec).expect("cluster");
-    cluster
-        .start_agent_with_env(crashing, &[("FERRY_FAULT_AT", at)])
-        .expect("the agent with its crash point");
-    cluster
-}
-
-/// The echo server on node1 with [`CONNECTIONS`] clients from client1,
-/// once node1 counts them all, and what each client had verified then.
-async fn echo_server(cluster: &Cluster) -> (i32, SeqClient, Vec<u64>) {
-    let mut node1 = cluster.control("node1").await.expect("control node1");
-    let pid = run(
-        &mut node1,
-        vec![
-            env!("CARGO_BIN_EXE_ferry-echo-server").to_owned(),
-            "--port".into(),
-            ECHO_PORT.to_string(),
-        ],
-    )
-    .await;
-    wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
-    let client = SeqClient::dve(
-        cluster.netns_path("client1"),
-        SocketAddrV4::new(SHARED_IP, ECHO_PORT),
-        CONNECTIONS,
-    )
-    .expect("clients with traffic flowing");
-    wait_for_process(&mut node1, pid, |p| {
-        p.tcp_established as usize == CONNECTIONS
-    })
-    .await;
-    let before = client.verified_per_connection();
-    (pid, client, before)
-}
-
-fn request(pid: i32, strategy: Strategy) -> MigrateRequest {
-    MigrateRequest {
-        pid,
-        destination_node: "node2".into(),
-        strategy: strategy as i32,
-        ..Default::default()
-    }
-}
 
 /// Runs a migration whose source agent dies on the way: the stream breaks
 /// without a report.
@@ -93,97 +39,6 @@ async fn migrate_into_a_crash(node1: &mut ControlClient<Channel>, req: MigrateRe
     }
 }
 
-/// The node's agent died by its crash point (SIGKILL).
-fn crashed(cluster: &mut Cluster, node: &str) {
-    use std::os::unix::process::ExitStatusExt as _;
-    let status = cluster
-        .wait_agent_exit(node, Duration::from_secs(60))
-        .unwrap_or_else(|| panic!("{node}'s agent did not reach its crash point"));
-    assert_eq!(
-        status.signal(),
-        Some(libc::SIGKILL),
-        "{node}'s agent ended otherwise: {status:?}\n{}",
-        cluster.log_tail(node, 30)
-    );
-}
-
-/// Waits (bounded) until `cond` holds, polling every 50 ms.
-async fn eventually(what: &str, within: Duration, mut cond: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !cond().await {
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// The process runs on node1 (the source) again and not on node2, every
-/// connection carries on, and nothing of the migration is left.
-async fn carries_on_at_node1(cluster: &Cluster, pid: i32, client: SeqClient, before: &[u64]) {
-    let mut node1 = cluster.control("node1").await.expect("control node1");
-    let mut node2 = cluster.control("node2").await.expect("control node2");
-    let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
-    assert!(p.note.is_empty(), "{p:?}");
-    assert_ne!(process_state(pid), Some('T'), "still stopped");
-    client
-        .wait_until_each_passes(before, 20, Duration::from_secs(30))
-        .expect("every connection flows on node1");
-    assert_eq!(
-        cluster.established_tcp("node1", ECHO_PORT).len(),
-        CONNECTIONS
-    );
-    assert!(cluster.established_tcp("node2", ECHO_PORT).is_empty());
-    client.stop().assert_clean();
-    eventually(
-        "node2 drops its copy",
-        Duration::from_secs(20),
-        async || list(&mut node2).await.is_empty() && cluster.incoming_dir_is_empty("node2"),
-    )
-    .await;
-    assert_eq!(cluster.journal_records("node1"), vec![]);
-    assert_eq!(cluster.journal_records("node2"), vec![]);
-}
-
-/// The process runs on node2 (the destination) and not on node1, every
-/// connection carries on there; node2 keeps only its record of the
-/// commit.
-async fn carries_on_at_node2(cluster: &Cluster, pid: i32, client: SeqClient, before: &[u64]) {
-    let mut node1 = cluster.control("node1").await.expect("control node1");
-    let mut node2 = cluster.control("node2").await.expect("control node2");
-    eventually("node1's copy goes", Duration::from_secs(30), async || {
-        process_state(pid).is_none_or(|s| s == 'Z') && list(&mut node1).await.is_empty()
-    })
-    .await;
-    let moved = list(&mut node2).await;
-    assert_eq!(moved.len(), 1, "{moved:?}");
-    let p = wait_for_process(&mut node2, moved[0].pid, |p| {
-        p.state == "running" && p.tcp_established as usize == CONNECTIONS
-    })
-    .await;
-    assert_eq!(p.origin, "migrated-in");
-    client
-        .wait_until_each_passes(before, 20, Duration::from_secs(30))
-        .expect("every connection flows on node2");
-    assert!(cluster.established_tcp("node1", ECHO_PORT).is_empty());
-    assert_eq!(
-        cluster.established_tcp("node2", ECHO_PORT).len(),
-        CONNECTIONS
-    );
-    client.stop().assert_clean();
-    assert_eq!(cluster.journal_records("node1"), vec![]);
-    let kept = cluster.journal_records("node2");
-    assert_eq!(kept.len(), 1, "{kept:?}");
-    assert!(kept[0].1.contains("\"committed\""), "{kept:?}");
-}
-
-/// Where the process runs once the killed agent is back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ends {
-    /// On node1, the source: the migration rolled back.
-    OnSource,
-    /// On node2, the destination: the migration committed.
-    Moved,
-}
-
 /// One agent killed at one point of a migration from node1 to node2, and
 /// what must follow once it is restarted.
 struct AgentKilled {
@@ -191,8 +46,9 @@ struct AgentKilled {
     /// node whose agent dies.
     at: &'static str,
     strategy: Strategy,
-    /// The stage of the dead agent's journal record of the migration.
-    record: &'static str,
+    /// The stage of the dead agent's journal record of the migration
+    /// (None: it had none yet).
+    record: Option<&'static str>,
     ends: Ends,
 }
 
@@ -203,40 +59,46 @@ const AGENT_KILLED: &[AgentKilled] = &[
     AgentKilled {
         at: "source:PreCopy",
         strategy: Strategy::PreCopy,
-        record: "started",
+        record: Some("started"),
         ends: Ends::OnSource,
     },
     AgentKilled {
         at: "source:Arm",
         strategy: Strategy::TotalCopy,
-        record: "started",
+        record: Some("started"),
         ends: Ends::OnSource,
     },
     // In the freeze: CRIU holds the tree, the ports are cut off.
     AgentKilled {
         at: "source:TreeFrozen",
         strategy: Strategy::PreCopy,
-        record: "started",
+        record: Some("started"),
         ends: Ends::OnSource,
     },
     // The case: dumped, stopped, the images about to leave.
     AgentKilled {
+        at: "source:Dump",
+        strategy: Strategy::TotalCopy,
+        record: Some("started"),
+        ends: Ends::OnSource,
+    },
+    AgentKilled {
         at: "source:Transfer",
         strategy: Strategy::PreCopy,
-        record: "started",
+        record: Some("started"),
         ends: Ends::OnSource,
     },
     AgentKilled {
         at: "source:Restore",
         strategy: Strategy::TotalCopy,
-        record: "started",
+        record: Some("started"),
         ends: Ends::OnSource,
     },
     // Released, the Commit not sent: node2, asked, aborts.
     AgentKilled {
         at: "source:Committing",
         strategy: Strategy::TotalCopy,
-        record: "released",
+        record: Some("released"),
         ends: Ends::OnSource,
     },
     // The Commit answered, the stopped copy not yet killed: node2, asked,
@@ -245,15 +107,32 @@ const AGENT_KILLED: &[AgentKilled] = &[
     AgentKilled {
         at: "source:Discard",
         strategy: Strategy::PreCopy,
-        record: "released",
+        record: Some("released"),
         ends: Ends::Moved,
+    },
+    // node2 reserved itself for the migration and died before it
+    // answered: node1 gives up before anything stops; node2, restarted,
+    // holds nothing for it.
+    AgentKilled {
+        at: "destination:Prepared",
+        strategy: Strategy::PreCopy,
+        record: None,
+        ends: Ends::OnSource,
+    },
+    // node2 wrote the images and died before it answered: node1 resumes
+    // its copy, which it had stopped.
+    AgentKilled {
+        at: "destination:Received",
+        strategy: Strategy::TotalCopy,
+        record: None,
+        ends: Ends::OnSource,
     },
     // node2 restored the process and died before it answered: node1 rolls
     // back by itself; node2, restarted, kills the copy that never ran.
     AgentKilled {
         at: "destination:Restored",
         strategy: Strategy::TotalCopy,
-        record: "restored",
+        record: Some("restored"),
         ends: Ends::OnSource,
     },
     // node2 recorded its decision and died before the resume: node1 keeps
@@ -262,7 +141,7 @@ const AGENT_KILLED: &[AgentKilled] = &[
     AgentKilled {
         at: "destination:Committed",
         strategy: Strategy::TotalCopy,
-        record: "committed",
+        record: Some("committed"),
         ends: Ends::Moved,
     },
 ];
@@ -289,7 +168,7 @@ fn agent_killed(case: &AgentKilled) {
     } else {
         "node2"
     };
-    let mut cluster = cluster_crashing(dead, case.at);
+    let mut cluster = cluster_with_fault(dead, case.at);
     let rt = runtime();
     let (pid, client, before) = rt.block_on(echo_server(&cluster));
     let mut migration = Some({
@@ -305,13 +184,20 @@ fn agent_killed(case: &AgentKilled) {
     });
     crashed(&mut cluster, dead);
     let left = cluster.journal_records(dead);
-    assert_eq!(left.len(), 1, "{}: {left:?}", case.at);
-    assert!(
-        left[0].1.contains(&format!("\"{}\"", case.record)),
+    assert_eq!(
+        left.len(),
+        usize::from(case.record.is_some()),
         "{}: {left:?}",
         case.at
     );
-    let recorded_pid = pid_of(&left[0].1);
+    if let Some(record) = case.record {
+        assert!(
+            left[0].1.contains(&format!("\"{record}\"")),
+            "{}: {left:?}",
+            case.at
+        );
+    }
+    let recorded_pid = left.first().map(|(_, r)| pid_of(r));
     if dead == "node1" {
         // The source's stream broke with its agent.
         let (report, status) = rt
@@ -367,7 +253,8 @@ fn agent_killed(case: &AgentKilled) {
             case.at
         );
     }
-    if case.record == "restored" {
+    if case.record == Some("restored") {
+        let recorded_pid = recorded_pid.expect("a restored copy's PID");
         assert_eq!(
             process_state(recorded_pid).filter(|s| *s != 'Z'),
             None,
@@ -377,7 +264,17 @@ fn agent_killed(case: &AgentKilled) {
     }
     if let Some(migration) = migration {
         let (report, status) = rt.block_on(migration).expect("the migration task");
-        let report = report.expect("a report");
+        let Some(report) = report else {
+            // Refused before anything stopped (node2 died as it
+            // prepared): the Migrate call itself failed.
+            assert!(
+                case.at == "destination:Prepared" && status.is_some(),
+                "{}: no report ({status:?})",
+                case.at
+            );
+            rt.block_on(carries_on_at_node1(&cluster, pid, client, &before));
+            return;
+        };
         let committed = case.ends == Ends::Moved;
         assert_eq!(status.is_none(), committed, "{}: {status:?}", case.at);
         let outcome = if committed {
@@ -404,7 +301,7 @@ fn a_source_agent_that_cannot_ask_the_destination_keeps_the_copy_stopped_in_doub
     // was decided: node1's copy stays stopped, and `ferry ps` says why.
     // node2 comes back (its restored copy never ran: killed), answers,
     // and the process resumes on node1.
-    let mut cluster = cluster_crashing("node1", "source:Committing");
+    let mut cluster = cluster_with_fault("node1", "source:Committing");
     let rt = runtime();
     let (pid, client, before) = rt.block_on(echo_server(&cluster));
     rt.block_on(async {
@@ -455,7 +352,7 @@ fn a_commit_lost_on_a_cut_link_leaves_one_copy_that_resumes_when_the_link_return
     // may go: node1 cannot know whether node2 resumed the process. When
     // the link returns node2 says it did not (its copy goes), and the
     // process resumes on node1.
-    let cluster = cluster_crashing("node1", "source:Committing:pause-3000ms");
+    let cluster = cluster_with_fault("node1", "source:Committing:pause-3000ms");
     let rt = runtime();
     let (pid, client, before) = rt.block_on(echo_server(&cluster));
     let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -519,22 +416,4 @@ fn a_commit_lost_on_a_cut_link_leaves_one_copy_that_resumes_when_the_link_return
     );
     assert!(report.resumed_on_source, "{report:#?}");
     rt.block_on(carries_on_at_node1(&cluster, pid, client, &before));
-}
-
-/// The `pid` of a journal record.
-fn pid_of(record: &str) -> i32 {
-    field_of(record, "pid")
-        .parse()
-        .unwrap_or_else(|e| panic!("no pid in {record}: {e}"))
-}
-
-/// A field of a journal record (JSON), as text.
-fn field_of(record: &str, field: &str) -> String {
-    let v: serde_json::Value =
-        serde_json::from_str(record).unwrap_or_else(|e| panic!("{record}: {e}"));
-    match &v[field] {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Null => panic!("no {field} in {record}"),
-        other => other.to_string(),
-    }
 }

@@ -36,6 +36,42 @@ impl SpawnedChild {
         self.pid
     }
 
+    /// How the child ended, if it did within `within` (left to be reaped
+    /// by [`Self::wait`]): "killed by signal 9", "exited with 1".
+    pub(super) fn ended_within(&self, within: std::time::Duration) -> Option<String> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            // SAFETY: siginfo_t is plain data; waitid writes only into it.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid on our own child, into `info`; WNOWAIT leaves
+            // it a zombie for `wait`.
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                )
+            };
+            if r != 0 {
+                return None;
+            }
+            // SAFETY: waitid filled a SIGCHLD siginfo (or left it zeroed:
+            // si_pid 0, still running).
+            let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+            if pid != 0 {
+                return Some(match info.si_code {
+                    libc::CLD_EXITED => format!("exited with {status}"),
+                    _ => format!("killed by signal {status}"),
+                });
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+
     /// Waits for the child's exit.
     pub(super) fn wait(self) -> nix::Result<nix::sys::wait::WaitStatus> {
         waitpid(Pid::from_raw(self.pid), None)

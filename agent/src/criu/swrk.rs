@@ -504,6 +504,25 @@ impl Worker {
         // the phase boundaries inside CRIU.
         opts.set_notify_scripts(on_notify.is_some());
         let result = converse(ours, kind, opts, on_notify.unwrap_or(&mut |_| Ok(())));
+        // The session broke: CRIU died (killed, crashed) more often than
+        // not, and its caller needs to hear that and which operation, not
+        // only a broken pipe.
+        let result = result.map_err(|e| match e {
+            CriuError::Rpc(rpc) => {
+                let how = self
+                    .child
+                    .as_ref()
+                    .and_then(|c| c.ended_within(CRIU_END_WAIT));
+                CriuError::Failed {
+                    operation: operation_name(kind),
+                    reason: match how {
+                        Some(how) => format!("CRIU {how} ({rpc})"),
+                        None => format!("its session broke: {rpc}"),
+                    },
+                }
+            }
+            e => e,
+        });
         // Answered, CRIU has nothing left to do but exit. That exit tears
         // down its memory and descriptors: ~1 ms of CPU for each of the
         // dump's and the restore's workers at 1024 connections, which ran
@@ -517,6 +536,21 @@ impl Worker {
         // One request per session: closing our end ends it.
         self.ours = None;
         result
+    }
+}
+
+/// How long a broken session waits to learn how CRIU ended: its socket
+/// closes as it exits, a little before it is a zombie.
+const CRIU_END_WAIT: Duration = Duration::from_millis(50);
+
+/// The name of a request, as errors say it.
+fn operation_name(kind: Criu_req_type) -> &'static str {
+    match kind {
+        Criu_req_type::DUMP => "dump",
+        Criu_req_type::PRE_DUMP => "pre-dump",
+        Criu_req_type::RESTORE => "restore",
+        Criu_req_type::PAGE_SERVER | Criu_req_type::PAGE_SERVER_CHLD => "page server",
+        _ => "request",
     }
 }
 

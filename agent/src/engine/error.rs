@@ -26,6 +26,10 @@ pub enum EngineError {
     },
     #[error("{node} cannot hold the process: {detail}")]
     NoRoom { node: String, detail: String },
+    /// A Prepare that comes after its source gave the migration up (its
+    /// Abort overtook it).
+    #[error("migration {migration_id} was given up by its source before {node} prepared it")]
+    GivenUp { node: String, migration_id: String },
     #[error("port {port} is already owned on {node} by PID {pid}")]
     PortTaken {
         port: String,
@@ -248,6 +252,7 @@ impl EngineError {
                 Code::ResourceExhausted
             }
             EngineError::Cancelled { .. } => Code::Cancelled,
+            EngineError::GivenUp { .. } => Code::Aborted,
             EngineError::Cordoned { .. } => Code::FailedPrecondition,
             EngineError::NotItsSource { .. } => Code::PermissionDenied,
             EngineError::InCluster(FlowError::BadFlow { .. }) => Code::InvalidArgument,

@@ -11,10 +11,12 @@
 //! to leave), `source:TreeFrozen` (CRIU's `query-ext-files`: CRIU holds
 //! the tree stopped, the ports are cut off) and `source:Committing` (its
 //! journal says released, no
-//! Commit sent); the destination's are its journal records
+//! Commit sent); the destination's are `destination:Prepared` (the node
+//! reserved, the answer not sent), `destination:Received` (the images
+//! written, the answer not sent) and its journal records
 //! (`destination:Restored`, `destination:Committed`: written, and the next
-//! step not taken). Unset (every deployment), a check is one read of a
-//! `OnceLock`.
+//! step not taken). A pause longer than the peer timeout makes a late
+//! answer. Unset (every deployment), a check is one read of a `OnceLock`.
 
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -55,6 +55,9 @@ pub async fn abort(
             }
             Ok(_) => {
                 tracing::info!(migration = %req.migration_id, "abort for a migration not held here");
+                // Its Prepare may still be on its way (slow, or held on a
+                // cut link): it must not reserve this node when it comes.
+                engine.incoming.give_up(&req.migration_id);
                 Ok(false)
             }
             // Unreadable: saying "not committed" could have the source

@@ -10,6 +10,7 @@ use super::peak::PeakMeter;
 use super::{Incoming, IncomingState, RestoreWorker, discard};
 use crate::criu;
 use crate::dataplane::PortState;
+use crate::engine::fault_point::{self, Side};
 use crate::engine::pagestore::PageStore;
 use crate::engine::{Engine, EngineError, set_private};
 use crate::process::PortKey;
@@ -90,6 +91,13 @@ pub async fn prepare(
     })??;
 
     let mut slot = engine.incoming.lock().await;
+    // Under the slot's lock, as the Abort that gives a migration up.
+    if engine.incoming.was_given_up(&req.migration_id) {
+        return Err(EngineError::GivenUp {
+            node: engine.node().to_owned(),
+            migration_id: req.migration_id,
+        });
+    }
     if let Some(cur) = slot.as_ref() {
         let stale = cur.last_activity.elapsed() > STALE_RESERVATION
             && !matches!(cur.state, IncomingState::Restored { .. });
@@ -179,5 +187,7 @@ pub async fn prepare(
         state: IncomingState::Reserved,
         last_activity: Instant::now(),
     });
+    drop(slot);
+    fault_point::reached(Side::Destination, "Prepared").await;
     Ok(takes)
 }

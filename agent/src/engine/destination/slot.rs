@@ -8,6 +8,10 @@ use std::sync::{Arc, Mutex, Weak};
 use super::{Follows, Incoming, PostCopies, RebuiltSockets, StagedSlot};
 use crate::sync::lock;
 
+/// How many given-up migrations a node remembers
+/// ([`IncomingSlot::give_up`]).
+const GIVEN_UP_KEPT: usize = 256;
+
 #[derive(Debug, Default)]
 pub struct IncomingSlot {
     incoming: tokio::sync::Mutex<Option<Incoming>>,
@@ -15,6 +19,11 @@ pub struct IncomingSlot {
     /// here, set with the slot at Prepare and left after it ends (ids do
     /// not repeat).
     prepared: Mutex<Option<(String, String)>>,
+    /// Migrations their source gave up before this node held them (an
+    /// Abort that found nothing), newest last: a Prepare of one of them
+    /// that comes after (slow, or late on a cut link) is refused, so that
+    /// no reservation outlives its source's interest.
+    given_up: Mutex<std::collections::VecDeque<String>>,
     /// Connections rebuilt for an incoming migration by TransferSockets:
     /// taken by its Restore, dropped (closed silently) by its abort or the
     /// next one.
@@ -48,6 +57,21 @@ impl IncomingSlot {
 
     pub(super) fn prepared(&self, migration_id: &str, from: &str) {
         *lock(&self.prepared) = Some((migration_id.to_owned(), from.to_owned()));
+    }
+
+    /// Remembers that the source gave `migration_id` up before it was held
+    /// here (the last [`GIVEN_UP_KEPT`]).
+    pub(super) fn give_up(&self, migration_id: &str) {
+        let mut given_up = lock(&self.given_up);
+        if given_up.len() == GIVEN_UP_KEPT {
+            given_up.pop_front();
+        }
+        given_up.push_back(migration_id.to_owned());
+    }
+
+    /// Whether the source gave `migration_id` up ([`Self::give_up`]).
+    pub(super) fn was_given_up(&self, migration_id: &str) -> bool {
+        lock(&self.given_up).iter().any(|id| id == migration_id)
     }
 
     /// Keeps `rebuilt` for its Restore, closing whatever an earlier

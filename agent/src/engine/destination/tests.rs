@@ -103,6 +103,25 @@ async fn one_incoming_migration_at_a_time_with_its_ports_frozen() {
     prepare(&f.engine, prepare_req("bbbb", 7001)).await.unwrap();
 }
 
+/// A Prepare that comes after its source gave the migration up (the
+/// Abort overtook it: slow, or held on a cut link) reserves nothing.
+#[tokio::test]
+async fn a_prepare_its_abort_overtook_reserves_nothing() {
+    let f = fixture();
+    abort_test_migration(&f.engine, "aaaa").await;
+    let err = prepare(&f.engine, prepare_req("aaaa", 7000))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, EngineError::GivenUp { migration_id, .. } if migration_id == "aaaa"),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), tonic::Code::Aborted);
+    assert!(f.engine.incoming.lock().await.is_none());
+    // The node is free for the next migration, on the same port.
+    prepare(&f.engine, prepare_req("bbbb", 7000)).await.unwrap();
+}
+
 #[tokio::test]
 async fn steps_out_of_order_are_refused() {
     let f = fixture();

@@ -7,6 +7,7 @@ use ferry_proto::v1::{ImageChunk, TransferImagesResponse};
 use futures::StreamExt;
 
 use super::{Step, check_source, expect};
+use crate::engine::fault_point::{self, Side};
 use crate::engine::{Engine, EngineError, images::ImageWriter};
 
 /// The blocking thread writing received images, and the channel feeding it.
@@ -93,6 +94,9 @@ pub async fn transfer_images(
     let w = written??;
     let inc = expect(&mut slot, &id, Step::TransferImages)?;
     inc.advance(Step::TransferImages, 0);
+    // Held with the slot: an Abort that comes meanwhile waits, as it
+    // would for a slow disk.
+    fault_point::reached(Side::Destination, "Received").await;
     tracing::info!(
         migration = %id,
         files = w.files,

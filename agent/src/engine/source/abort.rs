@@ -151,10 +151,27 @@ async fn tell_destination(run: &Run, err: &EngineError) {
         ?first,
         "destination did not acknowledge the abort; retrying in the background"
     );
-    let link = run.p.link.clone();
+    keep_telling(run.p.link.clone(), abort, deadline, Duration::from_secs(1));
+}
+
+/// Tells the destination, in the background, that a migration is
+/// aborted (after `first_after`, then once a second, [`ABORT_RETRIES`]
+/// times, each bounded by `deadline`) until it acknowledges: it must hear
+/// it eventually, or it keeps the images and the ports frozen.
+pub(super) fn keep_telling(
+    link: std::sync::Arc<dyn crate::engine::link::PeerLink>,
+    abort: AbortRequest,
+    deadline: Duration,
+    first_after: Duration,
+) {
     tokio::spawn(async move {
         for attempt in 1..=ABORT_RETRIES {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            let wait = if attempt == 1 {
+                first_after
+            } else {
+                Duration::from_secs(1)
+            };
+            tokio::time::sleep(wait).await;
             match tokio::time::timeout(deadline, link.abort(abort.clone())).await {
                 Ok(Ok(_)) => {
                     tracing::info!(attempt, migration = %abort.migration_id, "abort acknowledged");

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use ferry_proto::v1::{HelloRequest, PrepareRequest};
+use ferry_proto::v1::{AbortRequest, HelloRequest, PrepareRequest};
 
 use crate::config::PeerConfig;
-use crate::engine::link::{PeerLink, peer_error};
+use crate::engine::link::{PeerLink, peer_error, silent};
 use crate::engine::precopy::{Convergence, MemoryStrategy};
 use crate::engine::{Engine, EngineError, blocking, new_migration_id};
 use crate::managed::{Lifecycle, OutStage};
@@ -126,7 +126,8 @@ fn destination_of(engine: &Engine, destination: &str) -> Result<PeerConfig, Engi
 }
 
 /// Checks everything that can be checked before touching the process, and
-/// reserves the destination. Errors here leave no trace anywhere.
+/// reserves the destination. Errors here leave no trace here; the
+/// destination is told to drop what a failed Prepare may have reserved.
 pub async fn prepare(
     engine: &Arc<Engine>,
     pid: i32,
@@ -282,20 +283,43 @@ async fn reserve(
     })
     .await??;
     let link = engine.links.connect(peer).await?;
-    let version = hello(engine, link.as_ref(), peer, pid, strategy).await?;
-    let answer = link
-        .prepare(PrepareRequest {
-            protocol_version: version,
-            migration_id: migration_id.to_owned(),
-            source_node: engine.node().to_owned(),
-            source_pid: pid,
-            argv,
-            ports: sockets.ports.iter().map(PortKey::to_pb).collect(),
-            resident_bytes: memory.resident,
-            dumped_bytes: memory.dumped,
-        })
+    let deadline = Duration::from_secs(engine.config.peer_timeout_secs);
+    let version = tokio::time::timeout(deadline, hello(engine, link.as_ref(), peer, pid, strategy))
         .await
-        .map_err(|s| peer_error(&peer.name, s))?;
+        .map_err(|_| silent(peer, "Hello", deadline))??;
+    let prepare = link.prepare(PrepareRequest {
+        protocol_version: version,
+        migration_id: migration_id.to_owned(),
+        source_node: engine.node().to_owned(),
+        source_pid: pid,
+        argv,
+        ports: sockets.ports.iter().map(PortKey::to_pb).collect(),
+        resident_bytes: memory.resident,
+        dumped_bytes: memory.dumped,
+    });
+    let answer = match tokio::time::timeout(deadline, prepare).await {
+        Ok(Ok(answer)) => answer,
+        failed => {
+            let e = match failed {
+                Ok(Err(s)) => peer_error(&peer.name, s),
+                _ => silent(peer, "Prepare", deadline),
+            };
+            // A Prepare without its answer may have reserved the
+            // destination, or still may (late, or held on a cut link):
+            // told that the source gave it up, the destination drops it
+            // or refuses it when it comes.
+            super::abort::keep_telling(
+                link.clone(),
+                AbortRequest {
+                    migration_id: migration_id.to_owned(),
+                    reason: e.to_string(),
+                },
+                deadline,
+                Duration::ZERO,
+            );
+            return Err(e);
+        }
+    };
     if let Some(p) = engine.processes.registry().get_mut(pid) {
         p.sockets = sockets.clone();
     }
