@@ -118,7 +118,7 @@ pub async fn carries_on_at_node1(cluster: &Cluster, pid: i32, client: SeqClient,
     client.stop().assert_clean();
     // A node2 cut off, or busy when node1 gave up, drops its copy (the
     // rebuilt connections, held silent in repair mode, among it) when
-    // node1's Abort reaches it.
+    // node1's Abort reaches it: then it runs nothing but its agent.
     eventually(
         "node2 drops its copy",
         Duration::from_secs(20),
@@ -126,6 +126,7 @@ pub async fn carries_on_at_node1(cluster: &Cluster, pid: i32, client: SeqClient,
             list(&mut node2).await.is_empty()
                 && cluster.incoming_dir_is_empty("node2")
                 && cluster.established_tcp("node2", ECHO_PORT).is_empty()
+                && cluster.pids_in("node2") == [cluster.agent_pid("node2")]
         },
     )
     .await;

@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use ferry_integration::cluster::Cluster;
 use ferry_integration::faults::{
     Ends, carries_on_at_node1, carries_on_at_node2, cluster_with_fault, crashed, echo_server,
     eventually, field_of, pid_of, request,
@@ -116,7 +117,7 @@ const AGENT_KILLED: &[AgentKilled] = &[
     AgentKilled {
         at: "destination:Prepared",
         strategy: Strategy::PreCopy,
-        record: None,
+        record: Some("prepared"),
         ends: Ends::OnSource,
     },
     // node2 wrote the images and died before it answered: node1 resumes
@@ -124,7 +125,17 @@ const AGENT_KILLED: &[AgentKilled] = &[
     AgentKilled {
         at: "destination:Received",
         strategy: Strategy::TotalCopy,
-        record: None,
+        record: Some("prepared"),
+        ends: Ends::OnSource,
+    },
+    // node2's agent died inside CRIU's restore: CRIU finished, the copy
+    // it left is stopped and named by no record. node1 rolls back by
+    // itself; node2, restarted, finds the copy by the `prepared` record
+    // and kills it.
+    AgentKilled {
+        at: "destination:RestoredUnrecorded",
+        strategy: Strategy::TotalCopy,
+        record: Some("prepared"),
         ends: Ends::OnSource,
     },
     // node2 restored the process and died before it answered: node1 rolls
@@ -216,6 +227,10 @@ fn agent_killed(case: &AgentKilled) {
             assert_eq!(p.state, "stopped", "{}: {p:?}", case.at);
         });
         assert_eq!(process_state(pid), Some('T'), "{}", case.at);
+    }
+    let orphans = stopped_in(&cluster, "node2");
+    if case.at == "destination:RestoredUnrecorded" {
+        assert_eq!(orphans.len(), 1, "{}: no copy left by CRIU", case.at);
     }
     cluster.start_agent(dead).expect("the agent restarts");
     if dead == "node1" {
@@ -416,4 +431,13 @@ fn a_commit_lost_on_a_cut_link_leaves_one_copy_that_resumes_when_the_link_return
     );
     assert!(report.resumed_on_source, "{report:#?}");
     rt.block_on(carries_on_at_node1(&cluster, pid, client, &before));
+}
+
+/// The stopped processes in `node`'s network namespace.
+fn stopped_in(cluster: &Cluster, node: &str) -> Vec<i32> {
+    cluster
+        .pids_in(node)
+        .into_iter()
+        .filter(|&p| process_state(p) == Some('T'))
+        .collect()
 }

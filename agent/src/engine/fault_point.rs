@@ -13,7 +13,9 @@
 //! journal says released, no
 //! Commit sent); the destination's are `destination:Prepared` (the node
 //! reserved, the answer not sent), `destination:Received` (the images
-//! written, the answer not sent) and its journal records
+//! written, the answer not sent), `destination:RestoredUnrecorded` (CRIU
+//! restored the tree, no record names it yet: an agent killed there is
+//! one killed inside CRIU's restore) and its journal records
 //! (`destination:Restored`, `destination:Committed`: written, and the next
 //! step not taken). A pause longer than the peer timeout makes a late
 //! answer. Unset (every deployment), a check is one read of a `OnceLock`.

@@ -14,11 +14,13 @@
 //! |---|---|---|---|
 //! | source | `started` | at Start, before anything is touched | resumes its copy (no Commit was sent) and tells the destination to abort |
 //! | source | `released` | at Release, before the Commit is sent | asks the destination (`Peer.Abort`, protocol 11): committed, it kills its copy; not, it resumes it; no answer, the copy stays stopped, "in doubt", and it asks again |
+//! | destination | `prepared` | at Prepare (pid 0, `start_ticks` the time it was written) | kills a copy CRIU restored unrecorded (the agent died inside the restore): stopped, its PID namespace's init, in this node's network namespace, started since, with the migration's command line |
 //! | destination | `restored` | when the Restore succeeded | kills the restored copy, which never ran |
 //! | destination | `committed` | on Commit, before the resume | resumes the process if it is still stopped, manages it, and keeps the record to answer the source |
 //!
 //! The source removes its record when the migration ends; the
-//! destination removes a `restored` record when the migration aborts, and
+//! destination removes a `prepared` or `restored` record when the
+//! migration aborts, and
 //! keeps the last [`COMMITTED_KEPT`] `committed` ones: a source that
 //! comes back hours later still learns what was decided.
 //!
@@ -65,6 +67,10 @@ pub enum OutgoingStage {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum IncomingStage {
+    /// Prepared: this node reserved; a restore may come. The record's
+    /// `pid` is 0 and its `start_ticks` the time it was written (ticks
+    /// since boot): a copy CRIU restored for it started later.
+    Prepared,
     /// Restored, stopped, not resumed.
     Restored,
     /// Committed: resumed here (or about to be).

@@ -79,6 +79,12 @@ pub async fn recover(engine: &Arc<Engine>) -> Recovered {
                 done.in_doubt += 1;
             }
             Record::Incoming {
+                stage: IncomingStage::Prepared,
+                ..
+            } => {
+                done.killed += kill_unrecorded(engine, &record).await;
+            }
+            Record::Incoming {
                 stage: IncomingStage::Restored,
                 ..
             } => {
@@ -355,6 +361,39 @@ async fn kill_restored(engine: &Arc<Engine>, record: &Record) {
         super::wait_dead(*pid).await;
     }
     remove(engine, record);
+}
+
+/// Destination, prepared: if the agent died inside CRIU's restore, CRIU
+/// finished it and left a stopped copy that no record names by PID; it
+/// never ran, and the source resumed (it had no answer). Found by what
+/// only it is ([`crate::process::unrecorded_copies`]) and killed, with its
+/// PID namespace. Returns how many were.
+async fn kill_unrecorded(engine: &Arc<Engine>, record: &Record) -> usize {
+    let Record::Incoming {
+        migration_id,
+        start_ticks: since,
+        argv,
+        ..
+    } = record
+    else {
+        return 0;
+    };
+    let managed: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
+    let (since, argv) = (*since, argv.clone());
+    let copies = blocking("looking for a copy restored unrecorded", move || {
+        crate::process::unrecorded_copies(since, &argv, &managed)
+    })
+    .await
+    .unwrap_or_default();
+    for &pid in &copies {
+        tracing::warn!(pid, migration = %migration_id, "killing a copy restored unrecorded (the agent died inside the restore); it never ran");
+        if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
+            tracing::error!(pid, error = %e, "killing a copy restored unrecorded");
+        }
+        super::wait_dead(pid).await;
+    }
+    remove(engine, record);
+    copies.len()
 }
 
 /// Destination, committed: the process is this node's. Managed again

@@ -305,10 +305,10 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
             tracing::warn!(pid, error = %e, "killing the restored copy");
         }
         crate::engine::wait_dead(pid).await;
-        // Gone: a restart has nothing to kill.
-        if let Err(e) = engine.journal.remove_incoming(&incoming.migration_id) {
-            tracing::error!(error = %e, "removing the migration's journal record");
-        }
+    }
+    // Nothing restored, or gone: a restart has nothing to kill.
+    if let Err(e) = engine.journal.remove_incoming(&incoming.migration_id) {
+        tracing::error!(error = %e, "removing the migration's journal record");
     }
     crate::engine::keep_logs(
         &engine.config.work_dir,

@@ -11,6 +11,7 @@ use super::{Incoming, IncomingState, RestoreWorker, discard};
 use crate::criu;
 use crate::dataplane::PortState;
 use crate::engine::fault_point::{self, Side};
+use crate::engine::journal::{IncomingStage, Record};
 use crate::engine::pagestore::PageStore;
 use crate::engine::{Engine, EngineError, set_private};
 use crate::process::PortKey;
@@ -63,32 +64,7 @@ pub async fn prepare(
         ?room,
         "room for the process"
     );
-    let criu_path = engine.config.criu_path.clone();
-    let takes = tokio::task::spawn_blocking(move || {
-        criu::probe_version(&criu_path).map(|_| {
-            let takes_tcp_options = criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
-            PrepareResponse {
-                takes_tcp_options,
-                // It builds on the options patch and on the table (the
-                // connections it installs come from ferryd's table).
-                takes_connections_out: takes_tcp_options
-                    && criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK)
-                    && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK)
-                    && criu::has_patch(&criu_path, criu::CONNS_OUT_MARK),
-                // Any CRIU restores lazy runs; the filler needs a kernel
-                // whose userfaultfd reports forks, remaps and unmaps.
-                fills_held_pages: crate::fill::available(),
-                // A parent image written from the store before the
-                // restore (`restore.rs`'s `plan_fill`): any CRIU reads it.
-                fills_held_pages_everywhere: crate::fill::available(),
-            }
-        })
-    })
-    .await
-    .map_err(|source| EngineError::Task {
-        what: "probing CRIU",
-        source,
-    })??;
+    let takes = what_criu_restores(engine).await?;
 
     let mut slot = engine.incoming.lock().await;
     // Under the slot's lock, as the Abort that gives a migration up.
@@ -161,6 +137,21 @@ pub async fn prepare(
         .incoming
         .prepared(&req.migration_id, &req.source_node);
     let announced = Announced::of(&req);
+    // Before any restore: an agent killed inside CRIU's restore leaves a
+    // copy no later record names, which its successor finds by this one.
+    let recorded = engine.journal.write(&Record::Incoming {
+        migration_id: req.migration_id.clone(),
+        pid: 0,
+        start_ticks: crate::process::ticks_now(),
+        argv: req.argv.clone(),
+        from: req.source_node.clone(),
+        stage: IncomingStage::Prepared,
+    });
+    if let Err(e) = recorded {
+        engine.ports.release(&ports);
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(e.into());
+    }
     *slot = Some(Incoming {
         migration_id: req.migration_id,
         from: req.source_node,
@@ -190,4 +181,35 @@ pub async fn prepare(
     drop(slot);
     fault_point::reached(Side::Destination, "Prepared").await;
     Ok(takes)
+}
+
+/// What this node's CRIU restores (its version checked): the answer to
+/// Prepare.
+async fn what_criu_restores(engine: &Engine) -> Result<PrepareResponse, EngineError> {
+    let criu_path = engine.config.criu_path.clone();
+    Ok(tokio::task::spawn_blocking(move || {
+        criu::probe_version(&criu_path).map(|_| {
+            let takes_tcp_options = criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
+            PrepareResponse {
+                takes_tcp_options,
+                // It builds on the options patch and on the table (the
+                // connections it installs come from ferryd's table).
+                takes_connections_out: takes_tcp_options
+                    && criu::has_patch(&criu_path, criu::TCP_BY_PIDFD_MARK)
+                    && criu::has_patch(&criu_path, criu::TCP_TABLE_MARK)
+                    && criu::has_patch(&criu_path, criu::CONNS_OUT_MARK),
+                // Any CRIU restores lazy runs; the filler needs a kernel
+                // whose userfaultfd reports forks, remaps and unmaps.
+                fills_held_pages: crate::fill::available(),
+                // A parent image written from the store before the
+                // restore (`restore.rs`'s `plan_fill`): any CRIU reads it.
+                fills_held_pages_everywhere: crate::fill::available(),
+            }
+        })
+    })
+    .await
+    .map_err(|source| EngineError::Task {
+        what: "probing CRIU",
+        source,
+    })??)
 }

@@ -471,6 +471,9 @@ pub async fn restore(
         (restored, options_set, rebuilt)
     })
     .await?;
+    // CRIU restored the tree and its record is not written: what an agent
+    // killed inside CRIU's restore leaves (CRIU finishes by itself).
+    fault_point::reached(Side::Destination, "RestoredUnrecorded").await;
     drop(handed.connection_table);
     let outcome = match restored {
         Ok(r) => r,
