@@ -1,14 +1,15 @@
 //! Faults other than an agent's death, each at one step of a migration
 //! from node1 to node2 (agents killed and restarted: `recovery.rs`): a
-//! peer that answers after its timeout, CRIU killed while it dumps or
-//! before it restores, the destination's work dir full as the images
+//! peer that answers after its timeout, CRIU killed while it dumps, before
+//! it restores or in the middle of it, the destination's work dir full as the images
 //! come, the cluster link cut at the restore. A ferryd started with
 //! `FERRY_FAULT_AT=<side>:<point>:pause-<N>ms` waits at that point: longer
 //! than the peer timeout, that is a late answer; shorter, it is the
 //! window in which the test injects the fault. After each: the process
 //! runs on exactly one node, never zero, never two; its connections carry
 //! on with every byte once and in order; exactly that node owns them;
-//! nothing of the migration is left. Root only; run by `cargo xtask test`.
+//! nothing of the migration is left. Root only; run by `cargo xtask test`
+//! (`FERRY_FAULT_CASE=<part of a point>` runs only the matching rows).
 //! The table of faults × steps × outcomes: `docs/faults.md`.
 
 use std::time::Duration;
@@ -35,6 +36,9 @@ enum Fault {
     /// node2 is cut off the cluster network, reconnected once the
     /// migration ended.
     Node2LinkCut,
+    /// node2's agent kills the CRIU that restores once the tasks exist
+    /// (`kill-criu`): no window, nothing for the test to do.
+    CriuKilledInRestore,
 }
 
 struct Case {
@@ -108,6 +112,16 @@ const CASES: &[Case] = &[
         says: &["restore"],
         refused: false,
     },
+    // node2's CRIU killed in the middle of the restore, the tasks made
+    // and not resumed: node2 kills what it left; resumes on node1.
+    Case {
+        at: "destination:Restoring",
+        fault: Fault::CriuKilledInRestore,
+        strategy: Strategy::TotalCopy,
+        ends: Ends::OnSource,
+        says: &["CRIU restore failed", "killed by signal 9"],
+        refused: false,
+    },
     // The link to node2 is cut just before the Restore: no answer comes.
     Case {
         at: "source:Restore",
@@ -146,7 +160,9 @@ fn a_fault_at_each_step_of_a_migration_leaves_the_process_on_one_node_with_every
     ) {
         return;
     }
-    for case in CASES {
+    // `FERRY_FAULT_CASE=<part of a point>` runs only the matching rows.
+    let only = std::env::var("FERRY_FAULT_CASE").unwrap_or_default();
+    for case in CASES.iter().filter(|c| c.at.contains(only.as_str())) {
         eprintln!(
             "== {:?} at {} ({:?}): expect {:?}",
             case.fault, case.at, case.strategy, case.ends
@@ -160,10 +176,10 @@ fn fault_at(case: &Case) {
         Some(p) => ("node1", p),
         None => ("node2", case.at.trim_start_matches("destination:")),
     };
-    let pause = if case.fault == Fault::LateAnswer {
-        LATE
-    } else {
-        WINDOW
+    let pause = match case.fault {
+        Fault::LateAnswer => LATE,
+        Fault::CriuKilledInRestore => "kill-criu",
+        _ => WINDOW,
     };
     let cluster = cluster_with_fault(waiting, &format!("{}:{pause}", case.at));
     let rt = runtime();
@@ -174,17 +190,19 @@ fn fault_at(case: &Case) {
         let req = request(pid, case.strategy);
         rt.spawn(async move { follow_migration(&mut node1, req).await })
     };
-    rt.block_on(eventually(
-        &format!("{waiting}'s agent waits at {point}"),
-        Duration::from_secs(60),
-        async || {
-            cluster
-                .log_text(waiting)
-                .contains("fault point reached: pausing")
-        },
-    ));
+    if case.fault != Fault::CriuKilledInRestore {
+        rt.block_on(eventually(
+            &format!("{waiting}'s agent waits at {point}"),
+            Duration::from_secs(60),
+            async || {
+                cluster
+                    .log_text(waiting)
+                    .contains("fault point reached: pausing")
+            },
+        ));
+    }
     match case.fault {
-        Fault::LateAnswer => {}
+        Fault::LateAnswer | Fault::CriuKilledInRestore => {}
         Fault::Node2WorkDirFull => {
             cluster.work_dir_full("node2", true);
         }
@@ -200,7 +218,7 @@ fn fault_at(case: &Case) {
             cluster.work_dir_full("node2", false);
         }
         Fault::Node2LinkCut => cluster.cut_cluster_link("node2", false),
-        Fault::LateAnswer | Fault::CriuKilled(_) => {}
+        Fault::LateAnswer | Fault::CriuKilled(_) | Fault::CriuKilledInRestore => {}
     }
     let (report, status) = ended;
     if case.refused {

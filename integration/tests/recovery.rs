@@ -441,3 +441,113 @@ fn stopped_in(cluster: &Cluster, node: &str) -> Vec<i32> {
         .filter(|&p| process_state(p) == Some('T'))
         .collect()
 }
+
+#[test]
+fn a_source_agent_killed_after_translate_has_its_peers_send_the_session_back() {
+    use ferry_integration::managed::{data_plane, run};
+    use ferry_integration::pg_session;
+    use ferry_integration::postgres::{PG_PORT, PostgresServer};
+    use std::net::SocketAddrV4;
+
+    if !ferry_integration::can_run(
+        "a_source_agent_killed_after_translate_has_its_peers_send_the_session_back",
+    ) {
+        return;
+    }
+    // A process with a PostgreSQL session to node3 moves from node1 to
+    // node2; node1's agent dies once node3 translates the session's flow
+    // to node2 (the Release, after Translate). Restarted, node1 resumes
+    // the process and has node3 send the flow to it again: the session
+    // goes on, the same backend, no query failed.
+    const STATUS_PORT: u16 = 7300;
+    let mut spec = ferry_integration::ClusterSpec::new(3, 1);
+    spec.extra_config = "peer_timeout_secs = 2\n".into();
+    let mut cluster = Cluster::start(spec).expect("cluster");
+    cluster
+        .start_agent_with_env("node1", &[("FERRY_FAULT_AT", "source:Release")])
+        .expect("node1's agent with its crash point");
+    let pg_addr = SocketAddrV4::new(cluster.node_cluster_addr("node3"), PG_PORT);
+    let _pg = PostgresServer::start(&cluster.netns_path("node3"), pg_addr).expect("PostgreSQL");
+    let status_at = SocketAddrV4::new(cluster.public_addr(), STATUS_PORT);
+    let client_netns = cluster.netns_path("client1");
+    let queries = |since: u64| {
+        pg_session::wait_for_queries(&client_netns, status_at, since, 5, Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let rt = runtime();
+    let pid = rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let argv = vec![
+            env!("CARGO_BIN_EXE_ferry-pg-session").to_owned(),
+            "--pg".into(),
+            pg_addr.to_string(),
+            "--user".into(),
+            "postgres".into(),
+            "--database".into(),
+            "postgres".into(),
+            "--serve".into(),
+            status_at.to_string(),
+            "--interval-ms".into(),
+            "50".into(),
+        ];
+        let pid = run(&mut node1, argv).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        pid
+    });
+    let first = queries(0);
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        migrate_into_a_crash(&mut node1, request(pid, Strategy::TotalCopy)).await;
+    });
+    crashed(&mut cluster, "node1");
+    let left = cluster.journal_records("node1");
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(
+        left[0].1.contains("\"translated\"") && left[0].1.contains("\"node3\""),
+        "the record does not name node3's translations: {left:?}"
+    );
+    rt.block_on(async {
+        let mut node3 = cluster.control("node3").await.expect("control node3");
+        let dp = data_plane(&mut node3).await;
+        assert!(
+            !dp.translations.is_empty(),
+            "node3 translated nothing: the crash came too early"
+        );
+    });
+    cluster
+        .start_agent("node1")
+        .expect("node1's agent restarts");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        let mut node3 = cluster.control("node3").await.expect("control node3");
+        eventually(
+            "node3 undoes its translations",
+            Duration::from_secs(20),
+            async || data_plane(&mut node3).await.translations.is_empty(),
+        )
+        .await;
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        eventually(
+            "node2 drops its copy",
+            Duration::from_secs(20),
+            async || {
+                ferry_integration::managed::list(&mut node2)
+                    .await
+                    .is_empty()
+                    && cluster.incoming_dir_is_empty("node2")
+                    && cluster.pids_in("node2") == [cluster.agent_pid("node2")]
+            },
+        )
+        .await;
+    });
+    let after = queries(first.queries_ok);
+    assert_eq!(after.backend_pid, first.backend_pid, "{after:?}");
+    assert_eq!(after.queries_failed, 0, "{after:?}");
+    assert_eq!(
+        after.client_addr,
+        cluster.node_cluster_addr("node1").to_string(),
+        "{after:?}"
+    );
+    assert_eq!(cluster.journal_records("node1"), vec![]);
+}

@@ -120,6 +120,11 @@ pub struct RestoreRequest {
     /// listening on `lazy-pages.socket` in `log_dir` (CRIU's work
     /// directory).
     pub lazy_pages: bool,
+    /// Fault injection (tests of a CRIU that dies in the middle of the
+    /// restore; None in every deployment): CRIU is SIGKILLed when it
+    /// sends this notification ("post-restore": the tasks exist, not yet
+    /// resumed). Only then does the restore ask for notifications.
+    pub killed_at: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -249,7 +254,26 @@ pub fn restore(req: &RestoreRequest, worker: Option<Worker>) -> Result<RestoreOu
     // No notifications: nothing waits for the restore's phases, and each
     // is a round trip to this process while the freeze waits (CRIU stops
     // until the answer comes).
-    let (resp, _) = worker.converse(Criu_req_type::RESTORE, opts, None)?;
+    let criu_pid = worker.pid();
+    let mut kill_there = |script: &str| {
+        if req.killed_at.as_deref() == Some(script) {
+            tracing::warn!(
+                script,
+                pid = criu_pid,
+                "fault injected: CRIU killed in the restore"
+            );
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(criu_pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        Ok(())
+    };
+    let hook: Option<NotifyHook<'_>> = match req.killed_at {
+        Some(_) => Some(&mut kill_there),
+        None => None,
+    };
+    let (resp, _) = worker.converse(Criu_req_type::RESTORE, opts, hook)?;
     drop(worker);
     check(&resp, "restore", &req.log_dir.join("restore.log"))?;
     let pid = resp.restore.as_ref().map(|r| r.pid()).unwrap_or(0);

@@ -3,8 +3,10 @@
 //! `FERRY_FAULT_AT=<side>:<point>[:<fault>]` injects the fault when it
 //! reaches that point. Faults: `kill` (the default: SIGKILL to itself, as
 //! the kernel's OOM killer or an operator would; nothing is cleaned up,
-//! nothing flushed) and `pause-<ms>` (the migration waits there, e.g.
-//! for a test to cut a link before the next step's call).
+//! nothing flushed), `pause-<ms>` (the migration waits there, e.g.
+//! for a test to cut a link before the next step's call) and `kill-criu`
+//! (`destination:Restoring`: the CRIU restoring is killed once the tasks
+//! exist, the agent lives on).
 //!
 //! The source's points are its phases, as [`super::source::PhaseName`]
 //! names them (`source:Transfer`: the process stopped, its images about
@@ -47,6 +49,10 @@ impl Side {
 pub enum Fault {
     Kill,
     Pause(Duration),
+    /// `kill-criu`: the CRIU process at work there is SIGKILLed (the
+    /// agent lives on). Only `destination:Restoring` (CRIU's
+    /// "post-restore": the tasks exist, not yet resumed).
+    KillCriu,
 }
 
 /// A configured fault point.
@@ -66,6 +72,7 @@ pub fn parse(v: &str) -> Option<FaultAt> {
     let point = parts.next().filter(|p| !p.is_empty())?;
     let fault = match parts.next() {
         None | Some("kill") => Fault::Kill,
+        Some("kill-criu") => Fault::KillCriu,
         Some(f) => Fault::Pause(Duration::from_millis(
             f.strip_prefix("pause-")?.strip_suffix("ms")?.parse().ok()?,
         )),
@@ -86,7 +93,7 @@ fn configured() -> Option<&'static FaultAt> {
         let v = std::env::var(ENV).ok()?;
         let parsed = parse(&v);
         if parsed.is_none() {
-            tracing::error!(value = %v, "{ENV} is not <source|destination>:<point>[:kill|:pause-<N>ms]; ignored");
+            tracing::error!(value = %v, "{ENV} is not <source|destination>:<point>[:kill|:pause-<N>ms|:kill-criu]; ignored");
         }
         parsed
     })
@@ -117,6 +124,7 @@ fn fault_at(side: Side, point: &str) -> Option<Duration> {
                 nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
             None
         }
+        Fault::KillCriu => None,
         Fault::Pause(d) => {
             tracing::warn!(
                 side = at.side,
@@ -127,6 +135,14 @@ fn fault_at(side: Side, point: &str) -> Option<Duration> {
             Some(d)
         }
     }
+}
+
+/// Whether the CRIU at work at `side:point` is to be killed
+/// ([`Fault::KillCriu`]).
+pub fn kills_criu(side: Side, point: &str) -> bool {
+    configured().is_some_and(|at| {
+        at.fault == Fault::KillCriu && at.side == side.as_str() && at.point == point
+    })
 }
 
 /// Injects the configured fault if `side:point` is its point.
@@ -160,6 +176,10 @@ mod tests {
         assert_eq!(
             parse("destination:Committed:kill").map(|f| f.fault),
             Some(Fault::Kill)
+        );
+        assert_eq!(
+            parse("destination:Restoring:kill-criu").map(|f| f.fault),
+            Some(Fault::KillCriu)
         );
         assert_eq!(
             parse("source:Committing:pause-3000ms").map(|f| f.fault),

@@ -12,9 +12,9 @@
 //!
 //! | side | stage | written | a restarted agent |
 //! |---|---|---|---|
-//! | source | `started` | at Start, before anything is touched | resumes its copy (no Commit was sent) and tells the destination to abort |
+//! | source | `started` | at Start, before anything is touched; again at Translate, naming the flows each peer's node is asked to translate | has those translations undone, resumes its copy (no Commit was sent) and tells the destination to abort |
 //! | source | `released` | at Release, before the Commit is sent | asks the destination (`Peer.Abort`, protocol 11): committed, it kills its copy; not, it resumes it; no answer, the copy stays stopped, "in doubt", and it asks again |
-//! | destination | `prepared` | at Prepare (pid 0, `start_ticks` the time it was written) | kills a copy CRIU restored unrecorded (the agent died inside the restore): stopped, its PID namespace's init, in this node's network namespace, started since, with the migration's command line |
+//! | destination | `prepared` | at Prepare (pid 0, `start_ticks` the time it was written) | kills a copy CRIU restored unrecorded (the agent died inside the restore): its PID namespace's init, in this node's network namespace, started since, with the migration's command line |
 //! | destination | `restored` | when the Restore succeeded | kills the restored copy, which never ran |
 //! | destination | `committed` | on Commit, before the resume | resumes the process if it is still stopped, manages it, and keeps the record to answer the source |
 //!
@@ -31,6 +31,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ferry_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 
 /// How many `committed` records a destination keeps.
@@ -93,6 +94,11 @@ pub enum Record {
         /// older than 11 does not say whether it committed.
         protocol_version: u32,
         stage: OutgoingStage,
+        /// The in-cluster flows each peer's node was asked to translate
+        /// (Translate), recorded before the first ask: undone if the
+        /// migration does not commit.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        translated: Vec<Translated>,
     },
     Incoming {
         migration_id: String,
@@ -102,6 +108,65 @@ pub enum Record {
         from: String,
         stage: IncomingStage,
     },
+}
+
+/// The flows one peer's node was asked to translate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Translated {
+    pub node: String,
+    pub flows: Vec<TranslatedFlow>,
+}
+
+/// `ferry_proto::v1::InClusterFlow`, as the journal keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TranslatedFlow {
+    pub protocol: i32,
+    pub old_local: String,
+    pub new_local: String,
+    pub remote: String,
+}
+
+impl From<&pb::InClusterFlow> for TranslatedFlow {
+    fn from(f: &pb::InClusterFlow) -> Self {
+        Self {
+            protocol: f.protocol,
+            old_local: f.old_local.clone(),
+            new_local: f.new_local.clone(),
+            remote: f.remote.clone(),
+        }
+    }
+}
+
+impl From<&TranslatedFlow> for pb::InClusterFlow {
+    fn from(f: &TranslatedFlow) -> Self {
+        Self {
+            protocol: f.protocol,
+            old_local: f.old_local.clone(),
+            new_local: f.new_local.clone(),
+            remote: f.remote.clone(),
+        }
+    }
+}
+
+impl Translated {
+    /// By node, as the source's undo ledger holds them.
+    pub fn of(by_node: &[(String, Vec<pb::InClusterFlow>)]) -> Vec<Self> {
+        by_node
+            .iter()
+            .map(|(node, flows)| Self {
+                node: node.clone(),
+                flows: flows.iter().map(TranslatedFlow::from).collect(),
+            })
+            .collect()
+    }
+
+    /// Back to the ledger's form.
+    pub fn by_node(translated: &[Self]) -> Vec<(String, Vec<pb::InClusterFlow>)> {
+        translated
+            .iter()
+            .map(|t| (t.node.clone(), t.flows.iter().map(Into::into).collect()))
+            .collect()
+    }
 }
 
 impl Record {
@@ -275,6 +340,43 @@ fn read(path: &Path) -> Result<Option<Record>, JournalError> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn translated_flows_come_back_as_they_were_asked() {
+        let asked = vec![(
+            "node3".to_owned(),
+            vec![pb::InClusterFlow {
+                protocol: pb::Protocol::Tcp as i32,
+                old_local: "198.19.0.1:40000".into(),
+                new_local: "198.19.0.2:40000".into(),
+                remote: "198.19.0.3:5432".into(),
+            }],
+        )];
+        let record = Record::Outgoing {
+            migration_id: "m1".into(),
+            pid: 42,
+            start_ticks: 7,
+            argv: vec!["server".into()],
+            destination: "node2".into(),
+            protocol_version: 11,
+            stage: OutgoingStage::Started,
+            translated: Translated::of(&asked),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::new(dir.path());
+        j.write(&record).unwrap();
+        let back = j.records().pop().unwrap().unwrap();
+        let Record::Outgoing { translated, .. } = &back else {
+            panic!("{back:?}")
+        };
+        assert_eq!(Translated::by_node(translated), asked);
+        // A record without translations (and an older agent's) has none.
+        let plain = r#"{"side":"outgoing","migration_id":"m2","pid":1,"start_ticks":1,"argv":[],"destination":"node2","protocol_version":11,"stage":"started"}"#;
+        let Record::Outgoing { translated, .. } = serde_json::from_str(plain).unwrap() else {
+            panic!()
+        };
+        assert!(translated.is_empty());
+    }
+
     fn outgoing(id: &str, stage: OutgoingStage) -> Record {
         Record::Outgoing {
             migration_id: id.into(),
@@ -284,6 +386,7 @@ mod tests {
             destination: "node2".into(),
             protocol_version: 11,
             stage,
+            translated: Vec::new(),
         }
     }
 

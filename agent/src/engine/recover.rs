@@ -12,8 +12,8 @@
 //! says so), for as long as the destination does not answer: resuming it
 //! without that word could run it on two nodes. A source's settled
 //! migration gets a report (`GetMigration`), saying it was settled after a
-//! restart. Not recovered yet: the translations a source had its in-cluster
-//! peers add before it died (the journal does not list them).
+//! restart. The translations a source had its in-cluster peers' nodes add
+//! are in its record, and undone when the migration did not commit.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -145,6 +145,7 @@ async fn resume_unreleased(engine: &Arc<Engine>, record: &Record) {
         return;
     };
     let (pid, start_ticks) = (*pid, *start_ticks);
+    untranslate(engine, record).await;
     if alive(pid, start_ticks) {
         resume_here(engine, pid, migration_id).await;
     } else {
@@ -158,6 +159,32 @@ async fn resume_unreleased(engine: &Arc<Engine>, record: &Record) {
         // The answer does not matter: the destination never had a Commit.
         ask_destination(&engine, &destination, &id, Some(300)).await;
     });
+}
+
+/// Source, not committed: the peers' nodes that were asked to translate
+/// the process's in-cluster flows to the destination send them here
+/// again (before the resume, as an abort does). This node's own
+/// translations (a peer on this node) were undone by nothing: what each
+/// changed lived in the dead agent's memory; the log says so.
+async fn untranslate(engine: &Arc<Engine>, record: &Record) {
+    let Record::Outgoing {
+        migration_id,
+        translated,
+        ..
+    } = record
+    else {
+        return;
+    };
+    if translated.is_empty() {
+        return;
+    }
+    tracing::warn!(migration = %migration_id, nodes = translated.len(), "undoing the translations of a migration that did not commit");
+    super::source::untranslate_in_cluster(
+        engine,
+        migration_id,
+        super::journal::Translated::by_node(translated),
+    )
+    .await;
 }
 
 /// Resumes the stopped copy `pid` here and gives it its ports back.
@@ -248,6 +275,7 @@ async fn settle_in_doubt(engine: &Arc<Engine>, record: Record) {
         super::wait_dead(*pid).await;
         engine.processes.persist_soon();
     } else {
+        untranslate(engine, &record).await;
         resume_here(engine, *pid, migration_id).await;
     }
     settled(engine, &record, committed);
@@ -364,10 +392,11 @@ async fn kill_restored(engine: &Arc<Engine>, record: &Record) {
 }
 
 /// Destination, prepared: if the agent died inside CRIU's restore, CRIU
-/// finished it and left a stopped copy that no record names by PID; it
-/// never ran, and the source resumed (it had no answer). Found by what
-/// only it is ([`crate::process::unrecorded_copies`]) and killed, with its
-/// PID namespace. Returns how many were.
+/// finished it and left a stopped copy that no record names by PID (or,
+/// killed too, left its tasks running); it never resumed as the process,
+/// and the source resumed (it had no answer). Found by what only it is
+/// ([`crate::process::unrecorded_copies`]), in any state, and killed with
+/// its PID namespace. Returns how many were.
 async fn kill_unrecorded(engine: &Arc<Engine>, record: &Record) -> usize {
     let Record::Incoming {
         migration_id,
@@ -381,7 +410,7 @@ async fn kill_unrecorded(engine: &Arc<Engine>, record: &Record) -> usize {
     let managed: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
     let (since, argv) = (*since, argv.clone());
     let copies = blocking("looking for a copy restored unrecorded", move || {
-        crate::process::unrecorded_copies(since, &argv, &managed)
+        crate::process::unrecorded_copies(since, &argv, &managed, crate::process::CopyState::Any)
     })
     .await
     .unwrap_or_default();

@@ -16,7 +16,7 @@ pub use sockets::{
 };
 pub use stat::{ProcessInfo, inspect, process_tree, state_of, wait_group_stopped};
 pub use unix_diag::unix_peers;
-pub use unrecorded::{ticks_now, unrecorded_copies};
+pub use unrecorded::{CopyState, ticks_now, unrecorded_copies};
 pub use vet::{Obstacle, descriptor_obstacles, shape_obstacles};
 
 /// Errors reading a process's state from procfs.

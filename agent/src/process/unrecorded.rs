@@ -3,7 +3,9 @@
 //! that never ran, stopped, which no journal record names by PID. The
 //! restarted agent knows when the migration was prepared and its command
 //! line (the journal's `prepared` record), and finds such copies by what
-//! only they are together ([`unrecorded_copies`]).
+//! only they are together ([`unrecorded_copies`]). A CRIU killed in the
+//! middle of a restore leaves its tasks running instead, as the agent's
+//! children: the agent that saw the restore fail finds them the same way.
 
 use std::path::Path;
 
@@ -19,13 +21,29 @@ pub fn ticks_now() -> u64 {
     ts.tv_sec as u64 * hz + ts.tv_nsec as u64 * hz / 1_000_000_000
 }
 
+/// Which copies [`unrecorded_copies`] looks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyState {
+    /// Stopped, as CRIU leaves a restore it finished (`leave_stopped`):
+    /// what an agent killed inside the restore leaves.
+    Stopped,
+    /// In any state: a CRIU killed in the middle of the restore lets the
+    /// tasks it made run on.
+    Any,
+}
+
 /// The processes that can only be a restored copy of `argv` made since
-/// `since` (ticks since boot) that no agent took: stopped, each the init
-/// of a PID namespace below this one (a managed process's shape), in this
+/// `since` (ticks since boot) that no agent took: each the init of a PID
+/// namespace below this one (a managed process's shape), in this
 /// process's network namespace (the node's), started at or after `since`,
-/// with exactly that command line, and not in `managed`. Blocking
-/// (procfs).
-pub fn unrecorded_copies(since: u64, argv: &[String], managed: &[i32]) -> Vec<i32> {
+/// with exactly that command line, not in `managed`, and in `state`.
+/// Blocking (procfs).
+pub fn unrecorded_copies(
+    since: u64,
+    argv: &[String],
+    managed: &[i32],
+    state: CopyState,
+) -> Vec<i32> {
     let Ok(our_net) = std::fs::read_link("/proc/self/ns/net") else {
         return Vec::new();
     };
@@ -37,7 +55,10 @@ pub fn unrecorded_copies(since: u64, argv: &[String], managed: &[i32]) -> Vec<i3
         .filter(|pid| !managed.contains(pid))
         .filter(|&pid| {
             super::inspect(pid).is_ok_and(|i| {
-                i.is_stopped() && i.start_ticks >= since && i.argv.as_slice() == argv
+                (state == CopyState::Any || i.is_stopped())
+                    && !matches!(i.state, 'Z' | 'X')
+                    && i.start_ticks >= since
+                    && i.argv.as_slice() == argv
             })
         })
         .filter(|&pid| pid_namespace_init(pid))
@@ -75,8 +96,8 @@ mod tests {
     }
 
     #[test]
-    fn a_running_process_outside_a_pid_namespace_is_no_unrecorded_copy() {
+    fn a_process_outside_a_pid_namespace_is_no_unrecorded_copy() {
         let me = super::super::inspect(std::process::id() as i32).unwrap();
-        assert!(unrecorded_copies(0, &me.argv, &[]).is_empty());
+        assert!(unrecorded_copies(0, &me.argv, &[], CopyState::Any).is_empty());
     }
 }

@@ -199,6 +199,9 @@ pub struct Incoming {
     pub protocol_version: u32,
     pub argv: Vec<String>,
     pub ports: Vec<PortKey>,
+    /// When it was prepared (ticks since boot, as its journal record says):
+    /// a copy CRIU restored for it started later.
+    pub(super) prepared_ticks: u64,
     /// Whether Arm started a capture for the ports.
     pub(super) armed: bool,
     /// In-cluster connections found in the images, and held here (nothing

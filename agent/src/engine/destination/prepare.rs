@@ -139,10 +139,11 @@ pub async fn prepare(
     let announced = Announced::of(&req);
     // Before any restore: an agent killed inside CRIU's restore leaves a
     // copy no later record names, which its successor finds by this one.
+    let prepared_ticks = crate::process::ticks_now();
     let recorded = engine.journal.write(&Record::Incoming {
         migration_id: req.migration_id.clone(),
         pid: 0,
-        start_ticks: crate::process::ticks_now(),
+        start_ticks: prepared_ticks,
         argv: req.argv.clone(),
         from: req.source_node.clone(),
         stage: IncomingStage::Prepared,
@@ -158,6 +159,7 @@ pub async fn prepare(
         protocol_version: req.protocol_version,
         argv: req.argv,
         ports,
+        prepared_ticks,
         armed: false,
         in_cluster: Vec::new(),
         discarded: Arc::new(std::sync::Mutex::new(false)),

@@ -444,6 +444,8 @@ pub async fn restore(
         log_level: engine.config.criu_log_level,
         inherited_tcp: handed.inherited_tcp,
         lazy_pages: lazy_from.is_some() || inc.filler.is_some(),
+        killed_at: fault_point::kills_criu(Side::Destination, "Restoring")
+            .then(|| "post-restore".to_owned()),
     };
     let started = Instant::now();
     // Post-copy: the daemon must listen (and reach the page server) before
@@ -488,6 +490,9 @@ pub async fn restore(
                 let _ = tokio::task::spawn_blocking(move || f.kill()).await;
                 tracing::warn!("restore failed; page filler killed");
             }
+            // A CRIU that failed kills what it restored; one that died
+            // (killed, crashed) cannot, and its tasks are nobody's.
+            kill_unrecorded_copies(engine, inc).await;
             return Err(e.into());
         }
     };
@@ -543,6 +548,33 @@ pub async fn restore(
         image_scan_us: image_scan.as_micros() as u64,
         held_pages_restored,
     })
+}
+
+/// Kills the copies of `inc`'s process that a CRIU which died in the
+/// restore left ([`crate::process::unrecorded_copies`]: the tasks it had
+/// made, which then run on, this agent's children), and waits until they
+/// are gone (reaped by the supervisor).
+async fn kill_unrecorded_copies(engine: &Arc<Engine>, inc: &Incoming) {
+    let managed: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
+    let (since, argv) = (inc.prepared_ticks, inc.argv.clone());
+    let copies = blocking("looking for what a failed restore left", move || {
+        crate::process::unrecorded_copies(since, &argv, &managed, crate::process::CopyState::Any)
+    })
+    .await
+    .unwrap_or_default();
+    for pid in copies {
+        tracing::warn!(pid, migration = %inc.migration_id, "killing a copy a failed restore left, running");
+        engine
+            .supervisor
+            .watch_exit(pid, "left by a failed restore");
+        if let Err(e) = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        ) {
+            tracing::warn!(pid, error = %e, "killing a copy a failed restore left");
+        }
+        crate::engine::wait_dead(pid).await;
+    }
 }
 
 /// CRIU's restore, with the socket options ferryd carries set on the

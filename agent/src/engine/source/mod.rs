@@ -93,6 +93,7 @@ use tracing::Instrument;
 pub use outgoing::Outgoing;
 pub use prepare::{MigrationOptions, Prepared, prepare};
 pub use run::Events;
+pub(crate) use undo::untranslate_in_cluster;
 
 use super::Engine;
 use super::EngineError;

@@ -17,7 +17,7 @@ use super::peers::PendingLink;
 use super::undo::Undo;
 use super::{Phase, Prepared, Stop};
 use crate::criu::{Checkpointer, OPTS_BY_CALLER_MARK};
-use crate::engine::journal::{OutgoingStage, Record};
+use crate::engine::journal::{OutgoingStage, Record, Translated};
 use crate::engine::{Engine, EngineError};
 use crate::managed::{Lifecycle, OutStage};
 use crate::process::PortKey;
@@ -165,6 +165,7 @@ impl Run {
             destination: self.p.destination.name.clone(),
             protocol_version: self.p.protocol_version,
             stage,
+            translated: Translated::of(&self.undo.translated),
         })?;
         Ok(())
     }

@@ -14,6 +14,7 @@ use super::Phase;
 use super::carry::{Releasing, Translating};
 use super::run::Run;
 use crate::config::PeerConfig;
+use crate::engine::journal::OutgoingStage;
 use crate::engine::link::{PeerLink, peer_error, silent};
 use crate::engine::{EngineError, blocking};
 
@@ -55,13 +56,16 @@ async fn translate_in_cluster(run: &mut Run, flows: Vec<InClusterFlow>) -> Resul
             None => by_node.push((node, vec![f])),
         }
     }
+    // Recorded first, every node (in the undo ledger, and in the journal
+    // for a restart of this agent): a call that times out may still have
+    // landed, and one never made is undone as nothing.
+    run.undo.translated.extend(by_node.iter().cloned());
+    run.record(OutgoingStage::Started)?;
     for (node, flows) in by_node {
         let req = TranslationsRequest {
             migration_id: run.p.migration_id.clone(),
-            flows: flows.clone(),
+            flows,
         };
-        // Recorded first: a call that times out may still have landed.
-        run.undo.translated.push((node.clone(), flows));
         if node == run.engine.node() {
             let engine = run.engine.clone();
             blocking("adding translations", move || {

@@ -110,9 +110,10 @@ async fn end_page_server_criu(
     }
 }
 
-/// Undoes what the Translate phase had the peers' nodes do (an abort):
-/// best effort, logged.
-pub(super) async fn untranslate_in_cluster(
+/// Undoes what the Translate phase had the peers' nodes do (an abort, or
+/// a restarted agent settling a migration that did not commit): best
+/// effort, logged.
+pub(crate) async fn untranslate_in_cluster(
     engine: &Arc<Engine>,
     migration_id: &str,
     translated: Vec<(String, Vec<ferry_proto::v1::InClusterFlow>)>,
@@ -124,12 +125,19 @@ pub(super) async fn untranslate_in_cluster(
         };
         let result = if node == engine.node() {
             let engine = engine.clone();
+            let flows = req.flows.clone();
             blocking("removing translations", move || {
                 engine.dataplane.remove_translations(engine.here(), &req)
             })
             .await
             .and_then(|r| r.map_err(EngineError::from))
-            .map(|_| ())
+            .map(|undone| {
+                // What each change replaced is kept in memory only: an
+                // agent restarted since cannot undo it.
+                if undone == 0 && !flows.is_empty() {
+                    tracing::error!(migration = migration_id, ?flows, "no translation of this node to undo (none was made, or the agent that made them restarted): the rules of these flows stay as they are");
+                }
+            })
         } else {
             match engine.cluster.peer(&node) {
                 Some(peer) => match engine.links.connect(&peer).await {
