@@ -74,6 +74,24 @@ const CASES: &[Case] = &[
         says: &["no answer"],
         refused: true,
     },
+    // node2 answers the Arm late: node1 gave up before the freeze.
+    Case {
+        at: "destination:Armed",
+        fault: Fault::LateAnswer,
+        strategy: Strategy::TotalCopy,
+        ends: Ends::OnSource,
+        says: &["no answer"],
+        refused: false,
+    },
+    // The link to node2 is cut as node1 arms.
+    Case {
+        at: "source:Arm",
+        fault: Fault::Node2LinkCut,
+        strategy: Strategy::TotalCopy,
+        ends: Ends::OnSource,
+        says: &["node2 unreachable"],
+        refused: false,
+    },
     // CRIU killed while it holds the tree (its query of the external
     // files, in the middle of the dump).
     Case {
@@ -91,6 +109,16 @@ const CASES: &[Case] = &[
         strategy: Strategy::TotalCopy,
         ends: Ends::OnSource,
         says: &["No space left"],
+        refused: false,
+    },
+    // The link to node2 is cut as the images are about to leave, the
+    // process stopped.
+    Case {
+        at: "source:Transfer",
+        fault: Fault::Node2LinkCut,
+        strategy: Strategy::TotalCopy,
+        ends: Ends::OnSource,
+        says: &["node2 unreachable"],
         refused: false,
     },
     // node2 answers the images' transfer late, the process stopped.

@@ -120,6 +120,14 @@ const AGENT_KILLED: &[AgentKilled] = &[
         record: Some("prepared"),
         ends: Ends::OnSource,
     },
+    // node2 armed its capture and died before it answered: node1 gives
+    // up before the freeze.
+    AgentKilled {
+        at: "destination:Armed",
+        strategy: Strategy::TotalCopy,
+        record: Some("prepared"),
+        ends: Ends::OnSource,
+    },
     // node2 wrote the images and died before it answered: node1 resumes
     // its copy, which it had stopped.
     AgentKilled {

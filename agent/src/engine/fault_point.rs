@@ -14,7 +14,8 @@
 //! the tree stopped, the ports are cut off) and `source:Committing` (its
 //! journal says released, no
 //! Commit sent); the destination's are `destination:Prepared` (the node
-//! reserved, the answer not sent), `destination:Received` (the images
+//! reserved, the answer not sent), `destination:Armed` (the capture
+//! armed, the answer not sent), `destination:Received` (the images
 //! written, the answer not sent), `destination:RestoredUnrecorded` (CRIU
 //! restored the tree, no record names it yet: an agent killed there is
 //! one killed inside CRIU's restore) and its journal records

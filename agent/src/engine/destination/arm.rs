@@ -152,9 +152,13 @@ pub async fn arm(engine: &Arc<Engine>, req: ArmRequest) -> Result<Staging, Engin
     tracing::info!(migration = %req.migration_id, ports = inc.ports.len(), "capture armed");
     engine.incoming.point_staged(&inc.migration_id, &inc.staged);
     *crate::sync::lock(&inc.staged.fixed) = (!fixed.is_empty()).then(|| Arc::new(fixed));
-    Ok(Staging {
+    let staging = Staging {
         migration_id: inc.migration_id.clone(),
         conns,
         into: inc.staged.clone(),
-    })
+    };
+    drop(slot);
+    crate::engine::fault_point::reached(crate::engine::fault_point::Side::Destination, "Armed")
+        .await;
+    Ok(staging)
 }
