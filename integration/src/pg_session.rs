@@ -9,6 +9,26 @@ use std::time::{Duration, Instant};
 
 use crate::netns::run_in;
 
+/// The arguments of `ferry-pg-session` after its path: one session to
+/// the PostgreSQL server at `pg` (user and database `postgres`), a query
+/// every 50 ms, its status served at `serve`.
+pub fn args(pg: SocketAddrV4, serve: SocketAddrV4) -> Vec<String> {
+    [
+        "--pg",
+        &pg.to_string(),
+        "--user",
+        "postgres",
+        "--database",
+        "postgres",
+        "--serve",
+        &serve.to_string(),
+        "--interval-ms",
+        "50",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 /// The session's status line (see `ferry-pg-session`'s docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionStatus {

@@ -52,19 +52,8 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node3 = cluster.control("node3").await.expect("control node3");
-        let argv = vec![
-            env!("CARGO_BIN_EXE_ferry-pg-session").to_owned(),
-            "--pg".into(),
-            pg_addr.to_string(),
-            "--user".into(),
-            "postgres".into(),
-            "--database".into(),
-            "postgres".into(),
-            "--serve".into(),
-            format!("{}:{STATUS_PORT}", cluster.public_addr()),
-            "--interval-ms".into(),
-            "50".into(),
-        ];
+        let mut argv = vec![env!("CARGO_BIN_EXE_ferry-pg-session").to_owned()];
+        argv.extend(pg_session::args(pg_addr, status_target(&cluster)));
         let mut pid = run(&mut node1, argv).await;
         wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
         let first = wait_for_queries(&cluster, 0, 5);

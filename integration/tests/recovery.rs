@@ -485,19 +485,8 @@ fn a_source_agent_killed_after_translate_has_its_peers_send_the_session_back() {
     let rt = runtime();
     let pid = rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
-        let argv = vec![
-            env!("CARGO_BIN_EXE_ferry-pg-session").to_owned(),
-            "--pg".into(),
-            pg_addr.to_string(),
-            "--user".into(),
-            "postgres".into(),
-            "--database".into(),
-            "postgres".into(),
-            "--serve".into(),
-            status_at.to_string(),
-            "--interval-ms".into(),
-            "50".into(),
-        ];
+        let mut argv = vec![env!("CARGO_BIN_EXE_ferry-pg-session").to_owned()];
+        argv.extend(pg_session::args(pg_addr, status_at));
         let pid = run(&mut node1, argv).await;
         wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
         pid

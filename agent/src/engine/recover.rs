@@ -407,22 +407,10 @@ async fn kill_unrecorded(engine: &Arc<Engine>, record: &Record) -> usize {
     else {
         return 0;
     };
-    let managed: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
-    let (since, argv) = (*since, argv.clone());
-    let copies = blocking("looking for a copy restored unrecorded", move || {
-        crate::process::unrecorded_copies(since, &argv, &managed, crate::process::CopyState::Any)
-    })
-    .await
-    .unwrap_or_default();
-    for &pid in &copies {
-        tracing::warn!(pid, migration = %migration_id, "killing a copy restored unrecorded (the agent died inside the restore); it never ran");
-        if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
-            tracing::error!(pid, error = %e, "killing a copy restored unrecorded");
-        }
-        super::wait_dead(pid).await;
-    }
+    let killed =
+        super::destination::kill_unrecorded_copies(engine, migration_id, *since, argv).await;
     remove(engine, record);
-    copies.len()
+    killed
 }
 
 /// Destination, committed: the process is this node's. Managed again

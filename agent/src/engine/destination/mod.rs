@@ -338,6 +338,39 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
 /// Records incoming migration `inc` (its process `pid` here) at `stage`
 /// in the journal, for a restart of this agent
 /// ([`crate::engine::journal`]).
+/// Kills the copies of migration `migration_id`'s process (prepared at
+/// `since`, ticks since boot) that no record names: a restore CRIU
+/// finished for an agent that died before recording it, or the tasks of
+/// a CRIU that died in the restore, which run on
+/// ([`crate::process::unrecorded_copies`], in any state). Each goes with
+/// its PID namespace, reaped by the supervisor when it is this agent's
+/// child. Returns how many.
+pub(crate) async fn kill_unrecorded_copies(
+    engine: &Arc<Engine>,
+    migration_id: &str,
+    since: u64,
+    argv: &[String],
+) -> usize {
+    let managed: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
+    let argv = argv.to_vec();
+    let copies = crate::engine::blocking("looking for copies no record names", move || {
+        crate::process::unrecorded_copies(since, &argv, &managed, crate::process::CopyState::Any)
+    })
+    .await
+    .unwrap_or_default();
+    for &pid in &copies {
+        tracing::warn!(pid, migration = %migration_id, "killing a copy no record names (CRIU restored it for an agent that died, or died in the restore); it never ran as the process");
+        engine
+            .supervisor
+            .watch_exit(pid, "left by a restore no one recorded");
+        if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
+            tracing::warn!(pid, error = %e, "killing a copy no record names");
+        }
+        crate::engine::wait_dead(pid).await;
+    }
+    copies.len()
+}
+
 pub(super) fn record(
     engine: &Engine,
     inc: &Incoming,

@@ -492,7 +492,8 @@ pub async fn restore(
             }
             // A CRIU that failed kills what it restored; one that died
             // (killed, crashed) cannot, and its tasks are nobody's.
-            kill_unrecorded_copies(engine, inc).await;
+            super::kill_unrecorded_copies(engine, &inc.migration_id, inc.prepared_ticks, &inc.argv)
+                .await;
             return Err(e.into());
         }
     };
@@ -548,33 +549,6 @@ pub async fn restore(
         image_scan_us: image_scan.as_micros() as u64,
         held_pages_restored,
     })
-}
-
-/// Kills the copies of `inc`'s process that a CRIU which died in the
-/// restore left ([`crate::process::unrecorded_copies`]: the tasks it had
-/// made, which then run on, this agent's children), and waits until they
-/// are gone (reaped by the supervisor).
-async fn kill_unrecorded_copies(engine: &Arc<Engine>, inc: &Incoming) {
-    let managed: Vec<i32> = engine.processes.registry().iter().map(|p| p.pid).collect();
-    let (since, argv) = (inc.prepared_ticks, inc.argv.clone());
-    let copies = blocking("looking for what a failed restore left", move || {
-        crate::process::unrecorded_copies(since, &argv, &managed, crate::process::CopyState::Any)
-    })
-    .await
-    .unwrap_or_default();
-    for pid in copies {
-        tracing::warn!(pid, migration = %inc.migration_id, "killing a copy a failed restore left, running");
-        engine
-            .supervisor
-            .watch_exit(pid, "left by a failed restore");
-        if let Err(e) = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        ) {
-            tracing::warn!(pid, error = %e, "killing a copy a failed restore left");
-        }
-        crate::engine::wait_dead(pid).await;
-    }
 }
 
 /// CRIU's restore, with the socket options ferryd carries set on the
