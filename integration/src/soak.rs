@@ -293,6 +293,12 @@ pub async fn run_soak(
                 None => r.error.clone(),
             },
         };
+        if outcome != MigrationOutcome::Committed {
+            // What the destination still held of the server's connections
+            // (a socket lingering from an earlier stay refuses the
+            // rebuild of the same address pair).
+            m.error.push_str(&held_by(cluster, NODES[to]));
+        }
         if outcome == MigrationOutcome::Committed {
             here = to;
             pid = r.destination_pid;
@@ -376,6 +382,17 @@ async fn control_client(
 }
 
 /// Each server node's agent: resident memory, descriptors, threads.
+/// The TCP sockets `node` holds on the server's port, by state (as
+/// `/proc/net/tcp` numbers them: 1 established, 4 FIN_WAIT1, 6
+/// TIME_WAIT, 7 CLOSE, ...), for an abort's message.
+fn held_by(cluster: &Cluster, node: &str) -> String {
+    let mut states = std::collections::BTreeMap::<u8, usize>::new();
+    for (_, state) in cluster.tcp_connections_in_any_state(node, PORT) {
+        *states.entry(state).or_default() += 1;
+    }
+    format!(" [{node} holds on port {PORT}, by TCP state: {states:?}]")
+}
+
 fn sample(cluster: &Cluster, after: usize, out: &mut Vec<AgentSample>) {
     for node in NODES {
         let pid = cluster.agent_pid(node);
