@@ -382,15 +382,25 @@ async fn control_client(
 }
 
 /// Each server node's agent: resident memory, descriptors, threads.
-/// The TCP sockets `node` holds on the server's port, by state (as
+/// The TCP sockets `node` holds that are not listening, by state (as
 /// `/proc/net/tcp` numbers them: 1 established, 4 FIN_WAIT1, 6
-/// TIME_WAIT, 7 CLOSE, ...), for an abort's message.
+/// TIME_WAIT, 7 CLOSE, ...), and the first few other than the clients'
+/// connections to the server's port (the database session among them),
+/// for an abort's message.
 fn held_by(cluster: &Cluster, node: &str) -> String {
+    let sockets = crate::inspect::tcp_sockets(&cluster.netns_path(node)).unwrap_or_default();
     let mut states = std::collections::BTreeMap::<u8, usize>::new();
-    for (_, state) in cluster.tcp_connections_in_any_state(node, PORT) {
-        *states.entry(state).or_default() += 1;
+    let mut others = Vec::new();
+    for e in sockets
+        .iter()
+        .filter(|e| e.state != crate::inspect::TCP_LISTEN)
+    {
+        *states.entry(e.state).or_default() += 1;
+        if e.local.port() != PORT && others.len() < 8 {
+            others.push(format!("{} -> {} state {}", e.local, e.remote, e.state));
+        }
     }
-    format!(" [{node} holds on port {PORT}, by TCP state: {states:?}]")
+    format!(" [{node} holds TCP sockets by state: {states:?}; besides port {PORT}: {others:?}]")
 }
 
 fn sample(cluster: &Cluster, after: usize, out: &mut Vec<AgentSample>) {
