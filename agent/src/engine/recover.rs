@@ -179,6 +179,11 @@ async fn untranslate(engine: &Arc<Engine>, record: &Record) {
         return;
     }
     tracing::warn!(migration = %migration_id, nodes = translated.len(), "undoing the translations of a migration that did not commit");
+    // What each change of this node replaced was kept in the dead agent's
+    // memory only.
+    for own in translated.iter().filter(|t| t.node == engine.node()) {
+        tracing::error!(migration = %migration_id, flows = ?own.flows, "this node's own translations cannot be undone after a restart: the rules of these flows stay as they are");
+    }
     super::source::untranslate_in_cluster(
         engine,
         migration_id,

@@ -335,9 +335,6 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
     }
 }
 
-/// Records incoming migration `inc` (its process `pid` here) at `stage`
-/// in the journal, for a restart of this agent
-/// ([`crate::engine::journal`]).
 /// Kills the copies of migration `migration_id`'s process (prepared at
 /// `since`, ticks since boot) that no record names: a restore CRIU
 /// finished for an agent that died before recording it, or the tasks of
@@ -371,6 +368,9 @@ pub(crate) async fn kill_unrecorded_copies(
     copies.len()
 }
 
+/// Records incoming migration `inc` (its process `pid` here) at `stage`
+/// in the journal, for a restart of this agent
+/// ([`crate::engine::journal`]).
 pub(super) fn record(
     engine: &Engine,
     inc: &Incoming,

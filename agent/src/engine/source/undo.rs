@@ -125,19 +125,12 @@ pub(crate) async fn untranslate_in_cluster(
         };
         let result = if node == engine.node() {
             let engine = engine.clone();
-            let flows = req.flows.clone();
             blocking("removing translations", move || {
                 engine.dataplane.remove_translations(engine.here(), &req)
             })
             .await
             .and_then(|r| r.map_err(EngineError::from))
-            .map(|undone| {
-                // What each change replaced is kept in memory only: an
-                // agent restarted since cannot undo it.
-                if undone == 0 && !flows.is_empty() {
-                    tracing::error!(migration = migration_id, ?flows, "no translation of this node to undo (none was made, or the agent that made them restarted): the rules of these flows stay as they are");
-                }
-            })
+            .map(|_| ())
         } else {
             match engine.cluster.peer(&node) {
                 Some(peer) => match engine.links.connect(&peer).await {
