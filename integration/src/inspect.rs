@@ -46,6 +46,49 @@ pub fn tcp_sockets(netns_path: &Path) -> Result<Vec<TcpEntry>, InspectError> {
     parse_proc_net_tcp(&text)
 }
 
+/// The processes holding a descriptor of each socket inode in `inodes`,
+/// as "PID (command)", found by reading every process's `/proc/PID/fd`.
+/// A socket no descriptor names (a TIME_WAIT, an orphan) has no entry.
+pub fn socket_holders(
+    inodes: &std::collections::BTreeSet<u64>,
+) -> std::collections::BTreeMap<u64, Vec<String>> {
+    let mut found = std::collections::BTreeMap::<u64, Vec<String>>::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in procs.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let Some(inode) = std::fs::read_link(fd.path()).ok().and_then(|l| {
+                l.to_str()?
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .parse::<u64>()
+                    .ok()
+            }) else {
+                continue;
+            };
+            if inodes.contains(&inode) {
+                let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                found
+                    .entry(inode)
+                    .or_default()
+                    .push(format!("{pid} ({})", comm.trim()));
+            }
+        }
+    }
+    found
+}
+
 /// Peers of the ESTABLISHED sockets whose local port is `local_port`.
 pub fn established_peers(
     netns_path: &Path,

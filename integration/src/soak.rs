@@ -390,17 +390,32 @@ async fn control_client(
 fn held_by(cluster: &Cluster, node: &str) -> String {
     let sockets = crate::inspect::tcp_sockets(&cluster.netns_path(node)).unwrap_or_default();
     let mut states = std::collections::BTreeMap::<u8, usize>::new();
-    let mut others = Vec::new();
-    for e in sockets
+    let held: Vec<_> = sockets
         .iter()
         .filter(|e| e.state != crate::inspect::TCP_LISTEN)
-    {
+        .collect();
+    for e in &held {
         *states.entry(e.state).or_default() += 1;
-        if e.local.port() != PORT && others.len() < 8 {
-            others.push(format!("{} -> {} state {}", e.local, e.remote, e.state));
-        }
     }
-    format!(" [{node} holds TCP sockets by state: {states:?}; besides port {PORT}: {others:?}]")
+    // After an abort the process runs on the source again: whatever the
+    // destination still holds is left over, and its holder says from what.
+    let inodes = held.iter().map(|e| e.inode).filter(|&i| i != 0).collect();
+    let holders = crate::inspect::socket_holders(&inodes);
+    let named: Vec<String> = held
+        .iter()
+        .take(8)
+        .map(|e| {
+            format!(
+                "{} -> {} state {} inode {} held by {:?}",
+                e.local,
+                e.remote,
+                e.state,
+                e.inode,
+                holders.get(&e.inode).cloned().unwrap_or_default()
+            )
+        })
+        .collect();
+    format!(" [{node} holds TCP sockets by state: {states:?}; the first: {named:?}]")
 }
 
 fn sample(cluster: &Cluster, after: usize, out: &mut Vec<AgentSample>) {

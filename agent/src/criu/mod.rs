@@ -7,6 +7,7 @@
 
 mod cache;
 mod error;
+mod exits;
 pub mod held;
 pub mod lazy;
 mod sched_hooks;
@@ -20,6 +21,7 @@ pub use cache::{
     warm,
 };
 pub use error::CriuError;
+pub use exits::settle as settle_exits;
 pub use sched_hooks::SchedHooks;
 pub use swrk::{
     DumpRequest, HookRefused, LazyDump, Notifications, NotifyHook, RestoreOutcome, RestoreRequest,

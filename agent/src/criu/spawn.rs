@@ -72,6 +72,32 @@ impl SpawnedChild {
         }
     }
 
+    /// Waits until the child has ended, leaving it a zombie for
+    /// [`Self::wait`] (its PID stays its own until then).
+    pub(super) fn wait_ended(&self) -> std::io::Result<()> {
+        loop {
+            // SAFETY: siginfo_t is plain data; waitid writes only into it.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid on our own child, into `info`; WNOWAIT leaves
+            // it a zombie for `wait`.
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOWAIT,
+                )
+            };
+            if r == 0 {
+                return Ok(());
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
     /// Waits for the child's exit.
     pub(super) fn wait(self) -> nix::Result<nix::sys::wait::WaitStatus> {
         waitpid(Pid::from_raw(self.pid), None)

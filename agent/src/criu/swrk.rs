@@ -552,8 +552,10 @@ impl Worker {
         // dump's and the restore's workers at 1024 connections, which ran
         // inside the freeze on cores the freeze keeps busy (perf, 6
         // migrations, commit 805a614). Behind every other thread, it
-        // runs when a core is idle. Not after an error: CRIU may still be
-        // resuming the tasks it stopped.
+        // runs when a core is idle (until `exits::settle` hurries it: it
+        // holds descriptors of the connections it dumped or was given).
+        // Not after an error: CRIU may still be resuming the tasks it
+        // stopped.
         if result.is_ok() {
             behind_everything_else(self.pid());
         }
@@ -619,33 +621,12 @@ impl Drop for Worker {
         // answer is all the caller waits for: its exit (closing what it
         // holds, a thousand inherited connections on a collective restore:
         // 30 perf samples at 5 kHz, ~6 ms of CPU, in one profile) is waited
-        // for on a thread of its own.
+        // for on a thread of its own, and by `exits::settle` when what it
+        // holds must be gone.
         self.ours = None;
         if let Some(child) = self.child.take() {
-            reap_in_background(child);
+            super::exits::reap_in_background(child);
         }
-    }
-}
-
-/// Waits for the CRIU child's exit off the caller's path (inline if no
-/// thread can be started), so that it never stays a zombie.
-fn reap_in_background(child: super::spawn::SpawnedChild) {
-    fn reap(slot: &std::sync::Mutex<Option<super::spawn::SpawnedChild>>) {
-        let child = crate::sync::lock(slot).take();
-        if let Some(child) = child
-            && let Err(e) = child.wait()
-        {
-            tracing::warn!(error = %e, "waiting for CRIU");
-        }
-    }
-    let slot = Arc::new(std::sync::Mutex::new(Some(child)));
-    let theirs = slot.clone();
-    if std::thread::Builder::new()
-        .name("criu-reaper".into())
-        .spawn(move || reap(&theirs))
-        .is_err()
-    {
-        reap(&slot);
     }
 }
 

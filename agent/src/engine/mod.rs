@@ -417,6 +417,31 @@ pub(crate) async fn wait_dead(pid: i32) {
     tracing::warn!(pid, "still alive 5 s after SIGKILL");
 }
 
+/// Waits until no CRIU worker of this node is still exiting (hurried
+/// first: they exit at idle priority). A dump's worker holds the dumped
+/// connections until it exits, and a restore's the connections handed to
+/// it: before the source reports a commit, nothing of the process's stay
+/// may keep an address pair of its connections taken on this node, or the
+/// process could not come back here (`crate::criu::settle_exits`).
+pub(crate) async fn settle_criu_exits() {
+    let started = std::time::Instant::now();
+    match tokio::task::spawn_blocking(|| crate::criu::settle_exits(CRIU_EXIT_WAIT)).await {
+        Ok(0) => tracing::debug!(
+            waited_ms = started.elapsed().as_secs_f64() * 1e3,
+            "CRIU's workers have ended"
+        ),
+        Ok(left) => tracing::warn!(
+            left,
+            "CRIU workers still running {} s after their answer",
+            CRIU_EXIT_WAIT.as_secs()
+        ),
+        Err(e) => tracing::error!(error = %e, "waiting for CRIU's workers to end"),
+    }
+}
+
+/// How long [`settle_criu_exits`] waits: an exit takes milliseconds.
+const CRIU_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A fresh migration id: 64 random bits in hex.
 pub fn new_migration_id() -> String {
     format!("{:016x}", rand::random::<u64>())

@@ -308,6 +308,8 @@ pub(super) async fn discard(engine: &Arc<Engine>, incoming: &Incoming) {
             tracing::warn!(pid, error = %e, "killing the restored copy");
         }
         crate::engine::wait_dead(pid).await;
+        // The restore's CRIU may still hold the connections handed to it.
+        crate::engine::settle_criu_exits().await;
     }
     // Nothing restored, or gone: a restart has nothing to kill.
     if let Err(e) = engine.journal.remove_incoming(&incoming.migration_id) {

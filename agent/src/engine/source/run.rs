@@ -281,9 +281,11 @@ impl Run {
             Stop::Committed(err) => {
                 // The source copy was killed once the destination answered
                 // the Commit; by the time the report says "committed" it
-                // is dead (a zombie at most, its sockets closed), and this
-                // node no longer remembers it.
+                // is dead (a zombie at most, its sockets closed), no CRIU
+                // here holds one of its connections, and this node no
+                // longer remembers it.
                 crate::engine::wait_dead(self.p.pid).await;
+                crate::engine::settle_criu_exits().await;
                 engine.processes.persist_soon();
                 self.report.outcome = MigrationOutcome::Committed as i32;
                 if let Some(e) = err {
@@ -296,6 +298,7 @@ impl Run {
             Stop::Lost(err) => {
                 tracing::error!(error = %err, "post-copy failed after the resume: the process is lost");
                 crate::engine::wait_dead(self.p.pid).await;
+                crate::engine::settle_criu_exits().await;
                 engine.processes.persist_soon();
                 self.report.outcome = MigrationOutcome::Lost as i32;
                 self.report.error = err.to_string();
