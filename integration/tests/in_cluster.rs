@@ -219,3 +219,51 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
     });
     drop(pg);
 }
+
+/// A session to a database on the process's own node, over that node's
+/// cluster address, never crosses the cluster interface, where the peer's
+/// translator works: moved away, the process would find its session hung.
+/// The migration is refused before anything stops, naming the connection's
+/// peer, and the session goes on.
+#[test]
+fn a_session_to_a_peer_on_its_own_node_is_refused_before_anything_stops() {
+    if !ferry_integration::can_run(
+        "a_session_to_a_peer_on_its_own_node_is_refused_before_anything_stops",
+    ) {
+        return;
+    }
+    let rt = runtime();
+    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let node1_ip = cluster.node_cluster_addr("node1");
+    let pg_addr = SocketAddrV4::new(node1_ip, PG_PORT);
+    let pg = PostgresServer::start(&cluster.netns_path("node1"), pg_addr).expect("PostgreSQL");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let mut argv = vec![env!("CARGO_BIN_EXE_ferry-pg-session").to_owned()];
+        argv.extend(pg_session::args(pg_addr, status_target(&cluster)));
+        let pid = run(&mut node1, argv).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let first = wait_for_queries(&cluster, 0, 5);
+        for sockets in [SocketMigration::Collective, SocketMigration::Iterative] {
+            let refused = migrate_with(&mut node1, pid, "node2", sockets)
+                .await
+                .expect_err("a migration away from the session's peer");
+            assert_eq!(
+                refused.code(),
+                tonic::Code::FailedPrecondition,
+                "{refused:?}"
+            );
+            assert!(
+                refused.message().contains(&node1_ip.to_string())
+                    && refused.message().contains("node1"),
+                "{refused:?}"
+            );
+        }
+        let p = wait_for_process(&mut node1, pid, |p| p.state == "running").await;
+        assert_eq!(p.pid, pid);
+        let after = wait_for_queries(&cluster, first.queries_ok, 5);
+        assert_eq!(after.backend_pid, first.backend_pid, "{after:?}");
+        assert_eq!(after.queries_failed, 0, "{after:?}");
+    });
+    drop(pg);
+}

@@ -108,6 +108,16 @@ pub enum FlowError {
         local: SocketAddrV4,
         remote: SocketAddrV4,
     },
+    /// Opened after the source's check before the freeze (which refuses
+    /// such a process): found in its images or socket states.
+    #[error(
+        "connection {local} -> {remote} is to a process on the source node itself: it never \
+         crosses the cluster interface, where ferry translates connections"
+    )]
+    PeerOnSource {
+        local: SocketAddrV4,
+        remote: SocketAddrV4,
+    },
     #[error("in-cluster flow field `{field}`: {reason}")]
     BadFlow { field: &'static str, reason: String },
     /// A field of a translation request that is not this node's to serve.
@@ -183,7 +193,9 @@ impl InClusterFlow {
 /// address is `source`, its TCP connections to peers on `other_nodes`, and
 /// rewrites them to `destination`'s address. Returns what it rewrote. A
 /// connection to `destination` itself is refused: it would have to become
-/// a connection on one host, which no rewrite of one end can do.
+/// a connection on one host, which no rewrite of one end can do. So is one
+/// to `source` itself, which never crosses the cluster interface where the
+/// peer's translator works.
 pub fn rewrite_in_cluster(
     images: &Path,
     source: Ipv4Addr,
@@ -201,6 +213,9 @@ pub fn rewrite_in_cluster(
         }
         if *remote.ip() == destination {
             return Err(FlowError::PeerOnDestination { local, remote });
+        }
+        if *remote.ip() == source {
+            return Err(FlowError::PeerOnSource { local, remote });
         }
         if !other_nodes.contains(remote.ip()) {
             continue;

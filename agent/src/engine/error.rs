@@ -256,7 +256,9 @@ impl EngineError {
             EngineError::Cordoned { .. } => Code::FailedPrecondition,
             EngineError::NotItsSource { .. } => Code::PermissionDenied,
             EngineError::InCluster(FlowError::BadFlow { .. }) => Code::InvalidArgument,
-            EngineError::InCluster(FlowError::PeerOnDestination { .. }) => Code::FailedPrecondition,
+            EngineError::InCluster(
+                FlowError::PeerOnDestination { .. } | FlowError::PeerOnSource { .. },
+            ) => Code::FailedPrecondition,
             EngineError::InCluster(FlowError::Images(_) | FlowError::DataPlane(_)) => {
                 Code::Internal
             }

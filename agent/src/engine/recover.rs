@@ -163,9 +163,8 @@ async fn resume_unreleased(engine: &Arc<Engine>, record: &Record) {
 
 /// Source, not committed: the peers' nodes that were asked to translate
 /// the process's in-cluster flows to the destination send them here
-/// again (before the resume, as an abort does). This node's own
-/// translations (a peer on this node) were undone by nothing: what each
-/// changed lived in the dead agent's memory; the log says so.
+/// again (before the resume, as an abort does). None is this node: a
+/// process with a peer here is refused before the freeze.
 async fn untranslate(engine: &Arc<Engine>, record: &Record) {
     let Record::Outgoing {
         migration_id,
@@ -179,11 +178,6 @@ async fn untranslate(engine: &Arc<Engine>, record: &Record) {
         return;
     }
     tracing::warn!(migration = %migration_id, nodes = translated.len(), "undoing the translations of a migration that did not commit");
-    // What each change of this node replaced was kept in the dead agent's
-    // memory only.
-    for own in translated.iter().filter(|t| t.node == engine.node()) {
-        tracing::error!(migration = %migration_id, flows = ?own.flows, "this node's own translations cannot be undone after a restart: the rules of these flows stay as they are");
-    }
     super::source::untranslate_in_cluster(
         engine,
         migration_id,

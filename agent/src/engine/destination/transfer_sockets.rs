@@ -66,6 +66,11 @@ pub(super) fn relocate_in_cluster(
                     .into(),
             );
         }
+        if *remote.ip() == source {
+            return Err(
+                crate::dataplane::translation::FlowError::PeerOnSource { local, remote }.into(),
+            );
+        }
         if nodes.contains(remote.ip()) {
             let new_local = std::net::SocketAddrV4::new(here, local.port());
             c.local = SocketAddr::new(IpAddr::V4(here), local.port());

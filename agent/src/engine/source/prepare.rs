@@ -277,6 +277,22 @@ async fn reserve(
             ),
         });
     }
+    // A connection to a peer on this very node over its cluster address
+    // never crosses the cluster interface, where the peer's translator
+    // works: once the process left, the peer's packets would still be
+    // delivered here, to nobody, and the connection would hang. Refused
+    // now too.
+    let here = engine.config.cluster.address;
+    if sockets.tcp_peers.contains(&here) {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: format!(
+                "it has a TCP connection to {here}, {} itself: ferry translates connections \
+                 between nodes, and this one never leaves the node",
+                engine.node()
+            ),
+        });
+    }
     let memory = blocking("reading the process tree's memory", {
         let tree = tree.clone();
         move || process::memory::tree_memory(&tree)

@@ -14,9 +14,9 @@ use super::Phase;
 use super::carry::{Releasing, Translating};
 use super::run::Run;
 use crate::config::PeerConfig;
+use crate::engine::EngineError;
 use crate::engine::journal::OutgoingStage;
 use crate::engine::link::{PeerLink, peer_error, silent};
-use crate::engine::{EngineError, blocking};
 
 pub(super) async fn translate(run: &mut Run, t: Translating) -> Result<Phase, EngineError> {
     translate_in_cluster(run, t.in_cluster).await?;
@@ -35,7 +35,11 @@ fn node_of(run: &Run, flow: &InClusterFlow) -> Result<String, EngineError> {
     let flow = crate::dataplane::translation::InClusterFlow::from_pb(flow)?;
     let ip = *flow.remote.ip();
     if ip == run.engine.config.cluster.address {
-        return Ok(run.engine.node().to_owned());
+        // Prepare refuses such a process, and the destination a connection
+        // opened since (`FlowError::PeerOnSource`).
+        return Err(EngineError::Internal(format!(
+            "the destination reported a peer at {ip}, this node itself"
+        )));
     }
     match run.engine.cluster.peer_at(ip) {
         Some(p) => Ok(p.name),
@@ -66,14 +70,6 @@ async fn translate_in_cluster(run: &mut Run, flows: Vec<InClusterFlow>) -> Resul
             migration_id: run.p.migration_id.clone(),
             flows,
         };
-        if node == run.engine.node() {
-            let engine = run.engine.clone();
-            blocking("adding translations", move || {
-                engine.dataplane.add_translations(engine.here(), &req)
-            })
-            .await??;
-            continue;
-        }
         let peer = run
             .engine
             .cluster

@@ -13,7 +13,7 @@ use super::sockets::SocketsSent;
 use crate::criu;
 use crate::engine::link::peer_error;
 use crate::engine::precopy::Precopy;
-use crate::engine::{Engine, EngineError, blocking};
+use crate::engine::{Engine, EngineError};
 use crate::process;
 use crate::sockstate;
 
@@ -123,26 +123,17 @@ pub(crate) async fn untranslate_in_cluster(
             migration_id: migration_id.to_owned(),
             flows,
         };
-        let result = if node == engine.node() {
-            let engine = engine.clone();
-            blocking("removing translations", move || {
-                engine.dataplane.remove_translations(engine.here(), &req)
-            })
-            .await
-            .and_then(|r| r.map_err(EngineError::from))
-            .map(|_| ())
-        } else {
-            match engine.cluster.peer(&node) {
-                Some(peer) => match engine.links.connect(&peer).await {
-                    Ok(link) => link
-                        .remove_translations(req)
-                        .await
-                        .map(|_| ())
-                        .map_err(|s| peer_error(&node, s)),
-                    Err(e) => Err(e.into()),
-                },
-                None => Err(EngineError::Internal(format!("no peer config for {node}"))),
-            }
+        // Never this node: a peer here is refused before the freeze.
+        let result = match engine.cluster.peer(&node) {
+            Some(peer) => match engine.links.connect(&peer).await {
+                Ok(link) => link
+                    .remove_translations(req)
+                    .await
+                    .map(|_| ())
+                    .map_err(|s| peer_error(&node, s)),
+                Err(e) => Err(e.into()),
+            },
+            None => Err(EngineError::Internal(format!("no peer config for {node}"))),
         };
         if let Err(e) = result {
             tracing::error!(node = %node, error = %e, "removing the translations of an aborted migration");
