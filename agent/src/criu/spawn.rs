@@ -36,30 +36,38 @@ impl SpawnedChild {
         self.pid
     }
 
+    /// `waitid(WEXITED | WNOWAIT | extra)` on the child, which it leaves
+    /// a zombie for [`Self::wait`]: its end, `None` while it runs (with
+    /// `WNOHANG` in `extra`).
+    fn peek_end(&self, extra: libc::c_int) -> std::io::Result<Option<libc::siginfo_t>> {
+        // SAFETY: siginfo_t is plain data; waitid writes only into it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child, into `info`; WNOWAIT leaves it
+        // a zombie for `wait`.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                self.pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT | extra,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: waitid filled a SIGCHLD siginfo, or left it zeroed
+        // (si_pid 0: still running, with WNOHANG).
+        Ok((unsafe { info.si_pid() } != 0).then_some(info))
+    }
+
     /// How the child ended, if it did within `within` (left to be reaped
     /// by [`Self::wait`]): "killed by signal 9", "exited with 1".
     pub(super) fn ended_within(&self, within: std::time::Duration) -> Option<String> {
         let deadline = std::time::Instant::now() + within;
         loop {
-            // SAFETY: siginfo_t is plain data; waitid writes only into it.
-            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-            // SAFETY: waitid on our own child, into `info`; WNOWAIT leaves
-            // it a zombie for `wait`.
-            let r = unsafe {
-                libc::waitid(
-                    libc::P_PID,
-                    self.pid as libc::id_t,
-                    &mut info,
-                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-                )
-            };
-            if r != 0 {
-                return None;
-            }
-            // SAFETY: waitid filled a SIGCHLD siginfo (or left it zeroed:
-            // si_pid 0, still running).
-            let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
-            if pid != 0 {
+            if let Some(info) = self.peek_end(libc::WNOHANG).ok()? {
+                // SAFETY: a SIGCHLD siginfo filled by waitid.
+                let status = unsafe { info.si_status() };
                 return Some(match info.si_code {
                     libc::CLD_EXITED => format!("exited with {status}"),
                     _ => format!("killed by signal {status}"),
@@ -76,24 +84,10 @@ impl SpawnedChild {
     /// [`Self::wait`] (its PID stays its own until then).
     pub(super) fn wait_ended(&self) -> std::io::Result<()> {
         loop {
-            // SAFETY: siginfo_t is plain data; waitid writes only into it.
-            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-            // SAFETY: waitid on our own child, into `info`; WNOWAIT leaves
-            // it a zombie for `wait`.
-            let r = unsafe {
-                libc::waitid(
-                    libc::P_PID,
-                    self.pid as libc::id_t,
-                    &mut info,
-                    libc::WEXITED | libc::WNOWAIT,
-                )
-            };
-            if r == 0 {
-                return Ok(());
-            }
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e);
+            match self.peek_end(0) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
         }
     }
