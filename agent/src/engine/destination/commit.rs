@@ -351,6 +351,8 @@ async fn resume_and_replay(
             skipped = stats.skipped_delivered,
             failed = stats.failed,
             us = stats.replay_time_us,
+            segments = stats.replayed_segments,
+            input_backlog_drops = stats.input_backlog_drops,
             "captured packets replayed"
         );
         Some(stats)
