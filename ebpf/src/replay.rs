@@ -33,10 +33,11 @@
 //!   an Ethernet header with the device's MAC, and aya 0.14 has no test-run
 //!   call.
 //!
-//! The raw socket costs about 1 µs per packet more than TUN (4 ms for the
-//! ~4,300 packets a 1024-connection migration replays here, against a
-//! freeze of ~170 ms), and works whatever the node's `rp_filter`: the cost
-//! of robustness, to revisit with the freeze-time work. A replayed packet
+//! The raw socket costs about 1 µs per packet more than TUN (~1 ms for the
+//! ~1,200 packets a 1024-connection migration replays here, whose replay
+//! takes ~8 ms in all after the resume with the cores busy: the receive
+//! path, not the injection, is most of a replayed packet's cost), and works
+//! whatever the node's `rp_filter`: the cost of robustness. A replayed packet
 //! keeps its ingress interface for sockets (`IP_PKTINFO` reports the public
 //! interface and `SO_BINDTODEVICE` sockets receive it); netfilter sees it
 //! on `lo` (OUTPUT, POSTROUTING, PREROUTING, INPUT).

@@ -93,9 +93,10 @@ struct Args {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     db: bool,
     /// Socket modes, comma-separated (iterative, collective, incremental),
-    /// and `pause`: no migration, the server stopped where it runs for
-    /// `--pause-ms` (SIGSTOP, SIGCONT), the control for what the clients'
-    /// catch-up after a freeze of that length costs on this rig.
+    /// and `pause`: no migration, the server stopped where it runs
+    /// (SIGSTOP, SIGCONT) as long as `--pause-ms` says, the control for
+    /// what the clients' catch-up after a freeze of that length costs on
+    /// this rig.
     #[arg(
         long,
         value_delimiter = ',',
@@ -488,6 +489,30 @@ fn bench(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// How long the `pause` mode stops the server: `--pause-ms`, or the median
+/// freeze of the incremental migrations measured so far in `scenario`,
+/// else of any mode's, 100 ms before the first.
+fn pause_length(args: &Args, rows: &[Row], scenario: Scenario) -> Duration {
+    if args.pause_ms > 0 {
+        return Duration::from_millis(args.pause_ms);
+    }
+    let measured = |mode: fn(&str) -> bool| -> Vec<f64> {
+        rows.iter()
+            .filter(|r| r.tcp == scenario.tcp && r.udp == scenario.udp && mode(r.mode))
+            .map(|r| r.freeze_ms)
+            .collect()
+    };
+    let mut freezes = measured(|m| m == "incremental");
+    if freezes.is_empty() {
+        freezes = measured(|m| m != PAUSE);
+    }
+    if freezes.is_empty() {
+        Duration::from_millis(100)
+    } else {
+        Duration::from_secs_f64(median_unsorted(&freezes) / 1e3)
+    }
+}
+
 /// Stops the server where it runs for `length` (SIGSTOP, SIGCONT): what a
 /// freeze of that length costs the clients without a migration. The
 /// report holds only the freeze, as measured here.
@@ -645,26 +670,7 @@ async fn migrations(
             };
 
             let report = if mode_name == PAUSE {
-                let length = if args.pause_ms > 0 {
-                    Duration::from_millis(args.pause_ms)
-                } else {
-                    // The default mode's, else any mode's.
-                    let measured = |mode: fn(&str) -> bool| -> Vec<f64> {
-                        rows.iter()
-                            .filter(|r| r.tcp == tcp_count && r.udp == udp_count && mode(r.mode))
-                            .map(|r| r.freeze_ms)
-                            .collect()
-                    };
-                    let mut freezes = measured(|m| m == "incremental");
-                    if freezes.is_empty() {
-                        freezes = measured(|m| m != PAUSE);
-                    }
-                    if freezes.is_empty() {
-                        Duration::from_millis(100)
-                    } else {
-                        Duration::from_secs_f64(median_unsorted(&freezes) / 1e3)
-                    }
-                };
+                let length = pause_length(args, rows, scenario);
                 pause(pid, length).await?
             } else {
                 let to = nodes[1 - here];
