@@ -33,6 +33,7 @@ pub mod inspect;
 pub mod managed;
 pub mod memwriter;
 pub mod netns;
+pub mod nginx;
 pub mod nstat;
 pub mod paths;
 pub mod peer;

@@ -27,6 +27,24 @@ pub async fn run(control: &mut ControlClient<Channel>, argv: Vec<String>) -> i32
         .pid
 }
 
+/// `RunProcess` with an IPC namespace of its own (`ferry run
+/// --ipc-namespace`): what a server with System V shared memory needs.
+pub async fn run_with_ipc_namespace(
+    control: &mut ControlClient<Channel>,
+    argv: Vec<String>,
+) -> i32 {
+    control
+        .run_process(RunProcessRequest {
+            argv,
+            ipc_namespace: true,
+            ..Default::default()
+        })
+        .await
+        .expect("RunProcess")
+        .into_inner()
+        .pid
+}
+
 /// The agent's managed processes.
 pub async fn list(control: &mut ControlClient<Channel>) -> Vec<ManagedProcess> {
     control

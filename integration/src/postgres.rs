@@ -116,6 +116,15 @@ impl PostgresServer {
     /// the network namespace at `netns` (e.g. [`crate::Cluster::netns_path`])
     /// and waits until it accepts TCP connections there.
     pub fn start(netns: &Path, addr: SocketAddrV4) -> Result<Self, PostgresError> {
+        let mut server = Self::prepared(netns, addr)?;
+        server.initdb()?;
+        server.spawn()?;
+        server.wait_ready()?;
+        Ok(server)
+    }
+
+    /// Its temp dir, owned by `postgres`; nothing in it yet.
+    fn prepared(netns: &Path, addr: SocketAddrV4) -> Result<Self, PostgresError> {
         if !in_test_networks(*addr.ip()) {
             return Err(PostgresError::AddrOutOfRange(*addr.ip()));
         }
@@ -139,18 +148,56 @@ impl PostgresServer {
                 source,
             })?;
 
-        let mut server = Self {
+        Ok(Self {
             child: None,
             addr,
             netns: netns.to_owned(),
             bin,
             user,
             dir: Some(dir),
-        };
+        })
+    }
+
+    /// A data directory for a server that ferry runs (`ferry run`, with
+    /// [`Self::managed_argv`]) on a node whose network namespace is at
+    /// `netns`, answering on `addr` (the cluster's public address) once
+    /// [`Self::wait_ready`] says so. Nothing is started here; the data
+    /// directory goes on drop, the server is the test's to stop.
+    pub fn prepare_managed(netns: &Path, addr: SocketAddrV4) -> Result<Self, PostgresError> {
+        let server = Self::prepared(netns, addr)?;
         server.initdb()?;
-        server.spawn()?;
-        server.wait_ready()?;
         Ok(server)
+    }
+
+    /// The command line that runs this server as the `postgres` user
+    /// (`setpriv`, which execs: the managed PID is the postmaster's),
+    /// listening on every address of its node and on its Unix socket, its
+    /// log in [`Self::log_path`] (its own logger process: a managed
+    /// process's standard output is /dev/null).
+    pub fn managed_argv(&self) -> Vec<String> {
+        let mut argv: Vec<String> = [
+            "setpriv",
+            "--reuid",
+            PG_USER,
+            "--regid",
+            PG_USER,
+            "--init-groups",
+            "--reset-env",
+        ]
+        .map(String::from)
+        .to_vec();
+        argv.push(self.bin.join("postgres").display().to_string());
+        argv.extend(self.server_args("*"));
+        argv.extend(
+            [
+                "logging_collector=on".to_owned(),
+                format!("log_directory={}", self.dir().display()),
+                "log_filename=postgres.log".to_owned(),
+            ]
+            .into_iter()
+            .flat_map(|setting| ["-c".to_owned(), setting]),
+        );
+        argv
     }
 
     /// The address the server listens on.
@@ -271,17 +318,7 @@ impl PostgresServer {
             .env("PATH", "/usr/bin:/bin")
             .env("LC_ALL", "C")
             .current_dir(self.dir())
-            .arg("-D")
-            .arg(self.data_dir())
-            .arg("-c")
-            .arg(format!("listen_addresses={}", self.addr.ip()))
-            .arg("-c")
-            .arg(format!("port={}", self.addr.port()))
-            .arg("-c")
-            .arg(format!("unix_socket_directories={}", self.dir().display()))
-            .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
-            .args(["-c", "synchronous_commit=off"])
-            .args(["-c", "log_connections=on", "-c", "log_disconnections=on"])
+            .args(self.server_args(&self.addr.ip().to_string()))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -313,17 +350,35 @@ impl PostgresServer {
         Ok(())
     }
 
+    /// The server's arguments after its binary: the data directory,
+    /// `listen` as its addresses, the port, the Unix socket in the temp
+    /// dir, no durability (a test's data), connections logged.
+    fn server_args(&self, listen: &str) -> Vec<String> {
+        let mut args = vec!["-D".to_owned(), self.data_dir().display().to_string()];
+        for setting in [
+            format!("listen_addresses={listen}"),
+            format!("port={}", self.addr.port()),
+            format!("unix_socket_directories={}", self.dir().display()),
+            "fsync=off".into(),
+            "full_page_writes=off".into(),
+            "synchronous_commit=off".into(),
+            "log_connections=on".into(),
+            "log_disconnections=on".into(),
+        ] {
+            args.push("-c".into());
+            args.push(setting);
+        }
+        args
+    }
+
     /// Polls `pg_isready` over TCP inside the namespace: it does the
-    /// protocol's startup and tells "accepting" from "starting up".
-    fn wait_ready(&mut self) -> Result<(), PostgresError> {
+    /// protocol's startup and tells "accepting" from "starting up". A
+    /// server this started that exits first is reported as such.
+    pub fn wait_ready(&mut self) -> Result<(), PostgresError> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .expect("spawned")
-                .try_wait()
-                .map_err(PostgresError::Wait)?
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait().map_err(PostgresError::Wait)?
             {
                 return Err(PostgresError::Exited {
                     addr: self.addr,

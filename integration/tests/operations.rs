@@ -533,6 +533,7 @@ fn any_agent_answers_for_the_whole_cluster() {
             .run_process(RunProcessRequest {
                 argv: echo_server(7030),
                 node: "node1".into(),
+                ..Default::default()
             })
             .await
             .expect("RunProcess forwarded")

@@ -257,6 +257,16 @@ const PATCHES: &[Patch] = &[
         text: include_str!("../criu/held-pages-everywhere.patch"),
         mark: "ferry-held-everywhere",
     },
+    // A task of another user (a server's workers after they drop root)
+    // has its resource limits read from /proc/<pid>/limits when prlimit()
+    // is refused: reading another user's limits by prlimit needs
+    // CAP_SYS_RESOURCE, which root in a container, or an agent run without
+    // it, lacks.
+    Patch {
+        what: "limits of another user's tasks read from procfs",
+        text: include_str!("../criu/rlimits-from-procfs.patch"),
+        mark: "ferry-rlimits-procfs",
+    },
 ];
 
 /// The patches a build at `prefix` lacks.

@@ -42,6 +42,11 @@ pub const PACKAGES: &[&str] = &[
     // its own server under ferry, the package's service is not needed.
     "redis-server",
     "redis-tools",
+    // nginx, the server whose workers drop root (master as root, workers
+    // as www-data) in the test that moves such a tree
+    // (integration/tests/privileges.rs); the test runs its own under
+    // ferry, the package's service is not needed.
+    "nginx",
     // CRIU's build dependencies
     "libbsd-dev",
     "libcap-dev",

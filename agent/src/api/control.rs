@@ -237,7 +237,11 @@ impl Control for ControlService {
         if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, run_process, request.into_inner());
         }
-        let argv = request.into_inner().argv;
+        let RunProcessRequest {
+            argv,
+            ipc_namespace,
+            ..
+        } = request.into_inner();
         if argv.first().map(|a| a.is_empty()).unwrap_or(true) {
             return Err(Status::invalid_argument(
                 "argv: give the program to run (argv[0] is empty)",
@@ -247,11 +251,20 @@ impl Control for ControlService {
             .cordon
             .refuse_if_on()
             .map_err(crate::engine::EngineError::from)?;
-        let pid = self.node.supervisor.run(argv).await.map_err(|e| match e {
-            crate::managed::SpawnError::EmptyArgv => Status::invalid_argument(format!("argv: {e}")),
-            crate::managed::SpawnError::NulByte { .. } => Status::invalid_argument(e.to_string()),
-            e => Status::failed_precondition(error_chain(&e)),
-        })?;
+        let pid = self
+            .node
+            .supervisor
+            .run(argv, ipc_namespace)
+            .await
+            .map_err(|e| match e {
+                crate::managed::SpawnError::EmptyArgv => {
+                    Status::invalid_argument(format!("argv: {e}"))
+                }
+                crate::managed::SpawnError::NulByte { .. } => {
+                    Status::invalid_argument(e.to_string())
+                }
+                e => Status::failed_precondition(error_chain(&e)),
+            })?;
         Ok(Response::new(RunProcessResponse {
             pid,
             node: self.node.node().to_owned(),

@@ -30,8 +30,8 @@ pub use swrk::{
 pub use version::{
     CONNS_OUT_IMAGE_PREFIX, CONNS_OUT_MARK, CriuVersion, DUMP_ROLLBACK_MARK, FERRY_PATCHES,
     HELD_ALL_MARK, HELD_EVERYWHERE_MARK, HELD_PAGES_MARK, INHERITED_TCP_MARK, MIN_CRIU_VERSION,
-    OPTS_BY_CALLER_MARK, TCP_BY_PIDFD_MARK, TCP_TABLE_MARK, VMA_FLAGS_MARK, has_patch,
-    missing_patches, probe_version, require_patch,
+    OPTS_BY_CALLER_MARK, RLIMITS_PROCFS_MARK, TCP_BY_PIDFD_MARK, TCP_TABLE_MARK, VMA_FLAGS_MARK,
+    has_patch, missing_patches, probe_version, require_patch,
 };
 
 /// CRIU as the source of a migration uses it: which build it is, and the

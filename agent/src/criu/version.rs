@@ -141,6 +141,13 @@ pub const HELD_EVERYWHERE_MARK: &str = "ferry-held-everywhere";
 /// resident page in the freeze.
 pub const VMA_FLAGS_MARK: &str = "ferry-vma-flags";
 
+/// The mark of `xtask/criu/rlimits-from-procfs.patch`: a dump reads the
+/// resource limits of a task of another user from `/proc/<pid>/limits`
+/// when `prlimit()` is refused (it needs CAP_SYS_RESOURCE for them).
+/// Without it such a process cannot be dumped by an agent that lacks that
+/// capability (`crate::process::privileges`).
+pub const RLIMITS_PROCFS_MARK: &str = "ferry-rlimits-procfs";
+
 /// How the files of that patch are named in an image directory
 /// (`ferry-conns-<files id>.img`).
 pub const CONNS_OUT_IMAGE_PREFIX: &str = "ferry-conns-";
@@ -238,6 +245,10 @@ pub const FERRY_PATCHES: &[(&str, &str)] = &[
     (
         HELD_EVERYWHERE_MARK,
         "held pages left out of every private area (a freeze that carries none of a process's written file pages the destination holds)",
+    ),
+    (
+        RLIMITS_PROCFS_MARK,
+        "limits of another user's tasks read from procfs (servers that drop root move without CAP_SYS_RESOURCE)",
     ),
 ];
 

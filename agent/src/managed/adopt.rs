@@ -5,13 +5,15 @@
 use crate::process;
 
 /// What in the descriptors of process tree `tree` ferry could not move,
-/// found with it running (see [`process::descriptor_obstacles`]), and its
-/// sockets of families CRIU cannot dump: what adoption and every
+/// found with it running (see [`process::descriptor_obstacles`]), its
+/// System V IPC that cannot move ([`process::privileges::ipc_obstacles`])
+/// and its sockets of families CRIU cannot dump: what adoption and every
 /// migration check, so that CRIU never refuses a dump after the freeze.
 /// Blocking (procfs, a sock_diag dump, the tree's sockets).
 pub fn tree_obstacles(tree: &[i32]) -> Result<Vec<process::Obstacle>, String> {
     let peers = process::unix_peers().map_err(|e| format!("listing Unix socket peers: {e}"))?;
     let mut found = process::descriptor_obstacles(tree, &peers);
+    found.extend(process::privileges::ipc_obstacles(tree));
     let unsupported = crate::sockstate::unsupported_sockets(tree).map_err(|e| e.to_string())?;
     found.extend(
         unsupported

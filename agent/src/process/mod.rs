@@ -3,6 +3,7 @@
 
 pub mod memory;
 pub mod pidfd;
+pub mod privileges;
 mod sock_diag;
 mod sockets;
 mod stat;

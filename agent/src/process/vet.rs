@@ -54,6 +54,17 @@ pub enum Obstacle {
     /// A POSIX or flock lock, which CRIU refuses to dump without
     /// --file-locks.
     FileLock { pid: i32 },
+    /// A task of another user than ferryd's, whose resource limits the
+    /// configured CRIU cannot read (`prlimit()` needs CAP_SYS_RESOURCE,
+    /// which ferryd lacks; see [`super::privileges`]).
+    OtherUsersLimits { pid: i32, uid: u32 },
+    /// A task attached to System V shared memory of the node's IPC
+    /// namespace, which CRIU refuses to dump (it moves such segments only
+    /// with an IPC namespace of the process's own).
+    NodeSysvShm { pid: i32, key: u32 },
+    /// The tree's own IPC namespace holds a process outside the tree too,
+    /// which would lose it.
+    IpcNamespaceShared { holder: i32 },
 }
 
 impl fmt::Display for Obstacle {
@@ -99,12 +110,26 @@ impl fmt::Display for Obstacle {
                 f,
                 "PID {pid} holds a file lock, which CRIU does not migrate as ferry runs it"
             ),
+            Obstacle::OtherUsersLimits { pid, uid } => write!(
+                f,
+                "PID {pid} runs as user {uid}, whose resource limits the configured CRIU cannot read without CAP_SYS_RESOURCE, which ferryd lacks: install ferry's CRIU (`cargo xtask setup`, it reads them from procfs) or give ferryd CAP_SYS_RESOURCE"
+            ),
+            Obstacle::NodeSysvShm { pid, key } => write!(
+                f,
+                "PID {pid} is attached to System V shared memory (key {key:#x}) of the node's IPC namespace, which CRIU moves only with an IPC namespace of the process's own: start it with `ferry run --ipc-namespace`, which gives it one"
+            ),
+            Obstacle::IpcNamespaceShared { holder } => write!(
+                f,
+                "its IPC namespace holds PID {holder} outside the process tree too, which would lose it"
+            ),
         }
     }
 }
 
-/// The namespaces a managed process shares with ferryd (all but PID).
-const SHARED_NAMESPACES: &[&str] = &["net", "mnt", "ipc", "uts", "user", "cgroup", "time"];
+/// The namespaces a managed process shares with ferryd: all but PID and
+/// IPC (`ferry run` gives it both; its IPC namespace moves with it, see
+/// [`super::privileges::ipc_obstacles`]).
+const SHARED_NAMESPACES: &[&str] = &["net", "mnt", "uts", "user", "cgroup", "time"];
 
 /// The `NSpid:` line of /proc/PID/status: the process's PID in each PID
 /// namespace it is in, outermost first.

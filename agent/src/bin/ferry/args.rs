@@ -67,6 +67,11 @@ pub(crate) enum Command {
         /// (for a systemd unit's ExecStart=).
         #[arg(long)]
         foreground: bool,
+        /// Give it an IPC namespace of its own, so that its System V
+        /// shared memory, semaphores and message queues move with it
+        /// (PostgreSQL needs it); each freeze then costs ~2 ms more.
+        #[arg(long)]
+        ipc_namespace: bool,
         #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
         argv: Vec<String>,
     },

@@ -24,6 +24,7 @@ use anyhow::Result;
 use clap::Parser;
 
 use crate::args::{Args, Command};
+use ferry_proto::v1::RunProcessRequest;
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -63,8 +64,17 @@ async fn main_exec(mut args: Args) -> Result<()> {
         Command::Cert(_) => unreachable!("handled above"),
         Command::Nodes => cluster::nodes(client, json).await,
         Command::Ps { all } => processes::ps(client, node, all, json).await,
-        Command::Run { argv, foreground } => {
-            processes::run(client, node, argv, foreground, json).await
+        Command::Run {
+            argv,
+            foreground,
+            ipc_namespace,
+        } => {
+            let request = RunProcessRequest {
+                argv,
+                node,
+                ipc_namespace,
+            };
+            processes::run(client, request, foreground, json).await
         }
         Command::Adopt { pid, foreground } => {
             processes::adopt(client, node, pid, foreground, json).await

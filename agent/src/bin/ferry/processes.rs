@@ -23,8 +23,7 @@ pub(crate) async fn ps(client: &mut Client, node: String, all: bool, as_json: bo
 
 pub(crate) async fn run(
     client: &mut Client,
-    node: String,
-    argv: Vec<String>,
+    request: RunProcessRequest,
     foreground: bool,
     as_json: bool,
 ) -> Result<()> {
@@ -34,7 +33,7 @@ pub(crate) async fn run(
         None
     };
     let started = client
-        .run_process(RunProcessRequest { argv, node })
+        .run_process(request)
         .await
         .map_err(status_error)?
         .into_inner();

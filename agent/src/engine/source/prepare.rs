@@ -262,7 +262,8 @@ async fn reserve(
     // Fresh socket list: ports opened since the last refresh move too.
     let tree = process::process_tree(pid);
     let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
-    vet(pid, tree.clone()).await?;
+    let criu_reads_limits = engine.criu.has_patch(crate::criu::RLIMITS_PROCFS_MARK);
+    vet(pid, tree.clone(), criu_reads_limits).await?;
     // A connection to a process on the destination node would have to
     // become a connection within one host: no rewrite of one end does
     // that. Refused now, before anything is touched.
@@ -343,15 +344,22 @@ async fn reserve(
 }
 
 /// What CRIU would refuse to dump (a socket of a family it cannot dump, a
-/// Unix socket connected outside the tree, a file lock), or dump into a
-/// broken copy (a pipe or terminal shared with the outside): refused now,
-/// with the process running. Found after the freeze, it would cost the
-/// freeze and a rollback.
-async fn vet(pid: i32, tree: Vec<i32>) -> Result<(), EngineError> {
+/// Unix socket connected outside the tree, a file lock, System V shared
+/// memory of the node's, a task of another user whose limits it cannot
+/// read: `criu_reads_limits` says whether it reads them from procfs), or
+/// dump into a broken copy (a pipe or terminal shared with the outside):
+/// refused now, with the process running. Found after the freeze, it
+/// would cost the freeze and a rollback.
+async fn vet(pid: i32, tree: Vec<i32>, criu_reads_limits: bool) -> Result<(), EngineError> {
     let processes = tree.len();
     let vet_started = Instant::now();
     let obstacles = blocking("vetting the process tree", move || {
-        crate::managed::tree_obstacles(&tree)
+        let mut found = crate::managed::tree_obstacles(&tree)?;
+        found.extend(process::privileges::limits_obstacles(
+            &tree,
+            criu_reads_limits,
+        ));
+        Ok::<_, String>(found)
     })
     .await?
     .map_err(EngineError::Internal)?;
