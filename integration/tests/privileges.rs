@@ -23,7 +23,9 @@ use ferry_integration::netns;
 use ferry_integration::nginx::{self, Nginx, WORKER_USER};
 use ferry_integration::pg_session::wait_for_queries;
 use ferry_integration::postgres::{PG_USER, PostgresServer};
+use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
+use tonic::transport::Channel;
 
 /// The children of `pid`.
 fn children(pid: i32) -> Vec<i32> {
@@ -102,6 +104,51 @@ fn uid_of(user: &str) -> u32 {
         .as_raw()
 }
 
+/// Moves `pid` from node`on+1` to the other node with `strategy` and
+/// checks that it committed, runs on the destination and no longer on
+/// the source; its PID there.
+async fn move_committed(
+    cluster: &Cluster,
+    controls: &mut [ControlClient<Channel>; 2],
+    on: usize,
+    pid: i32,
+    strategy: Strategy,
+) -> i32 {
+    let to = 1 - on;
+    let destination = format!("node{}", to + 1);
+    let report = migrate_committed(
+        &mut controls[on],
+        MigrateRequest {
+            pid,
+            destination_node: destination.clone(),
+            strategy: strategy as i32,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Committed as i32,
+        "{report:#?}"
+    );
+    eprintln!(
+        "{strategy:?} to {destination}: freeze {:.1} ms",
+        report.freeze_time_us as f64 / 1e3
+    );
+    let moved = report.destination_pid;
+    wait_for_process(&mut controls[to], moved, |p| p.state == "running").await;
+    assert_eq!(
+        cluster.node_of_pid(moved).expect("netns").as_deref(),
+        Some(destination.as_str())
+    );
+    assert!(
+        matches!(process_state(pid), None | Some('Z')),
+        "the source copy still runs"
+    );
+    wait_until_gone(pid);
+    moved
+}
+
 #[test]
 fn a_server_whose_workers_dropped_root_moves_with_its_connections() {
     let test = "a_server_whose_workers_dropped_root_moves_with_its_connections";
@@ -168,38 +215,7 @@ fn a_server_whose_workers_dropped_root_moves_with_its_connections() {
 
         let mut on = 0;
         for strategy in [Strategy::PreCopy, Strategy::TotalCopy] {
-            let to = 1 - on;
-            let destination = format!("node{}", to + 1);
-            let report = migrate_committed(
-                &mut controls[on],
-                MigrateRequest {
-                    pid: master,
-                    destination_node: destination.clone(),
-                    strategy: strategy as i32,
-                    ..Default::default()
-                },
-            )
-            .await;
-            assert_eq!(
-                report.outcome,
-                MigrationOutcome::Committed as i32,
-                "{report:#?}"
-            );
-            eprintln!(
-                "{strategy:?} to {destination}: freeze {:.1} ms",
-                report.freeze_time_us as f64 / 1e3
-            );
-            let moved = report.destination_pid;
-            wait_for_process(&mut controls[to], moved, |p| p.state == "running").await;
-            assert_eq!(
-                cluster.node_of_pid(moved).expect("netns").as_deref(),
-                Some(destination.as_str())
-            );
-            assert!(
-                matches!(process_state(master), None | Some('Z')),
-                "the source copy still runs"
-            );
-            wait_until_gone(master);
+            let moved = move_committed(&cluster, &mut controls, on, master, strategy).await;
             // The same tasks, as the same users, with the same limits.
             assert_eq!(tree(moved), before, "{strategy:?}");
             // Each connection is still open and answered by its worker.
@@ -210,7 +226,7 @@ fn a_server_whose_workers_dropped_root_moves_with_its_connections() {
                 );
             }
             master = moved;
-            on = to;
+            on = 1 - on;
         }
         // And it takes new connections where it is now.
         let mut fresh = netns::run_in(&cluster.netns_path("client1"), || {
@@ -334,39 +350,7 @@ fn a_database_server_that_refuses_root_moves_with_its_sessions() {
             ))
             .expect("INSERT");
             let before = tree(postmaster);
-            let to = 1 - on;
-            let destination = format!("node{}", to + 1);
-            let report = migrate_committed(
-                &mut controls[on],
-                MigrateRequest {
-                    pid: postmaster,
-                    destination_node: destination.clone(),
-                    strategy: strategy as i32,
-                    ..Default::default()
-                },
-            )
-            .await;
-            assert_eq!(
-                report.outcome,
-                MigrationOutcome::Committed as i32,
-                "{report:#?}"
-            );
-            eprintln!(
-                "{strategy:?} to {destination}: {} tasks, freeze {:.1} ms",
-                before.len(),
-                report.freeze_time_us as f64 / 1e3
-            );
-            let moved = report.destination_pid;
-            wait_for_process(&mut controls[to], moved, |p| p.state == "running").await;
-            assert_eq!(
-                cluster.node_of_pid(moved).expect("netns").as_deref(),
-                Some(destination.as_str())
-            );
-            assert!(
-                matches!(process_state(postmaster), None | Some('Z')),
-                "the source copy still runs"
-            );
-            wait_until_gone(postmaster);
+            let moved = move_committed(&cluster, &mut controls, on, postmaster, strategy).await;
             // The postmaster and the session's backend, as the same users
             // with the same limits. PostgreSQL starts and ends children of
             // its own (autovacuum workers) at any time: the others are
@@ -396,7 +380,7 @@ fn a_database_server_that_refuses_root_moves_with_its_sessions() {
             let expected: Vec<String> = (0..=round).map(|r| format!("before move {r}")).collect();
             assert_eq!(rows, expected.join(","));
             postmaster = moved;
-            on = to;
+            on = 1 - on;
         }
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(postmaster),
