@@ -103,3 +103,45 @@ fn a_valid_config_passes_and_shows_what_would_run() {
         assert!(stdout.contains(part), "{part:?} not in:\n{stdout}");
     }
 }
+
+/// A file missing a section: the TOML error is printed once (not again
+/// as its own source, not again as a log line), with the log at its
+/// default level as an operator runs it.
+#[test]
+fn a_missing_section_is_said_once() {
+    let bad = GOOD.replace(
+        "[cluster]\ninterface = \"clu0\"\naddress = \"198.19.0.1\"\npeer_listen = \"198.19.0.1:7100\"\n",
+        "",
+    );
+    assert_ne!(bad, GOOD);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ferryd.toml");
+    std::fs::write(&path, bad).unwrap();
+    let out = Command::new(FERRYD)
+        .arg("--check-config")
+        .arg(&path)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("missing field `cluster`").count(), 1, "{err}");
+    assert!(err.contains(&path.display().to_string()), "{err}");
+}
+
+/// `ferry` with no agent at its socket: the OS error once.
+#[test]
+fn no_agent_is_said_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("control.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("nodes")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert!(err.contains(&socket.display().to_string()), "{err}");
+}

@@ -11,6 +11,7 @@ use clap::Parser;
 use ferry_agent::api::{ControlService, PeerService, control_routes};
 use ferry_agent::config::Config;
 use ferry_agent::dataplane::filter::EbpfPortFilter;
+use ferry_agent::error_chain::error_chain;
 use ferry_agent::node::{Node, NodeParts};
 use ferry_agent::security::authz::AuthLayer;
 use ferry_proto::v1::balance_server::BalanceServer;
@@ -73,9 +74,11 @@ fn main() -> ExitCode {
         .init();
     match main_exec(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // Said once, on stderr (the log's stream too, so not logged as
+        // well), each cause once: a parse error's own text already holds
+        // its source's.
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("ferryd: {e:#}");
+            eprintln!("ferryd: {}", error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -40,8 +40,13 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(main_exec(args)) {
         Ok(()) => ExitCode::SUCCESS,
+        // Each cause once: a transport error's source repeats the OS
+        // error its own source gives.
         Err(e) => {
-            eprintln!("ferry: {e:#}");
+            eprintln!(
+                "ferry: {}",
+                ferry_agent::error_chain::error_chain(e.as_ref())
+            );
             ExitCode::FAILURE
         }
     }
