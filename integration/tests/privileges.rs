@@ -23,6 +23,7 @@ use ferry_integration::netns;
 use ferry_integration::nginx::{self, Nginx, WORKER_USER};
 use ferry_integration::pg_session::wait_for_queries;
 use ferry_integration::postgres::{PG_USER, PostgresServer};
+use ferry_integration::redis::Redis;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
 use tonic::transport::Channel;
@@ -387,5 +388,112 @@ fn a_database_server_that_refuses_root_moves_with_its_sessions() {
             nix::sys::signal::Signal::SIGKILL,
         );
         wait_until_gone(postmaster);
+    });
+}
+
+/// With a CRIU that cannot read another user's limits (one without
+/// ferry's procfs patch, known by its mark) and an agent without
+/// CAP_SYS_RESOURCE (this machine's root lacks it), a server running as
+/// `redis` is refused before anything stops, naming the task and its
+/// user, and runs on. Where the agent holds that capability, it moves.
+#[test]
+fn a_criu_that_cannot_read_another_users_limits_is_refused_before_the_freeze() {
+    let test = "a_criu_that_cannot_read_another_users_limits_is_refused_before_the_freeze";
+    if !ferry_integration::can_run(test) {
+        return;
+    }
+    // ferry's CRIU with its procfs patch's mark renamed: to the agent, a
+    // CRIU without that patch.
+    let dir = tempfile::tempdir().expect("a dir for the CRIU copy");
+    let criu = dir.path().join("criu");
+    let mut binary = std::fs::read(ferry_integration::criu_path()).expect("CRIU");
+    let (mark, other) = (b"ferry-rlimits-procfs", b"ferry-rlimits-absent");
+    let mut renamed = 0;
+    while let Some(at) = binary.windows(mark.len()).position(|w| w == mark) {
+        binary[at..at + mark.len()].copy_from_slice(other);
+        renamed += 1;
+    }
+    assert!(renamed > 0, "ferry's CRIU has no procfs patch mark");
+    std::fs::write(&criu, binary).expect("the CRIU copy");
+    std::fs::set_permissions(&criu, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let own_status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let caps = own_status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .expect("CapEff");
+    let has_cap_sys_resource = caps & (1 << 24) != 0;
+
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.criu_path = Some(criu);
+    let cluster = Cluster::start(spec).expect("cluster");
+    let redis = Redis { port: 7405 };
+    let data = tempfile::tempdir().expect("a dir for redis");
+    let user = nix::unistd::User::from_name("redis")
+        .expect("passwd")
+        .expect("Debian's redis-server makes the redis user");
+    std::os::unix::fs::chown(
+        data.path(),
+        Some(user.uid.as_raw()),
+        Some(user.gid.as_raw()),
+    )
+    .expect("chown");
+    let mut argv: Vec<String> = [
+        "setpriv",
+        "--reuid",
+        "redis",
+        "--regid",
+        "redis",
+        "--clear-groups",
+    ]
+    .map(String::from)
+    .to_vec();
+    argv.extend(redis.argv(data.path()));
+    let rt = runtime();
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        let pid = run(&mut controls[0], argv).await;
+        wait_for_process(&mut controls[0], pid, |p| p.tcp_listening >= 1).await;
+        assert_eq!(redis.cli(&cluster, &["SET", "k", "v"]).expect("SET"), "OK");
+        if has_cap_sys_resource {
+            let moved = move_committed(&cluster, &mut controls, 0, pid, Strategy::TotalCopy).await;
+            assert_eq!(redis.cli(&cluster, &["GET", "k"]).expect("GET"), "v");
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(moved),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            wait_until_gone(moved);
+            return;
+        }
+        let refused = migrate_request(
+            &mut controls[0],
+            MigrateRequest {
+                pid,
+                destination_node: "node2".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let status = match refused {
+            Err(status) => status,
+            Ok((report, status)) => panic!("expected a refusal, got {status:?} {report:#?}"),
+        };
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+        let named = format!("PID {pid} runs as user {}", user.uid);
+        assert!(
+            status.message().contains(&named) && status.message().contains("CAP_SYS_RESOURCE"),
+            "{status:?}"
+        );
+        assert!(matches!(process_state(pid), Some('S' | 'R')));
+        assert_eq!(redis.cli(&cluster, &["GET", "k"]).expect("GET"), "v");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        wait_until_gone(pid);
     });
 }
