@@ -32,6 +32,7 @@ pub mod events;
 pub mod fill;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
+pub mod host_features;
 pub mod managed;
 pub mod membership;
 pub mod memtrack;

@@ -145,3 +145,27 @@ fn no_agent_is_said_once() {
     assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
     assert!(err.contains(&socket.display().to_string()), "{err}");
 }
+
+/// `ferryd --check`: the host's table, every probe on a line of its own
+/// with its verdict, and exit 0 where ferryd can run (it does here).
+#[test]
+fn the_host_check_lists_every_probe() {
+    let out = Command::new(FERRYD).arg("--check").output().unwrap();
+    let table = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{table}{}", text(&out.stderr));
+    assert!(table.starts_with("kernel  "), "{table}");
+    for probe in [
+        "userfaultfd asynchronous write-protect",
+        "PAGEMAP_SCAN",
+        "soft-dirty bits",
+        "BPF iterator over TCP sockets",
+        "CAP_SYS_RESOURCE",
+    ] {
+        assert!(
+            table
+                .lines()
+                .any(|l| (l.starts_with("yes  ") || l.starts_with("NO   ")) && l.contains(probe)),
+            "{probe}: {table}"
+        );
+    }
+}

@@ -44,6 +44,12 @@ struct Args {
     /// valid, 1 with the offending field named if not.
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     check_config: Option<Option<PathBuf>>,
+    /// Probe what this host's kernel and this agent's privileges offer
+    /// ferry (userfaultfd write-protect, PAGEMAP_SCAN, BPF iterators,
+    /// capabilities, ...), print it with what ferry does without each,
+    /// and exit: 0 if ferryd can run here, 1 if not.
+    #[arg(long)]
+    check: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -108,6 +114,14 @@ fn fill(log: &Path) -> ExitCode {
 }
 
 fn main_exec(args: Args) -> Result<()> {
+    if args.check {
+        let host = ferry_agent::host_features::probe();
+        print!("{}", host.table());
+        if !host.runnable() {
+            anyhow::bail!("this host lacks what ferryd needs to run (the NO lines above)");
+        }
+        return Ok(());
+    }
     if let Some(file) = args.check_config {
         return check_config(file.as_deref().unwrap_or(&args.config));
     }
@@ -123,6 +137,24 @@ fn main_exec(args: Args) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(serve(config))
+}
+
+/// What this host lacks of what ferry uses, said once at start (all of it:
+/// `ferryd --check`), in the background: the probes take a few
+/// milliseconds, and nothing waits for them.
+fn log_host_features() {
+    std::thread::spawn(|| {
+        let host = ferry_agent::host_features::probe();
+        for f in host.missing() {
+            tracing::warn!(
+                feature = f.name,
+                used_for = f.used_for,
+                without = f.without,
+                kernel = %host.kernel,
+                "this host lacks a feature ferry uses"
+            );
+        }
+    });
 }
 
 /// `--check-config`: nothing starts; the verdict goes to stdout.
@@ -147,6 +179,7 @@ fn check_config(path: &Path) -> Result<()> {
 
 async fn serve(config: Config) -> Result<()> {
     ferry_agent::engine::fault_point::announce();
+    log_host_features();
     check_criu(&config);
     prepare_work_dir(&config)?;
     raise_pipe_max_size();
