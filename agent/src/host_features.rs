@@ -13,6 +13,8 @@ use std::fmt::Write as _;
 /// One thing ferry uses, whether this host has it, and what depends on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Feature {
+    /// Its name in `features_off` (config) and logs.
+    pub key: &'static str,
     pub name: &'static str,
     pub present: bool,
     /// What in ferry uses it.
@@ -41,24 +43,65 @@ impl HostFeatures {
         self.missing().all(|f| !f.required)
     }
 
-    /// A table for people (`ferryd --check`).
+    /// A table for people (`ferryd --check`): each feature with its key
+    /// for `features_off`.
     pub fn table(&self) -> String {
         let mut t = format!("kernel  {}\n\n", self.kernel);
+        let label = |f: &Feature| format!("{} [{}]", f.name, f.key);
         let width = self
             .features
             .iter()
-            .map(|f| f.name.len())
+            .map(|f| label(f).len())
             .max()
             .unwrap_or(0);
         for f in &self.features {
             let mark = if f.present { "yes" } else { "NO " };
-            let _ = writeln!(t, "{mark}  {:width$}  {}", f.name, f.used_for);
+            let _ = writeln!(t, "{mark}  {:width$}  {}", label(f), f.used_for);
             if !f.present {
                 let _ = writeln!(t, "     {:width$}  without it: {}", "", f.without);
             }
         }
         t
     }
+}
+
+/// Every feature's key, as `features_off` takes them.
+pub const KEYS: &[&str] = &[
+    "uffd_wp_async",
+    "pagemap_scan",
+    "uffd_events",
+    "soft_dirty",
+    "btf",
+    "bpf_iter_tcp",
+    "bpf_iter_task_vma",
+    "cap_sys_resource",
+    "cap_checkpoint_restore",
+    "cap_bpf",
+    "cap_sys_ptrace",
+];
+
+/// This host's features, probed once per ferryd, with the ones the
+/// configuration turns off (`features_off`) marked missing: how a test
+/// or an operator tries a fallback on a kernel that has the feature.
+pub fn host(features_off: &[String]) -> HostFeatures {
+    static PROBED: std::sync::OnceLock<HostFeatures> = std::sync::OnceLock::new();
+    let mut host = PROBED.get_or_init(probe).clone();
+    for f in &mut host.features {
+        if features_off.iter().any(|k| k == f.key) {
+            f.present = false;
+        }
+    }
+    host
+}
+
+/// The feature `key` of this host, `features_off` applied (blocking the
+/// first time: the probes).
+pub fn feature(features_off: &[String], key: &str) -> Feature {
+    host(features_off)
+        .features
+        .into_iter()
+        .find(|f| f.key == key)
+        .unwrap_or_else(|| panic!("{key} is not one of host_features::KEYS"))
 }
 
 /// Probes this host (blocking, a few milliseconds).
@@ -75,6 +118,7 @@ pub fn probe() -> HostFeatures {
     let cap = |bit: u32| caps.is_some_and(|c| c & (1 << bit) != 0);
     let features = vec![
         Feature {
+            key: "uffd_wp_async",
             name: "userfaultfd asynchronous write-protect",
             present: crate::uffd::has_features(crate::uffd::UFFD_FEATURE_WP_ASYNC).unwrap_or(false),
             used_for: "pre-copy's tracking of written pages (Linux 6.7+)",
@@ -82,6 +126,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "pagemap_scan",
             name: "PAGEMAP_SCAN",
             present: pagemap_scan_exists(),
             used_for: "pre-copy's scan of written pages, held pages left out of the dump (Linux 6.7+)",
@@ -89,6 +134,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "uffd_events",
             name: "userfaultfd events (fork, remap, remove, unmap)",
             present: crate::uffd::has_features(crate::uffd::FILL_FEATURES).unwrap_or(false),
             used_for: "post-copy and the fill of held pages after the resume",
@@ -96,6 +142,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "soft_dirty",
             name: "soft-dirty bits",
             present: soft_dirty_works(),
             used_for: "nothing yet (CRIU's own pre-dump tracking, the older kernels' way)",
@@ -103,6 +150,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "btf",
             name: "BTF (/sys/kernel/btf/vmlinux)",
             present: btf.is_some(),
             used_for: "every eBPF program (CO-RE)",
@@ -110,6 +158,7 @@ pub fn probe() -> HostFeatures {
             required: true,
         },
         Feature {
+            key: "bpf_iter_tcp",
             name: "BPF iterator over TCP sockets",
             present: has_btf_type("bpf_iter__tcp"),
             used_for: "reading every connection's state in one pass in the freeze",
@@ -117,6 +166,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "bpf_iter_task_vma",
             name: "BPF iterator over mappings",
             present: has_btf_type("bpf_iter__task_vma"),
             used_for: "mappings' flags without smaps in the dump",
@@ -124,6 +174,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "cap_sys_resource",
             name: "CAP_SYS_RESOURCE",
             present: cap(24),
             used_for: "CRIU's prlimit() on tasks of another user; pipes above fs.pipe-max-size",
@@ -131,6 +182,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "cap_checkpoint_restore",
             name: "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN",
             present: cap(40) || cap(21),
             used_for: "CRIU's dump and restore",
@@ -138,6 +190,7 @@ pub fn probe() -> HostFeatures {
             required: false,
         },
         Feature {
+            key: "cap_bpf",
             name: "CAP_BPF and CAP_NET_ADMIN",
             present: (cap(39) || cap(21)) && cap(12),
             used_for: "the data plane's eBPF programs",
@@ -145,6 +198,7 @@ pub fn probe() -> HostFeatures {
             required: true,
         },
         Feature {
+            key: "cap_sys_ptrace",
             name: "CAP_SYS_PTRACE",
             present: cap(19),
             used_for: "taking a process's connections and memory tracker (pidfd_getfd, ptrace)",
@@ -284,11 +338,24 @@ mod tests {
     }
 
     #[test]
+    fn every_probe_has_a_known_key_and_features_off_turns_it_off() {
+        let probed: Vec<&str> = probe().features.iter().map(|f| f.key).collect();
+        assert_eq!(probed, KEYS);
+        let off = vec!["pagemap_scan".to_owned()];
+        assert!(!feature(&off, "pagemap_scan").present);
+        assert_eq!(
+            feature(&[], "btf").present,
+            std::path::Path::new("/sys/kernel/btf/vmlinux").exists()
+        );
+    }
+
+    #[test]
     fn the_table_says_what_is_missing_and_what_that_means() {
         let host = HostFeatures {
             kernel: "5.15.0".into(),
             features: vec![
                 Feature {
+                    key: "pagemap_scan",
                     name: "PAGEMAP_SCAN",
                     present: false,
                     used_for: "pre-copy",
@@ -296,6 +363,7 @@ mod tests {
                     required: false,
                 },
                 Feature {
+                    key: "btf",
                     name: "BTF",
                     present: true,
                     used_for: "eBPF",
@@ -306,7 +374,7 @@ mod tests {
         };
         assert_eq!(
             host.table(),
-            "kernel  5.15.0\n\nNO   PAGEMAP_SCAN  pre-copy\n                   without it: total copy only\nyes  BTF           eBPF\n"
+            "kernel  5.15.0\n\nNO   PAGEMAP_SCAN [pagemap_scan]  pre-copy\n                                  without it: total copy only\nyes  BTF [btf]                    eBPF\n"
         );
         assert_eq!(host.missing().count(), 1);
         assert!(host.runnable());

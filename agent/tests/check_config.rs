@@ -169,3 +169,22 @@ fn the_host_check_lists_every_probe() {
         );
     }
 }
+
+/// `features_off` takes the keys `ferryd --check` prints; another is
+/// refused, naming the entry and the keys there are.
+#[test]
+fn an_unknown_feature_to_turn_off_is_named() {
+    let bad = GOOD.replace(
+        "work_dir = \"/run/ferry/work\"",
+        "work_dir = \"/run/ferry/work\"\nfeatures_off = [\"pagemap_scan\", \"warp_drive\"]",
+    );
+    let (_dir, _path, out) = check(&bad);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("features_off[1]")
+            && err.contains("warp_drive")
+            && err.contains("uffd_wp_async"),
+        "{err}"
+    );
+}

@@ -100,6 +100,12 @@ pub struct Config {
     /// and unauthenticated, as before (ferryd warns).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
+    /// Features of this host ferryd treats as missing though the kernel
+    /// has them, by their keys (`ferryd --check` lists them and what ferry
+    /// does without each): to try a fallback, or keep a feature out of
+    /// use. Empty by default.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features_off: Vec<String>,
 }
 
 /// `[tls]`: the cluster's CA and this node's certificate (`ferry cert`).
@@ -437,6 +443,17 @@ impl Config {
         }
         if !(0..=4).contains(&self.criu_log_level) {
             return Err(invalid("criu_log_level", "must be 0 to 4".into()));
+        }
+        for (i, key) in self.features_off.iter().enumerate() {
+            if !crate::host_features::KEYS.contains(&key.as_str()) {
+                return Err(invalid(
+                    &format!("features_off[{i}]"),
+                    format!(
+                        "{key:?} is not a feature ferry probes (one of: {})",
+                        crate::host_features::KEYS.join(", ")
+                    ),
+                ));
+            }
         }
         if self.membership.enabled {
             let m = &self.membership;

@@ -14,6 +14,15 @@ pub enum EngineError {
     DestinationIsSelf { node: String },
     #[error("no process with PID {pid} on {node}")]
     NoSuchProcess { pid: i32, node: String },
+    #[error(
+        "{what} needs {feature}, which {node} lacks (kernel {kernel}; `ferryd --check` there lists what it has)"
+    )]
+    FeatureMissing {
+        what: String,
+        feature: &'static str,
+        node: String,
+        kernel: String,
+    },
     #[error("PID {pid} cannot be migrated: {reason}")]
     NotMigratable { pid: i32, reason: String },
     #[error("PID {pid} is already being migrated (migration {migration_id})")]
@@ -253,7 +262,9 @@ impl EngineError {
             }
             EngineError::Cancelled { .. } => Code::Cancelled,
             EngineError::GivenUp { .. } => Code::Aborted,
-            EngineError::Cordoned { .. } => Code::FailedPrecondition,
+            EngineError::Cordoned { .. } | EngineError::FeatureMissing { .. } => {
+                Code::FailedPrecondition
+            }
             EngineError::NotItsSource { .. } => Code::PermissionDenied,
             EngineError::InCluster(FlowError::BadFlow { .. }) => Code::InvalidArgument,
             EngineError::InCluster(

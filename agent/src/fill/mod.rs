@@ -197,9 +197,11 @@ impl FillError {
 }
 
 /// Whether this kernel lets a filler see every change a restored process
-/// makes to its areas (userfaultfd fork, remap, remove and unmap events).
-pub fn available() -> bool {
-    crate::uffd::has_features(crate::uffd::FILL_FEATURES).unwrap_or(false)
+/// makes to its areas (userfaultfd fork, remap, remove and unmap events),
+/// unless the configuration turns that off (`features_off`; blocking the
+/// first time, `crate::host_features`).
+pub fn available(features_off: &[String]) -> bool {
+    crate::host_features::feature(features_off, "uffd_events").present
 }
 
 #[cfg(test)]

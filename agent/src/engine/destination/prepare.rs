@@ -189,6 +189,7 @@ pub async fn prepare(
 /// Prepare.
 async fn what_criu_restores(engine: &Engine) -> Result<PrepareResponse, EngineError> {
     let criu_path = engine.config.criu_path.clone();
+    let features_off = engine.config.features_off.clone();
     Ok(tokio::task::spawn_blocking(move || {
         criu::probe_version(&criu_path).map(|_| {
             let takes_tcp_options = criu::has_patch(&criu_path, criu::OPTS_BY_CALLER_MARK);
@@ -202,10 +203,10 @@ async fn what_criu_restores(engine: &Engine) -> Result<PrepareResponse, EngineEr
                     && criu::has_patch(&criu_path, criu::CONNS_OUT_MARK),
                 // Any CRIU restores lazy runs; the filler needs a kernel
                 // whose userfaultfd reports forks, remaps and unmaps.
-                fills_held_pages: crate::fill::available(),
+                fills_held_pages: crate::fill::available(&features_off),
                 // A parent image written from the store before the
                 // restore (`restore.rs`'s `plan_fill`): any CRIU reads it.
-                fills_held_pages_everywhere: crate::fill::available(),
+                fills_held_pages_everywhere: crate::fill::available(&features_off),
             }
         })
     })

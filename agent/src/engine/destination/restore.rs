@@ -68,7 +68,7 @@ fn check_pages_follow(
             reason: "pages that follow come from ferryd, not from CRIU's lazy pages (lazy_pages, local_pages)".into(),
         });
     }
-    if !crate::fill::available() {
+    if !crate::fill::available(&engine.config.features_off) {
         return Err(EngineError::HostSetting(format!(
             "post-copy with pages that follow on {}: this kernel's userfaultfd lacks the events the page filler needs",
             engine.node()

@@ -103,7 +103,7 @@ async fn start_filler_ahead(engine: &Arc<Engine>, id: &str) {
             _ => return,
         }
     };
-    if !crate::fill::available() {
+    if !crate::fill::available(&engine.config.features_off) {
         return;
     }
     let spawned = tokio::task::spawn_blocking(move || {

@@ -141,6 +141,7 @@ pub async fn prepare(
     let started_wall = SystemTime::now();
     let peer = destination_of(engine, destination)?;
     check_migratable(engine, pid)?;
+    require_features(engine, strategy).await?;
     let criu = engine.criu.clone();
     blocking("probing CRIU", move || criu.probe()).await??;
     let migration_id = new_migration_id();
@@ -180,6 +181,34 @@ pub async fn prepare(
         started_wall,
         cancel: Default::default(),
     })
+}
+
+/// What `strategy` needs of this node's kernel that it lacks, refused
+/// before anything is touched: pre-copy's rounds track written pages with
+/// asynchronous userfaultfd write-protect and `PAGEMAP_SCAN`.
+async fn require_features(engine: &Engine, strategy: MemoryStrategy) -> Result<(), EngineError> {
+    if !matches!(
+        strategy,
+        MemoryStrategy::PreCopy | MemoryStrategy::QueuedPreCopy | MemoryStrategy::AssistedPostCopy
+    ) {
+        return Ok(());
+    }
+    let off = engine.config.features_off.clone();
+    let host = blocking("probing this host's features", move || {
+        crate::host_features::host(&off)
+    })
+    .await?;
+    for key in ["uffd_wp_async", "pagemap_scan"] {
+        if let Some(f) = host.features.iter().find(|f| f.key == key && !f.present) {
+            return Err(EngineError::FeatureMissing {
+                what: format!("{strategy:?}'s tracking of written pages"),
+                feature: f.name,
+                node: engine.node().to_owned(),
+                kernel: host.kernel.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Whether a post-copy's pages follow by ferryd: asked for (the default),
