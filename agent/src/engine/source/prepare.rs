@@ -291,8 +291,7 @@ async fn reserve(
     // Fresh socket list: ports opened since the last refresh move too.
     let tree = process::process_tree(pid);
     let sockets = process::sockets_of_tree(&tree).unwrap_or(sockets);
-    let criu_reads_limits = engine.criu.has_patch(crate::criu::RLIMITS_PROCFS_MARK);
-    vet(pid, tree.clone(), criu_reads_limits).await?;
+    vet(pid, tree.clone(), engine.criu.clone()).await?;
     // A connection to a process on the destination node would have to
     // become a connection within one host: no rewrite of one end does
     // that. Refused now, before anything is touched.
@@ -374,15 +373,21 @@ async fn reserve(
 
 /// What CRIU would refuse to dump (a socket of a family it cannot dump, a
 /// Unix socket connected outside the tree, a file lock, System V shared
-/// memory of the node's, a task of another user whose limits it cannot
-/// read: `criu_reads_limits` says whether it reads them from procfs), or
+/// memory of the node's, a task of another user whose limits `criu`
+/// cannot read: ferry's reads them from procfs), or
 /// dump into a broken copy (a pipe or terminal shared with the outside):
 /// refused now, with the process running. Found after the freeze, it
 /// would cost the freeze and a rollback.
-async fn vet(pid: i32, tree: Vec<i32>, criu_reads_limits: bool) -> Result<(), EngineError> {
+async fn vet(
+    pid: i32,
+    tree: Vec<i32>,
+    criu: Arc<dyn crate::criu::Checkpointer>,
+) -> Result<(), EngineError> {
     let processes = tree.len();
     let vet_started = Instant::now();
     let obstacles = blocking("vetting the process tree", move || {
+        // Known by the binary's mark (a file read, once per binary).
+        let criu_reads_limits = criu.has_patch(crate::criu::RLIMITS_PROCFS_MARK);
         let mut found = crate::managed::tree_obstacles(&tree)?;
         found.extend(process::privileges::limits_obstacles(
             &tree,
