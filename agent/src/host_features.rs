@@ -176,7 +176,7 @@ pub fn probe() -> HostFeatures {
         Feature {
             key: "cap_sys_resource",
             name: "CAP_SYS_RESOURCE",
-            present: cap(24),
+            present: cap(crate::process::privileges::CAP_SYS_RESOURCE),
             used_for: "CRIU's prlimit() on tasks of another user; pipes above fs.pipe-max-size",
             without: "ferry's CRIU reads other users' limits from procfs; another CRIU cannot move servers that drop root (refused before the freeze)",
             required: false,
@@ -221,8 +221,7 @@ fn kernel_release() -> String {
 /// The effective capability set of ferryd.
 fn own_effective_caps() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
-    u64::from_str_radix(hex.trim(), 16).ok()
+    crate::process::privileges::effective_caps(&status)
 }
 
 /// Whether the kernel knows the `PAGEMAP_SCAN` ioctl: a scan of an empty

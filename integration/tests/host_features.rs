@@ -11,7 +11,9 @@ use ferry_integration::managed::{
     wait_until_gone,
 };
 use ferry_integration::redis::Redis;
+use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
+use tonic::transport::Channel;
 
 /// A cluster whose agents treat `features` as missing.
 fn cluster_without(features: &[&str]) -> Cluster {
@@ -19,6 +21,28 @@ fn cluster_without(features: &[&str]) -> Cluster {
     let keys: Vec<String> = features.iter().map(|f| format!("{f:?}")).collect();
     spec.extra_config = format!("features_off = [{}]\n", keys.join(", "));
     Cluster::start(spec).expect("cluster")
+}
+
+/// Redis started under node1's agent, listening: node1's control client
+/// and its PID.
+async fn redis_on_node1(
+    cluster: &Cluster,
+    redis: &Redis,
+    dir: &std::path::Path,
+) -> (ControlClient<Channel>, i32) {
+    let mut node1 = cluster.control("node1").await.expect("control node1");
+    let pid = run(&mut node1, redis.argv(dir)).await;
+    wait_for_process(&mut node1, pid, |p| p.tcp_listening >= 1).await;
+    (node1, pid)
+}
+
+/// Ends `pid` and waits until it is gone.
+fn kill(pid: i32) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    wait_until_gone(pid);
 }
 
 /// Without `PAGEMAP_SCAN` pre-copy cannot track written pages: refused
@@ -35,9 +59,7 @@ fn pre_copy_without_pagemap_scan_is_refused_before_anything_stops() {
     let dir = tempfile::tempdir().expect("a dir for redis");
     let rt = runtime();
     rt.block_on(async {
-        let mut node1 = cluster.control("node1").await.expect("control node1");
-        let pid = run(&mut node1, redis.argv(dir.path())).await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_listening >= 1).await;
+        let (mut node1, pid) = redis_on_node1(&cluster, &redis, dir.path()).await;
         assert_eq!(redis.cli(&cluster, &["SET", "k", "v"]).expect("SET"), "OK");
         for strategy in [
             Strategy::PreCopy,
@@ -84,11 +106,7 @@ fn pre_copy_without_pagemap_scan_is_refused_before_anything_stops() {
         );
         wait_until_gone(pid);
         assert_eq!(redis.cli(&cluster, &["GET", "k"]).expect("GET"), "v");
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(report.destination_pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-        wait_until_gone(report.destination_pid);
+        kill(report.destination_pid);
     });
 }
 
@@ -107,9 +125,7 @@ fn pre_copy_without_userfaultfd_events_carries_its_pages_in_the_dump() {
     let dir = tempfile::tempdir().expect("a dir for redis");
     let rt = runtime();
     rt.block_on(async {
-        let mut node1 = cluster.control("node1").await.expect("control node1");
-        let pid = run(&mut node1, redis.argv(dir.path())).await;
-        wait_for_process(&mut node1, pid, |p| p.tcp_listening >= 1).await;
+        let (mut node1, pid) = redis_on_node1(&cluster, &redis, dir.path()).await;
         assert_eq!(
             redis
                 .cli(&cluster, &["DEBUG", "POPULATE", "20000", "key", "1000"])
@@ -140,10 +156,6 @@ fn pre_copy_without_userfaultfd_events_carries_its_pages_in_the_dump() {
             redis.cli(&cluster, &["DEBUG", "DIGEST"]).expect("DIGEST"),
             digest
         );
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(report.destination_pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-        wait_until_gone(report.destination_pid);
+        kill(report.destination_pid);
     });
 }

@@ -141,17 +141,20 @@ fn main_exec(args: Args) -> Result<()> {
 
 /// What this host lacks of what ferry uses, said once at start (all of it:
 /// `ferryd --check`), in the background: the probes take a few
-/// milliseconds, and nothing waits for them.
-fn log_host_features() {
-    std::thread::spawn(|| {
-        let host = ferry_agent::host_features::probe();
+/// milliseconds, and nothing waits for them. Their answers are kept
+/// (`host_features::host`), so that no migration probes again (the BTF is
+/// megabytes; the soft-dirty probe walks ferryd's own page tables).
+fn log_host_features(features_off: Vec<String>) {
+    std::thread::spawn(move || {
+        // Through the cache: the first migration finds the probes done.
+        let host = ferry_agent::host_features::host(&features_off);
         for f in host.missing() {
             tracing::warn!(
                 feature = f.name,
                 used_for = f.used_for,
                 without = f.without,
                 kernel = %host.kernel,
-                "this host lacks a feature ferry uses"
+                "this host lacks a feature ferry uses (or features_off turns it off)"
             );
         }
     });
@@ -179,7 +182,7 @@ fn check_config(path: &Path) -> Result<()> {
 
 async fn serve(config: Config) -> Result<()> {
     ferry_agent::engine::fault_point::announce();
-    log_host_features();
+    log_host_features(config.features_off.clone());
     check_criu(&config);
     prepare_work_dir(&config)?;
     raise_pipe_max_size();

@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use super::Obstacle;
 
 /// CAP_SYS_RESOURCE's bit in the capability sets (linux/capability.h).
-const CAP_SYS_RESOURCE: u32 = 24;
+pub const CAP_SYS_RESOURCE: u32 = 24;
 
 /// A task's real, effective, saved and file-system IDs, as the `Uid:` and
 /// `Gid:` lines of /proc/PID/status give them.
@@ -59,9 +59,13 @@ impl TaskIds {
 /// Whether the effective capability set in the text of a /proc/PID/status
 /// file holds CAP_SYS_RESOURCE (`None`: no `CapEff:` line).
 pub fn has_cap_sys_resource(status: &str) -> Option<bool> {
+    Some(effective_caps(status)? & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
+/// The effective capability set in the text of a /proc/PID/status file.
+pub fn effective_caps(status: &str) -> Option<u64> {
     let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
-    let caps = u64::from_str_radix(hex.trim(), 16).ok()?;
-    Some(caps & (1 << CAP_SYS_RESOURCE) != 0)
+    u64::from_str_radix(hex.trim(), 16).ok()
 }
 
 /// Tasks of `tree` whose resource limits the configured CRIU could not
