@@ -38,6 +38,23 @@ impl HostFeatures {
         self.features.iter().filter(|f| !f.present)
     }
 
+    /// Whether the feature `key` is present (false for an unknown key).
+    pub fn has(&self, key: &str) -> bool {
+        self.features.iter().any(|f| f.key == key && f.present)
+    }
+
+    /// The features as the peer and control APIs carry them.
+    pub fn to_pb(&self) -> Vec<ferry_proto::v1::HostFeature> {
+        self.features
+            .iter()
+            .map(|f| ferry_proto::v1::HostFeature {
+                key: f.key.to_owned(),
+                name: f.name.to_owned(),
+                present: f.present,
+            })
+            .collect()
+    }
+
     /// Whether ferryd can run here at all.
     pub fn runnable(&self) -> bool {
         self.missing().all(|f| !f.required)
@@ -74,6 +91,7 @@ pub const KEYS: &[&str] = &[
     "btf",
     "bpf_iter_tcp",
     "bpf_iter_task_vma",
+    "cgroup_sockopt",
     "cap_sys_resource",
     "cap_checkpoint_restore",
     "cap_bpf",
@@ -92,6 +110,15 @@ pub fn host(features_off: &[String]) -> HostFeatures {
         }
     }
     host
+}
+
+/// [`host`] from async code: the probes (the first time only) run off
+/// the runtime.
+pub async fn host_off_runtime(
+    features_off: &[String],
+) -> Result<HostFeatures, tokio::task::JoinError> {
+    let off = features_off.to_vec();
+    tokio::task::spawn_blocking(move || host(&off)).await
 }
 
 /// The feature `key` of this host, `features_off` applied (blocking the
@@ -122,7 +149,7 @@ pub fn probe() -> HostFeatures {
             name: "userfaultfd asynchronous write-protect",
             present: crate::uffd::has_features(crate::uffd::UFFD_FEATURE_WP_ASYNC).unwrap_or(false),
             used_for: "pre-copy's tracking of written pages (Linux 6.7+)",
-            without: "pre-copy, queued pre-copy and assisted post-copy fail before the freeze, naming it; total copy and post-copy work",
+            without: "pre-copy, queued pre-copy and assisted post-copy are refused before the freeze, naming it; total copy and post-copy work",
             required: false,
         },
         Feature {
@@ -138,7 +165,7 @@ pub fn probe() -> HostFeatures {
             name: "userfaultfd events (fork, remap, remove, unmap)",
             present: crate::uffd::has_features(crate::uffd::FILL_FEATURES).unwrap_or(false),
             used_for: "post-copy and the fill of held pages after the resume",
-            without: "post-copy with pages that follow is refused at its start; pre-copy carries the pages the destination holds in the freeze",
+            without: "post-copy and assisted post-copy to this node are refused before the freeze; pre-copy carries the pages this node holds in the freeze (said in the report)",
             required: false,
         },
         Feature {
@@ -162,7 +189,7 @@ pub fn probe() -> HostFeatures {
             name: "BPF iterator over TCP sockets",
             present: has_btf_type("bpf_iter__tcp"),
             used_for: "reading every connection's state in one pass in the freeze",
-            without: "no fallback yet (to come: each connection read by its own calls)",
+            without: "the freeze reads each connection by its own calls (said in the report)",
             required: false,
         },
         Feature {
@@ -171,6 +198,14 @@ pub fn probe() -> HostFeatures {
             present: has_btf_type("bpf_iter__task_vma"),
             used_for: "mappings' flags without smaps in the dump",
             without: "CRIU reads smaps, which walks every resident page (a longer dump)",
+            required: false,
+        },
+        Feature {
+            key: "cgroup_sockopt",
+            name: "cgroup setsockopt hook",
+            present: has_btf_type("bpf_sockopt_kern"),
+            used_for: "incremental socket migration's watch for option changes after the pre-read",
+            without: "incremental socket migration falls back to collective (said in the report)",
             required: false,
         },
         Feature {
@@ -186,7 +221,7 @@ pub fn probe() -> HostFeatures {
             name: "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN",
             present: cap(40) || cap(21),
             used_for: "CRIU's dump and restore",
-            without: "every migration fails",
+            without: "every migration from or to this node is refused before the freeze",
             required: false,
         },
         Feature {
@@ -202,7 +237,7 @@ pub fn probe() -> HostFeatures {
             name: "CAP_SYS_PTRACE",
             present: cap(19),
             used_for: "taking a process's connections and memory tracker (pidfd_getfd, ptrace)",
-            without: "every migration fails",
+            without: "every migration from this node is refused before the freeze",
             required: false,
         },
     ];
@@ -310,6 +345,7 @@ mod tests {
         assert!(has("PAGEMAP_SCAN"), "{}", host.table());
         assert!(has("BPF iterator over TCP sockets"), "{}", host.table());
         assert!(has("BPF iterator over mappings"), "{}", host.table());
+        assert!(has("cgroup setsockopt hook"), "{}", host.table());
         assert!(has("BTF (/sys/kernel/btf/vmlinux)"), "{}", host.table());
         // The kernel's build configuration, where it is published.
         let config = std::fs::read_to_string(format!("/boot/config-{}", host.kernel))

@@ -131,8 +131,13 @@ impl Control for ControlService {
         _: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
         let me = &self.node;
+        let host = crate::host_features::host_off_runtime(&me.config.features_off)
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
         let mut nodes = vec![Node {
             name: me.node().to_owned(),
+            kernel: host.kernel.clone(),
+            features: host.to_pb(),
             peer_address: me.config.cluster.peer_listen.to_string(),
             is_self: true,
             reachable: true,
@@ -161,6 +166,8 @@ impl Control for ControlService {
                     node.peer_protocol_version = h.protocol_version;
                     node.managed_processes = h.managed_processes;
                     node.cordoned = h.cordoned;
+                    node.kernel = h.kernel;
+                    node.features = h.features;
                 }
                 Err(e) => node.error = e.to_string(),
             }

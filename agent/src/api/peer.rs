@@ -155,11 +155,16 @@ impl Peer for PeerService {
                     ferry_proto::PEER_PROTOCOL_VERSIONS
                 ))
             })?;
+        let host = crate::host_features::host_off_runtime(&self.engine.config.features_off)
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(HelloResponse {
             node: self.engine.node().to_owned(),
             protocol_version: version,
             managed_processes: self.engine.processes.registry().len() as u32,
             cordoned: self.engine.cordon.is_on(),
+            kernel: host.kernel.clone(),
+            features: host.to_pb(),
         }))
     }
 

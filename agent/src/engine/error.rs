@@ -19,7 +19,7 @@ pub enum EngineError {
     )]
     FeatureMissing {
         what: String,
-        feature: &'static str,
+        feature: String,
         node: String,
         kernel: String,
     },

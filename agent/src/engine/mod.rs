@@ -303,6 +303,7 @@ mod images;
 pub mod journal;
 pub mod link;
 pub(crate) mod localpages;
+pub mod needs;
 mod pagesender;
 pub(crate) mod pagestore;
 mod pagetunnel;

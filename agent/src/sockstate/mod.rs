@@ -79,7 +79,7 @@ use std::net::SocketAddr;
 
 pub use extract::{Held, ReadCounts, StoppedSockets, take_sockets, unsupported_sockets};
 pub use flush::{Flushed, flush_send_queues};
-pub use preread::{Preread, PrereadConnection};
+pub use preread::{PER_PROCESS_PASS_FROM, Preread, PrereadConnection};
 pub use rebuild::{CONNECTION_TABLE_KEY, Handover, Rebuilt, empty_connection_table, rebuild};
 pub use stage::{Staged, ToStage, stage};
 pub use sys::{RepairWindow, prepare_descriptor_table};

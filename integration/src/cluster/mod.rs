@@ -96,6 +96,9 @@ pub struct ClusterSpec {
     pub ready_timeout: Duration,
     /// Extra top-level lines for every `ferryd.toml` (`criu_log_level = 4`).
     pub extra_config: String,
+    /// Extra top-level lines for one node's `ferryd.toml` (by name), after
+    /// `extra_config`: an agent configured unlike the others.
+    pub node_config: Vec<(String, String)>,
     /// `[dataplane] capture` of every agent (false: the drop-and-retransmit
     /// baseline).
     pub capture: bool,
@@ -123,6 +126,7 @@ impl Default for ClusterSpec {
             criu_path: None,
             ready_timeout: Duration::from_secs(20),
             extra_config: String::new(),
+            node_config: Vec::new(),
             capture: true,
             static_peers: true,
             tls: true,
@@ -370,7 +374,14 @@ impl Cluster {
                     .filter(|(name, _)| self.spec.static_peers && *name != node.name)
                     .cloned()
                     .collect(),
-                extra: self.spec.extra_config.clone(),
+                extra: self
+                    .spec
+                    .node_config
+                    .iter()
+                    .filter(|(name, _)| *name == node.name)
+                    .fold(self.spec.extra_config.clone(), |all, (_, lines)| {
+                        all + "\n" + lines + "\n"
+                    }),
                 capture: self.spec.capture,
                 pin_dir: bpf.path().join("pins"),
                 tls: match &outsiders {

@@ -51,8 +51,14 @@ pub(crate) struct Args {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// The cluster's nodes and whether they answer.
-    Nodes,
+    /// The cluster's nodes, whether they answer, their kernels and the
+    /// kernel features each lacks.
+    Nodes {
+        /// Every feature of every node, present or not (`ferryd --check`
+        /// on each).
+        #[arg(long)]
+        features: bool,
+    },
     /// Processes managed by this node (or --node's), with their ports and
     /// connections.
     Ps {

@@ -10,14 +10,14 @@ use crate::connection::{Client, status_error};
 use crate::output::{print_balancer, print_data_plane, print_nodes};
 use crate::{drain, events};
 
-pub(crate) async fn nodes(client: &mut Client, as_json: bool) -> Result<()> {
+pub(crate) async fn nodes(client: &mut Client, features: bool, as_json: bool) -> Result<()> {
     let nodes = client
         .list_nodes(ListNodesRequest {})
         .await
         .map_err(status_error)?
         .into_inner()
         .nodes;
-    print_nodes(nodes, as_json)
+    print_nodes(nodes, features, as_json)
 }
 
 pub(crate) async fn cordon(

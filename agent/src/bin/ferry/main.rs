@@ -56,7 +56,7 @@ fn main() -> ExitCode {
 /// agent.
 async fn main_exec(mut args: Args) -> Result<()> {
     // Taken out so that `args` stays whole for connect().
-    let command = std::mem::replace(&mut args.command, Command::Nodes);
+    let command = std::mem::replace(&mut args.command, Command::Nodes { features: false });
     let command = match command {
         Command::Cert(c) => return cert::run(c, args.json),
         c => c,
@@ -67,7 +67,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
     let json = args.json;
     match command {
         Command::Cert(_) => unreachable!("handled above"),
-        Command::Nodes => cluster::nodes(client, json).await,
+        Command::Nodes { features } => cluster::nodes(client, features, json).await,
         Command::Ps { all } => processes::ps(client, node, all, json).await,
         Command::Run {
             argv,

@@ -6,8 +6,9 @@ use anyhow::Result;
 use ferry_proto::v1::{self as pb, MigrationReport};
 use serde_json::json;
 
-/// `ferry nodes`: a table of the cluster's nodes.
-pub(crate) fn print_nodes(nodes: Vec<pb::Node>, as_json: bool) -> Result<()> {
+/// `ferry nodes`: a table of the cluster's nodes; `features`: then each
+/// node's kernel features, present or not.
+pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -> Result<()> {
     if as_json {
         let v: Vec<_> = nodes.iter().map(|n| json!({
             "name": n.name, "peer_address": n.peer_address, "self": n.is_self,
@@ -15,44 +16,77 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, as_json: bool) -> Result<()> {
             "managed_processes": n.managed_processes, "error": n.error,
             "membership_state": n.membership_state, "load": if n.has_load { json!(n.load) } else { json!(null) },
             "load_age_ms": n.load_age_ms, "candidate": n.candidate, "cordoned": n.cordoned,
+            "kernel": n.kernel,
+            "features": n.features.iter().map(|f| json!({
+                "key": f.key, "name": f.name, "present": f.present,
+            })).collect::<Vec<_>>(),
+            "lacks": lacks(n),
         })).collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
+        return Ok(());
+    }
+    println!(
+        "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {:<20} {:<28}  NOTE",
+        "NODE", "PEER ADDRESS", "STATE", "SWIM", "LOAD", "PROTOCOL", "MANAGED", "KERNEL", "LACKS"
+    );
+    for n in &nodes {
+        let state = if n.reachable { "up" } else { "down" };
+        let mut note = if n.is_self {
+            "this node".to_owned()
+        } else if n.candidate {
+            format!("balancer candidate {}", n.error)
+        } else {
+            n.error.clone()
+        };
+        if n.cordoned {
+            note = format!("cordoned; {note}");
+        }
+        let load = if n.has_load {
+            format!("{:.2}", n.load)
+        } else {
+            "-".into()
+        };
+        let lacking = lacks(n);
+        let lacking = if n.features.is_empty() {
+            "-".to_owned()
+        } else if lacking.is_empty() {
+            "nothing".to_owned()
+        } else {
+            lacking.join(",")
+        };
         println!(
-            "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  NOTE",
-            "NODE", "PEER ADDRESS", "STATE", "SWIM", "LOAD", "PROTOCOL", "MANAGED"
+            "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {:<20} {:<28}  {}",
+            n.name,
+            n.peer_address,
+            state,
+            n.membership_state,
+            load,
+            n.peer_protocol_version,
+            n.managed_processes,
+            if n.kernel.is_empty() { "-" } else { &n.kernel },
+            lacking,
+            note
         );
-        for n in nodes {
-            let state = if n.reachable { "up" } else { "down" };
-            let mut note = if n.is_self {
-                "this node".to_owned()
-            } else if n.candidate {
-                format!("balancer candidate {}", n.error)
-            } else {
-                n.error
-            };
-            if n.cordoned {
-                note = format!("cordoned; {note}");
+    }
+    if features {
+        for n in nodes.iter().filter(|n| !n.features.is_empty()) {
+            println!("\n{} (kernel {})", n.name, n.kernel);
+            for f in &n.features {
+                let mark = if f.present { "yes" } else { "NO " };
+                println!("  {mark}  {:<24} {}", f.key, f.name);
             }
-            let load = if n.has_load {
-                format!("{:.2}", n.load)
-            } else {
-                "-".into()
-            };
-            println!(
-                "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {}",
-                n.name,
-                n.peer_address,
-                state,
-                n.membership_state,
-                load,
-                n.peer_protocol_version,
-                n.managed_processes,
-                note
-            );
         }
     }
     Ok(())
+}
+
+/// The keys of the features node `n` lacks.
+fn lacks(n: &pb::Node) -> Vec<&str> {
+    n.features
+        .iter()
+        .filter(|f| !f.present)
+        .map(|f| f.key.as_str())
+        .collect()
 }
 
 /// `ferry ps`: a table of managed processes, with the ports refused them
@@ -201,6 +235,12 @@ fn report_json(r: &MigrationReport, names: &ReportNames) -> serde_json::Value {
     v["drain_time_ms"] = json!(ms(r.drain_time_us));
     v["drain_bytes_at_start"] = json!(r.drain_bytes_at_start);
     v["drain_bytes_left"] = json!(r.drain_bytes_left);
+    v["fallbacks"] = json!(
+        r.fallbacks
+            .iter()
+            .map(|f| json!({"feature": f.feature, "node": f.node, "instead": f.instead}))
+            .collect::<Vec<_>>()
+    );
     if let Some(s) = &r.replay {
         v["replay"]["carried"] = json!(s.carried);
     }
@@ -304,6 +344,9 @@ fn print_connections(r: &MigrationReport, sockets: &str) {
     }
     if !r.sockets_note.is_empty() {
         println!("                      ({})", r.sockets_note);
+    }
+    for f in &r.fallbacks {
+        println!("  without {} on {}: {}", f.feature, f.node, f.instead);
     }
     if r.drain_time_us > 0 || r.drain_bytes_at_start > 0 {
         println!(

@@ -43,6 +43,21 @@ impl Fixture {
         source_criu: impl FnOnce(&std::path::Path) -> Option<Arc<dyn crate::criu::Checkpointer>>,
         links: Option<Arc<dyn crate::engine::link::Connector>>,
     ) -> Fixture {
+        Self::configured("", peers, source_criu, links)
+    }
+
+    /// [`Fixture::new`] with `top_level` lines in its `ferryd.toml`
+    /// (`features_off = ["uffd_events"]`).
+    pub fn with_config(top_level: &str) -> Fixture {
+        Self::configured(top_level, &[], |_| None, None)
+    }
+
+    fn configured(
+        top_level: &str,
+        peers: &[(&str, &str)],
+        source_criu: impl FnOnce(&std::path::Path) -> Option<Arc<dyn crate::criu::Checkpointer>>,
+        links: Option<Arc<dyn crate::engine::link::Connector>>,
+    ) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let criu = dir.path().join("criu");
         std::fs::write(&criu, "#!/bin/sh\necho 'Version: 4.2.1'\n").unwrap();
@@ -52,6 +67,7 @@ impl Fixture {
             r#"node = "node2"
 work_dir = "{}"
 criu_path = "{}"
+{top_level}
 [public]
 interface = "pub0"
 address = "198.18.0.100"

@@ -12,7 +12,9 @@ use crate::criu;
 use crate::dataplane::PortState;
 use crate::engine::fault_point::{self, Side};
 use crate::engine::journal::{IncomingStage, Record};
+use crate::engine::needs::{self, Role};
 use crate::engine::pagestore::PageStore;
+use crate::engine::precopy::MemoryStrategy;
 use crate::engine::{Engine, EngineError, set_private};
 use crate::process::PortKey;
 
@@ -47,6 +49,7 @@ pub async fn prepare(
         .map(PortKey::from_pb)
         .collect::<Result<Vec<_>, _>>()?;
     engine.cordon.refuse_if_on()?;
+    require_features(engine, req.strategy).await?;
     let room = {
         let (dir, limit) = (
             engine.config.work_dir.clone(),
@@ -183,6 +186,31 @@ pub async fn prepare(
     drop(slot);
     fault_point::reached(Side::Destination, "Prepared").await;
     Ok(takes)
+}
+
+/// What the migration's strategy needs of this node's kernel and
+/// privileges that it lacks (`needs`), refused before the source stops
+/// anything. An unspecified strategy (an older source) is not checked.
+async fn require_features(engine: &Engine, strategy: i32) -> Result<(), EngineError> {
+    let strategy = match ferry_proto::v1::Strategy::try_from(strategy) {
+        Ok(s) => match MemoryStrategy::from_pb(s) {
+            Some(s) => s,
+            None => return Ok(()),
+        },
+        Err(_) => {
+            return Err(EngineError::InvalidField {
+                field: "strategy",
+                reason: format!("{strategy} is no strategy this node knows"),
+            });
+        }
+    };
+    let host = crate::host_features::host_off_runtime(&engine.config.features_off)
+        .await
+        .map_err(|source| EngineError::Task {
+            what: "probing this host's features",
+            source,
+        })?;
+    needs::check_here(Role::Destination, strategy, &host, engine.node())
 }
 
 /// What this node's CRIU restores (its version checked): the answer to

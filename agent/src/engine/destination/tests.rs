@@ -46,6 +46,59 @@ fn prepare_req(id: &str, port: u32) -> PrepareRequest {
         }],
         resident_bytes: 8 << 20,
         dumped_bytes: 6 << 20,
+        strategy: pb::Strategy::TotalCopy as i32,
+    }
+}
+
+/// A destination lacking what the strategy needs of it refuses at Prepare,
+/// naming the feature and itself, before it reserves anything: also when
+/// the source did not check (an older or foreign one). An unspecified
+/// strategy (an older source) is not checked; an unknown one is refused.
+#[tokio::test]
+async fn a_destination_without_a_needed_feature_refuses_at_prepare() {
+    let f = Fixture::with_config(r#"features_off = ["uffd_events"]"#);
+    for strategy in [pb::Strategy::PostCopy, pb::Strategy::AssistedPostCopy] {
+        let err = prepare(
+            &f.engine,
+            PrepareRequest {
+                strategy: strategy as i32,
+                ..prepare_req("aaaa", 7000)
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("uffd_events") && text.contains("node2"),
+            "{text}"
+        );
+        assert!(f.filter.0.lock().unwrap().is_empty(), "ports touched");
+        assert!(f.engine.incoming.lock().await.is_none(), "slot reserved");
+    }
+    let err = prepare(
+        &f.engine,
+        PrepareRequest {
+            strategy: 99,
+            ..prepare_req("aaaa", 7000)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    assert!(err.to_string().contains("strategy"), "{err}");
+    for strategy in [pb::Strategy::Unspecified, pb::Strategy::PreCopy] {
+        let id = format!("ok{}", strategy as i32);
+        prepare(
+            &f.engine,
+            PrepareRequest {
+                strategy: strategy as i32,
+                ..prepare_req(&id, 7000)
+            },
+        )
+        .await
+        .unwrap();
+        abort_test_migration(&f.engine, &id).await;
     }
 }
 

@@ -81,6 +81,10 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
         (None, None)
     };
     let held_pages = leave_held_pages_out(run).await?;
+    // The mappings' flags by ferryd's iterator, where CRIU takes them and
+    // the kernel has the iterator; otherwise CRIU reads smaps.
+    let vma_flags_by_iterator =
+        run.engine.criu.has_patch(criu::VMA_FLAGS_MARK) && vma_flags_iterator_here(run);
     let criu_pid = Arc::new(AtomicI32::new(0));
     let collective = run.p.socket_migration.is_collective();
     let marks = Arc::new(Marks::default());
@@ -124,6 +128,7 @@ pub(super) async fn dump(run: &mut Run, d: Dumping) -> Result<Phase, EngineError
         // Pre-copy's throttle, if the rounds converged with it: on until
         // CRIU is about to freeze the process.
         throttle: run.undo.precopy.as_mut().and_then(|p| p.throttle.take()),
+        vma_flags_by_iterator,
     };
     let dump_task = tokio::task::spawn_blocking(move || task.run());
     // Spawned, not polled beside the dump: it runs while the dump does,
@@ -279,6 +284,22 @@ fn remove_notes_to_criu(images: &std::path::Path) {
     }
 }
 
+/// Whether this node has the iterator over mappings CRIU's flags come
+/// from; if not, the report says CRIU read smaps.
+fn vma_flags_iterator_here(run: &mut Run) -> bool {
+    if run.p.host.has("bpf_iter_task_vma") {
+        return true;
+    }
+    let node = run.engine.node().to_owned();
+    run.fall_back(
+        "bpf_iter_task_vma",
+        &node,
+        "CRIU read the mappings' flags from smaps (a walk of every resident page in the freeze)"
+            .into(),
+    );
+    false
+}
+
 /// Opens the iterators of the mappings' flags for each process of the
 /// tree (`criu::vmflags`); `None`: CRIU reads smaps. Blocking.
 fn hand_vma_flags(req: &criu::DumpRequest) -> Option<criu::vmflags::ForCriu> {
@@ -420,6 +441,8 @@ struct DumpTask {
     ready_tx: Option<tokio::sync::oneshot::Sender<Taken>>,
     states_to: crate::engine::sockettaker::StatesTo,
     throttle: Option<crate::engine::throttle::Throttle>,
+    /// CRIU takes the mappings' flags from ferryd's iterators.
+    vma_flags_by_iterator: bool,
 }
 
 impl DumpTask {
@@ -431,8 +454,8 @@ impl DumpTask {
         // The mappings' flags for CRIU without smaps' page walk in the
         // freeze: iterators opened now, read by CRIU once the tree is
         // stopped; open until the dump ends.
-        let vma_flags = criu
-            .has_patch(criu::VMA_FLAGS_MARK)
+        let vma_flags = self
+            .vma_flags_by_iterator
             .then(|| hand_vma_flags(&req))
             .flatten();
         if let Some(v) = &vma_flags {

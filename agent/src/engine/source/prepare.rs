@@ -5,12 +5,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use ferry_proto::v1::{AbortRequest, HelloRequest, PrepareRequest};
+use ferry_proto::v1::{AbortRequest, Fallback, HelloRequest, HelloResponse, PrepareRequest};
 
 use crate::config::PeerConfig;
 use crate::engine::link::{PeerLink, peer_error, silent};
+use crate::engine::needs::{self, Role};
 use crate::engine::precopy::{Convergence, MemoryStrategy};
 use crate::engine::{Engine, EngineError, blocking, new_migration_id};
+use crate::host_features::HostFeatures;
 use crate::managed::{Lifecycle, OutStage};
 use crate::process::{self, PortKey, SocketSummary};
 use crate::sockstate::{self, SocketMigration};
@@ -73,6 +75,13 @@ pub struct Prepared {
     pub(super) convergence: Convergence,
     pub(super) started: Instant,
     pub(super) started_wall: SystemTime,
+    /// What the migration does without a feature a node lacks, known at
+    /// Prepare (more are added as the work meets them): the report's
+    /// `fallbacks`.
+    pub(super) fallbacks: Vec<Fallback>,
+    /// This node's kernel features (`features_off` applied), as Prepare
+    /// found them: the later phases' fallbacks read them here.
+    pub(super) host: HostFeatures,
     /// `Control.CancelMigration`'s switch, and the migration's end.
     pub cancel: Arc<crate::engine::cancel::Cancel>,
 }
@@ -141,19 +150,21 @@ pub async fn prepare(
     let started_wall = SystemTime::now();
     let peer = destination_of(engine, destination)?;
     check_migratable(engine, pid)?;
-    require_features(engine, strategy).await?;
+    let host = require_features(engine, strategy).await?;
     let criu = engine.criu.clone();
     blocking("probing CRIU", move || criu.probe()).await??;
     let migration_id = new_migration_id();
     let (argv, sockets) = claim(engine, pid, &migration_id)?;
     let reserved = reserve(engine, pid, &migration_id, &peer, strategy, argv, sockets).await;
-    let (link, protocol_version, sockets, answer) = match reserved {
+    let (link, hello, sockets, answer) = match reserved {
         Ok(r) => r,
         Err(e) => {
             engine.processes.set_lifecycle(pid, Lifecycle::Running);
             return Err(e);
         }
     };
+    let protocol_version = hello.protocol_version;
+    let fallbacks = fallbacks_known_at_prepare(strategy, &hello);
     let (socket_migration, socket_note) =
         sockstate::choose(wanted_sockets, sockets.tcp_other, protocol_version);
     if let Some(why) = &socket_note {
@@ -179,36 +190,50 @@ pub async fn prepare(
         convergence,
         started,
         started_wall,
+        fallbacks,
+        host,
         cancel: Default::default(),
     })
 }
 
-/// What `strategy` needs of this node's kernel that it lacks, refused
-/// before anything is touched: pre-copy's rounds track written pages with
-/// asynchronous userfaultfd write-protect and `PAGEMAP_SCAN`.
-async fn require_features(engine: &Engine, strategy: MemoryStrategy) -> Result<(), EngineError> {
-    if !matches!(
-        strategy,
-        MemoryStrategy::PreCopy | MemoryStrategy::QueuedPreCopy | MemoryStrategy::AssistedPostCopy
-    ) {
-        return Ok(());
+/// The fallbacks the destination's Hello already decides: a pre-copy to a
+/// node whose userfaultfd lacks the filler's events carries the pages it
+/// holds in the freeze's dump.
+fn fallbacks_known_at_prepare(strategy: MemoryStrategy, hello: &HelloResponse) -> Vec<Fallback> {
+    let mut fallbacks = Vec::new();
+    if strategy.is_precopy()
+        && !strategy.is_postcopy()
+        && needs::lacks(&hello.features, "uffd_events")
+    {
+        fallbacks.push(Fallback {
+            feature: "uffd_events".into(),
+            node: hello.node.clone(),
+            instead: format!(
+                "the freeze's dump carried every page, also those {} held from the rounds \
+                 (no fill after the resume)",
+                hello.node
+            ),
+        });
     }
-    let off = engine.config.features_off.clone();
-    let host = blocking("probing this host's features", move || {
-        crate::host_features::host(&off)
-    })
-    .await?;
-    for key in ["uffd_wp_async", "pagemap_scan"] {
-        if let Some(f) = host.features.iter().find(|f| f.key == key && !f.present) {
-            return Err(EngineError::FeatureMissing {
-                what: format!("{strategy:?}'s tracking of written pages"),
-                feature: f.name,
-                node: engine.node().to_owned(),
-                kernel: host.kernel.clone(),
-            });
-        }
-    }
-    Ok(())
+    fallbacks
+}
+
+/// What `strategy` needs of this node's kernel and privileges that it
+/// lacks, refused before anything is touched (`needs`): pre-copy's rounds
+/// track written pages with asynchronous userfaultfd write-protect and
+/// `PAGEMAP_SCAN`; every migration needs CRIU's and ptrace's privileges.
+async fn require_features(
+    engine: &Engine,
+    strategy: MemoryStrategy,
+) -> Result<HostFeatures, EngineError> {
+    let host = crate::host_features::host_off_runtime(&engine.config.features_off)
+        .await
+        .map_err(|source| EngineError::Task {
+            what: "probing this host's features",
+            source,
+        })?;
+    needs::check_here(Role::Source, strategy, &host, engine.node())?;
+    Ok(host)
 }
 
 /// Whether a post-copy's pages follow by ferryd: asked for (the default),
@@ -282,7 +307,7 @@ async fn reserve(
 ) -> Result<
     (
         Arc<dyn PeerLink>,
-        u32,
+        HelloResponse,
         SocketSummary,
         ferry_proto::v1::PrepareResponse,
     ),
@@ -329,9 +354,10 @@ async fn reserve(
     .await??;
     let link = engine.links.connect(peer).await?;
     let deadline = Duration::from_secs(engine.config.peer_timeout_secs);
-    let version = tokio::time::timeout(deadline, hello(engine, link.as_ref(), peer, pid, strategy))
+    let hello = tokio::time::timeout(deadline, hello(engine, link.as_ref(), peer, pid, strategy))
         .await
         .map_err(|_| silent(peer, "Hello", deadline))??;
+    let version = hello.protocol_version;
     let prepare = link.prepare(PrepareRequest {
         protocol_version: version,
         migration_id: migration_id.to_owned(),
@@ -341,6 +367,7 @@ async fn reserve(
         ports: sockets.ports.iter().map(PortKey::to_pb).collect(),
         resident_bytes: memory.resident,
         dumped_bytes: memory.dumped,
+        strategy: strategy.to_pb() as i32,
     });
     let answer = match tokio::time::timeout(deadline, prepare).await {
         Ok(Ok(answer)) => answer,
@@ -368,7 +395,7 @@ async fn reserve(
     if let Some(p) = engine.processes.registry().get_mut(pid) {
         p.sockets = sockets.clone();
     }
-    Ok((link, version, sockets, answer))
+    Ok((link, hello, sockets, answer))
 }
 
 /// What CRIU would refuse to dump (a socket of a family it cannot dump, a
@@ -424,7 +451,7 @@ async fn hello(
     peer: &PeerConfig,
     pid: i32,
     strategy: MemoryStrategy,
-) -> Result<u32, EngineError> {
+) -> Result<HelloResponse, EngineError> {
     let hello = link
         .hello(HelloRequest {
             node: engine.node().to_owned(),
@@ -462,7 +489,16 @@ async fn hello(
             EngineError::HostSetting(format!("post-copy on {}: {e}", engine.node()))
         })?;
     }
-    Ok(hello.protocol_version)
+    // What the destination lacks for `strategy`, refused here already: it
+    // refuses at Prepare too, but a source that knows asks nothing of it.
+    needs::check(
+        &needs::of(Role::Destination, strategy),
+        &hello.features,
+        &peer.name,
+        &hello.kernel,
+        strategy,
+    )?;
+    Ok(hello)
 }
 
 fn not_managed(pid: i32, node: &str) -> EngineError {

@@ -86,6 +86,7 @@ impl Run {
             capture: engine.config.dataplane.capture,
             sockets: p.socket_migration.to_pb() as i32,
             sockets_note: p.socket_note.clone().unwrap_or_default(),
+            fallbacks: p.fallbacks.clone(),
             started_at_unix_ms: p
                 .started_wall
                 .duration_since(UNIX_EPOCH)
@@ -173,6 +174,17 @@ impl Run {
     /// The images' directory.
     pub fn images(&self) -> PathBuf {
         self.dir.join("images")
+    }
+
+    /// Says in the report (and the log) that the migration does without
+    /// `feature`, which `node` lacks, and what it does `instead`.
+    pub fn fall_back(&mut self, feature: &str, node: &str, instead: String) {
+        tracing::info!(feature, node, instead = %instead, "a feature the node lacks: fallback");
+        self.report.fallbacks.push(ferry_proto::v1::Fallback {
+            feature: feature.to_owned(),
+            node: node.to_owned(),
+            instead,
+        });
     }
 
     /// A progress event with the migration's time and bytes so far.
