@@ -176,6 +176,7 @@ fn pre_copy_without_userfaultfd_events_carries_its_pages_in_the_dump() {
             MigrationOutcome::Committed as i32,
             "{report:#?}"
         );
+        assert_eq!(fallbacks(&report), ["uffd_events@node2"], "{report:#?}");
         assert_eq!(report.left_out_pages, 0, "{report:#?}");
         assert_eq!(report.filled_pages, 0, "{report:#?}");
         assert!(report.precopied_pages > 0, "{report:#?}");
