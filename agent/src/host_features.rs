@@ -149,7 +149,7 @@ pub fn probe() -> HostFeatures {
             name: "userfaultfd asynchronous write-protect",
             present: crate::uffd::has_features(crate::uffd::UFFD_FEATURE_WP_ASYNC).unwrap_or(false),
             used_for: "pre-copy's tracking of written pages (Linux 6.7+)",
-            without: "pre-copy, queued pre-copy and assisted post-copy are refused before the freeze, naming it; total copy and post-copy work",
+            without: "pre-copy, queued pre-copy and assisted post-copy asked for are refused before the freeze, naming it; a configured one gives way to total copy (said in the report)",
             required: false,
         },
         Feature {
@@ -165,7 +165,7 @@ pub fn probe() -> HostFeatures {
             name: "userfaultfd events (fork, remap, remove, unmap)",
             present: crate::uffd::has_features(crate::uffd::FILL_FEATURES).unwrap_or(false),
             used_for: "post-copy and the fill of held pages after the resume",
-            without: "post-copy and assisted post-copy to this node are refused before the freeze; pre-copy carries the pages this node holds in the freeze (said in the report)",
+            without: "post-copy to this node is refused before the freeze if asked for, total copy if configured; pre-copy carries the pages this node holds in the freeze (said in the report)",
             required: false,
         },
         Feature {

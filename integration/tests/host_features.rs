@@ -441,3 +441,71 @@ fn a_source_without_the_iterators_and_the_sockopt_hook_falls_back_and_says_so() 
         kill(back.destination_pid);
     });
 }
+
+/// A migration that names no strategy takes the node's configured one; a
+/// node that lacks what that needs gives way to total copy, and the report
+/// says which feature of which node made it: the destination's (no
+/// userfaultfd events for post-copy) and the source's (no asynchronous
+/// write-protect for pre-copy). Redis's data is intact after both moves.
+#[test]
+fn a_configured_strategy_a_node_cannot_run_gives_way_to_total_copy() {
+    let test = "a_configured_strategy_a_node_cannot_run_gives_way_to_total_copy";
+    if !ferry_integration::can_run(test) {
+        return;
+    }
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.node_config = vec![
+        (
+            "node1".into(),
+            "[migration]\nstrategy = \"post-copy\"\n".into(),
+        ),
+        (
+            "node2".into(),
+            features_off(&["uffd_events", "uffd_wp_async"])
+                + "[migration]\nstrategy = \"pre-copy\"\n",
+        ),
+    ];
+    let cluster = Cluster::start(spec).expect("cluster");
+    let redis = Redis { port: 7409 };
+    let dir = tempfile::tempdir().expect("a dir for redis");
+    let rt = runtime();
+    rt.block_on(async {
+        let (mut node1, pid) = redis_on_node1(&cluster, &redis, dir.path()).await;
+        let mut node2 = cluster.control("node2").await.expect("control node2");
+        assert_eq!(
+            redis
+                .cli(&cluster, &["DEBUG", "POPULATE", "5000", "key", "100"])
+                .expect("POPULATE"),
+            "OK"
+        );
+        let digest = redis.cli(&cluster, &["DEBUG", "DIGEST"]).expect("DIGEST");
+        let unnamed = |pid: i32, to: &str| MigrateRequest {
+            pid,
+            destination_node: to.into(),
+            ..Default::default()
+        };
+        let there = migrate_committed(&mut node1, unnamed(pid, "node2")).await;
+        assert_eq!(there.strategy, Strategy::TotalCopy as i32, "{there:#?}");
+        assert_eq!(fallbacks(&there), ["uffd_events@node2"], "{there:#?}");
+        assert!(
+            there.fallbacks[0].instead.contains("post-copy"),
+            "{there:#?}"
+        );
+        wait_until_gone(pid);
+        assert_eq!(
+            redis.cli(&cluster, &["DEBUG", "DIGEST"]).expect("DIGEST"),
+            digest
+        );
+        wait_for_process(&mut node2, there.destination_pid, |p| p.tcp_listening >= 1).await;
+        let back = migrate_committed(&mut node2, unnamed(there.destination_pid, "node1")).await;
+        assert_eq!(back.strategy, Strategy::TotalCopy as i32, "{back:#?}");
+        assert_eq!(fallbacks(&back), ["uffd_wp_async@node2"], "{back:#?}");
+        assert!(back.fallbacks[0].instead.contains("pre-copy"), "{back:#?}");
+        wait_until_gone(there.destination_pid);
+        assert_eq!(
+            redis.cli(&cluster, &["DEBUG", "DIGEST"]).expect("DIGEST"),
+            digest
+        );
+        kill(back.destination_pid);
+    });
+}

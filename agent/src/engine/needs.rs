@@ -4,11 +4,12 @@
 //! (from its Hello), and by the destination for itself at Prepare (a source
 //! of another version may not know).
 //!
-//! What a node can do without (a fallback) is not here: each fallback is
-//! taken where its work is done, and said in the report
-//! (`MigrationReport.fallbacks`).
+//! A strategy the request did not name (the node's configured one) gives
+//! way to total copy where a node lacks what it needs ([`settle`]). Other
+//! fallbacks are taken where their work is done; all are said in the
+//! report (`MigrationReport.fallbacks`).
 
-use ferry_proto::v1::HostFeature;
+use ferry_proto::v1::{Fallback, HostFeature};
 
 use super::EngineError;
 use crate::config::MemoryStrategy;
@@ -69,10 +70,23 @@ pub fn of(role: Role, strategy: MemoryStrategy) -> Vec<Need> {
     needs
 }
 
+/// The first of `needs` that `features` (a node's, as the peer API carries
+/// them) says is missing. A feature `features` does not list (a node of an
+/// older version) is unknown, not missing.
+pub fn first_missing<'f>(
+    needs: &[Need],
+    features: &'f [HostFeature],
+) -> Option<(Need, &'f HostFeature)> {
+    needs.iter().find_map(|need| {
+        features
+            .iter()
+            .find(|f| f.key == need.key && !f.present)
+            .map(|f| (*need, f))
+    })
+}
+
 /// Refuses, naming the feature, `node` and its kernel, the first of
-/// `needs` that `features` (a node's, as the peer API carries them) says
-/// is missing. A feature `features` does not list (a node of an older
-/// version) is not refused: it is unknown, not missing.
+/// `needs` that `features` says is missing ([`first_missing`]).
 pub fn check(
     needs: &[Need],
     features: &[HostFeature],
@@ -80,17 +94,60 @@ pub fn check(
     kernel: &str,
     strategy: MemoryStrategy,
 ) -> Result<(), EngineError> {
-    for need in needs {
-        if let Some(f) = features.iter().find(|f| f.key == need.key && !f.present) {
-            return Err(EngineError::FeatureMissing {
-                what: format!("{} ({})", need.what, strategy.name()),
-                feature: format!("{} [{}]", f.name, f.key),
-                node: node.to_owned(),
-                kernel: kernel.to_owned(),
-            });
-        }
+    match first_missing(needs, features) {
+        None => Ok(()),
+        Some((need, f)) => Err(missing(need, f, node, kernel, strategy)),
     }
-    Ok(())
+}
+
+fn missing(
+    need: Need,
+    f: &HostFeature,
+    node: &str,
+    kernel: &str,
+    strategy: MemoryStrategy,
+) -> EngineError {
+    EngineError::FeatureMissing {
+        what: format!("{} ({})", need.what, strategy.name()),
+        feature: format!("{} [{}]", f.name, f.key),
+        node: node.to_owned(),
+        kernel: kernel.to_owned(),
+    }
+}
+
+/// The strategy a migration takes given what `node` (as `role`) has: the
+/// one asked for, refused ([`check`]) if the node lacks what it needs; or,
+/// when the request named none (`defaulted`: the node's configured
+/// strategy, the balancer's migrations), total copy instead, which needs
+/// nothing more than any migration, with the fallback noted. A need of
+/// every migration (CRIU's privileges) is refused either way.
+pub fn settle(
+    role: Role,
+    strategy: MemoryStrategy,
+    defaulted: bool,
+    features: &[HostFeature],
+    node: &str,
+    kernel: &str,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<MemoryStrategy, EngineError> {
+    let Some((need, f)) = first_missing(&of(role, strategy), features) else {
+        return Ok(strategy);
+    };
+    let total = MemoryStrategy::TotalCopy;
+    if !defaulted || first_missing(&of(role, total), features).is_some() {
+        return Err(missing(need, f, node, kernel, strategy));
+    }
+    fallbacks.push(Fallback {
+        feature: f.key.clone(),
+        node: node.to_owned(),
+        instead: format!(
+            "total copy, not the configured {} ({} needs {})",
+            strategy.name(),
+            need.what,
+            f.name
+        ),
+    });
+    Ok(total)
 }
 
 /// [`check`] against this node's own features.
@@ -213,6 +270,67 @@ mod tests {
         }
         assert!(!lacks(&[], "uffd_events"));
         assert!(lacks(&features(&["uffd_events"]), "uffd_events"));
+    }
+
+    #[test]
+    fn a_configured_strategy_gives_way_to_total_copy_an_asked_one_is_refused() {
+        let lacking = features(&["uffd_wp_async"]);
+        let mut fallbacks = Vec::new();
+        let asked = settle(
+            Role::Source,
+            MemoryStrategy::PreCopy,
+            false,
+            &lacking,
+            "node1",
+            "5.15.0",
+            &mut fallbacks,
+        );
+        assert!(
+            matches!(asked, Err(EngineError::FeatureMissing { .. })),
+            "{asked:?}"
+        );
+        assert!(fallbacks.is_empty());
+        let configured = settle(
+            Role::Source,
+            MemoryStrategy::PreCopy,
+            true,
+            &lacking,
+            "node1",
+            "5.15.0",
+            &mut fallbacks,
+        )
+        .unwrap();
+        assert_eq!(configured, MemoryStrategy::TotalCopy);
+        assert_eq!(fallbacks.len(), 1);
+        assert_eq!(fallbacks[0].feature, "uffd_wp_async");
+        assert_eq!(fallbacks[0].node, "node1");
+        assert!(fallbacks[0].instead.contains("total copy"), "{fallbacks:?}");
+        // What every migration needs has no fallback.
+        let no_criu = features(&["cap_checkpoint_restore"]);
+        let err = settle(
+            Role::Destination,
+            MemoryStrategy::PostCopy,
+            true,
+            &no_criu,
+            "node2",
+            "5.15.0",
+            &mut fallbacks,
+        );
+        assert!(err.is_err(), "{err:?}");
+        // Nothing missing: the strategy as it was, no fallback.
+        let all = features(&[]);
+        let kept = settle(
+            Role::Source,
+            MemoryStrategy::QueuedPreCopy,
+            true,
+            &all,
+            "node1",
+            "6.18",
+            &mut fallbacks,
+        )
+        .unwrap();
+        assert_eq!(kept, MemoryStrategy::QueuedPreCopy);
+        assert_eq!(fallbacks.len(), 1);
     }
 
     #[test]

@@ -144,27 +144,42 @@ pub async fn prepare(
     options: MigrationOptions,
 ) -> Result<Prepared, EngineError> {
     let wanted_sockets = options.sockets.unwrap_or(engine.config.migration.sockets);
-    let strategy = options.strategy.unwrap_or(engine.config.migration.strategy);
-    let convergence = convergence(engine, strategy, options);
+    let defaulted = options.strategy.is_none();
     let started = Instant::now();
     let started_wall = SystemTime::now();
     let peer = destination_of(engine, destination)?;
     check_migratable(engine, pid)?;
-    let host = require_features(engine, strategy).await?;
+    let mut fallbacks = Vec::new();
+    let host = host_features(engine).await?;
+    let strategy = needs::settle(
+        Role::Source,
+        options.strategy.unwrap_or(engine.config.migration.strategy),
+        defaulted,
+        &host.to_pb(),
+        engine.node(),
+        &host.kernel,
+        &mut fallbacks,
+    )?;
     let criu = engine.criu.clone();
     blocking("probing CRIU", move || criu.probe()).await??;
     let migration_id = new_migration_id();
     let (argv, sockets) = claim(engine, pid, &migration_id)?;
-    let reserved = reserve(engine, pid, &migration_id, &peer, strategy, argv, sockets).await;
-    let (link, hello, sockets, answer) = match reserved {
+    let asked = Asked {
+        strategy,
+        defaulted,
+    };
+    let reserved = reserve(engine, pid, &migration_id, &peer, asked, argv, sockets).await;
+    let (link, hello, strategy, sockets, answer) = match reserved {
         Ok(r) => r,
         Err(e) => {
             engine.processes.set_lifecycle(pid, Lifecycle::Running);
             return Err(e);
         }
     };
-    let protocol_version = hello.protocol_version;
-    let fallbacks = fallbacks_known_at_prepare(strategy, &hello);
+    let protocol_version = hello.response.protocol_version;
+    let convergence = convergence(engine, strategy, options);
+    fallbacks.extend(hello.fallbacks);
+    fallbacks.extend(fallbacks_known_at_prepare(strategy, &hello.response));
     let (socket_migration, socket_note) =
         sockstate::choose(wanted_sockets, sockets.tcp_other, protocol_version);
     if let Some(why) = &socket_note {
@@ -218,22 +233,28 @@ fn fallbacks_known_at_prepare(strategy: MemoryStrategy, hello: &HelloResponse) -
     fallbacks
 }
 
-/// What `strategy` needs of this node's kernel and privileges that it
-/// lacks, refused before anything is touched (`needs`): pre-copy's rounds
-/// track written pages with asynchronous userfaultfd write-protect and
-/// `PAGEMAP_SCAN`; every migration needs CRIU's and ptrace's privileges.
-async fn require_features(
-    engine: &Engine,
-    strategy: MemoryStrategy,
-) -> Result<HostFeatures, EngineError> {
-    let host = crate::host_features::host_off_runtime(&engine.config.features_off)
+/// This node's kernel features and privileges, `features_off` applied.
+async fn host_features(engine: &Engine) -> Result<HostFeatures, EngineError> {
+    crate::host_features::host_off_runtime(&engine.config.features_off)
         .await
         .map_err(|source| EngineError::Task {
             what: "probing this host's features",
             source,
-        })?;
-    needs::check_here(Role::Source, strategy, &host, engine.node())?;
-    Ok(host)
+        })
+}
+
+/// The strategy asked for, and whether the request left it to this node's
+/// configuration (`needs::settle`).
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    strategy: MemoryStrategy,
+    defaulted: bool,
+}
+
+/// The destination's Hello, and the fallbacks it decided.
+struct Greeted {
+    response: HelloResponse,
+    fallbacks: Vec<Fallback>,
 }
 
 /// Whether a post-copy's pages follow by ferryd: asked for (the default),
@@ -301,13 +322,14 @@ async fn reserve(
     pid: i32,
     migration_id: &str,
     peer: &PeerConfig,
-    strategy: MemoryStrategy,
+    asked: Asked,
     argv: Vec<String>,
     sockets: SocketSummary,
 ) -> Result<
     (
         Arc<dyn PeerLink>,
-        HelloResponse,
+        Greeted,
+        MemoryStrategy,
         SocketSummary,
         ferry_proto::v1::PrepareResponse,
     ),
@@ -354,10 +376,11 @@ async fn reserve(
     .await??;
     let link = engine.links.connect(peer).await?;
     let deadline = Duration::from_secs(engine.config.peer_timeout_secs);
-    let hello = tokio::time::timeout(deadline, hello(engine, link.as_ref(), peer, pid, strategy))
-        .await
-        .map_err(|_| silent(peer, "Hello", deadline))??;
-    let version = hello.protocol_version;
+    let (hello, strategy) =
+        tokio::time::timeout(deadline, hello(engine, link.as_ref(), peer, pid, asked))
+            .await
+            .map_err(|_| silent(peer, "Hello", deadline))??;
+    let version = hello.response.protocol_version;
     let prepare = link.prepare(PrepareRequest {
         protocol_version: version,
         migration_id: migration_id.to_owned(),
@@ -395,7 +418,7 @@ async fn reserve(
     if let Some(p) = engine.processes.registry().get_mut(pid) {
         p.sockets = sockets.clone();
     }
-    Ok((link, hello, sockets, answer))
+    Ok((link, hello, strategy, sockets, answer))
 }
 
 /// What CRIU would refuse to dump (a socket of a family it cannot dump, a
@@ -443,15 +466,17 @@ async fn vet(
     })
 }
 
-/// `Peer.Hello`: the protocol version both speak, and whether it carries
-/// `strategy`; post-copy also needs this host's pipes large enough.
+/// `Peer.Hello`: the protocol version both speak, the strategy the
+/// destination's features allow (`needs::settle`), and whether the
+/// protocol carries it; post-copy also needs this host's pipes large
+/// enough.
 async fn hello(
     engine: &Engine,
     link: &dyn PeerLink,
     peer: &PeerConfig,
     pid: i32,
-    strategy: MemoryStrategy,
-) -> Result<HelloResponse, EngineError> {
+    asked: Asked,
+) -> Result<(Greeted, MemoryStrategy), EngineError> {
     let hello = link
         .hello(HelloRequest {
             node: engine.node().to_owned(),
@@ -466,6 +491,19 @@ async fn hello(
             ours: ferry_proto::PEER_PROTOCOL_VERSIONS.to_vec(),
         });
     }
+    // What the destination lacks for the strategy, refused here already
+    // (it refuses at Prepare too, but a source that knows asks nothing of
+    // it), or, for a configured strategy, total copy instead.
+    let mut fallbacks = Vec::new();
+    let strategy = needs::settle(
+        Role::Destination,
+        asked.strategy,
+        asked.defaulted,
+        &hello.features,
+        &peer.name,
+        &hello.kernel,
+        &mut fallbacks,
+    )?;
     let needed = if strategy.is_postcopy() {
         ferry_proto::PEER_PROTOCOL_POSTCOPY
     } else if strategy.is_precopy() {
@@ -489,16 +527,13 @@ async fn hello(
             EngineError::HostSetting(format!("post-copy on {}: {e}", engine.node()))
         })?;
     }
-    // What the destination lacks for `strategy`, refused here already: it
-    // refuses at Prepare too, but a source that knows asks nothing of it.
-    needs::check(
-        &needs::of(Role::Destination, strategy),
-        &hello.features,
-        &peer.name,
-        &hello.kernel,
+    Ok((
+        Greeted {
+            response: hello,
+            fallbacks,
+        },
         strategy,
-    )?;
-    Ok(hello)
+    ))
 }
 
 fn not_managed(pid: i32, node: &str) -> EngineError {
