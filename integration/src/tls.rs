@@ -111,17 +111,10 @@ impl ClusterTls {
         c
     }
 
-    /// The `[tls]` section of `node`'s config.
-    pub fn config_section(&self, node: &str) -> String {
-        let (cert, key) = self.files(node);
-        let q = |p: &Path| serde_json::to_string(&p.to_string_lossy()).expect("a string");
-        let mut t = format!(
-            "\n[tls]\nca = {}\ncert = {}\nkey = {}\nmembership_key = {}\n",
-            q(&self.ca_cert()),
-            q(&cert),
-            q(&key),
-            q(&self.membership_key())
-        );
+    /// The Control API tokens for a node's config (`[[tls.tokens]]`
+    /// entries, after its `[tls]`).
+    pub fn token_section(&self) -> String {
+        let mut t = String::new();
         for e in self.token_entries() {
             t.push_str(&format!(
                 "\n[[tls.tokens]]\nname = \"{}\"\nrole = \"{}\"\nsha256 = \"{}\"\n",

@@ -84,27 +84,56 @@ pub fn router_script(nodes: &[&str], clients: &[&str]) -> Vec<String> {
     s
 }
 
-/// Addresses of node `i` (1-based), run inside its namespace.
-pub fn node_script(i: usize) -> Vec<String> {
-    vec![
-        "link set lo up".to_owned(),
-        format!("addr add {PUBLIC_ADDR}/24 dev {PUBLIC_IFACE}"),
-        format!("link set {PUBLIC_IFACE} up"),
-        format!("addr add {}/24 dev {CLUSTER_IFACE}", node_cluster_addr(i)),
-        format!("link set {CLUSTER_IFACE} up"),
-    ]
+/// `packaging/ferry-network`: the network steps `docs/deploy.md` gives for
+/// real hosts, which the harness runs in its namespaces too.
+pub fn network_script() -> std::path::PathBuf {
+    crate::paths::workspace_root()
+        .join("packaging")
+        .join("ferry-network")
 }
 
-/// Address and the flooding neighbour entry of client `j` (1-based).
+/// `ferry-network node`'s arguments for node `i` (1-based), run inside its
+/// namespace: the shared address on the public interface, no ARP answered
+/// for it, its own address on the cluster network.
+pub fn node_network_args(i: usize) -> Vec<String> {
+    [
+        "node",
+        "--public",
+        PUBLIC_IFACE,
+        "--shared",
+        &format!("{PUBLIC_ADDR}/24"),
+        "--cluster",
+        CLUSTER_IFACE,
+        "--address",
+        &format!("{}/24", node_cluster_addr(i)),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// Address of client `j` (1-based), run inside its namespace.
 pub fn client_script(j: usize) -> Vec<String> {
     vec![
         "link set lo up".to_owned(),
         format!("addr add {}/24 dev {CLIENT_IFACE}", client_addr(j)),
         format!("link set {CLIENT_IFACE} up"),
-        format!(
-            "neigh replace {PUBLIC_ADDR} lladdr ff:ff:ff:ff:ff:ff dev {CLIENT_IFACE} nud permanent"
-        ),
     ]
+}
+
+/// `ferry-network gateway`'s arguments for a client, which stands where a
+/// real cluster's gateway router does (on the clients' segment, sending
+/// to the shared address): its neighbour entry for the shared address is
+/// the broadcast MAC.
+pub fn gateway_network_args() -> Vec<String> {
+    [
+        "gateway",
+        "--lan",
+        CLIENT_IFACE,
+        "--shared",
+        &PUBLIC_ADDR.to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
 }
 
 #[cfg(test)]

@@ -113,6 +113,28 @@ fn network_floods_the_shared_address_to_every_node() {
     let cluster = Cluster::start(ClusterSpec::new(2, 1).without_agents()).expect("cluster");
     let footprint = Footprint::of(&cluster);
     footprint.assert_present();
+    // packaging/ferry-network's settings (docs/deploy.md): no node answers
+    // ARP for the shared address, the gateway's entry floods.
+    for n in cluster.node_names() {
+        let arp_ignore = netns::run_in(&cluster.netns_path(&n), || {
+            std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{PUBLIC_IFACE}/arp_ignore"))
+        })
+        .unwrap()
+        .expect("arp_ignore");
+        assert_eq!(arp_ignore.trim(), "8", "{n}");
+    }
+    let neigh = netns::run_in(&cluster.netns_path("client1"), || {
+        std::process::Command::new("ip")
+            .args(["neigh", "show", &PUBLIC_ADDR.to_string()])
+            .output()
+    })
+    .unwrap()
+    .expect("ip neigh");
+    let neigh = String::from_utf8_lossy(&neigh.stdout);
+    assert!(
+        neigh.contains("ff:ff:ff:ff:ff:ff") && neigh.contains("PERMANENT"),
+        "{neigh}"
+    );
 
     let captures: Vec<_> = cluster
         .node_names()

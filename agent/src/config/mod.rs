@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 mod choices;
+pub mod init;
 
 pub use choices::{MemoryStrategy, PostCopyPages, Role, SocketMigration};
 

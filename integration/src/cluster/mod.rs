@@ -7,13 +7,14 @@
 //! agents (SIGTERM, 5 s, SIGKILL), every other process in its namespaces,
 //! the tmpfs work dirs, the namespaces, the temp dir.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use ferry_agent::config::init::NodeInit;
 use ferry_proto::v1::control_client::ControlClient;
 use tempfile::TempDir;
 use tonic::transport::Channel;
@@ -305,10 +306,11 @@ impl Cluster {
             bridge_without_netfilter(router)?;
         }
         for (i, n) in self.nodes.iter().enumerate() {
-            cmd::ip_batch(Some(n.netns.name()), &topology::node_script(i + 1))?;
+            ferry_network(n.netns.name(), &topology::node_network_args(i + 1))?;
         }
         for (j, c) in self.clients.iter().enumerate() {
             cmd::ip_batch(Some(c.netns.name()), &topology::client_script(j + 1))?;
+            ferry_network(c.netns.name(), &topology::gateway_network_args())?;
             reuse_time_wait_ports(c.netns.name())?;
         }
 
@@ -359,41 +361,45 @@ impl Cluster {
                 .map_err(io_err(format!("creating {}", node.dir.display())))?;
             let work = Tmpfs::mount(&node.dir.join("work"))?;
             let bpf = Tmpfs::mount_bpffs(&node.dir.join("bpf"))?;
+            let mut init = NodeInit::new(
+                &node.name,
+                (topology::PUBLIC_IFACE, topology::PUBLIC_ADDR),
+                (topology::CLUSTER_IFACE, node.cluster_addr),
+            );
+            init.peer_port = topology::PEER_PORT;
+            init.work_dir = work.path().to_owned();
+            init.criu_path = criu.clone();
+            init.control_socket = node.control_socket.clone();
+            init.peers = peers
+                .iter()
+                .filter(|(name, _)| self.spec.static_peers && *name != node.name)
+                .map(|(name, address)| (name.clone(), SocketAddr::V4(*address)))
+                .collect();
+            init.extra = self
+                .spec
+                .node_config
+                .iter()
+                .filter(|(name, _)| *name == node.name)
+                .fold(self.spec.extra_config.clone(), |all, (_, lines)| {
+                    all + "\n" + lines + "\n"
+                });
+            init.capture = self.spec.capture;
+            init.pin_dir = Some(bpf.path().join("pins"));
+            let tls = match &outsiders {
+                Some(o) if self.spec.tls_outsiders.contains(&node.name) => Some(o),
+                _ => self.tls.as_ref(),
+            };
+            init.tls_dir = tls.map(|t| t.dir().to_owned());
             let config = AgentConfig {
-                node: node.name.clone(),
-                work_dir: work.path().to_owned(),
-                criu_path: criu.clone(),
-                control_socket: node.control_socket.clone(),
-                public_interface: topology::PUBLIC_IFACE.into(),
-                public_address: topology::PUBLIC_ADDR,
-                cluster_interface: topology::CLUSTER_IFACE.into(),
-                cluster_address: node.cluster_addr,
-                peer_listen: SocketAddrV4::new(node.cluster_addr, topology::PEER_PORT),
-                peers: peers
-                    .iter()
-                    .filter(|(name, _)| self.spec.static_peers && *name != node.name)
-                    .cloned()
-                    .collect(),
-                extra: self
-                    .spec
-                    .node_config
-                    .iter()
-                    .filter(|(name, _)| *name == node.name)
-                    .fold(self.spec.extra_config.clone(), |all, (_, lines)| {
-                        all + "\n" + lines + "\n"
-                    }),
-                capture: self.spec.capture,
-                pin_dir: bpf.path().join("pins"),
-                tls: match &outsiders {
-                    Some(o) if self.spec.tls_outsiders.contains(&node.name) => {
-                        Some(o.config_section(&node.name))
-                    }
-                    _ => self.tls.as_ref().map(|t| t.config_section(&node.name)),
-                },
+                init,
+                tls_tokens: tls.map(ClusterTls::token_section).unwrap_or_default(),
             };
             node.work = Some(work);
             node.bpf = Some(bpf);
-            std::fs::write(&node.config, config.render())
+            let text = config
+                .render()
+                .map_err(|e| ClusterError::Spec(format!("{}'s ferryd.toml: {e}", node.name)))?;
+            std::fs::write(&node.config, text)
                 .map_err(io_err(format!("writing {}", node.config.display())))?;
         }
 
@@ -891,6 +897,17 @@ fn copy_logs(src: &Path, dst: &Path, depth: usize) -> std::io::Result<()> {
             std::fs::copy(&path, dst.join(entry.file_name()))?;
         }
     }
+    Ok(())
+}
+
+/// Runs `packaging/ferry-network` with `args` inside namespace `netns`.
+fn ferry_network(netns: &str, args: &[String]) -> Result<(), ClusterError> {
+    cmd::run(
+        Command::new("ip")
+            .args(["netns", "exec", netns, "sh"])
+            .arg(topology::network_script())
+            .args(args),
+    )?;
     Ok(())
 }
 

@@ -141,12 +141,63 @@ pub(crate) enum Command {
     /// (no agent needed; every file is written mode 0600).
     #[command(subcommand)]
     Cert(CertCommand),
+    /// Writes this node's ferryd.toml from what differs between nodes
+    /// (docs/deploy.md): its name, interfaces, addresses, peers and
+    /// certificates; checked as ferryd reads it.
+    Init(InitArgs),
     /// The automatic load balancer: `show` (default), `on`, `off`, or
     /// `set KEY=VALUE...` with policy keys such as transfer.threshold=1.2.
     Balancer {
         #[command(subcommand)]
         action: Option<BalancerAction>,
     },
+}
+
+/// `ferry init`'s arguments.
+#[derive(Debug, clap::Args)]
+pub(crate) struct InitArgs {
+    /// This node's name (unique in the cluster).
+    #[arg(long)]
+    pub(crate) node: String,
+    /// The interface on the clients' segment.
+    #[arg(long, value_name = "IFACE")]
+    pub(crate) public_interface: String,
+    /// The cluster's shared address (the same on every node).
+    #[arg(long, value_name = "ADDRESS")]
+    pub(crate) public_address: std::net::Ipv4Addr,
+    /// The interface on the cluster network.
+    #[arg(long, value_name = "IFACE")]
+    pub(crate) cluster_interface: String,
+    /// This node's own address on the cluster network.
+    #[arg(long, value_name = "ADDRESS")]
+    pub(crate) cluster_address: std::net::Ipv4Addr,
+    /// Another node, NAME=ADDRESS[:PORT] (its cluster address); repeat
+    /// for each.
+    #[arg(long = "peer", value_name = "NAME=ADDRESS[:PORT]")]
+    pub(crate) peers: Vec<String>,
+    /// The Peer API's port (every node's).
+    #[arg(long, default_value_t = 7100)]
+    pub(crate) peer_port: u16,
+    /// The certificates' directory: ca.crt, membership.key, NODE.crt and
+    /// NODE.key (`ferry cert ca` and `ferry cert node`).
+    #[arg(long, value_name = "DIR", required_unless_present = "no_tls")]
+    pub(crate) tls_dir: Option<PathBuf>,
+    /// No [tls]: agents talk in plaintext, unauthenticated (a test
+    /// network only).
+    #[arg(long, conflicts_with = "tls_dir")]
+    pub(crate) no_tls: bool,
+    #[arg(long, default_value = "/var/lib/ferry")]
+    pub(crate) work_dir: PathBuf,
+    #[arg(long, default_value = "/opt/ferry/criu/bin/criu")]
+    pub(crate) criu: PathBuf,
+    #[arg(long, default_value = "/run/ferry/control.sock")]
+    pub(crate) control_socket: PathBuf,
+    /// Where to write it ("-": standard output).
+    #[arg(long, default_value = "/etc/ferry/ferryd.toml")]
+    pub(crate) out: PathBuf,
+    /// Replace an existing file.
+    #[arg(long)]
+    pub(crate) force: bool,
 }
 
 /// `ferry migrate`'s arguments, in a struct of their own so that they pass

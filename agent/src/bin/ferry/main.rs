@@ -15,6 +15,7 @@ mod connection;
 mod drain;
 mod events;
 mod follow;
+mod init;
 mod migrations;
 mod output;
 mod processes;
@@ -52,13 +53,14 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs the command: `ferry cert` on its own, every other one against the
-/// agent.
+/// Runs the command: `ferry cert` and `ferry init` on their own, every
+/// other one against the agent.
 async fn main_exec(mut args: Args) -> Result<()> {
     // Taken out so that `args` stays whole for connect().
     let command = std::mem::replace(&mut args.command, Command::Nodes { features: false });
     let command = match command {
         Command::Cert(c) => return cert::run(c, args.json),
+        Command::Init(a) => return init::run(a),
         c => c,
     };
     let mut client = connection::connect(&args).await?;
@@ -66,7 +68,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
     let node = args.node.clone().unwrap_or_default();
     let json = args.json;
     match command {
-        Command::Cert(_) => unreachable!("handled above"),
+        Command::Cert(_) | Command::Init(_) => unreachable!("handled above"),
         Command::Nodes { features } => cluster::nodes(client, features, json).await,
         Command::Ps { all } => processes::ps(client, node, all, json).await,
         Command::Run {
