@@ -12,11 +12,13 @@
 //!   load-balancing simulator (no root, no setup)
 //! - `fuzz [TARGET] [--seconds N]`: run the cargo-fuzz targets in `fuzz/`
 //!   (nightly; installs cargo-fuzz if missing), fail on a finding
+//! - `dist [--debug] [--out DIR]`: the Debian package (`dist.rs`)
 
 mod bench;
 mod cmd;
 mod criu;
 mod demo;
+mod dist;
 mod fuzz;
 mod grpcurl;
 mod packages;
@@ -109,6 +111,10 @@ enum Command {
     /// (Meehan & Wynne (openMosix)'s spike experiment), `dve` (Gerofi et al. (DVE)'s scenario) or
     /// `all`; writes tables, CSV and SVG plots to target/sim/<name>/.
     Sim(sim::SimArgs),
+    /// Build ferry's Debian package (target/dist/ferry_VERSION_ARCH.deb):
+    /// ferryd and ferry (release), the CRIU `setup` built, ferry-network,
+    /// the systemd units and docs (`docs/deploy.md`).
+    Dist(dist::DistArgs),
     /// Fuzz the agent's request decoding, peer protocol and parsers
     /// (cargo-fuzz, nightly; no root): each target for `--seconds` from its
     /// corpus in fuzz/corpus/, failing on a finding (fuzz/artifacts/).
@@ -131,6 +137,7 @@ fn main() -> std::process::ExitCode {
         Command::Soak { debug, args } => bench::run(prefix, "soak", &args, !debug),
         Command::Sim(args) => sim::run(&args),
         Command::Fuzz(args) => fuzz::run(&args),
+        Command::Dist(args) => dist::run(prefix, &args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
