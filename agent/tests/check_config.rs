@@ -188,3 +188,39 @@ fn an_unknown_feature_to_turn_off_is_named() {
         "{err}"
     );
 }
+
+/// A host without what ferryd cannot do without (here BTF, turned off by
+/// `features_off`) is refused at start, naming it, before anything is
+/// touched: no control socket, no work dir.
+#[test]
+fn ferryd_refuses_to_start_without_a_required_feature() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("control.sock");
+    let work = dir.path().join("work");
+    let config = GOOD.replace(
+        "work_dir = \"/run/ferry/work\"",
+        &format!(
+            "work_dir = {:?}\ncontrol_socket = {:?}\nfeatures_off = [\"btf\"]",
+            work.display().to_string(),
+            socket.display().to_string()
+        ),
+    );
+    let path = dir.path().join("ferryd.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new(FERRYD)
+        .arg("--config")
+        .arg(&path)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[btf]") && err.contains("ferryd --check"),
+        "{err}"
+    );
+    assert!(
+        !socket.exists() && !work.exists(),
+        "ferryd touched the node"
+    );
+}

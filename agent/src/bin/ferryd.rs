@@ -126,6 +126,22 @@ fn main_exec(args: Args) -> Result<()> {
         return check_config(file.as_deref().unwrap_or(&args.config));
     }
     let config = Config::load(&args.config)?;
+    // What ferryd cannot do without (BTF, the privileges of its eBPF
+    // programs), refused before anything is touched, naming it; the
+    // answers stay cached for the migrations (`host_features::host`).
+    let host = ferry_agent::host_features::host(&config.features_off);
+    if !host.runnable() {
+        let missing: Vec<String> = host
+            .missing()
+            .filter(|f| f.required)
+            .map(|f| format!("{} [{}] ({})", f.name, f.key, f.without))
+            .collect();
+        anyhow::bail!(
+            "this host lacks what ferryd needs to run (kernel {}): {}; `ferryd --check` lists everything",
+            host.kernel,
+            missing.join("; ")
+        );
+    }
     // Before any thread exists: room for the descriptors of a thousand
     // connections taken or rebuilt inside a freeze (sockstate).
     match ferry_agent::sockstate::prepare_descriptor_table(8192) {
@@ -140,8 +156,7 @@ fn main_exec(args: Args) -> Result<()> {
 }
 
 /// What this host lacks of what ferry uses, said once at start (all of it:
-/// `ferryd --check`), in the background: the probes take a few
-/// milliseconds, and nothing waits for them. Their answers are kept
+/// `ferryd --check`), from the answers ferryd's start probed and kept
 /// (`host_features::host`), so that no migration probes again (the BTF is
 /// megabytes; the soft-dirty probe walks ferryd's own page tables).
 fn log_host_features(features_off: Vec<String>) {
