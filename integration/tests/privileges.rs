@@ -497,3 +497,112 @@ fn a_criu_that_cannot_read_another_users_limits_is_refused_before_the_freeze() {
         wait_until_gone(pid);
     });
 }
+
+/// "Max open files" of `pid`: (soft, hard), as /proc/PID/limits says.
+fn open_files_limit(pid: i32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files");
+    let v: Vec<u64> = line[25..]
+        .split_whitespace()
+        .take(2)
+        .map(|w| w.parse().expect("a number"))
+        .collect();
+    (v[0], v[1])
+}
+
+/// `prlimit --pid PID --nofile=SOFT:HARD`: lowering needs no privilege.
+fn set_open_files_limit(pid: i32, soft: u64, hard: u64) {
+    let status = Command::new("prlimit")
+        .args([
+            "--pid",
+            &pid.to_string(),
+            &format!("--nofile={soft}:{hard}"),
+        ])
+        .status()
+        .expect("prlimit");
+    assert!(status.success(), "prlimit {pid}");
+}
+
+/// A destination whose agent lacks CAP_SYS_RESOURCE cannot give a
+/// restored process a hard limit above its own (CRIU's restore ignores
+/// the refusal: the process would run with the destination agent's
+/// limits). Such a process is refused before anything stops, naming the
+/// limit, both values and the node; once its hard limit fits, it moves
+/// with its limits exactly as they were.
+#[test]
+fn a_hard_limit_the_destination_cannot_restore_is_refused_before_the_freeze() {
+    let test = "a_hard_limit_the_destination_cannot_restore_is_refused_before_the_freeze";
+    if !ferry_integration::can_run(test) {
+        return;
+    }
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.node_config = vec![(
+        "node2".into(),
+        "features_off = [\"cap_sys_resource\"]\n".into(),
+    )];
+    let cluster = Cluster::start(spec).expect("cluster");
+    let destination_hard = 4096;
+    set_open_files_limit(cluster.agent_pid("node2"), 1024, destination_hard);
+    let rt = runtime();
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control node1");
+        let port = 7031;
+        let pid = run(
+            &mut node1,
+            vec![
+                env!("CARGO_BIN_EXE_ferry-echo-server").to_owned(),
+                "--port".into(),
+                port.to_string(),
+            ],
+        )
+        .await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_listening == 1).await;
+        let (_, hard) = open_files_limit(pid);
+        assert!(
+            hard > destination_hard,
+            "the process's hard limit {hard} must start above node2's {destination_hard}"
+        );
+        let total_copy = MigrateRequest {
+            pid,
+            destination_node: "node2".into(),
+            strategy: Strategy::TotalCopy as i32,
+            ..Default::default()
+        };
+        let status = match migrate_request(&mut node1, total_copy.clone()).await {
+            Err(status) => status,
+            Ok((report, status)) => panic!("expected a refusal, got {status:?} {report:#?}"),
+        };
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+        let message = status.message();
+        assert!(
+            message.contains("Max open files")
+                && message.contains(&hard.to_string())
+                && message.contains(&destination_hard.to_string())
+                && message.contains("node2")
+                && message.contains("CAP_SYS_RESOURCE"),
+            "{message}"
+        );
+        assert!(matches!(process_state(pid), Some('S' | 'R')));
+
+        set_open_files_limit(pid, 1000, destination_hard);
+        let report = migrate_committed(&mut node1, total_copy).await;
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        wait_until_gone(pid);
+        assert_eq!(
+            open_files_limit(report.destination_pid),
+            (1000, destination_hard)
+        );
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(report.destination_pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        wait_until_gone(report.destination_pid);
+    });
+}

@@ -137,6 +137,19 @@ impl PeerService {
     }
 }
 
+/// This agent's own hard resource limits (read at each Hello: an operator
+/// may change them with prlimit(1) while it runs); none if unreadable.
+async fn own_hard_limits() -> Vec<ferry_proto::v1::ResourceLimit> {
+    let read = tokio::task::spawn_blocking(|| std::fs::read_to_string("/proc/self/limits")).await;
+    match read {
+        Ok(Ok(text)) => crate::process::privileges::hard_limits(&text)
+            .into_iter()
+            .map(|(name, hard)| ferry_proto::v1::ResourceLimit { name, hard })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 #[tonic::async_trait]
 impl Peer for PeerService {
     async fn hello(
@@ -158,6 +171,7 @@ impl Peer for PeerService {
         let host = crate::host_features::host_off_runtime(&self.engine.config.features_off)
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
+        let hard_limits = own_hard_limits().await;
         Ok(Response::new(HelloResponse {
             node: self.engine.node().to_owned(),
             protocol_version: version,
@@ -165,6 +179,7 @@ impl Peer for PeerService {
             cordoned: self.engine.cordon.is_on(),
             kernel: host.kernel.clone(),
             features: host.to_pb(),
+            hard_limits,
         }))
     }
 

@@ -94,6 +94,53 @@ pub fn limits_obstacles(tree: &[i32], criu_reads_procfs: bool) -> Vec<Obstacle> 
         .collect()
 }
 
+/// The hard limits in a /proc/PID/limits text, by their names there
+/// ("Max open files"), u64::MAX for "unlimited". The columns are fixed
+/// (fs/proc/base.c: the name in 25, soft and hard in 20 each, after a
+/// space).
+pub fn hard_limits(limits: &str) -> Vec<(String, u64)> {
+    limits
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let name = line.get(..25)?.trim_end();
+            let hard = line.get(26..)?.split_whitespace().nth(1)?;
+            let hard = if hard == "unlimited" {
+                u64::MAX
+            } else {
+                hard.parse().ok()?
+            };
+            Some((name.to_owned(), hard))
+        })
+        .collect()
+}
+
+/// Tasks of `tree` with a hard limit above `theirs` (the destination
+/// agent's, `node`'s, whose agent lacks CAP_SYS_RESOURCE): CRIU's restore
+/// there could not give them their limits back.
+pub fn limits_above(tree: &[i32], theirs: &[(String, u64)], node: &str) -> Vec<Obstacle> {
+    let mut found = Vec::new();
+    for &pid in tree {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/limits")) else {
+            continue;
+        };
+        for (limit, hard) in hard_limits(&text) {
+            if let Some((_, max)) = theirs.iter().find(|(n, _)| *n == limit)
+                && hard > *max
+            {
+                found.push(Obstacle::LimitAboveDestination {
+                    pid,
+                    limit,
+                    hard,
+                    theirs: *max,
+                    node: node.to_owned(),
+                });
+            }
+        }
+    }
+    found
+}
+
 /// The key of the System V shared memory segment a line of
 /// /proc/PID/maps maps, if it maps one (`/SYSV<key in hex> (deleted)`).
 pub fn sysv_shm_key(maps_line: &str) -> Option<u32> {
@@ -149,6 +196,51 @@ pub fn ipc_obstacles(tree: &[i32]) -> Vec<Obstacle> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const LIMITS: &str = "\
+Limit                     Soft Limit           Hard Limit           Units     
+Max cpu time              unlimited            unlimited            seconds   
+Max open files            1024                 524288               files     
+Max locked memory         8388608              8388608              bytes     
+";
+
+    #[test]
+    fn reads_hard_limits_by_name() {
+        assert_eq!(
+            hard_limits(LIMITS),
+            [
+                ("Max cpu time".to_owned(), u64::MAX),
+                ("Max open files".to_owned(), 524288),
+                ("Max locked memory".to_owned(), 8388608),
+            ]
+        );
+        // This process's, as the kernel writes them.
+        let own = hard_limits(&std::fs::read_to_string("/proc/self/limits").unwrap());
+        assert!(own.len() >= 16, "{own:?}");
+        assert!(own.iter().any(|(n, _)| n == "Max open files"), "{own:?}");
+    }
+
+    #[test]
+    fn a_limit_above_the_destination_s_is_an_obstacle() {
+        let me = std::process::id() as i32;
+        let own = hard_limits(&std::fs::read_to_string("/proc/self/limits").unwrap());
+        assert!(limits_above(&[me], &own, "node2").is_empty());
+        let (name, hard) = own
+            .iter()
+            .find(|(n, _)| n == "Max open files")
+            .cloned()
+            .unwrap();
+        let lower = vec![(name.clone(), hard - 1)];
+        let found = limits_above(&[me], &lower, "node2");
+        assert_eq!(found.len(), 1, "{found:?}");
+        let text = found[0].to_string();
+        assert!(
+            text.contains("Max open files")
+                && text.contains("node2")
+                && text.contains("CAP_SYS_RESOURCE"),
+            "{text}"
+        );
+    }
 
     const STATUS: &str = "Name:\tnginx\nUid:\t33\t33\t33\t33\nGid:\t33\t33\t33\t33\n\
                           CapEff:\t000001fffeffffff\n";

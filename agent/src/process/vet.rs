@@ -65,6 +65,17 @@ pub enum Obstacle {
     /// The tree's own IPC namespace holds a process outside the tree too,
     /// which would lose it.
     IpcNamespaceShared { holder: i32 },
+    /// A hard resource limit of a task above the destination's, which
+    /// lacks CAP_SYS_RESOURCE: CRIU's restore cannot raise it there, and
+    /// it ignores the refusal (the task would run with the destination
+    /// agent's limits instead of its own).
+    LimitAboveDestination {
+        pid: i32,
+        limit: String,
+        hard: u64,
+        theirs: u64,
+        node: String,
+    },
 }
 
 impl fmt::Display for Obstacle {
@@ -122,7 +133,28 @@ impl fmt::Display for Obstacle {
                 f,
                 "its IPC namespace holds PID {holder} outside the process tree too, which would lose it"
             ),
+            Obstacle::LimitAboveDestination {
+                pid,
+                limit,
+                hard,
+                theirs,
+                node,
+            } => write!(
+                f,
+                "PID {pid}'s hard limit \"{limit}\" ({}) is above {node}'s ({}), and {node}'s agent lacks CAP_SYS_RESOURCE to raise it: the process would lose its limits there (lower the process's hard limit, or raise ferryd's on {node})",
+                limit_text(*hard),
+                limit_text(*theirs)
+            ),
         }
+    }
+}
+
+/// A limit as /proc/PID/limits writes it.
+fn limit_text(v: u64) -> String {
+    if v == u64::MAX {
+        "unlimited".to_owned()
+    } else {
+        v.to_string()
     }
 }
 

@@ -381,6 +381,7 @@ async fn reserve(
             .await
             .map_err(|_| silent(peer, "Hello", deadline))??;
     let version = hello.response.protocol_version;
+    limits_fit(pid, tree.clone(), &hello.response, &peer.name).await?;
     let prepare = link.prepare(PrepareRequest {
         protocol_version: version,
         migration_id: migration_id.to_owned(),
@@ -453,6 +454,42 @@ async fn vet(
         vet_ms = vet_started.elapsed().as_secs_f64() * 1000.0,
         "process tree vetted"
     );
+    if obstacles.is_empty() {
+        return Ok(());
+    }
+    Err(EngineError::NotMigratable {
+        pid,
+        reason: obstacles
+            .iter()
+            .map(|o| o.to_string())
+            .collect::<Vec<_>>()
+            .join("; "),
+    })
+}
+
+/// The tree's hard resource limits against those a restore on the
+/// destination can give back: refused before anything stops where the
+/// destination's agent lacks CAP_SYS_RESOURCE and a limit is above its
+/// own (CRIU's restore ignores the refusal to raise it).
+async fn limits_fit(
+    pid: i32,
+    tree: Vec<i32>,
+    hello: &HelloResponse,
+    node: &str,
+) -> Result<(), EngineError> {
+    if hello.hard_limits.is_empty() || !needs::lacks(&hello.features, "cap_sys_resource") {
+        return Ok(());
+    }
+    let theirs: Vec<(String, u64)> = hello
+        .hard_limits
+        .iter()
+        .map(|l| (l.name.clone(), l.hard))
+        .collect();
+    let node = node.to_owned();
+    let obstacles = blocking("reading the tree's resource limits", move || {
+        process::privileges::limits_above(&tree, &theirs, &node)
+    })
+    .await?;
     if obstacles.is_empty() {
         return Ok(());
     }
