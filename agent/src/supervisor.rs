@@ -31,16 +31,15 @@ impl Supervisor {
         }
     }
 
-    /// Starts `argv` under management (`ferry run`), in an IPC namespace
-    /// of its own if `own_ipc`.
+    /// Starts `argv` under management (`ferry run`), as `options` say.
     pub async fn run(
         self: &Arc<Self>,
         argv: Vec<String>,
-        own_ipc: bool,
+        options: crate::managed::SpawnOptions,
     ) -> Result<i32, SpawnError> {
         let to_spawn = argv.clone();
         // A clone and the wait for its exec: off the runtime.
-        let pid = tokio::task::spawn_blocking(move || crate::managed::spawn(&to_spawn, own_ipc))
+        let pid = tokio::task::spawn_blocking(move || crate::managed::spawn(&to_spawn, &options))
             .await
             .map_err(|e| SpawnError::Spawn {
                 program: argv.first().cloned().unwrap_or_default(),

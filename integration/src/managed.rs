@@ -27,16 +27,20 @@ pub async fn run(control: &mut ControlClient<Channel>, argv: Vec<String>) -> i32
         .pid
 }
 
-/// `RunProcess` with an IPC namespace of its own (`ferry run
-/// --ipc-namespace`): what a server with System V shared memory needs.
-pub async fn run_with_ipc_namespace(
+/// `RunProcess` as `user` (`ferry run --user`), with an IPC namespace of
+/// its own if `ipc_namespace` (`--ipc-namespace`: what a server with
+/// System V shared memory needs).
+pub async fn run_as(
     control: &mut ControlClient<Channel>,
     argv: Vec<String>,
+    user: &str,
+    ipc_namespace: bool,
 ) -> i32 {
     control
         .run_process(RunProcessRequest {
             argv,
-            ipc_namespace: true,
+            user: user.to_owned(),
+            ipc_namespace,
             ..Default::default()
         })
         .await

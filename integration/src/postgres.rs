@@ -169,23 +169,13 @@ impl PostgresServer {
         Ok(server)
     }
 
-    /// The command line that runs this server as the `postgres` user
-    /// (`setpriv`, which execs: the managed PID is the postmaster's),
-    /// listening on every address of its node and on its Unix socket, its
-    /// log in [`Self::log_path`] (its own logger process: a managed
-    /// process's standard output is /dev/null).
+    /// The command line of this server under `ferry run --user postgres`
+    /// (`RunProcessRequest.user` [`PG_USER`]: the managed PID is the
+    /// postmaster's), listening on every address of its node and on its
+    /// Unix socket, its log in [`Self::log_path`] (its own logger
+    /// process: a managed process's standard output is /dev/null).
     pub fn managed_argv(&self) -> Vec<String> {
-        let mut argv: Vec<String> = [
-            "setpriv",
-            "--reuid",
-            PG_USER,
-            "--regid",
-            PG_USER,
-            "--init-groups",
-            "--reset-env",
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut argv = Vec::new();
         argv.push(self.bin.join("postgres").display().to_string());
         argv.extend(self.server_args("*"));
         argv.extend(

@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{
-    migrate_committed, migrate_request, process_state, run, run_with_ipc_namespace, runtime,
-    wait_for_process, wait_until_gone,
+    migrate_committed, migrate_request, process_state, run, run_as, runtime, wait_for_process,
+    wait_until_gone,
 };
 use ferry_integration::netns;
 use ferry_integration::nginx::{self, Nginx, WORKER_USER};
@@ -287,7 +287,7 @@ fn a_database_server_that_refuses_root_moves_with_its_sessions() {
         ];
         // In the node's IPC namespace its System V segment cannot move:
         // refused before anything stops, naming it, and it runs on.
-        let in_node_ns = run(&mut controls[0], pg.managed_argv()).await;
+        let in_node_ns = run_as(&mut controls[0], pg.managed_argv(), PG_USER, false).await;
         pg.wait_ready().expect("postgres accepts connections");
         let refused = migrate_request(
             &mut controls[0],
@@ -321,7 +321,7 @@ fn a_database_server_that_refuses_root_moves_with_its_sessions() {
 
         // Its System V segment moves inside an IPC namespace of its own
         // (`ferry run --ipc-namespace`).
-        let mut postmaster = run_with_ipc_namespace(&mut controls[0], pg.managed_argv()).await;
+        let mut postmaster = run_as(&mut controls[0], pg.managed_argv(), PG_USER, true).await;
         pg.wait_ready().expect("postgres accepts connections");
         let postgres = uid_of(PG_USER).to_string();
         assert!(
@@ -439,24 +439,28 @@ fn a_criu_that_cannot_read_another_users_limits_is_refused_before_the_freeze() {
         Some(user.gid.as_raw()),
     )
     .expect("chown");
-    let mut argv: Vec<String> = [
-        "setpriv",
-        "--reuid",
-        "redis",
-        "--regid",
-        "redis",
-        "--clear-groups",
-    ]
-    .map(String::from)
-    .to_vec();
-    argv.extend(redis.argv(data.path()));
+    let argv = redis.argv(data.path());
     let rt = runtime();
     rt.block_on(async {
         let mut controls = [
             cluster.control("node1").await.expect("control node1"),
             cluster.control("node2").await.expect("control node2"),
         ];
-        let pid = run(&mut controls[0], argv).await;
+        // A user the node does not have: refused, naming the field.
+        let unknown = controls[0]
+            .run_process(ferry_proto::v1::RunProcessRequest {
+                argv: argv.clone(),
+                user: "ferry-no-such-user".into(),
+                ..Default::default()
+            })
+            .await
+            .expect_err("an unknown user");
+        assert_eq!(unknown.code(), tonic::Code::InvalidArgument, "{unknown:?}");
+        assert!(
+            unknown.message().contains("user") && unknown.message().contains("ferry-no-such-user"),
+            "{unknown:?}"
+        );
+        let pid = run_as(&mut controls[0], argv, "redis", false).await;
         wait_for_process(&mut controls[0], pid, |p| p.tcp_listening >= 1).await;
         assert_eq!(redis.cli(&cluster, &["SET", "k", "v"]).expect("SET"), "OK");
         if has_cap_sys_resource {

@@ -247,6 +247,7 @@ impl Control for ControlService {
         let RunProcessRequest {
             argv,
             ipc_namespace,
+            user,
             ..
         } = request.into_inner();
         if argv.first().map(|a| a.is_empty()).unwrap_or(true) {
@@ -258,10 +259,23 @@ impl Control for ControlService {
             .cordon
             .refuse_if_on()
             .map_err(crate::engine::EngineError::from)?;
+        let user = if user.is_empty() {
+            None
+        } else {
+            // The user database may ask NSS (files, LDAP): off the runtime.
+            let found = tokio::task::spawn_blocking(move || crate::managed::RunAs::lookup(&user))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?;
+            Some(found.map_err(|e| Status::invalid_argument(e.to_string()))?)
+        };
+        let options = crate::managed::SpawnOptions {
+            own_ipc: ipc_namespace,
+            user,
+        };
         let pid = self
             .node
             .supervisor
-            .run(argv, ipc_namespace)
+            .run(argv, options)
             .await
             .map_err(|e| match e {
                 crate::managed::SpawnError::EmptyArgv => {

@@ -18,7 +18,7 @@ pub use adopt::{AdoptError, tree_obstacles};
 pub use exit::{exit_from_wait_status, exit_unknown, signal_name, signal_reaches, signal_to_send};
 pub use processes::{ProcessEnd, Processes};
 pub use registry::{Registry, SocketsRead, read_sockets};
-pub use spawn::{SpawnError, spawn};
+pub use spawn::{RunAs, SpawnError, SpawnOptions, spawn};
 
 use crate::process::SocketSummary;
 

@@ -1,6 +1,7 @@
 //! Starting a program under management (`ferry run`): as the init of its
 //! own PID namespace (and, if asked, its own IPC namespace) and a session
-//! leader, with nothing of ferryd's but /dev/null.
+//! leader, as ferryd's user or another one, with nothing of ferryd's but
+//! /dev/null.
 
 use crate::process;
 
@@ -15,6 +16,63 @@ pub enum SpawnError {
         program: String,
         source: std::io::Error,
     },
+    #[error("user: no user {user:?} on this node")]
+    NoSuchUser { user: String },
+    #[error("user: reading {user:?}'s groups: {source}")]
+    Groups { user: String, source: nix::Error },
+}
+
+/// How to start it.
+#[derive(Debug, Clone, Default)]
+pub struct SpawnOptions {
+    /// An IPC namespace of its own.
+    pub own_ipc: bool,
+    /// Another user than ferryd's: the process gives up root before it
+    /// runs a line of its program.
+    pub user: Option<RunAs>,
+}
+
+/// A user to run as: its ids and groups, looked up before the clone (the
+/// child may make only async-signal-safe calls).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunAs {
+    pub name: String,
+    pub uid: libc::uid_t,
+    pub gid: libc::gid_t,
+    /// Its supplementary groups (its primary one included), as
+    /// initgroups(3) would set them.
+    pub groups: Vec<libc::gid_t>,
+}
+
+impl RunAs {
+    /// The user named `user` (or a numeric uid) in this node's user
+    /// database. Blocking (NSS).
+    pub fn lookup(user: &str) -> Result<Self, SpawnError> {
+        let missing = || SpawnError::NoSuchUser {
+            user: user.to_owned(),
+        };
+        let found = match user.parse::<libc::uid_t>() {
+            Ok(uid) => nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)),
+            Err(_) => nix::unistd::User::from_name(user),
+        }
+        .map_err(|_| missing())?
+        .ok_or_else(missing)?;
+        let name = std::ffi::CString::new(found.name.as_bytes()).map_err(|_| missing())?;
+        let groups = nix::unistd::getgrouplist(&name, found.gid)
+            .map_err(|source| SpawnError::Groups {
+                user: user.to_owned(),
+                source,
+            })?
+            .into_iter()
+            .map(nix::unistd::Gid::as_raw)
+            .collect();
+        Ok(Self {
+            name: found.name,
+            uid: found.uid.as_raw(),
+            gid: found.gid.as_raw(),
+            groups,
+        })
+    }
 }
 
 /// `program` as execve wants it: itself when it names a path, else the
@@ -53,7 +111,7 @@ fn resolve(program: &str) -> Result<std::path::PathBuf, std::io::Error> {
 /// No parent-death signal: CRIU would restore it, and the process would
 /// die on the destination as soon as CRIU exits. Blocking only for an
 /// exec's length.
-pub fn spawn(argv: &[String], own_ipc: bool) -> Result<i32, SpawnError> {
+pub fn spawn(argv: &[String], options: &SpawnOptions) -> Result<i32, SpawnError> {
     use std::ffi::CString;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     use std::os::unix::ffi::OsStrExt;
@@ -107,7 +165,7 @@ pub fn spawn(argv: &[String], own_ipc: bool) -> Result<i32, SpawnError> {
         tls: u64,
     }
     let args_for_clone = CloneArgs {
-        flags: if own_ipc {
+        flags: if options.own_ipc {
             (libc::CLONE_NEWPID | libc::CLONE_NEWIPC) as u64
         } else {
             libc::CLONE_NEWPID as u64
@@ -117,6 +175,7 @@ pub fn spawn(argv: &[String], own_ipc: bool) -> Result<i32, SpawnError> {
     };
     let null_fd = dev_null.as_raw_fd();
     let err_fd = write_end.as_raw_fd();
+    let user = options.user.as_ref();
     // SAFETY: clone3 without CLONE_VM and without a stack is fork: the
     // child gets a copy of this address space with only this thread. The
     // child branch below makes only async-signal-safe system calls on
@@ -147,6 +206,15 @@ pub fn spawn(argv: &[String], own_ipc: bool) -> Result<i32, SpawnError> {
                 if libc::dup2(null_fd, target) == -1 {
                     fail(err_fd);
                 }
+            }
+            // Groups, then the group, then the user: each step needs the
+            // privileges the next one gives up.
+            if let Some(u) = user
+                && (libc::setgroups(u.groups.len(), u.groups.as_ptr()) == -1
+                    || libc::setgid(u.gid) == -1
+                    || libc::setuid(u.uid) == -1)
+            {
+                fail(err_fd);
             }
             if process::close_inherited_on_exec().is_err() {
                 fail(err_fd);
@@ -202,14 +270,66 @@ mod tests {
 
     /// The unit tests run as root (`cargo xtask test`): a new PID
     /// namespace needs it.
+    /// Users by name or uid; an unknown one is named.
+    #[test]
+    fn a_user_is_found_by_name_or_uid() {
+        let root = RunAs::lookup("root").unwrap();
+        assert_eq!((root.uid, root.gid), (0, 0));
+        assert!(root.groups.contains(&0), "{root:?}");
+        assert_eq!(RunAs::lookup("0").unwrap().name, "root");
+        let err = RunAs::lookup("ferry-no-such-user").unwrap_err().to_string();
+        assert!(
+            err.contains("user") && err.contains("ferry-no-such-user"),
+            "{err}"
+        );
+    }
+
+    /// `--user`: the program runs as the user with its groups, not as
+    /// ferryd's root (the unit tests run as root).
+    #[tokio::test]
+    async fn a_process_started_as_another_user_runs_as_it() {
+        let nobody = RunAs::lookup("nobody").unwrap();
+        let options = SpawnOptions {
+            user: Some(nobody.clone()),
+            ..Default::default()
+        };
+        let pid = spawn(&["sleep".into(), "30".into()], &options).unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let field = |name: &str| -> Vec<u32> {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .unwrap()
+                .split_whitespace()
+                .map(|v| v.parse().unwrap())
+                .collect()
+        };
+        assert_eq!(field("Uid:"), [nobody.uid; 4], "{status}");
+        assert_eq!(field("Gid:"), [nobody.gid; 4], "{status}");
+        let mut groups = field("Groups:");
+        groups.sort_unstable();
+        let mut expected = nobody.groups.clone();
+        expected.sort_unstable();
+        assert_eq!(groups, expected, "{status}");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        crate::reaper::wait_exit(pid).await.unwrap();
+    }
+
     #[tokio::test]
     async fn a_spawned_process_is_a_namespace_init_whose_end_ferryd_reads() {
-        let pid = spawn(&["sh".into(), "-c".into(), "exit 4".into()], false).unwrap();
+        let pid = spawn(
+            &["sh".into(), "-c".into(), "exit 4".into()],
+            &SpawnOptions::default(),
+        )
+        .unwrap();
         let status = crate::reaper::wait_exit(pid).await.unwrap();
         let exit = exit_from_wait_status(status.expect("our child"));
         assert_eq!((exit.code, exit.signal), (4, 0), "{exit:?}");
 
-        let pid = spawn(&["sleep".into(), "30".into()], false).unwrap();
+        let pid = spawn(&["sleep".into(), "30".into()], &SpawnOptions::default()).unwrap();
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let nspid = status.lines().find(|l| l.starts_with("NSpid:")).unwrap();
         assert!(nspid.trim_end().ends_with("\t1"), "{nspid:?}");
@@ -222,7 +342,7 @@ mod tests {
         let exit = exit_from_wait_status(crate::reaper::wait_exit(pid).await.unwrap().unwrap());
         assert_eq!(exit.signal, libc::SIGKILL, "{exit:?}");
 
-        let e = spawn(&["ferry-no-such-program".into()], false).unwrap_err();
+        let e = spawn(&["ferry-no-such-program".into()], &SpawnOptions::default()).unwrap_err();
         assert!(
             matches!(&e, SpawnError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
             "{e}"
@@ -231,13 +351,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let plain = dir.path().join("not-a-program");
         std::fs::write(&plain, "data").unwrap();
-        let e = spawn(&[plain.to_string_lossy().into_owned()], false).unwrap_err();
+        let e = spawn(
+            &[plain.to_string_lossy().into_owned()],
+            &SpawnOptions::default(),
+        )
+        .unwrap_err();
         assert!(
             matches!(&e, SpawnError::Spawn { source, .. } if source.raw_os_error() == Some(libc::EACCES)),
             "{e}"
         );
         assert!(matches!(
-            spawn(&["a\0b".into()], false),
+            spawn(&["a\0b".into()], &SpawnOptions::default()),
             Err(SpawnError::NulByte { .. })
         ));
     }
@@ -248,7 +372,14 @@ mod tests {
     async fn an_ipc_namespace_of_its_own_only_when_asked() {
         let node = std::fs::read_link("/proc/self/ns/ipc").unwrap();
         for own in [false, true] {
-            let pid = spawn(&["sleep".into(), "30".into()], own).unwrap();
+            let pid = spawn(
+                &["sleep".into(), "30".into()],
+                &SpawnOptions {
+                    own_ipc: own,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             let its = std::fs::read_link(format!("/proc/{pid}/ns/ipc")).unwrap();
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),
@@ -266,7 +397,7 @@ mod tests {
         // close-on-exec flag, like one ferryd inherited from its starter.
         let inherited = unsafe { libc::dup(file.as_raw_fd()) };
         assert!(inherited > 2);
-        let pid = spawn(&["sleep".into(), "30".into()], false).unwrap();
+        let pid = spawn(&["sleep".into(), "30".into()], &SpawnOptions::default()).unwrap();
         // Read the descriptors once sleep sleeps: its command line shows
         // right after the exec, while the dynamic loader still holds the
         // libraries it opens (as descriptor 3) for a moment.

@@ -78,6 +78,10 @@ pub(crate) enum Command {
         /// (PostgreSQL needs it); each freeze then costs ~2 ms more.
         #[arg(long)]
         ipc_namespace: bool,
+        /// Run it as this user (name or uid) with the user's groups,
+        /// instead of ferryd's.
+        #[arg(long)]
+        user: Option<String>,
         #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
         argv: Vec<String>,
     },

@@ -75,11 +75,13 @@ async fn main_exec(mut args: Args) -> Result<()> {
             argv,
             foreground,
             ipc_namespace,
+            user,
         } => {
             let request = RunProcessRequest {
                 argv,
                 node,
                 ipc_namespace,
+                user: user.unwrap_or_default(),
             };
             processes::run(client, request, foreground, json).await
         }

@@ -454,6 +454,12 @@ async fn vet(
         vet_ms = vet_started.elapsed().as_secs_f64() * 1000.0,
         "process tree vetted"
     );
+    refuse_if_any(pid, &obstacles)
+}
+
+/// Every obstacle found at once, as the refusal of the migration; none:
+/// on it goes.
+fn refuse_if_any(pid: i32, obstacles: &[process::Obstacle]) -> Result<(), EngineError> {
     if obstacles.is_empty() {
         return Ok(());
     }
@@ -490,17 +496,7 @@ async fn limits_fit(
         process::privileges::limits_above(&tree, &theirs, &node)
     })
     .await?;
-    if obstacles.is_empty() {
-        return Ok(());
-    }
-    Err(EngineError::NotMigratable {
-        pid,
-        reason: obstacles
-            .iter()
-            .map(|o| o.to_string())
-            .collect::<Vec<_>>()
-            .join("; "),
-    })
+    refuse_if_any(pid, &obstacles)
 }
 
 /// `Peer.Hello`: the protocol version both speak, the strategy the

@@ -403,7 +403,11 @@ impl Echo {
         let script = format!(
             "exec 3<>/dev/tcp/127.0.0.1/{port}; while read -r line <&3; do echo \"$line\" >&3; done"
         );
-        let pid = crate::managed::spawn(&["bash".into(), "-c".into(), script], false).unwrap();
+        let pid = crate::managed::spawn(
+            &["bash".into(), "-c".into(), script],
+            &crate::managed::SpawnOptions::default(),
+        )
+        .unwrap();
         let (conn, _) = listener.accept().unwrap();
         conn.set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
