@@ -1,14 +1,20 @@
 //! `cargo xtask dist`'s Debian package, the short version run with the
-//! tests (the debug build, packaged as the release one is): what it holds,
-//! what it depends on, and that what it installs runs: ferryd checks this
-//! host and a config `ferry init` wrote, and the packaged CRIU (stripped
-//! of its debug information) still carries every patch ferryd looks for.
-//! Extracted into a directory, not installed: the test changes nothing on
-//! the host. Root only (ferryd --check's privileges); run by `cargo xtask
-//! test`.
+//! tests (the debug build, packaged as the release one is): what it holds
+//! and depends on; then installed with dpkg on this host (CI runs as
+//! root, on a fresh machine), a two-node cluster runs the installed ferryd
+//! with the installed CRIU, started by the unit's own commands, and the
+//! installed `ferry` starts a server and migrates it with its connections;
+//! then the package is purged, and the CRIU `cargo xtask setup` put where
+//! the package installs its own is put back (also on failure). Root only;
+//! run by `cargo xtask test`.
 
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::workload::SeqClient;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -171,4 +177,190 @@ fn the_package_holds_ferry_and_its_criu_and_they_run() {
         "{}",
         text(&checked.stdout)
     );
+}
+
+/// Where the package puts its CRIU (ferryd's default).
+const PACKAGED_CRIU: &str = "/opt/ferry/criu/bin/criu";
+
+/// The package installed on this host until dropped: then purged, and the
+/// CRIU it replaced put back.
+struct Installed {
+    /// A copy of the CRIU at [`PACKAGED_CRIU`] before the install, if
+    /// there was one (the one `cargo xtask setup` built).
+    criu_before: Option<(tempfile::TempDir, PathBuf)>,
+}
+
+impl Installed {
+    fn install(deb: &Path) -> Self {
+        let criu_before = Path::new(PACKAGED_CRIU).is_file().then(|| {
+            let dir = tempfile::tempdir().expect("a dir for the CRIU copy");
+            let copy = dir.path().join("criu");
+            std::fs::copy(PACKAGED_CRIU, &copy).expect("copying CRIU aside");
+            (dir, copy)
+        });
+        let installed = Self { criu_before };
+        run(Command::new("dpkg").arg("-i").arg(deb));
+        installed
+    }
+}
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        let purged = Command::new("dpkg").args(["--purge", "ferry"]).output();
+        if let Ok(out) = &purged
+            && !out.status.success()
+        {
+            eprintln!("dpkg --purge ferry: {}", text(&out.stderr));
+        }
+        if let Some((_dir, copy)) = &self.criu_before {
+            let _ = std::fs::create_dir_all(Path::new(PACKAGED_CRIU).parent().unwrap());
+            if let Err(e) = std::fs::copy(copy, PACKAGED_CRIU) {
+                eprintln!("putting CRIU back at {PACKAGED_CRIU}: {e}");
+            }
+        }
+    }
+}
+
+/// The installed unit's `KEY=` command line, words split.
+fn unit_command(unit: &str, key: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(format!("/lib/systemd/system/{unit}")).expect("the unit");
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {unit}"));
+    line.split_whitespace().map(str::to_owned).collect()
+}
+
+#[test]
+fn the_installed_package_migrates_a_server_and_purges_cleanly() {
+    let test = "the_installed_package_migrates_a_server_and_purges_cleanly";
+    if !ferry_integration::can_run(test) {
+        return;
+    }
+    let status = Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", "ferry"])
+        .output()
+        .unwrap();
+    let already = text(&status.stdout).contains("installed");
+    if ferry_testkit::skip(
+        test,
+        already.then(|| {
+            "a ferry package is installed on this host, which the test would replace and purge"
+                .to_owned()
+        }),
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let deb = build_package(&dir.path().join("dist"));
+    let installed = Installed::install(&deb);
+    let listed = text(&run(Command::new("dpkg").args(["-L", "ferry"])).stdout);
+    for file in [
+        "/usr/bin/ferryd",
+        "/usr/bin/ferry",
+        "/usr/sbin/ferry-network",
+        PACKAGED_CRIU,
+        "/lib/systemd/system/ferryd.service",
+        "/usr/share/doc/ferry/ferryd.toml.example",
+    ] {
+        assert!(
+            listed.lines().any(|l| l == file),
+            "{file} not installed:\n{listed}"
+        );
+    }
+    run(Command::new("/usr/bin/ferryd").arg("--check"));
+
+    // The unit's commands, its config path swapped for each node's.
+    let pre = unit_command("ferryd.service", "ExecStartPre");
+    let start = unit_command("ferryd.service", "ExecStart");
+    assert_eq!(
+        start,
+        ["/usr/bin/ferryd", "--config", "/etc/ferry/ferryd.toml"],
+        "the harness starts `FERRYD --config FILE`"
+    );
+    let mut spec = ClusterSpec::new(2, 1).without_agents();
+    spec.ferryd = Some(PathBuf::from(&start[0]));
+    spec.criu_path = Some(PathBuf::from(PACKAGED_CRIU));
+    let mut cluster = Cluster::start(spec).expect("cluster");
+    for node in ["node1", "node2"] {
+        let config = cluster.config_path(node).display().to_string();
+        let args: Vec<String> = pre[1..]
+            .iter()
+            .map(|a| a.replace("/etc/ferry/ferryd.toml", &config))
+            .collect();
+        run(Command::new(&pre[0]).args(&args).env("RUST_LOG", "off"));
+        cluster.start_agent(node).expect("the installed ferryd");
+    }
+
+    let installed_ferry = |node: &str, args: &[&str]| -> serde_json::Value {
+        let out = run(Command::new("/usr/bin/ferry")
+            .arg("--json")
+            .args(args)
+            .env("FERRY_SOCKET", cluster.control_socket(node)));
+        serde_json::from_slice(&out.stdout).expect("JSON")
+    };
+    let port = 7051;
+    let started = installed_ferry(
+        "node1",
+        &[
+            "run",
+            "--",
+            env!("CARGO_BIN_EXE_ferry-echo-server"),
+            "--port",
+            &port.to_string(),
+        ],
+    );
+    let pid = started["pid"].as_i64().expect("a pid");
+    cluster
+        .wait_listening("node1", port, Duration::from_secs(10))
+        .expect("the server listens");
+    let connections = 8;
+    let client = SeqClient::dve(
+        cluster.netns_path("client1"),
+        SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 100), port),
+        connections,
+    )
+    .expect("clients");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while cluster.established_tcp("node1", port).len() < connections {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "clients not connected"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = client.verified_per_connection();
+    let report = installed_ferry("node1", &["migrate", &pid.to_string(), "--to", "node2"]);
+    assert_eq!(report["outcome"], "committed", "{report}");
+    let moved = report["destination_pid"].as_i64().expect("the new pid") as i32;
+    assert!(cluster.pids_in("node2").contains(&moved));
+    assert_eq!(cluster.established_tcp("node2", port).len(), connections);
+    client
+        .wait_until_each_passes(&before, 10, Duration::from_secs(20))
+        .expect("every connection exchanges messages on node2");
+    let seq = client.stop();
+    seq.assert_clean();
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(moved),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    drop(cluster);
+
+    drop(installed);
+    let status = Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", "ferry"])
+        .output()
+        .unwrap();
+    assert!(
+        !text(&status.stdout).contains("ok installed"),
+        "{}",
+        text(&status.stdout)
+    );
+    for gone in [
+        "/usr/bin/ferryd",
+        "/usr/bin/ferry",
+        "/lib/systemd/system/ferryd.service",
+    ] {
+        assert!(!Path::new(gone).exists(), "{gone} left after the purge");
+    }
 }
