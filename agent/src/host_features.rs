@@ -181,7 +181,7 @@ pub fn probe() -> HostFeatures {
             name: "BTF (/sys/kernel/btf/vmlinux)",
             present: btf.is_some(),
             used_for: "every eBPF program (CO-RE)",
-            without: "no fallback: the data plane's programs do not load",
+            without: "no fallback: the data plane's programs do not load; a kernel built with CONFIG_DEBUG_INFO_BTF=y would do (Debian's, Ubuntu's and Fedora's from 5.15 are)",
             required: true,
         },
         Feature {
@@ -229,7 +229,7 @@ pub fn probe() -> HostFeatures {
             name: "CAP_BPF and CAP_NET_ADMIN",
             present: (cap(39) || cap(21)) && cap(12),
             used_for: "the data plane's eBPF programs",
-            without: "no fallback: the data plane's programs do not load",
+            without: "no fallback: the data plane's programs do not load; run ferryd as root with these capabilities (packaging/ferryd.service keeps them)",
             required: true,
         },
         Feature {

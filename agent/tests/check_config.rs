@@ -224,3 +224,35 @@ fn ferryd_refuses_to_start_without_a_required_feature() {
         "ferryd touched the node"
     );
 }
+
+/// The configured addresses must be on their interfaces: refused at
+/// start, naming the section, the address and the interface, with what
+/// the interface has (here: the test's host has no pub0).
+#[test]
+fn ferryd_refuses_to_start_without_its_addresses() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("control.sock");
+    let config = GOOD.replace(
+        "work_dir = \"/run/ferry/work\"",
+        &format!(
+            "work_dir = {:?}\ncontrol_socket = {:?}",
+            dir.path().join("work").display().to_string(),
+            socket.display().to_string()
+        ),
+    );
+    let path = dir.path().join("ferryd.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new(FERRYD)
+        .arg("--config")
+        .arg(&path)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[public]") && err.contains("198.18.0.100") && err.contains("pub0"),
+        "{err}"
+    );
+    assert!(!socket.exists(), "ferryd touched the node");
+}

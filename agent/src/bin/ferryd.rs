@@ -142,6 +142,7 @@ fn main_exec(args: Args) -> Result<()> {
             missing.join("; ")
         );
     }
+    check_addresses(&config)?;
     // Before any thread exists: room for the descriptors of a thousand
     // connections taken or rebuilt inside a freeze (sockstate).
     match ferry_agent::sockstate::prepare_descriptor_table(8192) {
@@ -153,6 +154,44 @@ fn main_exec(args: Args) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(serve(config))
+}
+
+/// The public address on the public interface and the cluster address on
+/// the cluster interface (`ferry-network node` puts them there): refused
+/// at start, naming both, if either is missing, before a filter is
+/// attached to an interface that would never see the address's packets.
+fn check_addresses(config: &Config) -> Result<()> {
+    let addresses: Vec<(String, std::net::IpAddr)> = nix::ifaddrs::getifaddrs()
+        .context("listing this host's addresses")?
+        .filter_map(|a| {
+            let ip = a.address.as_ref()?.as_sockaddr_in()?.ip();
+            Some((a.interface_name, std::net::IpAddr::V4(ip)))
+        })
+        .collect();
+    for (field, interface, address) in [
+        ("public", &config.public.interface, config.public.address),
+        ("cluster", &config.cluster.interface, config.cluster.address),
+    ] {
+        let on = |(i, a): &(String, std::net::IpAddr)| {
+            i == interface && *a == std::net::IpAddr::V4(address)
+        };
+        if !addresses.iter().any(on) {
+            let has: Vec<String> = addresses
+                .iter()
+                .filter(|(i, _)| i == interface)
+                .map(|(_, a)| a.to_string())
+                .collect();
+            anyhow::bail!(
+                "[{field}] address {address} is not on interface {interface} ({}); `ferry-network node` puts the addresses in place (docs/deploy.md)",
+                if has.is_empty() {
+                    "it has no IPv4 address here, or does not exist".to_owned()
+                } else {
+                    format!("it has {}", has.join(", "))
+                }
+            );
+        }
+    }
+    Ok(())
 }
 
 /// What this host lacks of what ferry uses, said once at start (all of it:
