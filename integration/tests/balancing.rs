@@ -190,6 +190,17 @@ fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
         for r in &reports {
             for m in r.migrations.iter().filter(|m| m.committed) {
                 committed += 1;
+                // Why it moved: the push that chose it, believing the
+                // destination lighter than this node.
+                let why = m.decision.as_ref().expect("the turn's beliefs");
+                assert_eq!(why.pid, m.source_pid, "{why:?}");
+                assert!(why.destinations.contains(&m.to_node), "{why:?}");
+                let believed = why
+                    .candidates
+                    .iter()
+                    .find(|c| c.node == m.to_node)
+                    .unwrap_or_else(|| panic!("{} not among the candidates: {why:?}", m.to_node));
+                assert!(believed.load < why.load, "{why:?}");
                 by_process
                     .entry(m.argv.clone())
                     .or_default()

@@ -514,13 +514,8 @@ fn spawn_conductor(node: &Node, shutdown: &watch::Receiver<bool>) -> Option<Join
             conductor,
             Duration::from_millis(config.balancer.period_ms),
             shutdown.clone(),
-            move |decision, load| {
-                events.publish(ferry_proto::v1::cluster_event::Event::Balancer(
-                    ferry_proto::v1::BalancerDecision {
-                        decision: decision.to_owned(),
-                        load,
-                    },
-                ))
+            move |decision| {
+                events.publish(ferry_proto::v1::cluster_event::Event::Balancer(decision))
             },
         ))
     })

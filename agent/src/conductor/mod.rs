@@ -197,6 +197,9 @@ struct State {
     seq: u64,
     stats: pb::BalancerStats,
     last_decision: String,
+    /// The beliefs the last turn acted on (its decision text is
+    /// `last_decision`, which the steps after the plan update).
+    beliefs: pb::BalancerDecision,
     migrations: Vec<pb::BalancerMigration>,
     /// When the last committed migration in or out ended (calm-down shown).
     calm_from: Option<Instant>,
@@ -267,6 +270,7 @@ impl Conductor {
             seq: 0,
             stats: pb::BalancerStats::default(),
             last_decision: "not run yet".into(),
+            beliefs: pb::BalancerDecision::default(),
             migrations: Vec::new(),
             calm_from: None,
         };
@@ -480,6 +484,7 @@ impl Conductor {
             let local = s.load.internal();
             let mut rng = StdRng::seed_from_u64(s.rng.next_u64());
             let plan = s.balancer.plan(now, local, &peers, &procs, &mut rng);
+            s.beliefs = beliefs(&s, local, &peers, &plan);
             s.last_decision = match &plan {
                 Plan::Idle(IdleReason::Balanced) => "balanced".into(),
                 Plan::Idle(IdleReason::CalmingDown) => "calming down".into(),
@@ -514,6 +519,15 @@ impl Conductor {
             self.push(pid.0 as i32, process_load, candidates).await;
         }
         self.state().last_decision.clone()
+    }
+
+    /// The last turn: its decision and the beliefs it acted on.
+    pub fn last_decision(&self) -> pb::BalancerDecision {
+        let s = self.state();
+        pb::BalancerDecision {
+            decision: s.last_decision.clone(),
+            ..s.beliefs.clone()
+        }
     }
 
     /// Offers `pid` to the candidates in order; migrates to the first that
@@ -620,6 +634,11 @@ impl Conductor {
             if let Err(e) = s.balancer.gate.finish_outgoing(id, outcome, now) {
                 tracing::warn!(error = %e, "gate out of step");
             }
+            // The turn's beliefs, and its decision before this outcome.
+            let decision = pb::BalancerDecision {
+                decision: s.last_decision.clone(),
+                ..s.beliefs.clone()
+            };
             let mut record = pb::BalancerMigration {
                 source_pid: pid,
                 argv,
@@ -627,6 +646,7 @@ impl Conductor {
                 to_node: to.to_owned(),
                 at_unix_ms: at,
                 committed,
+                decision: Some(decision),
                 ..Default::default()
             };
             match &result {
@@ -777,17 +797,55 @@ impl Conductor {
             calm_down_remaining_ms,
             migrations: s.migrations.clone(),
             cpus: s.cpus,
+            last: Some(pb::BalancerDecision {
+                decision: s.last_decision.clone(),
+                ..s.beliefs.clone()
+            }),
         }
     }
 }
 
+/// What a turn believed: this node's load, the cluster average it
+/// approximates from its candidates, the candidates' loads, and for a push
+/// the process and the destinations in order (the decision's text is
+/// filled in by the caller).
+fn beliefs(s: &State, local: f64, peers: &[PeerLoad], plan: &Plan) -> pb::BalancerDecision {
+    let name = |n: &NodeId| s.names.get(n).cloned().unwrap_or_else(|| n.to_string());
+    let mut d = pb::BalancerDecision {
+        load: local,
+        approximate_average: ferry_policy::node::approximate_average(local, peers),
+        candidates: peers
+            .iter()
+            .map(|p| pb::BalancerPeer {
+                node: name(&p.node),
+                load: p.load,
+                age_ms: p.age.as_millis() as u64,
+            })
+            .collect(),
+        at_unix_ms: unix_ms(),
+        ..Default::default()
+    };
+    if let Plan::Push {
+        pid,
+        process_load,
+        candidates,
+    } = plan
+    {
+        d.pid = pid.0 as i32;
+        d.process_load = *process_load;
+        d.destinations = candidates.iter().map(name).collect();
+    }
+    d
+}
+
 /// Runs the conductor's turns until shutdown. `on_change` hears each
-/// decision that differs from the one before, with the local load.
+/// decision that differs from the one before, with the beliefs it acted
+/// on.
 pub async fn run(
     conductor: Arc<Conductor>,
     period: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
-    on_change: impl Fn(&str, f64) + Send,
+    on_change: impl Fn(pb::BalancerDecision) + Send,
 ) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -799,7 +857,7 @@ pub async fn run(
                 let load = conductor.local_load();
                 tracing::debug!(%decision, load, "balancer turn");
                 if decision != last {
-                    on_change(&decision, load);
+                    on_change(conductor.last_decision());
                     last = decision;
                 }
             }

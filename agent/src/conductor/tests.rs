@@ -270,6 +270,25 @@ async fn pushes_to_the_lighter_node_and_publishes_its_load() {
         report.migrations[0].destination_pid,
         report.migrations[0].source_pid + 1000
     );
+    // Why: the beliefs the push acted on, with the migration and as the
+    // last turn (whose text is the outcome).
+    let why = report.migrations[0]
+        .decision
+        .clone()
+        .expect("the push's beliefs");
+    assert!(why.decision.starts_with("push"), "{why:?}");
+    assert_eq!(why.pid, report.migrations[0].source_pid);
+    assert!(why.process_load > 0.0, "{why:?}");
+    assert_eq!(why.destinations, ["b"]);
+    assert!((why.load - 3.0).abs() < 1e-6, "{why:?}");
+    assert_eq!(why.candidates.len(), 1, "{why:?}");
+    assert_eq!(why.candidates[0].node, "b");
+    assert!(why.candidates[0].load.abs() < 1e-6, "{why:?}");
+    assert!((why.approximate_average - 1.5).abs() < 1e-6, "{why:?}");
+    let last = report.last.expect("the last turn");
+    assert_eq!(last.decision, d);
+    assert_eq!(last.pid, why.pid);
+    assert_eq!(r.conductor.last_decision(), last);
 }
 
 #[tokio::test]

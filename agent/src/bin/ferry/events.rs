@@ -43,7 +43,11 @@ pub fn line(ev: &ClusterEvent) -> String {
                 format!("member {}: {} -> {}", m.member, m.previous, m.state)
             }
         }
-        Some(Event::Balancer(b)) => format!("balancer (load {:.2}): {}", b.load, b.decision),
+        Some(Event::Balancer(b)) => format!(
+            "balancer: {}, because {}",
+            b.decision,
+            crate::output::decision_why(b)
+        ),
         Some(Event::Cordon(c)) => format!(
             "{} by {}",
             if c.cordoned { "cordoned" } else { "uncordoned" },
@@ -128,7 +132,7 @@ pub fn to_json(ev: &ClusterEvent) -> serde_json::Value {
             json!({
             "member": m.member, "state": m.state, "previous": m.previous}),
         ),
-        Some(Event::Balancer(b)) => ("balancer", json!({"decision": b.decision, "load": b.load})),
+        Some(Event::Balancer(b)) => ("balancer", crate::output::decision_json(b)),
         Some(Event::Cordon(c)) => ("cordon", json!({"cordoned": c.cordoned, "by": c.by})),
         Some(Event::DrainFinished(d)) => (
             "drain_finished",

@@ -498,7 +498,9 @@ pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
                 "migration_id": m.migration_id, "source_pid": m.source_pid, "destination_pid": m.destination_pid,
                 "argv": m.argv, "from": m.from_node, "to": m.to_node, "at_unix_ms": m.at_unix_ms,
                 "committed": m.committed, "error": m.error,
+                "decision": m.decision.as_ref().map(decision_json),
             })).collect::<Vec<_>>(),
+            "last": b.last.as_ref().map(decision_json),
             "stats": {
                 "ticks": stats.ticks, "offers_sent": stats.offers_sent, "offers_accepted": stats.offers_accepted,
                 "offers_refused": stats.offers_refused, "offers_timed_out": stats.offers_timed_out,
@@ -521,6 +523,9 @@ pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
         "  load {:.2} (export {:.2}) on {} CPUs; last turn: {}",
         b.local_load, b.export_load, b.cpus, b.last_decision
     );
+    if let Some(last) = &b.last {
+        println!("  because {}", decision_why(last));
+    }
     if b.calm_down_remaining_ms > 0 {
         println!("  calming down for {} ms more", b.calm_down_remaining_ms);
     }
@@ -565,6 +570,9 @@ pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
                     format!(": {}", m.error)
                 }
             );
+            if let Some(d) = &m.decision {
+                println!("    because {}", decision_why(d));
+            }
         }
     }
     println!("policy:");
@@ -572,6 +580,43 @@ pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
         println!("  {line}");
     }
     Ok(())
+}
+
+/// A balancer turn's beliefs, as JSON.
+pub(crate) fn decision_json(d: &pb::BalancerDecision) -> serde_json::Value {
+    json!({
+        "decision": d.decision, "load": d.load, "approximate_average": d.approximate_average,
+        "candidates": d.candidates.iter().map(|p| json!({"node": p.node, "load": p.load, "age_ms": p.age_ms})).collect::<Vec<_>>(),
+        "pid": d.pid, "process_load": d.process_load, "destinations": d.destinations,
+        "at_unix_ms": d.at_unix_ms,
+    })
+}
+
+/// Why a balancer turn decided what it did, in a line: the loads it
+/// believed, and for a push the process and the destinations' order.
+pub(crate) fn decision_why(d: &pb::BalancerDecision) -> String {
+    let candidates = if d.candidates.is_empty() {
+        "no candidate".to_owned()
+    } else {
+        d.candidates
+            .iter()
+            .map(|p| format!("{} {:.2} ({} ms old)", p.node, p.load, p.age_ms))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut why = format!(
+        "load {:.2} against an approximate average of {:.2}; candidates: {candidates}",
+        d.load, d.approximate_average
+    );
+    if d.pid != 0 {
+        why.push_str(&format!(
+            "; chose PID {} (load {:.2}), offered to {}",
+            d.pid,
+            d.process_load,
+            d.destinations.join(", then ")
+        ));
+    }
+    why
 }
 
 pub(crate) fn port_str(p: &pb::Port) -> String {
