@@ -256,3 +256,32 @@ fn ferryd_refuses_to_start_without_its_addresses() {
     );
     assert!(!socket.exists(), "ferryd touched the node");
 }
+
+/// `ferryd --check --config FILE` counts the file's `features_off` as
+/// missing, as the agent does, and says where they come from.
+#[test]
+fn the_host_check_applies_the_configs_features_off() {
+    let config = GOOD.replace(
+        "work_dir = \"/run/ferry/work\"",
+        "work_dir = \"/run/ferry/work\"\nfeatures_off = [\"bpf_iter_tcp\"]",
+    );
+    let (_dir, path, _) = check(&config);
+    let out = Command::new(FERRYD)
+        .arg("--check")
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let table = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{table}{}", text(&out.stderr));
+    assert!(
+        table.contains("features_off in") && table.contains("bpf_iter_tcp"),
+        "{table}"
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("NO   ") && l.contains("[bpf_iter_tcp]")),
+        "{table}"
+    );
+}

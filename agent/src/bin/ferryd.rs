@@ -47,7 +47,9 @@ struct Args {
     /// Probe what this host's kernel and this agent's privileges offer
     /// ferry (userfaultfd write-protect, PAGEMAP_SCAN, BPF iterators,
     /// capabilities, ...), print it with what ferry does without each,
-    /// and exit: 0 if ferryd can run here, 1 if not.
+    /// and exit: 0 if ferryd can run here, 1 if not. With the --config
+    /// file there (the default one or another), its `features_off` count
+    /// as missing, as they do for the agent.
     #[arg(long)]
     check: bool,
     #[command(subcommand)]
@@ -115,7 +117,19 @@ fn fill(log: &Path) -> ExitCode {
 
 fn main_exec(args: Args) -> Result<()> {
     if args.check {
-        let host = ferry_agent::host_features::probe();
+        let features_off = if args.config.exists() {
+            Config::load(&args.config)?.features_off
+        } else {
+            Vec::new()
+        };
+        let host = ferry_agent::host_features::host(&features_off);
+        if !features_off.is_empty() {
+            println!(
+                "features_off in {}: {}",
+                args.config.display(),
+                features_off.join(", ")
+            );
+        }
         print!("{}", host.table());
         if !host.runnable() {
             anyhow::bail!("this host lacks what ferryd needs to run (the NO lines above)");
