@@ -27,6 +27,7 @@ pub mod field;
 pub mod information;
 pub mod load;
 pub mod location;
+pub mod measured_cost;
 pub mod migration_cost;
 pub mod node;
 pub mod selection;

@@ -35,6 +35,11 @@ pub struct MigrationCostModel {
     pub freeze_overhead: Duration,
     /// Extra freeze per socket (checkpoint, transfer, restore).
     pub per_connection: Duration,
+    /// Extra freeze per MiB of the process's memory, beyond the pages
+    /// sent in it (ferry's measured pre-copy freeze grows a little with
+    /// memory: page tables scanned, areas restored).
+    #[serde(default)]
+    pub per_mib: Duration,
     pub mechanism: Mechanism,
 }
 
@@ -51,7 +56,11 @@ impl MigrationCostModel {
     pub fn estimate(&self, memory_bytes: u64, connections: u32) -> MigrationTimes {
         let bandwidth = self.bandwidth_bytes_per_sec.max(1.0);
         let send = |bytes: f64| Duration::from_secs_f64(bytes / bandwidth);
-        let fixed = self.freeze_overhead + self.per_connection * connections;
+        let fixed = self.freeze_overhead
+            + self.per_connection * connections
+            + self
+                .per_mib
+                .mul_f64(memory_bytes as f64 / f64::from(1u32 << 20));
         match self.mechanism {
             Mechanism::StopAndCopy => {
                 let downtime = fixed + send(memory_bytes as f64);
@@ -112,6 +121,7 @@ mod tests {
             bandwidth_bytes_per_sec: GBIT,
             freeze_overhead: Duration::from_millis(10),
             per_connection: Duration::from_micros(20),
+            per_mib: Duration::ZERO,
             mechanism,
         }
     }

@@ -266,6 +266,40 @@ fn timeline_chart(
     }
 }
 
+/// The two mechanisms' costs, fitted to ferry's committed results
+/// (`docs/freeze.csv`, `docs/memory.csv`), and a line that says so.
+fn measured_mechanisms() -> Result<([dve::MechanismVariant; 2], String)> {
+    use ferry_policy::measured_cost::fit;
+    let docs = crate::cmd::workspace_root().join("docs");
+    let read = |f: &str| {
+        std::fs::read_to_string(docs.join(f)).with_context(|| format!("reading docs/{f}"))
+    };
+    let (freeze, memory) = (read("freeze.csv")?, read("memory.csv")?);
+    let precopy = fit(&freeze, "incremental", Some((&memory, "pre-copy")))?;
+    let stop_and_copy = fit(&freeze, "iterative", None)?;
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+    let provenance = format!(
+        "migration cost fitted to ferry's release measurements: pre-copy {:.1} ms + {:.1} µs per connection + {:.2} µs per MiB \
+         (docs/freeze.csv incremental mode, {} migrations; docs/memory.csv pre-copy at 1,000 pages/s over 1 Gb/s, {}); \
+         stop-and-copy {:.1} ms + {:.1} µs per connection (docs/freeze.csv iterative mode, {}) plus the memory at 1 Gb/s",
+        ms(precopy.fixed),
+        ms(precopy.per_connection) * 1000.0,
+        ms(precopy.per_mib) * 1000.0,
+        precopy.connection_rows,
+        precopy.memory_rows,
+        ms(stop_and_copy.fixed),
+        ms(stop_and_copy.per_connection) * 1000.0,
+        stop_and_copy.connection_rows,
+    );
+    Ok((
+        [
+            dve::precopy_mechanism(&precopy),
+            dve::stop_and_copy_mechanism(&stop_and_copy),
+        ],
+        provenance,
+    ))
+}
+
 fn run_dve(args: &SimArgs) -> Result<()> {
     let mut params = dve::Params::default();
     if let Some(seed) = args.seed {
@@ -273,7 +307,8 @@ fn run_dve(args: &SimArgs) -> Result<()> {
     }
     let dir = out_dir(args, "dve")?;
     let started = std::time::Instant::now();
-    let mechanisms = [dve::precopy_mechanism(), dve::stop_and_copy_mechanism()];
+    let (mechanisms, provenance) = measured_mechanisms()?;
+    println!("{provenance}");
     let results = dve::run_all(&params, &mechanisms)?;
     let tail_from = params.duration.as_secs_f64() * 2.0 / 3.0;
     let nodes = params.nodes;

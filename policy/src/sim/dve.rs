@@ -25,6 +25,7 @@ use crate::balancer::{Balancer, Plan};
 use crate::config::Config;
 use crate::information::{Destination, InformationPolicy, LoadMessage};
 use crate::load::{LoadConfig, NodeLoad, RecentArrivals};
+use crate::measured_cost::MeasuredCost;
 use crate::migration_cost::{Mechanism, MigrationCostModel};
 use crate::node::{NodeId, ProcessId};
 use crate::selection::{ProcessLoad, SelectionConfig};
@@ -137,15 +138,17 @@ pub struct MechanismVariant {
     pub cost: MigrationCostModel,
 }
 
-/// ferry's target: pre-copy with collective, incremental socket migration
-/// (Gerofi et al. (DVE) Fig. 5b: under 40 ms freeze at 1,000 connections).
-pub fn precopy_mechanism() -> MechanismVariant {
+/// ferry's pre-copy with incremental socket migration, at what ferry
+/// measured (`cost`: [`crate::measured_cost::fit`] of the committed
+/// freeze and memory results, incremental mode and pre-copy), over 1 Gb/s.
+pub fn precopy_mechanism(cost: &MeasuredCost) -> MechanismVariant {
     MechanismVariant {
         label: "pre-copy",
         cost: MigrationCostModel {
             bandwidth_bytes_per_sec: 125_000_000.0,
-            freeze_overhead: Duration::from_millis(15),
-            per_connection: Duration::from_micros(10),
+            freeze_overhead: cost.fixed,
+            per_connection: cost.per_connection,
+            per_mib: cost.per_mib,
             mechanism: Mechanism::PreCopy {
                 dirty_bytes_per_sec: 20_000_000.0,
                 max_rounds: 8,
@@ -155,16 +158,18 @@ pub fn precopy_mechanism() -> MechanismVariant {
     }
 }
 
-/// A plain checkpoint/restore: freeze, dump everything, send, restore
-/// (DESIGN.md: CRIU here, 128-251 ms for 16-1024 connections, before the
-/// memory is even sent).
-pub fn stop_and_copy_mechanism() -> MechanismVariant {
+/// A plain checkpoint/restore: freeze, dump everything, send, restore, at
+/// what ferry measured of CRIU's own per-socket path (`cost`: the fit of
+/// the freeze results' iterative mode), the memory over 1 Gb/s inside the
+/// freeze.
+pub fn stop_and_copy_mechanism(cost: &MeasuredCost) -> MechanismVariant {
     MechanismVariant {
         label: "stop-and-copy",
         cost: MigrationCostModel {
             bandwidth_bytes_per_sec: 125_000_000.0,
-            freeze_overhead: Duration::from_millis(120),
-            per_connection: Duration::from_micros(120),
+            freeze_overhead: cost.fixed,
+            per_connection: cost.per_connection,
+            per_mib: Duration::ZERO,
             mechanism: Mechanism::StopAndCopy,
         },
     }
@@ -680,6 +685,22 @@ impl World<'_> {
 mod tests {
     use super::*;
 
+    /// The committed results' fits, as `cargo xtask sim dve` makes them.
+    fn measured(mode: &str, strategy: Option<&str>) -> MeasuredCost {
+        let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+        let freeze = std::fs::read_to_string(docs.join("freeze.csv")).unwrap();
+        let memory = std::fs::read_to_string(docs.join("memory.csv")).unwrap();
+        crate::measured_cost::fit(&freeze, mode, strategy.map(|s| (memory.as_str(), s))).unwrap()
+    }
+
+    fn precopy() -> MechanismVariant {
+        precopy_mechanism(&measured("incremental", Some("pre-copy")))
+    }
+
+    fn stop_and_copy() -> MechanismVariant {
+        stop_and_copy_mechanism(&measured("iterative", None))
+    }
+
     fn short() -> Params {
         Params {
             duration: Duration::from_secs(300),
@@ -707,7 +728,7 @@ mod tests {
     #[test]
     fn balancing_narrows_the_spread_and_keeps_every_zone() {
         let params = Params::default();
-        let r = run_all(&params, &[precopy_mechanism()]).unwrap();
+        let r = run_all(&params, &[precopy()]).unwrap();
         let spread = |o: &DveRun| {
             let tail = o.mean_utilisation_from(600.0);
             tail.iter().cloned().fold(0.0, f64::max) - tail.iter().cloned().fold(1.0, f64::min)
@@ -729,7 +750,7 @@ mod tests {
 
     #[test]
     fn a_better_mechanism_freezes_clients_for_less() {
-        let r = run_all(&short(), &[precopy_mechanism(), stop_and_copy_mechanism()]).unwrap();
+        let r = run_all(&short(), &[precopy(), stop_and_copy()]).unwrap();
         assert!(r[1].migrations > 0 && r[2].migrations > 0);
         let per_migration = |o: &DveRun| o.client_frozen_secs / o.migrations as f64;
         assert!(per_migration(&r[1]) * 5.0 < per_migration(&r[2]));
@@ -738,8 +759,8 @@ mod tests {
 
     #[test]
     fn deterministic() {
-        let a = run_all(&short(), &[precopy_mechanism()]).unwrap();
-        let b = run_all(&short(), &[precopy_mechanism()]).unwrap();
+        let a = run_all(&short(), &[precopy()]).unwrap();
+        let b = run_all(&short(), &[precopy()]).unwrap();
         assert_eq!(a[1].migrations, b[1].migrations);
         assert_eq!(
             a[1].samples.last().unwrap().zones,

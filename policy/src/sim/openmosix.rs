@@ -172,6 +172,7 @@ impl Default for Params {
                 bandwidth_bytes_per_sec: 125_000_000.0,
                 freeze_overhead: Duration::from_millis(20),
                 per_connection: Duration::ZERO,
+                per_mib: Duration::ZERO,
                 mechanism: Mechanism::StopAndCopy,
             },
             latency: Duration::from_millis(1),
