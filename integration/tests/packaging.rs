@@ -62,14 +62,10 @@ fn criu_prefix() -> PathBuf {
         .to_owned()
 }
 
-#[test]
-fn the_package_holds_ferry_and_its_criu_and_they_run() {
-    let test = "the_package_holds_ferry_and_its_criu_and_they_run";
-    if !ferry_integration::can_run(test) {
-        return;
-    }
+/// What the package holds and depends on, and that what it holds runs,
+/// extracted into a directory.
+fn the_package_holds_ferry_and_its_criu_and_they_run(deb: &Path) {
     let dir = tempfile::tempdir().unwrap();
-    let deb = build_package(&dir.path().join("dist"));
     assert!(
         deb.file_name()
             .unwrap()
@@ -80,7 +76,7 @@ fn the_package_holds_ferry_and_its_criu_and_they_run() {
     );
 
     let field = |name: &str| {
-        text(&run(Command::new("dpkg-deb").arg("-f").arg(&deb).arg(name)).stdout)
+        text(&run(Command::new("dpkg-deb").arg("-f").arg(deb).arg(name)).stdout)
             .trim()
             .to_owned()
     };
@@ -105,7 +101,7 @@ fn the_package_holds_ferry_and_its_criu_and_they_run() {
     }
 
     let root = dir.path().join("root");
-    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root));
+    run(Command::new("dpkg-deb").arg("-x").arg(deb).arg(&root));
     for file in [
         "usr/bin/ferryd",
         "usr/bin/ferry",
@@ -231,9 +227,10 @@ fn unit_command(unit: &str, key: &str) -> Vec<String> {
     line.split_whitespace().map(str::to_owned).collect()
 }
 
+/// The package built once, checked, then installed.
 #[test]
-fn the_installed_package_migrates_a_server_and_purges_cleanly() {
-    let test = "the_installed_package_migrates_a_server_and_purges_cleanly";
+fn the_package_runs_extracted_and_installed_and_purges_cleanly() {
+    let test = "the_package_runs_extracted_and_installed_and_purges_cleanly";
     if !ferry_integration::can_run(test) {
         return;
     }
@@ -253,6 +250,7 @@ fn the_installed_package_migrates_a_server_and_purges_cleanly() {
     }
     let dir = tempfile::tempdir().unwrap();
     let deb = build_package(&dir.path().join("dist"));
+    the_package_holds_ferry_and_its_criu_and_they_run(&deb);
     let installed = Installed::install(&deb);
     let listed = text(&run(Command::new("dpkg").args(["-L", "ferry"])).stdout);
     for file in [

@@ -150,6 +150,17 @@ pub fn settle(
     Ok(total)
 }
 
+/// This node's kernel features and privileges, `features_off` applied
+/// (probed once per ferryd, off the runtime the first time).
+pub async fn this_host(engine: &super::Engine) -> Result<HostFeatures, EngineError> {
+    crate::host_features::host_off_runtime(&engine.config.features_off)
+        .await
+        .map_err(|source| EngineError::Task {
+            what: "probing this host's features",
+            source,
+        })
+}
+
 /// [`check`] against this node's own features.
 pub fn check_here(
     role: Role,

@@ -204,12 +204,7 @@ async fn require_features(engine: &Engine, strategy: i32) -> Result<(), EngineEr
             });
         }
     };
-    let host = crate::host_features::host_off_runtime(&engine.config.features_off)
-        .await
-        .map_err(|source| EngineError::Task {
-            what: "probing this host's features",
-            source,
-        })?;
+    let host = needs::this_host(engine).await?;
     needs::check_here(Role::Destination, strategy, &host, engine.node())
 }
 

@@ -150,7 +150,7 @@ pub async fn prepare(
     let peer = destination_of(engine, destination)?;
     check_migratable(engine, pid)?;
     let mut fallbacks = Vec::new();
-    let host = host_features(engine).await?;
+    let host = needs::this_host(engine).await?;
     let strategy = needs::settle(
         Role::Source,
         options.strategy.unwrap_or(engine.config.migration.strategy),
@@ -231,16 +231,6 @@ fn fallbacks_known_at_prepare(strategy: MemoryStrategy, hello: &HelloResponse) -
         });
     }
     fallbacks
-}
-
-/// This node's kernel features and privileges, `features_off` applied.
-async fn host_features(engine: &Engine) -> Result<HostFeatures, EngineError> {
-    crate::host_features::host_off_runtime(&engine.config.features_off)
-        .await
-        .map_err(|source| EngineError::Task {
-            what: "probing this host's features",
-            source,
-        })
 }
 
 /// The strategy asked for, and whether the request left it to this node's
