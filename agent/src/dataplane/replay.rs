@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use super::DataPlane;
 use super::capture::{DeliveredLog, digest};
 use super::filter::{CapturedPacket, DataPlaneError};
+use crate::process::nice::ThreadNice;
 use crate::sync::lock;
 
 /// At most this many threads replay one batch.
@@ -26,7 +27,7 @@ const PARALLEL_REPLAY_MIN: usize = 256;
 /// migration) 20,000-37,000 packets took 190-540 ms, while more arrived to
 /// be captured, and clients whose segments waited past their RTO
 /// retransmitted.
-const REPLAY_NICE: i32 = -10;
+const REPLAY_NICE: i32 = crate::process::nice::AHEAD;
 
 /// Hands packets to this node's stack as if just received. Faked in unit
 /// tests.
@@ -96,55 +97,6 @@ pub mod fake {
         /// Records into the same list.
         fn try_clone(&self) -> Result<Box<dyn super::PacketReplayer>, super::DataPlaneError> {
             Ok(Box::new(self.clone()))
-        }
-    }
-}
-
-/// The calling thread's nice value set for a while and given back on
-/// drop (threads it starts meanwhile inherit the raised one). Linux keeps
-/// a nice value per thread, which `setpriority(PRIO_PROCESS, tid)` sets.
-struct ThreadNice {
-    tid: libc::id_t,
-    before: i32,
-}
-
-impl ThreadNice {
-    fn raise(nice: i32) -> Option<Self> {
-        // SAFETY: gettid takes nothing and returns the caller's thread ID.
-        let tid = unsafe { libc::gettid() } as libc::id_t;
-        // getpriority may return -1 as a value: errno tells.
-        // SAFETY: __errno_location returns this thread's errno; getpriority
-        // takes plain integers and reads one thread's nice value.
-        let before = unsafe {
-            *libc::__errno_location() = 0;
-            libc::getpriority(libc::PRIO_PROCESS, tid)
-        };
-        if before == -1 && std::io::Error::last_os_error().raw_os_error() != Some(0) {
-            return None;
-        }
-        if before <= nice {
-            return None;
-        }
-        // SAFETY: setpriority takes plain integers and changes only this
-        // thread's nice value.
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
-            tracing::debug!(error = %std::io::Error::last_os_error(), "the replay left at its nice value");
-            return None;
-        }
-        Some(Self { tid, before })
-    }
-}
-
-impl Drop for ThreadNice {
-    fn drop(&mut self) {
-        // SAFETY: as in `raise`; the thread is named by its ID, so this
-        // is right wherever the guard is dropped.
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, self.tid, self.before) } != 0 {
-            tracing::warn!(
-                error = %std::io::Error::last_os_error(),
-                nice = self.before,
-                "giving a replay thread its nice value back"
-            );
         }
     }
 }
@@ -402,36 +354,5 @@ impl Replay {
             }
             done
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ThreadNice;
-
-    fn nice_of_this_thread() -> i32 {
-        // SAFETY: getpriority takes plain integers; 0 is this thread.
-        unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
-    }
-
-    /// The replay's threads run ahead of the node's other work and give
-    /// the raised nice value back; a thread started meanwhile inherits it.
-    #[test]
-    fn a_raised_nice_value_is_inherited_and_given_back() {
-        std::thread::spawn(|| {
-            let before = nice_of_this_thread();
-            assert!(before > -10, "the test thread starts at {before}");
-            {
-                let _ahead = ThreadNice::raise(-10).expect("raising needs CAP_SYS_NICE (root)");
-                assert_eq!(nice_of_this_thread(), -10);
-                let lane = std::thread::spawn(nice_of_this_thread).join().unwrap();
-                assert_eq!(lane, -10);
-                // Already there: nothing to do, nothing to give back.
-                assert!(ThreadNice::raise(-5).is_none());
-            }
-            assert_eq!(nice_of_this_thread(), before);
-        })
-        .join()
-        .unwrap();
     }
 }

@@ -171,6 +171,14 @@ pub struct FillStats {
     pub fill_us: u64,
     /// Tasks the filler served (forks during the fill included).
     pub tasks: u64,
+    /// Of `pages`, those the event loop installed between the process's
+    /// faults, while the workers stood aside.
+    #[serde(default)]
+    pub inline_pages: u64,
+    /// The event loop's summed wait for the workers' chunks to leave the
+    /// gate before it read the userfaultfds (part of `fault_wait_us`).
+    #[serde(default)]
+    pub gate_wait_us: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

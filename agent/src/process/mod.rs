@@ -2,6 +2,7 @@
 //! and the sockets it holds.
 
 pub mod memory;
+pub mod nice;
 pub mod pidfd;
 pub mod privileges;
 mod sock_diag;

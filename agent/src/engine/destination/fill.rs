@@ -70,6 +70,9 @@ pub(super) fn watch_fill(engine: &Arc<Engine>, w: FillWatch) {
                     pid,
                     pages = stats.pages,
                     faults = stats.faults,
+                    fault_wait_ms = stats.fault_wait_us as f64 / 1000.0,
+                    gate_wait_ms = stats.gate_wait_us as f64 / 1000.0,
+                    inline_pages = stats.inline_pages,
                     fill_ms = stats.fill_us as f64 / 1000.0,
                     since_resume_ms = window as f64 / 1000.0,
                     "every held page is in"

@@ -333,6 +333,7 @@ fn a_fill_from_the_store_goes_on_without_ferryd() {
     drop(ours);
     let stats = filler.run(theirs.as_fd()).unwrap();
     assert_eq!(stats.pages, 16);
+    assert_eq!(stats.inline_pages, 0, "no fault, so the workers did it all");
     for i in 0..16 {
         let a = base + i * page;
         assert_eq!(byte(a), pattern(a));
@@ -486,6 +487,72 @@ fn fills_faulted_and_pending_pages_and_follows_the_areas() {
                 byte(elsewhere + k * page),
                 pattern(at(500 + k)),
                 "moved page {k}"
+            );
+        }
+    });
+}
+
+#[test]
+fn while_the_process_faults_the_event_loop_installs_between_its_answers() {
+    // Fork events, as above: alone.
+    if std::env::var_os(ISOLATED).is_none() {
+        return in_a_process_of_its_own(
+            "fill::filler::tests::while_the_process_faults_the_event_loop_installs_between_its_answers",
+        );
+    }
+    use std::os::unix::fs::FileExt;
+    let page = memtrack::page_size();
+    let pages = 16 * 1024;
+    let len = pages * page;
+    let (base, uffd) = registered_area(len);
+    let store = empty_store();
+    let mut bytes = vec![0u8; len as usize];
+    for i in 0..pages {
+        let a = base + i * page;
+        bytes[(i * page) as usize..((i + 1) * page) as usize].fill(pattern(a));
+    }
+    store.write_all_at(&bytes, base).unwrap();
+    drop(bytes);
+    let filler = Filler::new(
+        one_task(base, len, (base, base + len), false, 2),
+        vec![store],
+    )
+    .unwrap();
+    let (ours, theirs) = control::pair().unwrap();
+    std::thread::scope(|s| {
+        let running = s.spawn(|| filler.run(theirs.as_fd()));
+        for m in [
+            ToFiller::Uffd { vpid: 1, uffd },
+            ToFiller::RestoreFinished,
+            ToFiller::Resumed,
+        ] {
+            control::send_to_filler(ours.as_fd(), &m).unwrap();
+        }
+        // The process reads its pages at random, as a key-value store
+        // serving its clients does, until every page is in.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut reads = 0u64;
+        while !running.is_finished() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let a = base + (x >> 33) % pages * page;
+            assert_eq!(byte(a + page / 2), pattern(a), "page at {a:#x}");
+            reads += 1;
+        }
+        let stats = running.join().unwrap().unwrap();
+        assert_eq!(stats.pages, pages, "{stats:?}");
+        assert!(stats.faults > 0, "{stats:?}");
+        assert!(
+            stats.inline_pages > 0 && stats.inline_pages < pages,
+            "the event loop installed between the faults, the workers the rest: {stats:?} ({reads} reads)"
+        );
+        for i in 0..pages {
+            let a = base + i * page;
+            assert_eq!(
+                (byte(a), byte(a + page - 1)),
+                (pattern(a), pattern(a)),
+                "page {i}"
             );
         }
     });
