@@ -59,6 +59,15 @@
 //! pages), so a chunk read from the store before the change must not land
 //! after it. A chunk that meets an unread change gets `EAGAIN` and goes
 //! back to the pending ranges.
+//!
+//! The process's faults come first: while it faults (until 5 ms after its
+//! last fault), the workers stand aside and the event loop installs the
+//! pending pages itself, a small chunk between two looks at the
+//! userfaultfds. It needs no gate for that, being the thread that reads
+//! the changes, so a fault waits for at most one small copy, not for the
+//! workers' chunks and a core. The event loop runs at CRIU's nice value,
+//! the workers at the process's own. Not where the pages follow: those
+//! faults wait on the source, and the cores on receiving its pages.
 
 pub mod control;
 pub mod filler;

@@ -221,13 +221,28 @@ async fn leave_held_pages_out(run: &mut Run) -> Result<bool, EngineError> {
     let Some(pre) = run.undo.precopy.as_ref() else {
         return Ok(false);
     };
-    if (run.p.strategy.is_postcopy() && !run.p.pages_follow)
-        || !run.p.destination_fills_held_pages
-        || !criu::has_patch(&run.engine.config.criu_path, criu::HELD_PAGES_MARK)
-    {
+    // Each way of dumping every page says why: a pre-copy whose freeze
+    // carried every page once could not be told apart from one whose
+    // held pages were all written again.
+    let why_not = if run.p.strategy.is_postcopy() && !run.p.pages_follow {
+        Some("CRIU's lazy pages take the pages")
+    } else if !run.p.destination_fills_held_pages {
+        Some("the destination does not fill held pages")
+    } else if !criu::has_patch(&run.engine.config.criu_path, criu::HELD_PAGES_MARK) {
+        Some("this CRIU lacks ferry's held-pages patch")
+    } else {
+        None
+    };
+    if let Some(why) = why_not {
+        tracing::info!(why, "the dump writes every page");
         return Ok(false);
     }
     let held = pre.held();
+    tracing::info!(
+        processes = held.len(),
+        pages = held.iter().map(|(_, s)| s.len()).sum::<u64>() / crate::memtrack::page_size(),
+        "held pages left out of the dump unless written since"
+    );
     let images = run.images();
     // Held pages of private file mappings and other areas a lazy restore
     // does not fill are left out too, when the destination gives the
