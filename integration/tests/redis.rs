@@ -115,3 +115,72 @@ fn a_redis_server_moves_with_its_whole_data_set() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     });
 }
+
+/// Pages cross compressed where the agents are told to (`[migration]
+/// compression = "lz4"`): Redis's values compress, so the rounds and the
+/// freeze's pages images carry far fewer bytes, and the data set is whole
+/// after each move, pre-copied or copied in the freeze.
+#[test]
+fn a_redis_server_moves_with_its_pages_compressed() {
+    if !ferry_integration::can_run("a_redis_server_moves_with_its_pages_compressed") {
+        return;
+    }
+    if !Redis::installed() {
+        panic!("{REDIS_SERVER} is missing: `cargo xtask setup` installs Debian's redis-server");
+    }
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.extra_config = "[migration]\ncompression = \"lz4\"\n".into();
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut controls = [
+            cluster.control("node1").await.expect("control node1"),
+            cluster.control("node2").await.expect("control node2"),
+        ];
+        let dir = tempfile::tempdir().expect("a working directory for redis");
+        let mut pid = run(&mut controls[0], REDIS.argv(dir.path())).await;
+        wait_for_process(&mut controls[0], pid, |p| p.tcp_listening >= 1).await;
+        assert_eq!(redis(&cluster, &["DEBUG", "POPULATE", "50000", "key", "1000"]), "OK");
+        let mut on = 0;
+        for strategy in [Strategy::PreCopy, Strategy::TotalCopy] {
+            let digest = redis(&cluster, &["DEBUG", "DIGEST"]);
+            let to = 1 - on;
+            let report = migrate_committed(
+                &mut controls[on],
+                MigrateRequest {
+                    pid,
+                    destination_node: format!("node{}", to + 1),
+                    strategy: strategy as i32,
+                    ..Default::default()
+                },
+            )
+            .await;
+            eprintln!(
+                "{strategy:?}: freeze {:.1} ms, {} bytes transferred, {} bytes of pages compressed to {}",
+                report.freeze_time_us as f64 / 1e3,
+                report.bytes_transferred,
+                report.compressed_page_bytes,
+                report.compressed_to_bytes
+            );
+            // ~50 MiB of values: most of them crossed compressed, in a
+            // fraction of their size.
+            assert!(report.compressed_page_bytes > 40 << 20, "{report:#?}");
+            assert!(
+                report.compressed_to_bytes < report.compressed_page_bytes / 4,
+                "{report:#?}"
+            );
+            assert!(report.bytes_transferred < 40 << 20, "{report:#?}");
+            let new_pid = report.destination_pid;
+            let (_, destination) = source_and_destination(&mut controls, on);
+            wait_for_process(destination, new_pid, |p| p.state == "running").await;
+            wait_until_gone(pid);
+            assert_eq!(redis(&cluster, &["DEBUG", "DIGEST"]), digest, "{strategy:?}");
+            pid = new_pid;
+            on = to;
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    });
+}

@@ -165,3 +165,16 @@ impl std::fmt::Display for Role {
         f.write_str(self.as_str())
     }
 }
+
+/// Whether the pages that cross the cluster link are compressed
+/// (`[migration] compression`; `engine::compression`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Compression {
+    /// As they are.
+    #[default]
+    Off,
+    /// LZ4, where the destination takes it: for links slower than the
+    /// source compresses (1 Gb/s and below here) and pages that compress.
+    Lz4,
+}

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 mod choices;
 pub mod init;
 
-pub use choices::{MemoryStrategy, PostCopyPages, Role, SocketMigration};
+pub use choices::{Compression, MemoryStrategy, PostCopyPages, Role, SocketMigration};
 
 /// Where `cargo xtask setup` installs CRIU.
 pub const DEFAULT_CRIU_PATH: &str = "/opt/ferry/criu/bin/criu";
@@ -187,6 +187,10 @@ pub struct MigrationConfig {
     /// server and lazy-pages daemon). ferryd's falls back to CRIU's with a
     /// destination or a CRIU that lacks it.
     pub post_copy_pages: PostCopyPages,
+    /// Whether pages cross the cluster link compressed: "lz4" (for links
+    /// slower than the source compresses, pages that compress) or "off".
+    /// Only with a destination that takes them.
+    pub compression: Compression,
 }
 
 impl MigrationConfig {
@@ -234,6 +238,7 @@ impl Default for MigrationConfig {
             throttle: false,
             incoming_memory_limit_mib: None,
             post_copy_pages: PostCopyPages::Ferryd,
+            compression: Compression::Off,
         }
     }
 }

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use ferry_proto::v1::{ImageChunk, ImagePiece, StoredPages};
 
 use super::EngineError;
+use super::compression::Gauge;
 use super::pagestore::PageStore;
 use crate::memtrack::RangeSet;
 
@@ -68,24 +69,62 @@ impl Batcher {
         data: Vec<u8>,
         stored: Option<StoredPages>,
     ) -> Result<(), EngineError> {
-        let len = data.len();
+        self.push_piece(ImagePiece {
+            file_name: file_name.to_owned(),
+            offset,
+            data,
+            stored,
+            ..Default::default()
+        })
+    }
+
+    /// Pages, compressed as `gauge` says.
+    fn push_pages(
+        &mut self,
+        file_name: &str,
+        offset: u64,
+        raw: Vec<u8>,
+        gauge: &mut Gauge,
+        counts: &mut ImageCounts,
+    ) -> Result<(), EngineError> {
+        let n = raw.len() as u64;
+        match gauge.compress().then(|| gauge.pack(&raw)).flatten() {
+            Some(lz4) => {
+                counts.lz4_raw_bytes += n;
+                counts.lz4_bytes += lz4.len() as u64;
+                counts.bytes += lz4.len() as u64;
+                self.push_piece(ImagePiece {
+                    file_name: file_name.to_owned(),
+                    offset,
+                    lz4,
+                    lz4_length: n,
+                    ..Default::default()
+                })?;
+            }
+            None => {
+                counts.bytes += n;
+                self.push(file_name, offset, raw, None)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn push_piece(&mut self, piece: ImagePiece) -> Result<(), EngineError> {
+        let len = piece.data.len() + piece.lz4.len();
         match self.pending.as_mut() {
             None => {
                 self.pending = Some(ImageChunk {
                     migration_id: self.migration_id.clone(),
-                    file_name: file_name.to_owned(),
-                    offset,
-                    data,
+                    file_name: piece.file_name,
+                    offset: piece.offset,
+                    data: piece.data,
                     more: Vec::new(),
-                    stored,
+                    stored: piece.stored,
+                    lz4: piece.lz4,
+                    lz4_length: piece.lz4_length,
                 });
             }
-            Some(chunk) => chunk.more.push(ImagePiece {
-                file_name: file_name.to_owned(),
-                offset,
-                data,
-                stored,
-            }),
+            Some(chunk) => chunk.more.push(piece),
         }
         self.pending_bytes += len;
         if self.packing == Packing::OnePerMessage || self.pending_bytes >= IMAGE_BATCH_BYTES {
@@ -119,6 +158,10 @@ pub struct ImageCounts {
     /// Bytes of the pages the dump left out (parent runs: ferry's
     /// held-pages patch), which the destination fills from its store.
     pub left_out_bytes: u64,
+    /// Of the pages images' bytes, those that crossed compressed, and
+    /// their compressed size (in `bytes`).
+    pub lz4_raw_bytes: u64,
+    pub lz4_bytes: u64,
 }
 
 /// Per pages image: its pieces and its size.
@@ -201,12 +244,14 @@ fn plan_pages(dir: &Path, held: &HashMap<u32, RangeSet>) -> Result<(PagePlans, u
 
 /// Streams every file of `dir` as chunks into `tx`, from a blocking thread.
 /// The pages images of processes in `held` carry only what the destination
-/// lacks (see [`plan_pages`]).
+/// lacks (see [`plan_pages`]); their data is compressed as `gauge` says,
+/// and the time the stream takes to take it goes into `gauge`.
 pub fn read_images(
     dir: PathBuf,
     migration_id: String,
     packing: Packing,
     held: &HashMap<u32, RangeSet>,
+    gauge: &mut Gauge,
     tx: tokio::sync::mpsc::Sender<ImageChunk>,
 ) -> Result<ImageCounts, EngineError> {
     let (plans, left_out_bytes) = plan_pages(&dir, held)?;
@@ -252,8 +297,7 @@ pub fn read_images(
                             let mut buf = vec![0u8; n];
                             f.read_exact_at(&mut buf, at)
                                 .map_err(EngineError::io(format!("reading {}", path.display())))?;
-                            out.push(&name, at, buf, None)?;
-                            counts.bytes += n as u64;
+                            out.push_pages(&name, at, buf, gauge, &mut counts)?;
                             at += n as u64;
                         }
                     }
@@ -264,6 +308,8 @@ pub fn read_images(
         // Most images are small (one per TCP connection): a buffer the size
         // of the file, not of a chunk, keeps a thousand of them cheap.
         let size = f.metadata().map(|m| m.len() as usize).unwrap_or(0);
+        // The pages of a process that was not pre-copied (total copy).
+        let pages = name.starts_with("pages-");
         let mut offset = 0u64;
         loop {
             let mut buf = vec![0u8; size.clamp(1, IMAGE_CHUNK_BYTES)];
@@ -274,9 +320,13 @@ pub fn read_images(
                 break;
             }
             buf.truncate(n);
-            out.push(&name, offset, buf, None)?;
+            if pages && n > 0 {
+                out.push_pages(&name, offset, buf, gauge, &mut counts)?;
+            } else {
+                out.push(&name, offset, buf, None)?;
+                counts.bytes += n as u64;
+            }
             offset += n as u64;
-            counts.bytes += n as u64;
             if n == 0 {
                 break;
             }
@@ -284,6 +334,26 @@ pub fn read_images(
     }
     out.flush()?;
     Ok(counts)
+}
+
+/// A piece's bytes: `data`, or `lz4` decompressed (never both).
+fn unpacked<'a>(
+    file_name: &str,
+    data: &'a [u8],
+    lz4: &[u8],
+    lz4_length: u64,
+) -> Result<std::borrow::Cow<'a, [u8]>, EngineError> {
+    if lz4.is_empty() {
+        return Ok(std::borrow::Cow::Borrowed(data));
+    }
+    if !data.is_empty() {
+        return Err(EngineError::BadImage(format!(
+            "{file_name}: a piece has both data and lz4"
+        )));
+    }
+    super::compression::unpack(lz4, lz4_length)
+        .map(std::borrow::Cow::Owned)
+        .map_err(|why| EngineError::BadImage(format!("{file_name}: {why}")))
 }
 
 /// Reads until `buf` is full or the file ends.
@@ -335,14 +405,11 @@ impl ImageWriter {
 
     /// Writes the message's own piece, then the pieces packed after it.
     pub fn write(&mut self, chunk: &ImageChunk) -> Result<(), EngineError> {
-        self.write_piece(
-            &chunk.file_name,
-            chunk.offset,
-            &chunk.data,
-            chunk.stored.as_ref(),
-        )?;
+        let data = unpacked(&chunk.file_name, &chunk.data, &chunk.lz4, chunk.lz4_length)?;
+        self.write_piece(&chunk.file_name, chunk.offset, &data, chunk.stored.as_ref())?;
         for p in &chunk.more {
-            self.write_piece(&p.file_name, p.offset, &p.data, p.stored.as_ref())?;
+            let data = unpacked(&p.file_name, &p.data, &p.lz4, p.lz4_length)?;
+            self.write_piece(&p.file_name, p.offset, &data, p.stored.as_ref())?;
         }
         Ok(())
     }
@@ -443,7 +510,15 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::channel(4);
         let dir = src.to_owned();
         let reader = tokio::task::spawn_blocking(move || {
-            read_images(dir, "m".into(), packing, &HashMap::new(), tx).map(|c| (c.files, c.bytes))
+            read_images(
+                dir,
+                "m".into(),
+                packing,
+                &HashMap::new(),
+                &mut Gauge::new(crate::config::Compression::Off, false),
+                tx,
+            )
+            .map(|c| (c.files, c.bytes))
         });
         let dst = tempfile::tempdir().unwrap();
         let mut w = ImageWriter::new(dst.path());
@@ -457,6 +532,55 @@ mod tests {
         let counts = reader.await.unwrap().unwrap();
         assert_eq!((w.files, w.bytes), counts);
         (dst, counts, messages)
+    }
+
+    #[test]
+    fn compressed_pieces_are_written_as_they_were_and_checked() {
+        let dst = tempfile::tempdir().unwrap();
+        let mut w = ImageWriter::new(dst.path());
+        let mut raw = vec![0u8; 64 << 10];
+        raw[100..110].copy_from_slice(b"0123456789");
+        let lz4 = crate::engine::compression::pack(&raw).unwrap();
+        let c = ImageChunk {
+            migration_id: "m".into(),
+            file_name: "pages-1.img".into(),
+            lz4: lz4.clone(),
+            lz4_length: raw.len() as u64,
+            more: vec![ImagePiece {
+                file_name: "pages-1.img".into(),
+                offset: raw.len() as u64,
+                data: vec![5; 10],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        w.write(&c).unwrap();
+        w.finish_file().unwrap();
+        let mut want = raw.clone();
+        want.extend([5; 10]);
+        assert_eq!(std::fs::read(dst.path().join("pages-1.img")).unwrap(), want);
+        // Both, a wrong length, a damaged block: refused, naming the file.
+        for (data, lz4, len) in [
+            (vec![1], lz4.clone(), raw.len() as u64),
+            (vec![], lz4.clone(), raw.len() as u64 - 1),
+            (vec![], lz4[..lz4.len() / 2].to_vec(), raw.len() as u64),
+        ] {
+            let mut w = ImageWriter::new(dst.path());
+            let c = ImageChunk {
+                migration_id: "m".into(),
+                file_name: "pages-2.img".into(),
+                data,
+                lz4,
+                lz4_length: len,
+                ..Default::default()
+            };
+            match w.write(&c) {
+                Err(EngineError::BadImage(why)) => {
+                    assert!(why.starts_with("pages-2.img: "), "{why}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     #[tokio::test]
@@ -483,6 +607,7 @@ mod tests {
             data: vec![1],
             more: Vec::new(),
             stored: None,
+            ..Default::default()
         };
         assert!(matches!(w.write(&c), Err(EngineError::BadImage(_))));
         let c = ImageChunk {
@@ -492,6 +617,7 @@ mod tests {
             data: vec![1],
             more: Vec::new(),
             stored: None,
+            ..Default::default()
         };
         assert!(matches!(w.write(&c), Err(EngineError::BadImage(_))));
         // A packed piece is checked like the message's own.
@@ -506,8 +632,10 @@ mod tests {
                 offset: 0,
                 data: vec![2],
                 stored: None,
+                ..Default::default()
             }],
             stored: None,
+            ..Default::default()
         };
         assert!(matches!(w.write(&c), Err(EngineError::BadImage(_))));
     }

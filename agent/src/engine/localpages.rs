@@ -467,10 +467,7 @@ mod tests {
         let mut store = PageStore::new(dir.path());
         let mut held = RangeSet::new();
         for (from, to) in [(0u64, 4u64), (8, 10)] {
-            let mut data = Vec::new();
-            for i in from..to {
-                data.extend(content(i, b'L'));
-            }
+            let data: Vec<u8> = (from..to).flat_map(|i| content(i, b'L')).collect();
             store
                 .write(&PageBatch {
                     migration_id: "m".into(),
@@ -479,6 +476,7 @@ mod tests {
                         pid: PID,
                         vaddr: BASE + from * page(),
                         data: data.into(),
+                        ..Default::default()
                     }],
                 })
                 .expect("store");

@@ -296,6 +296,7 @@
 //! watched until it ends (`PostCopies`).
 
 pub mod cancel;
+pub mod compression;
 mod context;
 pub mod destination;
 pub mod fault_point;

@@ -384,6 +384,7 @@ fn send_range(
                 pid: t.vpid,
                 vaddr: at,
                 data: data.into(),
+                ..Default::default()
             }],
         })
         .map_err(|_| EngineError::StreamClosed("post-copy page"))?;

@@ -127,7 +127,17 @@ impl PageStore {
             if run.pid == 0 {
                 return Err(bad("runs.pid", "0 is no process".into()));
             }
-            let len = run.data.len() as u64;
+            let unpacked;
+            let data: &[u8] = if run.lz4.is_empty() {
+                &run.data
+            } else if !run.data.is_empty() {
+                return Err(bad("runs.lz4", "set beside runs.data".into()));
+            } else {
+                unpacked = super::compression::unpack(&run.lz4, run.lz4_length)
+                    .map_err(|why| bad("runs.lz4", why))?;
+                &unpacked
+            };
+            let len = data.len() as u64;
             if len == 0 || !len.is_multiple_of(page) {
                 return Err(bad(
                     "runs.data",
@@ -153,7 +163,7 @@ impl PageStore {
             let stored = self.process(run.pid)?;
             stored
                 .file
-                .write_all_at(&run.data, run.vaddr)
+                .write_all_at(data, run.vaddr)
                 .map_err(|e| match e.raw_os_error() {
                     Some(libc::ENOSPC) => EngineError::Io {
                         what: "storing pre-copied pages (the work directory is full)".into(),
@@ -321,12 +331,14 @@ mod tests {
             pid: 1,
             vaddr: base,
             data: vec![1u8; 3 * p as usize].into(),
+            ..Default::default()
         }]))
         .unwrap();
         s.write(&batch(vec![PageRun {
             pid: 1,
             vaddr: base + p,
             data: vec![2u8; p as usize].into(),
+            ..Default::default()
         }]))
         .unwrap();
         let out_path = dir.path().join("pages-1.img");
@@ -382,6 +394,7 @@ mod tests {
             pid: 1,
             vaddr: base,
             data: vec![7; p as usize].into(),
+            ..Default::default()
         }]))
         .unwrap();
         let past = StoredPages {
@@ -395,6 +408,27 @@ mod tests {
     }
 
     #[test]
+    fn compressed_runs_are_stored_as_they_were_before_compression() {
+        let p = memtrack::page_size();
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = PageStore::new(dir.path());
+        let base = 0x7f00_0000_0000u64;
+        let mut pages = vec![0u8; 4 * p as usize];
+        pages[..12].copy_from_slice(b"value:123456");
+        pages[3 * p as usize] = 9;
+        s.write(&batch(vec![PageRun {
+            pid: 1,
+            vaddr: base,
+            lz4: crate::engine::compression::pack(&pages).unwrap(),
+            lz4_length: 4 * p,
+            ..Default::default()
+        }]))
+        .unwrap();
+        assert_eq!(s.pages, 4);
+        assert_eq!(s.read(1, base, 4 * p).unwrap(), pages);
+    }
+
+    #[test]
     fn refuses_malformed_runs_naming_the_field() {
         let p = memtrack::page_size();
         let dir = tempfile::tempdir().unwrap();
@@ -405,6 +439,7 @@ mod tests {
                     pid: 0,
                     vaddr: 0,
                     data: vec![0; p as usize].into(),
+                    ..Default::default()
                 },
                 "runs.pid",
             ),
@@ -413,6 +448,7 @@ mod tests {
                     pid: 1,
                     vaddr: 1,
                     data: vec![0; p as usize].into(),
+                    ..Default::default()
                 },
                 "runs.vaddr",
             ),
@@ -421,6 +457,7 @@ mod tests {
                     pid: 1,
                     vaddr: 0,
                     data: vec![0; 10].into(),
+                    ..Default::default()
                 },
                 "runs.data",
             ),
@@ -429,6 +466,7 @@ mod tests {
                     pid: 1,
                     vaddr: 0,
                     data: vec![].into(),
+                    ..Default::default()
                 },
                 "runs.data",
             ),
@@ -437,8 +475,37 @@ mod tests {
                     pid: 1,
                     vaddr: USER_ADDRESS_LIMIT,
                     data: vec![0; p as usize].into(),
+                    ..Default::default()
                 },
                 "runs.vaddr",
+            ),
+            (
+                PageRun {
+                    pid: 1,
+                    data: vec![0; p as usize].into(),
+                    lz4: crate::engine::compression::pack(&vec![0; p as usize]).unwrap(),
+                    lz4_length: p,
+                    ..Default::default()
+                },
+                "runs.lz4",
+            ),
+            (
+                PageRun {
+                    pid: 1,
+                    lz4: vec![0xf0, 1, 2],
+                    lz4_length: p,
+                    ..Default::default()
+                },
+                "runs.lz4",
+            ),
+            (
+                PageRun {
+                    pid: 1,
+                    lz4: crate::engine::compression::pack(&vec![0; 10 * p as usize]).unwrap(),
+                    lz4_length: 10 * p + 1,
+                    ..Default::default()
+                },
+                "runs.lz4",
             ),
         ] {
             match s.write(&batch(vec![run])) {

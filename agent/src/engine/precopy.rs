@@ -48,6 +48,7 @@ use tokio::sync::mpsc;
 use crate::memtrack::{self, RangeSet, Tracker};
 
 use super::EngineError;
+use super::compression::Gauge;
 use super::throttle::Throttle;
 
 /// How a queued pre-copy's first round watches the process before it
@@ -179,6 +180,12 @@ pub struct Precopy {
     /// then), so that the process does not rewrite at full speed what the
     /// rounds just sent while the dump starts.
     pub throttle: Option<Throttle>,
+    /// Whether the rounds' pages go compressed (set by the caller before
+    /// the rounds); the freeze's images start where it ended.
+    pub gauge: Gauge,
+    /// Of `bytes_sent`, those that crossed compressed, and their size.
+    pub lz4_raw_bytes: u64,
+    pub lz4_bytes: u64,
 }
 
 impl std::fmt::Debug for Precopy {
@@ -238,6 +245,9 @@ impl Precopy {
             bytes_sent: 0,
             throttled_to: 100,
             throttle: None,
+            gauge: Gauge::new(crate::config::Compression::Off, false),
+            lz4_raw_bytes: 0,
+            lz4_bytes: 0,
         })
     }
 
@@ -373,10 +383,12 @@ impl Precopy {
                 return Ok(());
             }
             let send_started = Instant::now();
-            let (sent, bytes) = tokio::select! {
-                r = send_round(&link, round, to_send) => r?,
+            let (sent, bytes, packed) = tokio::select! {
+                r = send_round(&link, round, to_send, &mut self.gauge) => r?,
                 e = link.cancel.requested() => return Err(e),
             };
+            self.lz4_raw_bytes += packed.raw;
+            self.lz4_bytes += packed.lz4;
             if bytes > 0 {
                 sent_total += bytes;
                 send_time += send_started.elapsed();
@@ -508,14 +520,28 @@ impl Precopy {
     }
 }
 
+/// What a round sent: per process the ranges read and sent, the bytes
+/// (before compression), and what went compressed.
+type RoundSent = (Vec<(u32, RangeSet)>, u64, Packed);
+
+/// What a round sent compressed: the pages' bytes and their size on the
+/// wire.
+#[derive(Debug, Clone, Copy, Default)]
+struct Packed {
+    raw: u64,
+    lz4: u64,
+}
+
 /// Reads `to_send` from the running processes and streams it to the
-/// destination; returns, per process, the ranges that were read and sent
-/// (a range unmapped meanwhile is skipped) and the bytes sent.
+/// destination, compressed as `gauge` says; returns, per process, the
+/// ranges that were read and sent (a range unmapped meanwhile is skipped),
+/// the bytes sent (before compression) and what went compressed.
 async fn send_round(
     link: &Link<'_>,
     round: u32,
     to_send: Vec<(i32, u32, RangeSet)>,
-) -> Result<(Vec<(u32, RangeSet)>, u64), EngineError> {
+    gauge: &mut Gauge,
+) -> Result<RoundSent, EngineError> {
     let total: u64 = to_send.iter().map(|(_, _, r)| r.len()).sum();
     if total == 0 {
         return Ok((
@@ -524,11 +550,16 @@ async fn send_round(
                 .map(|(_, v, _)| (v, RangeSet::new()))
                 .collect(),
             0,
+            Packed::default(),
         ));
     }
     let (tx, rx) = mpsc::channel(4);
     let id = link.migration_id.to_owned();
-    let reader = tokio::task::spawn_blocking(move || read_pages(&id, round, to_send, tx));
+    let mut reading = gauge.clone();
+    let reader = tokio::task::spawn_blocking(move || {
+        let read = read_pages(&id, round, to_send, &mut reading, tx);
+        (read, reading)
+    });
     // A round may be long on a slow link: bounded by the step deadline
     // plus the time its bytes take at 1 Mb/s.
     let limit = link.deadline + Duration::from_secs(total / 125_000);
@@ -538,10 +569,11 @@ async fn send_round(
             .transfer_pages(tokio_stream::wrappers::ReceiverStream::new(rx)),
     )
     .await;
-    let read = reader.await.map_err(|source| EngineError::Task {
+    let (read, reading) = reader.await.map_err(|source| EngineError::Task {
         what: "reading a pre-copy round's pages",
         source,
     })?;
+    *gauge = reading;
     match answer {
         Ok(Ok(_)) => {}
         Ok(Err(s)) => return Err(super::link::peer_error(&link.destination.name, s)),
@@ -561,9 +593,15 @@ fn read_pages(
     migration_id: &str,
     round: u32,
     to_send: Vec<(i32, u32, RangeSet)>,
+    gauge: &mut Gauge,
     tx: mpsc::Sender<PageBatch>,
-) -> Result<(Vec<(u32, RangeSet)>, u64), EngineError> {
+) -> Result<RoundSent, EngineError> {
     let page = memtrack::page_size();
+    let mut packed = Packed::default();
+    let send = |batch: PageBatch| {
+        tx.blocking_send(batch)
+            .map_err(|_| EngineError::StreamClosed("page"))
+    };
     let mut done = Vec::new();
     let mut batch = PageBatch {
         migration_id: migration_id.to_owned(),
@@ -572,7 +610,6 @@ fn read_pages(
     };
     let mut batch_bytes = 0usize;
     let mut bytes = 0u64;
-    let closed = || EngineError::StreamClosed("page");
     for (pid, vpid, ranges) in to_send {
         let mut read = RangeSet::new();
         for (start, end) in ranges.iter() {
@@ -601,11 +638,25 @@ fn read_pages(
                 read.insert(at, at + n as u64);
                 bytes += n as u64;
                 batch_bytes += n;
-                batch.runs.push(PageRun {
-                    pid: vpid,
-                    vaddr: at,
-                    data: data.into(),
-                });
+                match gauge.compress().then(|| gauge.pack(&data)).flatten() {
+                    Some(lz4) => {
+                        packed.raw += n as u64;
+                        packed.lz4 += lz4.len() as u64;
+                        batch.runs.push(PageRun {
+                            pid: vpid,
+                            vaddr: at,
+                            lz4,
+                            lz4_length: n as u64,
+                            ..Default::default()
+                        });
+                    }
+                    None => batch.runs.push(PageRun {
+                        pid: vpid,
+                        vaddr: at,
+                        data: data.into(),
+                        ..Default::default()
+                    }),
+                }
                 at += n as u64;
                 if batch_bytes >= BATCH_BYTES {
                     let full = std::mem::replace(
@@ -617,16 +668,16 @@ fn read_pages(
                         },
                     );
                     batch_bytes = 0;
-                    tx.blocking_send(full).map_err(|_| closed())?;
+                    send(full)?;
                 }
             }
         }
         done.push((vpid, read));
     }
     if !batch.runs.is_empty() {
-        tx.blocking_send(batch).map_err(|_| closed())?;
+        send(batch)?;
     }
-    Ok((done, bytes))
+    Ok((done, bytes, packed))
 }
 
 #[cfg(test)]

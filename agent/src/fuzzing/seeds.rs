@@ -202,6 +202,7 @@ fn pages_m1() -> Vec<u8> {
             pid: 1,
             vaddr: 0x40_0000,
             data: vec![0xa5; page as usize].into(),
+            ..Default::default()
         }],
     }])
 }
@@ -383,6 +384,7 @@ fn local_pages_seeds() -> Vec<Vec<u8>> {
             pid: 1,
             vaddr: 0x40_0000,
             data: vec![0x5a; 16].into(),
+            ..Default::default()
         }],
     };
     let held = pb::RestoreRequest {
@@ -510,6 +512,7 @@ pub fn regressions() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             pid: 1,
             vaddr: 0x40_0000,
             data: vec![1; page as usize].into(),
+            ..Default::default()
         }],
     }]);
     let images = delimited(&[pb::ImageChunk {

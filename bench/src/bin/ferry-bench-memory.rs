@@ -79,6 +79,11 @@ struct Args {
     /// post_copy_pages` of every agent): "ferryd" or "criu".
     #[arg(long, default_value = "ferryd")]
     post_copy_pages: String,
+    /// Whether pages cross compressed (`[migration] compression` of every
+    /// agent): "off" (the default) or "lz4". The writer's pages
+    /// are random: they do not compress.
+    #[arg(long, default_value = "off", value_parser = ["off", "lz4"])]
+    compression: String,
     /// Mutual TLS between the agents (the default, as deployed); `false`
     /// runs the cluster on plain TCP, to see what encryption costs.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -588,8 +593,8 @@ fn main() -> Result<()> {
             .map(|l| format!("criu_log_level = {l}\n"))
             .unwrap_or_default();
         spec.extra_config = format!(
-            "{log_level}[migration]\npost_copy_pages = \"{}\"\n",
-            args.post_copy_pages
+            "{log_level}[migration]\npost_copy_pages = \"{}\"\ncompression = \"{}\"\n",
+            args.post_copy_pages, args.compression
         );
         let cluster = Cluster::start(spec).context("starting the cluster")?;
         if link != "unshaped" {
@@ -623,14 +628,15 @@ fn main() -> Result<()> {
     std::fs::write(args.out.join("memory.svg"), plot(&rows, &args, profile))?;
     println!("{md}");
     println!(
-        "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {} --post-copy-pages {} --tls {}` (root; {profile} build; 2 cores here).",
+        "\nReproduce: `cargo xtask bench memory -- --sizes {} --rates {} --links {} --strategies {} --runs {} --post-copy-pages {} --tls {} --compression {}` (root; {profile} build; 2 cores here).",
         join(&args.sizes),
         join(&args.rates),
         args.links.join(","),
         args.strategies.join(","),
         args.runs,
         args.post_copy_pages,
-        args.tls
+        args.tls,
+        args.compression
     );
     println!("written to {}", args.out.display());
     Ok(())

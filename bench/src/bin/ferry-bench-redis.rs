@@ -65,6 +65,10 @@ struct Args {
     /// Pre-copy's throttle: "auto", "off" (default: the agent's).
     #[arg(long, value_parser = ["auto", "off"])]
     throttle: Option<String>,
+    /// Whether pages cross compressed (`[migration] compression` of every
+    /// agent): "off" (the default) or "lz4".
+    #[arg(long, default_value = "off", value_parser = ["off", "lz4"])]
+    compression: String,
     #[arg(long, default_value = "target/bench/redis")]
     out: PathBuf,
 }
@@ -317,7 +321,7 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     freeze_parts: freeze_parts(&report),
                 };
                 println!(
-                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  longest wait {:>8.1} ms (from {:+.1} ms of the freeze; median client's {:.1} ms; {} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  [{}]",
+                    "{:>5} MiB {:<8} {:<18} run {}: freeze {:>8.1} ms  longest wait {:>8.1} ms (from {:+.1} ms of the freeze; median client's {:.1} ms; {} answers)  window {:>8.1} ms  left out {:>7} pages  dest +{:>7.1} MiB  compressed {:.1} -> {:.1} MB  [{}]",
                     row.size_mib,
                     row.link,
                     row.strategy,
@@ -330,6 +334,8 @@ async fn bench_link(cluster: &Cluster, args: &Args, link: &str, rows: &mut Vec<R
                     row.window_ms,
                     row.left_out_pages,
                     row.dest_peak_mib,
+                    report.compressed_page_bytes as f64 / 1e6,
+                    report.compressed_to_bytes as f64 / 1e6,
                     row.freeze_parts
                 );
                 rows.push(row);
@@ -433,7 +439,9 @@ fn main() -> Result<()> {
         if link != "unshaped" && !link.ends_with("bit") {
             bail!("--links: {link:?} is neither \"unshaped\" nor a tc rate like 1gbit");
         }
-        let cluster = Cluster::start(ClusterSpec::new(2, 1)).context("starting the cluster")?;
+        let mut spec = ClusterSpec::new(2, 1);
+        spec.extra_config = format!("[migration]\ncompression = \"{}\"\n", args.compression);
+        let cluster = Cluster::start(spec).context("starting the cluster")?;
         if link != "unshaped" {
             cluster.shape_cluster_links(Some((link, 1_250_000, "100ms")));
         }
@@ -445,7 +453,7 @@ fn main() -> Result<()> {
     std::fs::write(args.out.join("redis.md"), &md)?;
     println!("\n{md}");
     println!(
-        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {} --clients {} --interval-ms {}{}` (root; {profile} build; 2 cores here).",
+        "Reproduce: `cargo xtask bench redis -- --sizes {} --links {} --strategies {} --runs {} --clients {} --interval-ms {} --compression {}{}` (root; {profile} build; 2 cores here).",
         args.sizes
             .iter()
             .map(ToString::to_string)
@@ -456,6 +464,7 @@ fn main() -> Result<()> {
         args.runs,
         args.clients,
         args.interval_ms,
+        args.compression,
         args.throttle
             .as_deref()
             .map(|t| format!(" --throttle {t}"))

@@ -200,6 +200,7 @@ fn report_json(r: &MigrationReport, names: &ReportNames) -> serde_json::Value {
         "preparation_time_ms": ms(r.preparation_time_us), "freeze_time_ms": ms(r.freeze_time_us),
         "post_processing_time_ms": ms(r.post_processing_time_us), "total_time_ms": ms(r.total_time_us),
         "image_bytes": r.image_bytes, "image_files": r.image_files, "bytes_transferred": r.bytes_transferred,
+        "compressed_page_bytes": r.compressed_page_bytes, "compressed_to_bytes": r.compressed_to_bytes,
         "tcp_established": r.tcp_established, "tcp_listening": r.tcp_listening, "udp_sockets": r.udp_sockets,
         "ports": r.ports.iter().map(port_str).collect::<Vec<_>>(),
         "phases": r.phases.iter().map(|p| json!({"phase": p.phase, "ms": ms(p.duration_us)})).collect::<Vec<_>>(),
@@ -322,6 +323,12 @@ fn print_memory(r: &MigrationReport) {
         "  bytes transferred   {:>10}  ({} image files)",
         r.bytes_transferred, r.image_files
     );
+    if r.compressed_page_bytes > 0 {
+        println!(
+            "  compressed (LZ4)    {:>10}  bytes of pages, sent as {}",
+            r.compressed_page_bytes, r.compressed_to_bytes
+        );
+    }
 }
 
 /// The report's sockets, how they moved, the drain and the packets

@@ -163,6 +163,12 @@ impl Following {
         {
             let remaining = lock(&self.remaining);
             for (i, run) in batch.runs.iter().enumerate() {
+                if !run.lz4.is_empty() {
+                    return Err(EngineError::InvalidField {
+                        field: "runs.lz4",
+                        reason: format!("runs[{i}]: pages that follow are not compressed"),
+                    });
+                }
                 let end = run.vaddr.checked_add(run.data.len() as u64);
                 let fits = end.zip(remaining.get(&run.pid)).is_some_and(|(end, set)| {
                     run.vaddr % page == 0
@@ -377,6 +383,7 @@ mod tests {
                     pid,
                     vaddr,
                     data: vec![0xab; pages * 4096].into(),
+                    ..Default::default()
                 })
                 .collect(),
         }

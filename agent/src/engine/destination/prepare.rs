@@ -230,6 +230,8 @@ async fn what_criu_restores(engine: &Engine) -> Result<PrepareResponse, EngineEr
                 // A parent image written from the store before the
                 // restore (`restore.rs`'s `plan_fill`): any CRIU reads it.
                 fills_held_pages_everywhere: crate::fill::available(&features_off),
+                // The page store and the image writer decompress.
+                takes_lz4: true,
             }
         })
     })

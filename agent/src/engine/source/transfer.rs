@@ -27,9 +27,10 @@ pub(super) async fn transfer(run: &mut Run, t: Transferring) -> Result<Phase, En
         let id = run.p.migration_id.clone();
         let packing = images::Packing::for_version(run.p.protocol_version);
         let held_pages = t.held_pages;
+        let mut gauge = run.p.compression.clone();
         move || {
             let started = transfer_start.elapsed();
-            let read = images::read_images(images, id, packing, &held_pages, tx);
+            let read = images::read_images(images, id, packing, &held_pages, &mut gauge, tx);
             (read, started, transfer_start.elapsed())
         }
     });
@@ -122,8 +123,11 @@ pub(super) async fn transfer(run: &mut Run, t: Transferring) -> Result<Phase, En
 
 fn count_images(run: &mut Run, counts: &images::ImageCounts) {
     run.report.image_files = counts.files;
-    run.report.image_bytes = counts.bytes + counts.stored_bytes;
+    run.report.image_bytes =
+        counts.bytes - counts.lz4_bytes + counts.lz4_raw_bytes + counts.stored_bytes;
     run.report.bytes_transferred += counts.bytes;
+    run.report.compressed_page_bytes += counts.lz4_raw_bytes;
+    run.report.compressed_to_bytes += counts.lz4_bytes;
     if run.p.strategy.is_precopy() {
         let page = crate::memtrack::page_size();
         // Pages left out of the dump are the process's too, and held.
