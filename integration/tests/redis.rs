@@ -14,13 +14,55 @@ use ferry_integration::managed::{
 };
 use ferry_integration::memwriter::source_and_destination;
 use ferry_integration::redis::{REDIS_SERVER, Redis};
-use ferry_proto::v1::{MigrateRequest, MigrationOutcome, Strategy};
+use ferry_proto::v1::control_client::ControlClient;
+use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
+use tonic::transport::Channel;
 
 const REDIS: Redis = Redis { port: 7400 };
 
 /// One redis-cli command from client1; its output, trimmed.
 fn redis(cluster: &Cluster, args: &[&str]) -> String {
     REDIS.cli(cluster, args).expect("redis-cli answers")
+}
+
+/// Moves the server `pid` from `controls[on]` to the other node by
+/// `strategy`; returns the committed report once the destination's copy
+/// runs and the source's is gone.
+async fn move_across(
+    controls: &mut [ControlClient<Channel>; 2],
+    on: usize,
+    pid: i32,
+    strategy: Strategy,
+) -> MigrationReport {
+    let report = migrate_committed(
+        &mut controls[on],
+        MigrateRequest {
+            pid,
+            destination_node: format!("node{}", 2 - on),
+            strategy: strategy as i32,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Committed as i32,
+        "{report:#?}"
+    );
+    let (_, destination) = source_and_destination(controls, on);
+    let moved = wait_for_process(destination, report.destination_pid, |p| {
+        p.state == "running"
+    })
+    .await;
+    assert_eq!(moved.origin, "migrated-in");
+    // Dead when the report came (a zombie at most: a large address space
+    // takes a moment to go), then reaped.
+    assert!(
+        matches!(process_state(pid), None | Some('Z')),
+        "the source copy still runs"
+    );
+    wait_until_gone(pid);
+    report
 }
 
 #[test]
@@ -60,22 +102,7 @@ fn a_redis_server_moves_with_its_whole_data_set() {
                 "OK"
             );
             let digest = redis(&cluster, &["DEBUG", "DIGEST"]);
-            let to = 1 - on;
-            let report = migrate_committed(
-                &mut controls[on],
-                MigrateRequest {
-                    pid,
-                    destination_node: format!("node{}", to + 1),
-                    strategy: strategy as i32,
-                    ..Default::default()
-                },
-            )
-            .await;
-            assert_eq!(
-                report.outcome,
-                MigrationOutcome::Committed as i32,
-                "{report:#?}"
-            );
+            let report = move_across(&mut controls, on, pid, strategy).await;
             eprintln!(
                 "{strategy:?}: freeze {:.1} ms, {} pages dumped, {} left out and {} filled after the resume in {:.1} ms, post-copy window {:.1} ms, destination peak {:.1} MiB",
                 report.freeze_time_us as f64 / 1e3,
@@ -92,21 +119,10 @@ fn a_redis_server_moves_with_its_whole_data_set() {
                 assert!(report.left_out_pages > 20_000, "{report:#?}");
                 assert!(report.filled_pages <= report.left_out_pages, "{report:#?}");
             }
-            let new_pid = report.destination_pid;
-            let (_, destination) = source_and_destination(&mut controls, on);
-            let moved = wait_for_process(destination, new_pid, |p| p.state == "running").await;
-            assert_eq!(moved.origin, "migrated-in");
-            // Dead when the report came (a zombie at most: a large
-            // address space takes a moment to go), then reaped.
-            assert!(
-                matches!(process_state(pid), None | Some('Z')),
-                "the source copy still runs"
-            );
-            wait_until_gone(pid);
             assert_eq!(redis(&cluster, &["DEBUG", "DIGEST"]), digest, "{strategy:?}");
             assert_eq!(redis(&cluster, &["DBSIZE"]), format!("{}", 100_001 + round));
-            pid = new_pid;
-            on = to;
+            pid = report.destination_pid;
+            on = 1 - on;
         }
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),
@@ -144,17 +160,7 @@ fn a_redis_server_moves_with_its_pages_compressed() {
         let mut on = 0;
         for strategy in [Strategy::PreCopy, Strategy::TotalCopy] {
             let digest = redis(&cluster, &["DEBUG", "DIGEST"]);
-            let to = 1 - on;
-            let report = migrate_committed(
-                &mut controls[on],
-                MigrateRequest {
-                    pid,
-                    destination_node: format!("node{}", to + 1),
-                    strategy: strategy as i32,
-                    ..Default::default()
-                },
-            )
-            .await;
+            let report = move_across(&mut controls, on, pid, strategy).await;
             eprintln!(
                 "{strategy:?}: freeze {:.1} ms, {} bytes transferred, {} bytes of pages compressed to {}",
                 report.freeze_time_us as f64 / 1e3,
@@ -170,13 +176,9 @@ fn a_redis_server_moves_with_its_pages_compressed() {
                 "{report:#?}"
             );
             assert!(report.bytes_transferred < 40 << 20, "{report:#?}");
-            let new_pid = report.destination_pid;
-            let (_, destination) = source_and_destination(&mut controls, on);
-            wait_for_process(destination, new_pid, |p| p.state == "running").await;
-            wait_until_gone(pid);
             assert_eq!(redis(&cluster, &["DEBUG", "DIGEST"]), digest, "{strategy:?}");
-            pid = new_pid;
-            on = to;
+            pid = report.destination_pid;
+            on = 1 - on;
         }
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),

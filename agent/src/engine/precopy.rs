@@ -598,10 +598,6 @@ fn read_pages(
 ) -> Result<RoundSent, EngineError> {
     let page = memtrack::page_size();
     let mut packed = Packed::default();
-    let send = |batch: PageBatch| {
-        tx.blocking_send(batch)
-            .map_err(|_| EngineError::StreamClosed("page"))
-    };
     let mut done = Vec::new();
     let mut batch = PageBatch {
         migration_id: migration_id.to_owned(),
@@ -610,6 +606,7 @@ fn read_pages(
     };
     let mut batch_bytes = 0usize;
     let mut bytes = 0u64;
+    let closed = || EngineError::StreamClosed("page");
     for (pid, vpid, ranges) in to_send {
         let mut read = RangeSet::new();
         for (start, end) in ranges.iter() {
@@ -668,14 +665,14 @@ fn read_pages(
                         },
                     );
                     batch_bytes = 0;
-                    send(full)?;
+                    tx.blocking_send(full).map_err(|_| closed())?;
                 }
             }
         }
         done.push((vpid, read));
     }
     if !batch.runs.is_empty() {
-        send(batch)?;
+        tx.blocking_send(batch).map_err(|_| closed())?;
     }
     Ok((done, bytes, packed))
 }
