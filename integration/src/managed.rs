@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
-    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationEvent, MigrationProgress,
-    MigrationReport, RunProcessRequest, Strategy, migration_event,
+    ListProcessesRequest, ManagedProcess, MigrateRequest, MigrationEvent, MigrationOutcome,
+    MigrationProgress, MigrationReport, RunProcessRequest, Strategy, migration_event,
 };
 use tonic::transport::Channel;
 
@@ -162,7 +162,7 @@ pub async fn follow_migration(
 }
 
 /// [`migrate_request`] that must commit: its report; panics with the
-/// report and the stream's status if it did not.
+/// report and the stream's status if it did not (outcome included).
 pub async fn migrate_committed(
     control: &mut ControlClient<Channel>,
     request: MigrateRequest,
@@ -171,6 +171,11 @@ pub async fn migrate_committed(
         .await
         .expect("the migration starts");
     assert!(status.is_none(), "did not commit: {status:?} {report:#?}");
+    assert_eq!(
+        report.outcome,
+        MigrationOutcome::Committed as i32,
+        "{report:#?}"
+    );
     report
 }
 

@@ -15,7 +15,7 @@ use ferry_integration::managed::{
 use ferry_integration::memwriter::source_and_destination;
 use ferry_integration::redis::{REDIS_SERVER, Redis};
 use ferry_proto::v1::control_client::ControlClient;
-use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, Strategy};
+use ferry_proto::v1::{MigrateRequest, MigrationReport, Strategy};
 use tonic::transport::Channel;
 
 const REDIS: Redis = Redis { port: 7400 };
@@ -44,11 +44,6 @@ async fn move_across(
         },
     )
     .await;
-    assert_eq!(
-        report.outcome,
-        MigrationOutcome::Committed as i32,
-        "{report:#?}"
-    );
     let (_, destination) = source_and_destination(controls, on);
     let moved = wait_for_process(destination, report.destination_pid, |p| {
         p.state == "running"

@@ -59,10 +59,11 @@ pub fn unpack(packed: &[u8], length: u64) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-/// Whether to compress the next batch: the choice, where the destination
-/// takes compressed pages, and whether the last tries compressed.
+/// Compresses the pages of one migration: the choice, whether the
+/// destination takes compressed pages, and whether the last tries
+/// compressed.
 #[derive(Debug, Clone)]
-pub struct Gauge {
+pub struct Compressor {
     choice: Compression,
     /// The destination takes compressed pages.
     allowed: bool,
@@ -81,9 +82,9 @@ const NEWEST: f64 = 0.25;
 const POOR: f64 = 0.2;
 const RETRY_EVERY: u32 = 16;
 
-impl Gauge {
+impl Compressor {
     pub fn new(choice: Compression, allowed: bool) -> Self {
-        Gauge {
+        Compressor {
             choice,
             allowed,
             compressing: 1.0,
@@ -92,13 +93,17 @@ impl Gauge {
     }
 
     /// Whether to compress the next batch.
-    pub fn compress(&self) -> bool {
+    fn compress(&self) -> bool {
         self.allowed && self.choice == Compression::Lz4
     }
 
-    /// `raw` compressed when that saves (see [`pack`]); while the last
-    /// tries did not compress, only every [`RETRY_EVERY`]th batch tries.
+    /// `raw` compressed, when compression is on and that saves (see
+    /// [`pack`]); while the last tries did not compress, only every
+    /// [`RETRY_EVERY`]th batch tries.
     pub fn pack(&mut self, raw: &[u8]) -> Option<Vec<u8>> {
+        if !self.compress() {
+            return None;
+        }
         if self.compressing < POOR {
             self.skipped += 1;
             if self.skipped < RETRY_EVERY {
@@ -167,12 +172,12 @@ mod tests {
 
     #[test]
     fn compressed_only_when_asked_and_taken() {
-        assert!(Gauge::new(Compression::Lz4, true).compress());
+        assert!(Compressor::new(Compression::Lz4, true).compress());
         assert!(
-            !Gauge::new(Compression::Lz4, false).compress(),
+            !Compressor::new(Compression::Lz4, false).compress(),
             "not taken there"
         );
-        assert!(!Gauge::new(Compression::Off, true).compress());
+        assert!(!Compressor::new(Compression::Off, true).compress());
     }
 
     #[test]
@@ -184,7 +189,7 @@ mod tests {
                 (x >> 33) as u8
             })
             .collect();
-        let mut lz = Gauge::new(Compression::Lz4, true);
+        let mut lz = Compressor::new(Compression::Lz4, true);
         // Six failed tries in a row make it poor (0.75^6 < 0.2).
         for _ in 0..6 {
             assert!(lz.pack(&noise).is_none());

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use ferry_proto::v1::{ImageChunk, ImagePiece, StoredPages};
 
 use super::EngineError;
-use super::compression::Gauge;
+use super::compression::Compressor;
 use super::pagestore::PageStore;
 use crate::memtrack::RangeSet;
 
@@ -78,17 +78,17 @@ impl Batcher {
         })
     }
 
-    /// Pages, compressed as `gauge` says.
+    /// Pages, compressed as `compressor` says.
     fn push_pages(
         &mut self,
         file_name: &str,
         offset: u64,
         raw: Vec<u8>,
-        gauge: &mut Gauge,
+        compressor: &mut Compressor,
         counts: &mut ImageCounts,
     ) -> Result<(), EngineError> {
         let n = raw.len() as u64;
-        match gauge.compress().then(|| gauge.pack(&raw)).flatten() {
+        match compressor.pack(&raw) {
             Some(lz4) => {
                 counts.lz4_raw_bytes += n;
                 counts.lz4_bytes += lz4.len() as u64;
@@ -244,14 +244,14 @@ fn plan_pages(dir: &Path, held: &HashMap<u32, RangeSet>) -> Result<(PagePlans, u
 
 /// Streams every file of `dir` as chunks into `tx`, from a blocking thread.
 /// The pages images of processes in `held` carry only what the destination
-/// lacks (see [`plan_pages`]); their data is compressed as `gauge` says,
-/// and the time the stream takes to take it goes into `gauge`.
+/// lacks (see [`plan_pages`]); pages images are compressed as `compressor`
+/// says.
 pub fn read_images(
     dir: PathBuf,
     migration_id: String,
     packing: Packing,
     held: &HashMap<u32, RangeSet>,
-    gauge: &mut Gauge,
+    compressor: &mut Compressor,
     tx: tokio::sync::mpsc::Sender<ImageChunk>,
 ) -> Result<ImageCounts, EngineError> {
     let (plans, left_out_bytes) = plan_pages(&dir, held)?;
@@ -297,7 +297,7 @@ pub fn read_images(
                             let mut buf = vec![0u8; n];
                             f.read_exact_at(&mut buf, at)
                                 .map_err(EngineError::io(format!("reading {}", path.display())))?;
-                            out.push_pages(&name, at, buf, gauge, &mut counts)?;
+                            out.push_pages(&name, at, buf, compressor, &mut counts)?;
                             at += n as u64;
                         }
                     }
@@ -321,7 +321,7 @@ pub fn read_images(
             }
             buf.truncate(n);
             if pages && n > 0 {
-                out.push_pages(&name, offset, buf, gauge, &mut counts)?;
+                out.push_pages(&name, offset, buf, compressor, &mut counts)?;
             } else {
                 out.push(&name, offset, buf, None)?;
                 counts.bytes += n as u64;
@@ -515,7 +515,7 @@ mod tests {
                 "m".into(),
                 packing,
                 &HashMap::new(),
-                &mut Gauge::new(crate::config::Compression::Off, false),
+                &mut Compressor::new(crate::config::Compression::Off, false),
                 tx,
             )
             .map(|c| (c.files, c.bytes))

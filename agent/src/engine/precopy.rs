@@ -48,7 +48,7 @@ use tokio::sync::mpsc;
 use crate::memtrack::{self, RangeSet, Tracker};
 
 use super::EngineError;
-use super::compression::Gauge;
+use super::compression::Compressor;
 use super::throttle::Throttle;
 
 /// How a queued pre-copy's first round watches the process before it
@@ -180,9 +180,9 @@ pub struct Precopy {
     /// then), so that the process does not rewrite at full speed what the
     /// rounds just sent while the dump starts.
     pub throttle: Option<Throttle>,
-    /// Whether the rounds' pages go compressed (set by the caller before
-    /// the rounds); the freeze's images start where it ended.
-    pub gauge: Gauge,
+    /// How the rounds' pages go (set by the caller before the rounds); the
+    /// freeze's pages images go on from where it left.
+    pub compressor: Compressor,
     /// Of `bytes_sent`, those that crossed compressed, and their size.
     pub lz4_raw_bytes: u64,
     pub lz4_bytes: u64,
@@ -245,7 +245,7 @@ impl Precopy {
             bytes_sent: 0,
             throttled_to: 100,
             throttle: None,
-            gauge: Gauge::new(crate::config::Compression::Off, false),
+            compressor: Compressor::new(crate::config::Compression::Off, false),
             lz4_raw_bytes: 0,
             lz4_bytes: 0,
         })
@@ -384,7 +384,7 @@ impl Precopy {
             }
             let send_started = Instant::now();
             let (sent, bytes, packed) = tokio::select! {
-                r = send_round(&link, round, to_send, &mut self.gauge) => r?,
+                r = send_round(&link, round, to_send, &mut self.compressor) => r?,
                 e = link.cancel.requested() => return Err(e),
             };
             self.lz4_raw_bytes += packed.raw;
@@ -533,14 +533,14 @@ struct Packed {
 }
 
 /// Reads `to_send` from the running processes and streams it to the
-/// destination, compressed as `gauge` says; returns, per process, the
+/// destination, compressed as `compressor` says; returns, per process, the
 /// ranges that were read and sent (a range unmapped meanwhile is skipped),
 /// the bytes sent (before compression) and what went compressed.
 async fn send_round(
     link: &Link<'_>,
     round: u32,
     to_send: Vec<(i32, u32, RangeSet)>,
-    gauge: &mut Gauge,
+    compressor: &mut Compressor,
 ) -> Result<RoundSent, EngineError> {
     let total: u64 = to_send.iter().map(|(_, _, r)| r.len()).sum();
     if total == 0 {
@@ -555,7 +555,7 @@ async fn send_round(
     }
     let (tx, rx) = mpsc::channel(4);
     let id = link.migration_id.to_owned();
-    let mut reading = gauge.clone();
+    let mut reading = compressor.clone();
     let reader = tokio::task::spawn_blocking(move || {
         let read = read_pages(&id, round, to_send, &mut reading, tx);
         (read, reading)
@@ -573,7 +573,7 @@ async fn send_round(
         what: "reading a pre-copy round's pages",
         source,
     })?;
-    *gauge = reading;
+    *compressor = reading;
     match answer {
         Ok(Ok(_)) => {}
         Ok(Err(s)) => return Err(super::link::peer_error(&link.destination.name, s)),
@@ -593,7 +593,7 @@ fn read_pages(
     migration_id: &str,
     round: u32,
     to_send: Vec<(i32, u32, RangeSet)>,
-    gauge: &mut Gauge,
+    compressor: &mut Compressor,
     tx: mpsc::Sender<PageBatch>,
 ) -> Result<RoundSent, EngineError> {
     let page = memtrack::page_size();
@@ -635,7 +635,7 @@ fn read_pages(
                 read.insert(at, at + n as u64);
                 bytes += n as u64;
                 batch_bytes += n;
-                match gauge.compress().then(|| gauge.pack(&data)).flatten() {
+                match compressor.pack(&data) {
                     Some(lz4) => {
                         packed.raw += n as u64;
                         packed.lz4 += lz4.len() as u64;

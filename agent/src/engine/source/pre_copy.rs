@@ -17,7 +17,7 @@ use crate::engine::precopy::{Link, Precopy};
 pub(super) async fn pre_copy(run: &mut Run) -> Result<Phase, EngineError> {
     let started = Instant::now();
     let mut pre = Precopy::start(run.p.pid, run.p.strategy).await?;
-    pre.gauge = run.p.compression.clone();
+    pre.compressor = run.p.compression.clone();
     let events = run.events();
     let mut sent = run.report.bytes_transferred;
     let link = Link {
@@ -48,7 +48,7 @@ pub(super) async fn pre_copy(run: &mut Run) -> Result<Phase, EngineError> {
     run.report.compressed_page_bytes += pre.lz4_raw_bytes;
     run.report.compressed_to_bytes += pre.lz4_bytes;
     // The freeze's pages images start where the rounds left off.
-    run.p.compression = pre.gauge.clone();
+    run.p.compression = pre.compressor.clone();
     run.report.preparation_time_us = started.elapsed().as_micros() as u64;
     // Tracking is on until the dump: an abort from here on ends it.
     run.undo.precopy = Some(pre);

@@ -2,7 +2,7 @@
 //! the process, then the destination's reservation (`Peer.Hello`,
 //! `Peer.Prepare`). An error here leaves no trace anywhere.
 
-use crate::engine::compression::Gauge;
+use crate::engine::compression::Compressor;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -72,7 +72,7 @@ pub struct Prepared {
     /// Whether pages cross compressed (`[migration] compression`, where
     /// the destination takes them, `PrepareResponse.takes_lz4`); after
     /// pre-copy's rounds, where they left it.
-    pub(super) compression: Gauge,
+    pub(super) compression: Compressor,
     /// Flush before freeze, and its bound.
     pub(super) flush_send_queues: Option<Duration>,
     /// How the memory moves, and when pre-copy rounds stop.
@@ -205,7 +205,7 @@ pub async fn prepare(
         destination_fills_held_pages_everywhere: answer.fills_held_pages
             && answer.fills_held_pages_everywhere,
         pages_follow: pages_follow(engine, strategy, protocol_version, answer.fills_held_pages),
-        compression: Gauge::new(engine.config.migration.compression, answer.takes_lz4),
+        compression: Compressor::new(engine.config.migration.compression, answer.takes_lz4),
         flush_send_queues: options.flush_send_queues,
         strategy,
         convergence,

@@ -27,10 +27,10 @@ pub(super) async fn transfer(run: &mut Run, t: Transferring) -> Result<Phase, En
         let id = run.p.migration_id.clone();
         let packing = images::Packing::for_version(run.p.protocol_version);
         let held_pages = t.held_pages;
-        let mut gauge = run.p.compression.clone();
+        let mut compressor = run.p.compression.clone();
         move || {
             let started = transfer_start.elapsed();
-            let read = images::read_images(images, id, packing, &held_pages, &mut gauge, tx);
+            let read = images::read_images(images, id, packing, &held_pages, &mut compressor, tx);
             (read, started, transfer_start.elapsed())
         }
     });

@@ -131,6 +131,15 @@ impl State {
             .any(|t| !t.gone && (!t.pending.is_empty() || !t.coming.is_empty()))
     }
 
+    /// A chunk of at most `size` bytes to install, with what installing
+    /// it needs: the task's index, its store and its userfaultfd.
+    fn job(&mut self, size: u64) -> Option<(usize, Chunk, Arc<Store>, i32)> {
+        let (i, c) = self.pick(size)?;
+        let t = &self.tasks[i];
+        let store = t.store.clone().expect("picked tasks have a store");
+        Some((i, c, store, t.uffd.as_raw_fd()))
+    }
+
     /// A chunk of at most `size` bytes: from the next task with pages
     /// pending.
     fn pick(&mut self, size: u64) -> Option<(usize, Chunk)> {
@@ -777,14 +786,7 @@ impl Filler {
     /// it found one. No gate: this thread is the one that reads the
     /// messages, so no change of the areas is read while its copy runs.
     fn install_inline(&self) -> Result<bool, FillError> {
-        let job = {
-            let mut st = crate::sync::lock(&self.state);
-            st.pick(INLINE_CHUNK).map(|(i, c)| {
-                let t = &st.tasks[i];
-                let store = t.store.clone().expect("picked tasks have a store");
-                (i, c, store, t.uffd.as_raw_fd())
-            })
-        };
+        let job = crate::sync::lock(&self.state).job(INLINE_CHUNK);
         let Some((i, c, store, raw)) = job else {
             return Ok(false);
         };
@@ -821,15 +823,7 @@ impl Filler {
                 if st.failed.is_some() {
                     return;
                 }
-                st.pick(CHUNK).map(|(i, c)| {
-                    let t = &st.tasks[i];
-                    (
-                        i,
-                        c,
-                        t.store.clone().expect("picked tasks have a store"),
-                        t.uffd.as_raw_fd(),
-                    )
-                })
+                st.job(CHUNK)
             };
             let Some((i, c, store, raw)) = job else {
                 drop(gate);
