@@ -208,11 +208,17 @@ pub fn spawn(argv: &[String], options: &SpawnOptions) -> Result<i32, SpawnError>
                 }
             }
             // Groups, then the group, then the user: each step needs the
-            // privileges the next one gives up.
+            // privileges the next one gives up. The system calls
+            // themselves, not glibc's wrappers: those change every thread
+            // of the process through glibc's thread list, which the clone
+            // copied from this multi-threaded parent with its lock as it
+            // was then (held by a thread starting or ending, the child
+            // waited on it for ever: seen once in the unit tests). This
+            // child has one thread, so the calls change the whole process.
             if let Some(u) = user
-                && (libc::setgroups(u.groups.len(), u.groups.as_ptr()) == -1
-                    || libc::setgid(u.gid) == -1
-                    || libc::setuid(u.uid) == -1)
+                && (libc::syscall(libc::SYS_setgroups, u.groups.len(), u.groups.as_ptr()) == -1
+                    || libc::syscall(libc::SYS_setgid, u.gid) == -1
+                    || libc::syscall(libc::SYS_setuid, u.uid) == -1)
             {
                 fail(err_fd);
             }
