@@ -325,3 +325,95 @@ fn nodes_found_by_membership_alone_are_listed_and_migrated_to() {
         );
     });
 }
+
+/// Receiver-initiated transfer (`transfer.mode = "receiver_initiated"` on
+/// every node, so that no node pushes on its own): the idle node asks the
+/// loaded one for work, the loaded one gives a process at a time through
+/// the two-phase commit, until the two are within the gap.
+#[test]
+fn an_idle_node_pulls_work_from_a_loaded_one() {
+    if !ferry_integration::can_run("an_idle_node_pulls_work_from_a_loaded_one") {
+        return;
+    }
+    const LOOPS: usize = 4;
+    let config = CONFIG
+        .replace(
+            "threshold = 100.0",
+            "mode = \"receiver_initiated\"\nthreshold = 100.0",
+        )
+        .replace("calm_down_ms = 8000", "calm_down_ms = 4000")
+        .replace("min_residency_ms = 8000", "min_residency_ms = 4000");
+    let rt = runtime();
+    let spec = ClusterSpec {
+        extra_config: config,
+        ..ClusterSpec::new(2, 1)
+    };
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control");
+        let mut node2 = cluster.control("node2").await.expect("control");
+        let mode = balancer(&mut node2).await.policy_toml;
+        assert!(mode.contains("receiver_initiated"), "{mode}");
+        for i in 0..LOOPS {
+            run(&mut node1, vec![burn_bin(), "--id".into(), i.to_string()]).await;
+        }
+        // Four loops on node1, none on node2: two must move, by pulls.
+        let started = Instant::now();
+        let mut last_print = Instant::now() - Duration::from_secs(10);
+        loop {
+            let counts = (list(&mut node1).await.len(), list(&mut node2).await.len());
+            if last_print.elapsed() >= Duration::from_secs(5) {
+                eprintln!(
+                    "t={:>5.1}s processes {counts:?}",
+                    started.elapsed().as_secs_f64()
+                );
+                last_print = Instant::now();
+            }
+            if counts == (2, 2) {
+                eprintln!("2/2 after {:.1} s", started.elapsed().as_secs_f64());
+                break;
+            }
+            assert!(
+                started.elapsed() < SPREAD_WITHIN,
+                "processes {counts:?} after {SPREAD_WITHIN:?}: {:#?}\n{:#?}\n{}",
+                balancer(&mut node1).await,
+                balancer(&mut node2).await,
+                cluster.log_tail("node1", 40)
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let (giver, asker) = (balancer(&mut node1).await, balancer(&mut node2).await);
+        let (gs, ask) = (
+            giver.stats.unwrap_or_default(),
+            asker.stats.unwrap_or_default(),
+        );
+        eprintln!(
+            "node2 sent {} pulls, {} answered; node1 gave {}",
+            ask.pulls_sent, ask.pulls_answered, gs.pulls_given
+        );
+        assert!(
+            ask.pulls_answered >= 2 && gs.pulls_given >= 2,
+            "{ask:?} {gs:?}"
+        );
+        assert_eq!(
+            gs.offers_sent, gs.pulls_given,
+            "node1 offered only what was asked for"
+        );
+        assert!(
+            asker.migrations.is_empty(),
+            "node2 never pushed: {:?}",
+            asker.migrations
+        );
+        let committed: Vec<_> = giver.migrations.iter().filter(|m| m.committed).collect();
+        assert_eq!(committed.len(), 2, "{:#?}", giver.migrations);
+        for m in committed {
+            let why = m.decision.as_ref().expect("the pull's beliefs");
+            assert!(why.decision.contains("(pulled)"), "{why:?}");
+            assert_eq!(m.to_node, "node2");
+            // Given because it lowers the larger load: the asker said it
+            // was lighter by more than the process.
+            let asked = &why.candidates[0];
+            assert!(asked.load + why.process_load < why.load, "{why:?}");
+        }
+    });
+}

@@ -1,6 +1,9 @@
 //! The conductor's decision step (Gerofi et al. (DVE)'s `cond`): transfer,
 //! selection and location policies run together on one node's view.
 
+use std::borrow::Cow;
+use std::time::Duration;
+
 use rand::RngCore;
 
 use crate::config::Config;
@@ -8,7 +11,25 @@ use crate::location::{Direction, LocationPolicy, LocationQuery};
 use crate::node::{NodeId, PeerLoad, ProcessId, approximate_average};
 use crate::selection::{ProcessLoad, SelectionPolicy};
 use crate::time::Instant;
-use crate::transfer::{ClusterView, MigrationGate, Role, TransferPolicy};
+use crate::transfer::{ClusterView, MigrationGate, MigrationId, Outcome, Role, TransferPolicy};
+
+/// How long a kept promise counts at most: beliefs older than this are gone
+/// from every information policy's view anyway (`information.max_age_ms` is
+/// 10 s by default).
+const PROMISE_MEMORY: Duration = Duration::from_secs(60);
+
+/// Load this node moved (or is moving) to a peer
+/// ([`crate::transfer::TransferConfig::count_promised`]).
+#[derive(Debug, Clone, Copy)]
+struct Promise {
+    id: MigrationId,
+    to: NodeId,
+    load: f64,
+    /// When the peer took it: news of the peer made after this includes it.
+    at: Instant,
+    /// Still in flight: counts whatever the news's age.
+    open: bool,
+}
 
 /// What the node should do now.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +82,8 @@ pub struct Balancer {
     selection: Box<dyn SelectionPolicy>,
     pub gate: MigrationGate,
     stats: BalancerStats,
+    count_promised: bool,
+    promises: Vec<Promise>,
 }
 
 impl Balancer {
@@ -72,11 +95,83 @@ impl Balancer {
             selection: config.selection.policy(),
             gate: config.transfer.gate(),
             stats: BalancerStats::default(),
+            count_promised: config.transfer.count_promised,
+            promises: Vec::new(),
         }
+    }
+
+    /// `to` accepted migration `id` of a process adding `load`: until news
+    /// of `to` is younger than the move, this node believes `to` that much
+    /// busier (when `transfer.count_promised` is on).
+    pub fn promise(&mut self, id: MigrationId, to: NodeId, load: f64, now: Instant) {
+        if !self.count_promised || !load.is_finite() {
+            return;
+        }
+        self.promises
+            .retain(|p| p.open || now.saturating_duration_since(p.at) < PROMISE_MEMORY);
+        self.promises.push(Promise {
+            id,
+            to,
+            load,
+            at: now,
+            open: true,
+        });
+    }
+
+    /// How migration `id` ended: committed, the promise counts until news
+    /// of the receiver made after `now`; aborted, it is void.
+    pub fn settle_promise(&mut self, id: MigrationId, outcome: Outcome, now: Instant) {
+        match outcome {
+            Outcome::Aborted => self.promises.retain(|p| p.id != id),
+            Outcome::Committed => {
+                for p in self.promises.iter_mut().filter(|p| p.id == id) {
+                    p.at = now;
+                    p.open = false;
+                }
+            }
+        }
+    }
+
+    /// The peers as this node believes them, its own promises counted.
+    pub fn believed<'a>(&self, now: Instant, peers: &'a [PeerLoad]) -> Cow<'a, [PeerLoad]> {
+        if self.promises.is_empty() {
+            return Cow::Borrowed(peers);
+        }
+        Cow::Owned(
+            peers
+                .iter()
+                .map(|peer| {
+                    // The news was made `age` ago, by this node's clock.
+                    let news_at = now.saturating_sub(peer.age);
+                    let promised: f64 = self
+                        .promises
+                        .iter()
+                        .filter(|p| p.to == peer.node && (p.open || p.at >= news_at))
+                        .map(|p| p.load)
+                        .sum();
+                    PeerLoad {
+                        load: peer.load + promised,
+                        ..*peer
+                    }
+                })
+                .collect(),
+        )
     }
 
     pub fn stats(&self) -> BalancerStats {
         self.stats
+    }
+
+    /// The selection policy alone: which process to give a node that asked
+    /// for work (receiver-initiated transfer), `excess` being the load the
+    /// move should shift.
+    pub fn select(
+        &self,
+        processes: &[ProcessLoad],
+        excess: f64,
+        rng: &mut dyn RngCore,
+    ) -> Option<ProcessId> {
+        self.selection.select(processes, excess, rng)
     }
 
     /// The location policy alone: where a process adding `process_load`
@@ -84,6 +179,18 @@ impl Balancer {
     /// the destination later than the process (openMosix's `consider()`
     /// runs when the marked process is next scheduled) calls it again then.
     pub fn locate(
+        &self,
+        now: Instant,
+        local_load: f64,
+        peers: &[PeerLoad],
+        process_load: f64,
+        rng: &mut dyn RngCore,
+    ) -> Vec<NodeId> {
+        self.rank_push(local_load, &self.believed(now, peers), process_load, rng)
+    }
+
+    /// [`Self::locate`] on peers already as believed.
+    fn rank_push(
         &self,
         local_load: f64,
         peers: &[PeerLoad],
@@ -111,6 +218,8 @@ impl Balancer {
         processes: &[ProcessLoad],
         rng: &mut dyn RngCore,
     ) -> Plan {
+        let believed = self.believed(now, peers);
+        let peers = &*believed;
         let view = ClusterView {
             local_load,
             average: approximate_average(local_load, peers),
@@ -138,7 +247,7 @@ impl Balancer {
                     .iter()
                     .find(|p| p.pid == pid)
                     .map_or(0.0, |p| p.load);
-                let candidates = self.locate(local_load, peers, process_load, rng);
+                let candidates = self.rank_push(local_load, peers, process_load, rng);
                 if candidates.is_empty() {
                     return Plan::Idle(IdleReason::NoDestination);
                 }
@@ -206,6 +315,7 @@ mod tests {
                 load,
                 resident_for: Duration::from_secs(100),
                 migratable: true,
+                since_arrival: None,
             })
             .collect()
     }
@@ -258,6 +368,51 @@ mod tests {
             &mut StdRng::seed_from_u64(0),
         );
         assert!(matches!(plan, Plan::Pull { ref candidates, .. } if candidates == &[NodeId(1)]));
+    }
+
+    #[test]
+    fn a_sender_counts_what_it_promised_until_newer_news() {
+        let config = Config {
+            transfer: crate::transfer::TransferConfig {
+                count_promised: true,
+                ..Default::default()
+            },
+            ..Config::default()
+        };
+        let mut b = Balancer::new(&config);
+        let at = |s: u64| Instant::from_millis(s * 1000);
+        let news = |load, age_s| {
+            vec![PeerLoad {
+                node: NodeId(1),
+                load,
+                age: Duration::from_secs(age_s),
+            }]
+        };
+        b.promise(MigrationId(7), NodeId(1), 0.5, at(10));
+        // In flight: counted whatever the news's age.
+        assert_eq!(b.believed(at(11), &news(0.25, 0)).to_vec()[0].load, 0.75);
+        b.settle_promise(MigrationId(7), Outcome::Committed, at(12));
+        // News from before the commit does not include the move...
+        assert_eq!(b.believed(at(13), &news(0.25, 2)).to_vec()[0].load, 0.75);
+        // ... news made after it does.
+        assert_eq!(b.believed(at(13), &news(0.75, 0)).to_vec()[0].load, 0.75);
+        // Another peer is untouched; an aborted move is void.
+        let other = [PeerLoad {
+            node: NodeId(2),
+            load: 0.1,
+            age: Duration::ZERO,
+        }];
+        assert_eq!(b.believed(at(13), &other).to_vec()[0].load, 0.1);
+        b.promise(MigrationId(8), NodeId(2), 0.5, at(14));
+        b.settle_promise(MigrationId(8), Outcome::Aborted, at(15));
+        assert_eq!(b.believed(at(15), &other).to_vec()[0].load, 0.1);
+        // Off by default (Gerofi et al. (DVE)'s policies have no such ledger).
+        let mut plain = Balancer::new(&Config::default());
+        plain.promise(MigrationId(9), NodeId(1), 0.5, at(10));
+        assert_eq!(
+            plain.believed(at(11), &news(0.25, 0)).to_vec()[0].load,
+            0.25
+        );
     }
 
     proptest! {

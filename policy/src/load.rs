@@ -56,6 +56,13 @@ pub struct LoadConfig {
     pub recent_arrival_ms: u64,
     /// Export-load penalty of a full process table, scaled by its fill.
     pub process_table_weight: f64,
+    /// The internal load follows a migration at once: a process leaving
+    /// lowers it by the process's load, one arriving raises it, without
+    /// waiting for the samples to show it (they take seconds through the
+    /// decay). A sender moving several processes in a row then stops when
+    /// it has shed its excess, not seconds later. The export load is left
+    /// alone (its recent-arrivals term already counts arrivals).
+    pub follow_migrations: bool,
     /// Process-table size the fill is measured against.
     pub process_table_size: u32,
 }
@@ -68,6 +75,7 @@ impl Default for LoadConfig {
             recent_arrival_ms: 5_000,
             process_table_weight: 0.5,
             process_table_size: 4096,
+            follow_migrations: false,
         }
     }
 }
@@ -120,6 +128,9 @@ pub struct NodeLoad {
     internal: f64,
     decaying_max: f64,
     last_sample: Option<Instant>,
+    /// Migrations since the last sample (when, and the load they took away,
+    /// negative, or brought), for [`LoadConfig::follow_migrations`].
+    moved: Vec<(Instant, f64)>,
 }
 
 impl NodeLoad {
@@ -143,6 +154,26 @@ impl NodeLoad {
         {
             return Err(LoadError::TimeWentBackwards { previous, now });
         }
+        // A process that left during the period counts in the sample for
+        // the part it spent here, one that arrived for the part after: the
+        // internal load already took each move in full, so the sample is
+        // made to read as if each move had happened at the period's start.
+        let accumulated = match (config.follow_migrations, self.last_sample) {
+            (true, Some(previous)) if now > previous => {
+                let period = now.saturating_duration_since(previous).as_secs_f64();
+                let missing: f64 = self
+                    .moved
+                    .iter()
+                    .map(|&(at, load)| {
+                        let before = at.saturating_duration_since(previous).as_secs_f64();
+                        load * (before / period).min(1.0)
+                    })
+                    .sum();
+                (accumulated + missing).max(0.0)
+            }
+            _ => accumulated,
+        };
+        self.moved.clear();
         self.internal = if self.last_sample.is_none() {
             accumulated
         } else {
@@ -157,6 +188,24 @@ impl NodeLoad {
         };
         self.last_sample = Some(now);
         Ok(())
+    }
+
+    /// A process adding `load` left for another node (see
+    /// [`LoadConfig::follow_migrations`]).
+    pub fn departed(&mut self, now: Instant, load: f64, config: &LoadConfig) {
+        if config.follow_migrations && load.is_finite() && load > 0.0 {
+            self.internal = (self.internal - load).max(0.0);
+            self.decaying_max = (self.decaying_max - load).max(self.internal);
+            self.moved.push((now, -load));
+        }
+    }
+
+    /// A process adding `load` arrived from another node.
+    pub fn arrived(&mut self, now: Instant, load: f64, config: &LoadConfig) {
+        if config.follow_migrations && load.is_finite() && load > 0.0 {
+            self.internal += load;
+            self.moved.push((now, load));
+        }
     }
 
     /// The load this node uses for its own decisions.

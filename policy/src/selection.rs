@@ -8,6 +8,11 @@
 //! Both honour openMosix's eligibility rules (Meehan & Wynne (openMosix) §3): a
 //! process that is locked, being transferred, or has not yet reached residency
 //! on this node (run long enough here to pay for the move) is not a candidate.
+//! ferry adds a second residency for processes that came by migration
+//! (`rehop_residency_ms`): a process that just arrived does not hop on. In
+//! Meehan & Wynne (openMosix)'s experiment most of openMosix's excess
+//! migrations are such second hops: a process lands on a moderately loaded
+//! node that soon looks heavy and is passed on (docs/simulation.md).
 
 use std::fmt;
 use std::time::Duration;
@@ -29,6 +34,9 @@ pub struct ProcessLoad {
     pub resident_for: Duration,
     /// False if locked by the operator or already in flight.
     pub migratable: bool,
+    /// Wall time since it arrived here by migration; `None` if it started
+    /// here (or arrived before anything here kept count).
+    pub since_arrival: Option<Duration>,
 }
 
 pub trait SelectionPolicy: fmt::Debug + Send + Sync {
@@ -55,6 +63,10 @@ pub struct SelectionConfig {
     pub kind: SelectionKind,
     /// Residency a process needs before it may move again.
     pub min_residency_ms: u64,
+    /// A process that arrived by migration stays at least this long (wall
+    /// time) before it may move on: no second hop while the cluster is still
+    /// settling from the first. 0: no such rule (openMosix, Gerofi et al.).
+    pub rehop_residency_ms: u64,
 }
 
 impl Default for SelectionConfig {
@@ -62,28 +74,48 @@ impl Default for SelectionConfig {
         SelectionConfig {
             kind: SelectionKind::ClosestToExcess,
             min_residency_ms: 0,
+            rehop_residency_ms: 0,
         }
     }
 }
 
 impl SelectionConfig {
     pub fn policy(&self) -> Box<dyn SelectionPolicy> {
-        let min_residency = Duration::from_millis(self.min_residency_ms);
+        let rules = Eligibility {
+            min_residency: Duration::from_millis(self.min_residency_ms),
+            rehop_residency: Duration::from_millis(self.rehop_residency_ms),
+        };
         match self.kind {
-            SelectionKind::ClosestToExcess => Box::new(ClosestToExcess { min_residency }),
-            SelectionKind::Random => Box::new(RandomProcess { min_residency }),
+            SelectionKind::ClosestToExcess => Box::new(ClosestToExcess { rules }),
+            SelectionKind::Random => Box::new(RandomProcess { rules }),
         }
     }
 }
 
-fn eligible(p: &ProcessLoad, min_residency: Duration) -> bool {
-    p.migratable && p.resident_for >= min_residency && p.load.is_finite()
+/// Which processes may move at all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Eligibility {
+    /// Residency on this node, as the caller counts it (see
+    /// [`ProcessLoad::resident_for`]).
+    pub min_residency: Duration,
+    /// Wall time since a migration brought it here.
+    pub rehop_residency: Duration,
+}
+
+impl Eligibility {
+    pub fn admits(&self, p: &ProcessLoad) -> bool {
+        p.migratable
+            && p.resident_for >= self.min_residency
+            && p.since_arrival
+                .is_none_or(|since| since >= self.rehop_residency)
+            && p.load.is_finite()
+    }
 }
 
 /// Gerofi et al. (DVE) §IV-C.
 #[derive(Debug, Clone, Copy)]
 pub struct ClosestToExcess {
-    pub min_residency: Duration,
+    pub rules: Eligibility,
 }
 
 impl SelectionPolicy for ClosestToExcess {
@@ -95,7 +127,7 @@ impl SelectionPolicy for ClosestToExcess {
     ) -> Option<ProcessId> {
         processes
             .iter()
-            .filter(|p| eligible(p, self.min_residency))
+            .filter(|p| self.rules.admits(p))
             .min_by(|a, b| {
                 (a.load - excess)
                     .abs()
@@ -109,7 +141,7 @@ impl SelectionPolicy for ClosestToExcess {
 /// Any eligible process.
 #[derive(Debug, Clone, Copy)]
 pub struct RandomProcess {
-    pub min_residency: Duration,
+    pub rules: Eligibility,
 }
 
 impl SelectionPolicy for RandomProcess {
@@ -119,10 +151,8 @@ impl SelectionPolicy for RandomProcess {
         _excess: f64,
         rng: &mut dyn RngCore,
     ) -> Option<ProcessId> {
-        let candidates: Vec<&ProcessLoad> = processes
-            .iter()
-            .filter(|p| eligible(p, self.min_residency))
-            .collect();
+        let candidates: Vec<&ProcessLoad> =
+            processes.iter().filter(|p| self.rules.admits(p)).collect();
         candidates.choose(rng).map(|p| p.pid)
     }
 }
@@ -141,6 +171,14 @@ mod tests {
             load,
             resident_for: Duration::from_secs(60),
             migratable: true,
+            since_arrival: None,
+        }
+    }
+
+    fn residency(min: u64) -> Eligibility {
+        Eligibility {
+            min_residency: Duration::from_secs(min),
+            rehop_residency: Duration::ZERO,
         }
     }
 
@@ -148,7 +186,7 @@ mod tests {
     fn picks_the_process_closest_to_the_excess() {
         let ps = [proc(1, 0.05), proc(2, 0.2), proc(3, 0.5)];
         let policy = ClosestToExcess {
-            min_residency: Duration::ZERO,
+            rules: residency(0),
         };
         let mut rng = StdRng::seed_from_u64(0);
         assert_eq!(policy.select(&ps, 0.25, &mut rng), Some(ProcessId(2)));
@@ -159,7 +197,7 @@ mod tests {
     #[test]
     fn skips_locked_in_flight_and_new_processes() {
         let policy = ClosestToExcess {
-            min_residency: Duration::from_secs(2),
+            rules: residency(2),
         };
         let mut rng = StdRng::seed_from_u64(0);
         let locked = ProcessLoad {
@@ -176,9 +214,38 @@ mod tests {
             Some(ProcessId(3))
         );
         let random = RandomProcess {
-            min_residency: Duration::from_secs(2),
+            rules: residency(2),
         };
         assert_eq!(random.select(&[locked, fresh], 0.3, &mut rng), None);
+    }
+
+    #[test]
+    fn a_process_that_just_arrived_does_not_hop_on() {
+        let rules = Eligibility {
+            min_residency: Duration::ZERO,
+            rehop_residency: Duration::from_secs(20),
+        };
+        let policy = ClosestToExcess { rules };
+        let mut rng = StdRng::seed_from_u64(0);
+        let arrived = ProcessLoad {
+            since_arrival: Some(Duration::from_secs(19)),
+            ..proc(1, 0.3)
+        };
+        let settled = ProcessLoad {
+            since_arrival: Some(Duration::from_secs(20)),
+            ..proc(2, 0.9)
+        };
+        // Closest to the excess, but it came 19 s ago: the other goes.
+        assert_eq!(
+            policy.select(&[arrived, settled], 0.3, &mut rng),
+            Some(ProcessId(2))
+        );
+        assert_eq!(policy.select(&[arrived], 0.3, &mut rng), None);
+        // Born here: only the ordinary residency counts.
+        assert_eq!(
+            policy.select(&[proc(3, 0.3)], 0.3, &mut rng),
+            Some(ProcessId(3))
+        );
     }
 
     fn processes() -> impl Strategy<Value = Vec<ProcessLoad>> {
@@ -190,6 +257,7 @@ mod tests {
                     load,
                     resident_for: Duration::from_secs(resident),
                     migratable,
+                    since_arrival: None,
                 })
                 .collect()
         })
@@ -201,7 +269,8 @@ mod tests {
         #[test]
         fn selection_picks_the_closest_eligible(ps in processes(), excess in 0.0f64..3.0, seed: u64) {
             let min_residency = Duration::from_secs(3);
-            let policy = ClosestToExcess { min_residency };
+            let rules = Eligibility { min_residency, rehop_residency: Duration::ZERO };
+            let policy = ClosestToExcess { rules };
             let chosen = policy.select(&ps, excess, &mut StdRng::seed_from_u64(seed));
             let eligible: Vec<&ProcessLoad> = ps.iter().filter(|p| p.migratable && p.resident_for >= min_residency).collect();
             match chosen {
@@ -214,7 +283,7 @@ mod tests {
                     }
                 }
             }
-            let random = RandomProcess { min_residency }.select(&ps, excess, &mut StdRng::seed_from_u64(seed));
+            let random = RandomProcess { rules }.select(&ps, excess, &mut StdRng::seed_from_u64(seed));
             prop_assert_eq!(random.is_some(), chosen.is_some());
         }
     }

@@ -11,8 +11,9 @@
 //!
 //! Alternatives to compare: openMosix's trigger, "some node in my vector is
 //! less loaded than me" (Meehan & Wynne (openMosix) §3, [`LowerPeerExists`]),
-//! and the receiver-initiated policy of the load-sharing literature, where an
-//! underloaded node asks a loaded one for work ([`ReceiverInitiated`]).
+//! the receiver-initiated policy of the load-sharing literature, where an
+//! underloaded node asks a loaded one for work ([`ReceiverInitiated`]), and
+//! the symmetric one, where both happen ([`Symmetric`]).
 //!
 //! The gate's state machine, per node (one outgoing and one incoming slot):
 //!
@@ -64,6 +65,9 @@ pub enum TransferMode {
     LowerPeerExists,
     /// An underloaded node asks a loaded one for work.
     ReceiverInitiated,
+    /// Both: a node above the threshold or the gap sends, a node below the
+    /// gap asks for work.
+    Symmetric,
 }
 
 /// `[transfer]` in ferryd's TOML.
@@ -83,6 +87,20 @@ pub struct TransferConfig {
     /// The receiver refuses an offer that would leave it busier than the
     /// sender was: a guard against the sender's stale view of it.
     pub receiver_check: bool,
+    /// The receiver also refuses an offer that would leave it further above
+    /// the cluster average (as it knows it) than it is below it now: senders
+    /// that all saw it light at once do not pile onto it.
+    pub receiver_up_to_average: bool,
+    /// A sender counts the load it has moved to a peer in what it believes
+    /// of that peer until news of the peer is younger than the move: several
+    /// moves in a row do not all go to the node that looked lightest before
+    /// the first one.
+    pub count_promised: bool,
+    /// After a committed migration the sender plans its next one at once
+    /// (when no calm-down holds it), instead of at its next turn: a node far
+    /// above the average moves as many processes as its excess warrants, one
+    /// after another.
+    pub replan_on_commit: bool,
 }
 
 impl Default for TransferConfig {
@@ -94,6 +112,9 @@ impl Default for TransferConfig {
             calm_down_ms: 10_000,
             reservation_timeout_ms: 30_000,
             receiver_check: true,
+            receiver_up_to_average: false,
+            count_promised: false,
+            replan_on_commit: false,
         }
     }
 }
@@ -121,6 +142,15 @@ impl TransferConfig {
             TransferMode::ReceiverInitiated => Box::new(ReceiverInitiated {
                 average_gap: self.average_gap,
             }),
+            TransferMode::Symmetric => Box::new(Symmetric {
+                sender: SenderThreshold {
+                    threshold: self.threshold,
+                    average_gap: self.average_gap,
+                },
+                receiver: ReceiverInitiated {
+                    average_gap: self.average_gap,
+                },
+            }),
         }
     }
 
@@ -130,6 +160,7 @@ impl TransferConfig {
             Duration::from_millis(self.reservation_timeout_ms),
             self.receiver_check,
         )
+        .up_to_average(self.receiver_up_to_average)
     }
 }
 
@@ -218,6 +249,23 @@ impl TransferPolicy for ReceiverInitiated {
 }
 
 /// Names one migration attempt between two nodes.
+/// A loaded node sends as [`SenderThreshold`] does; a node that is not a
+/// sender asks for work as [`ReceiverInitiated`] does.
+#[derive(Debug, Clone, Copy)]
+pub struct Symmetric {
+    pub sender: SenderThreshold,
+    pub receiver: ReceiverInitiated,
+}
+
+impl TransferPolicy for Symmetric {
+    fn role(&self, view: &ClusterView) -> Role {
+        match self.sender.role(view) {
+            Role::Neither => self.receiver.role(view),
+            sender => sender,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct MigrationId(pub u64);
 
@@ -289,11 +337,21 @@ struct Incoming {
 
 /// One node's two-phase-commit state for migrations in and out, and its
 /// calm-down period. See the module documentation for the state machine.
+/// What a receiver knows of itself when an offer comes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReceiverView {
+    /// Its load, in the units the sender compared.
+    pub load: f64,
+    /// The cluster average as it approximates it, if it knows one.
+    pub average: Option<f64>,
+}
+
 #[derive(Debug, Clone)]
 pub struct MigrationGate {
     calm_down: Duration,
     reservation_timeout: Duration,
     receiver_check: bool,
+    up_to_average: bool,
     outgoing: Option<Outgoing>,
     incoming: Option<Incoming>,
     calm_until: Option<Instant>,
@@ -305,10 +363,17 @@ impl MigrationGate {
             calm_down,
             reservation_timeout,
             receiver_check,
+            up_to_average: false,
             outgoing: None,
             incoming: None,
             calm_until: None,
         }
+    }
+
+    /// See [`TransferConfig::receiver_up_to_average`].
+    pub fn up_to_average(mut self, on: bool) -> Self {
+        self.up_to_average = on;
+        self
     }
 
     pub fn calming_down(&self, now: Instant) -> bool {
@@ -377,6 +442,16 @@ impl MigrationGate {
 
     /// Receiver, phase 1: accept (and reserve) or refuse an offer.
     pub fn on_offer(&mut self, offer: &Offer, own_load: f64, now: Instant) -> Answer {
+        let view = ReceiverView {
+            load: own_load,
+            average: None,
+        };
+        self.on_offer_with(offer, &view, now)
+    }
+
+    /// [`Self::on_offer`] with the receiver's view of the average.
+    pub fn on_offer_with(&mut self, offer: &Offer, own: &ReceiverView, now: Instant) -> Answer {
+        let own_load = own.load;
         if let Some(i) = self.incoming
             && now.saturating_duration_since(i.reserved_at) >= self.reservation_timeout
         {
@@ -391,6 +466,13 @@ impl MigrationGate {
             return Answer::Refuse(Refusal::CalmingDown);
         }
         if self.receiver_check && own_load + offer.process_load >= offer.sender_load {
+            return Answer::Refuse(Refusal::WouldOverload);
+        }
+        // After the move it would be `own + p - average` above the average;
+        // it is `average - own` below it now.
+        if let (true, Some(average)) = (self.up_to_average, own.average)
+            && own_load + offer.process_load / 2.0 > average
+        {
             return Answer::Refuse(Refusal::WouldOverload);
         }
         self.incoming = Some(Incoming {
@@ -532,6 +614,21 @@ mod tests {
         let p = ReceiverInitiated { average_gap: 0.2 };
         assert!(matches!(p.role(&view(0.2, 0.6)), Role::Receiver { .. }));
         assert_eq!(p.role(&view(0.5, 0.6)), Role::Neither);
+    }
+
+    #[test]
+    fn symmetric_sends_when_above_and_asks_when_below() {
+        let p = TransferConfig {
+            mode: TransferMode::Symmetric,
+            threshold: 0.9,
+            average_gap: 0.1,
+            ..TransferConfig::default()
+        }
+        .policy();
+        assert!(matches!(p.role(&view(0.95, 0.9)), Role::Sender { .. }));
+        assert!(matches!(p.role(&view(0.75, 0.6)), Role::Sender { .. }));
+        assert!(matches!(p.role(&view(0.4, 0.6)), Role::Receiver { .. }));
+        assert_eq!(p.role(&view(0.55, 0.6)), Role::Neither);
     }
 
     #[test]

@@ -87,7 +87,9 @@ fn run_openmosix(args: &SimArgs) -> Result<()> {
     let started = std::time::Instant::now();
     let variants: Vec<openmosix::Variant> = openmosix::Variant::SEED_TABLE
         .into_iter()
+        .chain(openmosix::Variant::FERRY_TABLE)
         .chain(openmosix::Variant::LOCATION_ALTERNATIVES)
+        .chain(openmosix::Variant::ablations())
         .collect();
     let results = openmosix::run_all(&params, &variants)?;
     let header = [
@@ -268,7 +270,7 @@ fn timeline_chart(
 
 /// The two mechanisms' costs, fitted to ferry's committed results
 /// (`docs/freeze.csv`, `docs/memory.csv`), and a line that says so.
-fn measured_mechanisms() -> Result<([dve::MechanismVariant; 2], String)> {
+fn measured_mechanisms() -> Result<([dve::MechanismVariant; 3], String)> {
     use ferry_policy::measured_cost::fit;
     let docs = crate::cmd::workspace_root().join("docs");
     let read = |f: &str| {
@@ -295,6 +297,7 @@ fn measured_mechanisms() -> Result<([dve::MechanismVariant; 2], String)> {
         [
             dve::precopy_mechanism(&precopy),
             dve::stop_and_copy_mechanism(&stop_and_copy),
+            dve::precopy_mechanism(&precopy).with_policies(dve::Policies::Ferry),
         ],
         provenance,
     ))
@@ -361,7 +364,7 @@ fn run_dve(args: &SimArgs) -> Result<()> {
     write(&dir, "summary.csv", &csv(&header_refs, &rows))?;
     // Time series: one CSV per variant, one CPU and one zones plot each.
     for (i, r) in results.iter().enumerate() {
-        let slug = ["off", "on_precopy", "on_stop_and_copy"]
+        let slug = ["off", "on_precopy", "on_stop_and_copy", "on_precopy_ferry"]
             .get(i)
             .copied()
             .unwrap_or("variant");

@@ -36,6 +36,7 @@
 //!    an acceptance starts the migration; its end is told to the receiver
 //!    (phase 2), and a commit starts the calm-down on both ends.
 
+mod pull;
 mod sampler;
 mod service;
 
@@ -47,7 +48,7 @@ use ferry_policy::balancer::{IdleReason, Plan};
 use ferry_policy::information::{InformationPolicy, LoadEntry, LoadMessage};
 use ferry_policy::load::{NodeLoad, ProcessCpuMeter, RecentArrivals};
 use ferry_policy::selection::ProcessLoad;
-use ferry_policy::transfer::{Answer, MigrationId, Offer, Outcome, Refusal};
+use ferry_policy::transfer::{Answer, MigrationId, Offer, Outcome, ReceiverView, Refusal};
 use ferry_policy::{Balancer, Instant, NodeId, PeerLoad, ProcessId};
 use ferry_proto::v1 as pb;
 use rand::rngs::StdRng;
@@ -132,6 +133,12 @@ pub trait PeerNegotiator: Send + Sync {
         req: pb::OfferRequest,
     ) -> Result<pb::OfferResponse, NegotiationFailed>;
     async fn finish(&self, to: &str, req: pb::FinishRequest) -> Result<(), NegotiationFailed>;
+    /// Receiver-initiated transfer: asks `to` for work.
+    async fn pull(
+        &self,
+        to: &str,
+        req: pb::PullRequest,
+    ) -> Result<pb::PullResponse, NegotiationFailed>;
 }
 
 /// Membership as the conductor uses it.
@@ -203,6 +210,12 @@ struct State {
     migrations: Vec<pb::BalancerMigration>,
     /// When the last committed migration in or out ended (calm-down shown).
     calm_from: Option<Instant>,
+    /// Processes that arrived by migration, and when (their PID here): the
+    /// selection's `rehop_residency_ms`.
+    arrived_at: HashMap<i32, Instant>,
+    /// The offer this node reserved its incoming slot for, and what the
+    /// process adds (the load follows it at the commit).
+    incoming: Option<(u64, f64)>,
 }
 
 /// The conductor of one node.
@@ -227,6 +240,9 @@ impl std::fmt::Debug for Conductor {
 
 /// The most migrations kept for `GetBalancer`.
 const HISTORY: usize = 256;
+
+/// The most pushes one turn makes with `transfer.replan_on_commit`.
+const MOVES_PER_TURN: usize = 16;
 
 fn unix_ms() -> u64 {
     std::time::SystemTime::now()
@@ -273,6 +289,8 @@ impl Conductor {
             beliefs: pb::BalancerDecision::default(),
             migrations: Vec::new(),
             calm_from: None,
+            arrived_at: HashMap::new(),
+            incoming: None,
         };
         Arc::new(Conductor {
             node: node.to_owned(),
@@ -308,12 +326,6 @@ impl Conductor {
     /// which also clears the calm-down; refused while a migration is
     /// negotiated or under way.
     pub fn set(&self, enabled: Option<bool>, policy: ferry_policy::Config) -> Result<(), SetError> {
-        if let Some((field, reason)) = crate::config::unsupported_policy(&policy) {
-            return Err(SetError::Invalid {
-                field: field.to_owned(),
-                reason,
-            });
-        }
         if let Err(e) = policy.validate() {
             return Err(match e {
                 ferry_policy::PolicyError::InvalidField { field, reason } => SetError::Invalid {
@@ -370,6 +382,12 @@ impl Conductor {
             }
         }
         s.procs.retain(|pid, _| seen.contains(pid));
+        // An arrival is kept while its process runs here, and a minute for
+        // one not sampled yet.
+        let procs = &s.procs;
+        s.arrived_at.retain(|pid, at| {
+            procs.contains_key(pid) || now.saturating_duration_since(*at) < Duration::from_secs(60)
+        });
         let cpus = f64::from(s.cpus);
         let total: f64 = s.procs.values().map(|t| t.meter.share()).sum::<f64>() / cpus;
         let load_cfg = s.settings.policy.load.clone();
@@ -460,7 +478,7 @@ impl Conductor {
             Ok(s) => s,
             Err(e) => return format!("sampling failed: {e}"),
         };
-        let plan = {
+        {
             let mut s = self.state();
             s.stats.ticks += 1;
             let now = self.clock.now();
@@ -470,55 +488,78 @@ impl Conductor {
                 s.last_decision = "off".into();
                 return s.last_decision.clone();
             }
-            let peers = self.candidates(&s, now);
-            let procs: Vec<ProcessLoad> = s
-                .procs
-                .iter()
-                .map(|(&pid, t)| ProcessLoad {
-                    pid: ProcessId(pid as u64),
-                    load: t.meter.share() / f64::from(s.cpus),
-                    resident_for: now.saturating_duration_since(t.first_seen),
-                    migratable: t.migratable,
-                })
-                .collect();
-            let local = s.load.internal();
-            let mut rng = StdRng::seed_from_u64(s.rng.next_u64());
-            let plan = s.balancer.plan(now, local, &peers, &procs, &mut rng);
-            s.beliefs = beliefs(&s, local, &peers, &plan);
-            s.last_decision = match &plan {
-                Plan::Idle(IdleReason::Balanced) => "balanced".into(),
-                Plan::Idle(IdleReason::CalmingDown) => "calming down".into(),
-                Plan::Idle(IdleReason::OutgoingBusy) => "a migration is under way".into(),
-                Plan::Idle(IdleReason::NoEligibleProcess) => {
-                    "overloaded, no eligible process".into()
-                }
-                Plan::Idle(IdleReason::NoDestination) => "overloaded, no destination".into(),
+        }
+        // With `transfer.replan_on_commit`, a committed push is followed at
+        // once by the next plan: a node far above the average sheds its
+        // excess in one turn (bounded, so that a turn ends).
+        for _ in 0..MOVES_PER_TURN {
+            match self.plan() {
                 Plan::Push {
-                    pid, candidates, ..
-                } => format!(
-                    "push {} to {}",
-                    pid.0,
-                    candidates
-                        .iter()
-                        .filter_map(|c| s.names.get(c).cloned())
-                        .collect::<Vec<_>>()
-                        .join(" or ")
-                ),
-                Plan::Pull { .. } => {
-                    "pull (receiver-initiated) is not carried out by ferryd yet".into()
+                    pid,
+                    process_load,
+                    candidates,
+                } => {
+                    // The turn's beliefs go with the migration's record.
+                    let why = self.last_decision();
+                    let committed = self
+                        .push(pid.0 as i32, process_load, candidates, None, why)
+                        .await;
+                    let s = self.state();
+                    if !(committed && s.settings.policy.transfer.replan_on_commit) {
+                        break;
+                    }
                 }
-            };
-            plan
-        };
-        if let Plan::Push {
-            pid,
-            process_load,
-            candidates,
-        } = plan
-        {
-            self.push(pid.0 as i32, process_load, candidates).await;
+                Plan::Pull {
+                    deficit,
+                    candidates,
+                } => {
+                    self.pull(deficit, candidates).await;
+                    break;
+                }
+                Plan::Idle(_) => break,
+            }
         }
         self.state().last_decision.clone()
+    }
+
+    /// Runs the policies on what this node believes now.
+    fn plan(&self) -> Plan {
+        let mut s = self.state();
+        let now = self.clock.now();
+        let peers = self.candidates(&s, now);
+        let procs = process_loads(&s, now);
+        let local = s.load.internal();
+        let mut rng = StdRng::seed_from_u64(s.rng.next_u64());
+        let plan = s.balancer.plan(now, local, &peers, &procs, &mut rng);
+        s.beliefs = beliefs(&s, local, &peers, &plan);
+        let name = |s: &State, c: &NodeId| s.names.get(c).cloned();
+        s.last_decision = match &plan {
+            Plan::Idle(IdleReason::Balanced) => "balanced".into(),
+            Plan::Idle(IdleReason::CalmingDown) => "calming down".into(),
+            Plan::Idle(IdleReason::OutgoingBusy) => "a migration is under way".into(),
+            Plan::Idle(IdleReason::NoEligibleProcess) => "overloaded, no eligible process".into(),
+            Plan::Idle(IdleReason::NoDestination) => "overloaded, no destination".into(),
+            Plan::Push {
+                pid, candidates, ..
+            } => format!(
+                "push {} to {}",
+                pid.0,
+                candidates
+                    .iter()
+                    .filter_map(|c| name(&s, c))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            ),
+            Plan::Pull { candidates, .. } => format!(
+                "pull from {}",
+                candidates
+                    .iter()
+                    .filter_map(|c| name(&s, c))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            ),
+        };
+        plan
     }
 
     /// The last turn: its decision and the beliefs it acted on.
@@ -531,8 +572,18 @@ impl Conductor {
     }
 
     /// Offers `pid` to the candidates in order; migrates to the first that
-    /// accepts.
-    async fn push(&self, pid: i32, process_load: f64, candidates: Vec<NodeId>) {
+    /// accepts. True when the migration committed. `marked`: the gate
+    /// already holds this migration (a pull answered), the first offer
+    /// takes it over. `why`: the decision and the beliefs it acted on, kept
+    /// with the migration's record.
+    async fn push(
+        &self,
+        pid: i32,
+        process_load: f64,
+        candidates: Vec<NodeId>,
+        mut marked: Option<MigrationId>,
+        why: pb::BalancerDecision,
+    ) -> bool {
         let (timeout, sender_load) = {
             let s = self.state();
             (s.settings.offer_timeout, s.load.internal())
@@ -543,10 +594,12 @@ impl Conductor {
             };
             let id = {
                 let mut s = self.state();
-                let id = MigrationId(s.rng.next_u64());
+                let id = marked
+                    .take()
+                    .unwrap_or_else(|| MigrationId(s.rng.next_u64()));
                 if let Err(e) = s.balancer.gate.begin_offer(id, node, self.clock.now()) {
                     s.last_decision = format!("offer not started: {e}");
-                    return;
+                    return false;
                 }
                 s.stats.offers_sent += 1;
                 id
@@ -602,17 +655,35 @@ impl Conductor {
                 }
                 if accepted {
                     s.stats.offers_accepted += 1;
+                    let now = self.clock.now();
+                    s.balancer.promise(id, node, process_load, now);
                 }
             }
             if accepted {
-                self.migrate(id, pid, &name).await;
-                return;
+                return self.migrate(id, pid, &name, process_load, why).await;
             }
         }
-        self.state().last_decision = format!("no candidate accepted process {pid}");
+        let mut s = self.state();
+        if let Some(id) = marked {
+            // Never offered: free the gate.
+            let _ = s
+                .balancer
+                .gate
+                .finish_outgoing(id, Outcome::Aborted, self.clock.now());
+        }
+        s.last_decision = format!("no candidate accepted process {pid}");
+        false
     }
 
-    async fn migrate(&self, id: MigrationId, pid: i32, to: &str) {
+    /// Migrates `pid` to `to` (accepted offer `id`); true when committed.
+    async fn migrate(
+        &self,
+        id: MigrationId,
+        pid: i32,
+        to: &str,
+        process_load: f64,
+        why: pb::BalancerDecision,
+    ) -> bool {
         let argv = self
             .state()
             .procs
@@ -634,11 +705,11 @@ impl Conductor {
             if let Err(e) = s.balancer.gate.finish_outgoing(id, outcome, now) {
                 tracing::warn!(error = %e, "gate out of step");
             }
-            // The turn's beliefs, and its decision before this outcome.
-            let decision = pb::BalancerDecision {
-                decision: s.last_decision.clone(),
-                ..s.beliefs.clone()
-            };
+            s.balancer.settle_promise(id, outcome, now);
+            if committed {
+                let load_cfg = s.settings.policy.load.clone();
+                s.load.departed(now, process_load, &load_cfg);
+            }
             let mut record = pb::BalancerMigration {
                 source_pid: pid,
                 argv,
@@ -646,7 +717,7 @@ impl Conductor {
                 to_node: to.to_owned(),
                 at_unix_ms: at,
                 committed,
-                decision: Some(decision),
+                decision: Some(why),
                 ..Default::default()
             };
             match &result {
@@ -681,6 +752,7 @@ impl Conductor {
             Ok(Err(e)) => tracing::warn!(to, error = %e, "telling the receiver how it ended"),
             Err(_) => tracing::warn!(to, "receiver did not take the outcome in time"),
         }
+        committed
     }
 
     /// Receiver, phase 1.
@@ -706,10 +778,25 @@ impl Conductor {
             sender_load: req.sender_load,
             process_load: req.process_load,
         };
-        let own = s.load.internal();
-        match s.balancer.gate.on_offer(&offer, own, now) {
+        // With `transfer.receiver_up_to_average` the receiver checks the
+        // offer against what its peers see of it (its export load) and the
+        // average it knows; otherwise against its own load, as Gerofi et al.
+        let view = if s.settings.policy.transfer.receiver_up_to_average {
+            let peers = self.candidates(&s, now);
+            ReceiverView {
+                load: s.export,
+                average: Some(ferry_policy::node::approximate_average(s.export, &peers)),
+            }
+        } else {
+            ReceiverView {
+                load: s.load.internal(),
+                average: None,
+            }
+        };
+        match s.balancer.gate.on_offer_with(&offer, &view, now) {
             Answer::Accept => {
                 s.stats.incoming_accepted += 1;
+                s.incoming = Some((req.offer_id, req.process_load));
                 tracing::info!(from = %req.from_node, pid = req.pid, "offer accepted");
                 pb::OfferResponse {
                     accepted: true,
@@ -735,10 +822,18 @@ impl Conductor {
             .finish_incoming(MigrationId(req.offer_id), outcome, now)
         {
             Ok(()) => {
+                let load = s
+                    .incoming
+                    .take()
+                    .filter(|&(id, _)| id == req.offer_id)
+                    .map_or(0.0, |(_, load)| load);
                 if req.committed {
                     s.calm_from = Some(now);
+                    let load_cfg = s.settings.policy.load.clone();
+                    s.load.arrived(now, load, &load_cfg);
                     if req.destination_pid > 0 {
                         s.arrivals.note(now, ProcessId(req.destination_pid as u64));
+                        s.arrived_at.insert(req.destination_pid, now);
                     }
                 }
             }
@@ -803,6 +898,23 @@ impl Conductor {
             }),
         }
     }
+}
+
+/// This node's processes as the selection policy sees them.
+fn process_loads(s: &State, now: Instant) -> Vec<ProcessLoad> {
+    s.procs
+        .iter()
+        .map(|(&pid, t)| ProcessLoad {
+            pid: ProcessId(pid as u64),
+            load: t.meter.share() / f64::from(s.cpus),
+            resident_for: now.saturating_duration_since(t.first_seen),
+            migratable: t.migratable,
+            since_arrival: s
+                .arrived_at
+                .get(&pid)
+                .map(|&at| now.saturating_duration_since(at)),
+        })
+        .collect()
 }
 
 /// What a turn believed: this node's load, the cluster average it

@@ -207,6 +207,18 @@ impl PeerNegotiator for GrpcNegotiator {
             .map(|_| ())
             .map_err(NegotiationFailed::Refused)
     }
+
+    async fn pull(
+        &self,
+        to: &str,
+        req: pb::PullRequest,
+    ) -> Result<pb::PullResponse, NegotiationFailed> {
+        let mut c = self.client(to).await?;
+        c.pull(req)
+            .await
+            .map(|r| r.into_inner())
+            .map_err(NegotiationFailed::Refused)
+    }
 }
 
 /// Wall-clock milliseconds since the Unix epoch, never going backwards.

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use ferry_proto::v1::balance_server::Balance;
-use ferry_proto::v1::{FinishRequest, FinishResponse, OfferRequest, OfferResponse};
+use ferry_proto::v1::{
+    FinishRequest, FinishResponse, OfferRequest, OfferResponse, PullRequest, PullResponse,
+};
 use tonic::{Request, Response, Status};
 
 use super::Conductor;
@@ -53,5 +55,20 @@ impl Balance for BalanceService {
             c.on_finish(&request.into_inner());
         }
         Ok(Response::new(FinishResponse {}))
+    }
+
+    async fn pull(&self, request: Request<PullRequest>) -> Result<Response<PullResponse>, Status> {
+        let refuse = |why: &str| {
+            Ok(Response::new(PullResponse {
+                refusal: why.into(),
+                ..Default::default()
+            }))
+        };
+        // A cordoned node gives work away gladly: only a node without a
+        // conductor cannot.
+        let Some(c) = &self.conductor else {
+            return refuse("disabled");
+        };
+        Ok(Response::new(c.on_pull(&request.into_inner())))
     }
 }

@@ -83,6 +83,7 @@ struct FakePeers {
     receivers: Mutex<HashMap<String, Receiver>>,
     offers: Mutex<Vec<String>>,
     finishes: Mutex<Vec<(String, bool)>>,
+    pulls: Mutex<Vec<String>>,
 }
 
 #[tonic::async_trait]
@@ -113,6 +114,28 @@ impl PeerNegotiator for FakePeers {
             .unwrap()
             .push((to.to_owned(), req.committed));
         Ok(())
+    }
+    async fn pull(
+        &self,
+        to: &str,
+        _req: pb::PullRequest,
+    ) -> Result<pb::PullResponse, NegotiationFailed> {
+        self.pulls.lock().unwrap().push(to.to_owned());
+        let r = self.receivers.lock().unwrap().get(to).copied();
+        match r {
+            Some(Receiver::Accept) => Ok(pb::PullResponse {
+                will_push: true,
+                pid: 1,
+                process_load: 1.0,
+                refusal: String::new(),
+            }),
+            Some(Receiver::Refuse) => Ok(pb::PullResponse {
+                refusal: "no_eligible_process".into(),
+                ..Default::default()
+            }),
+            Some(Receiver::Silent) => std::future::pending().await,
+            None => Err(NegotiationFailed::Unreachable("unknown".into())),
+        }
     }
 }
 
@@ -177,6 +200,7 @@ fn rig(procs: &[(i32, f64)], receivers: &[(&str, Receiver)], policy: ferry_polic
         receivers: Mutex::new(receivers.iter().map(|(n, r)| (n.to_string(), *r)).collect()),
         offers: Mutex::default(),
         finishes: Mutex::default(),
+        pulls: Mutex::default(),
     });
     let engine = Arc::new(FakeEngine {
         sampler: sampler.clone(),
@@ -502,6 +526,139 @@ async fn receiver_takes_one_offer_at_a_time_then_calms_down() {
         ..offer(6, "z")
     };
     assert_eq!(r.conductor.on_offer(&bad).refusal, "invalid");
+}
+
+#[tokio::test]
+async fn a_light_node_pulls_from_the_loaded_one() {
+    let mut p = policy();
+    p.transfer.mode = ferry_policy::transfer::TransferMode::ReceiverInitiated;
+    let r = rig(&[], &[("b", Receiver::Refuse), ("c", Receiver::Accept)], p);
+    let d = r.turn(&[("b", 3.0), ("c", 2.0)]).await;
+    // The most loaded first (it had nothing to give), then the next.
+    assert_eq!(*r.peers.pulls.lock().unwrap(), vec!["b", "c"]);
+    assert_eq!(d, "pulled 1 from c");
+    assert!(r.offers().is_empty(), "the giver offers, not the asker");
+    let stats = r.conductor.report().stats.unwrap();
+    assert_eq!((stats.pulls_sent, stats.pulls_answered), (2, 1));
+}
+
+#[tokio::test]
+async fn a_pull_is_answered_with_a_push_that_evens_the_pair() {
+    // Receiver-initiated on every node: this one never pushes on its own.
+    let mut p = policy();
+    p.transfer.mode = ferry_policy::transfer::TransferMode::ReceiverInitiated;
+    let r = rig(
+        &[(1, 1.0), (2, 1.0), (3, 1.0)],
+        &[("b", Receiver::Accept)],
+        p,
+    );
+    r.turn(&[("b", 0.0)]).await;
+    r.turn(&[("b", 0.0)]).await;
+    assert!(r.offers().is_empty());
+    let pull = |load: f64| pb::PullRequest {
+        from_node: "b".into(),
+        requester_load: load,
+        deficit: 1.0,
+    };
+    // 3.0 against 2.5: moving a 1.0 process would not lower the larger.
+    assert_eq!(r.conductor.on_pull(&pull(2.5)).refusal, "would_not_help");
+    assert_eq!(r.conductor.on_pull(&pull(f64::NAN)).refusal, "invalid");
+    let answer = r.conductor.on_pull(&pull(0.0));
+    assert!(answer.will_push, "{answer:?}");
+    // The gate holds the slot: a second asker waits its turn.
+    assert_eq!(r.conductor.on_pull(&pull(0.0)).refusal, "busy");
+    // The push runs on its own task: offer, migration, phase 2.
+    for _ in 0..100 {
+        if !r.peers.finishes.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(r.offers(), vec!["b"]);
+    assert_eq!(
+        *r.engine.migrated.lock().unwrap(),
+        vec![(answer.pid, "b".to_owned())]
+    );
+    assert_eq!(
+        *r.peers.finishes.lock().unwrap(),
+        vec![("b".to_owned(), true)]
+    );
+    let report = r.conductor.report();
+    assert_eq!(report.stats.unwrap().pulls_given, 1);
+    let why = report.migrations[0].decision.clone().unwrap();
+    assert!(why.decision.contains("(pulled)"), "{why:?}");
+    assert_eq!(
+        (why.pid, why.destinations.clone()),
+        (answer.pid, vec!["b".to_owned()])
+    );
+    // Committed: the calm-down holds the next pull.
+    assert_eq!(r.conductor.on_pull(&pull(0.0)).refusal, "calming_down");
+}
+
+#[tokio::test]
+async fn with_replan_on_commit_a_turn_sheds_the_whole_excess() {
+    let mut p = policy();
+    p.transfer.calm_down_ms = 0;
+    p.transfer.replan_on_commit = true;
+    p.transfer.count_promised = true;
+    p.load.follow_migrations = true;
+    let procs = [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0)];
+    let receivers = [("b", Receiver::Accept), ("c", Receiver::Accept)];
+    let r = rig(&procs, &receivers, p.clone());
+    r.turn(&[("b", 0.0), ("c", 0.0)]).await;
+    r.turn(&[("b", 0.0), ("c", 0.0)]).await;
+    // 4 against 0 and 0: after each move the load follows (3, 2) and the
+    // promised load is counted (b 1, c 1); the node stops within the gap
+    // of the average.
+    let moved = r.engine.migrated.lock().unwrap().clone();
+    assert!(moved.len() >= 2, "{moved:?}");
+    let to_b = moved.iter().filter(|(_, to)| to == "b").count();
+    assert!(
+        to_b >= 1 && to_b < moved.len(),
+        "spread over both: {moved:?}"
+    );
+    // Without it, one move a turn.
+    p.transfer.replan_on_commit = false;
+    let r = rig(&procs, &receivers, p);
+    r.turn(&[("b", 0.0), ("c", 0.0)]).await;
+    r.turn(&[("b", 0.0), ("c", 0.0)]).await;
+    assert_eq!(r.engine.migrated.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_process_that_arrived_does_not_hop_on_within_its_residency() {
+    let mut p = policy();
+    p.selection.rehop_residency_ms = 30_000;
+    p.transfer.calm_down_ms = 0;
+    let r = rig(&[(77, 1.0), (78, 1.0)], &[("b", Receiver::Accept)], p);
+    r.turn(&[]).await;
+    let offer = pb::OfferRequest {
+        offer_id: 1,
+        from_node: "b".into(),
+        sender_load: 5.0,
+        process_load: 1.0,
+        pid: 7,
+    };
+    assert!(r.conductor.on_offer(&offer).accepted);
+    r.conductor.on_finish(&pb::FinishRequest {
+        offer_id: 1,
+        from_node: "b".into(),
+        committed: true,
+        destination_pid: 77,
+    });
+    // 78 started here and goes; 77 arrived a second ago and stays.
+    r.turn(&[("b", 0.0)]).await;
+    r.clock.advance(2_000);
+    r.turn(&[("b", 0.0)]).await;
+    assert_eq!(
+        *r.engine.migrated.lock().unwrap(),
+        vec![(78, "b".to_owned())]
+    );
+    let d = r.turn(&[("b", 0.0)]).await;
+    assert_eq!(d, "overloaded, no eligible process");
+    r.clock.advance(30_000);
+    let d = r.turn(&[("b", 0.0)]).await;
+    assert!(d.starts_with("migrated 77"), "{d}");
 }
 
 #[tokio::test]

@@ -482,9 +482,6 @@ impl Config {
         if self.balancer.offer_timeout_ms == 0 {
             return Err(invalid("balancer.offer_timeout_ms", "must be > 0".into()));
         }
-        if let Some((field, reason)) = unsupported_policy(&self.policy) {
-            return Err(invalid(&format!("policy.{field}"), reason));
-        }
         match self.policy.validate() {
             Ok(()) => {}
             Err(ferry_policy::PolicyError::InvalidField { field, reason }) => {
@@ -584,20 +581,6 @@ pub(crate) fn valid_node_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
-/// What ferryd refuses of a policy the crate accepts: modes whose plans
-/// the conductor cannot carry out (field, reason).
-pub fn unsupported_policy(policy: &ferry_policy::Config) -> Option<(&'static str, String)> {
-    if policy.transfer.mode == ferry_policy::transfer::TransferMode::ReceiverInitiated {
-        return Some((
-            "transfer.mode",
-            "receiver_initiated is in the policy crate and its tests only: ferryd cannot pull a \
-             process from another node yet"
-                .into(),
-        ));
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -675,11 +658,11 @@ address = "198.19.0.2:7100"
             .unwrap_err()
             .to_string();
         assert!(err.contains("balancer.period_ms"), "{err}");
-        let bad = format!("{GOOD}\n[policy.transfer]\nmode = \"receiver_initiated\"\n");
-        let err = Config::parse(&bad, Path::new("x.toml"))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("policy.transfer.mode"), "{err}");
+        // Every transfer mode of the policy crate runs in ferryd, pulls too.
+        for mode in ["receiver_initiated", "symmetric"] {
+            let good = format!("{GOOD}\n[policy.transfer]\nmode = \"{mode}\"\n");
+            Config::parse(&good, Path::new("x.toml")).unwrap();
+        }
         for (bad, field) in [
             (
                 "[migration]\ndowntime_budget_ms = 0\n",

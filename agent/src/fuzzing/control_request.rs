@@ -95,7 +95,7 @@ fn set_balancer(req: &pb::SetBalancerRequest) {
     else {
         return;
     };
-    if crate::config::unsupported_policy(&policy).is_some() || policy.validate().is_err() {
+    if policy.validate().is_err() {
         return;
     }
     // What GetBalancer shows of an accepted policy reads back as itself.
@@ -114,6 +114,7 @@ fn set_balancer(req: &pb::SetBalancerRequest) {
             load: i as f64 * 0.3,
             resident_for: Duration::from_secs(i * 30),
             migratable: i != 2,
+            since_arrival: (i == 3).then(|| Duration::from_secs(5)),
         })
         .collect();
     // Underloaded, balanced and overloaded views of the cluster, over time.

@@ -515,6 +515,8 @@ pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
                 "incoming_accepted": stats.incoming_accepted, "incoming_refused": stats.incoming_refused,
                 "gossip_received": stats.gossip_received, "gossip_stale_dropped": stats.gossip_stale_dropped,
                 "gossip_future_dated": stats.gossip_future_dated,
+                "pulls_sent": stats.pulls_sent, "pulls_answered": stats.pulls_answered,
+                "pulls_given": stats.pulls_given,
             },
             "policy_toml": b.policy_toml,
         });
@@ -547,6 +549,12 @@ pub(crate) fn print_balancer(b: &pb::Balancer, as_json: bool) -> Result<()> {
         stats.incoming_accepted,
         stats.incoming_refused
     );
+    if stats.pulls_sent + stats.pulls_given > 0 {
+        println!(
+            "  pulls {} sent, {} answered with a process; {} processes given to nodes that asked",
+            stats.pulls_sent, stats.pulls_answered, stats.pulls_given
+        );
+    }
     println!("peers (export load as believed here):");
     for p in &b.peers {
         println!("  {:<16} {:>8.2}  {:>6} ms old", p.node, p.load, p.age_ms);
