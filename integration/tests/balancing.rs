@@ -71,6 +71,142 @@ async fn balancer(c: &mut ControlClient<Channel>) -> Balancer {
         .into_inner()
 }
 
+/// Waits until `control`'s node sees `others` members alive.
+async fn wait_for_members(cluster: &Cluster, control: &mut ControlClient<Channel>, others: usize) {
+    let t0 = Instant::now();
+    loop {
+        let r = control
+            .list_nodes(ListNodesRequest {})
+            .await
+            .expect("ListNodes")
+            .into_inner();
+        let alive = r
+            .nodes
+            .iter()
+            .filter(|n| !n.is_self && n.membership_state == "alive")
+            .count();
+        if alive == others {
+            eprintln!(
+                "membership: {others} alive members seen after {:?}",
+                t0.elapsed()
+            );
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "membership did not form: {:#?}\n{}",
+            r.nodes,
+            cluster.log_tail("node1", 30)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Samples the nodes' loads once a second until the spread (max minus min
+/// of the loads the agents measure) is within [`SPREAD_BOUND`] with every
+/// node running some of the `processes`; fails after [`SPREAD_WITHIN`].
+/// Returns when, and every node's balancer then.
+async fn until_spread(
+    cluster: &Cluster,
+    controls: &mut [ControlClient<Channel>],
+    processes: usize,
+) -> (Duration, Vec<Balancer>) {
+    let started = Instant::now();
+    let mut last_print = Instant::now() - Duration::from_secs(10);
+    loop {
+        let mut loads = Vec::new();
+        let mut counts = Vec::new();
+        for c in controls.iter_mut() {
+            loads.push(balancer(c).await.local_load);
+            counts.push(list(c).await.len());
+        }
+        let max = loads.iter().cloned().fold(f64::MIN, f64::max);
+        let min = loads.iter().cloned().fold(f64::MAX, f64::min);
+        let spread = max - min;
+        let shown: Vec<String> = loads.iter().map(|l| format!("{l:.2}")).collect();
+        if last_print.elapsed() >= Duration::from_secs(5) {
+            eprintln!(
+                "t={:>5.1}s loads {shown:?} processes {counts:?} spread {spread:.2}",
+                started.elapsed().as_secs_f64(),
+            );
+            last_print = Instant::now();
+        }
+        if spread <= SPREAD_BOUND
+            && counts.iter().sum::<usize>() == processes
+            && counts.iter().all(|&c| c > 0)
+        {
+            let reached = started.elapsed();
+            eprintln!(
+                "spread {spread:.2} <= {SPREAD_BOUND} after {:.1} s: loads {shown:?}, processes per node {counts:?}",
+                reached.as_secs_f64(),
+            );
+            let mut reports = Vec::new();
+            for c in controls.iter_mut() {
+                reports.push(balancer(c).await);
+            }
+            return (reached, reports);
+        }
+        if started.elapsed() > SPREAD_WITHIN {
+            let mut reports = Vec::new();
+            for c in controls.iter_mut() {
+                reports.push(balancer(c).await);
+            }
+            panic!(
+                "spread did not fall to {SPREAD_BOUND} within {SPREAD_WITHIN:?}: {:#?}\n{}",
+                reports,
+                cluster.log_tail("node1", 40)
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Checks every committed migration's reason (the push that chose it
+/// believed the destination lighter than its own node) and that no process
+/// moved twice within `min_gap_ms`; returns how many committed.
+fn check_moves(reports: &[Balancer], min_gap_ms: u64, reached: Duration) -> usize {
+    let mut by_process: BTreeMap<Vec<String>, Vec<(u64, String, String)>> = BTreeMap::new();
+    let mut committed = 0;
+    for r in reports {
+        for m in r.migrations.iter().filter(|m| m.committed) {
+            committed += 1;
+            let why = m.decision.as_ref().expect("the turn's beliefs");
+            assert_eq!(why.pid, m.source_pid, "{why:?}");
+            assert!(why.destinations.contains(&m.to_node), "{why:?}");
+            let believed = why
+                .candidates
+                .iter()
+                .find(|c| c.node == m.to_node)
+                .unwrap_or_else(|| panic!("{} not among the candidates: {why:?}", m.to_node));
+            assert!(believed.load < why.load, "{why:?}");
+            by_process.entry(m.argv.clone()).or_default().push((
+                m.at_unix_ms,
+                m.from_node.clone(),
+                m.to_node.clone(),
+            ));
+        }
+    }
+    for (argv, moves) in by_process.iter_mut() {
+        moves.sort();
+        for w in moves.windows(2) {
+            assert!(
+                w[1].0 - w[0].0 >= min_gap_ms,
+                "{argv:?} moved twice within {min_gap_ms} ms: {moves:?}"
+            );
+        }
+    }
+    let aborted: u64 = reports
+        .iter()
+        .map(|r| r.stats.unwrap_or_default().migrations_aborted)
+        .sum();
+    eprintln!(
+        "balanced in {:.1} s with {committed} committed migrations ({aborted} aborted); moves per process {:?}",
+        reached.as_secs_f64(),
+        by_process.values().map(|v| v.len()).collect::<Vec<_>>()
+    );
+    committed
+}
+
 #[test]
 fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
     if !ferry_integration::can_run("balancing_spreads_cpu_bound_processes_and_drops_a_dead_node") {
@@ -89,31 +225,7 @@ fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
             controls.push(cluster.control(n).await.expect("control"));
         }
 
-        // Membership: every node sees the other two alive.
-        let t0 = Instant::now();
-        loop {
-            let r = controls[0]
-                .list_nodes(ListNodesRequest {})
-                .await
-                .expect("ListNodes")
-                .into_inner();
-            let alive = r
-                .nodes
-                .iter()
-                .filter(|n| !n.is_self && n.membership_state == "alive")
-                .count();
-            if alive == 2 {
-                eprintln!("membership: node1 sees 2 alive members after {:?}", t0.elapsed());
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "membership did not form: {:#?}\n{}",
-                r.nodes,
-                cluster.log_tail("node1", 30)
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        wait_for_members(&cluster, &mut controls[0], 2).await;
 
         // Bad input through Control: the field is named, nothing changes.
         let err = controls[0]
@@ -133,98 +245,8 @@ fn balancing_spreads_cpu_bound_processes_and_drops_a_dead_node() {
         for i in 0..BURNS {
             run(&mut controls[0], vec![burn_bin(), "--id".into(), i.to_string()]).await;
         }
-        let started = Instant::now();
-        let mut reached: Option<Duration> = None;
-        let mut last_print = Instant::now() - Duration::from_secs(10);
-        let mut spreads = Vec::new();
-        loop {
-            let mut loads = Vec::new();
-            let mut counts = Vec::new();
-            for c in controls.iter_mut() {
-                loads.push(balancer(c).await.local_load);
-                counts.push(list(c).await.len());
-            }
-            let max = loads.iter().cloned().fold(f64::MIN, f64::max);
-            let min = loads.iter().cloned().fold(f64::MAX, f64::min);
-            let spread = max - min;
-            spreads.push((started.elapsed().as_secs_f64(), spread));
-            if last_print.elapsed() >= Duration::from_secs(5) {
-                eprintln!(
-                    "t={:>5.1}s loads {:?} processes {:?} spread {:.2}",
-                    started.elapsed().as_secs_f64(),
-                    loads.iter().map(|l| format!("{l:.2}")).collect::<Vec<_>>(),
-                    counts,
-                    spread
-                );
-                last_print = Instant::now();
-            }
-            if spread <= SPREAD_BOUND && counts.iter().sum::<usize>() == BURNS && counts.iter().all(|&c| c > 0) {
-                reached = Some(started.elapsed());
-                eprintln!(
-                    "spread {spread:.2} <= {SPREAD_BOUND} after {:.1} s: loads {:?}, processes per node {counts:?}",
-                    started.elapsed().as_secs_f64(),
-                    loads.iter().map(|l| format!("{l:.2}")).collect::<Vec<_>>()
-                );
-                break;
-            }
-            if started.elapsed() > SPREAD_WITHIN {
-                break;
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-        let mut reports = Vec::new();
-        for c in controls.iter_mut() {
-            reports.push(balancer(c).await);
-        }
-        let reached = reached.unwrap_or_else(|| {
-            panic!(
-                "spread did not fall to {SPREAD_BOUND} within {SPREAD_WITHIN:?}: {:#?}\n{}",
-                reports,
-                cluster.log_tail("node1", 40)
-            )
-        });
-
-        // No process moved twice within the calm-down period.
-        let mut by_process: BTreeMap<Vec<String>, Vec<(u64, String, String)>> = BTreeMap::new();
-        let mut committed = 0;
-        for r in &reports {
-            for m in r.migrations.iter().filter(|m| m.committed) {
-                committed += 1;
-                // Why it moved: the push that chose it, believing the
-                // destination lighter than this node.
-                let why = m.decision.as_ref().expect("the turn's beliefs");
-                assert_eq!(why.pid, m.source_pid, "{why:?}");
-                assert!(why.destinations.contains(&m.to_node), "{why:?}");
-                let believed = why
-                    .candidates
-                    .iter()
-                    .find(|c| c.node == m.to_node)
-                    .unwrap_or_else(|| panic!("{} not among the candidates: {why:?}", m.to_node));
-                assert!(believed.load < why.load, "{why:?}");
-                by_process
-                    .entry(m.argv.clone())
-                    .or_default()
-                    .push((m.at_unix_ms, m.from_node.clone(), m.to_node.clone()));
-            }
-        }
-        for (argv, moves) in by_process.iter_mut() {
-            moves.sort();
-            for w in moves.windows(2) {
-                assert!(
-                    w[1].0 - w[0].0 >= CALM_DOWN_MS,
-                    "{argv:?} moved twice within {CALM_DOWN_MS} ms: {moves:?}"
-                );
-            }
-        }
-        let aborted: u64 = reports
-            .iter()
-            .map(|r| r.stats.unwrap_or_default().migrations_aborted)
-            .sum();
-        eprintln!(
-            "balanced in {:.1} s with {committed} committed migrations ({aborted} aborted); moves per process {:?}",
-            reached.as_secs_f64(),
-            by_process.values().map(|v| v.len()).collect::<Vec<_>>()
-        );
+        let (reached, reports) = until_spread(&cluster, &mut controls, BURNS).await;
+        let committed = check_moves(&reports, CALM_DOWN_MS, reached);
         assert!(committed >= 2, "at least two loops had to leave node1");
 
         // Kill node3's agent (SIGKILL: no goodbye); node1 must see it down
@@ -415,5 +437,69 @@ fn an_idle_node_pulls_work_from_a_loaded_one() {
             let asked = &why.candidates[0];
             assert!(asked.load + why.process_load < why.load, "{why:?}");
         }
+    });
+}
+
+/// ferry's own policies, as docs/balancing.md gives them, in ferryd: the
+/// six loops spread 2 / 2 / 2 with no process moving twice (a process
+/// that arrived stays 30 s).
+#[test]
+fn ferrys_policies_spread_cpu_bound_processes() {
+    if !ferry_integration::can_run("ferrys_policies_spread_cpu_bound_processes") {
+        return;
+    }
+    let config = format!(
+        "{}\n{}",
+        CONFIG
+            .replace("average_gap = 0.2", "average_gap = 0.0")
+            .replace("calm_down_ms = 8000", "calm_down_ms = 2000"),
+        r#"
+[policy.location]
+kind = "least_loaded"
+"#
+    )
+    .replace(
+        "[policy.load]",
+        "[policy.load]\nfollow_migrations = true",
+    )
+    .replace(
+        "[policy.transfer]",
+        "[policy.transfer]\nreceiver_up_to_average = true\ncount_promised = true\nreplan_on_commit = true",
+    )
+    .replace(
+        "[policy.selection]",
+        "[policy.selection]\nrehop_residency_ms = 30000",
+    );
+    let rt = runtime();
+    let spec = ClusterSpec {
+        extra_config: config,
+        ..ClusterSpec::new(3, 1)
+    };
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut controls = Vec::new();
+        for n in ["node1", "node2", "node3"] {
+            controls.push(cluster.control(n).await.expect("control"));
+        }
+        let policy = balancer(&mut controls[1]).await.policy_toml;
+        for key in [
+            "follow_migrations = true",
+            "count_promised = true",
+            "rehop_residency_ms = 30000",
+        ] {
+            assert!(policy.contains(key), "{key} not in force: {policy}");
+        }
+        wait_for_members(&cluster, &mut controls[0], 2).await;
+        for i in 0..BURNS {
+            run(
+                &mut controls[0],
+                vec![burn_bin(), "--id".into(), i.to_string()],
+            )
+            .await;
+        }
+        let (reached, reports) = until_spread(&cluster, &mut controls, BURNS).await;
+        // 30 s: within the test no process moves twice.
+        let committed = check_moves(&reports, 30_000, reached);
+        assert!(committed >= 4, "four loops had to leave node1: {committed}");
     });
 }
