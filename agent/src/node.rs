@@ -122,7 +122,10 @@ impl Node {
                     offer_timeout: Duration::from_millis(config.balancer.offer_timeout_ms),
                     policy: config.policy.clone(),
                 },
-                Arc::new(conductor::ProcfsSampler::new(processes.clone())),
+                Arc::new(conductor::ProcfsSampler::new(
+                    processes.clone(),
+                    config.balancer.cpu_cgroup.clone(),
+                )),
                 Arc::new(conductor::EngineStarter::new(engine.clone())),
                 Arc::new(conductor::GrpcNegotiator::new(cluster.clone())),
                 membership,

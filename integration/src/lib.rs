@@ -28,6 +28,7 @@ pub mod answer_watch;
 pub mod cluster;
 pub mod cmd;
 pub mod control;
+pub mod cpu_cgroup;
 pub mod faults;
 pub mod inspect;
 pub mod managed;

@@ -503,3 +503,118 @@ kind = "least_loaded"
         assert!(committed >= 4, "four loops had to leave node1: {committed}");
     });
 }
+
+/// `[balancer] cpu_cgroup`: node1's managed processes are kept in a cgroup
+/// with half a CPU and its load is measured against that; a process that
+/// migrates to node2 ends in node2's cgroup (a whole CPU); node3's cgroup
+/// does not exist, so its capacity is unknown and node1 does not count it a
+/// location candidate, saying why.
+#[test]
+fn a_node_measures_its_load_against_its_cpu_cgroup() {
+    if !ferry_integration::can_run("a_node_measures_its_load_against_its_cpu_cgroup") {
+        return;
+    }
+    use ferry_integration::cpu_cgroup::CpuCgroup;
+    let name = format!("ferry-test-{}", std::process::id());
+    let half = CpuCgroup::create(&format!("{name}-node1"), 0.5).expect("a CPU cgroup");
+    let whole = CpuCgroup::create(&format!("{name}-node2"), 1.0).expect("a CPU cgroup");
+    let missing = half.path().with_file_name(format!("{name}-missing"));
+    let balancer_table = |cgroup: &std::path::Path| {
+        format!(
+            "[balancer]\nenabled = true\nperiod_ms = 1000\ncpu_cgroup = \"{}\"\n",
+            cgroup.display()
+        )
+    };
+    // CONFIG without its [balancer] table (each node has its own).
+    let (membership, rest) = CONFIG.split_once("[balancer]").unwrap();
+    let policy = &rest[rest.find("[policy.load]").unwrap()..];
+    let spec = ClusterSpec {
+        extra_config: format!("{membership}{policy}"),
+        node_config: vec![
+            ("node1".into(), balancer_table(half.path())),
+            ("node2".into(), balancer_table(whole.path())),
+            ("node3".into(), balancer_table(&missing)),
+        ],
+        ..ClusterSpec::new(3, 1)
+    };
+    let rt = runtime();
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let mut node1 = cluster.control("node1").await.expect("control");
+        let mut node2 = cluster.control("node2").await.expect("control");
+        wait_for_members(&cluster, &mut node1, 2).await;
+        let pid = run(&mut node1, vec![burn_bin(), "--id".into(), "0".into()]).await;
+        let started = Instant::now();
+        loop {
+            let load = balancer(&mut node1).await.local_load;
+            let nodes = node1
+                .list_nodes(ListNodesRequest {})
+                .await
+                .expect("ListNodes")
+                .into_inner()
+                .nodes;
+            let node3 = nodes
+                .iter()
+                .find(|n| n.name == "node3")
+                .expect("node3 listed");
+            // One busy loop: 0.5 against the machine's 2 CPUs, about 1.0
+            // against half a CPU (its whole share).
+            if half.pids().contains(&pid) && load >= 0.9 && !node3.not_candidate.is_empty() {
+                eprintln!(
+                    "the loop is in {}; load {load:.2}; node3: {}",
+                    half.path().display(),
+                    node3.not_candidate
+                );
+                assert!(!node3.candidate);
+                assert!(
+                    node3.not_candidate.contains("CPU capacity is unknown")
+                        && node3.not_candidate.contains(&format!("{name}-missing")),
+                    "{}",
+                    node3.not_candidate
+                );
+                let node2 = nodes
+                    .iter()
+                    .find(|n| n.name == "node2")
+                    .expect("node2 listed");
+                assert!(node2.not_candidate.is_empty(), "{node2:?}");
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "in the cgroup: {:?}, load {load}, node3 {node3:?}\n{}",
+                half.pids(),
+                cluster.log_tail("node1", 30)
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let (report, status) = migrate(&mut node1, pid, "node2").await.expect("Migrate");
+        assert!(status.is_none(), "{status:?}\n{report:#?}");
+        assert_eq!(
+            report.outcome,
+            MigrationOutcome::Committed as i32,
+            "{report:#?}"
+        );
+        let moved = report.destination_pid;
+        let started = Instant::now();
+        loop {
+            let load = balancer(&mut node2).await.local_load;
+            // About 1.0: the loop has its whole CPU there.
+            if whole.pids().contains(&moved) && !half.pids().contains(&moved) && load >= 0.8 {
+                eprintln!(
+                    "after the migration the loop is in {}; node2's load {load:.2}",
+                    whole.path().display()
+                );
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "node2's cgroup holds {:?}, node1's {:?}; node2's load {load}\n{}",
+                whole.pids(),
+                half.pids(),
+                cluster.log_tail("node2", 30)
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    drop(cluster);
+}

@@ -209,6 +209,12 @@ impl Control for ControlService {
                     }
                 }
                 n.candidate = candidates.contains(&n.name);
+                if let Some((b, _)) = &member.load
+                    && !b.capacity_unknown.is_empty()
+                {
+                    n.not_candidate =
+                        format!("its CPU capacity is unknown: {}", b.capacity_unknown);
+                }
             }
         }
         Ok(Response::new(ListNodesResponse { nodes }))

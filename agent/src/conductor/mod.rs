@@ -36,6 +36,7 @@
 //!    an acceptance starts the migration; its end is told to the receiver
 //!    (phase 2), and a commit starts the calm-down on both ends.
 
+pub mod capacity;
 mod pull;
 mod sampler;
 mod service;
@@ -78,7 +79,10 @@ pub struct ProcSample {
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Sample {
+    /// The machine's CPUs.
     pub cpus: u32,
+    /// What the managed processes may use of them.
+    pub capacity: capacity::Capacity,
     pub processes: Vec<ProcSample>,
 }
 
@@ -195,6 +199,9 @@ struct State {
     load: NodeLoad,
     export: f64,
     cpus: u32,
+    capacity: capacity::Capacity,
+    /// Peers that said their capacity is unknown: not location candidates.
+    no_capacity: std::collections::HashSet<NodeId>,
     procs: HashMap<i32, TrackedProcess>,
     arrivals: RecentArrivals,
     info: Box<dyn InformationPolicy>,
@@ -278,6 +285,8 @@ impl Conductor {
             load: NodeLoad::new(),
             export: 0.0,
             cpus: 1,
+            capacity: capacity::Capacity::Machine,
+            no_capacity: Default::default(),
             procs: HashMap::new(),
             arrivals: RecentArrivals::default(),
             names: HashMap::from([(local, node.to_owned())]),
@@ -363,6 +372,16 @@ impl Conductor {
     fn observe(&self, s: &mut State, now: Instant, sample: Sample) {
         let decay = s.settings.policy.load.decay;
         s.cpus = sample.cpus.max(1);
+        if sample.capacity != s.capacity {
+            match sample.capacity.unknown() {
+                Some(why) => tracing::warn!(
+                    %why,
+                    "CPU capacity unknown: not a location candidate for the others"
+                ),
+                None => tracing::info!(cores = sample.capacity.cores(s.cpus), "CPU capacity"),
+            }
+            s.capacity = sample.capacity;
+        }
         let mut seen = Vec::with_capacity(sample.processes.len());
         for p in sample.processes {
             seen.push(p.pid);
@@ -388,7 +407,7 @@ impl Conductor {
         s.arrived_at.retain(|pid, at| {
             procs.contains_key(pid) || now.saturating_duration_since(*at) < Duration::from_secs(60)
         });
-        let cpus = f64::from(s.cpus);
+        let cpus = s.capacity.cores(s.cpus);
         let total: f64 = s.procs.values().map(|t| t.meter.share()).sum::<f64>() / cpus;
         let load_cfg = s.settings.policy.load.clone();
         if let Err(e) = s.load.record(now, total, &load_cfg) {
@@ -417,6 +436,11 @@ impl Conductor {
         for b in self.gossip.take_inbox() {
             let from = node_id(&b.node);
             s.names.insert(from, b.node.clone());
+            if b.capacity_unknown.is_empty() {
+                s.no_capacity.remove(&from);
+            } else {
+                s.no_capacity.insert(from);
+            }
             if let Err(e) = s.info.receive(&b.to_message(from), now) {
                 tracing::debug!(from = %b.node, error = %e, "load message rejected");
             }
@@ -439,7 +463,8 @@ impl Conductor {
                 }],
             });
         s.seq = s.seq.max(unix_ms()).max(s.seq + 1);
-        let b = LoadBroadcast::from_message(&self.node, s.seq, s.procs.len() as u32, &message);
+        let mut b = LoadBroadcast::from_message(&self.node, s.seq, s.procs.len() as u32, &message);
+        b.capacity_unknown = s.capacity.unknown().unwrap_or_default().to_owned();
         self.gossip.publish(&b);
         let st = s.info.stats();
         s.stats.gossip_received = st.messages_received;
@@ -453,6 +478,7 @@ impl Conductor {
         s.info
             .peers(now)
             .into_iter()
+            .filter(|p| !s.no_capacity.contains(&p.node))
             .filter(|p| {
                 s.names.get(&p.node).is_some_and(|name| {
                     s.alive.contains(name) && self.starter.can_reach(name) && name != &self.node
@@ -859,7 +885,7 @@ impl Conductor {
             .iter()
             .map(|(&pid, t)| pb::BalancerProcess {
                 pid,
-                load: t.meter.share() / f64::from(s.cpus),
+                load: t.meter.share() / s.capacity.cores(s.cpus),
                 resident_ms: now.saturating_duration_since(t.first_seen).as_millis() as u64,
                 migratable: t.migratable,
                 argv: t.argv.clone(),
@@ -906,7 +932,7 @@ fn process_loads(s: &State, now: Instant) -> Vec<ProcessLoad> {
         .iter()
         .map(|(&pid, t)| ProcessLoad {
             pid: ProcessId(pid as u64),
-            load: t.meter.share() / f64::from(s.cpus),
+            load: t.meter.share() / s.capacity.cores(s.cpus),
             resident_for: now.saturating_duration_since(t.first_seen),
             migratable: t.migratable,
             since_arrival: s

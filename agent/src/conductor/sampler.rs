@@ -2,12 +2,14 @@
 //! engine, the `Balance` RPC and the clock.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::balance_client::BalanceClient;
 
+use super::capacity::{self, Capacity};
 use super::{
     Clock, Migrated, MigrationFailed, MigrationStarter, NegotiationFailed, PeerNegotiator,
     ProcSample, Sample,
@@ -17,15 +19,49 @@ use crate::engine::{Engine, source};
 use crate::error_chain::error_chain;
 use crate::managed::{Lifecycle, Processes};
 
-/// Samples the CPU demand of the processes the agent manages.
+/// Samples the CPU demand of the processes the agent manages, and keeps
+/// them in the node's CPU cgroup when there is one (see [`super::capacity`]).
 #[derive(Debug)]
 pub struct ProcfsSampler {
     processes: Arc<Processes>,
+    cpu_cgroup: Option<PathBuf>,
 }
 
 impl ProcfsSampler {
-    pub fn new(processes: Arc<Processes>) -> Self {
-        Self { processes }
+    pub fn new(processes: Arc<Processes>, cpu_cgroup: Option<PathBuf>) -> Self {
+        Self {
+            processes,
+            cpu_cgroup,
+        }
+    }
+
+    /// Moves every process of the managed trees into the cgroup, then
+    /// reads its quota.
+    fn capacity(&self, roots: &[i32], cpus: u32) -> Capacity {
+        let Some(cgroup) = &self.cpu_cgroup else {
+            return Capacity::Machine;
+        };
+        let capacity = capacity::read(cgroup, cpus);
+        if capacity.unknown().is_some() {
+            return capacity;
+        }
+        let tree: Vec<i32> = roots
+            .iter()
+            .flat_map(|&pid| crate::process::process_tree(pid))
+            .collect();
+        match capacity::place(cgroup, &tree) {
+            Ok(0) => {}
+            Ok(moved) => {
+                tracing::debug!(moved, cgroup = %cgroup.display(), "processes placed in the CPU cgroup")
+            }
+            Err(e) => {
+                return Capacity::Unknown(format!(
+                    "{}: cannot place the managed processes: {e}",
+                    cgroup.display()
+                ));
+            }
+        }
+        capacity
     }
 }
 
@@ -87,8 +123,10 @@ impl super::LoadSampler for ProcfsSampler {
         let cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
             .unwrap_or(1);
+        let roots: Vec<i32> = procs.iter().map(|(pid, ..)| *pid).collect();
         Sample {
             cpus,
+            capacity: self.capacity(&roots, cpus),
             processes: procs
                 .into_iter()
                 .map(|(pid, argv, running)| ProcSample {

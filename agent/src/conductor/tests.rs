@@ -28,6 +28,7 @@ impl Clock for FakeClock {
 struct FakeSampler {
     clock: Arc<FakeClock>,
     procs: Mutex<Vec<(i32, f64)>>,
+    capacity: Mutex<capacity::Capacity>,
 }
 
 impl LoadSampler for FakeSampler {
@@ -35,6 +36,7 @@ impl LoadSampler for FakeSampler {
         let now = self.clock.now().as_millis() as f64;
         Sample {
             cpus: 1,
+            capacity: self.capacity.lock().unwrap().clone(),
             processes: self
                 .procs
                 .lock()
@@ -169,6 +171,9 @@ impl MigrationStarter for FakeEngine {
 }
 
 struct Rig {
+    /// Peers whose broadcasts say their capacity is unknown, and why.
+    unknown_capacity: Mutex<HashMap<String, String>>,
+    sampler: Arc<FakeSampler>,
     clock: Arc<FakeClock>,
     gossip: Arc<FakeGossip>,
     peers: Arc<FakePeers>,
@@ -193,6 +198,7 @@ fn rig(procs: &[(i32, f64)], receivers: &[(&str, Receiver)], policy: ferry_polic
     let sampler = Arc::new(FakeSampler {
         clock: clock.clone(),
         procs: Mutex::new(procs.to_vec()),
+        capacity: Mutex::default(),
     });
     let gossip = Arc::new(FakeGossip::default());
     *gossip.alive.lock().unwrap() = receivers.iter().map(|(n, _)| n.to_string()).collect();
@@ -214,13 +220,15 @@ fn rig(procs: &[(i32, f64)], receivers: &[(&str, Receiver)], policy: ferry_polic
             offer_timeout: Duration::from_millis(100),
             policy,
         },
-        sampler,
+        sampler.clone(),
         engine.clone(),
         peers.clone(),
         gossip.clone(),
         clock.clone(),
     );
     Rig {
+        unknown_capacity: Mutex::default(),
+        sampler,
         clock,
         gossip,
         peers,
@@ -250,6 +258,13 @@ impl Rig {
             seq: self.clock.now().as_millis(),
             managed: 1,
             entries,
+            capacity_unknown: self
+                .unknown_capacity
+                .lock()
+                .unwrap()
+                .get(node)
+                .cloned()
+                .unwrap_or_default(),
         });
     }
 
@@ -383,6 +398,7 @@ async fn refusal_moves_on_and_an_aborted_migration_leaves_no_calm_down() {
         sampler: Arc::new(FakeSampler {
             clock: r.clock.clone(),
             procs: Mutex::default(),
+            capacity: Mutex::default(),
         }),
         migrated: Mutex::default(),
         fail: true,
@@ -391,6 +407,7 @@ async fn refusal_moves_on_and_an_aborted_migration_leaves_no_calm_down() {
     let sampler = Arc::new(FakeSampler {
         clock: r.clock.clone(),
         procs: Mutex::new(vec![(1, 1.0), (2, 1.0), (3, 1.0)]),
+        capacity: Mutex::default(),
     });
     r.conductor = Conductor::new(
         "a",
@@ -659,6 +676,33 @@ async fn a_process_that_arrived_does_not_hop_on_within_its_residency() {
     r.clock.advance(30_000);
     let d = r.turn(&[("b", 0.0)]).await;
     assert!(d.starts_with("migrated 77"), "{d}");
+}
+
+#[tokio::test]
+async fn loads_are_measured_against_the_capacity_and_an_unknown_one_is_no_candidate() {
+    let r = rig(
+        &[(1, 0.25), (2, 0.25)],
+        &[("b", Receiver::Accept), ("c", Receiver::Accept)],
+        policy(),
+    );
+    *r.sampler.capacity.lock().unwrap() = capacity::Capacity::Cgroup(0.5);
+    r.unknown_capacity.lock().unwrap().insert(
+        "c".into(),
+        "/sys/fs/cgroup/cpu/ferry/c: not readable".into(),
+    );
+    r.turn(&[("b", 0.4), ("c", 0.0)]).await;
+    let d = r.turn(&[("b", 0.4), ("c", 0.0)]).await;
+    // Two quarter-CPU loops on half a CPU: load 1.0, not 0.5.
+    assert!((r.conductor.local_load() - 1.0).abs() < 1e-6);
+    // c looks idle but cannot say what its load means: b gets the push.
+    assert_eq!(r.conductor.candidate_names(), vec!["b"]);
+    assert!(d.starts_with("migrated"), "{d}");
+    assert_eq!(r.offers(), vec!["b"]);
+    // This node's own capacity unknown: its message says why.
+    *r.sampler.capacity.lock().unwrap() = capacity::Capacity::Unknown("no cgroup".into());
+    r.turn(&[]).await;
+    let published = r.gossip.published.lock().unwrap();
+    assert_eq!(published.last().unwrap().capacity_unknown, "no cgroup");
 }
 
 #[tokio::test]

@@ -295,6 +295,10 @@ pub struct BalancerConfig {
     /// How long the sender waits for a receiver's answer to an offer before
     /// it takes the next candidate.
     pub offer_timeout_ms: u64,
+    /// A CPU cgroup (v2, or v1's `cpu` controller) the managed processes are
+    /// kept in; its quota is the node's capacity, which loads are measured
+    /// against. Unset: the machine's CPUs.
+    pub cpu_cgroup: Option<PathBuf>,
 }
 
 impl Default for BalancerConfig {
@@ -303,6 +307,7 @@ impl Default for BalancerConfig {
             enabled: false,
             period_ms: 1_000,
             offer_timeout_ms: 2_000,
+            cpu_cgroup: None,
         }
     }
 }
@@ -481,6 +486,14 @@ impl Config {
         }
         if self.balancer.offer_timeout_ms == 0 {
             return Err(invalid("balancer.offer_timeout_ms", "must be > 0".into()));
+        }
+        if let Some(cgroup) = &self.balancer.cpu_cgroup
+            && !cgroup.is_absolute()
+        {
+            return Err(invalid(
+                "balancer.cpu_cgroup",
+                format!("{} is not an absolute path", cgroup.display()),
+            ));
         }
         match self.policy.validate() {
             Ok(()) => {}

@@ -443,6 +443,7 @@ fn membership_seeds() -> Vec<Vec<u8>> {
                 stamped_at_ms: 1000,
                 age_ms: 5,
             }],
+            capacity_unknown: String::new(),
         })
         .unwrap()
     };

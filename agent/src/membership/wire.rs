@@ -77,6 +77,9 @@ pub struct LoadBroadcast {
     pub managed: u32,
     /// The policy's message: `entries[0]` is the sender's own load.
     pub entries: Vec<WireEntry>,
+    /// Empty when the node knows its CPU capacity; else why it does not
+    /// (its load then means nothing, and it is no location candidate).
+    pub capacity_unknown: String,
 }
 
 /// At most this many entries in one broadcast (hearsay vectors are small;
@@ -99,6 +102,7 @@ impl LoadBroadcast {
                     age_ms: e.age.as_millis() as u64,
                 })
                 .collect(),
+            capacity_unknown: String::new(),
         }
     }
 
@@ -208,6 +212,7 @@ mod tests {
                 stamped_at_ms: 1,
                 age_ms: 0,
             }],
+            capacity_unknown: String::new(),
         })
         .unwrap()
     }

@@ -15,7 +15,8 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -
             "reachable": n.reachable, "peer_protocol_version": n.peer_protocol_version,
             "managed_processes": n.managed_processes, "error": n.error,
             "membership_state": n.membership_state, "load": if n.has_load { json!(n.load) } else { json!(null) },
-            "load_age_ms": n.load_age_ms, "candidate": n.candidate, "cordoned": n.cordoned,
+            "load_age_ms": n.load_age_ms, "candidate": n.candidate, "not_candidate": n.not_candidate,
+            "cordoned": n.cordoned,
             "kernel": n.kernel,
             "features": n.features.iter().map(|f| json!({
                 "key": f.key, "name": f.name, "present": f.present,
@@ -35,6 +36,8 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -
             "this node".to_owned()
         } else if n.candidate {
             format!("balancer candidate {}", n.error)
+        } else if !n.not_candidate.is_empty() {
+            format!("no balancer candidate: {} {}", n.not_candidate, n.error)
         } else {
             n.error.clone()
         };
