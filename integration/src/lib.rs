@@ -29,6 +29,7 @@ pub mod cluster;
 pub mod cmd;
 pub mod control;
 pub mod cpu_cgroup;
+pub mod dve;
 pub mod faults;
 pub mod inspect;
 pub mod managed;

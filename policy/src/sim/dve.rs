@@ -283,12 +283,47 @@ struct Walker {
 }
 
 /// Client positions over time: most stand still, walkers move in a line.
-struct Clients {
+/// The live experiment's players (`cargo xtask dve`) move by the same
+/// model, so that the simulation and the live run see the same drift.
+pub struct Clients {
     still: Vec<(f64, f64)>,
     walkers: Vec<Walker>,
 }
 
 impl Clients {
+    /// The clients of `params` (`clients`, `duration`, `middle_rows`,
+    /// `walker_fraction`), placed by a generator seeded with `seed`.
+    pub fn generate(params: &Params, seed: u64) -> Self {
+        Self::new(params, &mut StdRng::seed_from_u64(seed))
+    }
+
+    /// How many clients there are.
+    pub fn len(&self) -> usize {
+        self.still.len() + self.walkers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Each client's zone (row * 10 + column) at `secs` into the run, in a
+    /// fixed order of clients.
+    pub fn zones(&self, secs: f64) -> Vec<usize> {
+        let zone = |(r, c): (f64, f64)| {
+            let r = (r.max(0.0) as usize).min(GRID - 1);
+            let c = (c.max(0.0) as usize).min(GRID - 1);
+            r * GRID + c
+        };
+        let walking = self.walkers.iter().map(|w| {
+            let f = ((secs - w.start) / w.travel).clamp(0.0, 1.0);
+            zone((
+                w.from.0 + (w.to.0 - w.from.0) * f,
+                w.from.1 + (w.to.1 - w.from.1) * f,
+            ))
+        });
+        self.still.iter().map(|&p| zone(p)).chain(walking).collect()
+    }
+
     fn new(params: &Params, rng: &mut StdRng) -> Self {
         let size = GRID as f64;
         let total = params.duration.as_secs_f64();
@@ -328,20 +363,8 @@ impl Clients {
 
     fn per_zone(&self, secs: f64) -> Vec<u32> {
         let mut counts = vec![0u32; GRID * GRID];
-        let zone = |(r, c): (f64, f64)| {
-            let r = (r.max(0.0) as usize).min(GRID - 1);
-            let c = (c.max(0.0) as usize).min(GRID - 1);
-            r * GRID + c
-        };
-        for &p in &self.still {
-            counts[zone(p)] += 1;
-        }
-        for w in &self.walkers {
-            let f = ((secs - w.start) / w.travel).clamp(0.0, 1.0);
-            counts[zone((
-                w.from.0 + (w.to.0 - w.from.0) * f,
-                w.from.1 + (w.to.1 - w.from.1) * f,
-            ))] += 1;
+        for z in self.zones(secs) {
+            counts[z] += 1;
         }
         counts
     }
