@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the bench crate's binary behind each.
-pub const BENCHES: [(&str, &str, &str); 8] = [
+pub const BENCHES: [(&str, &str, &str); 9] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -47,6 +47,11 @@ pub const BENCHES: [(&str, &str, &str); 8] = [
         "soak",
         "ferry-bench-soak",
         "a server moved again and again across 3 nodes under load (256 TCP clients, 24 UDP players, a PostgreSQL session): outcomes, losses, freezes, the agents' memory over time, leftovers",
+    ),
+    (
+        "dve",
+        "ferry-bench-dve",
+        "Gerofi et al. (DVE)'s virtual environment live: 5 nodes with a CPU cgroup each, 100 zone servers, drifting players, balancing off and on (also `cargo xtask dve`)",
     ),
     (
         "ab",

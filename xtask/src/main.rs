@@ -107,6 +107,16 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Set up if needed, build (release) and run Gerofi et al. (DVE)'s
+    /// virtual-environment experiment live on the namespace cluster
+    /// (`bench dve`; `cargo xtask dve -- --duration-s 120 --players 300`).
+    Dve {
+        /// The debug profile instead of release.
+        #[arg(long)]
+        debug: bool,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Run the load-balancing simulator (no root, no setup): `openmosix`
     /// (Meehan & Wynne (openMosix)'s spike experiment), `dve` (Gerofi et al. (DVE)'s scenario) or
     /// `all`; writes tables, CSV and SVG plots to target/sim/<name>/.
@@ -135,6 +145,7 @@ fn main() -> std::process::ExitCode {
         Command::Demo { args } => demo::run(prefix, &args),
         Command::Bench { debug, name, args } => bench::run(prefix, &name, &args, !debug),
         Command::Soak { debug, args } => bench::run(prefix, "soak", &args, !debug),
+        Command::Dve { debug, args } => bench::run(prefix, "dve", &args, !debug),
         Command::Sim(args) => sim::run(&args),
         Command::Fuzz(args) => fuzz::run(&args),
         Command::Dist(args) => dist::run(prefix, &args),

@@ -10,10 +10,12 @@
 //! node a fraction of the 2 cores), and how an operator gives ferry a slice
 //! of a host.
 //!
-//! A process the quota throttles is neither running nor waiting for a CPU in
-//! schedstat's sense, so against its cgroup a node's load reads at most
-//! about 1.0 when saturated: its utilisation of its share, the unit of
-//! Gerofi et al. (DVE)'s thresholds.
+//! With a cgroup the load is the managed processes' run time against the
+//! quota, without their wait for a CPU: the machine is shared (with other
+//! nodes' shares in the namespace cluster, other work on a host), so its
+//! run queue says nothing about this node, and a process the quota
+//! throttles does not run. A saturated node reads about 1.0: its
+//! utilisation of its share, the unit of Gerofi et al. (DVE)'s thresholds.
 //!
 //! A node whose configured cgroup cannot be read does not know its capacity:
 //! its load means nothing to the others, so it says so in its load message

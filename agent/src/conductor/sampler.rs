@@ -65,14 +65,18 @@ impl ProcfsSampler {
     }
 }
 
-/// Nanoseconds on the CPU plus waiting for one, of one task
-/// (`/proc/PID/task/TID/schedstat`: run, wait, timeslices).
-fn schedstat(path: &str) -> Option<u64> {
+/// Nanoseconds on the CPU, plus waiting for one with `with_wait`, of one
+/// task (`/proc/PID/task/TID/schedstat`: run, wait, timeslices).
+fn schedstat(path: &str, with_wait: bool) -> Option<u64> {
     let text = std::fs::read_to_string(path).ok()?;
     let mut f = text.split_whitespace();
     let run: u64 = f.next()?.parse().ok()?;
     let wait: u64 = f.next()?.parse().ok()?;
-    Some(run.saturating_add(wait))
+    Some(if with_wait {
+        run.saturating_add(wait)
+    } else {
+        run
+    })
 }
 
 /// utime + stime of a whole process (all threads), in clock ticks.
@@ -89,13 +93,25 @@ fn cpu_ticks(pid: i32) -> Option<u64> {
 /// Cumulative CPU demand of `pid`'s process tree: run + wait time of every
 /// thread from schedstat, or utime + stime where schedstat is missing.
 pub fn tree_demand(pid: i32) -> Duration {
+    tree_cpu(pid, true)
+}
+
+/// Cumulative CPU time of `pid`'s process tree, run time only: what a node
+/// with its own CPU share measures (see [`super::capacity`]): waiting for a
+/// CPU there is waiting for the machine, which other work shares.
+pub fn tree_usage(pid: i32) -> Duration {
+    tree_cpu(pid, false)
+}
+
+fn tree_cpu(pid: i32, with_wait: bool) -> Duration {
     let mut total = Duration::ZERO;
     for p in crate::process::process_tree(pid) {
         let mut from_schedstat = Duration::ZERO;
         let mut ok = false;
         if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
             for t in tasks.flatten() {
-                if let Some(ns) = schedstat(&format!("{}/schedstat", t.path().display())) {
+                if let Some(ns) = schedstat(&format!("{}/schedstat", t.path().display()), with_wait)
+                {
                     from_schedstat += Duration::from_nanos(ns);
                     ok = true;
                 }
@@ -131,7 +147,11 @@ impl super::LoadSampler for ProcfsSampler {
                 .into_iter()
                 .map(|(pid, argv, running)| ProcSample {
                     pid,
-                    cpu: tree_demand(pid),
+                    cpu: if self.cpu_cgroup.is_some() {
+                        tree_usage(pid)
+                    } else {
+                        tree_demand(pid)
+                    },
                     migratable: running,
                     argv,
                 })
