@@ -270,7 +270,7 @@ fn timeline_chart(
 
 /// The two mechanisms' costs, fitted to ferry's committed results
 /// (`docs/freeze.csv`, `docs/memory.csv`), and a line that says so.
-fn measured_mechanisms() -> Result<([dve::MechanismVariant; 3], String)> {
+fn measured_mechanisms() -> Result<([dve::MechanismVariant; 4], String)> {
     use ferry_policy::measured_cost::fit;
     let docs = crate::cmd::workspace_root().join("docs");
     let read = |f: &str| {
@@ -298,6 +298,7 @@ fn measured_mechanisms() -> Result<([dve::MechanismVariant; 3], String)> {
             dve::precopy_mechanism(&precopy),
             dve::stop_and_copy_mechanism(&stop_and_copy),
             dve::precopy_mechanism(&precopy).with_policies(dve::Policies::Ferry),
+            dve::precopy_mechanism(&precopy).with_policies(dve::Policies::FerrySymmetric),
         ],
         provenance,
     ))
@@ -322,6 +323,7 @@ fn run_dve(args: &SimArgs) -> Result<()> {
             "max-min",
             "s with a node > 95%",
             "migrations",
+            "pulls (given)",
             "refused",
             "frozen s",
             "max freeze ms",
@@ -342,6 +344,7 @@ fn run_dve(args: &SimArgs) -> Result<()> {
             r.secs_any_node_above(0.95, params.report_every)
         ));
         row.push(r.migrations.to_string());
+        row.push(format!("{} ({})", r.pulls, r.pulls_given));
         row.push(r.refused_offers.to_string());
         row.push(format!("{:.2}", r.frozen_secs));
         row.push(format!("{:.0}", r.max_freeze_ms));
@@ -364,10 +367,16 @@ fn run_dve(args: &SimArgs) -> Result<()> {
     write(&dir, "summary.csv", &csv(&header_refs, &rows))?;
     // Time series: one CSV per variant, one CPU and one zones plot each.
     for (i, r) in results.iter().enumerate() {
-        let slug = ["off", "on_precopy", "on_stop_and_copy", "on_precopy_ferry"]
-            .get(i)
-            .copied()
-            .unwrap_or("variant");
+        let slug = [
+            "off",
+            "on_precopy",
+            "on_stop_and_copy",
+            "on_precopy_ferry",
+            "on_precopy_ferry_symmetric",
+        ]
+        .get(i)
+        .copied()
+        .unwrap_or("variant");
         let mut series_header = vec!["secs".to_string()];
         series_header.extend((1..=nodes).map(|n| format!("node{n}_cpu")));
         series_header.extend((1..=nodes).map(|n| format!("node{n}_zones")));

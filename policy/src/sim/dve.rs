@@ -32,7 +32,9 @@ use crate::node::approximate_average;
 use crate::node::{NodeId, ProcessId};
 use crate::selection::{ProcessLoad, SelectionConfig};
 use crate::time::Instant;
-use crate::transfer::{Answer, MigrationId, Offer, Outcome, ReceiverView, TransferConfig};
+use crate::transfer::{
+    Answer, MigrationId, Offer, Outcome, ReceiverView, TransferConfig, TransferMode,
+};
 
 pub const GRID: usize = 10;
 
@@ -110,7 +112,8 @@ impl Params {
     /// node's CPUs): Gerofi et al. (DVE)'s policies, or ferry's.
     pub fn config(&self, policies: Policies) -> Config {
         let defaults = Config::default();
-        let ferry = policies == Policies::Ferry;
+        let ferry = matches!(policies, Policies::Ferry | Policies::FerrySymmetric);
+        let symmetric = policies == Policies::FerrySymmetric;
         Config {
             load: LoadConfig {
                 decay: 0.5,
@@ -121,10 +124,21 @@ impl Params {
                 follow_migrations: ferry,
             },
             transfer: TransferConfig {
+                mode: if symmetric {
+                    TransferMode::Symmetric
+                } else {
+                    TransferMode::SenderThreshold
+                },
                 threshold: 0.9,
                 // ferry: a node above the average it knows sends; whether a
                 // move helps is the location's and the receiver's call.
-                average_gap: if ferry { 0.0 } else { 0.1 },
+                average_gap: if symmetric {
+                    0.05
+                } else if ferry {
+                    0.0
+                } else {
+                    0.1
+                },
                 calm_down_ms: 20_000,
                 receiver_up_to_average: ferry,
                 count_promised: ferry,
@@ -160,6 +174,10 @@ pub enum Policies {
     /// following migrations, promised load counted, no second hop within
     /// 30 s; the same calm-down and residency as Gerofi et al.
     Ferry,
+    /// ferry's policies with symmetric transfer: a node more than 5 points
+    /// below the average also asks the most loaded node it knows for a
+    /// zone (`transfer.mode = "symmetric"`).
+    FerrySymmetric,
 }
 
 /// A migration mechanism to compare.
@@ -233,6 +251,9 @@ pub struct DveRun {
     pub samples: Vec<Sample>,
     pub migrations: u64,
     pub refused_offers: u64,
+    /// Receiver-initiated pulls sent, and those answered with a zone.
+    pub pulls: u64,
+    pub pulls_given: u64,
     /// Sum of freeze times.
     pub frozen_secs: f64,
     pub max_freeze_ms: f64,
@@ -385,6 +406,12 @@ struct DveNode {
 enum Event {
     Clients,
     Tick(usize),
+    /// Receiver-initiated: `from` asks the first of `to` for a zone.
+    Pull {
+        to: Vec<NodeId>,
+        from: usize,
+        from_load: f64,
+    },
     Observe,
     Deliver {
         to: usize,
@@ -455,6 +482,9 @@ fn run(params: &Params, mechanism: Option<&MechanismVariant>) -> Result<DveRun, 
         Some(m) => match m.policies {
             Policies::GerofiEtAl => format!("balancing on, {}", m.label),
             Policies::Ferry => format!("balancing on, {}, ferry's policies", m.label),
+            Policies::FerrySymmetric => {
+                format!("balancing on, {}, ferry's policies, symmetric", m.label)
+            }
         },
     };
     let mut world = World {
@@ -472,6 +502,8 @@ fn run(params: &Params, mechanism: Option<&MechanismVariant>) -> Result<DveRun, 
             samples: Vec::new(),
             migrations: 0,
             refused_offers: 0,
+            pulls: 0,
+            pulls_given: 0,
             frozen_secs: 0.0,
             max_freeze_ms: 0.0,
             client_frozen_secs: 0.0,
@@ -586,6 +618,14 @@ impl World<'_> {
                 self.conduct(n, &mut rng)?;
             }
             Event::Deliver { to, message } => self.nodes[to].info.receive(&message, now)?,
+            Event::Pull {
+                to,
+                from,
+                from_load,
+            } => {
+                let mut rng = StdRng::seed_from_u64(self.rng.random());
+                self.pull(to, from, from_load, &mut rng)?;
+            }
             Event::Offer {
                 to,
                 offer,
@@ -709,8 +749,84 @@ impl World<'_> {
     /// Gerofi et al. (DVE)'s conductor step on node `n`.
     fn conduct(&mut self, n: usize, rng: &mut StdRng) -> Result<(), SimError> {
         let now = self.queue.now();
+        let processes = self.processes(n);
+        let node = &mut self.nodes[n];
+        let peers = node.info.peers(now);
+        let load = node.load.internal();
+        match node.balancer.plan(now, load, &peers, &processes, rng) {
+            Plan::Push {
+                pid,
+                mut candidates,
+                ..
+            } => {
+                let to = candidates.remove(0);
+                self.offer(n, to, pid.0 as usize, candidates)?;
+            }
+            Plan::Pull { candidates, .. } => {
+                self.result.pulls += 1;
+                self.queue.schedule_in(
+                    self.params.latency,
+                    Event::Pull {
+                        to: candidates,
+                        from: n,
+                        from_load: load,
+                    },
+                );
+            }
+            Plan::Idle(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A receiver-initiated pull reached the first of `to`: it gives the
+    /// zone closest to half the gap between the two if the move lowers the
+    /// larger load (as ferryd's conductor does), else the next is asked.
+    fn pull(
+        &mut self,
+        mut to: Vec<NodeId>,
+        from: usize,
+        from_load: f64,
+        rng: &mut StdRng,
+    ) -> Result<(), SimError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        let giver = to.remove(0).0 as usize;
+        let now = self.queue.now();
+        let processes = self.processes(giver);
+        let node = &self.nodes[giver];
+        let own = node.load.internal();
+        let can = node.balancer.gate.can_send(now);
+        let pick = node
+            .balancer
+            .select(&processes, ((own - from_load) / 2.0).max(0.0), rng)
+            .and_then(|pid| processes.iter().find(|p| p.pid == pid).copied());
+        match pick {
+            Some(p) if can && from_load + p.load < own => {
+                self.result.pulls_given += 1;
+                self.offer(giver, NodeId(from as u32), p.pid.0 as usize, Vec::new())
+            }
+            _ => {
+                if !to.is_empty() {
+                    self.queue.schedule_in(
+                        self.params.latency,
+                        Event::Pull {
+                            to,
+                            from,
+                            from_load,
+                        },
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Node `n`'s zone servers as the selection policy sees them.
+    fn processes(&self, n: usize) -> Vec<ProcessLoad> {
+        let now = self.queue.now();
         let start = Instant::ZERO;
-        let processes: Vec<ProcessLoad> = self.nodes[n]
+        self.nodes[n]
             .zones
             .iter()
             .map(|&z| {
@@ -734,20 +850,7 @@ impl World<'_> {
                     since_arrival: (since != start).then(|| now.saturating_duration_since(since)),
                 }
             })
-            .collect();
-        let node = &mut self.nodes[n];
-        let peers = node.info.peers(now);
-        let load = node.load.internal();
-        if let Plan::Push {
-            pid,
-            mut candidates,
-            ..
-        } = node.balancer.plan(now, load, &peers, &processes, rng)
-        {
-            let to = candidates.remove(0);
-            self.offer(n, to, pid.0 as usize, candidates)?;
-        }
-        Ok(())
+            .collect()
     }
 
     fn offer(
@@ -875,6 +978,30 @@ mod tests {
             100
         );
         params.config(Policies::Ferry).validate().unwrap();
+    }
+
+    /// Symmetric transfer: light nodes pull zones (and are given some), and
+    /// the nodes stay as close as with pushes alone.
+    #[test]
+    fn symmetric_transfer_pulls_and_balances() {
+        let params = Params::default();
+        let r = run_all(
+            &params,
+            &[precopy().with_policies(Policies::FerrySymmetric)],
+        )
+        .unwrap();
+        let on = &r[1];
+        assert!(
+            on.pulls > 0 && on.pulls_given > 0,
+            "{} pulls, {} given",
+            on.pulls,
+            on.pulls_given
+        );
+        let tail = on.mean_utilisation_from(600.0);
+        let spread =
+            tail.iter().cloned().fold(0.0, f64::max) - tail.iter().cloned().fold(1.0, f64::min);
+        assert!(spread <= 0.10, "spread {spread}");
+        assert_eq!(on.samples.last().unwrap().zones.iter().sum::<usize>(), 100);
     }
 
     #[test]
