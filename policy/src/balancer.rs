@@ -162,16 +162,22 @@ impl Balancer {
         self.stats
     }
 
-    /// The selection policy alone: which process to give a node that asked
-    /// for work (receiver-initiated transfer), `excess` being the load the
-    /// move should shift.
-    pub fn select(
+    /// The loaded node's answer to a pull (receiver-initiated transfer):
+    /// the process closest to half the gap between the two loads (the move
+    /// that evens the pair), if moving it lowers the larger of the two;
+    /// `None` otherwise. The caller checks the gate (calm-down, a move under
+    /// way) first. Returns the process and its load.
+    pub fn give(
         &self,
         processes: &[ProcessLoad],
-        excess: f64,
+        own_load: f64,
+        requester_load: f64,
         rng: &mut dyn RngCore,
-    ) -> Option<ProcessId> {
-        self.selection.select(processes, excess, rng)
+    ) -> Option<(ProcessId, f64)> {
+        let half_gap = ((own_load - requester_load) / 2.0).max(0.0);
+        let pid = self.selection.select(processes, half_gap, rng)?;
+        let load = processes.iter().find(|p| p.pid == pid)?.load;
+        (load > 0.0 && requester_load + load < own_load).then_some((pid, load))
     }
 
     /// The location policy alone: where a process adding `process_load`
@@ -368,6 +374,20 @@ mod tests {
             &mut StdRng::seed_from_u64(0),
         );
         assert!(matches!(plan, Plan::Pull { ref candidates, .. } if candidates == &[NodeId(1)]));
+    }
+
+    #[test]
+    fn a_pull_gets_the_process_that_evens_the_pair_if_it_helps() {
+        let b = Balancer::new(&Config::default());
+        let mut rng = StdRng::seed_from_u64(0);
+        let ps = procs(&[0.1, 0.4, 0.9]);
+        // 1.4 against 0.6: half the gap is 0.4.
+        assert_eq!(b.give(&ps, 1.4, 0.6, &mut rng), Some((ProcessId(1), 0.4)));
+        // 1.0 against 0.7: the closest (0.1) still helps.
+        assert_eq!(b.give(&ps, 1.0, 0.7, &mut rng), Some((ProcessId(0), 0.1)));
+        // The asker is not lighter by more than any process.
+        assert_eq!(b.give(&ps, 1.0, 0.95, &mut rng), None);
+        assert_eq!(b.give(&[], 5.0, 0.0, &mut rng), None);
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! The asking node sends `Pull` to its candidates in order (the location
 //! policy ranks the most loaded first) until one will give. The giving node
 //! answers at once: it picks a process with its selection policy (the one
-//! closest to half the gap between the two nodes, which evens the pair),
-//! refuses if moving it would not lower the larger of the two loads, and
+//! closest to half the gap between the two nodes, which evens the pair:
+//! `Balancer::give`), refuses if moving it would not lower the larger of the
+//! two loads (or nothing is eligible), and
 //! otherwise marks its outgoing slot and pushes the process to the asker
 //! through the ordinary two-phase commit (`Offer`, the migration, `Finish`).
 //! The asker's gate then decides as for any offer, so a pull never lets
@@ -86,16 +87,12 @@ impl Conductor {
         let own = s.load.internal();
         let procs = process_loads(&s, now);
         let mut rng = StdRng::seed_from_u64(s.rng.next_u64());
-        // Half the gap evens the pair.
-        let half_gap = (own - req.requester_load) / 2.0;
-        let Some(pid) = s.balancer.select(&procs, half_gap.max(0.0), &mut rng) else {
-            return refuse("no_eligible_process");
-        };
-        let process_load = procs.iter().find(|p| p.pid == pid).map_or(0.0, |p| p.load);
-        // The move must lower the larger of the two loads.
-        if process_load <= 0.0 || req.requester_load + process_load >= own {
+        // The process closest to half the gap, if moving it lowers the
+        // larger load (the same call answers pulls in the simulator).
+        let Some((pid, process_load)) = s.balancer.give(&procs, own, req.requester_load, &mut rng)
+        else {
             return refuse("would_not_help");
-        }
+        };
         let id = MigrationId(s.rng.next_u64());
         if let Err(e) = s.balancer.gate.mark(id, now) {
             return refuse(&format!("busy: {e}"));

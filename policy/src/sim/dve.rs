@@ -778,9 +778,9 @@ impl World<'_> {
         Ok(())
     }
 
-    /// A receiver-initiated pull reached the first of `to`: it gives the
-    /// zone closest to half the gap between the two if the move lowers the
-    /// larger load (as ferryd's conductor does), else the next is asked.
+    /// A receiver-initiated pull reached the first of `to`: it gives what
+    /// [`Balancer::give`] picks (ferryd's conductor answers a pull with the
+    /// same call), else the next is asked.
     fn pull(
         &mut self,
         mut to: Vec<NodeId>,
@@ -797,14 +797,11 @@ impl World<'_> {
         let node = &self.nodes[giver];
         let own = node.load.internal();
         let can = node.balancer.gate.can_send(now);
-        let pick = node
-            .balancer
-            .select(&processes, ((own - from_load) / 2.0).max(0.0), rng)
-            .and_then(|pid| processes.iter().find(|p| p.pid == pid).copied());
+        let pick = node.balancer.give(&processes, own, from_load, rng);
         match pick {
-            Some(p) if can && from_load + p.load < own => {
+            Some((pid, _)) if can => {
                 self.result.pulls_given += 1;
-                self.offer(giver, NodeId(from as u32), p.pid.0 as usize, Vec::new())
+                self.offer(giver, NodeId(from as u32), pid.0 as usize, Vec::new())
             }
             _ => {
                 if !to.is_empty() {
