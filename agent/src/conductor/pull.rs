@@ -3,14 +3,12 @@
 //!
 //! The asking node sends `Pull` to its candidates in order (the location
 //! policy ranks the most loaded first) until one will give. The giving node
-//! answers at once: it picks a process with its selection policy (the one
-//! closest to half the gap between the two nodes, which evens the pair:
-//! `Balancer::give`), refuses if moving it would not lower the larger of the
-//! two loads (or nothing is eligible), and
-//! otherwise marks its outgoing slot and pushes the process to the asker
-//! through the ordinary two-phase commit (`Offer`, the migration, `Finish`).
-//! The asker's gate then decides as for any offer, so a pull never lets
-//! in more than a push would.
+//! answers at once: `Balancer::give` picks the process closest to half the
+//! gap between the two loads (the move that evens the pair) if moving it
+//! lowers the larger one; then the giver marks its outgoing slot and pushes
+//! the process to the asker through the ordinary two-phase commit (`Offer`,
+//! the migration, `Finish`). The asker's gate decides as for any offer, so
+//! a pull never lets in more than a push would.
 
 use std::sync::Arc;
 
