@@ -60,8 +60,10 @@ pub struct LoadConfig {
     /// lowers it by the process's load, one arriving raises it, without
     /// waiting for the samples to show it (they take seconds through the
     /// decay). A sender moving several processes in a row then stops when
-    /// it has shed its excess, not seconds later. The export load is left
-    /// alone (its recent-arrivals term already counts arrivals).
+    /// it has shed its excess, not seconds later. A departure also lowers
+    /// the export's decaying maximum (a node that has just shed looks light
+    /// to the others at once); an arrival does not raise it (the export's
+    /// recent-arrivals term counts arrivals).
     pub follow_migrations: bool,
     /// Process-table size the fill is measured against.
     pub process_table_size: u32,
@@ -314,6 +316,37 @@ mod tests {
 
     fn at(s: u64) -> Instant {
         Instant::from_millis(s * 1000)
+    }
+
+    #[test]
+    fn with_follow_migrations_the_load_moves_with_a_process_at_once() {
+        let config = LoadConfig {
+            decay: 0.5,
+            follow_migrations: true,
+            ..LoadConfig::default()
+        };
+        let mut load = NodeLoad::new();
+        load.record(at(1), 4.0, &config).unwrap();
+        load.record(at(2), 4.0, &config).unwrap();
+        // One of four processes leaves a quarter into the period: down at
+        // once, and the next sample (it counted a quarter of that process)
+        // is read as if it had left at the start.
+        let quarter = Instant::from_millis(2_250);
+        load.departed(quarter, 1.0, &config);
+        assert_eq!(load.internal(), 3.0);
+        load.record(at(3), 3.25, &config).unwrap();
+        assert!((load.internal() - 3.0).abs() < 1e-9, "{}", load.internal());
+        // An arrival the same way, on the receiving side.
+        load.arrived(Instant::from_millis(3_500), 1.0, &config);
+        assert_eq!(load.internal(), 4.0);
+        load.record(at(4), 3.5, &config).unwrap();
+        assert!((load.internal() - 4.0).abs() < 1e-9, "{}", load.internal());
+        // Off (openMosix, Gerofi et al.): the samples alone move it.
+        let off = LoadConfig::default();
+        let mut plain = NodeLoad::new();
+        plain.record(at(1), 4.0, &off).unwrap();
+        plain.departed(Instant::from_millis(1_500), 1.0, &off);
+        assert_eq!(plain.internal(), 4.0);
     }
 
     #[test]
