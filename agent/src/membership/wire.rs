@@ -82,6 +82,35 @@ pub struct LoadBroadcast {
     pub capacity_unknown: String,
 }
 
+/// The load broadcast of agents before `capacity_unknown` (postcard has no
+/// optional trailing fields): still read, so that a cluster upgraded one
+/// agent at a time keeps its load exchange. The older agents read the new
+/// broadcasts as they are (postcard ignores the bytes after the fields a
+/// type knows).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct LoadBroadcastBeforeCapacity {
+    node: String,
+    seq: u64,
+    managed: u32,
+    entries: Vec<WireEntry>,
+}
+
+impl LoadBroadcast {
+    /// Reads a broadcast of this version or the one before.
+    pub fn decode(data: &[u8]) -> Result<Self, postcard::Error> {
+        postcard::from_bytes(data).or_else(|e| {
+            let old: LoadBroadcastBeforeCapacity = postcard::from_bytes(data).map_err(|_| e)?;
+            Ok(LoadBroadcast {
+                node: old.node,
+                seq: old.seq,
+                managed: old.managed,
+                entries: old.entries,
+                capacity_unknown: String::new(),
+            })
+        })
+    }
+}
+
 /// At most this many entries in one broadcast (hearsay vectors are small;
 /// anything bigger is garbage).
 pub const MAX_ENTRIES: usize = 64;
@@ -175,8 +204,7 @@ impl foca::BroadcastHandler<NodeIdent> for LoadHandler {
         data: &[u8],
         _sender: Option<&NodeIdent>,
     ) -> Result<Option<LoadKey>, BadBroadcast> {
-        let b: LoadBroadcast =
-            postcard::from_bytes(data).map_err(|e| BadBroadcast(e.to_string()))?;
+        let b = LoadBroadcast::decode(data).map_err(|e| BadBroadcast(e.to_string()))?;
         if b.entries.len() > MAX_ENTRIES {
             return Err(BadBroadcast(format!("{} entries", b.entries.len())));
         }
@@ -215,6 +243,49 @@ mod tests {
             capacity_unknown: String::new(),
         })
         .unwrap()
+    }
+
+    /// An agent of the version before and one of this version read each
+    /// other's broadcasts (a cluster upgraded one agent at a time).
+    #[test]
+    fn broadcasts_of_the_version_before_are_read_and_read_ours() {
+        let entries = vec![WireEntry {
+            node: 3,
+            load: 0.25,
+            stamped_at_ms: 9,
+            age_ms: 1,
+        }];
+        let old = postcard::to_stdvec(&LoadBroadcastBeforeCapacity {
+            node: "old".into(),
+            seq: 4,
+            managed: 2,
+            entries: entries.clone(),
+        })
+        .unwrap();
+        let b = LoadBroadcast::decode(&old).unwrap();
+        assert_eq!((b.node.as_str(), b.seq, b.managed), ("old", 4, 2));
+        assert_eq!(
+            (b.entries, b.capacity_unknown.as_str()),
+            (entries.clone(), "")
+        );
+        let new = postcard::to_stdvec(&LoadBroadcast {
+            node: "new".into(),
+            seq: 5,
+            managed: 1,
+            entries: entries.clone(),
+            capacity_unknown: "no cgroup".into(),
+        })
+        .unwrap();
+        let seen_by_old: LoadBroadcastBeforeCapacity = postcard::from_bytes(&new).unwrap();
+        assert_eq!(
+            (seen_by_old.node.as_str(), seen_by_old.entries),
+            ("new", entries)
+        );
+        assert_eq!(
+            LoadBroadcast::decode(&new).unwrap().capacity_unknown,
+            "no cgroup"
+        );
+        assert!(LoadBroadcast::decode(&[0xff, 0xff]).is_err());
     }
 
     #[test]
