@@ -36,6 +36,10 @@ use crate::transfer::{
     Answer, MigrationId, Offer, Outcome, ReceiverView, TransferConfig, TransferMode,
 };
 
+mod clients;
+
+pub use clients::Clients;
+
 pub const GRID: usize = 10;
 
 #[derive(Debug, Clone, Serialize)]
@@ -295,102 +299,6 @@ pub fn run_all(params: &Params, mechanisms: &[MechanismVariant]) -> Result<Vec<D
     Ok(out)
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Walker {
-    from: (f64, f64),
-    to: (f64, f64),
-    start: f64,
-    travel: f64,
-}
-
-/// Client positions over time: most stand still, walkers move in a line.
-/// The live experiment's players (`cargo xtask dve`) move by the same
-/// model, so that the simulation and the live run see the same drift.
-pub struct Clients {
-    still: Vec<(f64, f64)>,
-    walkers: Vec<Walker>,
-}
-
-impl Clients {
-    /// The clients of `params` (`clients`, `duration`, `middle_rows`,
-    /// `walker_fraction`), placed by a generator seeded with `seed`.
-    pub fn generate(params: &Params, seed: u64) -> Self {
-        Self::new(params, &mut StdRng::seed_from_u64(seed))
-    }
-
-    /// How many clients there are.
-    pub fn len(&self) -> usize {
-        self.still.len() + self.walkers.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Each client's zone (row * 10 + column) at `secs` into the run, in a
-    /// fixed order of clients.
-    pub fn zones(&self, secs: f64) -> Vec<usize> {
-        let zone = |(r, c): (f64, f64)| {
-            let r = (r.max(0.0) as usize).min(GRID - 1);
-            let c = (c.max(0.0) as usize).min(GRID - 1);
-            r * GRID + c
-        };
-        let walking = self.walkers.iter().map(|w| {
-            let f = ((secs - w.start) / w.travel).clamp(0.0, 1.0);
-            zone((
-                w.from.0 + (w.to.0 - w.from.0) * f,
-                w.from.1 + (w.to.1 - w.from.1) * f,
-            ))
-        });
-        self.still.iter().map(|&p| zone(p)).chain(walking).collect()
-    }
-
-    fn new(params: &Params, rng: &mut StdRng) -> Self {
-        let size = GRID as f64;
-        let total = params.duration.as_secs_f64();
-        let (first, last) = params.middle_rows;
-        let middle = (first + last + 1) as f64 / 2.0;
-        let mut still = Vec::new();
-        let mut walkers = Vec::new();
-        for _ in 0..params.clients {
-            let p = (rng.random_range(0.0..size), rng.random_range(0.0..size));
-            let row = p.0 as usize;
-            if (first..=last).contains(&row) && rng.random_bool(params.walker_fraction) {
-                // The upper half of the middle heads up-left, the lower
-                // half down-right (Gerofi et al. (DVE) Fig. 5a), to a spot
-                // in the corner's 2x3 block.
-                let to = if p.0 < middle {
-                    (rng.random_range(0.0..2.0), rng.random_range(0.0..3.0))
-                } else {
-                    (
-                        rng.random_range(size - 2.0..size),
-                        rng.random_range(size - 3.0..size),
-                    )
-                };
-                let travel = rng.random_range(0.15..0.35) * total;
-                let start = rng.random_range(0.0..(total * 0.9 - travel).max(0.0));
-                walkers.push(Walker {
-                    from: p,
-                    to,
-                    start,
-                    travel,
-                });
-            } else {
-                still.push(p);
-            }
-        }
-        Clients { still, walkers }
-    }
-
-    fn per_zone(&self, secs: f64) -> Vec<u32> {
-        let mut counts = vec![0u32; GRID * GRID];
-        for z in self.zones(secs) {
-            counts[z] += 1;
-        }
-        counts
-    }
-}
-
 struct DveNode {
     zones: Vec<usize>,
     /// Zone -> when it arrived (for residency).
@@ -461,7 +369,7 @@ fn run(params: &Params, mechanism: Option<&MechanismVariant>) -> Result<DveRun, 
     let config = params.config(mechanism.map_or(Policies::GerofiEtAl, |m| m.policies));
     config.validate()?;
     // The same clients in every variant: their generator is seeded alone.
-    let clients = Clients::new(params, &mut StdRng::seed_from_u64(params.seed));
+    let clients = Clients::generate(params, params.seed);
     let members: Vec<NodeId> = (0..params.nodes as u32).map(NodeId).collect();
     let rows_per_node = GRID as f64 / params.nodes as f64;
     let nodes = (0..params.nodes)
@@ -883,141 +791,4 @@ impl World<'_> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The committed results' fits, as `cargo xtask sim dve` makes them.
-    fn measured(mode: &str, strategy: Option<&str>) -> MeasuredCost {
-        let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
-        let freeze = std::fs::read_to_string(docs.join("freeze.csv")).unwrap();
-        let memory = std::fs::read_to_string(docs.join("memory.csv")).unwrap();
-        crate::measured_cost::fit(&freeze, mode, strategy.map(|s| (memory.as_str(), s))).unwrap()
-    }
-
-    fn precopy() -> MechanismVariant {
-        precopy_mechanism(&measured("incremental", Some("pre-copy")))
-    }
-
-    fn stop_and_copy() -> MechanismVariant {
-        stop_and_copy_mechanism(&measured("iterative", None))
-    }
-
-    fn short() -> Params {
-        Params {
-            duration: Duration::from_secs(300),
-            report_every: Duration::from_secs(10),
-            ..Params::default()
-        }
-    }
-
-    #[test]
-    fn drift_overloads_the_edge_nodes_without_balancing() {
-        let r = run_all(&Params::default(), &[]).unwrap();
-        let off = &r[0];
-        let tail = off.mean_utilisation_from(600.0);
-        // Nodes 0 and 4 hold the corners the clients walk to.
-        assert!(tail[0] > 0.95 && tail[4] > 0.95, "{tail:?}");
-        assert!(tail[2] < 0.65 && tail[3] < 0.65, "{tail:?}");
-        assert_eq!(off.migrations, 0);
-        assert!(
-            off.samples
-                .iter()
-                .all(|s| s.zones.iter().sum::<usize>() == 100)
-        );
-    }
-
-    #[test]
-    fn balancing_narrows_the_spread_and_keeps_every_zone() {
-        let params = Params::default();
-        let r = run_all(&params, &[precopy()]).unwrap();
-        let spread = |o: &DveRun| {
-            let tail = o.mean_utilisation_from(600.0);
-            tail.iter().cloned().fold(0.0, f64::max) - tail.iter().cloned().fold(1.0, f64::min)
-        };
-        assert!(r[1].migrations > 0);
-        assert!(
-            spread(&r[1]) < spread(&r[0]) / 2.0,
-            "off {} on {}",
-            spread(&r[0]),
-            spread(&r[1])
-        );
-        let last = r[1].samples.last().unwrap();
-        assert_eq!(
-            last.zones.iter().sum::<usize>(),
-            100,
-            "no zone lost (none in flight at the end)"
-        );
-    }
-
-    /// Issue 37's target for the simulated DVE: ferry's policies keep the
-    /// nodes within 10 points of each other over the last 5 minutes, where
-    /// Gerofi et al.'s leave the edges 10 points above the average by design
-    /// (their sender's gap), and no node reaches 95 %.
-    #[test]
-    fn ferrys_policies_keep_the_nodes_within_ten_points() {
-        let params = Params::default();
-        let ferry = precopy().with_policies(Policies::Ferry);
-        let r = run_all(&params, &[precopy(), ferry]).unwrap();
-        let spread = |o: &DveRun| {
-            let tail = o.mean_utilisation_from(600.0);
-            tail.iter().cloned().fold(0.0, f64::max) - tail.iter().cloned().fold(1.0, f64::min)
-        };
-        assert!(spread(&r[2]) <= 0.10, "ferry's spread {}", spread(&r[2]));
-        assert!(
-            spread(&r[2]) < spread(&r[1]),
-            "ferry {} against Gerofi et al. {}",
-            spread(&r[2]),
-            spread(&r[1])
-        );
-        assert_eq!(r[2].secs_any_node_above(0.95, params.report_every), 0.0);
-        assert_eq!(
-            r[2].samples.last().unwrap().zones.iter().sum::<usize>(),
-            100
-        );
-        params.config(Policies::Ferry).validate().unwrap();
-    }
-
-    /// Symmetric transfer: light nodes pull zones (and are given some), and
-    /// the nodes stay as close as with pushes alone.
-    #[test]
-    fn symmetric_transfer_pulls_and_balances() {
-        let params = Params::default();
-        let r = run_all(
-            &params,
-            &[precopy().with_policies(Policies::FerrySymmetric)],
-        )
-        .unwrap();
-        let on = &r[1];
-        assert!(
-            on.pulls > 0 && on.pulls_given > 0,
-            "{} pulls, {} given",
-            on.pulls,
-            on.pulls_given
-        );
-        let tail = on.mean_utilisation_from(600.0);
-        let spread =
-            tail.iter().cloned().fold(0.0, f64::max) - tail.iter().cloned().fold(1.0, f64::min);
-        assert!(spread <= 0.10, "spread {spread}");
-        assert_eq!(on.samples.last().unwrap().zones.iter().sum::<usize>(), 100);
-    }
-
-    #[test]
-    fn a_better_mechanism_freezes_clients_for_less() {
-        let r = run_all(&short(), &[precopy(), stop_and_copy()]).unwrap();
-        assert!(r[1].migrations > 0 && r[2].migrations > 0);
-        let per_migration = |o: &DveRun| o.client_frozen_secs / o.migrations as f64;
-        assert!(per_migration(&r[1]) * 5.0 < per_migration(&r[2]));
-        assert!(r[1].max_freeze_ms < 100.0, "{}", r[1].max_freeze_ms);
-    }
-
-    #[test]
-    fn deterministic() {
-        let a = run_all(&short(), &[precopy()]).unwrap();
-        let b = run_all(&short(), &[precopy()]).unwrap();
-        assert_eq!(a[1].migrations, b[1].migrations);
-        assert_eq!(
-            a[1].samples.last().unwrap().zones,
-            b[1].samples.last().unwrap().zones
-        );
-    }
-}
+mod tests;
