@@ -354,11 +354,16 @@ fn main() -> Result<()> {
     let mut migrations =
         String::from("run,at_unix_ms,zone,from,to,freeze_ms,longest_gap_after_ms\n");
     let mut md = format!(
-        "Live DVE: {NODES} nodes of {} cores each, 100 zone servers, {} players, {} s per run (release build unless said), {}\n\n\
+        "Live DVE: {NODES} nodes of {} cores each, 100 zone servers, {} players, {} s per run ({} build), {}\n\n\
          | run | load per node, last third (of its capacity) | max-min | s with a node > 95 % | migrations | freeze ms (max) | longest update gap ms | gaps > 100 ms | longest gap after a migration ms |\n|---|---|---|---|---|---|---|---|---|\n",
         args.cores_per_node,
         args.players,
         args.duration_s,
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
         humantime_now()
     );
     for r in &results {
