@@ -4,6 +4,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ferry/v1/control.proto",
         "ferry/v1/peer.proto",
         "ferry/v1/balance.proto",
+        "ferry/v1/groups_api.proto",
+        "ferry/v1/groups.proto",
     ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

@@ -190,6 +190,14 @@ impl Cluster {
 
     /// A Peer client for `peer`, connected with a short timeout.
     pub async fn peer_client(&self, peer: &PeerConfig) -> Result<PeerClient<Channel>, Unreachable> {
+        Ok(PeerClient::new(self.peer_channel(peer).await?)
+            .max_decoding_message_size(16 << 20)
+            .max_encoding_message_size(16 << 20))
+    }
+
+    /// A channel to `peer`'s Peer port (every agent-to-agent service is
+    /// served there), connected with a short timeout.
+    pub async fn peer_channel(&self, peer: &PeerConfig) -> Result<Channel, Unreachable> {
         let unreachable = |reason: String| Unreachable {
             node: peer.name.clone(),
             address: peer.address.to_string(),
@@ -204,12 +212,9 @@ impl Cluster {
         let endpoint = endpoint
             .http2_keep_alive_interval(interval)
             .keep_alive_timeout(timeout);
-        let channel = endpoint
+        endpoint
             .connect()
             .await
-            .map_err(|e| unreachable(error_chain(&e)))?;
-        Ok(PeerClient::new(channel)
-            .max_decoding_message_size(16 << 20)
-            .max_encoding_message_size(16 << 20))
+            .map_err(|e| unreachable(error_chain(&e)))
     }
 }

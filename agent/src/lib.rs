@@ -12,6 +12,7 @@
 //! | `cond`, the load balancer's conductor | [`conductor`], with the policies in `ferry-policy` |
 //! | membership and load dissemination | [`membership`], [`cluster`] |
 //! | the processes a node serves, and which ports it owns | [`managed`], [`supervisor`], [`ports`] |
+//! | distributed servers and their per-connection handoff (XtreemOS distributed servers) | [`groups`] |
 //!
 //! [`node::Node`] builds every service once; [`api`] serves it.
 
@@ -32,6 +33,7 @@ pub mod events;
 pub mod fill;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
+pub mod groups;
 pub mod host_features;
 pub mod managed;
 pub mod membership;

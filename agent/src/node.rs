@@ -24,6 +24,7 @@ use crate::drain::Drains;
 use crate::engine::link::Connector;
 use crate::engine::{Engine, Services};
 use crate::events::EventBus;
+use crate::groups::Groups;
 use crate::managed::Processes;
 use crate::membership::Membership;
 use crate::ports::Ports;
@@ -69,6 +70,8 @@ pub struct Node {
     pub conductor: Option<Arc<Conductor>>,
     /// The drain running on this node, if one is.
     pub drains: Arc<Drains>,
+    /// The distributed servers this node is a member of.
+    pub groups: Arc<Groups>,
 }
 
 impl Node {
@@ -133,6 +136,14 @@ impl Node {
             )
         });
         let drains = Arc::new(Drains::new(conductor.clone()));
+        let groups = Arc::new(Groups::new(
+            &config.node,
+            config.public.address,
+            ports.clone(),
+            dataplane.clone(),
+            cluster.clone(),
+            processes.clone(),
+        ));
         Arc::new(Self {
             config,
             events,
@@ -146,6 +157,7 @@ impl Node {
             engine,
             conductor,
             drains,
+            groups,
         })
     }
 

@@ -87,6 +87,11 @@ pub struct Ports {
     reserved: Mutex<BTreeMap<PortKey, PortState>>,
     /// Ports this node's processes opened, on their way to being owned.
     claims: Mutex<BTreeMap<PortKey, Claim>>,
+    /// Distributed servers' ports this node is a member of, in the state
+    /// its role gives (`SharedContact` or `SharedMember`): a group's port
+    /// is served by several nodes, so it is neither claimed nor refused
+    /// here, and a peer asking is told it is owned ([`crate::groups`]).
+    shared: Mutex<BTreeMap<PortKey, PortState>>,
     /// Serialises the socket reads of [`Self::refresh`], which run outside
     /// the registry's lock: a pass that read earlier cannot land after one
     /// that read later (a port the process opened between the two reads
@@ -106,6 +111,7 @@ impl Ports {
             cluster,
             reserved: Mutex::new(BTreeMap::new()),
             claims: Mutex::new(BTreeMap::new()),
+            shared: Mutex::new(BTreeMap::new()),
             refreshing: Mutex::new(()),
         }
     }
@@ -142,7 +148,8 @@ impl Ports {
     /// holds for an incoming migration), and ports refused earlier that a
     /// process still holds: those need the peers' word first.
     fn unclaimed_ports(&self) -> Vec<PortKey> {
-        let wanted = self.processes.registry().desired_ports();
+        let mut wanted = self.processes.registry().desired_ports();
+        wanted.retain(|p, _| !lock(&self.shared).contains_key(p));
         let owned: BTreeSet<PortKey> = self.dataplane.table().current().keys().copied().collect();
         let reserved = lock(&self.reserved);
         let mut claims = lock(&self.claims);
@@ -307,6 +314,7 @@ impl Ports {
     pub fn owned(&self) -> BTreeSet<PortKey> {
         let mut all: BTreeSet<PortKey> = self.dataplane.table().current().keys().copied().collect();
         all.extend(lock(&self.reserved).keys().copied());
+        all.extend(lock(&self.shared).keys().copied());
         all
     }
 
@@ -317,6 +325,20 @@ impl Ports {
         for p in ports {
             r.insert(*p, state);
         }
+    }
+
+    /// Makes `port` a distributed server's on this node, in `state`
+    /// (`SharedContact` or `SharedMember`); the filter follows at the next
+    /// [`Self::apply`].
+    pub fn share(&self, port: PortKey, state: PortState) {
+        lock(&self.shared).insert(port, state);
+        lock(&self.claims).remove(&port);
+    }
+
+    /// Ends a distributed server's port on this node: the registry decides
+    /// it again (a process still holding it claims it anew).
+    pub fn unshare(&self, port: PortKey) {
+        lock(&self.shared).remove(&port);
     }
 
     /// Gives an incoming migration's ports back to the registry's say.
@@ -379,6 +401,11 @@ impl Ports {
             let claims = lock(&self.claims);
             let current = table.current();
             desired.retain(|p, _| current.contains_key(p) || claims.get(p) == Some(&Claim::Free));
+        }
+        // A group's port takes the state of this node's role in it,
+        // whoever holds it here.
+        for (port, state) in lock(&self.shared).iter() {
+            desired.insert(*port, *state);
         }
         // An incoming migration's state wins: at Commit the adopted
         // process's ports stay releasing until the replay is done.

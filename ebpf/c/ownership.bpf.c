@@ -50,6 +50,17 @@ struct {
 	__type(value, __u32);
 } FERRY_PORTS SEC(".maps");
 
+/* The TCP connections of shared ports that are decided one by one: those
+ * handed off to or from this node (a per-connection handoff of a
+ * distributed server), and on the contact node those served elsewhere.
+ * 65536 entries: a contact node hands off tens of thousands of clients. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct ferry_flow_key);
+	__type(value, __u32);
+} FERRY_FLOWS SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, FERRY_CNT_MAX);
@@ -108,7 +119,7 @@ struct l4 {
 	__u8 tcp_flags;      /* TCP: the header's flags byte (FIN..CWR) */
 	__u16 sport;         /* host byte order */
 	__u16 dport;         /* host byte order */
-	struct ferry_frag_key frag;
+	struct ferry_frag_key frag; /* also the addresses, for FERRY_FLOWS */
 };
 
 /* Finds protocol and ports of an IPv4 TCP or UDP packet. */
@@ -159,6 +170,21 @@ static __always_inline __u32 port_flags(__u8 proto, __u16 port)
 	__u32 *flags = bpf_map_lookup_elem(&FERRY_PORTS, &key);
 
 	return flags ? *flags : 0;
+}
+
+/* A shared port's TCP connection is decided by its own entry when it has
+ * one (handed off to or away from this node), else by the port's flags.
+ * `remote` and `rport` are the client's end, `lport` the shared port. */
+static __always_inline __u32 flow_flags(__u32 port, __u8 proto, __be32 remote, __u16 rport,
+					__u16 lport)
+{
+	struct ferry_flow_key key = {.remote_addr = remote, .remote_port = rport, .local_port = lport};
+	__u32 *flags;
+
+	if (!(port & FERRY_PORT_SHARED) || proto != IPPROTO_TCP)
+		return port;
+	flags = bpf_map_lookup_elem(&FERRY_FLOWS, &key);
+	return flags ? *flags : port;
 }
 
 /* One ring record: the header and room for `N` bytes of packet. The ring
@@ -267,7 +293,8 @@ int ferry_ingress(struct __sk_buff *skb)
 	case L4_PORTS:
 		break;
 	}
-	flags = port_flags(l4.proto, l4.dport);
+	flags = flow_flags(port_flags(l4.proto, l4.dport), l4.proto, l4.frag.saddr, l4.sport,
+			   l4.dport);
 	if (flags & FERRY_PORT_CAPTURE) {
 		/* A migration moves the port's process: nobody may handle
 		 * the packet now, and nothing of it may be lost. */
@@ -324,7 +351,9 @@ int ferry_egress(struct __sk_buff *skb)
 
 	if (parse(skb, &l4) != L4_PORTS)
 		return TC_ACT_OK;
-	if (l4.proto == IPPROTO_TCP && (port_flags(l4.proto, l4.sport) & FERRY_PORT_FROZEN)) {
+	if (l4.proto == IPPROTO_TCP &&
+	    (flow_flags(port_flags(l4.proto, l4.sport), l4.proto, l4.frag.daddr, l4.dport, l4.sport) &
+	     FERRY_PORT_FROZEN)) {
 		count(FERRY_CNT_EGRESS_BLOCKED);
 		return TC_ACT_SHOT;
 	}

@@ -37,6 +37,21 @@ struct ferry_port_key {
 #define FERRY_PORT_CAPTURE 4u /* ingress: copy into FERRY_CAPTURE, drop */
 #define FERRY_PORT_RECORD 8u  /* ingress: copy into FERRY_CAPTURE, deliver */
 #define FERRY_PORT_HOLD_NEW 16u /* ingress: a TCP SYN (no ACK) is dropped */
+/* The port is a distributed server's: a group of nodes serves it (the
+ * XtreemOS distributed servers). A TCP connection listed in FERRY_FLOWS is
+ * decided by its entry there, whose value takes the same flags (OWNED,
+ * FROZEN, CAPTURE; 0 is not used). Every other packet is decided by the
+ * port's other flags: the contact node has OWNED (new connections and the
+ * ones it keeps), the other members have none. */
+#define FERRY_PORT_SHARED 32u
+
+/* Key of FERRY_FLOWS: one TCP connection of a shared port, seen from this
+ * node (the local address is the cluster's public one on every node). */
+struct ferry_flow_key {
+	__be32 remote_addr; /* network byte order, as in the IP header */
+	__u16 remote_port;  /* host byte order */
+	__u16 local_port;   /* host byte order */
+};
 
 /* Indices of FERRY_COUNTERS (per-CPU __u64). */
 enum ferry_counter {
@@ -73,6 +88,9 @@ _Static_assert(sizeof(struct ferry_port_key) == 4, "ferry_port_key is 4 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_port_key, proto) == 0, "proto at 0");
 _Static_assert(__builtin_offsetof(struct ferry_port_key, pad) == 1, "pad at 1");
 _Static_assert(__builtin_offsetof(struct ferry_port_key, port) == 2, "port at 2");
+_Static_assert(sizeof(struct ferry_flow_key) == 8, "ferry_flow_key is 8 bytes");
+_Static_assert(__builtin_offsetof(struct ferry_flow_key, remote_port) == 4, "remote_port at 4");
+_Static_assert(__builtin_offsetof(struct ferry_flow_key, local_port) == 6, "local_port at 6");
 _Static_assert(sizeof(struct ferry_capture_hdr) == 24, "ferry_capture_hdr is 24 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_capture_hdr, pkt_len) == 8, "pkt_len at 8");
 _Static_assert(__builtin_offsetof(struct ferry_capture_hdr, cap_len) == 12, "cap_len at 12");

@@ -27,7 +27,9 @@ mod translate_maps;
 mod vmaflags;
 
 pub use error::DataPlaneError;
-pub use ownership::{CaptureKind, CapturedPacket, Counters, OwnershipFilter, PortState, Protocol};
+pub use ownership::{
+    CaptureKind, CapturedPacket, Counters, Flow, FlowState, OwnershipFilter, PortState, Protocol,
+};
 pub use replay::{MAX_UDP_PAYLOAD, ReplayError, Replayer, udp_datagram};
 pub use sockopt_watch::{SockoptWatch, Touched, WatchedConnection, cgroup_v2_dir};
 pub use tcpstate::{TaskSocket, TcpClock, TcpKernelState, TcpStateReader};

@@ -39,6 +39,28 @@ pub(crate) const CNT_EGRESS_BLOCKED: u32 = 4;
 pub(crate) const PORT_CAPTURE: u32 = 4;
 pub(crate) const PORT_RECORD: u32 = 8;
 pub(crate) const PORT_HOLD_NEW: u32 = 16;
+pub(crate) const PORT_SHARED: u32 = 32;
+
+/// `struct ferry_flow_key`: one TCP connection of a shared port.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FlowKey {
+    /// The client's address, network byte order (as in the IP header).
+    pub remote_addr: [u8; 4],
+    /// Host byte order.
+    pub remote_port: u16,
+    /// Host byte order.
+    pub local_port: u16,
+}
+
+// SAFETY: FlowKey is repr(C) and made only of integers and a byte array
+// with no padding (4 + 2 + 2 = 8 bytes, asserted below), so every bit
+// pattern is valid and it may be copied to and from the kernel as bytes.
+unsafe impl aya::Pod for FlowKey {}
+
+const _: () = assert!(size_of::<FlowKey>() == 8);
+const _: () = assert!(offset_of!(FlowKey, remote_port) == 4);
+const _: () = assert!(offset_of!(FlowKey, local_port) == 6);
 
 pub(crate) const CNT_CAPTURED: u32 = 5;
 pub(crate) const CNT_CAPTURE_LOST: u32 = 6;

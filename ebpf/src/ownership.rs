@@ -20,7 +20,7 @@ use aya::{Ebpf, include_bytes_aligned};
 
 use crate::DataPlaneError;
 use crate::error::prog_err;
-use crate::maps::{self, PortKey};
+use crate::maps::{self, FlowKey, PortKey};
 use crate::pin::{MapSpec, PinDir};
 
 static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ownership.bpf.o"));
@@ -29,6 +29,7 @@ const PORTS_MAP: &str = "FERRY_PORTS";
 const COUNTERS_MAP: &str = "FERRY_COUNTERS";
 const CAPTURE_MAP: &str = "FERRY_CAPTURE";
 const FRAGS_MAP: &str = "FERRY_FRAGS";
+const FLOWS_MAP: &str = "FERRY_FLOWS";
 const INGRESS: &str = "ferry_ingress";
 const EGRESS: &str = "ferry_egress";
 
@@ -53,6 +54,8 @@ const FRAG_KEY_SIZE: u32 = 4 + 4 + 2 + 1 + 1;
 const FRAG_VALUE_SIZE: u32 = 2;
 /// `FERRY_FRAGS`' max_entries.
 const FRAGS_MAX: u32 = 4096;
+/// `FERRY_FLOWS`' max_entries.
+const FLOWS_MAX: u32 = 65536;
 
 /// Every map of the object, as c/ownership.bpf.c defines it: all are
 /// pinned, so that programs swapped into the links find the same port
@@ -60,7 +63,7 @@ const FRAGS_MAX: u32 = 4096;
 /// positions), fragments in flight and counters. These sizes are the only
 /// layout check a pin gets: a change in what a map's bytes mean must
 /// change one of them.
-static MAP_SPECS: [MapSpec; 4] = [
+static MAP_SPECS: [MapSpec; 5] = [
     MapSpec {
         name: PORTS_MAP,
         map_type: MapType::Hash,
@@ -88,6 +91,13 @@ static MAP_SPECS: [MapSpec; 4] = [
         key_size: FRAG_KEY_SIZE,
         value_size: FRAG_VALUE_SIZE,
         max_entries: FRAGS_MAX,
+    },
+    MapSpec {
+        name: FLOWS_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<FlowKey>() as u32,
+        value_size: 4,
+        max_entries: FLOWS_MAX,
     },
 ];
 
@@ -136,6 +146,14 @@ pub enum PortState {
     Capturing,
     /// Incoming packets are kept in the capture ring; outgoing ones pass.
     Releasing,
+    /// A distributed server's port, on its contact node: new connections
+    /// and the connections not listed in the flow table are delivered
+    /// here; a listed one goes by its [`FlowState`].
+    SharedContact,
+    /// A distributed server's port, on a member that is not the contact
+    /// node: only connections listed here as [`FlowState::Owned`] (or
+    /// capturing, releasing) are taken; everything else is dropped.
+    SharedMember,
 }
 
 impl PortState {
@@ -147,6 +165,8 @@ impl PortState {
             PortState::Frozen => maps::PORT_FROZEN,
             PortState::Capturing => maps::PORT_FROZEN | maps::PORT_CAPTURE,
             PortState::Releasing => maps::PORT_OWNED | maps::PORT_CAPTURE,
+            PortState::SharedContact => maps::PORT_OWNED | maps::PORT_SHARED,
+            PortState::SharedMember => maps::PORT_SHARED,
         }
     }
 
@@ -158,6 +178,81 @@ impl PortState {
             PortState::Frozen,
             PortState::Capturing,
             PortState::Releasing,
+            PortState::SharedContact,
+            PortState::SharedMember,
+        ]
+        .into_iter()
+        .find(|s| s.flags() == flags)
+    }
+}
+
+/// One TCP connection of a shared port, as this node's filter knows it:
+/// the client's end and the port it connected to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Flow {
+    pub remote: std::net::SocketAddrV4,
+    pub local_port: u16,
+}
+
+impl std::fmt::Display for Flow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} -> :{}", self.remote, self.local_port)
+    }
+}
+
+impl Flow {
+    fn key(self) -> FlowKey {
+        FlowKey {
+            remote_addr: self.remote.ip().octets(),
+            remote_port: self.remote.port(),
+            local_port: self.local_port,
+        }
+    }
+
+    fn from_key(k: FlowKey) -> Self {
+        Self {
+            remote: std::net::SocketAddrV4::new(k.remote_addr.into(), k.remote_port),
+            local_port: k.local_port,
+        }
+    }
+}
+
+/// How this node's filter treats one connection of a shared port: the
+/// per-connection ownership of a distributed server, beside the per-port
+/// [`PortState`]. Exactly one node has a connection `Owned` (or
+/// `Releasing`); along a handoff the donor goes `Owned -> Capturing ->
+/// Elsewhere` (on abort `Releasing -> Owned`) and the acceptor
+/// `(none) -> Capturing -> Releasing -> Owned`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlowState {
+    /// Delivered to this node's stack.
+    Owned,
+    /// Another node serves it: dropped both ways, never answered (no RST
+    /// from a node whose stack has no such connection).
+    Elsewhere,
+    /// Incoming packets are kept in the capture ring; nothing goes out.
+    Capturing,
+    /// Incoming packets are kept in the capture ring; outgoing ones pass
+    /// (the captured ones are being replayed).
+    Releasing,
+}
+
+impl FlowState {
+    fn flags(self) -> u32 {
+        match self {
+            FlowState::Owned => maps::PORT_OWNED,
+            FlowState::Elsewhere => maps::PORT_FROZEN,
+            FlowState::Capturing => maps::PORT_FROZEN | maps::PORT_CAPTURE,
+            FlowState::Releasing => maps::PORT_OWNED | maps::PORT_CAPTURE,
+        }
+    }
+
+    fn from_flags(flags: u32) -> Option<Self> {
+        [
+            FlowState::Owned,
+            FlowState::Elsewhere,
+            FlowState::Capturing,
+            FlowState::Releasing,
         ]
         .into_iter()
         .find(|s| s.flags() == flags)
@@ -251,6 +346,7 @@ pub struct OwnershipFilter {
     // them. Pinned: only descriptors; the pins keep everything attached.
     _ebpf: Ebpf,
     ports: HashMap<MapData, PortKey, u32>,
+    flows: HashMap<MapData, FlowKey, u32>,
     counters: PerCpuArray<MapData, u64>,
     capture: RingBuf<MapData>,
     iface: String,
@@ -283,6 +379,13 @@ fn key(proto: Protocol, port: u16) -> PortKey {
 fn ports_err(source: MapError) -> DataPlaneError {
     DataPlaneError::Map {
         name: PORTS_MAP,
+        source,
+    }
+}
+
+fn flows_err(source: MapError) -> DataPlaneError {
+    DataPlaneError::Map {
+        name: FLOWS_MAP,
         source,
     }
 }
@@ -443,6 +546,7 @@ impl OwnershipFilter {
         let mut take =
             |name: &'static str| ebpf.take_map(name).ok_or(DataPlaneError::Missing(name));
         let ports = HashMap::try_from(take(PORTS_MAP)?).map_err(ports_err)?;
+        let flows = HashMap::try_from(take(FLOWS_MAP)?).map_err(flows_err)?;
         let counters = PerCpuArray::try_from(take(COUNTERS_MAP)?).map_err(counters_err)?;
         // A reopened ring is mapped afresh: its consumer position lives in
         // the kernel's consumer page, so this reader starts at the first
@@ -455,6 +559,7 @@ impl OwnershipFilter {
         Ok(Self {
             _ebpf: ebpf,
             ports,
+            flows,
             counters,
             capture,
             iface: iface.to_owned(),
@@ -518,6 +623,39 @@ impl OwnershipFilter {
             out.push((proto, k.port, state));
         }
         out.sort_by_key(|&(proto, port, _)| (proto, port));
+        Ok(out)
+    }
+
+    /// Puts one connection of a shared port in `state` (see [`FlowState`]).
+    pub fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError> {
+        self.flows
+            .insert(flow.key(), state.flags(), 0)
+            .map_err(flows_err)?;
+        tracing::debug!(iface = %self.iface, %flow, ?state, "connection state");
+        Ok(())
+    }
+
+    /// Forgets one connection: its port's state decides it again. Not
+    /// knowing it is no error.
+    pub fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
+        match self.flows.remove(&flow.key()) {
+            Ok(()) | Err(MapError::KeyNotFound) => {}
+            Err(e) => return Err(flows_err(e)),
+        }
+        tracing::debug!(iface = %self.iface, %flow, "connection forgotten");
+        Ok(())
+    }
+
+    /// Every connection this node's filter decides one by one, sorted.
+    pub fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
+        let mut out = Vec::new();
+        for item in self.flows.iter() {
+            let (k, flags) = item.map_err(flows_err)?;
+            if let Some(state) = FlowState::from_flags(flags) {
+                out.push((Flow::from_key(k), state));
+            }
+        }
+        out.sort_by_key(|&(f, _)| f);
         Ok(out)
     }
 

@@ -4,7 +4,6 @@
 //! the cluster's router does. The pinned filter's tests mount a bpffs of
 //! their own. Needs root; skipped with a reason otherwise.
 
-use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -20,161 +19,9 @@ use aya::programs::{SchedClassifier, TcAttachType};
 use ferry_ebpf::pin::{self, PinDir, PinError};
 use ferry_ebpf::{CaptureKind, DataPlaneError, OwnershipFilter, PortState, Protocol, Replayer};
 
-const NODE_IP: &str = "198.18.1.100";
-const NODE_IFACE: &str = "pub0";
-
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
-/// Skips the test (aya-style: a printed reason, not a failure) unless root.
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            eprintln!("skipped: needs root (network namespaces, eBPF)");
-            return;
-        }
-    };
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("running ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A client and a node namespace, deleted on drop, also when the test
-/// panics.
-struct Net {
-    client: String,
-    node: String,
-}
-
-impl Net {
-    fn new() -> Self {
-        // Unique per process and test: the tests run in parallel.
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let id = format!(
-            "fe-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let net = Net {
-            client: format!("{id}c"),
-            node: format!("{id}n"),
-        };
-        // The guard exists before the first namespace, so a failure below
-        // still removes whatever was created.
-        ip(&["netns", "add", &net.client]);
-        ip(&["netns", "add", &net.node]);
-        ip(&[
-            "-n",
-            &net.client,
-            "link",
-            "add",
-            "eth0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            NODE_IFACE,
-            "netns",
-            &net.node,
-        ]);
-        for (ns, dev, addr) in [
-            (&net.client, "eth0", "198.18.1.1/24"),
-            (&net.node, NODE_IFACE, "198.18.1.100/24"),
-        ] {
-            ip(&["-n", ns, "addr", "add", addr, "dev", dev]);
-            ip(&["-n", ns, "link", "set", dev, "up"]);
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
-        }
-        // As in the cluster: every frame for the node's address is a
-        // broadcast frame, so it arrives as PACKET_BROADCAST.
-        ip(&[
-            "-n",
-            &net.client,
-            "neigh",
-            "replace",
-            NODE_IP,
-            "lladdr",
-            "ff:ff:ff:ff:ff:ff",
-            "dev",
-            "eth0",
-            "nud",
-            "permanent",
-        ]);
-        net
-    }
-
-    /// Runs `f` on a thread that joined namespace `ns` (network only).
-    /// Sockets and netlink handles it creates stay bound to that namespace
-    /// wherever they are used later.
-    fn within<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{ns}");
-        std::thread::spawn(move || {
-            let fd = File::open(&path).expect("netns file");
-            nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            f()
-        })
-        .join()
-        .expect("thread in namespace")
-    }
-
-    fn client<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        Self::within(&self.client, f)
-    }
-
-    fn node<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        Self::within(&self.node, f)
-    }
-
-    /// The filter on the node's public interface.
-    fn attach(&self) -> OwnershipFilter {
-        self.node(|| OwnershipFilter::attach(NODE_IFACE).expect("attach"))
-    }
-
-    /// Names of the tcx programs on the node's interface in one direction.
-    fn tcx_programs(&self, direction: TcAttachType) -> Vec<String> {
-        self.node(move || {
-            let (_, progs) = SchedClassifier::query_tcx(NODE_IFACE, direction).expect("query_tcx");
-            progs
-                .iter()
-                .map(|p| p.name_as_str().unwrap_or("?").to_owned())
-                .collect()
-        })
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for ns in [&self.client, &self.node] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-    }
-}
-
-fn addr(port: u16) -> SocketAddr {
-    format!("{NODE_IP}:{port}").parse().unwrap()
-}
-
-/// Asserts that a read saw nothing: a timeout, not data and not a reset.
-/// A read interrupted by a signal (another test's child exiting: a
-/// socket read with a timeout is never restarted, SA_RESTART or not) is
-/// read again.
-#[track_caller]
-fn assert_silent(mut read: impl FnMut() -> std::io::Result<usize>, what: &str) {
-    loop {
-        match read() {
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return,
-            other => panic!("{what}: expected silence, got {other:?}"),
-        }
-    }
-}
+#[macro_use]
+mod common;
+use common::*;
 
 #[test]
 fn tcp_owned_port_connects_and_other_port_stays_silent() {
@@ -704,8 +551,9 @@ fn armed_tcp_port_serves_its_connections_and_takes_no_new_one() {
 // them over.
 
 /// Every map and link pin of the filter.
-const PINS: [&str; 6] = [
+const PINS: [&str; 7] = [
     "FERRY_PORTS",
+    "FERRY_FLOWS",
     "FERRY_COUNTERS",
     "FERRY_CAPTURE",
     "FERRY_FRAGS",

@@ -31,6 +31,7 @@ pub mod control;
 pub mod cpu_cgroup;
 pub mod dve;
 pub mod faults;
+pub mod group;
 pub mod inspect;
 pub mod managed;
 pub mod memwriter;

@@ -126,6 +126,39 @@ macro_rules! forward_unary {
 
 #[tonic::async_trait]
 impl Control for ControlService {
+    async fn create_group(
+        &self,
+        request: Request<ferry_proto::v1::CreateGroupRequest>,
+    ) -> Result<Response<ferry_proto::v1::Group>, Status> {
+        let req = request.into_inner();
+        let group = req
+            .group
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("group: missing"))?;
+        let group = crate::groups::Group::from_pb(group)?;
+        let group = self.node.groups.create(group).await?;
+        Ok(Response::new(group.to_pb()))
+    }
+
+    async fn delete_group(
+        &self,
+        request: Request<ferry_proto::v1::DeleteGroupRequest>,
+    ) -> Result<Response<ferry_proto::v1::DeleteGroupResponse>, Status> {
+        let port = u16::try_from(request.into_inner().port)
+            .map_err(|_| Status::invalid_argument("port: not a TCP port"))?;
+        self.node.groups.delete(port).await?;
+        Ok(Response::new(ferry_proto::v1::DeleteGroupResponse {}))
+    }
+
+    async fn list_groups(
+        &self,
+        _request: Request<ferry_proto::v1::ListGroupsRequest>,
+    ) -> Result<Response<ferry_proto::v1::ListGroupsResponse>, Status> {
+        Ok(Response::new(ferry_proto::v1::ListGroupsResponse {
+            groups: self.node.groups.views(),
+        }))
+    }
+
     async fn list_nodes(
         &self,
         _: Request<ListNodesRequest>,
@@ -277,6 +310,14 @@ impl Control for ControlService {
         let options = crate::managed::SpawnOptions {
             own_ipc: ipc_namespace,
             user,
+            env: vec![(
+                ferry_handoff::SOCKET_ENV.to_owned(),
+                self.node
+                    .config
+                    .handoff_socket
+                    .to_string_lossy()
+                    .into_owned(),
+            )],
         };
         let pid = self
             .node
@@ -812,6 +853,8 @@ fn port_state_name(s: crate::dataplane::PortState) -> &'static str {
         PortState::Frozen => "frozen",
         PortState::Capturing => "capturing",
         PortState::Releasing => "releasing",
+        PortState::SharedContact => "shared, contact node",
+        PortState::SharedMember => "shared, member",
     }
 }
 

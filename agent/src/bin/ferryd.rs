@@ -290,6 +290,19 @@ async fn serve(config: Config) -> Result<()> {
     }
     let conductor_task = spawn_conductor(&node, &shutdown_rx);
     let metrics_task = spawn_metrics(&node, &shutdown_rx).await?;
+    let handoff =
+        ferry_agent::groups::local::bind_socket(&config.handoff_socket).with_context(|| {
+            format!(
+                "binding the handoff socket {}",
+                config.handoff_socket.display()
+            )
+        })?;
+    ferry_agent::groups::local::serve(
+        node.groups.clone(),
+        handoff,
+        tokio::runtime::Handle::current(),
+    )
+    .context("serving the handoff socket")?;
     serve_apis(&node, tls.as_ref(), shutdown_tx, shutdown_rx).await?;
     let _ = reconciler.await;
     if let Some(t) = conductor_task {
@@ -300,6 +313,9 @@ async fn serve(config: Config) -> Result<()> {
     }
     if let Err(e) = std::fs::remove_file(&config.control_socket) {
         tracing::warn!(error = %e, "removing the control socket");
+    }
+    if let Err(e) = std::fs::remove_file(&config.handoff_socket) {
+        tracing::warn!(error = %e, "removing the handoff socket");
     }
     // Dropping the last reference closes file descriptors only: the pinned
     // programs stay attached and keep owning the ports of the managed
@@ -628,7 +644,7 @@ async fn serve_apis(
     Ok(())
 }
 
-/// The peer port: Peer, Balance and forwarded Control calls, over mutual
+/// The peer port: Peer, Groups, Balance and forwarded Control calls, over mutual
 /// TLS with `[tls]`.
 fn serve_peer(
     node: &Arc<Node>,
@@ -655,6 +671,9 @@ fn serve_peer(
                 .max_decoding_message_size(16 << 20)
                 .max_encoding_message_size(16 << 20),
         )
+        .add_service(ferry_proto::v1::groups_server::GroupsServer::new(
+            ferry_agent::groups::service::GroupsService::new(node.groups.clone()),
+        ))
         .add_service(BalanceServer::new(
             ferry_agent::conductor::BalanceService::new(
                 node.cordon.clone(),

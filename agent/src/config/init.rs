@@ -36,6 +36,7 @@ pub struct NodeInit {
     pub work_dir: PathBuf,
     pub criu_path: PathBuf,
     pub control_socket: PathBuf,
+    pub handoff_socket: PathBuf,
     /// Where the data plane pins its maps (a bpffs directory); None: the
     /// default.
     pub pin_dir: Option<PathBuf>,
@@ -66,6 +67,7 @@ impl NodeInit {
             work_dir: PathBuf::from("/var/lib/ferry"),
             criu_path: PathBuf::from("/opt/ferry/criu/bin/criu"),
             control_socket: PathBuf::from("/run/ferry/control.sock"),
+            handoff_socket: PathBuf::from(ferry_handoff::DEFAULT_SOCKET),
             pin_dir: None,
             capture: true,
             extra: String::new(),
@@ -101,6 +103,7 @@ impl NodeInit {
         let _ = writeln!(t, "work_dir = {}", p(&self.work_dir));
         let _ = writeln!(t, "criu_path = {}", p(&self.criu_path));
         let _ = writeln!(t, "control_socket = {}", p(&self.control_socket));
+        let _ = writeln!(t, "handoff_socket = {}", p(&self.handoff_socket));
         if !self.extra.trim().is_empty() {
             let _ = writeln!(t, "{}", self.extra.trim_end());
         }

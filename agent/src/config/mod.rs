@@ -70,6 +70,13 @@ pub struct Config {
     /// Control API for the local CLI: a Unix socket, root only.
     #[serde(default = "default_control_socket")]
     pub control_socket: PathBuf,
+    /// Where server processes of distributed servers reach this agent to
+    /// hand connections off and receive them (`ferry-handoff`, its C ABI):
+    /// a Unix socket open to every local user (a caller must be a server
+    /// ferryd manages); ferryd passes it to the processes it starts as
+    /// `FERRY_HANDOFF_SOCKET`.
+    #[serde(default = "default_handoff_socket")]
+    pub handoff_socket: PathBuf,
     /// Control API on TCP as well (for remote schedulers), if set.
     #[serde(default)]
     pub control_listen: Option<SocketAddr>,
@@ -130,6 +137,51 @@ pub struct TlsConfig {
     /// certificates (`ferry cert token`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tokens: Vec<TokenConfig>,
+}
+
+impl TlsConfig {
+    /// The first problem of the `[tls]` section: the field and why.
+    fn problem(&self, membership_enabled: bool) -> Option<(String, String)> {
+        for (field, p) in [
+            ("tls.ca", &self.ca),
+            ("tls.cert", &self.cert),
+            ("tls.key", &self.key),
+        ]
+        .into_iter()
+        .chain(
+            self.membership_key
+                .iter()
+                .map(|p| ("tls.membership_key", p)),
+        ) {
+            if p.as_os_str().is_empty() {
+                return Some((field.to_owned(), "must name a file".into()));
+            }
+        }
+        if membership_enabled && self.membership_key.is_none() {
+            return Some((
+                "tls.membership_key".to_owned(),
+                "required with [membership] enabled: without it anyone on the cluster \
+                 network could join (the membership.key of `ferry cert ca`)"
+                    .into(),
+            ));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, t) in self.tokens.iter().enumerate() {
+            if t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Some((
+                    format!("tls.tokens[{i}].sha256"),
+                    "must be 64 hex digits, the SHA-256 of the token (`ferry cert token`)".into(),
+                ));
+            }
+            if t.name.is_empty() || !names.insert(&t.name) {
+                return Some((
+                    format!("tls.tokens[{i}].name"),
+                    format!("{:?} is empty or listed twice", t.name),
+                ));
+            }
+        }
+        None
+    }
 }
 
 /// `[[tls.tokens]]`: one bearer token of the Control API.
@@ -390,6 +442,10 @@ fn default_control_socket() -> PathBuf {
     PathBuf::from(DEFAULT_CONTROL_SOCKET)
 }
 
+fn default_handoff_socket() -> PathBuf {
+    PathBuf::from(ferry_handoff::DEFAULT_SOCKET)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("reading {path}: {source}")]
@@ -443,11 +499,14 @@ impl Config {
                 ),
             ));
         }
-        if !self.work_dir.is_absolute() {
-            return Err(invalid("work_dir", "must be an absolute path".into()));
-        }
-        if !self.criu_cache_dir.is_absolute() {
-            return Err(invalid("criu_cache_dir", "must be an absolute path".into()));
+        for (field, p) in [
+            ("work_dir", &self.work_dir),
+            ("criu_cache_dir", &self.criu_cache_dir),
+            ("handoff_socket", &self.handoff_socket),
+        ] {
+            if !p.is_absolute() {
+                return Err(invalid(field, "must be an absolute path".into()));
+            }
         }
         if self.peer_timeout_secs == 0 {
             return Err(invalid("peer_timeout_secs", "must be at least 1".into()));
@@ -519,43 +578,12 @@ impl Config {
                 ));
             }
         }
-        if let Some(tls) = &self.tls {
-            for (field, p) in [
-                ("tls.ca", &tls.ca),
-                ("tls.cert", &tls.cert),
-                ("tls.key", &tls.key),
-            ]
-            .into_iter()
-            .chain(tls.membership_key.iter().map(|p| ("tls.membership_key", p)))
-            {
-                if p.as_os_str().is_empty() {
-                    return Err(invalid(field, "must name a file".into()));
-                }
-            }
-            if self.membership.enabled && tls.membership_key.is_none() {
-                return Err(invalid(
-                    "tls.membership_key",
-                    "required with [membership] enabled: without it anyone on the cluster \
-                     network could join (the membership.key of `ferry cert ca`)"
-                        .into(),
-                ));
-            }
-            let mut names = std::collections::HashSet::new();
-            for (i, t) in tls.tokens.iter().enumerate() {
-                if t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return Err(invalid(
-                        &format!("tls.tokens[{i}].sha256"),
-                        "must be 64 hex digits, the SHA-256 of the token (`ferry cert token`)"
-                            .into(),
-                    ));
-                }
-                if t.name.is_empty() || !names.insert(&t.name) {
-                    return Err(invalid(
-                        &format!("tls.tokens[{i}].name"),
-                        format!("{:?} is empty or listed twice", t.name),
-                    ));
-                }
-            }
+        if let Some((field, reason)) = self
+            .tls
+            .as_ref()
+            .and_then(|t| t.problem(self.membership.enabled))
+        {
+            return Err(invalid(&field, reason));
         }
         let mut seen = std::collections::HashSet::new();
         for (i, p) in self.peers.iter().enumerate() {

@@ -8,7 +8,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use ferry_ebpf::{CaptureKind, CapturedPacket, Protocol};
+use ferry_ebpf::{CaptureKind, CapturedPacket, Flow, Protocol};
 
 use crate::process::{PortKey, Transport};
 
@@ -16,6 +16,9 @@ use crate::process::{PortKey, Transport};
 #[derive(Debug, Default)]
 struct Session {
     ports: BTreeSet<PortKey>,
+    /// When not empty, only these connections of `ports` (a handoff's
+    /// session: the other connections of a shared port are not its).
+    flows: BTreeSet<Flow>,
     captured: Vec<CapturedPacket>,
     /// Digests of packets delivered here while recording.
     delivered: Vec<u64>,
@@ -55,6 +58,19 @@ fn port_of(p: &CapturedPacket) -> PortKey {
     }
 }
 
+/// The connection a captured TCP packet belongs to, from its IPv4 and TCP
+/// headers: the sender's end and the port it is for.
+fn flow_of(p: &CapturedPacket) -> Option<Flow> {
+    let d = &p.data;
+    let ihl = usize::from(*d.first()? & 0x0f) * 4;
+    let src: [u8; 4] = d.get(12..16)?.try_into().ok()?;
+    let sport = u16::from_be_bytes(d.get(ihl..ihl + 2)?.try_into().ok()?);
+    Some(Flow {
+        remote: std::net::SocketAddrV4::new(src.into(), sport),
+        local_port: p.port,
+    })
+}
+
 impl CaptureStore {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
         crate::sync::lock(&self.sessions)
@@ -82,6 +98,21 @@ impl CaptureStore {
         session.ports.extend(ports);
     }
 
+    /// Starts the session of `id` for one connection of a shared port:
+    /// packets of the port's other connections are not its.
+    pub fn open_flow(&self, id: &str, flow: Flow) {
+        let mut sessions = self.lock();
+        let session = sessions.entry(id.to_owned()).or_insert_with(|| Session {
+            since_ns: monotonic_ns(),
+            ..Session::default()
+        });
+        session.ports.insert(PortKey {
+            transport: Transport::Tcp,
+            port: flow.local_port,
+        });
+        session.flows.insert(flow);
+    }
+
     /// Whether the session of `id` is open.
     pub fn is_open(&self, id: &str) -> bool {
         self.lock().contains_key(id)
@@ -101,10 +132,12 @@ impl CaptureStore {
         let mut stray = 0;
         for p in packets {
             let port = port_of(&p);
-            match sessions
-                .values_mut()
-                .find(|s| s.ports.contains(&port) && p.ktime_ns >= s.since_ns)
-            {
+            let flow = flow_of(&p);
+            match sessions.values_mut().find(|s| {
+                s.ports.contains(&port)
+                    && p.ktime_ns >= s.since_ns
+                    && (s.flows.is_empty() || flow.is_some_and(|f| s.flows.contains(&f)))
+            }) {
                 Some(s) => match p.kind {
                     CaptureKind::Captured => s.captured.push(p),
                     CaptureKind::Delivered => s.delivered.push(digest(&p.data)),

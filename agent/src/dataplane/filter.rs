@@ -30,7 +30,7 @@
 
 use std::collections::BTreeMap;
 
-pub use ferry_ebpf::{CapturedPacket, Counters, PortState};
+pub use ferry_ebpf::{CapturedPacket, Counters, Flow, FlowState, PortState};
 
 use crate::process::{PortKey, Transport};
 
@@ -51,6 +51,12 @@ pub trait PortFilter: Send {
     /// The ports as the filter holds them now: with pinned maps, what an
     /// earlier agent left (its processes may still run).
     fn ports(&self) -> Result<BTreeMap<PortKey, PortState>, DataPlaneError>;
+    /// Puts one connection of a shared port in `state`.
+    fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError>;
+    /// Forgets one connection of a shared port (its port decides again).
+    fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError>;
+    /// The connections decided one by one.
+    fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError>;
 }
 
 /// The ports this node owns, as last written to the filter.
@@ -101,6 +107,21 @@ impl PortTable {
         self.filter.interface()
     }
 
+    /// Puts one connection of a shared port in `state` (a handoff's step).
+    pub fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError> {
+        self.filter.set_flow(flow, state)
+    }
+
+    /// Forgets one connection of a shared port.
+    pub fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
+        self.filter.remove_flow(flow)
+    }
+
+    /// The connections of shared ports decided one by one.
+    pub fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
+        self.filter.flows()
+    }
+
     /// Brings the filter to `desired`, touching only ports whose state
     /// changes. Freezes are written before anything else, so a process
     /// about to be dumped is cut off first.
@@ -123,7 +144,7 @@ impl PortTable {
             None => 1,
             Some(PortState::Recording | PortState::Armed) => 2,
             Some(PortState::Releasing) => 3,
-            Some(PortState::Owned) => 4,
+            Some(PortState::Owned | PortState::SharedContact | PortState::SharedMember) => 4,
         });
         for (port, state) in order {
             match state {
@@ -199,6 +220,24 @@ impl PortFilter for EbpfPortFilter {
             })
             .collect())
     }
+
+    fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError> {
+        self.0
+            .set_flow(flow, state)
+            .map_err(|e| DataPlaneError(format!("connection {flow}: {e}")))
+    }
+
+    fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
+        self.0
+            .remove_flow(flow)
+            .map_err(|e| DataPlaneError(format!("connection {flow}: {e}")))
+    }
+
+    fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
+        self.0
+            .flows()
+            .map_err(|e| DataPlaneError(format!("reading connections: {e}")))
+    }
 }
 
 #[cfg(any(test, feature = "fuzzing"))]
@@ -236,6 +275,20 @@ pub mod fake {
         }
         fn ports(&self) -> Result<BTreeMap<PortKey, PortState>, DataPlaneError> {
             Ok(BTreeMap::new())
+        }
+        fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError> {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("flow {flow} {state:?}"));
+            Ok(())
+        }
+        fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
+            self.0.lock().unwrap().push(format!("forget {flow}"));
+            Ok(())
+        }
+        fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
+            Ok(Vec::new())
         }
     }
 }

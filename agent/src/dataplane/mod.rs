@@ -24,7 +24,9 @@ pub mod translations;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-pub use filter::{CapturedPacket, Counters, DataPlaneError, PortFilter, PortState, PortTable};
+pub use filter::{
+    CapturedPacket, Counters, DataPlaneError, Flow, FlowState, PortFilter, PortState, PortTable,
+};
 pub use replay::{PacketReplayer, ReplayTotals};
 pub use translation::{FlowError, FlowRules, InClusterFlow};
 

@@ -20,7 +20,9 @@
 //! restored the tree, no record names it yet: an agent killed there is
 //! one killed inside CRIU's restore) and its journal records
 //! (`destination:Restored`, `destination:Committed`: written, and the next
-//! step not taken). A pause longer than the peer timeout makes a late
+//! step not taken), and a distributed server's acceptor's
+//! `destination:HandoffRebuilt` (the handed-off connection rebuilt, the
+//! answer not sent). A pause longer than the peer timeout makes a late
 //! answer. Unset (every deployment), a check is one read of a `OnceLock`.
 
 use std::sync::OnceLock;

@@ -30,6 +30,9 @@ pub struct SpawnOptions {
     /// Another user than ferryd's: the process gives up root before it
     /// runs a line of its program.
     pub user: Option<RunAs>,
+    /// Variables set in the process's environment beside ferryd's own
+    /// (`FERRY_HANDOFF_SOCKET`).
+    pub env: Vec<(String, String)>,
 }
 
 /// A user to run as: its ids and groups, looked up before the clone (the
@@ -109,7 +112,8 @@ fn resolve(program: &str) -> Result<std::path::PathBuf, std::io::Error> {
 /// own child (like a process CRIU restores here), so that ferryd reads
 /// its exit status; the caller watches it ([`crate::reaper::wait_exit`]).
 /// No parent-death signal: CRIU would restore it, and the process would
-/// die on the destination as soon as CRIU exits. Blocking only for an
+/// die on the destination as soon as CRIU exits. Its environment is
+/// ferryd's with `options.env` added. Blocking only for an
 /// exec's length.
 pub fn spawn(argv: &[String], options: &SpawnOptions) -> Result<i32, SpawnError> {
     use std::ffi::CString;
@@ -133,6 +137,27 @@ pub fn spawn(argv: &[String], options: &SpawnOptions) -> Result<i32, SpawnError>
     let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| nul("the program's path"))?;
     let mut arg_ptrs: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     arg_ptrs.push(std::ptr::null());
+    // ferryd's environment with the options' variables in place of any of
+    // the same name, built before the clone.
+    let mut vars: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| {
+            !options
+                .env
+                .iter()
+                .any(|(name, _)| k.as_bytes() == name.as_bytes())
+        })
+        .filter_map(|(k, v)| {
+            let mut kv = k.as_bytes().to_vec();
+            kv.push(b'=');
+            kv.extend_from_slice(v.as_bytes());
+            CString::new(kv).ok()
+        })
+        .collect();
+    for (k, v) in &options.env {
+        vars.push(CString::new(format!("{k}={v}")).map_err(|_| nul(&format!("{k:?}")))?);
+    }
+    let mut env_ptrs: Vec<*const libc::c_char> = vars.iter().map(|a| a.as_ptr()).collect();
+    env_ptrs.push(std::ptr::null());
     let dev_null = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -225,7 +250,7 @@ pub fn spawn(argv: &[String], options: &SpawnOptions) -> Result<i32, SpawnError>
             if process::close_inherited_on_exec().is_err() {
                 fail(err_fd);
             }
-            libc::execv(path.as_ptr(), arg_ptrs.as_ptr());
+            libc::execve(path.as_ptr(), arg_ptrs.as_ptr(), env_ptrs.as_ptr());
             fail(err_fd)
         }
     }

@@ -21,6 +21,7 @@ use crate::config::TokenConfig;
 pub fn required_role(path: &str) -> Role {
     const READ_ONLY: &[&str] = &[
         "/ferry.v1.Control/ListNodes",
+        "/ferry.v1.Control/ListGroups",
         "/ferry.v1.Control/ListProcesses",
         "/ferry.v1.Control/GetMigration",
         "/ferry.v1.Control/GetDataPlane",

@@ -131,6 +131,8 @@ pub enum SockStateError {
         field: &'static str,
         reason: String,
     },
+    #[error("rebuilt connections handed out before they were resumed")]
+    NotResumed,
 }
 
 pub use crate::config::SocketMigration;

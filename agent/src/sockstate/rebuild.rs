@@ -317,6 +317,20 @@ impl Rebuilt {
         Ok(())
     }
 
+    /// ferryd's descriptors of the rebuilt sockets, in the order given,
+    /// for a process to take over (a handed-off connection): only after
+    /// [`Rebuilt::resume`], since from then on closing them is the
+    /// holder's business.
+    pub fn into_descriptors(mut self) -> Result<Vec<OwnedFd>, SockStateError> {
+        if !self.resumed {
+            return Err(SockStateError::NotResumed);
+        }
+        Ok(std::mem::take(&mut self.conns)
+            .into_iter()
+            .map(|c| c.fd)
+            .collect())
+    }
+
     /// ferryd's descriptors of the rebuilt sockets, in the order given.
     pub fn descriptors(&self) -> impl Iterator<Item = std::os::fd::BorrowedFd<'_>> {
         self.conns.iter().map(|c| c.fd.as_fd())

@@ -370,6 +370,7 @@ impl Cluster {
             init.work_dir = work.path().to_owned();
             init.criu_path = criu.clone();
             init.control_socket = node.control_socket.clone();
+            init.handoff_socket = node.dir.join("handoff.sock");
             init.peers = peers
                 .iter()
                 .filter(|(name, _)| self.spec.static_peers && *name != node.name)
@@ -586,6 +587,12 @@ impl Cluster {
 
     pub fn control_socket(&self, node: &str) -> &Path {
         &self.node(node).control_socket
+    }
+
+    /// The node's handoff socket (distributed servers' processes reach
+    /// their ferryd there; ferryd passes it to what it starts).
+    pub fn handoff_socket(&self, node: &str) -> PathBuf {
+        self.node(node).dir.join("handoff.sock")
     }
 
     /// The agent's stdout+stderr (`<dir>/nodeN/ferryd.log`, outside the work

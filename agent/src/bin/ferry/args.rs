@@ -131,6 +131,12 @@ pub(crate) enum Command {
         #[arg(long)]
         off: bool,
     },
+    /// Distributed servers: a port of the cluster's address served by a
+    /// group of nodes, connections handed between them one by one.
+    Group {
+        #[command(subcommand)]
+        action: GroupAction,
+    },
     /// Follow the cluster's events: migrations, membership, balancer
     /// decisions, cordons and drains (Ctrl-C ends).
     Events {
@@ -307,6 +313,32 @@ pub(crate) enum CertCommand {
         role: String,
         #[arg(long)]
         name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum GroupAction {
+    /// Create a group: every member (the contact node included) joins it,
+    /// or none does.
+    Create {
+        /// The TCP port of the cluster's address the group serves.
+        #[arg(long)]
+        port: u16,
+        /// The node that takes new connections.
+        #[arg(long)]
+        contact: String,
+        /// The other members (repeat, or comma-separated).
+        #[arg(long = "member", value_delimiter = ',', required = true)]
+        members: Vec<String>,
+    },
+    /// The groups as the agent's node sees them: members and roles, its
+    /// server processes, and the connections it decides one by one with
+    /// who serves each.
+    List,
+    /// Delete the group on a port on every member.
+    Delete {
+        #[arg(long)]
+        port: u16,
     },
 }
 

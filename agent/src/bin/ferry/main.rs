@@ -15,6 +15,7 @@ mod connection;
 mod drain;
 mod events;
 mod follow;
+mod groups;
 mod init;
 mod migrations;
 mod output;
@@ -102,6 +103,7 @@ async fn main_exec(mut args: Args) -> Result<()> {
         Command::Dataplane => cluster::dataplane(client, node, json).await,
         Command::Balancer { action } => cluster::balancer(client, node, action, json).await,
         Command::Cordon { off } => cluster::cordon(client, node, off, json).await,
+        Command::Group { action } => groups::run(client, action, json).await,
         Command::Drain { cancel: true, .. } => cluster::cancel_drain(client, node, json).await,
         Command::Drain {
             strategy, sockets, ..

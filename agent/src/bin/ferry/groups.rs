@@ -1,0 +1,122 @@
+//! `ferry group`: distributed servers (create, list, delete).
+
+use anyhow::Result;
+use ferry_proto::v1 as pb;
+use serde_json::json;
+
+use crate::args::GroupAction;
+use crate::connection::{Client, status_error};
+
+pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool) -> Result<()> {
+    match action {
+        GroupAction::Create {
+            port,
+            contact,
+            members,
+        } => {
+            let g = client
+                .create_group(pb::CreateGroupRequest {
+                    group: Some(pb::Group {
+                        port: u32::from(port),
+                        contact,
+                        members,
+                    }),
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if as_json {
+                println!(
+                    "{}",
+                    json!({"port": g.port, "contact": g.contact, "members": g.members})
+                );
+            } else {
+                println!(
+                    "group on port {}: contact {}, members {}",
+                    g.port,
+                    g.contact,
+                    g.members.join(", ")
+                );
+            }
+        }
+        GroupAction::Delete { port } => {
+            client
+                .delete_group(pb::DeleteGroupRequest {
+                    port: u32::from(port),
+                })
+                .await
+                .map_err(status_error)?;
+            if as_json {
+                println!("{}", json!({"port": port, "deleted": true}));
+            } else {
+                println!("group on port {port} deleted");
+            }
+        }
+        GroupAction::List => {
+            let groups = client
+                .list_groups(pb::ListGroupsRequest {})
+                .await
+                .map_err(status_error)?
+                .into_inner()
+                .groups;
+            if as_json {
+                let v: Vec<_> = groups.iter().map(view_json).collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                print_groups(&groups);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn view_json(v: &pb::GroupView) -> serde_json::Value {
+    let g = v.group.clone().unwrap_or_default();
+    json!({
+        "port": g.port,
+        "contact": g.contact,
+        "members": g.members,
+        "role": v.role,
+        "server_pids": v.server_pids,
+        "connections": v.connections.iter().map(|c| {
+            let conn = c.connection.clone().unwrap_or_default();
+            json!({"remote": conn.remote, "port": conn.port, "node": c.node})
+        }).collect::<Vec<_>>(),
+        "handoffs_given": v.handoffs_given,
+        "handoffs_taken": v.handoffs_taken,
+        "handoffs_failed": v.handoffs_failed,
+    })
+}
+
+fn print_groups(groups: &[pb::GroupView]) {
+    if groups.is_empty() {
+        println!("no group on this node");
+        return;
+    }
+    for v in groups {
+        let g = v.group.clone().unwrap_or_default();
+        println!(
+            "port {}: contact {}, members {} (this node: {}; servers: {}; handoffs given {}, taken {}, failed {})",
+            g.port,
+            g.contact,
+            g.members.join(", "),
+            v.role,
+            if v.server_pids.is_empty() {
+                "none".to_owned()
+            } else {
+                v.server_pids
+                    .iter()
+                    .map(i32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+            v.handoffs_given,
+            v.handoffs_taken,
+            v.handoffs_failed,
+        );
+        for c in &v.connections {
+            let conn = c.connection.clone().unwrap_or_default();
+            println!("  {} -> :{}  served by {}", conn.remote, conn.port, c.node);
+        }
+    }
+}

@@ -1,0 +1,774 @@
+//! Distributed servers (the XtreemOS distributed servers, rebuilt on
+//! ferry's single-IP cluster): a group of server processes on several nodes
+//! that clients see as one port of the cluster's address.
+//!
+//! - Each group has a **contact node**, which takes every new connection
+//!   (its filter owns the port: `PortState::SharedContact`), and members
+//!   that serve only the connections handed to them
+//!   (`PortState::SharedMember`). Which node serves an established
+//!   connection is decided per connection, beside the port, in the same
+//!   eBPF filter (`ferry_ebpf::FlowState`): so the original's Mobile IPv6
+//!   route optimisation, which every client had to support, is not needed:
+//!   any client works.
+//! - A serving process hands one established TCP connection to another
+//!   member's serving process ([`local`]: the `ferry-handoff` library over
+//!   a Unix socket, the descriptor passed by `SCM_RIGHTS`). The donor's
+//!   ferryd freezes the connection in its filter, reads it with TCP repair
+//!   and ships it ([`donor`]); the acceptor's ferryd captures its packets
+//!   meanwhile, rebuilds it, replays them and hands it to its process
+//!   ([`acceptor`]), with the same guarantees as a migration: no packet
+//!   lost, no reset, never two owners, and until the commit point a failure
+//!   leaves the connection with the donor.
+//! - Groups are created through the Control API on any node, which asks
+//!   every member to join ([`Groups::create`]).
+//!
+//! Not built yet (issue 38): the contact node's backups and their
+//! two-phase commit, failover of the contact node, placement policies, and
+//! the operator's handoff of a process's connection (`ferry handoff`).
+
+pub mod acceptor;
+pub mod donor;
+pub mod local;
+pub mod service;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ferry_handoff::ErrorKind;
+use ferry_proto::v1 as pb;
+use tonic::Status;
+
+use crate::cluster::Cluster;
+use crate::dataplane::{DataPlane, Flow, PortState};
+use crate::managed::Processes;
+use crate::ports::Ports;
+use crate::process::{PortKey, Transport};
+use crate::sync::lock;
+
+/// A distributed server's group, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    pub port: u16,
+    pub contact: String,
+    /// Every member, the contact node included, in the order given.
+    pub members: Vec<String>,
+}
+
+impl Group {
+    /// Checks a group from the API: the error names the field.
+    pub fn from_pb(g: &pb::Group) -> Result<Self, GroupsError> {
+        let invalid = |field: &'static str, reason: String| GroupsError::Invalid { field, reason };
+        let port = u16::try_from(g.port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| invalid("group.port", format!("{} is not a TCP port", g.port)))?;
+        if g.contact.is_empty() {
+            return Err(invalid("group.contact", "no contact node given".into()));
+        }
+        let mut seen = BTreeSet::new();
+        for m in &g.members {
+            if m.is_empty() {
+                return Err(invalid("group.members", "an empty node name".into()));
+            }
+            if !seen.insert(m.as_str()) {
+                return Err(invalid("group.members", format!("{m} is listed twice")));
+            }
+        }
+        let mut members = g.members.clone();
+        if !seen.contains(g.contact.as_str()) {
+            members.insert(0, g.contact.clone());
+        }
+        if members.len() < 2 {
+            return Err(invalid(
+                "group.members",
+                "a group needs a member beside its contact node".into(),
+            ));
+        }
+        Ok(Self {
+            port,
+            contact: g.contact.clone(),
+            members,
+        })
+    }
+
+    pub fn to_pb(&self) -> pb::Group {
+        pb::Group {
+            port: u32::from(self.port),
+            contact: self.contact.clone(),
+            members: self.members.clone(),
+        }
+    }
+
+    fn port_key(&self) -> PortKey {
+        PortKey {
+            transport: Transport::Tcp,
+            port: self.port,
+        }
+    }
+}
+
+/// What went wrong, for the Control and Peer APIs (a gRPC status) and for
+/// a process on the handoff socket (an [`ErrorKind`]).
+#[derive(Debug, thiserror::Error)]
+pub enum GroupsError {
+    #[error("{field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("node {node} is not known to {here} (not a configured peer, not found by membership)")]
+    UnknownNode { node: String, here: String },
+    #[error("no group serves port {port} on {node}")]
+    NoGroup { port: u16, node: String },
+    #[error("port {port} already has a group on {node}, with other members: {existing}")]
+    Conflict {
+        port: u16,
+        node: String,
+        existing: String,
+    },
+    #[error("PID {pid} is not a server of the group on port {port} on {node}: {reason}")]
+    NotMember {
+        pid: i32,
+        port: u16,
+        node: String,
+        reason: String,
+    },
+    #[error("not an established TCP connection of a group's port: {0}")]
+    NotAConnection(String),
+    #[error("{node} is not a member of the group on port {port} (members: {members})")]
+    NodeNotInGroup {
+        node: String,
+        port: u16,
+        members: String,
+    },
+    #[error("a handoff of {flow} is under way already")]
+    Busy { flow: Flow },
+    #[error("no process serves the group on port {port} on {node}")]
+    NoServer { port: u16, node: String },
+    #[error("no handoff {id} is under way on {node}")]
+    UnknownHandoff { id: String, node: String },
+    #[error("{node}: {status}")]
+    Peer { node: String, status: Status },
+    #[error("{node} unreachable: {reason}")]
+    Unreachable { node: String, reason: String },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl GroupsError {
+    /// The kind a process sees on the handoff socket.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            GroupsError::Invalid { .. } => ErrorKind::BadRequest,
+            GroupsError::NoGroup { .. }
+            | GroupsError::NodeNotInGroup { .. }
+            | GroupsError::UnknownNode { .. } => ErrorKind::NotInGroup,
+            GroupsError::NotMember { .. } => ErrorKind::NotMember,
+            GroupsError::NotAConnection(_) => ErrorKind::NotAConnection,
+            GroupsError::Busy { .. } => ErrorKind::Busy,
+            GroupsError::NoServer { .. } | GroupsError::Conflict { .. } => ErrorKind::Refused,
+            GroupsError::Peer { status, .. } => match status.code() {
+                tonic::Code::FailedPrecondition
+                | tonic::Code::NotFound
+                | tonic::Code::AlreadyExists
+                | tonic::Code::InvalidArgument => ErrorKind::Refused,
+                _ => ErrorKind::Unavailable,
+            },
+            GroupsError::Unreachable { .. } | GroupsError::UnknownHandoff { .. } => {
+                ErrorKind::Unavailable
+            }
+            GroupsError::Internal(_) => ErrorKind::Internal,
+        }
+    }
+}
+
+impl From<GroupsError> for Status {
+    fn from(e: GroupsError) -> Self {
+        let m = e.to_string();
+        match e {
+            GroupsError::Invalid { .. } | GroupsError::UnknownNode { .. } => {
+                Status::invalid_argument(m)
+            }
+            GroupsError::NoGroup { .. } | GroupsError::UnknownHandoff { .. } => {
+                Status::not_found(m)
+            }
+            GroupsError::Conflict { .. } => Status::already_exists(m),
+            GroupsError::NotMember { .. } => Status::permission_denied(m),
+            GroupsError::NotAConnection(_)
+            | GroupsError::NodeNotInGroup { .. }
+            | GroupsError::Busy { .. }
+            | GroupsError::NoServer { .. } => Status::failed_precondition(m),
+            GroupsError::Peer { status, .. } => Status::new(status.code(), m),
+            GroupsError::Unreachable { .. } => Status::unavailable(m),
+            GroupsError::Internal(_) => Status::internal(m),
+        }
+    }
+}
+
+/// A process registered as a server of a group on this node.
+#[derive(Debug, Clone)]
+pub struct ServerChannel {
+    pub pid: i32,
+    /// The process's end of the handoff socket is the other side: the
+    /// connections handed to it are sent here.
+    pub channel: Arc<OwnedFd>,
+}
+
+/// Handoff counts of a group on this node.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HandoffCounts {
+    pub given: u64,
+    pub taken: u64,
+    pub failed: u64,
+}
+
+/// One group as this node holds it.
+#[derive(Debug)]
+struct GroupState {
+    group: Group,
+    servers: Vec<ServerChannel>,
+    /// Connections decided one by one, with who serves each (this node's
+    /// view: on a member those handed to it; on the contact node also
+    /// every one handed elsewhere).
+    connections: BTreeMap<Flow, String>,
+    /// Connections a handoff from or to this node is moving.
+    in_flight: BTreeSet<Flow>,
+    counts: HandoffCounts,
+}
+
+/// This node's distributed servers.
+#[derive(Debug)]
+pub struct Groups {
+    node: String,
+    /// The cluster's public address (the connections' local address).
+    public: Ipv4Addr,
+    ports: Arc<Ports>,
+    dataplane: Arc<DataPlane>,
+    cluster: Arc<Cluster>,
+    processes: Arc<Processes>,
+    groups: Mutex<BTreeMap<u16, GroupState>>,
+    /// Handoffs this node accepts, by id ([`acceptor`]).
+    incoming: Mutex<HashMap<String, acceptor::Incoming>>,
+}
+
+impl Groups {
+    pub fn new(
+        node: &str,
+        public: Ipv4Addr,
+        ports: Arc<Ports>,
+        dataplane: Arc<DataPlane>,
+        cluster: Arc<Cluster>,
+        processes: Arc<Processes>,
+    ) -> Self {
+        Self {
+            node: node.to_owned(),
+            public,
+            ports,
+            dataplane,
+            cluster,
+            processes,
+            groups: Mutex::new(BTreeMap::new()),
+            incoming: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    fn groups(&self) -> MutexGuard<'_, BTreeMap<u16, GroupState>> {
+        lock(&self.groups)
+    }
+
+    /// The group on `port`, if this node is in one.
+    pub fn group(&self, port: u16) -> Option<Group> {
+        self.groups().get(&port).map(|g| g.group.clone())
+    }
+
+    /// Creates `group`: every member joins it (this node too, if it is
+    /// one), all or none: on a member's refusal the ones that joined leave
+    /// again, and the error names the member.
+    pub async fn create(self: &Arc<Self>, group: Group) -> Result<Group, GroupsError> {
+        for m in &group.members {
+            if *m != self.node && self.cluster.peer(m).is_none() {
+                return Err(GroupsError::UnknownNode {
+                    node: m.clone(),
+                    here: self.node.clone(),
+                });
+            }
+        }
+        let mut joined = Vec::new();
+        for m in &group.members {
+            let r = if *m == self.node {
+                self.join(group.clone()).await
+            } else {
+                self.peer_join(m, &group).await
+            };
+            match r {
+                Ok(()) => joined.push(m.clone()),
+                Err(e) => {
+                    for j in joined {
+                        self.leave_on(&j, group.port).await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        tracing::info!(port = group.port, contact = %group.contact, members = ?group.members, "group created");
+        Ok(group)
+    }
+
+    /// Deletes the group on `port` on every member this node knows of.
+    pub async fn delete(self: &Arc<Self>, port: u16) -> Result<(), GroupsError> {
+        let group = self.group(port).ok_or_else(|| GroupsError::NoGroup {
+            port,
+            node: self.node.clone(),
+        })?;
+        for m in &group.members {
+            self.leave_on(m, port).await;
+        }
+        Ok(())
+    }
+
+    async fn leave_on(self: &Arc<Self>, node: &str, port: u16) {
+        if node == self.node {
+            self.leave(port).await;
+            return;
+        }
+        let r = async {
+            let mut c = self.client(node).await?;
+            c.leave(pb::LeaveGroupRequest {
+                port: u32::from(port),
+            })
+            .await
+            .map_err(|status| GroupsError::Peer {
+                node: node.to_owned(),
+                status,
+            })
+        }
+        .await;
+        if let Err(e) = r {
+            tracing::warn!(node, port, error = %e, "asking a member to leave its group");
+        }
+    }
+
+    async fn peer_join(&self, node: &str, group: &Group) -> Result<(), GroupsError> {
+        let mut c = self.client(node).await?;
+        c.join(pb::JoinGroupRequest {
+            group: Some(group.to_pb()),
+        })
+        .await
+        .map(|_| ())
+        .map_err(|status| GroupsError::Peer {
+            node: node.to_owned(),
+            status,
+        })
+    }
+
+    /// This node joins `group`: its filter takes the port as the group
+    /// says (the contact node owns new connections, a member none). Joining
+    /// the same group again is no error; another group on the port is.
+    pub async fn join(self: &Arc<Self>, group: Group) -> Result<(), GroupsError> {
+        if !group.members.contains(&self.node) {
+            return Err(GroupsError::NodeNotInGroup {
+                node: self.node.clone(),
+                port: group.port,
+                members: group.members.join(", "),
+            });
+        }
+        {
+            let mut groups = self.groups();
+            match groups.get(&group.port) {
+                Some(g) if g.group == group => return Ok(()),
+                Some(g) => {
+                    return Err(GroupsError::Conflict {
+                        port: group.port,
+                        node: self.node.clone(),
+                        existing: format!(
+                            "contact {}, members {}",
+                            g.group.contact,
+                            g.group.members.join(", ")
+                        ),
+                    });
+                }
+                None => {}
+            }
+            groups.insert(
+                group.port,
+                GroupState {
+                    group: group.clone(),
+                    servers: Vec::new(),
+                    connections: BTreeMap::new(),
+                    in_flight: BTreeSet::new(),
+                    counts: HandoffCounts::default(),
+                },
+            );
+        }
+        let state = if group.contact == self.node {
+            PortState::SharedContact
+        } else {
+            PortState::SharedMember
+        };
+        self.ports.share(group.port_key(), state);
+        self.ports
+            .apply()
+            .await
+            .map_err(|e| GroupsError::Internal(format!("filtering port {}: {e}", group.port)))?;
+        tracing::info!(port = group.port, role = ?state, "joined a group");
+        Ok(())
+    }
+
+    /// This node leaves the group on `port`: the port is the registry's
+    /// again, and the connections it decided one by one are forgotten.
+    pub async fn leave(&self, port: u16) {
+        let Some(g) = self.groups().remove(&port) else {
+            return;
+        };
+        let me = Arc::clone(&self.dataplane);
+        let flows: Vec<Flow> = g.connections.keys().copied().collect();
+        let forgot = tokio::task::spawn_blocking(move || {
+            let mut table = me.table();
+            for f in flows {
+                if let Err(e) = table.remove_flow(f) {
+                    tracing::warn!(flow = %f, error = %e, "forgetting a connection");
+                }
+            }
+        })
+        .await;
+        if let Err(e) = forgot {
+            tracing::warn!(error = %e, "forgetting a group's connections");
+        }
+        self.ports.unshare(g.group.port_key());
+        if let Err(e) = self.ports.apply().await {
+            tracing::warn!(port, error = %e, "giving a group's port back");
+        }
+        tracing::info!(port, "left a group");
+    }
+
+    /// The groups as this node sees them.
+    pub fn views(&self) -> Vec<pb::GroupView> {
+        let mut groups = self.groups();
+        groups
+            .values_mut()
+            .map(|g| {
+                g.servers.retain(|s| local::is_open(&s.channel));
+                pb::GroupView {
+                    group: Some(g.group.to_pb()),
+                    role: if g.group.contact == self.node {
+                        "contact".into()
+                    } else {
+                        "member".into()
+                    },
+                    server_pids: g.servers.iter().map(|s| s.pid).collect(),
+                    connections: g
+                        .connections
+                        .iter()
+                        .map(|(f, node)| pb::ServedConnection {
+                            connection: Some(connection_pb(*f)),
+                            node: node.clone(),
+                        })
+                        .collect(),
+                    handoffs_given: g.counts.given,
+                    handoffs_taken: g.counts.taken,
+                    handoffs_failed: g.counts.failed,
+                }
+            })
+            .collect()
+    }
+
+    /// A Groups client for `node`'s Peer port.
+    async fn client(
+        &self,
+        node: &str,
+    ) -> Result<pb::groups_client::GroupsClient<tonic::transport::Channel>, GroupsError> {
+        let peer = self
+            .cluster
+            .peer(node)
+            .ok_or_else(|| GroupsError::UnknownNode {
+                node: node.to_owned(),
+                here: self.node.clone(),
+            })?;
+        let channel =
+            self.cluster
+                .peer_channel(&peer)
+                .await
+                .map_err(|e| GroupsError::Unreachable {
+                    node: node.to_owned(),
+                    reason: e.reason,
+                })?;
+        Ok(pb::groups_client::GroupsClient::new(channel))
+    }
+
+    /// Registers `pid` as a server of the group on `port`: it must be a
+    /// process ferryd manages, or a descendant of one.
+    pub fn register_server(
+        &self,
+        pid: i32,
+        port: u16,
+        channel: OwnedFd,
+    ) -> Result<(), GroupsError> {
+        if managed_root(&self.processes.registry().running(), pid).is_none() {
+            return Err(GroupsError::NotMember {
+                pid,
+                port,
+                node: self.node.clone(),
+                reason:
+                    "not a process ferryd manages (start it with `ferry run`) nor a child of one"
+                        .into(),
+            });
+        }
+        let mut groups = self.groups();
+        let g = groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
+            port,
+            node: self.node.clone(),
+        })?;
+        g.servers.retain(|s| local::is_open(&s.channel));
+        g.servers.push(ServerChannel {
+            pid,
+            channel: Arc::new(channel),
+        });
+        tracing::info!(pid, port, "a server of the group registered");
+        Ok(())
+    }
+
+    /// Checks that `pid` (or a process it descends from) serves the group
+    /// on `port`.
+    fn check_server(&self, pid: i32, port: u16) -> Result<(), GroupsError> {
+        let mut groups = self.groups();
+        let g = groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
+            port,
+            node: self.node.clone(),
+        })?;
+        g.servers.retain(|s| local::is_open(&s.channel));
+        let servers: Vec<i32> = g.servers.iter().map(|s| s.pid).collect();
+        if managed_root(&servers, pid).is_some() {
+            Ok(())
+        } else {
+            Err(GroupsError::NotMember {
+                pid,
+                port,
+                node: self.node.clone(),
+                reason: "it did not register (ferry_serve) and descends from no process that did"
+                    .into(),
+            })
+        }
+    }
+
+    /// The live servers of the group on `port`, first registered first.
+    fn servers(&self, port: u16) -> Vec<ServerChannel> {
+        let mut groups = self.groups();
+        let Some(g) = groups.get_mut(&port) else {
+            return Vec::new();
+        };
+        g.servers.retain(|s| local::is_open(&s.channel));
+        g.servers.clone()
+    }
+
+    /// Marks `flow` as moving; refused if it is already.
+    fn begin(&self, flow: Flow) -> Result<(), GroupsError> {
+        let mut groups = self.groups();
+        let g = groups
+            .get_mut(&flow.local_port)
+            .ok_or_else(|| GroupsError::NoGroup {
+                port: flow.local_port,
+                node: self.node.clone(),
+            })?;
+        if !g.in_flight.insert(flow) {
+            return Err(GroupsError::Busy { flow });
+        }
+        Ok(())
+    }
+
+    /// Ends a handoff of `flow`: `served_by` is who serves it now if it
+    /// moved, and the counts follow.
+    fn end(&self, flow: Flow, outcome: Outcome) {
+        let mut groups = self.groups();
+        let Some(g) = groups.get_mut(&flow.local_port) else {
+            return;
+        };
+        g.in_flight.remove(&flow);
+        match outcome {
+            Outcome::Given { to } => {
+                g.counts.given += 1;
+                g.connections.insert(flow, to);
+            }
+            Outcome::Taken => {
+                g.counts.taken += 1;
+                g.connections.insert(flow, self.node.clone());
+            }
+            Outcome::Failed => g.counts.failed += 1,
+        }
+    }
+
+    /// The contact node records who serves a connection now.
+    pub fn connection_moved(&self, flow: Flow, node: &str) -> Result<(), GroupsError> {
+        let mut groups = self.groups();
+        let g = groups
+            .get_mut(&flow.local_port)
+            .ok_or_else(|| GroupsError::NoGroup {
+                port: flow.local_port,
+                node: self.node.clone(),
+            })?;
+        g.connections.insert(flow, node.to_owned());
+        Ok(())
+    }
+}
+
+/// How a handoff ended, for [`Groups::end`].
+enum Outcome {
+    Given { to: String },
+    Taken,
+    Failed,
+}
+
+/// The first of `roots` that is `pid` or one of its ancestors.
+fn managed_root(roots: &[i32], pid: i32) -> Option<i32> {
+    let mut p = pid;
+    // A process tree is shallow; the bound only guards against a loop read
+    // from a racing /proc.
+    for _ in 0..64 {
+        if roots.contains(&p) {
+            return Some(p);
+        }
+        if p <= 1 {
+            return None;
+        }
+        p = crate::process::inspect(p).ok()?.ppid;
+    }
+    None
+}
+
+pub(crate) fn connection_pb(f: Flow) -> pb::GroupConnection {
+    pb::GroupConnection {
+        remote: f.remote.to_string(),
+        port: u32::from(f.local_port),
+    }
+}
+
+/// A connection from the API: the error names the field.
+pub(crate) fn flow_from_pb(c: Option<&pb::GroupConnection>) -> Result<Flow, GroupsError> {
+    let c = c.ok_or(GroupsError::Invalid {
+        field: "connection",
+        reason: "missing".into(),
+    })?;
+    let remote = c.remote.parse().map_err(|e| GroupsError::Invalid {
+        field: "connection.remote",
+        reason: format!("{:?}: {e} (an IPv4 address and port)", c.remote),
+    })?;
+    let local_port = u16::try_from(c.port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| GroupsError::Invalid {
+            field: "connection.port",
+            reason: format!("{} is not a TCP port", c.port),
+        })?;
+    Ok(Flow { remote, local_port })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pb(port: u32, contact: &str, members: &[&str]) -> pb::Group {
+        pb::Group {
+            port,
+            contact: contact.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_group_names_the_field_it_is_refused_for() {
+        let field = |g: pb::Group| match Group::from_pb(&g) {
+            Err(GroupsError::Invalid { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(pb(0, "n1", &["n2"])), "group.port");
+        assert_eq!(field(pb(70000, "n1", &["n2"])), "group.port");
+        assert_eq!(field(pb(80, "", &["n2"])), "group.contact");
+        assert_eq!(field(pb(80, "n1", &["n2", "n2"])), "group.members");
+        assert_eq!(field(pb(80, "n1", &["n1"])), "group.members");
+        assert_eq!(field(pb(80, "n1", &[""])), "group.members");
+    }
+
+    #[test]
+    fn the_contact_node_is_a_member() {
+        let g = Group::from_pb(&pb(80, "n1", &["n2", "n3"])).unwrap();
+        assert_eq!(g.members, ["n1", "n2", "n3"]);
+        let g = Group::from_pb(&pb(80, "n2", &["n1", "n2"])).unwrap();
+        assert_eq!(g.members, ["n1", "n2"]);
+    }
+
+    #[test]
+    fn a_connection_from_the_api_names_its_bad_field() {
+        let c = |remote: &str, port| pb::GroupConnection {
+            remote: remote.into(),
+            port,
+        };
+        assert!(matches!(
+            flow_from_pb(Some(&c("198.18.0.1", 80))),
+            Err(GroupsError::Invalid {
+                field: "connection.remote",
+                ..
+            })
+        ));
+        assert!(matches!(
+            flow_from_pb(Some(&c("198.18.0.1:4000", 0))),
+            Err(GroupsError::Invalid {
+                field: "connection.port",
+                ..
+            })
+        ));
+        assert!(matches!(
+            flow_from_pb(None),
+            Err(GroupsError::Invalid {
+                field: "connection",
+                ..
+            })
+        ));
+        let f = flow_from_pb(Some(&c("198.18.0.1:4000", 80))).unwrap();
+        assert_eq!(f.to_string(), "198.18.0.1:4000 -> :80");
+    }
+
+    #[test]
+    fn a_connection_is_handed_off_once_at_a_time() {
+        let f = crate::engine::destination::fixture::Fixture::new(&[]);
+        let groups = &f.node.groups;
+        let flow = Flow {
+            remote: "198.18.0.1:4000".parse().unwrap(),
+            local_port: 8080,
+        };
+        assert!(matches!(
+            groups.begin(flow),
+            Err(GroupsError::NoGroup { port: 8080, .. })
+        ));
+        groups.groups().insert(
+            8080,
+            GroupState {
+                group: Group::from_pb(&pb(8080, "node1", &["node2"])).unwrap(),
+                servers: Vec::new(),
+                connections: BTreeMap::new(),
+                in_flight: BTreeSet::new(),
+                counts: HandoffCounts::default(),
+            },
+        );
+        groups.begin(flow).unwrap();
+        let busy = groups.begin(flow).unwrap_err();
+        assert!(matches!(busy, GroupsError::Busy { .. }));
+        assert_eq!(busy.kind(), ErrorKind::Busy);
+        groups.end(flow, Outcome::Given { to: "node2".into() });
+        groups.begin(flow).unwrap();
+        groups.end(flow, Outcome::Failed);
+        let view = &groups.views()[0];
+        assert_eq!((view.handoffs_given, view.handoffs_failed), (1, 1));
+        assert_eq!(view.connections[0].node, "node2");
+    }
+
+    #[test]
+    fn a_process_is_managed_through_its_ancestors() {
+        let me = std::process::id() as i32;
+        let parent = crate::process::inspect(me).unwrap().ppid;
+        assert_eq!(managed_root(&[parent], me), Some(parent));
+        assert_eq!(managed_root(&[me], me), Some(me));
+        assert_eq!(managed_root(&[], me), None);
+    }
+}

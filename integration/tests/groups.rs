@@ -1,0 +1,393 @@
+//! Distributed servers (the XtreemOS distributed servers on ferry's
+//! single-IP cluster): a group of server processes on several nodes serves
+//! one port of the cluster's address, and a connection is handed from one
+//! node's server to another's in the middle of its life. Unmodified
+//! clients (curl, a plain socket) must notice nothing: every byte arrives
+//! once and in order in both directions, and a handoff that fails leaves
+//! the connection with the donor. Root only; run by `cargo xtask test`
+//! (or `cargo xtask integration`).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddrV4, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use ferry_integration::cluster::{Cluster, ClusterSpec};
+use ferry_integration::group::pattern;
+use ferry_integration::managed::{run, runtime};
+use ferry_integration::netns;
+use ferry_proto::v1 as pb;
+use ferry_proto::v1::control_client::ControlClient;
+use tonic::transport::Channel;
+
+const PORT: u16 = 8080;
+const SIZE: u64 = 1_000_000;
+const HALF: u64 = 500_000;
+
+/// A cluster of `nodes` and one client, unless the test cannot run here.
+fn start(test: &str, nodes: usize) -> Option<Cluster> {
+    if !ferry_integration::can_run(test) {
+        return None;
+    }
+    Some(Cluster::start(ClusterSpec::new(nodes, 1)).expect("cluster"))
+}
+
+async fn create_group(c: &mut ControlClient<Channel>, contact: &str, members: &[&str]) {
+    c.create_group(pb::CreateGroupRequest {
+        group: Some(pb::Group {
+            port: u32::from(PORT),
+            contact: contact.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        }),
+    })
+    .await
+    .expect("CreateGroup");
+}
+
+async fn group_view(c: &mut ControlClient<Channel>) -> pb::GroupView {
+    c.list_groups(pb::ListGroupsRequest {})
+        .await
+        .expect("ListGroups")
+        .into_inner()
+        .groups
+        .into_iter()
+        .find(|g| g.group.as_ref().is_some_and(|g| g.port == u32::from(PORT)))
+        .expect("the group on this node")
+}
+
+/// Starts `ferry-group-server` under the node's agent with `args`.
+async fn group_server(c: &mut ControlClient<Channel>, args: &[&str]) -> i32 {
+    let mut argv = vec![
+        ferry_integration::bin_path("ferry-group-server")
+            .to_string_lossy()
+            .into_owned(),
+        "--port".into(),
+        PORT.to_string(),
+    ];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    run(c, argv).await
+}
+
+/// Waits until a server process registered with the node's agent.
+async fn wait_server(c: &mut ControlClient<Channel>, node: &str) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while group_view(c).await.server_pids.is_empty() {
+        assert!(
+            Instant::now() < until,
+            "no group server registered on {node}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// curl from the client's namespace: the download's body, all of it.
+fn curl(cluster: &Cluster) -> Vec<u8> {
+    let mut cmd = Command::new("curl");
+    cmd.args([
+        "--silent",
+        "--show-error",
+        "--max-time",
+        "30",
+        &format!("http://{}:{PORT}/", cluster.public_addr()),
+    ]);
+    let out = netns::output_in(&cluster.netns_path("client1"), cmd).expect("curl");
+    assert!(
+        out.status.success(),
+        "curl: {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+#[track_caller]
+fn assert_whole_download(body: &[u8]) {
+    assert_eq!(body.len() as u64, SIZE, "the download's length");
+    let expected = pattern(0, SIZE as usize);
+    if let Some(at) = body.iter().zip(&expected).position(|(a, b)| a != b) {
+        panic!("the download differs from byte {at} on");
+    }
+}
+
+fn handoff_log(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+#[test]
+fn downloads_handed_off_midway_reach_curl_whole() {
+    let Some(cluster) = start("downloads_handed_off_midway_reach_curl_whole", 2) else {
+        return;
+    };
+    let log = cluster.dir().join("handoffs.jsonl");
+    runtime().block_on(async {
+        let (mut c1, mut c2) = (
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+        );
+        create_group(&mut c1, "node1", &["node2"]).await;
+        let (half, size) = (HALF.to_string(), SIZE.to_string());
+        let log_arg = log.to_string_lossy().into_owned();
+        group_server(
+            &mut c1,
+            &[
+                "--mode",
+                "download",
+                "--size",
+                &size,
+                "--handoff-after",
+                &half,
+                "--to",
+                "node2",
+                "--log",
+                &log_arg,
+            ],
+        )
+        .await;
+        group_server(&mut c2, &["--mode", "download", "--size", &size]).await;
+        wait_server(&mut c1, "node1").await;
+        wait_server(&mut c2, "node2").await;
+
+        const DOWNLOADS: u64 = 3;
+        for _ in 0..DOWNLOADS {
+            assert_whole_download(&curl(&cluster));
+        }
+        let given = handoff_log(&log);
+        assert_eq!(given.len() as u64, DOWNLOADS, "{given:?}");
+        for h in &given {
+            assert_eq!(h["outcome"], "handed-off", "{h}");
+            assert_eq!(h["acceptor"], "node2", "{h}");
+            assert_eq!(h["at"], HALF, "{h}");
+        }
+        let (v1, v2) = (group_view(&mut c1).await, group_view(&mut c2).await);
+        assert_eq!((v1.role.as_str(), v2.role.as_str()), ("contact", "member"));
+        assert_eq!(
+            (v1.handoffs_given, v1.handoffs_failed, v2.handoffs_taken),
+            (DOWNLOADS, 0, DOWNLOADS)
+        );
+        // The contact node knows each connection is served by node2.
+        assert_eq!(v1.connections.len() as u64, DOWNLOADS);
+        assert!(v1.connections.iter().all(|c| c.node == "node2"), "{v1:?}");
+        let client = cluster.client_addr("client1").to_string();
+        assert!(
+            v2.connections.iter().all(|c| c
+                .connection
+                .as_ref()
+                .unwrap()
+                .remote
+                .starts_with(&client)),
+            "{v2:?}"
+        );
+    });
+}
+
+#[test]
+fn an_echo_stream_survives_a_handoff_in_both_directions() {
+    let Some(cluster) = start("an_echo_stream_survives_a_handoff_in_both_directions", 2) else {
+        return;
+    };
+    let log = cluster.dir().join("handoffs.jsonl");
+    const STREAM: usize = 4 << 20;
+    runtime().block_on(async {
+        let (mut c1, mut c2) = (
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+        );
+        create_group(&mut c1, "node1", &["node2"]).await;
+        let log_arg = log.to_string_lossy().into_owned();
+        group_server(
+            &mut c1,
+            &[
+                "--mode",
+                "echo",
+                "--handoff-after",
+                "262144",
+                "--to",
+                "node2",
+                "--log",
+                &log_arg,
+            ],
+        )
+        .await;
+        group_server(&mut c2, &["--mode", "echo"]).await;
+        wait_server(&mut c1, "node1").await;
+        wait_server(&mut c2, "node2").await;
+    });
+    let addr = SocketAddrV4::new(cluster.public_addr(), PORT);
+    // The client writes all the time, the handoff included, while it
+    // reads the echo back: both directions are in flight when the
+    // connection moves.
+    let echoed = netns::run_in(&cluster.netns_path("client1"), move || {
+        let mut s =
+            TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            for chunk in pattern(0, STREAM).chunks(8192) {
+                w.write_all(chunk).expect("writing");
+            }
+            w.shutdown(std::net::Shutdown::Write).unwrap();
+        });
+        let mut back = Vec::with_capacity(STREAM);
+        s.read_to_end(&mut back).expect("reading the echo");
+        writer.join().unwrap();
+        back
+    })
+    .expect("the client");
+    assert_eq!(echoed.len(), STREAM, "echoed bytes");
+    if let Some(at) = echoed
+        .iter()
+        .zip(&pattern(0, STREAM))
+        .position(|(a, b)| a != b)
+    {
+        panic!("the echo differs from byte {at} on");
+    }
+    let given = handoff_log(&log);
+    assert_eq!(given.len(), 1, "{given:?}");
+    assert_eq!(given[0]["outcome"], "handed-off", "{}", given[0]);
+}
+
+#[test]
+fn a_handoff_to_an_acceptor_that_dies_before_the_commit_leaves_the_connection_with_the_donor() {
+    let Some(mut cluster) = start(
+        "a_handoff_to_an_acceptor_that_dies_before_the_commit_leaves_the_connection_with_the_donor",
+        2,
+    ) else {
+        return;
+    };
+    cluster
+        .start_agent_with_env("node2", &[("FERRY_FAULT_AT", "destination:HandoffRebuilt")])
+        .expect("node2's agent, dying at the fault point");
+    let log = cluster.dir().join("handoffs.jsonl");
+    runtime().block_on(async {
+        let (mut c1, mut c2) = (
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+        );
+        create_group(&mut c1, "node1", &["node2"]).await;
+        let (half, size) = (HALF.to_string(), SIZE.to_string());
+        let log_arg = log.to_string_lossy().into_owned();
+        group_server(
+            &mut c1,
+            &[
+                "--mode",
+                "download",
+                "--size",
+                &size,
+                "--handoff-after",
+                &half,
+                "--to",
+                "node2",
+                "--log",
+                &log_arg,
+            ],
+        )
+        .await;
+        group_server(&mut c2, &["--mode", "download", "--size", &size]).await;
+        wait_server(&mut c1, "node1").await;
+        wait_server(&mut c2, "node2").await;
+    });
+    assert_whole_download(&curl(&cluster));
+    assert!(
+        cluster
+            .wait_agent_exit("node2", Duration::from_secs(5))
+            .is_some(),
+        "node2's agent died at the fault point"
+    );
+    let given = handoff_log(&log);
+    assert_eq!(given.len(), 1, "{given:?}");
+    assert_eq!(given[0]["outcome"], "failed", "{}", given[0]);
+    runtime().block_on(async {
+        let mut c1 = cluster.control("node1").await.unwrap();
+        let v1 = group_view(&mut c1).await;
+        assert_eq!((v1.handoffs_given, v1.handoffs_failed), (0, 1), "{v1:?}");
+        // Served here again: a second download is whole too.
+    });
+    assert_whole_download(&curl(&cluster));
+}
+
+#[test]
+fn bad_groups_and_handoffs_are_refused_with_the_reason() {
+    let Some(cluster) = start("bad_groups_and_handoffs_are_refused_with_the_reason", 3) else {
+        return;
+    };
+    let log = cluster.dir().join("handoffs.jsonl");
+    runtime().block_on(async {
+        let mut c1 = cluster.control("node1").await.unwrap();
+        let refused = |g: pb::Group| {
+            let mut c = c1.clone();
+            async move {
+                c.create_group(pb::CreateGroupRequest { group: Some(g) })
+                    .await
+                    .expect_err("refused")
+            }
+        };
+        let g = |port: u32, contact: &str, members: &[&str]| pb::Group {
+            port,
+            contact: contact.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        };
+        let e = refused(g(0, "node1", &["node2"])).await;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("group.port"), "{e}");
+        let e = refused(g(8081, "node1", &["node9"])).await;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("node9"), "{e}");
+        let e = refused(g(8081, "node1", &["node1"])).await;
+        assert!(e.message().contains("group.members"), "{e}");
+
+        // A group of node1 and node2; node1's server hands off to node3,
+        // which is not in it: refused, and the download goes on from node1.
+        create_group(&mut c1, "node1", &["node2"]).await;
+        let (half, size) = (HALF.to_string(), SIZE.to_string());
+        let log_arg = log.to_string_lossy().into_owned();
+        group_server(
+            &mut c1,
+            &[
+                "--mode",
+                "download",
+                "--size",
+                &size,
+                "--handoff-after",
+                &half,
+                "--to",
+                "node3",
+                "--log",
+                &log_arg,
+            ],
+        )
+        .await;
+        wait_server(&mut c1, "node1").await;
+    });
+    assert_whole_download(&curl(&cluster));
+    let given = handoff_log(&log);
+    assert_eq!(given.len(), 1, "{given:?}");
+    assert_eq!(given[0]["outcome"], "failed", "{}", given[0]);
+    let error = given[0]["error"].as_str().unwrap();
+    assert!(error.contains("node3 is not a member"), "{error}");
+
+    // A process that is not one ferryd manages may not serve.
+    let err = ferry_handoff::Server::serve_via(&cluster.handoff_socket("node1"), PORT)
+        .expect_err("a process ferryd does not manage");
+    match err {
+        ferry_handoff::Error::Refused { kind, message } => {
+            assert_eq!(kind, ferry_handoff::ErrorKind::NotMember, "{message}");
+            assert!(
+                message.contains("not a process ferryd manages"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // Nor may one serve a port without a group.
+    let err = ferry_handoff::Server::serve_via(&cluster.handoff_socket("node3"), PORT)
+        .expect_err("no group on node3");
+    assert!(
+        matches!(err, ferry_handoff::Error::Refused { .. }),
+        "{err:?}"
+    );
+}
