@@ -17,6 +17,7 @@ use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::group::pattern;
 use ferry_integration::managed::{run, runtime};
 use ferry_integration::netns;
+use ferry_integration::topology::{CLUSTER_IFACE, PUBLIC_IFACE};
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
@@ -34,11 +35,22 @@ fn start(test: &str, nodes: usize) -> Option<Cluster> {
 }
 
 async fn create_group(c: &mut ControlClient<Channel>, contact: &str, members: &[&str]) {
+    create_group_with_backups(c, contact, &[], members).await;
+}
+
+async fn create_group_with_backups(
+    c: &mut ControlClient<Channel>,
+    contact: &str,
+    backups: &[&str],
+    members: &[&str],
+) {
     c.create_group(pb::CreateGroupRequest {
         group: Some(pb::Group {
             port: u32::from(PORT),
             contact: contact.into(),
+            backups: backups.iter().map(|m| m.to_string()).collect(),
             members: members.iter().map(|m| m.to_string()).collect(),
+            epoch: 0,
         }),
     })
     .await
@@ -330,6 +342,7 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
             port,
             contact: contact.into(),
             members: members.iter().map(|m| m.to_string()).collect(),
+            ..Default::default()
         };
         let e = refused(g(0, "node1", &["node2"])).await;
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
@@ -390,4 +403,133 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
         matches!(err, ferry_handoff::Error::Refused { .. }),
         "{err:?}"
     );
+}
+
+/// The node is gone as a machine would go: its agent and every process
+/// killed, its links down.
+fn fail_node(cluster: &Cluster, node: &str) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let _ = kill(Pid::from_raw(cluster.agent_pid(node)), Signal::SIGKILL);
+    for pid in cluster.pids_in(node) {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    netns::run_in(&cluster.netns_path(node), || {
+        for dev in [PUBLIC_IFACE, CLUSTER_IFACE] {
+            let ok = Command::new("ip")
+                .args(["link", "set", dev, "down"])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "ip link set {dev} down");
+        }
+    })
+    .expect("the node's namespace");
+}
+
+/// One echo exchange of `msg` on `s`.
+fn echo(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    s.write_all(msg)?;
+    let mut back = vec![0; msg.len()];
+    s.read_exact(&mut back)?;
+    assert_eq!(back, msg, "the echo");
+    Ok(())
+}
+
+#[test]
+fn the_contact_nodes_failure_loses_no_connection_served_elsewhere() {
+    let Some(cluster) = start(
+        "the_contact_nodes_failure_loses_no_connection_served_elsewhere",
+        3,
+    ) else {
+        return;
+    };
+    const CLIENTS: usize = 8;
+    runtime().block_on(async {
+        let mut c = [
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+            cluster.control("node3").await.unwrap(),
+        ];
+        create_group_with_backups(&mut c[0], "node1", &["node2"], &["node3"]).await;
+        // The contact node hands every connection to node3 after its first
+        // exchange; node2, its backup, serves what it takes itself.
+        group_server(
+            &mut c[0],
+            &["--mode", "echo", "--handoff-after", "8", "--to", "node3"],
+        )
+        .await;
+        group_server(&mut c[1], &["--mode", "echo"]).await;
+        group_server(&mut c[2], &["--mode", "echo"]).await;
+        for (i, node) in ["node1", "node2", "node3"].iter().enumerate() {
+            wait_server(&mut c[i], node).await;
+        }
+    });
+    let addr = SocketAddrV4::new(cluster.public_addr(), PORT);
+    let client = cluster.netns_path("client1");
+    let mut conns = netns::run_in(&client, move || {
+        (0..CLIENTS)
+            .map(|i| {
+                let mut s = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5))
+                    .expect("connect");
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                echo(&mut s, format!("hello-{i:02}").as_bytes()).expect("the first exchange");
+                s
+            })
+            .collect::<Vec<_>>()
+    })
+    .expect("the clients");
+    runtime().block_on(async {
+        let mut c3 = cluster.control("node3").await.unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while group_view(&mut c3).await.handoffs_taken < CLIENTS as u64 {
+            assert!(Instant::now() < until, "node3 took every connection");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut c2 = cluster.control("node2").await.unwrap();
+        let v2 = group_view(&mut c2).await;
+        assert_eq!(v2.role, "backup");
+        assert_eq!(
+            v2.connections.iter().filter(|c| c.node == "node3").count(),
+            CLIENTS,
+            "the backup knows who serves each connection: {v2:?}"
+        );
+    });
+
+    fail_node(&cluster, "node1");
+    let failed = Instant::now();
+    // New connections: served again once node2 took over.
+    let served_again = netns::run_in(&client, move || {
+        loop {
+            let attempt = TcpStream::connect_timeout(&addr.into(), Duration::from_millis(200))
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_millis(500)))?;
+                    echo(&mut s, b"new")
+                });
+            if attempt.is_ok() {
+                return failed.elapsed();
+            }
+            assert!(
+                failed.elapsed() < Duration::from_secs(15),
+                "no new connection served"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+    .expect("a new client");
+    println!("new connections served again {served_again:?} after the contact node failed");
+    // Every connection served elsewhere goes on: not one lost or reset.
+    for (i, s) in conns.iter_mut().enumerate() {
+        echo(s, format!("after-failover-{i:02}").as_bytes())
+            .unwrap_or_else(|e| panic!("connection {i} after the failover: {e}"));
+    }
+    runtime().block_on(async {
+        let mut c2 = cluster.control("node2").await.unwrap();
+        let v2 = group_view(&mut c2).await;
+        let g = v2.group.clone().unwrap();
+        assert_eq!((v2.role.as_str(), g.epoch), ("contact", 2), "{v2:?}");
+        assert_eq!(g.members, ["node3", "node2"], "{g:?}");
+        let mut c3 = cluster.control("node3").await.unwrap();
+        let g3 = group_view(&mut c3).await.group.unwrap();
+        assert_eq!((g3.contact.as_str(), g3.epoch), ("node2", 2));
+    });
 }

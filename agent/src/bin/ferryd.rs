@@ -303,6 +303,9 @@ async fn serve(config: Config) -> Result<()> {
         tokio::runtime::Handle::current(),
     )
     .context("serving the handoff socket")?;
+    // Distributed servers: heartbeats along each group's chain, view
+    // changes, the sweep of ended connections. Ends with the runtime.
+    tokio::spawn(node.groups.clone().watch());
     serve_apis(&node, tls.as_ref(), shutdown_tx, shutdown_rx).await?;
     let _ = reconciler.await;
     if let Some(t) = conductor_task {

@@ -155,23 +155,10 @@ impl Groups {
         let id = format!("handoff-{}-{}-{}", self.node, flow, rand::random::<u32>());
         tracing::info!(%id, %flow, acceptor = %node, pid, "handing a connection off");
         let r = self
-            .give(
-                &id,
-                examined,
-                conn,
-                &node,
-                drain_limit,
-                app_state,
-                group.contact == self.node,
-            )
+            .give(&id, examined, conn, &node, drain_limit, app_state, &group)
             .await;
         match &r {
-            Ok(_) => {
-                self.end(flow, Outcome::Given { to: node.clone() });
-                if group.contact != self.node && group.contact != node {
-                    self.tell_contact(&group.contact, flow, &node).await;
-                }
-            }
+            Ok(_) => self.end(flow, Outcome::Given { to: node.clone() }),
             Err(e) => {
                 tracing::warn!(%id, %flow, acceptor = %node, error = %e, "handoff failed; the connection stays here");
                 self.end(flow, Outcome::Failed);
@@ -189,31 +176,25 @@ impl Groups {
         node: &str,
         drain_limit: Duration,
         app_state: Vec<u8>,
-        contact_here: bool,
+        group: &super::Group,
     ) -> Result<HandedOff, GroupsError> {
         let flow = examined.flow;
+        let contact_here = group.contact == self.node;
         let mut phases = Phases::new();
         if !drain_limit.is_zero() {
             let drained = drain(conn.as_fd(), drain_limit).await;
             tracing::debug!(%flow, drained, "drained the send queue");
             phases.mark("drain");
         }
-        let mut client = self.client(node).await?;
-        let peer_err = |status| GroupsError::Peer {
-            node: node.to_owned(),
-            status,
+        let req = pb::HandoffPrepareRequest {
+            id: id.to_owned(),
+            donor: self.node.clone(),
+            connection: Some(connection_pb(flow)),
         };
-        tokio::time::timeout(
-            STEP_TIMEOUT,
-            client.handoff_prepare(pb::HandoffPrepareRequest {
-                id: id.to_owned(),
-                donor: self.node.clone(),
-                connection: Some(connection_pb(flow)),
-            }),
-        )
-        .await
-        .map_err(|_| self.timed_out(node, "HandoffPrepare"))?
-        .map_err(peer_err)?;
+        self.call(node, STEP_TIMEOUT, |mut c| async move {
+            c.handoff_prepare(req).await
+        })
+        .await?;
         phases.mark("prepare");
 
         // From here on a failure must give the connection back.
@@ -228,47 +209,47 @@ impl Groups {
             }
         };
         phases.mark("extract");
-        let transfer = tokio::time::timeout(
-            STEP_TIMEOUT,
-            client.handoff_transfer(pb::HandoffTransferRequest {
-                id: id.to_owned(),
-                state: Some(state.to_pb()),
-                app_state,
-            }),
-        )
-        .await;
+        let req = pb::HandoffTransferRequest {
+            id: id.to_owned(),
+            state: Some(state.to_pb()),
+            app_state,
+        };
+        let transfer = self
+            .call(node, STEP_TIMEOUT, |mut c| async move {
+                c.handoff_transfer(req).await
+            })
+            .await;
         let rebuild_us = match transfer {
-            Ok(Ok(r)) => r.into_inner().rebuild_us,
-            Ok(Err(status)) => {
+            Ok(r) => r.rebuild_us,
+            Err(e) => {
                 frozen.give_back().await;
                 self.abort_on(node, id).await;
-                return Err(peer_err(status));
-            }
-            Err(_) => {
-                frozen.give_back().await;
-                self.abort_on(node, id).await;
-                return Err(self.timed_out(node, "HandoffTransfer"));
+                return Err(e);
             }
         };
         phases.mark("transfer");
         phases.add("rebuild (acceptor)", rebuild_us);
+        // Whoever becomes the contact node must know, before the
+        // connection is the acceptor's, to leave it alone.
+        self.record_on_chain(group, flow, node).await;
+        phases.mark("record");
 
         // The commit point: the acceptor resumes its copy. Should the
         // answer not come, the acceptor is asked whether it committed; only
         // a "no" (or an acceptor that cannot be reached at all) gives the
         // connection back here.
-        let commit = tokio::time::timeout(
-            STEP_TIMEOUT,
-            client.handoff_commit(pb::HandoffCommitRequest { id: id.to_owned() }),
-        )
-        .await;
-        let committed = match commit {
-            Ok(Ok(r)) => Some(r.into_inner()),
-            Ok(Err(status)) => {
-                tracing::warn!(id, error = %status, "HandoffCommit refused");
+        let req = pb::HandoffCommitRequest { id: id.to_owned() };
+        let committed = match self
+            .call(node, STEP_TIMEOUT, |mut c| async move {
+                c.handoff_commit(req).await
+            })
+            .await
+        {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(id, error = %e, "HandoffCommit failed");
                 None
             }
-            Err(_) => None,
         };
         let committed = match committed {
             Some(c) => c,
@@ -294,13 +275,6 @@ impl Groups {
         })
     }
 
-    fn timed_out(&self, node: &str, step: &str) -> GroupsError {
-        GroupsError::Unreachable {
-            node: node.to_owned(),
-            reason: format!("no answer to {step} within {STEP_TIMEOUT:?}"),
-        }
-    }
-
     /// How this node's filter treats `flow` now (None: by its port).
     pub(super) fn flow_state(&self, flow: Flow) -> Result<Option<FlowState>, GroupsError> {
         Ok(self
@@ -316,47 +290,18 @@ impl Groups {
     /// Asks the acceptor to drop handoff `id`; Some(true) if it had
     /// committed already, None if it could not be asked.
     async fn abort_on(&self, node: &str, id: &str) -> Option<bool> {
-        let r = async {
-            let mut c = self.client(node).await?;
-            tokio::time::timeout(
-                STEP_TIMEOUT,
-                c.handoff_abort(pb::HandoffAbortRequest { id: id.to_owned() }),
-            )
-            .await
-            .map_err(|_| self.timed_out(node, "HandoffAbort"))?
-            .map_err(|status| GroupsError::Peer {
-                node: node.to_owned(),
-                status,
+        let req = pb::HandoffAbortRequest { id: id.to_owned() };
+        let r = self
+            .call(node, STEP_TIMEOUT, |mut c| async move {
+                c.handoff_abort(req).await
             })
-        }
-        .await;
+            .await;
         match r {
-            Ok(r) => Some(r.into_inner().committed),
+            Ok(r) => Some(r.committed),
             Err(e) => {
                 tracing::warn!(id, node, error = %e, "asking the acceptor to drop a handoff");
                 None
             }
-        }
-    }
-
-    /// Tells the group's contact node who serves `flow` now (best effort:
-    /// its table is informative until backups take over from it).
-    async fn tell_contact(&self, contact: &str, flow: Flow, node: &str) {
-        let r = async {
-            let mut c = self.client(contact).await?;
-            c.connection_moved(pb::ConnectionMovedRequest {
-                connection: Some(connection_pb(flow)),
-                node: node.to_owned(),
-            })
-            .await
-            .map_err(|status| GroupsError::Peer {
-                node: contact.to_owned(),
-                status,
-            })
-        }
-        .await;
-        if let Err(e) = r {
-            tracing::warn!(%flow, contact, error = %e, "telling the contact node who serves a connection");
         }
     }
 }

@@ -22,11 +22,19 @@
 //! - Groups are created through the Control API on any node, which asks
 //!   every member to join ([`Groups::create`]).
 //!
-//! Not built yet (issue 38): the contact node's backups and their
-//! two-phase commit, failover of the contact node, placement policies, and
-//! the operator's handoff of a process's connection (`ferry handoff`).
+//! - The contact node has backups ([`chain`]): each watches the node
+//!   before it, and a failure changes the group's view by two-phase commit
+//!   among the contact node and backups; when the contact node fails, its
+//!   first backup takes new connections. Every node of the chain keeps the
+//!   table of connections served elsewhere, so the new contact node leaves
+//!   them alone: no established connection is lost with the contact node
+//!   (but those it served itself).
+//!
+//! Not built yet (issue 38): placement policies, and the operator's
+//! handoff of a process's connection (`ferry handoff`).
 
 pub mod acceptor;
+pub mod chain;
 pub mod donor;
 pub mod local;
 pub mod service;
@@ -47,13 +55,21 @@ use crate::ports::Ports;
 use crate::process::{PortKey, Transport};
 use crate::sync::lock;
 
+/// How long a member may take to join or leave a group.
+const JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A distributed server's group, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Group {
     pub port: u16,
     pub contact: String,
-    /// Every member, the contact node included, in the order given.
+    /// The nodes that take over from the contact node, in order.
+    pub backups: Vec<String>,
+    /// Every member, the contact node and backups included, in the order
+    /// given.
     pub members: Vec<String>,
+    /// The view's number (1 for a new group).
+    pub epoch: u64,
 }
 
 impl Group {
@@ -80,6 +96,18 @@ impl Group {
         if !seen.contains(g.contact.as_str()) {
             members.insert(0, g.contact.clone());
         }
+        let mut chain = BTreeSet::from([g.contact.as_str()]);
+        for b in &g.backups {
+            if !chain.insert(b.as_str()) {
+                return Err(invalid(
+                    "group.backups",
+                    format!("{b} is the contact node or listed twice"),
+                ));
+            }
+            if !members.contains(b) {
+                members.push(b.clone());
+            }
+        }
         if members.len() < 2 {
             return Err(invalid(
                 "group.members",
@@ -89,7 +117,9 @@ impl Group {
         Ok(Self {
             port,
             contact: g.contact.clone(),
+            backups: g.backups.clone(),
             members,
+            epoch: g.epoch.max(1),
         })
     }
 
@@ -98,7 +128,39 @@ impl Group {
             port: u32::from(self.port),
             contact: self.contact.clone(),
             members: self.members.clone(),
+            backups: self.backups.clone(),
+            epoch: self.epoch,
         }
+    }
+
+    /// The contact node, then its backups in order: who takes over from
+    /// whom.
+    pub fn chain(&self) -> Vec<String> {
+        std::iter::once(self.contact.clone())
+            .chain(self.backups.iter().cloned())
+            .collect()
+    }
+
+    /// The view without `node`: if it was the contact node, its first
+    /// backup takes its place.
+    pub fn without(&self, node: &str) -> Option<Group> {
+        let mut chain: Vec<String> = self.chain().into_iter().filter(|n| n != node).collect();
+        if chain.is_empty() {
+            return None;
+        }
+        let contact = chain.remove(0);
+        Some(Group {
+            port: self.port,
+            contact,
+            backups: chain,
+            members: self
+                .members
+                .iter()
+                .filter(|n| *n != node)
+                .cloned()
+                .collect(),
+            epoch: self.epoch + 1,
+        })
     }
 
     fn port_key(&self) -> PortKey {
@@ -233,6 +295,25 @@ struct GroupState {
     /// Connections a handoff from or to this node is moving.
     in_flight: BTreeSet<Flow>,
     counts: HandoffCounts,
+    /// The highest view this node accepted in a two-phase commit's first
+    /// phase ([`chain`]).
+    promised: u64,
+    /// When the node before this one in the chain last answered.
+    predecessor_heard: std::time::Instant,
+}
+
+impl GroupState {
+    fn new(group: Group) -> Self {
+        Self {
+            promised: group.epoch,
+            group,
+            servers: Vec::new(),
+            connections: BTreeMap::new(),
+            in_flight: BTreeSet::new(),
+            counts: HandoffCounts::default(),
+            predecessor_heard: std::time::Instant::now(),
+        }
+    }
 }
 
 /// This node's distributed servers.
@@ -248,6 +329,12 @@ pub struct Groups {
     groups: Mutex<BTreeMap<u16, GroupState>>,
     /// Handoffs this node accepts, by id ([`acceptor`]).
     incoming: Mutex<HashMap<String, acceptor::Incoming>>,
+    /// A channel per watched peer, kept for the heartbeats: they go out ten
+    /// times a second, and a TLS handshake each time would cost more than
+    /// the heartbeat. Other calls open a channel each: a peer that dies
+    /// holding a connection open to this node's server would make its
+    /// graceful shutdown wait for an answer that never comes.
+    channels: Mutex<HashMap<String, tonic::transport::Channel>>,
 }
 
 impl Groups {
@@ -268,6 +355,7 @@ impl Groups {
             processes,
             groups: Mutex::new(BTreeMap::new()),
             incoming: Mutex::new(HashMap::new()),
+            channels: Mutex::new(HashMap::new()),
         }
     }
 
@@ -334,34 +422,26 @@ impl Groups {
             self.leave(port).await;
             return;
         }
-        let r = async {
-            let mut c = self.client(node).await?;
-            c.leave(pb::LeaveGroupRequest {
-                port: u32::from(port),
+        let r = self
+            .call(node, JOIN_TIMEOUT, |mut c| async move {
+                c.leave(pb::LeaveGroupRequest {
+                    port: u32::from(port),
+                })
+                .await
             })
-            .await
-            .map_err(|status| GroupsError::Peer {
-                node: node.to_owned(),
-                status,
-            })
-        }
-        .await;
+            .await;
         if let Err(e) = r {
             tracing::warn!(node, port, error = %e, "asking a member to leave its group");
         }
     }
 
     async fn peer_join(&self, node: &str, group: &Group) -> Result<(), GroupsError> {
-        let mut c = self.client(node).await?;
-        c.join(pb::JoinGroupRequest {
+        let req = pb::JoinGroupRequest {
             group: Some(group.to_pb()),
-        })
-        .await
-        .map(|_| ())
-        .map_err(|status| GroupsError::Peer {
-            node: node.to_owned(),
-            status,
-        })
+        };
+        self.call(node, JOIN_TIMEOUT, |mut c| async move { c.join(req).await })
+            .await
+            .map(|_| ())
     }
 
     /// This node joins `group`: its filter takes the port as the group
@@ -392,16 +472,7 @@ impl Groups {
                 }
                 None => {}
             }
-            groups.insert(
-                group.port,
-                GroupState {
-                    group: group.clone(),
-                    servers: Vec::new(),
-                    connections: BTreeMap::new(),
-                    in_flight: BTreeSet::new(),
-                    counts: HandoffCounts::default(),
-                },
-            );
+            groups.insert(group.port, GroupState::new(group.clone()));
         }
         let state = if group.contact == self.node {
             PortState::SharedContact
@@ -455,6 +526,8 @@ impl Groups {
                     group: Some(g.group.to_pb()),
                     role: if g.group.contact == self.node {
                         "contact".into()
+                    } else if g.group.backups.contains(&self.node) {
+                        "backup".into()
                     } else {
                         "member".into()
                     },
@@ -475,11 +548,16 @@ impl Groups {
             .collect()
     }
 
-    /// A Groups client for `node`'s Peer port.
+    /// A Groups client for `node`'s Peer port; `keep`: on the channel kept
+    /// for it.
     async fn client(
         &self,
         node: &str,
+        keep: bool,
     ) -> Result<pb::groups_client::GroupsClient<tonic::transport::Channel>, GroupsError> {
+        if keep && let Some(c) = lock(&self.channels).get(node) {
+            return Ok(pb::groups_client::GroupsClient::new(c.clone()));
+        }
         let peer = self
             .cluster
             .peer(node)
@@ -495,7 +573,79 @@ impl Groups {
                     node: node.to_owned(),
                     reason: e.reason,
                 })?;
+        if keep {
+            lock(&self.channels).insert(node.to_owned(), channel.clone());
+        }
         Ok(pb::groups_client::GroupsClient::new(channel))
+    }
+
+    /// `call` on `node`'s Groups service within `limit`, connecting
+    /// included (a node whose link is gone does not refuse: it stays
+    /// silent); the kept channel of a node that failed or stayed silent is
+    /// dropped.
+    async fn call<T, F, Fut>(
+        &self,
+        node: &str,
+        limit: std::time::Duration,
+        call: F,
+    ) -> Result<T, GroupsError>
+    where
+        F: FnOnce(pb::groups_client::GroupsClient<tonic::transport::Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.call_on(node, limit, false, call).await
+    }
+
+    /// [`Self::call`] on the channel kept for `node` if `keep`.
+    async fn call_on<T, F, Fut>(
+        &self,
+        node: &str,
+        limit: std::time::Duration,
+        keep: bool,
+        call: F,
+    ) -> Result<T, GroupsError>
+    where
+        F: FnOnce(pb::groups_client::GroupsClient<tonic::transport::Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let r = tokio::time::timeout(limit, async {
+            let c = self.client(node, keep).await?;
+            call(c)
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(|status| GroupsError::Peer {
+                    node: node.to_owned(),
+                    status,
+                })
+        })
+        .await;
+        match r {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                let gone = match &e {
+                    GroupsError::Unreachable { .. } => true,
+                    GroupsError::Peer { status, .. } => status.code() == tonic::Code::Unavailable,
+                    _ => false,
+                };
+                if gone {
+                    self.drop_channel(node);
+                }
+                Err(e)
+            }
+            Err(_) => {
+                self.drop_channel(node);
+                Err(GroupsError::Unreachable {
+                    node: node.to_owned(),
+                    reason: format!("no answer within {limit:?}"),
+                })
+            }
+        }
+    }
+
+    /// Forgets the kept channel to `node` (it failed): the next call opens
+    /// a new one.
+    fn drop_channel(&self, node: &str) {
+        lock(&self.channels).remove(node);
     }
 
     /// Registers `pid` as a server of the group on `port`: it must be a
@@ -599,8 +749,8 @@ impl Groups {
         }
     }
 
-    /// The contact node records who serves a connection now.
-    pub fn connection_moved(&self, flow: Flow, node: &str) -> Result<(), GroupsError> {
+    /// The contact node or a backup records who serves a connection.
+    pub fn record_connection(&self, flow: Flow, node: &str) -> Result<(), GroupsError> {
         let mut groups = self.groups();
         let g = groups
             .get_mut(&flow.local_port)
@@ -673,6 +823,7 @@ mod tests {
             port,
             contact: contact.into(),
             members: members.iter().map(|m| m.to_string()).collect(),
+            ..Default::default()
         }
     }
 
@@ -688,6 +839,44 @@ mod tests {
         assert_eq!(field(pb(80, "n1", &["n2", "n2"])), "group.members");
         assert_eq!(field(pb(80, "n1", &["n1"])), "group.members");
         assert_eq!(field(pb(80, "n1", &[""])), "group.members");
+    }
+
+    #[test]
+    fn a_failed_contact_node_gives_way_to_its_first_backup() {
+        let g = Group::from_pb(&pb::Group {
+            port: 80,
+            contact: "n1".into(),
+            backups: vec!["n2".into(), "n3".into()],
+            members: vec!["n4".into()],
+            epoch: 0,
+        })
+        .unwrap();
+        assert_eq!(g.members, ["n1", "n4", "n2", "n3"]);
+        assert_eq!(g.chain(), ["n1", "n2", "n3"]);
+        assert_eq!(g.epoch, 1);
+        let after = g.without("n1").unwrap();
+        assert_eq!((after.contact.as_str(), after.epoch), ("n2", 2));
+        assert_eq!(after.backups, ["n3"]);
+        assert_eq!(after.members, ["n4", "n2", "n3"]);
+        let after = g.without("n2").unwrap();
+        assert_eq!(
+            (after.contact.as_str(), after.backups.as_slice()),
+            ("n1", &["n3".to_owned()][..])
+        );
+        let bad = Group::from_pb(&pb::Group {
+            port: 80,
+            contact: "n1".into(),
+            backups: vec!["n1".into()],
+            members: vec!["n2".into()],
+            epoch: 0,
+        });
+        assert!(matches!(
+            bad,
+            Err(GroupsError::Invalid {
+                field: "group.backups",
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -743,13 +932,7 @@ mod tests {
         ));
         groups.groups().insert(
             8080,
-            GroupState {
-                group: Group::from_pb(&pb(8080, "node1", &["node2"])).unwrap(),
-                servers: Vec::new(),
-                connections: BTreeMap::new(),
-                in_flight: BTreeSet::new(),
-                counts: HandoffCounts::default(),
-            },
+            GroupState::new(Group::from_pb(&pb(8080, "node1", &["node2"])).unwrap()),
         );
         groups.begin(flow).unwrap();
         let busy = groups.begin(flow).unwrap_err();

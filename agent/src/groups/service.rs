@@ -40,8 +40,7 @@ impl GroupsApi for GroupsService {
         &self,
         request: Request<pb::LeaveGroupRequest>,
     ) -> Result<Response<pb::LeaveGroupResponse>, Status> {
-        let port = u16::try_from(request.into_inner().port)
-            .map_err(|_| Status::invalid_argument("port: not a TCP port"))?;
+        let port = port_of(request.into_inner().port)?;
         self.groups.leave(port).await;
         Ok(Response::new(pb::LeaveGroupResponse {}))
     }
@@ -79,13 +78,68 @@ impl GroupsApi for GroupsService {
         Ok(Response::new(pb::HandoffAbortResponse { committed }))
     }
 
-    async fn connection_moved(
+    async fn record_connection(
         &self,
-        request: Request<pb::ConnectionMovedRequest>,
-    ) -> Result<Response<pb::ConnectionMovedResponse>, Status> {
+        request: Request<pb::RecordConnectionRequest>,
+    ) -> Result<Response<pb::RecordConnectionResponse>, Status> {
         let req = request.into_inner();
         let flow = flow_from_pb(req.connection.as_ref())?;
-        self.groups.connection_moved(flow, &req.node)?;
-        Ok(Response::new(pb::ConnectionMovedResponse {}))
+        self.groups.record_connection(flow, &req.node)?;
+        Ok(Response::new(pb::RecordConnectionResponse {}))
     }
+
+    async fn connection_closed(
+        &self,
+        request: Request<pb::ConnectionClosedRequest>,
+    ) -> Result<Response<pb::ConnectionClosedResponse>, Status> {
+        let flow = flow_from_pb(request.into_inner().connection.as_ref())?;
+        self.groups.forget_connection(flow).await;
+        Ok(Response::new(pb::ConnectionClosedResponse {}))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let port = port_of(request.into_inner().port)?;
+        let epoch = self.groups.epoch(port)?;
+        Ok(Response::new(pb::HeartbeatResponse { epoch }))
+    }
+
+    async fn view_prepare(
+        &self,
+        request: Request<pb::ViewPrepareRequest>,
+    ) -> Result<Response<pb::ViewPrepareResponse>, Status> {
+        let req = request.into_inner();
+        let group = Group::from_pb(
+            req.group
+                .as_ref()
+                .ok_or_else(|| Status::invalid_argument("group: missing"))?,
+        )?;
+        let (accepted, epoch) = self.groups.promise(&group, &req.proposer);
+        Ok(Response::new(pb::ViewPrepareResponse { accepted, epoch }))
+    }
+
+    async fn view_commit(
+        &self,
+        request: Request<pb::ViewCommitRequest>,
+    ) -> Result<Response<pb::ViewCommitResponse>, Status> {
+        let req = request.into_inner();
+        let group = Group::from_pb(
+            req.group
+                .as_ref()
+                .ok_or_else(|| Status::invalid_argument("group: missing"))?,
+        )?;
+        let mut table = Vec::new();
+        for c in &req.connections {
+            table.push((flow_from_pb(c.connection.as_ref())?, c.node.clone()));
+        }
+        self.groups.apply_view(group, table).await?;
+        Ok(Response::new(pb::ViewCommitResponse {}))
+    }
+}
+
+fn port_of(port: u32) -> Result<u16, Status> {
+    u16::try_from(port)
+        .map_err(|_| Status::invalid_argument(format!("port: {port} is not a TCP port")))
 }

@@ -327,8 +327,12 @@ pub(crate) enum GroupAction {
         /// The node that takes new connections.
         #[arg(long)]
         contact: String,
+        /// The nodes that take over from the contact node, in order
+        /// (repeat, or comma-separated).
+        #[arg(long = "backup", value_delimiter = ',')]
+        backups: Vec<String>,
         /// The other members (repeat, or comma-separated).
-        #[arg(long = "member", value_delimiter = ',', required = true)]
+        #[arg(long = "member", value_delimiter = ',')]
         members: Vec<String>,
     },
     /// The groups as the agent's node sees them: members and roles, its

@@ -12,6 +12,7 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
         GroupAction::Create {
             port,
             contact,
+            backups,
             members,
         } => {
             let g = client
@@ -20,6 +21,8 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
                         port: u32::from(port),
                         contact,
                         members,
+                        backups,
+                        epoch: 0,
                     }),
                 })
                 .await
@@ -28,13 +31,18 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
             if as_json {
                 println!(
                     "{}",
-                    json!({"port": g.port, "contact": g.contact, "members": g.members})
+                    json!({"port": g.port, "contact": g.contact, "backups": g.backups, "members": g.members, "epoch": g.epoch})
                 );
             } else {
                 println!(
-                    "group on port {}: contact {}, members {}",
+                    "group on port {}: contact {}, backups {}, members {}",
                     g.port,
                     g.contact,
+                    if g.backups.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        g.backups.join(", ")
+                    },
                     g.members.join(", ")
                 );
             }
@@ -75,7 +83,9 @@ fn view_json(v: &pb::GroupView) -> serde_json::Value {
     json!({
         "port": g.port,
         "contact": g.contact,
+        "backups": g.backups,
         "members": g.members,
+        "epoch": g.epoch,
         "role": v.role,
         "server_pids": v.server_pids,
         "connections": v.connections.iter().map(|c| {
@@ -96,9 +106,15 @@ fn print_groups(groups: &[pb::GroupView]) {
     for v in groups {
         let g = v.group.clone().unwrap_or_default();
         println!(
-            "port {}: contact {}, members {} (this node: {}; servers: {}; handoffs given {}, taken {}, failed {})",
+            "port {} (view {}): contact {}, backups {}, members {} (this node: {}; servers: {}; handoffs given {}, taken {}, failed {})",
             g.port,
+            g.epoch,
             g.contact,
+            if g.backups.is_empty() {
+                "none".to_owned()
+            } else {
+                g.backups.join(", ")
+            },
             g.members.join(", "),
             v.role,
             if v.server_pids.is_empty() {

@@ -1,0 +1,495 @@
+//! The contact node and its backups (the XtreemOS distributed servers'
+//! membership protocol): the chain `contact, backup 1, backup 2, ...`.
+//!
+//! - **Failure detection**: each backup asks the node before it in the
+//!   chain every [`HEARTBEAT_EVERY`] whether it lives; one silent for
+//!   [`SUSPECT_AFTER`] is taken as failed.
+//! - **View change by two-phase commit**: the node that found the failure
+//!   proposes the view without the failed node (the first backup becomes
+//!   the contact node if the contact node failed) to every other node of
+//!   the new chain; each promises not to take an older view; with every
+//!   promise (a node that does not answer is left out too, in a next
+//!   proposal) the view is committed to the chain and to every other
+//!   member. Two proposers for the same epoch cannot both win: each node
+//!   promises an epoch once.
+//! - **The table of connections**: before its commit point a donor records
+//!   who will serve the connection on every node of the chain
+//!   ([`Groups::record_on_chain`]), so a backup that becomes the contact
+//!   node leaves each connection served elsewhere to its server (its
+//!   filter gets an `Elsewhere` entry for it before it takes the port's
+//!   new connections). The server of a connection that ended tells the
+//!   chain ([`Groups::sweep`]), which forgets it.
+//!
+//! Not done: a node that comes back (or was wrongly taken as failed) does
+//! not join again by itself; the seed's "please join again" answer is
+//! left for later.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1 as pb;
+
+use super::{Group, Groups, GroupsError, connection_pb};
+use crate::dataplane::{Flow, FlowState, PortState};
+
+/// How often a backup asks the node before it in the chain.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(100);
+
+/// How long a node may stay silent before its successor takes it as
+/// failed: with [`HEARTBEAT_EVERY`] and the commit's round trips, new
+/// connections are served again within a second of a contact node's
+/// failure.
+pub const SUSPECT_AFTER: Duration = Duration::from_millis(500);
+
+/// How long one heartbeat or one step of a view change may take.
+const CALL_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// How often a node looks for ended connections among those it serves.
+const SWEEP_EVERY: Duration = Duration::from_secs(2);
+
+impl Groups {
+    /// The view number of the group on `port` here.
+    pub fn epoch(&self, port: u16) -> Result<u64, GroupsError> {
+        self.groups()
+            .get(&port)
+            .map(|g| g.group.epoch)
+            .ok_or_else(|| GroupsError::NoGroup {
+                port,
+                node: self.node.clone(),
+            })
+    }
+
+    /// Phase one of a view change: promise `group`'s epoch if it is above
+    /// every one this node holds or promised. Returns (accepted, the epoch
+    /// this node holds or promised).
+    pub fn promise(&self, group: &Group, proposer: &str) -> (bool, u64) {
+        let mut groups = self.groups();
+        let Some(g) = groups.get_mut(&group.port) else {
+            return (false, 0);
+        };
+        let known = g.promised.max(g.group.epoch);
+        if group.epoch <= known {
+            tracing::info!(
+                port = group.port,
+                proposer,
+                epoch = group.epoch,
+                known,
+                "a view change refused: an equal or newer one is known"
+            );
+            return (false, known);
+        }
+        g.promised = group.epoch;
+        (true, group.epoch)
+    }
+
+    /// Phase two, or a member told of a new view: takes `group` (if newer
+    /// than the view held) with the connections the chain knows of.
+    pub async fn apply_view(
+        self: &Arc<Self>,
+        group: Group,
+        table: Vec<(Flow, String)>,
+    ) -> Result<(), GroupsError> {
+        if !group.members.contains(&self.node) {
+            self.leave(group.port).await;
+            return Ok(());
+        }
+        let became_contact = {
+            let mut groups = self.groups();
+            let g = match groups.get_mut(&group.port) {
+                Some(g) => g,
+                None => {
+                    groups.insert(group.port, super::GroupState::new(group.clone()));
+                    groups.get_mut(&group.port).expect("just inserted")
+                }
+            };
+            if group.epoch < g.group.epoch {
+                return Ok(());
+            }
+            let was_contact = g.group.contact == self.node;
+            for (flow, node) in table {
+                g.connections.entry(flow).or_insert(node);
+            }
+            g.group = group.clone();
+            g.promised = g.promised.max(group.epoch);
+            g.predecessor_heard = Instant::now();
+            !was_contact && group.contact == self.node
+        };
+        tracing::info!(port = group.port, epoch = group.epoch, contact = %group.contact, backups = ?group.backups, members = ?group.members, "the group's view changed");
+        if became_contact {
+            self.take_over(group.port).await?;
+        }
+        Ok(())
+    }
+
+    /// This node becomes the group's contact node: every connection served
+    /// elsewhere gets its `Elsewhere` entry first, then the port takes new
+    /// connections here.
+    async fn take_over(self: &Arc<Self>, port: u16) -> Result<(), GroupsError> {
+        let started = Instant::now();
+        let elsewhere: Vec<Flow> = self
+            .groups()
+            .get(&port)
+            .map(|g| {
+                g.connections
+                    .iter()
+                    .filter(|(_, n)| **n != self.node)
+                    .map(|(f, _)| *f)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let count = elsewhere.len();
+        let dp = self.dataplane.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut table = dp.table();
+            for f in elsewhere {
+                table.set_flow(f, FlowState::Elsewhere)?;
+            }
+            Ok::<_, crate::dataplane::DataPlaneError>(())
+        })
+        .await
+        .map_err(|e| GroupsError::Internal(e.to_string()))?
+        .map_err(|e| GroupsError::Internal(e.to_string()))?;
+        self.ports.share(
+            crate::process::PortKey {
+                transport: crate::process::Transport::Tcp,
+                port,
+            },
+            PortState::SharedContact,
+        );
+        self.ports
+            .apply()
+            .await
+            .map_err(|e| GroupsError::Internal(e.to_string()))?;
+        tracing::warn!(
+            port,
+            served_elsewhere = count,
+            took_us = started.elapsed().as_micros() as u64,
+            "this node is the group's contact node now"
+        );
+        Ok(())
+    }
+
+    /// Records on every other node of the chain that `node` serves `flow`
+    /// (a donor, before its commit point). A node of the chain that does
+    /// not answer is left to failure detection: it is on its way out.
+    pub(super) async fn record_on_chain(&self, group: &Group, flow: Flow, node: &str) {
+        let targets: Vec<String> = group
+            .chain()
+            .into_iter()
+            .filter(|n| *n != self.node && n != node)
+            .collect();
+        let calls = targets.iter().map(|target| async move {
+            let req = pb::RecordConnectionRequest {
+                connection: Some(connection_pb(flow)),
+                node: node.to_owned(),
+            };
+            let r = self
+                .call(target, CALL_TIMEOUT, |mut c| async move {
+                    c.record_connection(req).await
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::warn!(%flow, node = %target, error = %e, "recording a connection on the chain");
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+
+    /// Forgets a connection that ended (its server said so).
+    pub async fn forget_connection(&self, flow: Flow) {
+        let known = self
+            .groups()
+            .get_mut(&flow.local_port)
+            .and_then(|g| g.connections.remove(&flow))
+            .is_some();
+        if !known {
+            return;
+        }
+        let dp = self.dataplane.clone();
+        let r = tokio::task::spawn_blocking(move || dp.table().remove_flow(flow)).await;
+        if let Ok(Err(e)) | Err(e) = r.map_err(|e| crate::dataplane::DataPlaneError(e.to_string()))
+        {
+            tracing::warn!(%flow, error = %e, "forgetting a connection");
+        }
+    }
+
+    /// Runs for as long as the agent does: heartbeats to the node before
+    /// this one in each group's chain, view changes when it fails, and the
+    /// sweep of ended connections.
+    pub async fn watch(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut swept = Instant::now();
+        loop {
+            ticker.tick().await;
+            self.heartbeats().await;
+            if swept.elapsed() >= SWEEP_EVERY {
+                swept = Instant::now();
+                self.sweep().await;
+            }
+        }
+    }
+
+    /// One round of heartbeats; proposes a view without each predecessor
+    /// silent for [`SUSPECT_AFTER`].
+    async fn heartbeats(self: &Arc<Self>) {
+        let watched: Vec<(Group, String)> = self
+            .groups()
+            .values()
+            .filter_map(|g| {
+                let chain = g.group.chain();
+                let i = chain.iter().position(|n| *n == self.node)?;
+                (i > 0).then(|| (g.group.clone(), chain[i - 1].clone()))
+            })
+            .collect();
+        for (group, predecessor) in watched {
+            let req = pb::HeartbeatRequest {
+                port: u32::from(group.port),
+                from: self.node.clone(),
+            };
+            let alive = self
+                .call_on(&predecessor, CALL_TIMEOUT, true, |mut c| async move {
+                    c.heartbeat(req).await
+                })
+                .await
+                .is_ok();
+            let silent_for = {
+                let mut groups = self.groups();
+                let Some(g) = groups.get_mut(&group.port) else {
+                    continue;
+                };
+                if alive {
+                    g.predecessor_heard = Instant::now();
+                }
+                g.predecessor_heard.elapsed()
+            };
+            if !alive && silent_for >= SUSPECT_AFTER {
+                tracing::warn!(port = group.port, failed = %predecessor, silent_ms = silent_for.as_millis() as u64, "the node before this one in the chain is silent: proposing a view without it");
+                if let Err(e) = self.propose_without(&group, &predecessor).await {
+                    tracing::warn!(port = group.port, error = %e, "a view change failed; tried again at the next heartbeat");
+                }
+            }
+        }
+    }
+
+    /// The two-phase commit of the view without `failed`; a node of the
+    /// new chain that does not answer is left out too, in a next round.
+    async fn propose_without(
+        self: &Arc<Self>,
+        group: &Group,
+        failed: &str,
+    ) -> Result<(), GroupsError> {
+        let mut out: BTreeSet<String> = BTreeSet::from([failed.to_owned()]);
+        let mut view = group.clone();
+        for _round in 0..4 {
+            let mut next = view.clone();
+            for n in &out {
+                if let Some(v) = next.without(n) {
+                    next = v;
+                }
+            }
+            next.epoch = view.epoch.max(group.epoch) + 1;
+            let (accepted, _) = self.promise(&next, &self.node);
+            if !accepted {
+                return Err(GroupsError::Internal(format!(
+                    "a view at epoch {} or later is known here already",
+                    next.epoch
+                )));
+            }
+            let others: Vec<String> = next
+                .chain()
+                .into_iter()
+                .filter(|n| *n != self.node)
+                .collect();
+            let votes = futures::future::join_all(others.iter().map(|n| {
+                let req = pb::ViewPrepareRequest {
+                    group: Some(next.to_pb()),
+                    proposer: self.node.clone(),
+                };
+                async move {
+                    let r = self
+                        .call(
+                            n,
+                            CALL_TIMEOUT,
+                            |mut c| async move { c.view_prepare(req).await },
+                        )
+                        .await;
+                    (n.clone(), r)
+                }
+            }))
+            .await;
+            let mut silent = Vec::new();
+            for (n, vote) in votes {
+                match vote {
+                    Ok(v) if v.accepted => {}
+                    Ok(v) => {
+                        return Err(GroupsError::Internal(format!(
+                            "{n} refused the view at epoch {} (it knows epoch {})",
+                            next.epoch, v.epoch
+                        )));
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %n, error = %e, "no vote on a view change: left out too");
+                        silent.push(n);
+                    }
+                }
+            }
+            if !silent.is_empty() {
+                out.extend(silent);
+                view = next;
+                continue;
+            }
+            self.commit_view(next, group).await;
+            return Ok(());
+        }
+        Err(GroupsError::Internal(
+            "no view change agreed in four rounds".into(),
+        ))
+    }
+
+    /// Phase two: every member of the old view but the failed ones takes
+    /// the new view, this node last.
+    async fn commit_view(self: &Arc<Self>, view: Group, old: &Group) {
+        let table: Vec<pb::ServedConnection> = self
+            .groups()
+            .get(&view.port)
+            .map(|g| {
+                g.connections
+                    .iter()
+                    .map(|(f, n)| pb::ServedConnection {
+                        connection: Some(connection_pb(*f)),
+                        node: n.clone(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let targets: Vec<String> = old
+            .members
+            .iter()
+            .filter(|n| **n != self.node && view.members.contains(n))
+            .cloned()
+            .collect();
+        futures::future::join_all(targets.iter().map(|n| {
+            let req = pb::ViewCommitRequest {
+                group: Some(view.to_pb()),
+                connections: table.clone(),
+            };
+            async move {
+                let r = self
+                    .call(
+                        n,
+                        CALL_TIMEOUT,
+                        |mut c| async move { c.view_commit(req).await },
+                    )
+                    .await;
+                if let Err(e) = r {
+                    tracing::warn!(node = %n, error = %e, "committing a view");
+                }
+            }
+        }))
+        .await;
+        if let Err(e) = self.apply_view(view, Vec::new()).await {
+            tracing::error!(error = %e, "taking the new view here");
+        }
+    }
+
+    /// Forgets the connections handed to this node that ended (no socket
+    /// of the connection left in this node's stack), and tells the chain.
+    pub async fn sweep(self: &Arc<Self>) {
+        let mine: Vec<(Group, Flow)> = self
+            .groups()
+            .values()
+            .flat_map(|g| {
+                g.connections
+                    .iter()
+                    .filter(|(f, n)| **n == self.node && !g.in_flight.contains(f))
+                    .map(|(f, _)| (g.group.clone(), *f))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        if mine.is_empty() {
+            return;
+        }
+        let live = match tokio::task::spawn_blocking(tcp_ends).await {
+            Ok(Ok(live)) => live,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "reading this node's TCP sockets");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading this node's TCP sockets");
+                return;
+            }
+        };
+        for (group, flow) in mine {
+            if live.contains(&(flow.remote, flow.local_port)) {
+                continue;
+            }
+            tracing::debug!(%flow, "a handed-off connection ended");
+            self.forget_connection(flow).await;
+            for n in group.chain().iter().filter(|n| **n != self.node) {
+                let req = pb::ConnectionClosedRequest {
+                    connection: Some(connection_pb(flow)),
+                };
+                let r = self
+                    .call(n, CALL_TIMEOUT, |mut c| async move {
+                        c.connection_closed(req).await
+                    })
+                    .await;
+                if let Err(e) = r {
+                    tracing::debug!(node = %n, error = %e, "telling the chain a connection ended");
+                }
+            }
+        }
+    }
+}
+
+/// (remote end, local port) of every IPv4 TCP socket of this network
+/// namespace, in any state but listening (a closing connection still owns
+/// its packets).
+fn tcp_ends() -> std::io::Result<BTreeSet<(SocketAddrV4, u16)>> {
+    let text = std::fs::read_to_string("/proc/self/net/tcp")?;
+    Ok(parse_proc_net_tcp(&text))
+}
+
+fn parse_proc_net_tcp(text: &str) -> BTreeSet<(SocketAddrV4, u16)> {
+    // "sl local_address rem_address st ...": addresses as hex
+    // ADDR:PORT, the address in the kernel's (little-endian) order.
+    let end = |s: &str| -> Option<(std::net::Ipv4Addr, u16)> {
+        let (a, p) = s.split_once(':')?;
+        let a = u32::from_str_radix(a, 16).ok()?;
+        Some((
+            std::net::Ipv4Addr::from(a.to_le_bytes()),
+            u16::from_str_radix(p, 16).ok()?,
+        ))
+    };
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (_, lport) = end(f.get(1)?)?;
+            let (raddr, rport) = end(f.get(2)?)?;
+            // 0A: TCP_LISTEN.
+            (*f.get(3)? != "0A").then_some((SocketAddrV4::new(raddr, rport), lport))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_net_tcp_gives_each_connection_its_client_and_port() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   \
+            0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0000000000000000 100 0 0 10 0\n   \
+            1: 640012C6:1F90 0B0012C6:9D2C 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0000000000000000 20 4 30 10 -1\n";
+        let ends = parse_proc_net_tcp(text);
+        assert_eq!(
+            ends.into_iter().collect::<Vec<_>>(),
+            vec![("198.18.0.11:40236".parse().unwrap(), 8080)]
+        );
+    }
+}
