@@ -42,6 +42,12 @@ int ferry_accept(int channel, void *state, size_t *state_len);
 int ferry_handoff(int conn, const char *node, const void *state, size_t state_len,
 		  uint32_t drain_ms);
 
+/* Which member of the group on `port` should serve a new connection, by
+ * the group's placement policy: its name is copied into `node` (with its
+ * NUL, at most `node_len` bytes). Returns 1 if it is this node (serve it
+ * here), 0 if another (hand the connection to it), or -1. */
+int ferry_place(uint16_t port, char *node, size_t node_len);
+
 /* The reason of this thread's last failed call. */
 const char *ferry_handoff_error(void);
 

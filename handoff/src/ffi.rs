@@ -119,3 +119,32 @@ pub unsafe extern "C" fn ferry_handoff(
         Err(e) => fail(&e),
     }
 }
+
+/// Which member should serve a new connection of the group on `port`: its
+/// name is copied into `node` (NUL-terminated, at most `node_len` bytes
+/// with the NUL). Returns 1 if it is this node (serve it here), 0 if
+/// another (hand it off there), or -1.
+///
+/// # Safety
+/// `node` must be valid for writes of `node_len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_place(port: u16, node: *mut c_char, node_len: usize) -> c_int {
+    match crate::place(port) {
+        Ok(p) => {
+            if p.node.len() + 1 > node_len || node.is_null() {
+                return fail(&Error::Refused {
+                    kind: wire::ErrorKind::BadRequest,
+                    message: format!("ferry_place: the node's name {:?} does not fit", p.node),
+                });
+            }
+            // SAFETY: the caller gives `node_len` writable bytes; the name
+            // and its NUL fit, checked above.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.node.as_ptr(), node.cast::<u8>(), p.node.len());
+                *node.add(p.node.len()) = 0;
+            }
+            c_int::from(p.here)
+        }
+        Err(e) => fail(&e),
+    }
+}

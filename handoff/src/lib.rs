@@ -250,3 +250,23 @@ pub fn handoff_fd(
         other => Err(refused(other)),
     }
 }
+
+/// Where a new connection of the group on `port` should be served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub node: String,
+    /// The chosen node is this one: serve it here.
+    pub here: bool,
+}
+
+/// Asks the node's ferryd which member should serve a new connection of
+/// the group on `port`, by the group's placement policy (round robin or
+/// least connections). The caller must serve the group.
+pub fn place(port: u16) -> Result<Placed, Error> {
+    let agent = connect_to_agent()?;
+    wire::send(agent.as_fd(), &Request::Place { port }, &[], None)?;
+    match wire::recv::<Reply>(agent.as_fd())?.head {
+        Reply::Placed { node, here } => Ok(Placed { node, here }),
+        other => Err(refused(other)),
+    }
+}

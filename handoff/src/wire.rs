@@ -32,6 +32,9 @@ pub enum Request {
     /// to acknowledge everything sent, so that only the connection's
     /// bare state crosses (XtreemOS distributed servers, Fig. 2).
     Handoff { node: String, drain_ms: u32 },
+    /// Which member should serve a new connection of the group on `port`,
+    /// by the group's placement policy.
+    Place { port: u16 },
 }
 
 /// ferryd's answer, or a connection handed to a server.
@@ -47,6 +50,9 @@ pub enum Reply {
         acceptor: String,
         phases: Vec<Phase>,
     },
+    /// The member chosen for a new connection; `here`: it is this node
+    /// (serve it, no handoff).
+    Placed { node: String, here: bool },
     /// Not done, and why; a connection stays the process's.
     Refused { error: ErrorKind, message: String },
     /// A connection handed to this process, attached, with the donor's

@@ -51,6 +51,7 @@ async fn create_group_with_backups(
             backups: backups.iter().map(|m| m.to_string()).collect(),
             members: members.iter().map(|m| m.to_string()).collect(),
             epoch: 0,
+            placement: String::new(),
         }),
     })
     .await
@@ -531,5 +532,139 @@ fn the_contact_nodes_failure_loses_no_connection_served_elsewhere() {
         let mut c3 = cluster.control("node3").await.unwrap();
         let g3 = group_view(&mut c3).await.group.unwrap();
         assert_eq!((g3.contact.as_str(), g3.epoch), ("node2", 2));
+    });
+}
+
+#[test]
+fn the_contact_node_places_new_connections_round_robin() {
+    let Some(cluster) = start("the_contact_node_places_new_connections_round_robin", 3) else {
+        return;
+    };
+    let log = cluster.dir().join("handoffs.jsonl");
+    runtime().block_on(async {
+        let mut c = [
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+            cluster.control("node3").await.unwrap(),
+        ];
+        create_group(&mut c[0], "node1", &["node2", "node3"]).await;
+        let size = SIZE.to_string();
+        let log_arg = log.to_string_lossy().into_owned();
+        group_server(
+            &mut c[0],
+            &[
+                "--mode",
+                "download",
+                "--size",
+                &size,
+                "--handoff-after",
+                "1000",
+                "--to",
+                "auto",
+                "--log",
+                &log_arg,
+            ],
+        )
+        .await;
+        for member in &mut c[1..] {
+            group_server(member, &["--mode", "download", "--size", &size]).await;
+        }
+        for (i, node) in ["node1", "node2", "node3"].iter().enumerate() {
+            wait_server(&mut c[i], node).await;
+        }
+    });
+    for _ in 0..6 {
+        assert_whole_download(&curl(&cluster));
+    }
+    let acceptors: Vec<String> = handoff_log(&log)
+        .iter()
+        .map(|h| h["acceptor"].as_str().unwrap_or("-").to_owned())
+        .collect();
+    // node1, node2, node3, node1, ...: node1 serves its turns itself.
+    assert_eq!(acceptors, ["node2", "node3", "node2", "node3"]);
+    runtime().block_on(async {
+        let mut c2 = cluster.control("node2").await.unwrap();
+        assert_eq!(group_view(&mut c2).await.handoffs_taken, 2);
+    });
+}
+
+/// `integration/c/group_echo.c` built against the handoff library's C ABI
+/// (its header and the static library `cargo xtask test` builds beside
+/// ferry's binaries), into `dir`.
+fn build_c_server(dir: &Path) -> std::path::PathBuf {
+    let bin_dir = ferry_integration::bin_path("ferryd")
+        .parent()
+        .expect("the binaries' directory")
+        .to_owned();
+    let lib = bin_dir.join("libferry_handoff.a");
+    assert!(
+        lib.is_file(),
+        "{} is missing: `cargo build -p ferry-handoff` (cargo xtask test does)",
+        lib.display()
+    );
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = dir.join("group_echo");
+    let status = Command::new("cc")
+        .arg("-Wall")
+        .arg("-Werror")
+        .arg("-I")
+        .arg(src.join("../handoff/include"))
+        .arg(src.join("c/group_echo.c"))
+        .arg(&lib)
+        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        .arg(&out)
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "cc group_echo.c: {status}");
+    out
+}
+
+#[test]
+fn a_server_written_in_c_hands_connections_off_through_the_c_abi() {
+    let Some(cluster) = start(
+        "a_server_written_in_c_hands_connections_off_through_the_c_abi",
+        3,
+    ) else {
+        return;
+    };
+    let server = build_c_server(cluster.dir());
+    runtime().block_on(async {
+        let mut c = [
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+            cluster.control("node3").await.unwrap(),
+        ];
+        create_group(&mut c[0], "node1", &["node2", "node3"]).await;
+        for (i, node) in ["node1", "node2", "node3"].iter().enumerate() {
+            run(
+                &mut c[i],
+                vec![server.to_string_lossy().into_owned(), PORT.to_string()],
+            )
+            .await;
+            wait_server(&mut c[i], node).await;
+        }
+    });
+    let addr = SocketAddrV4::new(cluster.public_addr(), PORT);
+    netns::run_in(&cluster.netns_path("client1"), move || {
+        for i in 0..6 {
+            let mut s =
+                TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5)).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            echo(&mut s, format!("hello {i}\n").as_bytes()).expect("the first line");
+            // Placed by now: node1 keeps its turns, node2 and node3 echo
+            // theirs after the handoff.
+            for j in 0..3 {
+                echo(&mut s, format!("line {j} of {i}\n").as_bytes()).expect("echoed after");
+            }
+        }
+    })
+    .expect("the client");
+    runtime().block_on(async {
+        let mut taken = Vec::new();
+        for node in ["node1", "node2", "node3"] {
+            let mut c = cluster.control(node).await.unwrap();
+            taken.push(group_view(&mut c).await.handoffs_taken);
+        }
+        assert_eq!(taken, [0, 2, 2], "handoffs taken by node1, node2, node3");
     });
 }

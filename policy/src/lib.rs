@@ -30,6 +30,7 @@ pub mod location;
 pub mod measured_cost;
 pub mod migration_cost;
 pub mod node;
+pub mod placement;
 pub mod selection;
 pub mod sim;
 pub mod time;

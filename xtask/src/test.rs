@@ -35,7 +35,12 @@ pub fn build() -> Result<()> {
         "--bins",
     ];
     header(&format!("build: cargo {}", args.join(" ")));
-    cmd::run(cmd::cargo().args(args)).context("step `build` failed")
+    cmd::run(cmd::cargo().args(args)).context("step `build` failed")?;
+    // The handoff library's C ABI (libferry_handoff.a/.so): a library
+    // built only as another crate's dependency is built as an rlib.
+    let lib = ["build", "-p", "ferry-handoff"];
+    header(&format!("build: cargo {}", lib.join(" ")));
+    cmd::run(cmd::cargo().args(lib)).context("step `build` (the handoff library) failed")
 }
 
 /// Where the integration tests and the demo find ferry's binaries and CRIU.

@@ -449,7 +449,7 @@ impl Groups {
 /// (remote end, local port) of every IPv4 TCP socket of this network
 /// namespace, in any state but listening (a closing connection still owns
 /// its packets).
-fn tcp_ends() -> std::io::Result<BTreeSet<(SocketAddrV4, u16)>> {
+pub(super) fn tcp_ends() -> std::io::Result<BTreeSet<(SocketAddrV4, u16)>> {
     let text = std::fs::read_to_string("/proc/self/net/tcp")?;
     Ok(parse_proc_net_tcp(&text))
 }

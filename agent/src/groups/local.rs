@@ -134,6 +134,13 @@ fn handle(groups: &Arc<Groups>, conn: OwnedFd, runtime: &tokio::runtime::Handle)
     };
     match got.head {
         Request::Serve { port } => serve_request(groups, pid, port, conn),
+        Request::Place { port } => {
+            let reply = match runtime.block_on(groups.place(pid, port)) {
+                Ok((node, here)) => Reply::Placed { node, here },
+                Err(e) => refused(&e),
+            };
+            answer(conn.as_fd(), &reply);
+        }
         Request::Handoff { node, drain_ms } => {
             let Some(fd) = got.fd else {
                 answer(

@@ -70,6 +70,8 @@ pub struct Group {
     pub members: Vec<String>,
     /// The view's number (1 for a new group).
     pub epoch: u64,
+    /// How new connections are placed on the members.
+    pub placement: ferry_policy::placement::Placement,
 }
 
 impl Group {
@@ -114,12 +116,20 @@ impl Group {
                 "a group needs a member beside its contact node".into(),
             ));
         }
+        let placement =
+            ferry_policy::placement::Placement::parse(&g.placement).ok_or_else(|| {
+                invalid(
+                    "group.placement",
+                    format!("{:?} is not round-robin or least-connections", g.placement),
+                )
+            })?;
         Ok(Self {
             port,
             contact: g.contact.clone(),
             backups: g.backups.clone(),
             members,
             epoch: g.epoch.max(1),
+            placement,
         })
     }
 
@@ -130,6 +140,7 @@ impl Group {
             members: self.members.clone(),
             backups: self.backups.clone(),
             epoch: self.epoch,
+            placement: self.placement.name().to_owned(),
         }
     }
 
@@ -160,6 +171,7 @@ impl Group {
                 .cloned()
                 .collect(),
             epoch: self.epoch + 1,
+            placement: self.placement,
         })
     }
 
@@ -300,18 +312,21 @@ struct GroupState {
     promised: u64,
     /// When the node before this one in the chain last answered.
     predecessor_heard: std::time::Instant,
+    /// Where new connections go ([`Groups::place`]).
+    placer: ferry_policy::placement::Placer,
 }
 
 impl GroupState {
     fn new(group: Group) -> Self {
         Self {
             promised: group.epoch,
-            group,
             servers: Vec::new(),
             connections: BTreeMap::new(),
             in_flight: BTreeSet::new(),
             counts: HandoffCounts::default(),
             predecessor_heard: std::time::Instant::now(),
+            placer: ferry_policy::placement::Placer::new(group.placement),
+            group,
         }
     }
 }
@@ -749,6 +764,47 @@ impl Groups {
         }
     }
 
+    /// The member that should serve a new connection of the group on
+    /// `port`, by its placement policy, for a server process `pid` of it.
+    /// What each member serves: the connections this node knows to be
+    /// served elsewhere, and its own live ones on the port.
+    pub async fn place(&self, pid: i32, port: u16) -> Result<(String, bool), GroupsError> {
+        self.check_server(pid, port)?;
+        let live = tokio::task::spawn_blocking(chain::tcp_ends)
+            .await
+            .map_err(|e| GroupsError::Internal(e.to_string()))?
+            .map_err(|e| GroupsError::Internal(format!("reading this node's sockets: {e}")))?;
+        let mut groups = self.groups();
+        let g = groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
+            port,
+            node: self.node.clone(),
+        })?;
+        let mut serving: BTreeMap<String, u64> = BTreeMap::new();
+        for node in g.connections.values() {
+            *serving.entry(node.clone()).or_default() += 1;
+        }
+        let here = live
+            .iter()
+            .filter(|(remote, p)| {
+                *p == port
+                    && g.connections
+                        .get(&Flow {
+                            remote: *remote,
+                            local_port: port,
+                        })
+                        .is_none_or(|n| *n == self.node)
+            })
+            .count() as u64;
+        serving.insert(self.node.clone(), here);
+        let members = g.group.members.clone();
+        let node = g
+            .placer
+            .place(&members, &serving)
+            .ok_or_else(|| GroupsError::Internal("a group without members".into()))?;
+        let here = node == self.node;
+        Ok((node, here))
+    }
+
     /// The contact node or a backup records who serves a connection.
     pub fn record_connection(&self, flow: Flow, node: &str) -> Result<(), GroupsError> {
         let mut groups = self.groups();
@@ -849,6 +905,7 @@ mod tests {
             backups: vec!["n2".into(), "n3".into()],
             members: vec!["n4".into()],
             epoch: 0,
+            placement: String::new(),
         })
         .unwrap();
         assert_eq!(g.members, ["n1", "n4", "n2", "n3"]);
@@ -869,6 +926,7 @@ mod tests {
             backups: vec!["n1".into()],
             members: vec!["n2".into()],
             epoch: 0,
+            placement: "random".into(),
         });
         assert!(matches!(
             bad,

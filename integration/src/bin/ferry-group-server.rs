@@ -39,7 +39,9 @@ struct Args {
     /// a connection off; 0: never.
     #[arg(long, default_value_t = 0)]
     handoff_after: u64,
-    /// The node to hand connections to.
+    /// The node to hand connections to; `auto`: the one the group's
+    /// placement policy chooses for each (`ferry_handoff::place`), this
+    /// node included (then no handoff).
     #[arg(long)]
     to: Option<String>,
     #[arg(long, default_value_t = 0)]
@@ -149,7 +151,15 @@ fn serve_new(a: &Args, mut conn: TcpStream) -> Result<()> {
             }
         }
     }
-    if let Some(to) = &a.to
+    let placed;
+    let to = match a.to.as_deref() {
+        Some("auto") => {
+            placed = ferry_handoff::place(a.port).context("placing the connection")?;
+            (!placed.here).then_some(&placed.node)
+        }
+        _ => a.to.as_ref(),
+    };
+    if let Some(to) = to
         && a.handoff_after > 0
     {
         let options = HandoffOptions {

@@ -334,6 +334,9 @@ pub(crate) enum GroupAction {
         /// The other members (repeat, or comma-separated).
         #[arg(long = "member", value_delimiter = ',')]
         members: Vec<String>,
+        /// How new connections are placed on the members (`ferry_place`).
+        #[arg(long, value_parser = ["round-robin", "least-connections"], default_value = "round-robin")]
+        placement: String,
     },
     /// The groups as the agent's node sees them: members and roles, its
     /// server processes, and the connections it decides one by one with

@@ -14,6 +14,7 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
             contact,
             backups,
             members,
+            placement,
         } => {
             let g = client
                 .create_group(pb::CreateGroupRequest {
@@ -23,6 +24,7 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
                         members,
                         backups,
                         epoch: 0,
+                        placement,
                     }),
                 })
                 .await
@@ -31,7 +33,7 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
             if as_json {
                 println!(
                     "{}",
-                    json!({"port": g.port, "contact": g.contact, "backups": g.backups, "members": g.members, "epoch": g.epoch})
+                    json!({"port": g.port, "contact": g.contact, "backups": g.backups, "members": g.members, "epoch": g.epoch, "placement": g.placement})
                 );
             } else {
                 println!(
