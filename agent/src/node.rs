@@ -143,6 +143,7 @@ impl Node {
             dataplane.clone(),
             cluster.clone(),
             processes.clone(),
+            events.clone(),
         ));
         Arc::new(Self {
             config,

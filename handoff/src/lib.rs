@@ -214,6 +214,8 @@ pub struct HandoffOptions {
 pub struct HandedOff {
     pub acceptor: String,
     pub phases: Vec<Phase>,
+    /// The bytes of the connection's queues that crossed with it.
+    pub queued_bytes: u64,
 }
 
 /// Hands `conn` (an established connection of a group's port) to the
@@ -246,7 +248,15 @@ pub fn handoff_fd(
     };
     wire::send(agent.as_fd(), &req, state, Some(conn))?;
     match wire::recv::<Reply>(agent.as_fd())?.head {
-        Reply::HandedOff { acceptor, phases } => Ok(HandedOff { acceptor, phases }),
+        Reply::HandedOff {
+            acceptor,
+            phases,
+            queued_bytes,
+        } => Ok(HandedOff {
+            acceptor,
+            phases,
+            queued_bytes,
+        }),
         other => Err(refused(other)),
     }
 }

@@ -49,6 +49,11 @@ pub enum Reply {
     HandedOff {
         acceptor: String,
         phases: Vec<Phase>,
+        /// The bytes of the connection's queues that crossed with it (what
+        /// was sent and not acknowledged, and what was received and not
+        /// read).
+        #[serde(default)]
+        queued_bytes: u64,
     },
     /// The member chosen for a new connection; `here`: it is this node
     /// (serve it, no handoff).

@@ -17,7 +17,6 @@ use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::group::pattern;
 use ferry_integration::managed::{run, runtime};
 use ferry_integration::netns;
-use ferry_integration::topology::{CLUSTER_IFACE, PUBLIC_IFACE};
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
@@ -406,27 +405,6 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
     );
 }
 
-/// The node is gone as a machine would go: its agent and every process
-/// killed, its links down.
-fn fail_node(cluster: &Cluster, node: &str) {
-    use nix::sys::signal::{Signal, kill};
-    use nix::unistd::Pid;
-    let _ = kill(Pid::from_raw(cluster.agent_pid(node)), Signal::SIGKILL);
-    for pid in cluster.pids_in(node) {
-        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-    }
-    netns::run_in(&cluster.netns_path(node), || {
-        for dev in [PUBLIC_IFACE, CLUSTER_IFACE] {
-            let ok = Command::new("ip")
-                .args(["link", "set", dev, "down"])
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(ok, "ip link set {dev} down");
-        }
-    })
-    .expect("the node's namespace");
-}
-
 /// One echo exchange of `msg` on `s`.
 fn echo(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
     s.write_all(msg)?;
@@ -496,7 +474,18 @@ fn the_contact_nodes_failure_loses_no_connection_served_elsewhere() {
         );
     });
 
-    fail_node(&cluster, "node1");
+    // node2's own events: it must say it took over.
+    let rt = runtime();
+    let mut events = rt.block_on(async {
+        let mut c2 = cluster.control("node2").await.unwrap();
+        c2.watch_events(pb::WatchEventsRequest {
+            this_node_only: true,
+        })
+        .await
+        .expect("WatchEvents")
+        .into_inner()
+    });
+    cluster.fail_node("node1").expect("node1 failing");
     let failed = Instant::now();
     // New connections: served again once node2 took over.
     let served_again = netns::run_in(&client, move || {
@@ -523,7 +512,25 @@ fn the_contact_nodes_failure_loses_no_connection_served_elsewhere() {
         echo(s, format!("after-failover-{i:02}").as_bytes())
             .unwrap_or_else(|e| panic!("connection {i} after the failover: {e}"));
     }
-    runtime().block_on(async {
+    rt.block_on(async {
+        let took_over = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(ev) = events.message().await.expect("the event stream") {
+                if let Some(pb::cluster_event::Event::Group(g)) = ev.event
+                    && g.what == "contact"
+                {
+                    return g;
+                }
+            }
+            panic!("the event stream ended");
+        })
+        .await
+        .expect("a `contact` event from node2");
+        assert!(
+            took_over
+                .detail
+                .starts_with(&format!("{CLIENTS} connections")),
+            "{took_over:?}"
+        );
         let mut c2 = cluster.control("node2").await.unwrap();
         let v2 = group_view(&mut c2).await;
         let g = v2.group.clone().unwrap();

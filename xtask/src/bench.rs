@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cmd, test};
 
 /// The benchmarks and the bench crate's binary behind each.
-pub const BENCHES: [(&str, &str, &str); 9] = [
+pub const BENCHES: [(&str, &str, &str); 10] = [
     (
         "gap",
         "ferry-bench-gap",
@@ -52,6 +52,11 @@ pub const BENCHES: [(&str, &str, &str); 9] = [
         "dve",
         "ferry-bench-dve",
         "Gerofi et al. (DVE)'s virtual environment live: 5 nodes with a CPU cgroup each, 100 zone servers, drifting players, balancing off and on (also `cargo xtask dve`)",
+    ),
+    (
+        "handoff",
+        "ferry-bench-handoff",
+        "the XtreemOS distributed servers' handoff: its phases per uplink speed (their Table 1) and the client-perceived handoff against the donor's wait (their Fig. 2)",
     ),
     (
         "ab",

@@ -117,6 +117,17 @@ impl Groups {
             !was_contact && group.contact == self.node
         };
         tracing::info!(port = group.port, epoch = group.epoch, contact = %group.contact, backups = ?group.backups, members = ?group.members, "the group's view changed");
+        self.publish(
+            group.port,
+            "view",
+            format!(
+                "epoch {}: contact {}, backups [{}], members [{}]",
+                group.epoch,
+                group.contact,
+                group.backups.join(", "),
+                group.members.join(", ")
+            ),
+        );
         if became_contact {
             self.take_over(group.port).await?;
         }
@@ -167,6 +178,11 @@ impl Groups {
             served_elsewhere = count,
             took_us = started.elapsed().as_micros() as u64,
             "this node is the group's contact node now"
+        );
+        self.publish(
+            port,
+            "contact",
+            format!("{count} connections served elsewhere left to their servers"),
         );
         Ok(())
     }

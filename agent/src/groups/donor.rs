@@ -31,6 +31,8 @@ const DRAIN_POLL: Duration = Duration::from_millis(1);
 pub struct HandedOff {
     pub acceptor: String,
     pub phases: Vec<Phase>,
+    /// The bytes of the connection's queues that crossed.
+    pub queued_bytes: u64,
 }
 
 /// The connection a process passed, as checked.
@@ -209,6 +211,7 @@ impl Groups {
             }
         };
         phases.mark("extract");
+        let queued_bytes = (state.send_queue.len() + state.recv_queue.len()) as u64;
         let req = pb::HandoffTransferRequest {
             id: id.to_owned(),
             state: Some(state.to_pb()),
@@ -272,6 +275,7 @@ impl Groups {
         Ok(HandedOff {
             acceptor: node.to_owned(),
             phases: phases.0,
+            queued_bytes,
         })
     }
 

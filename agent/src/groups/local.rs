@@ -162,6 +162,7 @@ fn handle(groups: &Arc<Groups>, conn: OwnedFd, runtime: &tokio::runtime::Handle)
                 Ok(done) => Reply::HandedOff {
                     acceptor: done.acceptor,
                     phases: done.phases,
+                    queued_bytes: done.queued_bytes,
                 },
                 Err(e) => refused(&e),
             };

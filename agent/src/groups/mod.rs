@@ -341,6 +341,7 @@ pub struct Groups {
     dataplane: Arc<DataPlane>,
     cluster: Arc<Cluster>,
     processes: Arc<Processes>,
+    events: Arc<crate::events::EventBus>,
     groups: Mutex<BTreeMap<u16, GroupState>>,
     /// Handoffs this node accepts, by id ([`acceptor`]).
     incoming: Mutex<HashMap<String, acceptor::Incoming>>,
@@ -360,6 +361,7 @@ impl Groups {
         dataplane: Arc<DataPlane>,
         cluster: Arc<Cluster>,
         processes: Arc<Processes>,
+        events: Arc<crate::events::EventBus>,
     ) -> Self {
         Self {
             node: node.to_owned(),
@@ -368,6 +370,7 @@ impl Groups {
             dataplane,
             cluster,
             processes,
+            events,
             groups: Mutex::new(BTreeMap::new()),
             incoming: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
@@ -376,6 +379,18 @@ impl Groups {
 
     pub fn node(&self) -> &str {
         &self.node
+    }
+
+    /// Tells `WatchEvents`' watchers.
+    fn publish(&self, port: u16, what: &str, detail: String) {
+        self.events
+            .publish(ferry_proto::v1::cluster_event::Event::Group(
+                pb::GroupEvent {
+                    port: u32::from(port),
+                    what: what.to_owned(),
+                    detail,
+                },
+            ));
     }
 
     fn groups(&self) -> MutexGuard<'_, BTreeMap<u16, GroupState>> {
@@ -500,6 +515,16 @@ impl Groups {
             .await
             .map_err(|e| GroupsError::Internal(format!("filtering port {}: {e}", group.port)))?;
         tracing::info!(port = group.port, role = ?state, "joined a group");
+        self.publish(
+            group.port,
+            "joined",
+            format!(
+                "contact {}, backups [{}], members [{}]",
+                group.contact,
+                group.backups.join(", "),
+                group.members.join(", ")
+            ),
+        );
         Ok(())
     }
 
@@ -528,6 +553,7 @@ impl Groups {
             tracing::warn!(port, error = %e, "giving a group's port back");
         }
         tracing::info!(port, "left a group");
+        self.publish(port, "left", String::new());
     }
 
     /// The groups as this node sees them.
@@ -751,17 +777,25 @@ impl Groups {
             return;
         };
         g.in_flight.remove(&flow);
-        match outcome {
+        let (what, detail) = match outcome {
             Outcome::Given { to } => {
                 g.counts.given += 1;
+                let detail = format!("{} to {to}", flow.remote);
                 g.connections.insert(flow, to);
+                ("handoff-given", detail)
             }
             Outcome::Taken => {
                 g.counts.taken += 1;
                 g.connections.insert(flow, self.node.clone());
+                ("handoff-taken", flow.remote.to_string())
             }
-            Outcome::Failed => g.counts.failed += 1,
-        }
+            Outcome::Failed => {
+                g.counts.failed += 1;
+                ("handoff-failed", flow.remote.to_string())
+            }
+        };
+        drop(groups);
+        self.publish(flow.local_port, what, detail);
     }
 
     /// The member that should serve a new connection of the group on

@@ -39,9 +39,9 @@ struct Args {
     /// a connection off; 0: never.
     #[arg(long, default_value_t = 0)]
     handoff_after: u64,
-    /// The node to hand connections to; `auto`: the one the group's
-    /// placement policy chooses for each (`ferry_handoff::place`), this
-    /// node included (then no handoff).
+    /// The node to hand connections to; several, comma-separated: each in
+    /// turn; `auto`: the one the group's placement policy chooses for each
+    /// (`ferry_handoff::place`), this node included (then no handoff).
     #[arg(long)]
     to: Option<String>,
     #[arg(long, default_value_t = 0)]
@@ -53,8 +53,14 @@ struct Args {
 
 const CHUNK: usize = 16 * 1024;
 
+/// Turns through `--to`'s nodes.
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn main() -> Result<()> {
     let args = Arc::new(Args::parse());
+    // Thousands of connections (the scale experiment): as many descriptors
+    // as the hard limit allows.
+    ferry_integration::group::raise_nofile();
     let listener = TcpListener::bind(("0.0.0.0", args.port))
         .with_context(|| format!("listening on port {}", args.port))?;
     // The group may be created after this server starts.
@@ -110,14 +116,23 @@ fn main() -> Result<()> {
 /// go on with it if the handoff fails.
 fn serve_new(a: &Args, mut conn: TcpStream) -> Result<()> {
     let mut done = 0u64;
+    // A download's request may say how long to wait before the handoff:
+    // `GET /?wait=MS` (a fixed wait, the XtreemOS distributed servers'
+    // Fig. 2) or `GET /?drain=MS` (ferry's: until the client acknowledged
+    // everything, at most that long).
+    let (mut wait_ms, mut drain_ms) = (0, a.drain_ms);
     match a.mode.as_str() {
         "download" => {
             let mut reader = BufReader::new(conn.try_clone()?);
             let mut line = String::new();
+            let mut first = true;
             loop {
                 line.clear();
                 if reader.read_line(&mut line)? == 0 || line == "\r\n" || line == "\n" {
                     break;
+                }
+                if std::mem::take(&mut first) {
+                    (wait_ms, drain_ms) = query(&line, drain_ms);
                 }
             }
             write!(
@@ -155,15 +170,23 @@ fn serve_new(a: &Args, mut conn: TcpStream) -> Result<()> {
     let to = match a.to.as_deref() {
         Some("auto") => {
             placed = ferry_handoff::place(a.port).context("placing the connection")?;
-            (!placed.here).then_some(&placed.node)
+            (!placed.here).then_some(placed.node.as_str())
         }
-        _ => a.to.as_ref(),
+        Some(list) => {
+            let nodes: Vec<&str> = list.split(',').collect();
+            let i = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(nodes[i % nodes.len()])
+        }
+        None => None,
     };
     if let Some(to) = to
         && a.handoff_after > 0
     {
+        if wait_ms > 0 {
+            std::thread::sleep(Duration::from_millis(wait_ms));
+        }
         let options = HandoffOptions {
-            drain: Duration::from_millis(a.drain_ms),
+            drain: Duration::from_millis(drain_ms),
         };
         let started = Instant::now();
         match ferry_handoff::handoff(conn, to, &done.to_le_bytes(), &options) {
@@ -174,6 +197,9 @@ fn serve_new(a: &Args, mut conn: TcpStream) -> Result<()> {
                         "outcome": "handed-off",
                         "acceptor": h.acceptor,
                         "at": done,
+                        "wait_ms": wait_ms,
+                        "drain_ms": drain_ms,
+                        "queued_bytes": h.queued_bytes,
                         "total_us": started.elapsed().as_micros() as u64,
                         "phases": h.phases.iter().map(|p| serde_json::json!({"name": p.name, "us": p.micros})).collect::<Vec<_>>(),
                     }),
@@ -215,6 +241,22 @@ fn go_on(a: &Args, mut conn: TcpStream, offset: u64) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `wait` and `drain` (milliseconds) from a request line's query.
+fn query(request_line: &str, drain_default: u64) -> (u64, u64) {
+    let (mut wait, mut drain) = (0, drain_default);
+    let target = request_line.split_whitespace().nth(1).unwrap_or("");
+    if let Some((_, q)) = target.split_once('?') {
+        for kv in q.split('&') {
+            match kv.split_once('=') {
+                Some(("wait", v)) => wait = v.parse().unwrap_or(0),
+                Some(("drain", v)) => drain = v.parse().unwrap_or(drain_default),
+                _ => {}
+            }
+        }
+    }
+    (wait, drain)
 }
 
 fn send_range(conn: &mut TcpStream, from: u64, to: u64) -> Result<()> {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::{Cluster, ClusterError};
 use crate::agent::{AgentLaunch, AgentProcess};
+use crate::{netns, topology};
 
 impl Cluster {
     pub(super) fn spawn_agent(&mut self, i: usize) -> Result<(), ClusterError> {
@@ -104,5 +105,32 @@ impl Cluster {
             .unwrap_or_default();
         out.sort();
         out
+    }
+}
+
+impl Cluster {
+    /// The node goes as a machine would: its agent and every process in
+    /// its namespace killed (SIGKILL: nothing is cleaned up), its public and
+    /// cluster links down, so that its filter's pinned programs take no
+    /// packet either. Teardown removes what is left.
+    pub fn fail_node(&self, node: &str) -> Result<(), ClusterError> {
+        use nix::sys::signal::{Signal, kill};
+        use nix::unistd::Pid;
+        let _ = kill(Pid::from_raw(self.agent_pid(node)), Signal::SIGKILL);
+        for pid in self.pids_in(node) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        for dev in [topology::PUBLIC_IFACE, topology::CLUSTER_IFACE] {
+            let mut ip = std::process::Command::new("ip");
+            ip.args(["link", "set", dev, "down"]);
+            let out = netns::output_in(&self.netns_path(node), ip)?;
+            if !out.status.success() {
+                return Err(ClusterError::Spec(format!(
+                    "ip link set {dev} down in {node}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+        }
+        Ok(())
     }
 }

@@ -72,6 +72,7 @@ pub fn line(ev: &ClusterEvent) -> String {
                 format!("not watching {}: {}", w.peer, w.error)
             }
         }
+        Some(Event::Group(g)) => format!("group on port {}: {} {}", g.port, g.what, g.detail),
         Some(Event::ProcessStarted(p)) => format!(
             "process {} under management ({}): {}",
             p.pid,
@@ -144,6 +145,10 @@ pub fn to_json(ev: &ClusterEvent) -> serde_json::Value {
             "watch",
             json!({
             "peer": w.peer, "connected": w.connected, "error": w.error, "missed": w.missed}),
+        ),
+        Some(Event::Group(g)) => (
+            "group",
+            json!({"port": g.port, "what": g.what, "detail": g.detail}),
         ),
         Some(Event::ProcessStarted(p)) => (
             "process_started",
