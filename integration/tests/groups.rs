@@ -675,3 +675,79 @@ fn a_server_written_in_c_hands_connections_off_through_the_c_abi() {
         assert_eq!(taken, [0, 2, 2], "handoffs taken by node1, node2, node3");
     });
 }
+
+#[test]
+fn an_operator_hands_a_connection_off_without_its_server() {
+    let Some(cluster) = start("an_operator_hands_a_connection_off_without_its_server", 2) else {
+        return;
+    };
+    runtime().block_on(async {
+        let (mut c1, mut c2) = (
+            cluster.control("node1").await.unwrap(),
+            cluster.control("node2").await.unwrap(),
+        );
+        create_group(&mut c1, "node1", &["node2"]).await;
+        // Servers that never hand anything off themselves.
+        group_server(&mut c1, &["--mode", "echo"]).await;
+        group_server(&mut c2, &["--mode", "echo"]).await;
+        wait_server(&mut c1, "node1").await;
+        wait_server(&mut c2, "node2").await;
+    });
+    let addr = SocketAddrV4::new(cluster.public_addr(), PORT);
+    let mut s = netns::run_in(&cluster.netns_path("client1"), move || {
+        let mut s = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        echo(&mut s, b"served by node1").unwrap();
+        s
+    })
+    .expect("the client");
+    let remote = s.local_addr().unwrap().to_string();
+    runtime().block_on(async {
+        let mut c1 = cluster.control("node1").await.unwrap();
+        let handoff = |remote: &str, to: &str| pb::HandoffConnectionRequest {
+            node: String::new(),
+            connection: Some(pb::GroupConnection {
+                remote: remote.into(),
+                port: u32::from(PORT),
+            }),
+            to: to.into(),
+            drain_ms: 0,
+        };
+        // Bad input first: the connection stays where it is.
+        let e = c1
+            .handoff_connection(handoff("198.18.0.11:1", "node2"))
+            .await
+            .expect_err("no such connection");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+        assert!(e.message().contains("no connection"), "{e}");
+        let e = c1
+            .handoff_connection(handoff(&remote, "node9"))
+            .await
+            .expect_err("node9 is not in the group");
+        assert!(e.message().contains("node9 is not a member"), "{e}");
+        let e = c1
+            .handoff_connection(handoff("not an address", "node2"))
+            .await
+            .expect_err("a bad address");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+        assert!(e.message().contains("connection.remote"), "{e}");
+
+        let r = c1
+            .handoff_connection(handoff(&remote, "node2"))
+            .await
+            .expect("HandoffConnection")
+            .into_inner();
+        assert_eq!(r.acceptor, "node2");
+        let mut c2 = cluster.control("node2").await.unwrap();
+        assert_eq!(group_view(&mut c2).await.handoffs_taken, 1);
+    });
+    // The same connection, answered by node2's server now.
+    echo(&mut s, b"served by node2 now").expect("after the operator's handoff");
+    let more = pattern(0, 200_000);
+    let mut w = s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || w.write_all(&more).unwrap());
+    let mut back = vec![0; 200_000];
+    s.read_exact(&mut back).unwrap();
+    writer.join().unwrap();
+    assert_eq!(back, pattern(0, 200_000));
+}

@@ -150,6 +150,43 @@ impl Control for ControlService {
         Ok(Response::new(ferry_proto::v1::DeleteGroupResponse {}))
     }
 
+    async fn handoff_connection(
+        &self,
+        request: Request<ferry_proto::v1::HandoffConnectionRequest>,
+    ) -> Result<Response<ferry_proto::v1::HandoffConnectionResponse>, Status> {
+        let node = request.get_ref().node.clone();
+        if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
+            return forward_unary!(self, peer, handoff_connection, request.into_inner());
+        }
+        let req = request.into_inner();
+        let flow = crate::groups::flow_from_pb(req.connection.as_ref())?;
+        if req.to.is_empty() {
+            return Err(Status::invalid_argument("to: no node given"));
+        }
+        let (pid, done) = self
+            .node
+            .groups
+            .handoff_held(
+                flow,
+                req.to,
+                std::time::Duration::from_millis(u64::from(req.drain_ms)),
+            )
+            .await?;
+        Ok(Response::new(ferry_proto::v1::HandoffConnectionResponse {
+            acceptor: done.acceptor,
+            donor_pid: pid,
+            phases: done
+                .phases
+                .into_iter()
+                .map(|p| ferry_proto::v1::HandoffPhase {
+                    name: p.name,
+                    micros: p.micros,
+                })
+                .collect(),
+            queued_bytes: done.queued_bytes,
+        }))
+    }
+
     async fn list_groups(
         &self,
         _request: Request<ferry_proto::v1::ListGroupsRequest>,

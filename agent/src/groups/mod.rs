@@ -30,13 +30,15 @@
 //!   them alone: no established connection is lost with the contact node
 //!   (but those it served itself).
 //!
-//! Not built yet (issue 38): placement policies, and the operator's
-//! handoff of a process's connection (`ferry handoff`).
+//! - New connections are placed by a policy of the policy crate
+//!   ([`Groups::place`]); an operator can hand off any connection
+//!   ([`operator`]).
 
 pub mod acceptor;
 pub mod chain;
 pub mod donor;
 pub mod local;
+pub mod operator;
 pub mod service;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

@@ -131,6 +131,23 @@ pub(crate) enum Command {
         #[arg(long)]
         off: bool,
     },
+    /// Hand one connection of a distributed server's group from the node
+    /// serving it (this node, or --node) to another member's server.
+    Handoff {
+        /// The group's port.
+        #[arg(long)]
+        port: u16,
+        /// The client's end of the connection, ADDRESS:PORT.
+        #[arg(long)]
+        remote: String,
+        /// The member that takes it.
+        #[arg(long)]
+        to: String,
+        /// First wait up to this long for the client to acknowledge
+        /// everything sent.
+        #[arg(long, default_value_t = 0)]
+        drain_ms: u32,
+    },
     /// Distributed servers: a port of the cluster's address served by a
     /// group of nodes, connections handed between them one by one.
     Group {

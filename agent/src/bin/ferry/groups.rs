@@ -80,6 +80,56 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
     Ok(())
 }
 
+/// `ferry handoff`: one connection, by the operator.
+pub(crate) async fn handoff(
+    client: &mut Client,
+    node: String,
+    (port, remote): (u16, String),
+    to: String,
+    drain_ms: u32,
+    as_json: bool,
+) -> Result<()> {
+    let r = client
+        .handoff_connection(pb::HandoffConnectionRequest {
+            node,
+            connection: Some(pb::GroupConnection {
+                remote: remote.clone(),
+                port: u32::from(port),
+            }),
+            to,
+            drain_ms,
+        })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    let total: u64 = r.phases.iter().map(|p| p.micros).sum();
+    if as_json {
+        println!(
+            "{}",
+            json!({
+                "acceptor": r.acceptor,
+                "donor_pid": r.donor_pid,
+                "queued_bytes": r.queued_bytes,
+                "phases": r.phases.iter().map(|p| json!({"name": p.name, "us": p.micros})).collect::<Vec<_>>(),
+            })
+        );
+    } else {
+        println!(
+            "{remote} -> :{port} handed from PID {} to {} in {:.1} ms ({} queued bytes crossed): {}",
+            r.donor_pid,
+            r.acceptor,
+            total as f64 / 1e3,
+            r.queued_bytes,
+            r.phases
+                .iter()
+                .map(|p| format!("{} {:.2}", p.name, p.micros as f64 / 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(())
+}
+
 fn view_json(v: &pb::GroupView) -> serde_json::Value {
     let g = v.group.clone().unwrap_or_default();
     json!({

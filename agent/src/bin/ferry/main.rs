@@ -104,6 +104,12 @@ async fn main_exec(mut args: Args) -> Result<()> {
         Command::Balancer { action } => cluster::balancer(client, node, action, json).await,
         Command::Cordon { off } => cluster::cordon(client, node, off, json).await,
         Command::Group { action } => groups::run(client, action, json).await,
+        Command::Handoff {
+            port,
+            remote,
+            to,
+            drain_ms,
+        } => groups::handoff(client, node, (port, remote), to, drain_ms, json).await,
         Command::Drain { cancel: true, .. } => cluster::cancel_drain(client, node, json).await,
         Command::Drain {
             strategy, sockets, ..

@@ -1,0 +1,129 @@
+//! The operator's handoff (`ferry handoff`, `Control.HandoffConnection`):
+//! ferryd finds the group's server process that holds a connection, takes
+//! a duplicate of its descriptor (`pidfd_getfd`) and hands the connection
+//! off as if the process had asked. The process is not told: its own
+//! descriptor stays in repair mode (inert: reads wait, writes fail, closing
+//! sends nothing).
+
+use std::net::SocketAddrV4;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::donor::HandedOff;
+use super::{Groups, GroupsError, managed_root};
+use crate::dataplane::Flow;
+
+impl Groups {
+    /// Hands `flow`, held by a server of its group on this node, to `to`.
+    pub async fn handoff_held(
+        self: &Arc<Self>,
+        flow: Flow,
+        to: String,
+        drain: Duration,
+    ) -> Result<(i32, HandedOff), GroupsError> {
+        let servers: Vec<i32> = self
+            .servers(flow.local_port)
+            .iter()
+            .map(|s| s.pid)
+            .collect();
+        if servers.is_empty() {
+            return Err(GroupsError::NoServer {
+                port: flow.local_port,
+                node: self.node.clone(),
+            });
+        }
+        let (pid, fd) = tokio::task::spawn_blocking(move || take_connection(flow, &servers))
+            .await
+            .map_err(|e| GroupsError::Internal(e.to_string()))??;
+        tracing::info!(%flow, pid, %to, "an operator hands a connection off");
+        let done = self.handoff(pid, fd, to, drain, Vec::new()).await?;
+        Ok((pid, done))
+    }
+}
+
+/// The inode of the TCP socket of `flow` in this network namespace.
+fn inode_of(flow: Flow) -> Result<u64, GroupsError> {
+    let text = std::fs::read_to_string("/proc/self/net/tcp")
+        .map_err(|e| GroupsError::Internal(format!("/proc/self/net/tcp: {e}")))?;
+    find_inode(&text, flow)
+        .ok_or_else(|| GroupsError::NotAConnection(format!("no connection {flow} on this node")))
+}
+
+/// `flow`'s socket inode in a /proc/net/tcp text (not a listener's).
+fn find_inode(text: &str, flow: Flow) -> Option<u64> {
+    let end = |s: &str| -> Option<SocketAddrV4> {
+        let (a, p) = s.split_once(':')?;
+        Some(SocketAddrV4::new(
+            u32::from_str_radix(a, 16).ok()?.to_le_bytes().into(),
+            u16::from_str_radix(p, 16).ok()?,
+        ))
+    };
+    text.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let local = end(f.get(1)?)?;
+        let remote = end(f.get(2)?)?;
+        (local.port() == flow.local_port && remote == flow.remote && *f.get(3)? != "0A")
+            .then(|| f.get(9)?.parse().ok())
+            .flatten()
+    })
+}
+
+/// A duplicate of the descriptor of `flow`'s socket in a process of the
+/// trees of `servers`, and that process.
+fn take_connection(flow: Flow, servers: &[i32]) -> Result<(i32, OwnedFd), GroupsError> {
+    let inode = inode_of(flow)?;
+    let link = format!("socket:[{inode}]");
+    let procs =
+        std::fs::read_dir("/proc").map_err(|e| GroupsError::Internal(format!("/proc: {e}")))?;
+    for entry in procs.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if managed_root(servers, pid).is_none() {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|t| t.as_os_str() == link.as_str()) {
+                let Some(num) = fd.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                    continue;
+                };
+                let pidfd = crate::process::pidfd::open(pid)
+                    .map_err(|e| GroupsError::Internal(format!("pidfd of {pid}: {e}")))?;
+                let dup = crate::sockstate::sys::pidfd_getfd(pidfd.as_fd(), num).map_err(|e| {
+                    GroupsError::Internal(format!("descriptor {num} of {pid}: {e}"))
+                })?;
+                return Ok((pid, dup));
+            }
+        }
+    }
+    Err(GroupsError::NotAConnection(format!(
+        "connection {flow} is held by no server of its group on this node"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_is_found_by_its_ends_and_a_listener_never() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   \
+            0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1 0000000000000000 100 0 0 10 0\n   \
+            1: 640012C6:1F90 0B0012C6:9D2C 01 00000000:00000000 00:00000000 00000000     0        0 222 1 0000000000000000 20 4 30 10 -1\n";
+        let flow = |remote: &str| Flow {
+            remote: remote.parse().unwrap(),
+            local_port: 8080,
+        };
+        assert_eq!(find_inode(text, flow("198.18.0.11:40236")), Some(222));
+        assert_eq!(find_inode(text, flow("198.18.0.11:40237")), None);
+        assert_eq!(find_inode(text, flow("0.0.0.0:0")), None);
+    }
+}
