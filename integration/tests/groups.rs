@@ -122,12 +122,22 @@ fn assert_whole_download(body: &[u8]) {
     }
 }
 
-fn handoff_log(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
+/// The server's handoff log, once it has `n` lines: the donor's server
+/// writes a line when its ferryd answers, which can be after the acceptor
+/// already finished the download.
+fn handoff_log(path: &Path, n: usize) -> Vec<serde_json::Value> {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect();
+        if lines.len() >= n || Instant::now() > until {
+            return lines;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -168,7 +178,7 @@ fn downloads_handed_off_midway_reach_curl_whole() {
         for _ in 0..DOWNLOADS {
             assert_whole_download(&curl(&cluster));
         }
-        let given = handoff_log(&log);
+        let given = handoff_log(&log, DOWNLOADS as usize);
         assert_eq!(given.len() as u64, DOWNLOADS, "{given:?}");
         for h in &given {
             assert_eq!(h["outcome"], "handed-off", "{h}");
@@ -258,7 +268,7 @@ fn an_echo_stream_survives_a_handoff_in_both_directions() {
     {
         panic!("the echo differs from byte {at} on");
     }
-    let given = handoff_log(&log);
+    let given = handoff_log(&log, 1);
     assert_eq!(given.len(), 1, "{given:?}");
     assert_eq!(given[0]["outcome"], "handed-off", "{}", given[0]);
 }
@@ -310,7 +320,7 @@ fn a_handoff_to_an_acceptor_that_dies_before_the_commit_leaves_the_connection_wi
             .is_some(),
         "node2's agent died at the fault point"
     );
-    let given = handoff_log(&log);
+    let given = handoff_log(&log, 1);
     assert_eq!(given.len(), 1, "{given:?}");
     assert_eq!(given[0]["outcome"], "failed", "{}", given[0]);
     runtime().block_on(async {
@@ -377,7 +387,7 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
         wait_server(&mut c1, "node1").await;
     });
     assert_whole_download(&curl(&cluster));
-    let given = handoff_log(&log);
+    let given = handoff_log(&log, 1);
     assert_eq!(given.len(), 1, "{given:?}");
     assert_eq!(given[0]["outcome"], "failed", "{}", given[0]);
     let error = given[0]["error"].as_str().unwrap();
@@ -583,7 +593,7 @@ fn the_contact_node_places_new_connections_round_robin() {
     for _ in 0..6 {
         assert_whole_download(&curl(&cluster));
     }
-    let acceptors: Vec<String> = handoff_log(&log)
+    let acceptors: Vec<String> = handoff_log(&log, 4)
         .iter()
         .map(|h| h["acceptor"].as_str().unwrap_or("-").to_owned())
         .collect();

@@ -639,11 +639,36 @@ async fn serve_apis(
         let _ = shutdown_tx.send(true);
         Ok::<_, std::io::Error>(())
     };
-    let (p, c, t, s) = tokio::join!(peer_srv, control_srv, control_tcp, signals);
-    p.context("peer service")?;
-    c.context("control service")?;
-    t.context("control service (TCP)")?;
+    // After the signal the servers drain their calls; a peer that died
+    // holding a connection open never answers the graceful shutdown's
+    // ping, so the wait is bounded.
+    let servers = async { tokio::join!(peer_srv, control_srv, control_tcp) };
+    let grace = {
+        let mut rx = shutdown_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        }
+    };
+    let bounded = async {
+        tokio::select! {
+            done = servers => Some(done),
+            () = grace => None,
+        }
+    };
+    let (done, s) = tokio::join!(bounded, signals);
     s.context("signal handling")?;
+    match done {
+        Some((p, c, t)) => {
+            p.context("peer service")?;
+            c.context("control service")?;
+            t.context("control service (TCP)")?;
+        }
+        None => tracing::warn!(
+            grace_ms = SHUTDOWN_GRACE.as_millis() as u64,
+            "connections still open after the shutdown's grace: closed"
+        ),
+    }
     Ok(())
 }
 
@@ -707,6 +732,9 @@ fn serve_peer(
             wait_for(shutdown),
         ))
 }
+
+/// How long the servers may take to finish their calls after SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 
 async fn wait_for(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;

@@ -154,6 +154,10 @@ impl Groups {
             });
         }
         self.begin(flow)?;
+        let Ok(_turn) = self.giving.acquire().await else {
+            self.end(flow, Outcome::Failed);
+            return Err(GroupsError::Internal("the agent is stopping".into()));
+        };
         let id = format!("handoff-{}-{}-{}", self.node, flow, rand::random::<u32>());
         tracing::info!(%id, %flow, acceptor = %node, pid, "handing a connection off");
         let r = self
@@ -257,7 +261,7 @@ impl Groups {
         let committed = match committed {
             Some(c) => c,
             None => {
-                if self.abort_on(node, id).await == Some(true) {
+                if self.settle_commit(node, id).await {
                     pb::HandoffCommitResponse::default()
                 } else {
                     frozen.give_back().await;
@@ -289,6 +293,30 @@ impl Groups {
             .into_iter()
             .find(|(f, _)| *f == flow)
             .map(|(_, s)| s))
+    }
+
+    /// After a commit whose answer did not come: whether the acceptor
+    /// committed. Asked until it answers: giving the connection back while
+    /// the acceptor resumed it would make two owners. An acceptor silent
+    /// for as long as it keeps a handoff uncommitted
+    /// ([`super::acceptor::PENDING_LIMIT`]) has dropped it if it lives, so
+    /// then the connection comes back here.
+    async fn settle_commit(&self, node: &str, id: &str) -> bool {
+        let until = std::time::Instant::now() + super::acceptor::PENDING_LIMIT;
+        loop {
+            if let Some(committed) = self.abort_on(node, id).await {
+                return committed;
+            }
+            if std::time::Instant::now() >= until {
+                tracing::error!(
+                    id,
+                    node,
+                    "the acceptor never said whether it took the connection: taken back"
+                );
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     /// Asks the acceptor to drop handoff `id`; Some(true) if it had

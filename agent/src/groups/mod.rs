@@ -57,6 +57,9 @@ use crate::ports::Ports;
 use crate::process::{PortKey, Transport};
 use crate::sync::lock;
 
+/// How many handoffs a node gives at once (more wait their turn).
+const GIVING_AT_ONCE: usize = 16;
+
 /// How long a member may take to join or leave a group.
 const JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -347,12 +350,17 @@ pub struct Groups {
     groups: Mutex<BTreeMap<u16, GroupState>>,
     /// Handoffs this node accepts, by id ([`acceptor`]).
     incoming: Mutex<HashMap<String, acceptor::Incoming>>,
-    /// A channel per watched peer, kept for the heartbeats: they go out ten
-    /// times a second, and a TLS handshake each time would cost more than
-    /// the heartbeat. Other calls open a channel each: a peer that dies
-    /// holding a connection open to this node's server would make its
-    /// graceful shutdown wait for an answer that never comes.
+    /// A channel per peer, kept: heartbeats go out ten times a second and
+    /// a contact node hands off thousands of connections, each in five
+    /// calls; a TLS handshake per call would cost more than the calls (a
+    /// thousand handoffs at once timed out on handshakes). One HTTP/2
+    /// connection per peer carries them all.
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
+    /// Bounds the handoffs this node gives at once: each holds a
+    /// connection frozen, and under a burst (a contact node placing
+    /// thousands of new connections) a queue is better than steps timing
+    /// out on a saturated acceptor.
+    giving: tokio::sync::Semaphore,
 }
 
 impl Groups {
@@ -376,6 +384,7 @@ impl Groups {
             groups: Mutex::new(BTreeMap::new()),
             incoming: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
+            giving: tokio::sync::Semaphore::new(GIVING_AT_ONCE),
         }
     }
 
@@ -636,7 +645,7 @@ impl Groups {
         F: FnOnce(pb::groups_client::GroupsClient<tonic::transport::Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        self.call_on(node, limit, false, call).await
+        self.call_on(node, limit, true, call).await
     }
 
     /// [`Self::call`] on the channel kept for `node` if `keep`.
