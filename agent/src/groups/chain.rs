@@ -471,26 +471,41 @@ pub(super) fn tcp_ends() -> std::io::Result<BTreeSet<(SocketAddrV4, u16)>> {
 }
 
 fn parse_proc_net_tcp(text: &str) -> BTreeSet<(SocketAddrV4, u16)> {
-    // "sl local_address rem_address st ...": addresses as hex
-    // ADDR:PORT, the address in the kernel's (little-endian) order.
-    let end = |s: &str| -> Option<(std::net::Ipv4Addr, u16)> {
+    tcp_entries(text)
+        .filter(|e| !e.listening)
+        .map(|e| (e.remote, e.local.port()))
+        .collect()
+}
+
+/// One socket of a /proc/net/tcp text.
+pub(super) struct TcpEntry {
+    pub local: SocketAddrV4,
+    pub remote: SocketAddrV4,
+    pub listening: bool,
+    pub inode: u64,
+}
+
+/// The sockets of a /proc/net/tcp text: "sl local_address rem_address st
+/// ... inode", addresses as hex ADDR:PORT, the address in the kernel's
+/// (little-endian) order.
+pub(super) fn tcp_entries(text: &str) -> impl Iterator<Item = TcpEntry> + '_ {
+    let end = |s: &str| -> Option<SocketAddrV4> {
         let (a, p) = s.split_once(':')?;
-        let a = u32::from_str_radix(a, 16).ok()?;
-        Some((
-            std::net::Ipv4Addr::from(a.to_le_bytes()),
+        Some(SocketAddrV4::new(
+            u32::from_str_radix(a, 16).ok()?.to_le_bytes().into(),
             u16::from_str_radix(p, 16).ok()?,
         ))
     };
-    text.lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let (_, lport) = end(f.get(1)?)?;
-            let (raddr, rport) = end(f.get(2)?)?;
+    text.lines().skip(1).filter_map(move |l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        Some(TcpEntry {
+            local: end(f.get(1)?)?,
+            remote: end(f.get(2)?)?,
             // 0A: TCP_LISTEN.
-            (*f.get(3)? != "0A").then_some((SocketAddrV4::new(raddr, rport), lport))
+            listening: *f.get(3)? == "0A",
+            inode: f.get(9)?.parse().ok()?,
         })
-        .collect()
+    })
 }
 
 #[cfg(test)]

@@ -5,7 +5,6 @@
 //! descriptor stays in repair mode (inert: reads wait, writes fail, closing
 //! sends nothing).
 
-use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,21 +51,9 @@ fn inode_of(flow: Flow) -> Result<u64, GroupsError> {
 
 /// `flow`'s socket inode in a /proc/net/tcp text (not a listener's).
 fn find_inode(text: &str, flow: Flow) -> Option<u64> {
-    let end = |s: &str| -> Option<SocketAddrV4> {
-        let (a, p) = s.split_once(':')?;
-        Some(SocketAddrV4::new(
-            u32::from_str_radix(a, 16).ok()?.to_le_bytes().into(),
-            u16::from_str_radix(p, 16).ok()?,
-        ))
-    };
-    text.lines().skip(1).find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        let local = end(f.get(1)?)?;
-        let remote = end(f.get(2)?)?;
-        (local.port() == flow.local_port && remote == flow.remote && *f.get(3)? != "0A")
-            .then(|| f.get(9)?.parse().ok())
-            .flatten()
-    })
+    super::chain::tcp_entries(text)
+        .find(|e| !e.listening && e.local.port() == flow.local_port && e.remote == flow.remote)
+        .map(|e| e.inode)
 }
 
 /// A duplicate of the descriptor of `flow`'s socket in a process of the
