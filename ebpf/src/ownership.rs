@@ -646,6 +646,16 @@ impl OwnershipFilter {
         Ok(())
     }
 
+    /// How the filter treats one connection of a shared port (None: by its
+    /// port): one map lookup.
+    pub fn flow(&self, flow: Flow) -> Result<Option<FlowState>, DataPlaneError> {
+        match self.flows.get(&flow.key(), 0) {
+            Ok(flags) => Ok(FlowState::from_flags(flags)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(flows_err(e)),
+        }
+    }
+
     /// Every connection this node's filter decides one by one, sorted.
     pub fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
         let mut out = Vec::new();

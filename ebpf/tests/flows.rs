@@ -113,12 +113,17 @@ fn a_member_takes_only_the_connections_listed_as_its_own() {
         filter.flows().unwrap(),
         vec![(flow(41002, 7010), FlowState::Owned)]
     );
+    assert_eq!(
+        filter.flow(flow(41002, 7010)).unwrap(),
+        Some(FlowState::Owned)
+    );
     net.client(|| {
         let mut s = connect_from(41002, 7010, Duration::from_secs(3)).expect("a listed connection");
         echo_once(&mut s, b"owned here");
     });
     filter.remove_flow(flow(41002, 7010)).unwrap();
     assert!(filter.flows().unwrap().is_empty());
+    assert_eq!(filter.flow(flow(41002, 7010)).unwrap(), None);
     let c = filter.counters().unwrap();
     assert!(c.dropped_not_owned >= 2, "the unlisted SYNs dropped: {c:?}");
 }

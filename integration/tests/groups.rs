@@ -81,6 +81,31 @@ async fn group_server(c: &mut ControlClient<Channel>, args: &[&str]) -> i32 {
     run(c, argv).await
 }
 
+/// The contact node's download server: sends [`HALF`] of each download,
+/// hands the connection to `to`, logs the handoff to `log`.
+async fn download_donor(c: &mut ControlClient<Channel>, to: &str, log: &Path) {
+    let (half, size) = (HALF.to_string(), SIZE.to_string());
+    let log = log.to_string_lossy();
+    let args = [
+        "--mode",
+        "download",
+        "--size",
+        &size,
+        "--handoff-after",
+        &half,
+        "--to",
+        to,
+        "--log",
+        &log,
+    ];
+    group_server(c, &args).await;
+}
+
+/// A member's download server: sends the rest of what is handed to it.
+async fn download_acceptor(c: &mut ControlClient<Channel>) {
+    group_server(c, &["--mode", "download", "--size", &SIZE.to_string()]).await;
+}
+
 /// Waits until a server process registered with the node's agent.
 async fn wait_server(c: &mut ControlClient<Channel>, node: &str) {
     let until = Instant::now() + Duration::from_secs(20);
@@ -152,25 +177,8 @@ fn downloads_handed_off_midway_reach_curl_whole() {
             cluster.control("node2").await.unwrap(),
         );
         create_group(&mut c1, "node1", &["node2"]).await;
-        let (half, size) = (HALF.to_string(), SIZE.to_string());
-        let log_arg = log.to_string_lossy().into_owned();
-        group_server(
-            &mut c1,
-            &[
-                "--mode",
-                "download",
-                "--size",
-                &size,
-                "--handoff-after",
-                &half,
-                "--to",
-                "node2",
-                "--log",
-                &log_arg,
-            ],
-        )
-        .await;
-        group_server(&mut c2, &["--mode", "download", "--size", &size]).await;
+        download_donor(&mut c1, "node2", &log).await;
+        download_acceptor(&mut c2).await;
         wait_server(&mut c1, "node1").await;
         wait_server(&mut c2, "node2").await;
 
@@ -291,25 +299,8 @@ fn a_handoff_to_an_acceptor_that_dies_before_the_commit_leaves_the_connection_wi
             cluster.control("node2").await.unwrap(),
         );
         create_group(&mut c1, "node1", &["node2"]).await;
-        let (half, size) = (HALF.to_string(), SIZE.to_string());
-        let log_arg = log.to_string_lossy().into_owned();
-        group_server(
-            &mut c1,
-            &[
-                "--mode",
-                "download",
-                "--size",
-                &size,
-                "--handoff-after",
-                &half,
-                "--to",
-                "node2",
-                "--log",
-                &log_arg,
-            ],
-        )
-        .await;
-        group_server(&mut c2, &["--mode", "download", "--size", &size]).await;
+        download_donor(&mut c1, "node2", &log).await;
+        download_acceptor(&mut c2).await;
         wait_server(&mut c1, "node1").await;
         wait_server(&mut c2, "node2").await;
     });
@@ -366,24 +357,7 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
         // A group of node1 and node2; node1's server hands off to node3,
         // which is not in it: refused, and the download goes on from node1.
         create_group(&mut c1, "node1", &["node2"]).await;
-        let (half, size) = (HALF.to_string(), SIZE.to_string());
-        let log_arg = log.to_string_lossy().into_owned();
-        group_server(
-            &mut c1,
-            &[
-                "--mode",
-                "download",
-                "--size",
-                &size,
-                "--handoff-after",
-                &half,
-                "--to",
-                "node3",
-                "--log",
-                &log_arg,
-            ],
-        )
-        .await;
+        download_donor(&mut c1, "node3", &log).await;
         wait_server(&mut c1, "node1").await;
     });
     assert_whole_download(&curl(&cluster));

@@ -13,6 +13,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::forward::{self, Target};
+use super::groups;
 use crate::engine::source;
 use crate::error_chain::error_chain;
 use crate::managed::{Lifecycle, OutStage};
@@ -128,70 +129,40 @@ macro_rules! forward_unary {
 impl Control for ControlService {
     async fn create_group(
         &self,
-        request: Request<ferry_proto::v1::CreateGroupRequest>,
-    ) -> Result<Response<ferry_proto::v1::Group>, Status> {
-        let req = request.into_inner();
-        let group = req
-            .group
-            .as_ref()
-            .ok_or_else(|| Status::invalid_argument("group: missing"))?;
-        let group = crate::groups::Group::from_pb(group)?;
-        let group = self.node.groups.create(group).await?;
-        Ok(Response::new(group.to_pb()))
+        request: Request<pb::CreateGroupRequest>,
+    ) -> Result<Response<pb::Group>, Status> {
+        groups::create(&self.node, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn delete_group(
         &self,
-        request: Request<ferry_proto::v1::DeleteGroupRequest>,
-    ) -> Result<Response<ferry_proto::v1::DeleteGroupResponse>, Status> {
-        let port = u16::try_from(request.into_inner().port)
-            .map_err(|_| Status::invalid_argument("port: not a TCP port"))?;
-        self.node.groups.delete(port).await?;
-        Ok(Response::new(ferry_proto::v1::DeleteGroupResponse {}))
+        request: Request<pb::DeleteGroupRequest>,
+    ) -> Result<Response<pb::DeleteGroupResponse>, Status> {
+        groups::delete(&self.node, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn handoff_connection(
         &self,
-        request: Request<ferry_proto::v1::HandoffConnectionRequest>,
-    ) -> Result<Response<ferry_proto::v1::HandoffConnectionResponse>, Status> {
+        request: Request<pb::HandoffConnectionRequest>,
+    ) -> Result<Response<pb::HandoffConnectionResponse>, Status> {
         let node = request.get_ref().node.clone();
         if let Target::Peer(peer) = forward::target(&self.node.cluster, &request, "node", &node)? {
             return forward_unary!(self, peer, handoff_connection, request.into_inner());
         }
-        let req = request.into_inner();
-        let flow = crate::groups::flow_from_pb(req.connection.as_ref())?;
-        if req.to.is_empty() {
-            return Err(Status::invalid_argument("to: no node given"));
-        }
-        let (pid, done) = self
-            .node
-            .groups
-            .handoff_held(
-                flow,
-                req.to,
-                std::time::Duration::from_millis(u64::from(req.drain_ms)),
-            )
-            .await?;
-        Ok(Response::new(ferry_proto::v1::HandoffConnectionResponse {
-            acceptor: done.acceptor,
-            donor_pid: pid,
-            phases: done
-                .phases
-                .into_iter()
-                .map(|p| ferry_proto::v1::HandoffPhase {
-                    name: p.name,
-                    micros: p.micros,
-                })
-                .collect(),
-            queued_bytes: done.queued_bytes,
-        }))
+        groups::handoff(&self.node, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn list_groups(
         &self,
-        _request: Request<ferry_proto::v1::ListGroupsRequest>,
-    ) -> Result<Response<ferry_proto::v1::ListGroupsResponse>, Status> {
-        Ok(Response::new(ferry_proto::v1::ListGroupsResponse {
+        _request: Request<pb::ListGroupsRequest>,
+    ) -> Result<Response<pb::ListGroupsResponse>, Status> {
+        Ok(Response::new(pb::ListGroupsResponse {
             groups: self.node.groups.views(),
         }))
     }

@@ -4,6 +4,7 @@
 mod control;
 pub mod follow;
 pub mod forward;
+mod groups;
 pub mod introspection;
 mod peer;
 pub mod watch;

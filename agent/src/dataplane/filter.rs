@@ -55,6 +55,8 @@ pub trait PortFilter: Send {
     fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError>;
     /// Forgets one connection of a shared port (its port decides again).
     fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError>;
+    /// How one connection of a shared port is decided (None: by its port).
+    fn flow(&self, flow: Flow) -> Result<Option<FlowState>, DataPlaneError>;
     /// The connections decided one by one.
     fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError>;
 }
@@ -115,6 +117,11 @@ impl PortTable {
     /// Forgets one connection of a shared port.
     pub fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
         self.filter.remove_flow(flow)
+    }
+
+    /// How one connection of a shared port is decided (None: by its port).
+    pub fn flow(&self, flow: Flow) -> Result<Option<FlowState>, DataPlaneError> {
+        self.filter.flow(flow)
     }
 
     /// The connections of shared ports decided one by one.
@@ -233,6 +240,12 @@ impl PortFilter for EbpfPortFilter {
             .map_err(|e| DataPlaneError(format!("connection {flow}: {e}")))
     }
 
+    fn flow(&self, flow: Flow) -> Result<Option<FlowState>, DataPlaneError> {
+        self.0
+            .flow(flow)
+            .map_err(|e| DataPlaneError(format!("connection {flow}: {e}")))
+    }
+
     fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
         self.0
             .flows()
@@ -286,6 +299,9 @@ pub mod fake {
         fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
             self.0.lock().unwrap().push(format!("forget {flow}"));
             Ok(())
+        }
+        fn flow(&self, _flow: Flow) -> Result<Option<FlowState>, DataPlaneError> {
+            Ok(None)
         }
         fn flows(&self) -> Result<Vec<(Flow, FlowState)>, DataPlaneError> {
             Ok(Vec::new())

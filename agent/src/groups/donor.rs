@@ -285,14 +285,10 @@ impl Groups {
 
     /// How this node's filter treats `flow` now (None: by its port).
     pub(super) fn flow_state(&self, flow: Flow) -> Result<Option<FlowState>, GroupsError> {
-        Ok(self
-            .dataplane
+        self.dataplane
             .table()
-            .flows()
-            .map_err(|e| GroupsError::Internal(e.to_string()))?
-            .into_iter()
-            .find(|(f, _)| *f == flow)
-            .map(|(_, s)| s))
+            .flow(flow)
+            .map_err(|e| GroupsError::Internal(e.to_string()))
     }
 
     /// After a commit whose answer did not come: whether the acceptor

@@ -285,6 +285,18 @@ impl Groups {
         lock(&self.groups)
     }
 
+    /// The state of the group on `port`, in `groups` (this node's lock).
+    fn state_in<'a>(
+        &self,
+        groups: &'a mut BTreeMap<u16, GroupState>,
+        port: u16,
+    ) -> Result<&'a mut GroupState, GroupsError> {
+        groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
+            port,
+            node: self.node.clone(),
+        })
+    }
+
     /// The group on `port`, if this node is in one.
     pub fn group(&self, port: u16) -> Option<Group> {
         self.groups().get(&port).map(|g| g.group.clone())
@@ -596,10 +608,7 @@ impl Groups {
             });
         }
         let mut groups = self.groups();
-        let g = groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
-            port,
-            node: self.node.clone(),
-        })?;
+        let g = self.state_in(&mut groups, port)?;
         g.servers.retain(|s| local::is_open(&s.channel));
         g.servers.push(ServerChannel {
             pid,
@@ -613,10 +622,7 @@ impl Groups {
     /// on `port`.
     fn check_server(&self, pid: i32, port: u16) -> Result<(), GroupsError> {
         let mut groups = self.groups();
-        let g = groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
-            port,
-            node: self.node.clone(),
-        })?;
+        let g = self.state_in(&mut groups, port)?;
         g.servers.retain(|s| local::is_open(&s.channel));
         let servers: Vec<i32> = g.servers.iter().map(|s| s.pid).collect();
         if managed_root(&servers, pid).is_some() {
@@ -645,12 +651,7 @@ impl Groups {
     /// Marks `flow` as moving; refused if it is already.
     fn begin(&self, flow: Flow) -> Result<(), GroupsError> {
         let mut groups = self.groups();
-        let g = groups
-            .get_mut(&flow.local_port)
-            .ok_or_else(|| GroupsError::NoGroup {
-                port: flow.local_port,
-                node: self.node.clone(),
-            })?;
+        let g = self.state_in(&mut groups, flow.local_port)?;
         if !g.in_flight.insert(flow) {
             return Err(GroupsError::Busy { flow });
         }
@@ -697,10 +698,7 @@ impl Groups {
             .map_err(|e| GroupsError::Internal(e.to_string()))?
             .map_err(|e| GroupsError::Internal(format!("reading this node's sockets: {e}")))?;
         let mut groups = self.groups();
-        let g = groups.get_mut(&port).ok_or_else(|| GroupsError::NoGroup {
-            port,
-            node: self.node.clone(),
-        })?;
+        let g = self.state_in(&mut groups, port)?;
         let mut serving: BTreeMap<String, u64> = BTreeMap::new();
         for node in g.connections.values() {
             *serving.entry(node.clone()).or_default() += 1;
@@ -730,12 +728,7 @@ impl Groups {
     /// The contact node or a backup records who serves a connection.
     pub fn record_connection(&self, flow: Flow, node: &str) -> Result<(), GroupsError> {
         let mut groups = self.groups();
-        let g = groups
-            .get_mut(&flow.local_port)
-            .ok_or_else(|| GroupsError::NoGroup {
-                port: flow.local_port,
-                node: self.node.clone(),
-            })?;
+        let g = self.state_in(&mut groups, flow.local_port)?;
         g.connections.insert(flow, node.to_owned());
         Ok(())
     }

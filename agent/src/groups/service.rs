@@ -27,11 +27,7 @@ impl GroupsApi for GroupsService {
         request: Request<pb::JoinGroupRequest>,
     ) -> Result<Response<pb::JoinGroupResponse>, Status> {
         let req = request.into_inner();
-        let group = req
-            .group
-            .as_ref()
-            .ok_or_else(|| Status::invalid_argument("group: missing"))?;
-        let group = Group::from_pb(group)?;
+        let group = group_of(req.group.as_ref())?;
         self.groups.join(group).await?;
         Ok(Response::new(pb::JoinGroupResponse {}))
     }
@@ -111,11 +107,7 @@ impl GroupsApi for GroupsService {
         request: Request<pb::ViewPrepareRequest>,
     ) -> Result<Response<pb::ViewPrepareResponse>, Status> {
         let req = request.into_inner();
-        let group = Group::from_pb(
-            req.group
-                .as_ref()
-                .ok_or_else(|| Status::invalid_argument("group: missing"))?,
-        )?;
+        let group = group_of(req.group.as_ref())?;
         let (accepted, epoch) = self.groups.promise(&group, &req.proposer);
         Ok(Response::new(pb::ViewPrepareResponse { accepted, epoch }))
     }
@@ -125,11 +117,7 @@ impl GroupsApi for GroupsService {
         request: Request<pb::ViewCommitRequest>,
     ) -> Result<Response<pb::ViewCommitResponse>, Status> {
         let req = request.into_inner();
-        let group = Group::from_pb(
-            req.group
-                .as_ref()
-                .ok_or_else(|| Status::invalid_argument("group: missing"))?,
-        )?;
+        let group = group_of(req.group.as_ref())?;
         let mut table = Vec::new();
         for c in &req.connections {
             table.push((flow_from_pb(c.connection.as_ref())?, c.node.clone()));
@@ -142,4 +130,10 @@ impl GroupsApi for GroupsService {
 fn port_of(port: u32) -> Result<u16, Status> {
     u16::try_from(port)
         .map_err(|_| Status::invalid_argument(format!("port: {port} is not a TCP port")))
+}
+
+/// A request's group, checked: the error names the field.
+pub fn group_of(g: Option<&pb::Group>) -> Result<Group, Status> {
+    let g = g.ok_or_else(|| Status::invalid_argument("group: missing"))?;
+    Ok(Group::from_pb(g)?)
 }
