@@ -396,11 +396,17 @@ impl Ports {
         let mut desired = self.processes.registry().desired_ports();
         // A port is newly owned only once the peers said nobody owns it;
         // ports already owned stay (a migration moved them here, or they
-        // were checked before).
+        // were checked before). A group's port this node left is not owned
+        // by having been shared: its server still listens, but the group
+        // goes on elsewhere (the peers' answer decides).
         {
             let claims = lock(&self.claims);
             let current = table.current();
-            desired.retain(|p, _| current.contains_key(p) || claims.get(p) == Some(&Claim::Free));
+            desired.retain(|p, _| {
+                current.get(p).is_some_and(|s| {
+                    !matches!(s, PortState::SharedContact | PortState::SharedMember)
+                }) || claims.get(p) == Some(&Claim::Free)
+            });
         }
         // A group's port takes the state of this node's role in it,
         // whoever holds it here.
@@ -504,6 +510,32 @@ mod tests {
         assert!(outcomes.contains_key(&[true, false]), "{outcomes:?}");
         assert!(outcomes.contains_key(&[false, true]), "{outcomes:?}");
         assert!(outcomes.contains_key(&[false, false]), "{outcomes:?}");
+    }
+
+    #[tokio::test]
+    async fn a_node_that_leaves_a_group_does_not_own_its_port_by_having_shared_it() {
+        // A member of a group whose server still listens on the port leaves
+        // the group: the port is not its (the contact node goes on with
+        // it) unless the peers say nobody owns it.
+        let f = node_with_a_process_on_the_port();
+        let ports = &f.engine.ports;
+        ports.share(PORT, PortState::SharedMember);
+        ports.apply_now().unwrap();
+        assert_eq!(
+            f.engine.dataplane.table().current().get(&PORT),
+            Some(&PortState::SharedMember)
+        );
+        ports.unshare(PORT);
+        ports.apply_now().unwrap();
+        assert_eq!(f.engine.dataplane.table().current().get(&PORT), None);
+        // Unless nobody owns it: then the process's port is its own again.
+        ports.begin_claims(&[PORT]);
+        ports.settle_claims(&[PORT], &[]);
+        ports.apply_now().unwrap();
+        assert_eq!(
+            f.engine.dataplane.table().current().get(&PORT),
+            Some(&PortState::Owned)
+        );
     }
 
     #[tokio::test]

@@ -13,73 +13,20 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ferry_integration::cluster::{Cluster, ClusterSpec};
-use ferry_integration::group::pattern;
+use ferry_integration::cluster::Cluster;
+use ferry_integration::group::{
+    TEST_PORT, create_group, create_group_with_backups, echo, group_server, group_view, pattern,
+    start_cluster as start, wait_server,
+};
 use ferry_integration::managed::{run, runtime};
 use ferry_integration::netns;
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
 
-const PORT: u16 = 8080;
+const PORT: u16 = TEST_PORT;
 const SIZE: u64 = 1_000_000;
 const HALF: u64 = 500_000;
-
-/// A cluster of `nodes` and one client, unless the test cannot run here.
-fn start(test: &str, nodes: usize) -> Option<Cluster> {
-    if !ferry_integration::can_run(test) {
-        return None;
-    }
-    Some(Cluster::start(ClusterSpec::new(nodes, 1)).expect("cluster"))
-}
-
-async fn create_group(c: &mut ControlClient<Channel>, contact: &str, members: &[&str]) {
-    create_group_with_backups(c, contact, &[], members).await;
-}
-
-async fn create_group_with_backups(
-    c: &mut ControlClient<Channel>,
-    contact: &str,
-    backups: &[&str],
-    members: &[&str],
-) {
-    c.create_group(pb::CreateGroupRequest {
-        group: Some(pb::Group {
-            port: u32::from(PORT),
-            contact: contact.into(),
-            backups: backups.iter().map(|m| m.to_string()).collect(),
-            members: members.iter().map(|m| m.to_string()).collect(),
-            epoch: 0,
-            placement: String::new(),
-        }),
-    })
-    .await
-    .expect("CreateGroup");
-}
-
-async fn group_view(c: &mut ControlClient<Channel>) -> pb::GroupView {
-    c.list_groups(pb::ListGroupsRequest {})
-        .await
-        .expect("ListGroups")
-        .into_inner()
-        .groups
-        .into_iter()
-        .find(|g| g.group.as_ref().is_some_and(|g| g.port == u32::from(PORT)))
-        .expect("the group on this node")
-}
-
-/// Starts `ferry-group-server` under the node's agent with `args`.
-async fn group_server(c: &mut ControlClient<Channel>, args: &[&str]) -> i32 {
-    let mut argv = vec![
-        ferry_integration::bin_path("ferry-group-server")
-            .to_string_lossy()
-            .into_owned(),
-        "--port".into(),
-        PORT.to_string(),
-    ];
-    argv.extend(args.iter().map(|a| a.to_string()));
-    run(c, argv).await
-}
 
 /// The contact node's download server: sends [`HALF`] of each download,
 /// hands the connection to `to`, logs the handoff to `log`.
@@ -104,18 +51,6 @@ async fn download_donor(c: &mut ControlClient<Channel>, to: &str, log: &Path) {
 /// A member's download server: sends the rest of what is handed to it.
 async fn download_acceptor(c: &mut ControlClient<Channel>) {
     group_server(c, &["--mode", "download", "--size", &SIZE.to_string()]).await;
-}
-
-/// Waits until a server process registered with the node's agent.
-async fn wait_server(c: &mut ControlClient<Channel>, node: &str) {
-    let until = Instant::now() + Duration::from_secs(20);
-    while group_view(c).await.server_pids.is_empty() {
-        assert!(
-            Instant::now() < until,
-            "no group server registered on {node}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// curl from the client's namespace: the download's body, all of it.
@@ -390,14 +325,6 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
 }
 
 /// One echo exchange of `msg` on `s`.
-fn echo(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
-    s.write_all(msg)?;
-    let mut back = vec![0; msg.len()];
-    s.read_exact(&mut back)?;
-    assert_eq!(back, msg, "the echo");
-    Ok(())
-}
-
 #[test]
 fn the_contact_nodes_failure_loses_no_connection_served_elsewhere() {
     let Some(cluster) = start(

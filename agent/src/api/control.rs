@@ -158,6 +158,24 @@ impl Control for ControlService {
             .map(Response::new)
     }
 
+    async fn add_group_member(
+        &self,
+        request: Request<pb::AddGroupMemberRequest>,
+    ) -> Result<Response<pb::Group>, Status> {
+        groups::add_member(&self.node, request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn remove_group_member(
+        &self,
+        request: Request<pb::RemoveGroupMemberRequest>,
+    ) -> Result<Response<pb::Group>, Status> {
+        groups::remove_member(&self.node, request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
     async fn list_groups(
         &self,
         _request: Request<pb::ListGroupsRequest>,

@@ -135,6 +135,11 @@ impl super::LoadSampler for ProcfsSampler {
             .registry()
             .iter()
             .map(|p| (p.pid, p.argv.clone(), p.lifecycle == Lifecycle::Running))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|(pid, argv, running)| {
+                (pid, argv, running && self.processes.pinned(pid).is_none())
+            })
             .collect();
         let cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u32)

@@ -61,13 +61,27 @@ impl Groups {
             })
     }
 
+    /// The epoch for a view this node proposes: above every one it holds
+    /// or promised (a proposal that failed may have left a promise).
+    pub(super) fn next_epoch(&self, port: u16) -> Result<u64, GroupsError> {
+        self.groups()
+            .get(&port)
+            .map(|g| g.group.epoch.max(g.promised) + 1)
+            .ok_or_else(|| GroupsError::NoGroup {
+                port,
+                node: self.node.clone(),
+            })
+    }
+
     /// Phase one of a view change: promise `group`'s epoch if it is above
     /// every one this node holds or promised. Returns (accepted, the epoch
     /// this node holds or promised).
     pub fn promise(&self, group: &Group, proposer: &str) -> (bool, u64) {
         let mut groups = self.groups();
         let Some(g) = groups.get_mut(&group.port) else {
-            return (false, 0);
+            // A node joining a running group holds nothing yet: it takes
+            // the view at the commit.
+            return (group.members.contains(&self.node), 0);
         };
         let known = g.promised.max(g.group.epoch);
         if group.epoch <= known {
@@ -85,36 +99,46 @@ impl Groups {
     }
 
     /// Phase two, or a member told of a new view: takes `group` (if newer
-    /// than the view held) with the connections the chain knows of.
+    /// than the view held) with the connections the chain knows of. A node
+    /// new to the group filters its port; a contact node that is one no
+    /// longer keeps its own connections and stops taking new ones; a new
+    /// contact node takes over.
     pub async fn apply_view(
         self: &Arc<Self>,
         group: Group,
         table: Vec<(Flow, String)>,
     ) -> Result<(), GroupsError> {
         if !group.members.contains(&self.node) {
-            self.leave(group.port).await;
+            if self
+                .group(group.port)
+                .is_some_and(|g| g.epoch < group.epoch)
+            {
+                self.leave(group.port).await;
+            }
             return Ok(());
         }
-        let became_contact = {
+        let (was, now_contact) = {
             let mut groups = self.groups();
-            let g = match groups.get_mut(&group.port) {
-                Some(g) => g,
+            let (g, was) = match groups.get_mut(&group.port) {
+                Some(g) => {
+                    let was = Some(g.group.contact == self.node);
+                    (g, was)
+                }
                 None => {
                     groups.insert(group.port, super::GroupState::new(group.clone()));
-                    groups.get_mut(&group.port).expect("just inserted")
+                    (groups.get_mut(&group.port).expect("just inserted"), None)
                 }
             };
             if group.epoch < g.group.epoch {
                 return Ok(());
             }
-            let was_contact = g.group.contact == self.node;
             for (flow, node) in table {
                 g.connections.entry(flow).or_insert(node);
             }
             g.group = group.clone();
             g.promised = g.promised.max(group.epoch);
             g.predecessor_heard = Instant::now();
-            !was_contact && group.contact == self.node
+            (was, group.contact == self.node)
         };
         tracing::info!(port = group.port, epoch = group.epoch, contact = %group.contact, backups = ?group.backups, members = ?group.members, "the group's view changed");
         self.publish(
@@ -128,8 +152,11 @@ impl Groups {
                 group.members.join(", ")
             ),
         );
-        if became_contact {
-            self.take_over(group.port).await?;
+        match (was, now_contact) {
+            (Some(false), true) => self.take_over(group.port).await?,
+            (Some(true), false) => self.step_down(group.port).await?,
+            (None, _) => self.filter_port(&group).await?,
+            _ => {}
         }
         Ok(())
     }
@@ -238,9 +265,23 @@ impl Groups {
         let mut ticker = tokio::time::interval(HEARTBEAT_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut swept = Instant::now();
+        let mut last_round = Instant::now();
         loop {
             ticker.tick().await;
+            // A silence measured while this node itself did not run (its
+            // agent stopped, the machine overloaded) is not the other
+            // node's: start counting again.
+            if last_round.elapsed() > SUSPECT_AFTER / 2 {
+                tracing::warn!(
+                    late_ms = last_round.elapsed().as_millis() as u64,
+                    "this node's heartbeats were late: silences are counted again from now"
+                );
+                for g in self.groups().values_mut() {
+                    g.predecessor_heard = Instant::now();
+                }
+            }
             self.heartbeats().await;
+            last_round = Instant::now();
             if swept.elapsed() >= SWEEP_EVERY {
                 swept = Instant::now();
                 self.sweep().await;
@@ -248,29 +289,53 @@ impl Groups {
         }
     }
 
-    /// One round of heartbeats; proposes a view without each predecessor
-    /// silent for [`SUSPECT_AFTER`].
+    /// One round of heartbeats. Each backup asks the node before it in the
+    /// chain, and proposes a view without it once it was silent for
+    /// [`SUSPECT_AFTER`]; the contact node asks its first backup, only to
+    /// learn of a view it missed. An answer with a newer view that this
+    /// node missed, or that left it out, makes it ask the contact node to
+    /// take it back ([`Groups::rejoin`]).
     async fn heartbeats(self: &Arc<Self>) {
-        let watched: Vec<(Group, String)> = self
+        let watched: Vec<(Group, String, bool)> = self
             .groups()
             .values()
             .filter_map(|g| {
                 let chain = g.group.chain();
                 let i = chain.iter().position(|n| *n == self.node)?;
-                (i > 0).then(|| (g.group.clone(), chain[i - 1].clone()))
+                if i > 0 {
+                    Some((g.group.clone(), chain[i - 1].clone(), true))
+                } else {
+                    chain.get(1).map(|n| (g.group.clone(), n.clone(), false))
+                }
             })
             .collect();
-        for (group, predecessor) in watched {
+        for (group, asked, watching) in watched {
             let req = pb::HeartbeatRequest {
                 port: u32::from(group.port),
                 from: self.node.clone(),
+                epoch: group.epoch,
             };
-            let alive = self
-                .call_on(&predecessor, CALL_TIMEOUT, true, |mut c| async move {
+            let answer = self
+                .call_on(&asked, CALL_TIMEOUT, true, |mut c| async move {
                     c.heartbeat(req).await
                 })
-                .await
-                .is_ok();
+                .await;
+            let alive = answer.is_ok();
+            if let Ok(pb::HeartbeatResponse {
+                group: Some(newer), ..
+            }) = answer
+                && newer.epoch > group.epoch
+            {
+                match Group::from_pb(&newer) {
+                    Ok(newer) => self.start_rejoin(group.clone(), newer),
+                    Err(e) => {
+                        tracing::warn!(node = %asked, error = %e, "a heartbeat's answer with a view that does not check");
+                    }
+                }
+            }
+            if !watching {
+                continue;
+            }
             let silent_for = {
                 let mut groups = self.groups();
                 let Some(g) = groups.get_mut(&group.port) else {
@@ -282,8 +347,8 @@ impl Groups {
                 g.predecessor_heard.elapsed()
             };
             if !alive && silent_for >= SUSPECT_AFTER {
-                tracing::warn!(port = group.port, failed = %predecessor, silent_ms = silent_for.as_millis() as u64, "the node before this one in the chain is silent: proposing a view without it");
-                if let Err(e) = self.propose_without(&group, &predecessor).await {
+                tracing::warn!(port = group.port, failed = %asked, silent_ms = silent_for.as_millis() as u64, "the node before this one in the chain is silent: proposing a view without it");
+                if let Err(e) = self.propose_without(&group, &asked).await {
                     tracing::warn!(port = group.port, error = %e, "a view change failed; tried again at the next heartbeat");
                 }
             }
@@ -297,6 +362,7 @@ impl Groups {
         group: &Group,
         failed: &str,
     ) -> Result<(), GroupsError> {
+        let _turn = self.changing.lock().await;
         let mut out: BTreeSet<String> = BTreeSet::from([failed.to_owned()]);
         let mut view = group.clone();
         for _round in 0..4 {
@@ -306,58 +372,23 @@ impl Groups {
                     next = v;
                 }
             }
-            next.epoch = view.epoch.max(group.epoch) + 1;
-            let (accepted, _) = self.promise(&next, &self.node);
-            if !accepted {
-                return Err(GroupsError::Internal(format!(
-                    "a view at epoch {} or later is known here already",
-                    next.epoch
-                )));
-            }
-            let others: Vec<String> = next
-                .chain()
-                .into_iter()
-                .filter(|n| *n != self.node)
-                .collect();
-            let votes = futures::future::join_all(others.iter().map(|n| {
-                let req = pb::ViewPrepareRequest {
-                    group: Some(next.to_pb()),
-                    proposer: self.node.clone(),
-                };
-                async move {
-                    let r = self
-                        .call(
-                            n,
-                            CALL_TIMEOUT,
-                            |mut c| async move { c.view_prepare(req).await },
-                        )
-                        .await;
-                    (n.clone(), r)
-                }
-            }))
-            .await;
-            let mut silent = Vec::new();
-            for (n, vote) in votes {
-                match vote {
-                    Ok(v) if v.accepted => {}
-                    Ok(v) => {
-                        return Err(GroupsError::Internal(format!(
-                            "{n} refused the view at epoch {} (it knows epoch {})",
-                            next.epoch, v.epoch
-                        )));
-                    }
-                    Err(e) => {
-                        tracing::warn!(node = %n, error = %e, "no vote on a view change: left out too");
-                        silent.push(n);
-                    }
-                }
-            }
+            next.epoch = self.next_epoch(group.port)?;
+            let silent = self.prepare(&next, &[]).await?;
             if !silent.is_empty() {
                 out.extend(silent);
                 view = next;
                 continue;
             }
-            self.commit_view(next, group).await;
+            // The nodes left out are not told: one that was only slow finds
+            // out from a heartbeat's answer and joins again with the
+            // connections it serves ([`Groups::rejoin`]).
+            let targets = group
+                .members
+                .iter()
+                .filter(|n| next.members.contains(n))
+                .cloned()
+                .collect();
+            self.commit_view(next, targets, false).await;
             return Ok(());
         }
         Err(GroupsError::Internal(
@@ -365,9 +396,83 @@ impl Groups {
         ))
     }
 
-    /// Phase two: every member of the old view but the failed ones takes
-    /// the new view, this node last.
-    async fn commit_view(self: &Arc<Self>, view: Group, old: &Group) {
+    /// Phase one for `next` (its epoch set): this node promises it, then
+    /// every other node of its chain and each of `also` (a node joining).
+    /// Returns the nodes that did not answer; an error if one refused.
+    pub(super) async fn prepare(
+        &self,
+        next: &Group,
+        also: &[String],
+    ) -> Result<Vec<String>, GroupsError> {
+        let (accepted, known) = self.promise(next, &self.node);
+        if !accepted {
+            return Err(GroupsError::Refused {
+                port: next.port,
+                reason: format!(
+                    "a view at epoch {} or later is known on {} already (epoch {known})",
+                    next.epoch, self.node
+                ),
+            });
+        }
+        let mut voters: Vec<String> = next
+            .chain()
+            .into_iter()
+            .filter(|n| *n != self.node)
+            .collect();
+        for n in also {
+            if !voters.contains(n) && *n != self.node {
+                voters.push(n.clone());
+            }
+        }
+        let votes = futures::future::join_all(voters.iter().map(|n| {
+            let req = pb::ViewPrepareRequest {
+                group: Some(next.to_pb()),
+                proposer: self.node.clone(),
+            };
+            async move {
+                let r = self
+                    .call(
+                        n,
+                        CALL_TIMEOUT,
+                        |mut c| async move { c.view_prepare(req).await },
+                    )
+                    .await;
+                (n.clone(), r)
+            }
+        }))
+        .await;
+        let mut silent = Vec::new();
+        for (n, vote) in votes {
+            match vote {
+                Ok(v) if v.accepted => {}
+                Ok(v) => {
+                    return Err(GroupsError::Refused {
+                        port: next.port,
+                        reason: format!(
+                            "{n} refused the view at epoch {} (it knows epoch {})",
+                            next.epoch, v.epoch
+                        ),
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(node = %n, error = %e, epoch = next.epoch, "no vote on a view change");
+                    silent.push(n);
+                }
+            }
+        }
+        Ok(silent)
+    }
+
+    /// Phase two: each of `targets` takes the new view with the table of
+    /// connections, then this node (first if `here_first`: a contact node
+    /// that leaves gives up the port before its successor takes it, so
+    /// that two nodes never answer the same new connection).
+    pub(super) async fn commit_view(
+        self: &Arc<Self>,
+        view: Group,
+        targets: Vec<String>,
+        here_first: bool,
+    ) {
         let table: Vec<pb::ServedConnection> = self
             .groups()
             .get(&view.port)
@@ -381,12 +486,10 @@ impl Groups {
                     .collect()
             })
             .unwrap_or_default();
-        let targets: Vec<String> = old
-            .members
-            .iter()
-            .filter(|n| **n != self.node && view.members.contains(n))
-            .cloned()
-            .collect();
+        if here_first && let Err(e) = self.apply_view(view.clone(), Vec::new()).await {
+            tracing::error!(error = %e, "taking the new view here");
+        }
+        let targets: Vec<String> = targets.into_iter().filter(|n| *n != self.node).collect();
         futures::future::join_all(targets.iter().map(|n| {
             let req = pb::ViewCommitRequest {
                 group: Some(view.to_pb()),
@@ -406,7 +509,7 @@ impl Groups {
             }
         }))
         .await;
-        if let Err(e) = self.apply_view(view, Vec::new()).await {
+        if !here_first && let Err(e) = self.apply_view(view, Vec::new()).await {
             tracing::error!(error = %e, "taking the new view here");
         }
     }

@@ -24,7 +24,7 @@ pub struct Group {
 }
 
 impl Group {
-    /// Checks a group from the API: the error names the field.
+    /// Checks a group from the API or a peer: the error names the field.
     pub fn from_pb(g: &pb::Group) -> Result<Self, GroupsError> {
         let invalid = |field: &'static str, reason: String| GroupsError::Invalid { field, reason };
         let port = u16::try_from(g.port)
@@ -59,12 +59,6 @@ impl Group {
                 members.push(b.clone());
             }
         }
-        if members.len() < 2 {
-            return Err(invalid(
-                "group.members",
-                "a group needs a member beside its contact node".into(),
-            ));
-        }
         let placement =
             ferry_policy::placement::Placement::parse(&g.placement).ok_or_else(|| {
                 invalid(
@@ -80,6 +74,20 @@ impl Group {
             epoch: g.epoch.max(1),
             placement,
         })
+    }
+
+    /// Checks a new group from the API ([`Self::from_pb`]): it needs a
+    /// member beside its contact node. A view after a failure may have
+    /// none (the contact node alone serves until one joins).
+    pub fn new_from_pb(g: &pb::Group) -> Result<Self, GroupsError> {
+        let group = Self::from_pb(g)?;
+        if group.members.len() < 2 {
+            return Err(GroupsError::Invalid {
+                field: "group.members",
+                reason: "a group needs a member beside its contact node".into(),
+            });
+        }
+        Ok(group)
     }
 
     pub fn to_pb(&self) -> pb::Group {
@@ -122,6 +130,25 @@ impl Group {
             epoch: self.epoch + 1,
             placement: self.placement,
         })
+    }
+
+    /// The view with `node` added as a member, and also as the last backup
+    /// if `backup`; `None` if it has that place already.
+    pub fn with(&self, node: &str, backup: bool) -> Option<Group> {
+        let member = self.members.iter().any(|m| m == node);
+        let in_chain = self.chain().iter().any(|m| m == node);
+        if member && (!backup || in_chain) {
+            return None;
+        }
+        let mut next = self.clone();
+        if !member {
+            next.members.push(node.to_owned());
+        }
+        if backup && !in_chain {
+            next.backups.push(node.to_owned());
+        }
+        next.epoch = self.epoch + 1;
+        Some(next)
     }
 
     pub(super) fn port_key(&self) -> PortKey {

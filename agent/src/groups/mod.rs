@@ -39,6 +39,7 @@ pub mod chain;
 pub mod donor;
 mod group;
 pub mod local;
+pub mod members;
 pub mod operator;
 pub mod service;
 
@@ -106,6 +107,14 @@ pub enum GroupsError {
     Peer { node: String, status: Status },
     #[error("{node} unreachable: {reason}")]
     Unreachable { node: String, reason: String },
+    #[error("{node} is not the contact node of the group on port {port}: {contact} is")]
+    NotContact {
+        port: u16,
+        node: String,
+        contact: String,
+    },
+    #[error("the group on port {port}: {reason}")]
+    Refused { port: u16, reason: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -121,7 +130,10 @@ impl GroupsError {
             GroupsError::NotMember { .. } => ErrorKind::NotMember,
             GroupsError::NotAConnection(_) => ErrorKind::NotAConnection,
             GroupsError::Busy { .. } => ErrorKind::Busy,
-            GroupsError::NoServer { .. } | GroupsError::Conflict { .. } => ErrorKind::Refused,
+            GroupsError::NoServer { .. }
+            | GroupsError::Conflict { .. }
+            | GroupsError::NotContact { .. }
+            | GroupsError::Refused { .. } => ErrorKind::Refused,
             GroupsError::Peer { status, .. } => match status.code() {
                 tonic::Code::FailedPrecondition
                 | tonic::Code::NotFound
@@ -152,7 +164,9 @@ impl From<GroupsError> for Status {
             GroupsError::NotAConnection(_)
             | GroupsError::NodeNotInGroup { .. }
             | GroupsError::Busy { .. }
-            | GroupsError::NoServer { .. } => Status::failed_precondition(m),
+            | GroupsError::NoServer { .. }
+            | GroupsError::NotContact { .. }
+            | GroupsError::Refused { .. } => Status::failed_precondition(m),
             GroupsError::Peer { status, .. } => Status::new(status.code(), m),
             GroupsError::Unreachable { .. } => Status::unavailable(m),
             GroupsError::Internal(_) => Status::internal(m),
@@ -194,6 +208,9 @@ struct GroupState {
     promised: u64,
     /// When the node before this one in the chain last answered.
     predecessor_heard: std::time::Instant,
+    /// This node is asking the contact node to take it back (or to send
+    /// the view it missed): one such call at a time ([`members`]).
+    rejoining: bool,
     /// Where new connections go ([`Groups::place`]).
     placer: ferry_policy::placement::Placer,
 }
@@ -207,6 +224,7 @@ impl GroupState {
             in_flight: BTreeSet::new(),
             counts: HandoffCounts::default(),
             predecessor_heard: std::time::Instant::now(),
+            rejoining: false,
             placer: ferry_policy::placement::Placer::new(group.placement),
             group,
         }
@@ -238,6 +256,10 @@ pub struct Groups {
     /// thousands of new connections) a queue is better than steps timing
     /// out on a saturated acceptor.
     giving: tokio::sync::Semaphore,
+    /// One view change proposed by this node at a time (a failure found by
+    /// a heartbeat, an operator's or a node's change of members): two would
+    /// both ask for the next epoch and one would be refused.
+    changing: tokio::sync::Mutex<()>,
 }
 
 impl Groups {
@@ -262,6 +284,7 @@ impl Groups {
             incoming: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
             giving: tokio::sync::Semaphore::new(GIVING_AT_ONCE),
+            changing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -404,6 +427,23 @@ impl Groups {
             }
             groups.insert(group.port, GroupState::new(group.clone()));
         }
+        self.filter_port(&group).await?;
+        self.publish(
+            group.port,
+            "joined",
+            format!(
+                "contact {}, backups [{}], members [{}]",
+                group.contact,
+                group.backups.join(", "),
+                group.members.join(", ")
+            ),
+        );
+        Ok(())
+    }
+
+    /// This node's filter takes the group's port as its view says: the
+    /// contact node owns new connections, a member none.
+    async fn filter_port(&self, group: &Group) -> Result<(), GroupsError> {
         let state = if group.contact == self.node {
             PortState::SharedContact
         } else {
@@ -415,16 +455,6 @@ impl Groups {
             .await
             .map_err(|e| GroupsError::Internal(format!("filtering port {}: {e}", group.port)))?;
         tracing::info!(port = group.port, role = ?state, "joined a group");
-        self.publish(
-            group.port,
-            "joined",
-            format!(
-                "contact {}, backups [{}], members [{}]",
-                group.contact,
-                group.backups.join(", "),
-                group.members.join(", ")
-            ),
-        );
         Ok(())
     }
 
@@ -597,7 +627,8 @@ impl Groups {
         port: u16,
         channel: OwnedFd,
     ) -> Result<(), GroupsError> {
-        if managed_root(&self.processes.registry().running(), pid).is_none() {
+        let running = self.processes.registry().running();
+        let Some(root) = managed_root(&running, pid) else {
             return Err(GroupsError::NotMember {
                 pid,
                 port,
@@ -606,14 +637,26 @@ impl Groups {
                     "not a process ferryd manages (start it with `ferry run`) nor a child of one"
                         .into(),
             });
-        }
+        };
         let mut groups = self.groups();
         let g = self.state_in(&mut groups, port)?;
         g.servers.retain(|s| local::is_open(&s.channel));
+        let channel = Arc::new(channel);
         g.servers.push(ServerChannel {
             pid,
-            channel: Arc::new(channel),
+            channel: Arc::clone(&channel),
         });
+        drop(groups);
+        // Its connections move one by one; the process with them would
+        // leave the group without a server here and take connections the
+        // other members' filters do not expect.
+        self.processes.pin(
+            root,
+            format!(
+                "it serves the distributed server on port {port} (ferry group list): its connections move one by one (ferry handoff), not with the process"
+            ),
+            Box::new(move || local::is_open(&channel)),
+        );
         tracing::info!(pid, port, "a server of the group registered");
         Ok(())
     }

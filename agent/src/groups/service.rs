@@ -7,6 +7,7 @@ use ferry_proto::v1 as pb;
 use ferry_proto::v1::groups_server::Groups as GroupsApi;
 use tonic::{Request, Response, Status};
 
+use super::members::Change;
 use super::{Group, Groups, flow_from_pb};
 
 #[derive(Debug, Clone)]
@@ -97,9 +98,19 @@ impl GroupsApi for GroupsService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let port = port_of(request.into_inner().port)?;
-        let epoch = self.groups.epoch(port)?;
-        Ok(Response::new(pb::HeartbeatResponse { epoch }))
+        let req = request.into_inner();
+        let port = port_of(req.port)?;
+        let group = self
+            .groups
+            .group(port)
+            .ok_or_else(|| Status::not_found(format!("no group serves port {port} here")))?;
+        // The asker missed a view (or was left out of it): it gets it, and
+        // joins again.
+        let newer = (group.epoch > req.epoch).then(|| group.to_pb());
+        Ok(Response::new(pb::HeartbeatResponse {
+            epoch: group.epoch,
+            group: newer,
+        }))
     }
 
     async fn view_prepare(
@@ -124,6 +135,24 @@ impl GroupsApi for GroupsService {
         }
         self.groups.apply_view(group, table).await?;
         Ok(Response::new(pb::ViewCommitResponse {}))
+    }
+
+    async fn change_members(
+        &self,
+        request: Request<pb::ChangeMembersRequest>,
+    ) -> Result<Response<pb::Group>, Status> {
+        let req = request.into_inner();
+        let port = port_of(req.port)?;
+        let change = Change::from_pb(req.change)?;
+        let mut served = Vec::with_capacity(req.served.len());
+        for c in &req.served {
+            served.push(flow_from_pb(Some(c))?);
+        }
+        let g = self
+            .groups
+            .change_here(port, &req.node, change, served)
+            .await?;
+        Ok(Response::new(g.to_pb()))
     }
 }
 

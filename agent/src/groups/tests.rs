@@ -13,7 +13,7 @@ fn pb(port: u32, contact: &str, members: &[&str]) -> pb::Group {
 
 #[test]
 fn a_group_names_the_field_it_is_refused_for() {
-    let field = |g: pb::Group| match Group::from_pb(&g) {
+    let field = |g: pb::Group| match Group::new_from_pb(&g) {
         Err(GroupsError::Invalid { field, .. }) => field,
         other => panic!("{other:?}"),
     };
@@ -60,6 +60,41 @@ fn a_failed_contact_node_gives_way_to_its_first_backup() {
         bad,
         Err(GroupsError::Invalid {
             field: "group.backups",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn a_node_joins_as_a_member_or_at_the_end_of_the_chain_once() {
+    let g = Group::from_pb(&pb(80, "n1", &["n2"])).unwrap();
+    let m = g.with("n3", false).unwrap();
+    assert_eq!(
+        (m.members.as_slice(), m.epoch),
+        (&["n1".to_owned(), "n2".into(), "n3".into()][..], 2)
+    );
+    assert!(m.backups.is_empty());
+    assert!(m.with("n3", false).is_none(), "already a member");
+    // A member becomes a backup; a backup is one already.
+    let b = m.with("n3", true).unwrap();
+    assert_eq!(
+        (b.backups.as_slice(), b.members.len()),
+        (&["n3".to_owned()][..], 3)
+    );
+    assert!(b.with("n3", true).is_none() && b.with("n1", true).is_none());
+    let b = b.with("n4", true).unwrap();
+    assert_eq!(b.chain(), ["n1", "n3", "n4"]);
+    // Out and in again: at the end of the chain.
+    let back = b.without("n3").unwrap().with("n3", true).unwrap();
+    assert_eq!(back.chain(), ["n1", "n4", "n3"]);
+    // A view after failures may hold the contact node alone; a new group
+    // may not.
+    let alone = Group::from_pb(&pb(80, "n1", &[])).unwrap();
+    assert_eq!(alone.members, ["n1"]);
+    assert!(matches!(
+        Group::new_from_pb(&pb(80, "n1", &[])),
+        Err(GroupsError::Invalid {
+            field: "group.members",
             ..
         })
     ));

@@ -23,6 +23,19 @@ pub enum ProcessEnd {
     Migrated(Box<MigrationReport>),
 }
 
+/// Why a managed process must stay on this node, for as long as `holds`
+/// says so (checked at each question, so a pin ends with its reason).
+struct Pin {
+    reason: String,
+    holds: Box<dyn Fn() -> bool + Send>,
+}
+
+impl std::fmt::Debug for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pin").field("reason", &self.reason).finish()
+    }
+}
+
 /// The processes this node manages.
 #[derive(Debug)]
 pub struct Processes {
@@ -37,6 +50,8 @@ pub struct Processes {
     departing: Mutex<HashMap<i32, Vec<String>>>,
     /// Serialises [`Self::persist`].
     persisting: Mutex<()>,
+    /// Processes that must not migrate, by PID ([`Self::pin`]).
+    pins: Mutex<HashMap<i32, Pin>>,
     /// `<work_dir>/managed.json`.
     state_file: PathBuf,
     events: Arc<EventBus>,
@@ -58,6 +73,7 @@ impl Processes {
             ends: Mutex::new(VecDeque::new()),
             departing: Mutex::new(HashMap::new()),
             persisting: Mutex::new(()),
+            pins: Mutex::new(HashMap::new()),
             state_file: persist::path(work_dir),
             events,
         }
@@ -65,6 +81,26 @@ impl Processes {
 
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
         lock(&self.registry)
+    }
+
+    /// `pid` must stay on this node while `holds()` (e.g. it serves a
+    /// distributed server, whose connections move one by one): migrations
+    /// of it are refused with `reason`, and the balancer leaves it.
+    /// A second pin of the same process holds while either does.
+    pub fn pin(&self, pid: i32, reason: String, holds: Box<dyn Fn() -> bool + Send>) {
+        let mut pins = lock(&self.pins);
+        let holds = match pins.remove(&pid) {
+            Some(old) => Box::new(move || (old.holds)() || holds()),
+            None => holds,
+        };
+        pins.insert(pid, Pin { reason, holds });
+    }
+
+    /// Why `pid` must stay here, if it must.
+    pub fn pinned(&self, pid: i32) -> Option<String> {
+        let mut pins = lock(&self.pins);
+        pins.retain(|_, p| (p.holds)());
+        pins.get(&pid).map(|p| p.reason.clone())
     }
 
     pub fn set_lifecycle(&self, pid: i32, lifecycle: Lifecycle) {

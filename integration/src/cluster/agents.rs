@@ -134,3 +134,45 @@ impl Cluster {
         Ok(())
     }
 }
+
+/// An agent stopped by SIGSTOP (a stall: a long pause of its machine, a
+/// debugger) until this guard drops or [`StalledAgent::resume`] runs; its
+/// node's kernel and processes go on.
+pub struct StalledAgent {
+    pid: i32,
+    resumed: bool,
+}
+
+impl StalledAgent {
+    pub fn resume(mut self) {
+        self.cont();
+    }
+
+    fn cont(&mut self) {
+        if !self.resumed {
+            use nix::sys::signal::{Signal, kill};
+            let _ = kill(nix::unistd::Pid::from_raw(self.pid), Signal::SIGCONT);
+            self.resumed = true;
+        }
+    }
+}
+
+impl Drop for StalledAgent {
+    fn drop(&mut self) {
+        self.cont();
+    }
+}
+
+impl Cluster {
+    /// Stops `node`'s agent, and only it, until the guard drops.
+    pub fn stall_agent(&self, node: &str) -> Result<StalledAgent, ClusterError> {
+        use nix::sys::signal::{Signal, kill};
+        let pid = self.agent_pid(node);
+        kill(nix::unistd::Pid::from_raw(pid), Signal::SIGSTOP)
+            .map_err(|e| ClusterError::Spec(format!("stopping {node}'s agent: {e}")))?;
+        Ok(StalledAgent {
+            pid,
+            resumed: false,
+        })
+    }
+}

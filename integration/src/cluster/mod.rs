@@ -33,6 +33,7 @@ use crate::{control, paths, topology};
 mod agents;
 mod link_cut;
 
+pub use agents::StalledAgent;
 pub use link_cut::LinkCutter;
 
 #[derive(thiserror::Error)]

@@ -364,6 +364,27 @@ pub(crate) enum GroupAction {
         #[arg(long)]
         port: u16,
     },
+    /// A node joins a running group (the contact node commits the new
+    /// view with its backups).
+    Add {
+        #[arg(long)]
+        port: u16,
+        /// The node that joins.
+        #[arg(long = "member", value_name = "NODE")]
+        node: String,
+        /// Also as a backup, after the last one.
+        #[arg(long)]
+        backup: bool,
+    },
+    /// A node leaves a running group (refused while it serves connections:
+    /// hand them off first).
+    Remove {
+        #[arg(long)]
+        port: u16,
+        /// The node that leaves.
+        #[arg(long = "member", value_name = "NODE")]
+        node: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -1,4 +1,5 @@
-//! `ferry group`: distributed servers (create, list, delete).
+//! `ferry group`: distributed servers (create, list, delete, add and
+//! remove a member).
 
 use anyhow::Result;
 use ferry_proto::v1 as pb;
@@ -30,24 +31,30 @@ pub(crate) async fn run(client: &mut Client, action: GroupAction, as_json: bool)
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if as_json {
-                println!(
-                    "{}",
-                    json!({"port": g.port, "contact": g.contact, "backups": g.backups, "members": g.members, "epoch": g.epoch, "placement": g.placement})
-                );
-            } else {
-                println!(
-                    "group on port {}: contact {}, backups {}, members {}",
-                    g.port,
-                    g.contact,
-                    if g.backups.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        g.backups.join(", ")
-                    },
-                    g.members.join(", ")
-                );
-            }
+            print_group(&g, as_json);
+        }
+        GroupAction::Add { port, node, backup } => {
+            let g = client
+                .add_group_member(pb::AddGroupMemberRequest {
+                    port: u32::from(port),
+                    node,
+                    backup,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            print_group(&g, as_json);
+        }
+        GroupAction::Remove { port, node } => {
+            let g = client
+                .remove_group_member(pb::RemoveGroupMemberRequest {
+                    port: u32::from(port),
+                    node,
+                })
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            print_group(&g, as_json);
         }
         GroupAction::Delete { port } => {
             client
@@ -128,6 +135,29 @@ pub(crate) async fn handoff(
         );
     }
     Ok(())
+}
+
+/// A group's view, as a create or a change of members left it.
+fn print_group(g: &pb::Group, as_json: bool) {
+    if as_json {
+        println!(
+            "{}",
+            json!({"port": g.port, "contact": g.contact, "backups": g.backups, "members": g.members, "epoch": g.epoch, "placement": g.placement})
+        );
+    } else {
+        println!(
+            "group on port {} (view {}): contact {}, backups {}, members {}",
+            g.port,
+            g.epoch,
+            g.contact,
+            if g.backups.is_empty() {
+                "none".to_owned()
+            } else {
+                g.backups.join(", ")
+            },
+            g.members.join(", ")
+        );
+    }
 }
 
 fn view_json(v: &pb::GroupView) -> serde_json::Value {

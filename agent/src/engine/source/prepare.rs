@@ -613,5 +613,8 @@ fn check_migratable(engine: &Engine, pid: i32) -> Result<(), EngineError> {
     if engine.processes.registry().get(pid).is_none() {
         return Err(not_managed(pid, node));
     }
+    if let Some(reason) = engine.processes.pinned(pid) {
+        return Err(EngineError::NotMigratable { pid, reason });
+    }
     Ok(())
 }
