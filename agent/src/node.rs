@@ -136,15 +136,18 @@ impl Node {
             )
         });
         let drains = Arc::new(Drains::new(conductor.clone()));
-        let groups = Arc::new(Groups::new(
-            &config.node,
-            config.public.address,
-            ports.clone(),
-            dataplane.clone(),
-            cluster.clone(),
-            processes.clone(),
-            events.clone(),
-        ));
+        let groups = Arc::new(
+            Groups::new(
+                &config.node,
+                config.public.address,
+                ports.clone(),
+                dataplane.clone(),
+                cluster.clone(),
+                processes.clone(),
+                events.clone(),
+            )
+            .saved_in(config.work_dir.join("groups.json")),
+        );
         Arc::new(Self {
             config,
             events,

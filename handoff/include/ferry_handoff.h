@@ -27,7 +27,8 @@ int ferry_serve(uint16_t port);
 /* Takes the next connection handed to this process on `channel`. Copies
  * the donor's state into `state` (at most *state_len bytes) and sets
  * *state_len to its whole length. Returns the connection's descriptor, or
- * -1. */
+ * -1. If ferryd restarted (the channel closed), registers again first, on
+ * the same descriptor number, for up to 30 s. */
 int ferry_accept(int channel, void *state, size_t *state_len);
 
 /* Hands `conn` to the group's server on `node`, with `state_len` bytes of

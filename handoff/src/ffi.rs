@@ -4,13 +4,26 @@
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
-use std::os::fd::{BorrowedFd, IntoRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
 use crate::{Error, HandoffOptions, Reply, wire};
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// The port each channel `ferry_serve` gave serves: `ferry_accept`
+/// registers again on it when ferryd restarts, as [`crate::Server::accept`]
+/// does.
+static CHANNELS: std::sync::Mutex<Vec<(c_int, u16)>> = std::sync::Mutex::new(Vec::new());
+
+fn port_of(channel: c_int) -> Option<u16> {
+    let channels = CHANNELS.lock().unwrap_or_else(|e| e.into_inner());
+    channels
+        .iter()
+        .find(|(c, _)| *c == channel)
+        .map(|(_, p)| *p)
 }
 
 fn fail(e: &Error) -> c_int {
@@ -34,13 +47,22 @@ pub extern "C" fn ferry_handoff_error() -> *const c_char {
 #[unsafe(no_mangle)]
 pub extern "C" fn ferry_serve(port: u16) -> c_int {
     match crate::Server::serve(port) {
-        Ok(s) => s.channel.into_raw_fd(),
+        Ok(s) => {
+            let fd = s.channel.into_raw_fd();
+            let mut channels = CHANNELS.lock().unwrap_or_else(|e| e.into_inner());
+            // A number closed and given again by the kernel serves the
+            // newest port.
+            channels.retain(|(c, _)| *c != fd);
+            channels.push((fd, port));
+            fd
+        }
         Err(e) => fail(&e),
     }
 }
 
 /// Takes the next connection handed to this process on `channel` (blocking
-/// as the descriptor is). The donor's state is copied into `state` (up to
+/// as the descriptor is). If ferryd restarted, registers again on the same
+/// descriptor number first (for up to 30 s). The donor's state is copied into `state` (up to
 /// `*state_len` bytes), and `*state_len` is set to its whole length.
 /// Returns the connection's descriptor, or -1.
 ///
@@ -55,9 +77,17 @@ pub unsafe extern "C" fn ferry_accept(
 ) -> c_int {
     // SAFETY: the caller passes a descriptor it keeps open for the call.
     let channel = unsafe { BorrowedFd::borrow_raw(channel) };
-    let got = match wire::recv::<Reply>(channel) {
-        Ok(g) => g,
-        Err(e) => return fail(&e.into()),
+    let got = loop {
+        match wire::recv::<Reply>(channel) {
+            Ok(g) => break g,
+            // ferryd restarted: register again on the same descriptor.
+            Err(wire::WireError::Closed) if let Some(port) = port_of(channel.as_raw_fd()) => {
+                if let Err(e) = crate::register_again_onto(channel, &crate::socket_path(), port) {
+                    return fail(&e);
+                }
+            }
+            Err(e) => return fail(&e.into()),
+        }
     };
     let fd: OwnedFd = match (got.head, got.fd) {
         (Reply::Accepted { .. }, Some(fd)) => fd,

@@ -125,7 +125,14 @@ pub(crate) fn refused(reply: Reply) -> Error {
 pub struct Server {
     pub(crate) channel: OwnedFd,
     port: u16,
+    /// The handoff socket it registered through, to register again after
+    /// its ferryd restarted.
+    socket: PathBuf,
 }
+
+/// How long [`Server::accept`] tries to register again once its ferryd went
+/// away: an agent restarting (an upgrade) is back within seconds.
+const REREGISTER_FOR: Duration = Duration::from_secs(30);
 
 /// A connection handed to this process.
 #[derive(Debug)]
@@ -151,12 +158,11 @@ impl Server {
     /// [`Server::serve`] through the handoff socket at `socket` instead of
     /// [`socket_path`]'s.
     pub fn serve_via(socket: &std::path::Path, port: u16) -> Result<Self, Error> {
-        let channel = connect_at(socket)?;
-        wire::send(channel.as_fd(), &Request::Serve { port }, &[], None)?;
-        match wire::recv::<Reply>(channel.as_fd())?.head {
-            Reply::Served { .. } => Ok(Self { channel, port }),
-            other => Err(refused(other)),
-        }
+        Ok(Self {
+            channel: register(socket, port)?,
+            port,
+            socket: socket.to_owned(),
+        })
     }
 
     pub fn port(&self) -> u16 {
@@ -165,8 +171,18 @@ impl Server {
 
     /// Waits for the next connection handed to this process. The channel
     /// is readable when one is there ([`AsRawFd`]), for an event loop.
+    ///
+    /// If ferryd goes away (it restarts: its groups and the connections
+    /// they serve go on), this registers again with the new one, for up to
+    /// 30 s, on a channel that takes the old one's descriptor number, so
+    /// that an event loop watching it goes on.
     pub fn accept(&self) -> Result<Handed, Error> {
-        let got = wire::recv::<Reply>(self.channel.as_fd())?;
+        let got = loop {
+            match wire::recv::<Reply>(self.channel.as_fd()) {
+                Err(wire::WireError::Closed) => self.register_again()?,
+                got => break got?,
+            }
+        };
         match got.head {
             Reply::Accepted { remote, donor, .. } => {
                 let fd = got.fd.ok_or_else(|| {
@@ -183,6 +199,56 @@ impl Server {
             }
             other => Err(refused(other)),
         }
+    }
+}
+
+impl Server {
+    /// A new channel with the restarted ferryd, in place of the old one.
+    fn register_again(&self) -> Result<(), Error> {
+        register_again_onto(self.channel.as_fd(), &self.socket, self.port)
+    }
+}
+
+/// Registers again as a server of the group on `port` through `socket`
+/// (its ferryd restarted), trying for [`REREGISTER_FOR`], on a channel
+/// that takes `channel`'s descriptor number (dup3 closes the old one
+/// atomically), so that whoever holds or watches it goes on.
+pub(crate) fn register_again_onto(
+    channel: BorrowedFd<'_>,
+    socket: &std::path::Path,
+    port: u16,
+) -> Result<(), Error> {
+    let until = std::time::Instant::now() + REREGISTER_FOR;
+    let fresh = loop {
+        match register(socket, port) {
+            Ok(fd) => break fd,
+            // Not listening yet (the socket is gone or refuses), or it
+            // closed on us while starting: try again.
+            Err(Error::Connect { .. } | Error::Wire(wire::WireError::Closed))
+                if std::time::Instant::now() < until =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    // SAFETY: the caller owns `channel`'s descriptor number, which dup3
+    // makes name the new channel; the caller goes on owning it, and
+    // `fresh` is closed after.
+    let replaced = unsafe { libc::dup3(fresh.as_raw_fd(), channel.as_raw_fd(), libc::O_CLOEXEC) };
+    if replaced < 0 {
+        return Err(wire::WireError::Io(nix::Error::last()).into());
+    }
+    Ok(())
+}
+
+/// Registers as a server of the group on `port` through `socket`.
+fn register(socket: &std::path::Path, port: u16) -> Result<OwnedFd, Error> {
+    let channel = connect_at(socket)?;
+    wire::send(channel.as_fd(), &Request::Serve { port }, &[], None)?;
+    match wire::recv::<Reply>(channel.as_fd())?.head {
+        Reply::Served { .. } => Ok(channel),
+        other => Err(refused(other)),
     }
 }
 

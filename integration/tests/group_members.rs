@@ -423,3 +423,97 @@ fn a_contact_node_taken_as_failed_while_its_agent_stalled_steps_down_and_keeps_i
         assert_eq!(group_view(&mut c2).await.role, "contact");
     });
 }
+
+#[test]
+fn restarted_agents_serve_their_groups_again_and_lose_no_connection() {
+    let Some(mut cluster) = start(
+        "restarted_agents_serve_their_groups_again_and_lose_no_connection",
+        3,
+    ) else {
+        return;
+    };
+    runtime().block_on(async {
+        let mut c: Vec<_> = Vec::new();
+        for n in ["node1", "node2", "node3"] {
+            c.push(cluster.control(n).await.unwrap());
+        }
+        create_group_with_backups(&mut c[0], "node1", &["node2"], &["node3"]).await;
+        for (i, n) in ["node1", "node2", "node3"].iter().enumerate() {
+            group_server(&mut c[i], &["--mode", "echo"]).await;
+            wait_server(&mut c[i], n).await;
+        }
+    });
+    // One connection handed to node3, one node1 serves itself.
+    let mut handed = connect(&cluster, b"to be handed");
+    runtime().block_on(async {
+        let mut c1 = cluster.control("node1").await.unwrap();
+        hand_off(&mut c1, &handed, "node3").await;
+    });
+    echo(&mut handed, b"served by node3").unwrap();
+    let mut own = connect(&cluster, b"served by node1");
+
+    // node3's agent restarts: its connection goes on meanwhile (its
+    // kernel serves it), and after it the group is node3's again, its
+    // server registered again by the library, and it takes handoffs.
+    cluster.stop_agent("node3").expect("stopping node3's agent");
+    echo(&mut handed, b"while node3's agent is away").expect("without node3's agent");
+    cluster
+        .start_agent("node3")
+        .expect("starting node3's agent");
+    let handed_remote = handed.local_addr().unwrap().to_string();
+    runtime().block_on(async {
+        let mut c3 = cluster.control("node3").await.unwrap();
+        wait_server(&mut c3, "node3").await;
+        let v3 = group_view(&mut c3).await;
+        assert_eq!((v3.role.as_str(), epoch(&v3)), ("member", 1), "{v3:?}");
+        assert!(
+            v3.connections.iter().any(|c| c.node == "node3"
+                && c.connection
+                    .as_ref()
+                    .is_some_and(|c| c.remote == handed_remote)),
+            "node3 knows it serves {handed_remote}: {v3:?}"
+        );
+    });
+    echo(&mut handed, b"after node3's agent restarted").expect("after the restart");
+    let mut later = connect(&cluster, b"handed after the restart");
+    runtime().block_on(async {
+        let mut c1 = cluster.control("node1").await.unwrap();
+        hand_off(&mut c1, &later, "node3").await;
+    });
+    echo(&mut later, b"served by node3").expect("a handoff to the restarted node");
+    stream_both_ways(&mut later);
+
+    // The contact node's agent restarts: node2 takes over while it is
+    // away; back, node1 finds it was left out and joins again as a backup,
+    // keeping the connection it served itself.
+    cluster.stop_agent("node1").expect("stopping node1's agent");
+    runtime().block_on(async {
+        let mut c2 = cluster.control("node2").await.unwrap();
+        view_until(&mut c2, "node2 took over", |v| v.role == "contact").await;
+    });
+    cluster
+        .start_agent("node1")
+        .expect("starting node1's agent");
+    runtime().block_on(async {
+        let mut c1 = cluster.control("node1").await.unwrap();
+        let v1 = view_until(&mut c1, "node1 is back as a backup", |v| v.role == "backup").await;
+        // Only the connection node1 served itself is its: its server's
+        // descriptors of those an operator handed off stay inert.
+        let mine: Vec<_> = v1
+            .connections
+            .iter()
+            .filter(|c| c.node == "node1")
+            .filter_map(|c| c.connection.as_ref().map(|c| c.remote.clone()))
+            .collect();
+        assert_eq!(mine, [own.local_addr().unwrap().to_string()], "{v1:?}");
+        let g = v1.group.unwrap();
+        assert_eq!(g.contact, "node2", "{g:?}");
+        wait_server(&mut c1, "node1").await;
+    });
+    echo(&mut own, b"node1's own, after its agent restarted").expect("node1's own connection");
+    stream_both_ways(&mut own);
+    echo(&mut handed, b"node3's, after both restarts").expect("node3's connection");
+    let mut n = connect(&cluster, b"a new client");
+    echo(&mut n, b"served by node2").unwrap();
+    assert!(holds(&cluster, "node2", &n));
+}

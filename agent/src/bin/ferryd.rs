@@ -281,6 +281,13 @@ async fn serve(config: Config) -> Result<()> {
     if adopted > 0 {
         tracing::info!(adopted, "processes of the earlier agent managed again");
     }
+    // Distributed servers of the earlier agent: served again, confirmed by
+    // their chains once the APIs serve (groups::saved).
+    match node.groups.restore().await {
+        Ok(0) => {}
+        Ok(groups) => tracing::info!(groups, "groups of the earlier agent served again"),
+        Err(e) => tracing::warn!(error = %e, "restoring the groups of the earlier agent"),
+    }
     // Migrations the earlier agent left half done: settled from the
     // journal before anything else migrates.
     ferry_agent::engine::recover(&node.engine).await;

@@ -140,6 +140,7 @@ impl Groups {
             g.predecessor_heard = Instant::now();
             (was, group.contact == self.node)
         };
+        self.save_views();
         tracing::info!(port = group.port, epoch = group.epoch, contact = %group.contact, backups = ?group.backups, members = ?group.members, "the group's view changed");
         self.publish(
             group.port,
@@ -164,7 +165,7 @@ impl Groups {
     /// This node becomes the group's contact node: every connection served
     /// elsewhere gets its `Elsewhere` entry first, then the port takes new
     /// connections here.
-    async fn take_over(self: &Arc<Self>, port: u16) -> Result<(), GroupsError> {
+    pub(super) async fn take_over(self: &Arc<Self>, port: u16) -> Result<(), GroupsError> {
         let started = Instant::now();
         let elsewhere: Vec<Flow> = self
             .groups()
@@ -279,6 +280,9 @@ impl Groups {
                 for g in self.groups().values_mut() {
                     g.predecessor_heard = Instant::now();
                 }
+            }
+            if !crate::sync::lock(&self.unsynced).is_empty() {
+                self.resync_restored().await;
             }
             self.heartbeats().await;
             last_round = Instant::now();

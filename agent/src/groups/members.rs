@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use ferry_proto::v1 as pb;
 
-use super::{Group, Groups, GroupsError, chain, connection_pb};
+use super::{Group, Groups, GroupsError, connection_pb};
 use crate::dataplane::{Flow, FlowState, PortState};
 
 /// How long a change of members may take: the contact node's two phases
@@ -237,7 +237,7 @@ impl Groups {
             });
         }
         let serving = if node == self.node {
-            self.own_connections(group.port).await?.len()
+            self.own_connections(group.port, true).await?.len()
         } else {
             self.groups()
                 .get(&group.port)
@@ -288,29 +288,6 @@ impl Groups {
         Ok(next)
     }
 
-    /// This node's own connections of the group's port: its live sockets
-    /// on the port but those the table says another node serves.
-    async fn own_connections(&self, port: u16) -> Result<Vec<Flow>, GroupsError> {
-        let live = tokio::task::spawn_blocking(chain::tcp_ends)
-            .await
-            .map_err(|e| GroupsError::Internal(e.to_string()))?
-            .map_err(|e| GroupsError::Internal(format!("reading this node's sockets: {e}")))?;
-        let groups = self.groups();
-        let g = groups.get(&port);
-        Ok(live
-            .into_iter()
-            .filter(|(_, p)| *p == port)
-            .map(|(remote, _)| Flow {
-                remote,
-                local_port: port,
-            })
-            .filter(|f| {
-                g.and_then(|g| g.connections.get(f))
-                    .is_none_or(|n| *n == self.node)
-            })
-            .collect())
-    }
-
     /// A contact node that is one no longer: its own connections get
     /// `Owned` entries (they were its by the port) and are recorded as
     /// its, then the port stops taking new connections here. Twice, for
@@ -318,7 +295,7 @@ impl Groups {
     pub(super) async fn step_down(self: &Arc<Self>, port: u16) -> Result<(), GroupsError> {
         let mut kept = BTreeSet::new();
         for pass in 0..2 {
-            let own = self.own_connections(port).await?;
+            let own = self.own_connections(port, true).await?;
             let new: Vec<Flow> = own.into_iter().filter(|f| kept.insert(*f)).collect();
             if let Some(g) = self.groups().get_mut(&port) {
                 for f in &new {

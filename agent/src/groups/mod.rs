@@ -41,6 +41,7 @@ mod group;
 pub mod local;
 pub mod members;
 pub mod operator;
+mod saved;
 pub mod service;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -260,6 +261,11 @@ pub struct Groups {
     /// a heartbeat, an operator's or a node's change of members): two would
     /// both ask for the next epoch and one would be refused.
     changing: tokio::sync::Mutex<()>,
+    /// Where the views are saved for a restarted agent ([`saved`]).
+    saved: Option<Arc<saved::ViewsFile>>,
+    /// Groups restored at start and not yet confirmed by their chain, with
+    /// when they were restored.
+    unsynced: Mutex<BTreeMap<u16, std::time::Instant>>,
 }
 
 impl Groups {
@@ -285,7 +291,16 @@ impl Groups {
             channels: Mutex::new(HashMap::new()),
             giving: tokio::sync::Semaphore::new(GIVING_AT_ONCE),
             changing: tokio::sync::Mutex::new(()),
+            saved: None,
+            unsynced: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The views are saved in `path` at each change, and a restarted agent
+    /// serves the groups again ([`Self::restore`]).
+    pub fn saved_in(mut self, path: std::path::PathBuf) -> Self {
+        self.saved = Some(Arc::new(saved::ViewsFile::new(path)));
+        self
     }
 
     pub fn node(&self) -> &str {
@@ -427,6 +442,7 @@ impl Groups {
             }
             groups.insert(group.port, GroupState::new(group.clone()));
         }
+        self.save_views();
         self.filter_port(&group).await?;
         self.publish(
             group.port,
@@ -464,6 +480,8 @@ impl Groups {
         let Some(g) = self.groups().remove(&port) else {
             return;
         };
+        self.save_views();
+        crate::sync::lock(&self.unsynced).remove(&port);
         let me = Arc::clone(&self.dataplane);
         let flows: Vec<Flow> = g.connections.keys().copied().collect();
         let forgot = tokio::task::spawn_blocking(move || {

@@ -137,6 +137,14 @@ impl GroupsApi for GroupsService {
         Ok(Response::new(pb::ViewCommitResponse {}))
     }
 
+    async fn get_view(
+        &self,
+        request: Request<pb::GetViewRequest>,
+    ) -> Result<Response<pb::ViewCommitRequest>, Status> {
+        let port = port_of(request.into_inner().port)?;
+        Ok(Response::new(self.groups.view_and_table(port)?))
+    }
+
     async fn change_members(
         &self,
         request: Request<pb::ChangeMembersRequest>,
