@@ -20,9 +20,10 @@
 //!   new connections). The server of a connection that ended tells the
 //!   chain ([`Groups::sweep`]), which forgets it.
 //!
-//! Not done: a node that comes back (or was wrongly taken as failed) does
-//! not join again by itself; the seed's "please join again" answer is
-//! left for later.
+//! - **Joining again**: heartbeats carry the asker's epoch, and the answer
+//!   brings a newer view; a node that finds itself left out of it (taken
+//!   as failed while only slow) or behind it asks the contact node to take
+//!   it back ([`super::members`]), the seed's "please join again".
 
 use std::collections::BTreeSet;
 use std::net::SocketAddrV4;

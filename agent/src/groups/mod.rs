@@ -20,7 +20,9 @@
 //!   lost, no reset, never two owners, and until the commit point a failure
 //!   leaves the connection with the donor.
 //! - Groups are created through the Control API on any node, which asks
-//!   every member to join ([`Groups::create`]).
+//!   every member to join ([`Groups::create`]); a running group's members
+//!   change through its contact node ([`members`]), and a restarted agent
+//!   serves its groups again ([`saved`]).
 //!
 //! - The contact node has backups ([`chain`]): each watches the node
 //!   before it, and a failure changes the group's view by two-phase commit
