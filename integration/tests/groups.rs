@@ -88,10 +88,12 @@ fn assert_whole_download(body: &[u8]) {
 fn handoff_log(path: &Path, n: usize) -> Vec<serde_json::Value> {
     let until = Instant::now() + Duration::from_secs(10);
     loop {
+        // Whole lines only: the server may be writing the next one.
         let lines: Vec<serde_json::Value> = std::fs::read_to_string(path)
             .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .split_inclusive('\n')
+            .filter(|l| l.ends_with('\n'))
+            .map(|l| serde_json::from_str(l.trim_end()).expect("a JSON line"))
             .collect();
         if lines.len() >= n || Instant::now() > until {
             return lines;

@@ -193,10 +193,12 @@ fn download(cluster: &Cluster, query: &str) -> Result<(f64, f64)> {
 fn last_handoff(log: &Path, seen: &mut usize) -> Result<serde_json::Value> {
     let until = Instant::now() + Duration::from_secs(10);
     loop {
+        // Whole lines only: the server may be writing the next one.
         let lines: Vec<String> = std::fs::read_to_string(log)
             .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
+            .split_inclusive('\n')
+            .filter(|l| l.ends_with('\n'))
+            .map(|l| l.trim_end().to_owned())
             .collect();
         if lines.len() > *seen {
             *seen = lines.len();

@@ -275,7 +275,9 @@ fn log(a: &Args, v: &serde_json::Value) {
         .create(true)
         .append(true)
         .open(path)
-        .and_then(|mut f| writeln!(f, "{v}"));
+        // One write of the whole line (O_APPEND): a reader never sees
+        // half of one.
+        .and_then(|mut f| f.write_all(format!("{v}\n").as_bytes()));
     if let Err(e) = r {
         eprintln!("{}: {e}", path.display());
     }
