@@ -121,6 +121,30 @@ pub async fn wait_server(c: &mut ControlClient<Channel>, node: &str) {
     }
 }
 
+/// Creates the group on [`TEST_PORT`] (`contact`, `backups`, `members`)
+/// and starts an echo server of it under each of `servers`' agents, each
+/// registered once this returns; their PIDs.
+pub async fn echo_group(
+    cluster: &Cluster,
+    contact: &str,
+    backups: &[&str],
+    members: &[&str],
+    servers: &[&str],
+) -> Vec<i32> {
+    let mut c = cluster
+        .control(contact)
+        .await
+        .expect("the contact node's agent");
+    create_group_with_backups(&mut c, contact, backups, members).await;
+    let mut pids = Vec::new();
+    for node in servers {
+        let mut c = cluster.control(node).await.expect("a member's agent");
+        pids.push(group_server(&mut c, &["--mode", "echo"]).await);
+        wait_server(&mut c, node).await;
+    }
+    pids
+}
+
 /// Sends `msg` and reads it back (an echo server's answer): every byte
 /// once and in order.
 pub fn echo(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {

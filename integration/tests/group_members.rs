@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::Cluster;
 use ferry_integration::group::{
-    TEST_PORT as PORT, create_group, create_group_with_backups, echo, group_server, group_view,
-    pattern, start_cluster as start, wait_server,
+    TEST_PORT as PORT, echo, echo_group, group_server, group_view, pattern, start_cluster as start,
+    wait_server,
 };
 use ferry_integration::managed::{migrate, process_state, runtime};
 use ferry_integration::netns;
@@ -113,15 +113,11 @@ fn a_node_joins_a_running_group_serves_and_leaves_once_it_serves_nothing() {
         return;
     };
     runtime().block_on(async {
+        let server2 = echo_group(&cluster, "node1", &[], &["node2"], &["node1", "node2"]).await[1];
         let (mut c1, mut c2) = (
             cluster.control("node1").await.unwrap(),
             cluster.control("node2").await.unwrap(),
         );
-        create_group(&mut c1, "node1", &["node2"]).await;
-        group_server(&mut c1, &["--mode", "echo"]).await;
-        let server2 = group_server(&mut c2, &["--mode", "echo"]).await;
-        wait_server(&mut c1, "node1").await;
-        wait_server(&mut c2, "node2").await;
 
         // A group's server does not migrate: its connections move one by
         // one. Refused before anything stops; it runs on.
@@ -275,17 +271,13 @@ fn a_backup_taken_as_failed_while_its_agent_stalled_joins_again_with_its_connect
     ) else {
         return;
     };
-    runtime().block_on(async {
-        let mut c: Vec<_> = Vec::new();
-        for n in ["node1", "node2", "node3"] {
-            c.push(cluster.control(n).await.unwrap());
-        }
-        create_group_with_backups(&mut c[0], "node1", &["node2", "node3"], &[]).await;
-        for (i, n) in ["node1", "node2", "node3"].iter().enumerate() {
-            group_server(&mut c[i], &["--mode", "echo"]).await;
-            wait_server(&mut c[i], n).await;
-        }
-    });
+    runtime().block_on(echo_group(
+        &cluster,
+        "node1",
+        &["node2", "node3"],
+        &[],
+        &["node1", "node2", "node3"],
+    ));
     let mut s = connect(&cluster, b"served by node1");
     runtime().block_on(async {
         let mut c1 = cluster.control("node1").await.unwrap();
@@ -366,17 +358,13 @@ fn a_contact_node_taken_as_failed_while_its_agent_stalled_steps_down_and_keeps_i
     ) else {
         return;
     };
-    runtime().block_on(async {
-        let (mut c1, mut c2) = (
-            cluster.control("node1").await.unwrap(),
-            cluster.control("node2").await.unwrap(),
-        );
-        create_group_with_backups(&mut c1, "node1", &["node2"], &[]).await;
-        group_server(&mut c1, &["--mode", "echo"]).await;
-        group_server(&mut c2, &["--mode", "echo"]).await;
-        wait_server(&mut c1, "node1").await;
-        wait_server(&mut c2, "node2").await;
-    });
+    runtime().block_on(echo_group(
+        &cluster,
+        "node1",
+        &["node2"],
+        &[],
+        &["node1", "node2"],
+    ));
     // Served by node1 itself: no handoff, no entry of its own in any
     // table until node1 steps down.
     let mut s = connect(&cluster, b"served by node1");
@@ -432,17 +420,13 @@ fn restarted_agents_serve_their_groups_again_and_lose_no_connection() {
     ) else {
         return;
     };
-    runtime().block_on(async {
-        let mut c: Vec<_> = Vec::new();
-        for n in ["node1", "node2", "node3"] {
-            c.push(cluster.control(n).await.unwrap());
-        }
-        create_group_with_backups(&mut c[0], "node1", &["node2"], &["node3"]).await;
-        for (i, n) in ["node1", "node2", "node3"].iter().enumerate() {
-            group_server(&mut c[i], &["--mode", "echo"]).await;
-            wait_server(&mut c[i], n).await;
-        }
-    });
+    runtime().block_on(echo_group(
+        &cluster,
+        "node1",
+        &["node2"],
+        &["node3"],
+        &["node1", "node2", "node3"],
+    ));
     // One connection handed to node3, one node1 serves itself.
     let mut handed = connect(&cluster, b"to be handed");
     runtime().block_on(async {

@@ -180,28 +180,8 @@ impl Groups {
             })
             .unwrap_or_default();
         let count = elsewhere.len();
-        let dp = self.dataplane.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut table = dp.table();
-            for f in elsewhere {
-                table.set_flow(f, FlowState::Elsewhere)?;
-            }
-            Ok::<_, crate::dataplane::DataPlaneError>(())
-        })
-        .await
-        .map_err(|e| GroupsError::Internal(e.to_string()))?
-        .map_err(|e| GroupsError::Internal(e.to_string()))?;
-        self.ports.share(
-            crate::process::PortKey {
-                transport: crate::process::Transport::Tcp,
-                port,
-            },
-            PortState::SharedContact,
-        );
-        self.ports
-            .apply()
-            .await
-            .map_err(|e| GroupsError::Internal(e.to_string()))?;
+        self.set_flows(elsewhere, FlowState::Elsewhere).await?;
+        self.share_port(port, PortState::SharedContact).await?;
         tracing::warn!(
             port,
             served_elsewhere = count,

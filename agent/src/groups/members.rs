@@ -170,18 +170,7 @@ impl Groups {
             for flow in &served {
                 self.record_connection(*flow, node)?;
             }
-            let dp = self.dataplane.clone();
-            let flows = served.clone();
-            tokio::task::spawn_blocking(move || {
-                let mut table = dp.table();
-                for f in flows {
-                    table.set_flow(f, FlowState::Elsewhere)?;
-                }
-                Ok::<_, crate::dataplane::DataPlaneError>(())
-            })
-            .await
-            .map_err(|e| GroupsError::Internal(e.to_string()))?
-            .map_err(|e| GroupsError::Internal(e.to_string()))?;
+            self.set_flows(served.clone(), FlowState::Elsewhere).await?;
             for flow in &served {
                 self.record_on_chain(&group, *flow, node).await;
             }
@@ -302,29 +291,9 @@ impl Groups {
                     g.connections.insert(*f, self.node.clone());
                 }
             }
-            let dp = self.dataplane.clone();
-            tokio::task::spawn_blocking(move || {
-                let mut table = dp.table();
-                for f in new {
-                    table.set_flow(f, FlowState::Owned)?;
-                }
-                Ok::<_, crate::dataplane::DataPlaneError>(())
-            })
-            .await
-            .map_err(|e| GroupsError::Internal(e.to_string()))?
-            .map_err(|e| GroupsError::Internal(e.to_string()))?;
+            self.set_flows(new, FlowState::Owned).await?;
             if pass == 0 {
-                self.ports.share(
-                    crate::process::PortKey {
-                        transport: crate::process::Transport::Tcp,
-                        port,
-                    },
-                    PortState::SharedMember,
-                );
-                self.ports
-                    .apply()
-                    .await
-                    .map_err(|e| GroupsError::Internal(e.to_string()))?;
+                self.share_port(port, PortState::SharedMember).await?;
             }
         }
         tracing::warn!(

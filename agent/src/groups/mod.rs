@@ -56,7 +56,7 @@ use ferry_proto::v1 as pb;
 use tonic::Status;
 
 use crate::cluster::Cluster;
-use crate::dataplane::{DataPlane, Flow, PortState};
+use crate::dataplane::{DataPlane, Flow, FlowState, PortState};
 use crate::managed::Processes;
 use crate::ports::Ports;
 use crate::sync::lock;
@@ -467,13 +467,41 @@ impl Groups {
         } else {
             PortState::SharedMember
         };
-        self.ports.share(group.port_key(), state);
+        self.share_port(group.port, state).await?;
+        tracing::info!(port = group.port, role = ?state, "joined a group");
+        Ok(())
+    }
+
+    /// The group's port in `state` (`SharedContact` or `SharedMember`) in
+    /// this node's filter.
+    async fn share_port(&self, port: u16, state: PortState) -> Result<(), GroupsError> {
+        self.ports.share(
+            crate::process::PortKey {
+                transport: crate::process::Transport::Tcp,
+                port,
+            },
+            state,
+        );
         self.ports
             .apply()
             .await
-            .map_err(|e| GroupsError::Internal(format!("filtering port {}: {e}", group.port)))?;
-        tracing::info!(port = group.port, role = ?state, "joined a group");
-        Ok(())
+            .map_err(|e| GroupsError::Internal(format!("filtering port {port}: {e}")))
+    }
+
+    /// Entries in `state` for `flows` in this node's filter (off the
+    /// runtime: BPF map updates).
+    async fn set_flows(&self, flows: Vec<Flow>, state: FlowState) -> Result<(), GroupsError> {
+        let dp = self.dataplane.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut table = dp.table();
+            for f in flows {
+                table.set_flow(f, state)?;
+            }
+            Ok::<_, crate::dataplane::DataPlaneError>(())
+        })
+        .await
+        .map_err(|e| GroupsError::Internal(e.to_string()))?
+        .map_err(|e| GroupsError::Internal(e.to_string()))
     }
 
     /// This node leaves the group on `port`: the port is the registry's

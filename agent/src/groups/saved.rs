@@ -159,14 +159,10 @@ impl Groups {
                     g.connections.insert(*f, self.node.clone());
                 }
             }
-            self.own_flows(own.clone()).await?;
+            self.set_flows(own.clone(), FlowState::Owned).await?;
             // New connections wait for the chain's word: a contact node
             // replaced while its agent was away must not answer them too.
-            self.ports.share(group.port_key(), PortState::SharedMember);
-            self.ports
-                .apply()
-                .await
-                .map_err(|e| GroupsError::Internal(format!("filtering port {port}: {e}")))?;
+            self.share_port(port, PortState::SharedMember).await?;
             lock(&self.unsynced).insert(port, Instant::now());
             restored += 1;
             tracing::info!(port, epoch = group.epoch, contact = %group.contact, serving = own.len(), "a group served again after the agent restarted");
@@ -220,21 +216,6 @@ impl Groups {
                 Some(_) => false,
             })
             .collect())
-    }
-
-    /// `Owned` entries for `flows` in this node's filter.
-    pub(super) async fn own_flows(&self, flows: Vec<Flow>) -> Result<(), GroupsError> {
-        let dp = self.dataplane.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut table = dp.table();
-            for f in flows {
-                table.set_flow(f, FlowState::Owned)?;
-            }
-            Ok::<_, crate::dataplane::DataPlaneError>(())
-        })
-        .await
-        .map_err(|e| GroupsError::Internal(e.to_string()))?
-        .map_err(|e| GroupsError::Internal(e.to_string()))
     }
 
     /// Confirms each restored group with the others of its chain; a group

@@ -670,16 +670,27 @@ fn main() -> Result<()> {
     }
     shape(&cluster, "unshaped")?;
     std::fs::create_dir_all(&args.out)?;
-    let t1 = table1(&rows, &args.speeds);
-    let (f2, svg) = fig2(&rows, &args);
-    let md = format!(
-        "## Table 1: the handoff's phases ({profile}, {} downloads per speed)\n\n{t1}\n## Fig. 2: client-perceived handoff against the donor's wait ({profile}, {} downloads per cell)\n\n{f2}",
-        args.runs, args.wait_runs
-    );
+    let mut md = String::new();
+    if args.runs > 0 {
+        let t1 = table1(&rows, &args.speeds);
+        md += &format!(
+            "## Table 1: the handoff's phases ({profile}, {} downloads per speed)\n\n{t1}\n",
+            args.runs
+        );
+    }
+    // An experiment not run (`--runs 0`, `--wait-runs 0`) gets no table
+    // of zeros, and no plot.
+    if args.wait_runs > 0 {
+        let (f2, svg) = fig2(&rows, &args);
+        md += &format!(
+            "## Fig. 2: client-perceived handoff against the donor's wait ({profile}, {} downloads per cell)\n\n{f2}",
+            args.wait_runs
+        );
+        std::fs::write(args.out.join("handoff.svg"), svg)?;
+    }
     println!("\n{md}");
     std::fs::write(args.out.join("handoff.md"), &md)?;
     std::fs::write(args.out.join("handoff.csv"), csv(&rows))?;
-    std::fs::write(args.out.join("handoff.svg"), svg)?;
     drop(cluster);
     if args.scale > 0 {
         let md = scale(args.scale)?;
