@@ -6,9 +6,11 @@ pub mod follow;
 pub mod forward;
 mod groups;
 pub mod introspection;
+mod migrate_request;
 mod peer;
 pub mod watch;
 
-pub use control::{ControlService, apply_settings, drain_options, migrate_options};
+pub use control::{ControlService, apply_settings};
 pub use introspection::control_routes;
+pub use migrate_request::{drain_options, migrate_options};
 pub use peer::PeerService;
