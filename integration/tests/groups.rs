@@ -541,7 +541,7 @@ fn build_c_server(dir: &Path) -> std::path::PathBuf {
 
 #[test]
 fn a_server_written_in_c_hands_connections_off_through_the_c_abi() {
-    let Some(cluster) = start(
+    let Some(mut cluster) = start(
         "a_server_written_in_c_hands_connections_off_through_the_c_abi",
         3,
     ) else {
@@ -565,7 +565,7 @@ fn a_server_written_in_c_hands_connections_off_through_the_c_abi() {
         }
     });
     let addr = SocketAddrV4::new(cluster.public_addr(), PORT);
-    netns::run_in(&cluster.netns_path("client1"), move || {
+    let clients = move || {
         for i in 0..6 {
             let mut s =
                 TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5)).expect("connect");
@@ -577,16 +577,40 @@ fn a_server_written_in_c_hands_connections_off_through_the_c_abi() {
                 echo(&mut s, format!("line {j} of {i}\n").as_bytes()).expect("echoed after");
             }
         }
-    })
-    .expect("the client");
+    };
+    netns::run_in(&cluster.netns_path("client1"), clients).expect("the clients");
+    let taken = |cluster: &Cluster| {
+        runtime().block_on(async {
+            let mut taken = Vec::new();
+            for node in ["node1", "node2", "node3"] {
+                let mut c = cluster.control(node).await.unwrap();
+                taken.push(group_view(&mut c).await.handoffs_taken);
+            }
+            taken
+        })
+    };
+    assert_eq!(
+        taken(&cluster),
+        [0, 2, 2],
+        "handoffs taken by node1, node2, node3"
+    );
+    // node2's agent restarts: its C server, waiting in ferry_accept,
+    // registers again with the new one and takes its turns as before.
+    cluster.stop_agent("node2").expect("stopping node2's agent");
+    cluster
+        .start_agent("node2")
+        .expect("starting node2's agent");
     runtime().block_on(async {
-        let mut taken = Vec::new();
-        for node in ["node1", "node2", "node3"] {
-            let mut c = cluster.control(node).await.unwrap();
-            taken.push(group_view(&mut c).await.handoffs_taken);
-        }
-        assert_eq!(taken, [0, 2, 2], "handoffs taken by node1, node2, node3");
+        let mut c2 = cluster.control("node2").await.unwrap();
+        wait_server(&mut c2, "node2").await;
     });
+    netns::run_in(&cluster.netns_path("client1"), clients).expect("the clients after");
+    // node2's count started again with its agent.
+    assert_eq!(
+        taken(&cluster),
+        [0, 2, 4],
+        "handoffs taken after node2's agent restarted"
+    );
 }
 
 #[test]
