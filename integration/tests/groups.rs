@@ -326,7 +326,6 @@ fn bad_groups_and_handoffs_are_refused_with_the_reason() {
     );
 }
 
-/// One echo exchange of `msg` on `s`.
 #[test]
 fn the_contact_nodes_failure_loses_no_connection_served_elsewhere() {
     let Some(cluster) = start(

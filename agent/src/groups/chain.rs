@@ -51,17 +51,6 @@ const CALL_TIMEOUT: Duration = Duration::from_millis(300);
 const SWEEP_EVERY: Duration = Duration::from_secs(2);
 
 impl Groups {
-    /// The view number of the group on `port` here.
-    pub fn epoch(&self, port: u16) -> Result<u64, GroupsError> {
-        self.groups()
-            .get(&port)
-            .map(|g| g.group.epoch)
-            .ok_or_else(|| GroupsError::NoGroup {
-                port,
-                node: self.node.clone(),
-            })
-    }
-
     /// The epoch for a view this node proposes: above every one it holds
     /// or promised (a proposal that failed may have left a promise).
     pub(super) fn next_epoch(&self, port: u16) -> Result<u64, GroupsError> {
@@ -458,18 +447,10 @@ impl Groups {
         targets: Vec<String>,
         here_first: bool,
     ) {
-        let table: Vec<pb::ServedConnection> = self
+        let table = self
             .groups()
             .get(&view.port)
-            .map(|g| {
-                g.connections
-                    .iter()
-                    .map(|(f, n)| pb::ServedConnection {
-                        connection: Some(connection_pb(*f)),
-                        node: n.clone(),
-                    })
-                    .collect()
-            })
+            .map(|g| super::table_pb(&g.connections))
             .unwrap_or_default();
         if here_first && let Err(e) = self.apply_view(view.clone(), Vec::new()).await {
             tracing::error!(error = %e, "taking the new view here");

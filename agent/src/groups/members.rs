@@ -181,7 +181,7 @@ impl Groups {
                 "the connections of a node joining again left to it"
             );
         }
-        let Some(mut next) = group.with(node, backup) else {
+        let Some(next) = group.with(node, backup) else {
             // Already there: the node missed the view; it gets it again,
             // with the table.
             if node != self.node {
@@ -190,19 +190,15 @@ impl Groups {
             }
             return Ok(group);
         };
-        next.epoch = self.next_epoch(group.port)?;
-        let silent = self.prepare(&next, &[node.to_owned()]).await?;
-        if !silent.is_empty() {
-            return Err(GroupsError::Unreachable {
-                node: silent.join(", "),
-                reason: format!(
-                    "no vote on the view at epoch {} that adds {node}; nothing changed",
-                    next.epoch
-                ),
-            });
-        }
-        let targets = union(&group.members, &next.members);
-        self.commit_view(next.clone(), targets, false).await;
+        let next = self
+            .commit_change(
+                &group,
+                next,
+                Some(node),
+                false,
+                &format!("that adds {node}"),
+            )
+            .await?;
         tracing::info!(
             port = group.port,
             node,
@@ -241,7 +237,7 @@ impl Groups {
                 ),
             });
         }
-        let mut next = group.without(node).ok_or_else(|| GroupsError::Refused {
+        let next = group.without(node).ok_or_else(|| GroupsError::Refused {
             port: group.port,
             reason: format!("{node} is its contact node and no backup can take its place"),
         })?;
@@ -253,27 +249,51 @@ impl Groups {
                 ),
             });
         }
-        next.epoch = self.next_epoch(group.port)?;
-        let silent = self.prepare(&next, &[]).await?;
-        if !silent.is_empty() {
-            return Err(GroupsError::Unreachable {
-                node: silent.join(", "),
-                reason: format!(
-                    "no vote on the view at epoch {} without {node}; nothing changed",
-                    next.epoch
-                ),
-            });
-        }
-        // The node removed is told too: it leaves (gives its port back).
-        let targets = union(&group.members, &next.members);
-        self.commit_view(next.clone(), targets, node == self.node)
-            .await;
+        // The node removed is told too: it leaves (gives its port back),
+        // first if it is this node (see `commit_view`).
+        let next = self
+            .commit_change(
+                &group,
+                next,
+                None,
+                node == self.node,
+                &format!("without {node}"),
+            )
+            .await?;
         tracing::info!(
             port = group.port,
             node,
             epoch = next.epoch,
             "a node left the group"
         );
+        Ok(next)
+    }
+
+    /// Both phases of a change from `group` to `next` (its epoch set
+    /// here): `joining` votes too; every member of either view is told.
+    /// A silent voter changes nothing: the error names it.
+    async fn commit_change(
+        self: &Arc<Self>,
+        group: &Group,
+        mut next: Group,
+        joining: Option<&str>,
+        here_first: bool,
+        what: &str,
+    ) -> Result<Group, GroupsError> {
+        next.epoch = self.next_epoch(group.port)?;
+        let also: Vec<String> = joining.map(str::to_owned).into_iter().collect();
+        let silent = self.prepare(&next, &also).await?;
+        if !silent.is_empty() {
+            return Err(GroupsError::Unreachable {
+                node: silent.join(", "),
+                reason: format!(
+                    "no vote on the view at epoch {} {what}; nothing changed",
+                    next.epoch
+                ),
+            });
+        }
+        let targets = union(&group.members, &next.members);
+        self.commit_view(next.clone(), targets, here_first).await;
         Ok(next)
     }
 

@@ -551,14 +551,7 @@ impl Groups {
                         "member".into()
                     },
                     server_pids: g.servers.iter().map(|s| s.pid).collect(),
-                    connections: g
-                        .connections
-                        .iter()
-                        .map(|(f, node)| pb::ServedConnection {
-                            connection: Some(connection_pb(*f)),
-                            node: node.clone(),
-                        })
-                        .collect(),
+                    connections: table_pb(&g.connections),
                     handoffs_given: g.counts.given,
                     handoffs_taken: g.counts.taken,
                     handoffs_failed: g.counts.failed,
@@ -847,6 +840,17 @@ fn managed_root(roots: &[i32], pid: i32) -> Option<i32> {
         p = crate::process::inspect(p).ok()?.ppid;
     }
     None
+}
+
+/// A group's table of connections, with who serves each, for the APIs.
+pub(crate) fn table_pb(connections: &BTreeMap<Flow, String>) -> Vec<pb::ServedConnection> {
+    connections
+        .iter()
+        .map(|(f, node)| pb::ServedConnection {
+            connection: Some(connection_pb(*f)),
+            node: node.clone(),
+        })
+        .collect()
 }
 
 pub(crate) fn connection_pb(f: Flow) -> pb::GroupConnection {

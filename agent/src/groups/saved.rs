@@ -115,12 +115,12 @@ impl Groups {
         let Some(file) = self.saved.clone() else {
             return;
         };
-        let views: Vec<SavedView> = self
-            .groups()
-            .values()
-            .map(|g| SavedView::of(&g.group))
-            .collect();
-        let snapshot = file.taken.fetch_add(1, Ordering::SeqCst) + 1;
+        // Numbered under the groups' lock: a later number is a later state.
+        let (views, snapshot) = {
+            let groups = self.groups();
+            let views: Vec<SavedView> = groups.values().map(|g| SavedView::of(&g.group)).collect();
+            (views, file.taken.fetch_add(1, Ordering::SeqCst) + 1)
+        };
         tokio::task::spawn_blocking(move || {
             if let Err(e) = file.write(snapshot, &views) {
                 tracing::warn!(path = %file.path.display(), error = %e, "saving the groups' views");
@@ -323,14 +323,7 @@ impl Groups {
         })?;
         Ok(pb::ViewCommitRequest {
             group: Some(g.group.to_pb()),
-            connections: g
-                .connections
-                .iter()
-                .map(|(f, n)| pb::ServedConnection {
-                    connection: Some(super::connection_pb(*f)),
-                    node: n.clone(),
-                })
-                .collect(),
+            connections: super::table_pb(&g.connections),
         })
     }
 }

@@ -150,13 +150,18 @@ fn print_group(g: &pb::Group, as_json: bool) {
             g.port,
             g.epoch,
             g.contact,
-            if g.backups.is_empty() {
-                "none".to_owned()
-            } else {
-                g.backups.join(", ")
-            },
+            backups_text(g),
             g.members.join(", ")
         );
+    }
+}
+
+/// A group's backups, or "none".
+fn backups_text(g: &pb::Group) -> String {
+    if g.backups.is_empty() {
+        "none".to_owned()
+    } else {
+        g.backups.join(", ")
     }
 }
 
@@ -192,11 +197,7 @@ fn print_groups(groups: &[pb::GroupView]) {
             g.port,
             g.epoch,
             g.contact,
-            if g.backups.is_empty() {
-                "none".to_owned()
-            } else {
-                g.backups.join(", ")
-            },
+            backups_text(&g),
             g.members.join(", "),
             v.role,
             if v.server_pids.is_empty() {
