@@ -139,7 +139,7 @@ impl Node {
         let groups = Arc::new(
             Groups::new(
                 &config.node,
-                config.public.address,
+                config.public.addresses(),
                 ports.clone(),
                 dataplane.clone(),
                 cluster.clone(),

@@ -31,7 +31,9 @@
 #include <linux/if_ether.h>
 #include <linux/if_packet.h>
 #include <linux/in.h>
+#include <linux/in6.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
@@ -42,6 +44,12 @@
 #define IP_OFFSET 0x1FFF /* fragment offset field of iphdr.frag_off */
 #define TCP_BYTE_SYN 0x02 /* SYN in byte 13 of the TCP header */
 #define TCP_BYTE_ACK 0x10 /* ACK in byte 13 of the TCP header */
+#define IP6_OFFSET 0xFFF8 /* fragment offset of the IPv6 fragment header */
+#define IP6_MF 0x0001     /* more fragments flag of the IPv6 fragment header */
+/* IPv6 extension headers followed before the transport header. More is
+ * not a packet any sender makes (RFC 8200 recommends each at most once);
+ * such a packet is dropped rather than let past the ownership check. */
+#define IP6_MAX_EXT_HDRS 6
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -60,6 +68,14 @@ struct {
 	__type(key, struct ferry_flow_key);
 	__type(value, __u32);
 } FERRY_FLOWS SEC(".maps");
+
+/* The same for connections over IPv6. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct ferry_flow6_key);
+	__type(value, __u32);
+} FERRY_FLOWS6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -97,6 +113,23 @@ struct {
 	__type(value, __u16); /* the datagram's destination port */
 } FERRY_FRAGS SEC(".maps");
 
+/* The same for IPv6, whose fragments carry a 32-bit identification in a
+ * fragment header. */
+struct ferry_frag6_key {
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__be32 id;
+	__u8 proto; /* the fragment header's next header */
+	__u8 pad[3];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct ferry_frag6_key);
+	__type(value, __u16);
+} FERRY_FRAGS6 SEC(".maps");
+
 static __always_inline void count(__u32 idx)
 {
 	__u64 *v = bpf_map_lookup_elem(&FERRY_COUNTERS, &idx);
@@ -107,30 +140,108 @@ static __always_inline void count(__u32 idx)
 }
 
 enum l4_kind {
-	L4_OTHER,     /* not TCP or UDP over IPv4 */
+	L4_OTHER,     /* not TCP or UDP over IPv4 or IPv6 */
 	L4_FRAGMENT,  /* TCP or UDP, but a later fragment: no ports in it */
 	L4_TRUNCATED, /* TCP or UDP whose ports cannot be read */
 	L4_PORTS,
 };
 
 struct l4 {
+	__u8 ipv6;           /* the addresses are frag6's, not frag's */
 	__u8 proto;
 	__u8 first_fragment; /* offset 0 with more fragments to come */
 	__u8 tcp_flags;      /* TCP: the header's flags byte (FIN..CWR) */
 	__u16 sport;         /* host byte order */
 	__u16 dport;         /* host byte order */
-	struct ferry_frag_key frag; /* also the addresses, for FERRY_FLOWS */
+	struct ferry_frag_key frag;   /* IPv4: also the addresses, for FERRY_FLOWS */
+	struct ferry_frag6_key frag6; /* IPv6: also the addresses, for FERRY_FLOWS6 */
 };
 
-/* Finds protocol and ports of an IPv4 TCP or UDP packet. */
+/* Reads the ports (and TCP's flags) of the transport header at `off`. */
+static __always_inline enum l4_kind parse_ports(struct __sk_buff *skb, struct l4 *l4, __u32 off)
+{
+	__be16 ports[2];
+
+	/* TCP and UDP both start with the source and destination port. */
+	if (bpf_skb_load_bytes(skb, off, ports, sizeof(ports)) < 0)
+		return L4_TRUNCATED;
+	l4->sport = bpf_ntohs(ports[0]);
+	l4->dport = bpf_ntohs(ports[1]);
+	/* TCP's flags: byte 13 of its header. */
+	if (l4->proto == IPPROTO_TCP && bpf_skb_load_bytes(skb, off + 13, &l4->tcp_flags, 1) < 0)
+		return L4_TRUNCATED;
+	return L4_PORTS;
+}
+
+/* The first 8 bytes of an IPv6 extension header: all of a fragment
+ * header; next header and length of the others. */
+struct ip6_ext8 {
+	__u8 nexthdr;
+	__u8 hdrlen;
+	__be16 frag_off; /* fragment header: offset << 3 | M */
+	__be32 id;       /* fragment header: identification */
+};
+
+/* Finds protocol and ports of an IPv6 TCP or UDP packet, following the
+ * extension headers a sender may put before the transport header. */
+static __always_inline enum l4_kind parse6(struct __sk_buff *skb, struct l4 *l4)
+{
+	struct ipv6hdr ip6;
+	struct ip6_ext8 ext;
+	__u32 off = ETH_HLEN + sizeof(ip6);
+	__u8 next;
+	int i;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0 || ip6.version != 6)
+		return L4_OTHER;
+	l4->ipv6 = 1;
+	__builtin_memcpy(l4->frag6.saddr, &ip6.saddr, 16);
+	__builtin_memcpy(l4->frag6.daddr, &ip6.daddr, 16);
+	next = ip6.nexthdr;
+#pragma unroll
+	for (i = 0; i < IP6_MAX_EXT_HDRS; i++) {
+		if (next == IPPROTO_TCP || next == IPPROTO_UDP) {
+			l4->proto = next;
+			return parse_ports(skb, l4, off);
+		}
+		/* ICMPv6 (neighbour discovery, errors about our own
+		 * connections), no next header, ESP, ...: not ours to judge. */
+		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS &&
+		    next != IPPROTO_FRAGMENT)
+			return L4_OTHER;
+		/* A chain that cannot be followed hides its ports: dropped,
+		 * as the stack would. */
+		if (bpf_skb_load_bytes(skb, off, &ext, sizeof(ext)) < 0)
+			return L4_TRUNCATED;
+		if (next == IPPROTO_FRAGMENT) {
+			l4->frag6.id = ext.id;
+			l4->frag6.proto = ext.nexthdr;
+			if (ext.frag_off & bpf_htons(IP6_OFFSET)) {
+				/* The ports are in fragment zero only; the
+				 * protocol is what fragment zero starts with. */
+				l4->proto = ext.nexthdr;
+				return L4_FRAGMENT;
+			}
+			l4->first_fragment = !!(ext.frag_off & bpf_htons(IP6_MF));
+			off += 8;
+		} else {
+			off += ((__u32)ext.hdrlen + 1) * 8;
+		}
+		next = ext.nexthdr;
+	}
+	return L4_TRUNCATED;
+}
+
+/* Finds protocol and ports of an IPv4 or IPv6 TCP or UDP packet. */
 static __always_inline enum l4_kind parse(struct __sk_buff *skb, struct l4 *l4)
 {
 	struct iphdr ip;
-	__be16 ports[2];
 	__u32 ihl;
 
 	/* At tc ingress and egress of an Ethernet device the packet starts
 	 * at the MAC header and skb->protocol holds the EtherType. */
+	if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		return parse6(skb, l4);
 	if (skb->protocol != bpf_htons(ETH_P_IP))
 		return L4_OTHER;
 	/* bpf_skb_load_bytes() also reads paged data: a header beyond the
@@ -152,16 +263,7 @@ static __always_inline enum l4_kind parse(struct __sk_buff *skb, struct l4 *l4)
 	ihl = ip.ihl * 4;
 	if (ihl < sizeof(ip))
 		return L4_TRUNCATED;
-	/* TCP and UDP both start with the source and destination port. */
-	if (bpf_skb_load_bytes(skb, ETH_HLEN + ihl, ports, sizeof(ports)) < 0)
-		return L4_TRUNCATED;
-	l4->sport = bpf_ntohs(ports[0]);
-	l4->dport = bpf_ntohs(ports[1]);
-	/* TCP's flags: byte 13 of its header. */
-	if (ip.protocol == IPPROTO_TCP &&
-	    bpf_skb_load_bytes(skb, ETH_HLEN + ihl + 13, &l4->tcp_flags, 1) < 0)
-		return L4_TRUNCATED;
-	return L4_PORTS;
+	return parse_ports(skb, l4, ETH_HLEN + ihl);
 }
 
 static __always_inline __u32 port_flags(__u8 proto, __u16 port)
@@ -174,17 +276,51 @@ static __always_inline __u32 port_flags(__u8 proto, __u16 port)
 
 /* A shared port's TCP connection is decided by its own entry when it has
  * one (handed off to or away from this node), else by the port's flags.
- * `remote` and `rport` are the client's end, `lport` the shared port. */
-static __always_inline __u32 flow_flags(__u32 port, __u8 proto, __be32 remote, __u16 rport,
-					__u16 lport)
+ * The client's end is the packet's source on ingress (`from_client`), its
+ * destination on egress; the other end is the shared port. */
+static __always_inline __u32 flow_flags(__u32 port, const struct l4 *l4, int from_client)
 {
-	struct ferry_flow_key key = {.remote_addr = remote, .remote_port = rport, .local_port = lport};
+	__u16 rport = from_client ? l4->sport : l4->dport;
+	__u16 lport = from_client ? l4->dport : l4->sport;
 	__u32 *flags;
 
-	if (!(port & FERRY_PORT_SHARED) || proto != IPPROTO_TCP)
+	if (!(port & FERRY_PORT_SHARED) || l4->proto != IPPROTO_TCP)
 		return port;
-	flags = bpf_map_lookup_elem(&FERRY_FLOWS, &key);
+	if (l4->ipv6) {
+		struct ferry_flow6_key key = {.remote_port = rport, .local_port = lport};
+
+		__builtin_memcpy(key.remote_addr, from_client ? l4->frag6.saddr : l4->frag6.daddr,
+				 16);
+		flags = bpf_map_lookup_elem(&FERRY_FLOWS6, &key);
+	} else {
+		struct ferry_flow_key key = {
+			.remote_addr = from_client ? l4->frag.saddr : l4->frag.daddr,
+			.remote_port = rport,
+			.local_port = lport,
+		};
+
+		flags = bpf_map_lookup_elem(&FERRY_FLOWS, &key);
+	}
 	return flags ? *flags : port;
+}
+
+/* The port of a datagram whose fragment zero was captured, if this is a
+ * later fragment of one. */
+static __always_inline __u16 *captured_fragment_port(struct l4 *l4)
+{
+	if (l4->ipv6)
+		return bpf_map_lookup_elem(&FERRY_FRAGS6, &l4->frag6);
+	return bpf_map_lookup_elem(&FERRY_FRAGS, &l4->frag);
+}
+
+/* Remembers the datagram of a captured fragment zero: its later fragments
+ * are captured with it. */
+static __always_inline void capture_fragments(struct l4 *l4)
+{
+	if (l4->ipv6)
+		bpf_map_update_elem(&FERRY_FRAGS6, &l4->frag6, &l4->dport, BPF_ANY);
+	else
+		bpf_map_update_elem(&FERRY_FRAGS, &l4->frag, &l4->dport, BPF_ANY);
 }
 
 /* One ring record: the header and room for `N` bytes of packet. The ring
@@ -225,7 +361,8 @@ static __always_inline __u32 flow_flags(__u32 port, __u8 proto, __be32 remote, _
 CAPTURE_CLASS(256)   /* ACKs, small datagrams: most of what a freeze catches */
 CAPTURE_CLASS(2048)  /* up to a full 1500-byte frame */
 CAPTURE_CLASS(16384) /* jumbo frames, small GRO batches */
-CAPTURE_CLASS(65536) /* the largest IPv4 packet (GRO batches on real NICs) */
+CAPTURE_CLASS(65576) /* the largest IPv6 packet without jumbograms, 40 + 65,535
+		      * bytes, and so any IPv4 one (GRO batches on real NICs) */
 
 /* Copies the packet, from its IP header on, into the capture ring. */
 static __always_inline int capture(struct __sk_buff *skb, __u16 port, __u8 proto, __u8 kind)
@@ -241,8 +378,8 @@ static __always_inline int capture(struct __sk_buff *skb, __u16 port, __u8 proto
 		return capture_2048(skb, len, port, proto, kind);
 	if (len <= 16384)
 		return capture_16384(skb, len, port, proto, kind);
-	if (len <= 65536)
-		return capture_65536(skb, len, port, proto, kind);
+	if (len <= 65576)
+		return capture_65576(skb, len, port, proto, kind);
 	return -1;
 }
 
@@ -266,12 +403,13 @@ int ferry_ingress(struct __sk_buff *skb)
 
 	switch (parse(skb, &l4)) {
 	case L4_OTHER:
-		/* ARP, ICMP, IPv6: untouched. ICMP errors about our own
-		 * connections (fragmentation needed, ...) must get through. */
+		/* ARP, ICMP, ICMPv6: untouched. ICMP errors about our own
+		 * connections (fragmentation needed, packet too big, ...) and
+		 * IPv6's neighbour discovery must get through. */
 		count(FERRY_CNT_PASSED_OTHER);
 		return TC_ACT_OK;
 	case L4_FRAGMENT: {
-		__u16 *port = bpf_map_lookup_elem(&FERRY_FRAGS, &l4.frag);
+		__u16 *port = captured_fragment_port(&l4);
 
 		/* The rest of a datagram whose fragment zero was captured. */
 		if (port)
@@ -280,7 +418,8 @@ int ferry_ingress(struct __sk_buff *skb)
 		 * owner also accepted fragment zero and can reassemble; on
 		 * every other node the queue expires silently, because
 		 * ip_expire() sends "time exceeded" only when fragment zero
-		 * arrived. The reassembled packet takes fragment zero's
+		 * arrived (IPv6's ip6_frag_expire() alike). The reassembled
+		 * packet takes fragment zero's
 		 * PACKET_HOST; setting it here too keeps every piece alike. */
 		bpf_skb_change_type(skb, PACKET_HOST);
 		count(FERRY_CNT_PASSED_OTHER);
@@ -293,13 +432,12 @@ int ferry_ingress(struct __sk_buff *skb)
 	case L4_PORTS:
 		break;
 	}
-	flags = flow_flags(port_flags(l4.proto, l4.dport), l4.proto, l4.frag.saddr, l4.sport,
-			   l4.dport);
+	flags = flow_flags(port_flags(l4.proto, l4.dport), &l4, 1);
 	if (flags & FERRY_PORT_CAPTURE) {
 		/* A migration moves the port's process: nobody may handle
 		 * the packet now, and nothing of it may be lost. */
 		if (l4.first_fragment)
-			bpf_map_update_elem(&FERRY_FRAGS, &l4.frag, &l4.dport, BPF_ANY);
+			capture_fragments(&l4);
 		return keep(skb, &l4, l4.dport);
 	}
 	if (flags & FERRY_PORT_FROZEN) {
@@ -352,8 +490,7 @@ int ferry_egress(struct __sk_buff *skb)
 	if (parse(skb, &l4) != L4_PORTS)
 		return TC_ACT_OK;
 	if (l4.proto == IPPROTO_TCP &&
-	    (flow_flags(port_flags(l4.proto, l4.sport), l4.proto, l4.frag.daddr, l4.dport, l4.sport) &
-	     FERRY_PORT_FROZEN)) {
+	    (flow_flags(port_flags(l4.proto, l4.sport), &l4, 0) & FERRY_PORT_FROZEN)) {
 		count(FERRY_CNT_EGRESS_BLOCKED);
 		return TC_ACT_SHOT;
 	}

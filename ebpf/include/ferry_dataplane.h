@@ -53,12 +53,21 @@ struct ferry_flow_key {
 	__u16 local_port;   /* host byte order */
 };
 
+/* Key of FERRY_FLOWS6: the same for a connection over IPv6. A map of its
+ * own (not FERRY_FLOWS with wider keys) so that the maps an earlier ferryd
+ * pinned keep their layout across an upgrade. */
+struct ferry_flow6_key {
+	__u8 remote_addr[16]; /* network byte order, as in the IPv6 header */
+	__u16 remote_port;    /* host byte order */
+	__u16 local_port;     /* host byte order */
+};
+
 /* Indices of FERRY_COUNTERS (per-CPU __u64). */
 enum ferry_counter {
 	FERRY_CNT_PASSED = 0,            /* ingress to an owned port, delivered */
 	FERRY_CNT_DROPPED_NOT_OWNED = 1, /* ingress to another node's port */
 	FERRY_CNT_DROPPED_FROZEN = 2,    /* ingress to a frozen port, not captured; a SYN held (HOLD_NEW) */
-	FERRY_CNT_PASSED_OTHER = 3,      /* ingress without ports: ARP, ICMP, IPv6, later fragments */
+	FERRY_CNT_PASSED_OTHER = 3,      /* ingress without ports: ARP, ICMP, ICMPv6, later fragments */
 	FERRY_CNT_EGRESS_BLOCKED = 4,    /* egress from a frozen port (RST or data) */
 	FERRY_CNT_CAPTURED = 5,          /* ingress kept in the capture ring */
 	FERRY_CNT_CAPTURE_LOST = 6,      /* to capture, but the ring was full: dropped */
@@ -67,11 +76,12 @@ enum ferry_counter {
 };
 
 /* A record of FERRY_CAPTURE: this header, then cap_len bytes of the packet
- * from its IPv4 header on (the Ethernet header is not kept: the agent
- * re-injects at the IP layer). */
+ * from its IP header on, IPv4 or IPv6 (the version field of its first byte
+ * tells; the Ethernet header is not kept: the agent re-injects at the IP
+ * layer). */
 struct ferry_capture_hdr {
 	__u64 ktime_ns; /* bpf_ktime_get_ns() at ingress */
-	__u32 pkt_len;  /* length of the IPv4 packet */
+	__u32 pkt_len;  /* length of the IP packet */
 	__u32 cap_len;  /* bytes of it in this record (< pkt_len: truncated) */
 	__u16 port;     /* the port the packet is for, host byte order */
 	__u8 proto;     /* IPPROTO_TCP or IPPROTO_UDP */
@@ -91,6 +101,9 @@ _Static_assert(__builtin_offsetof(struct ferry_port_key, port) == 2, "port at 2"
 _Static_assert(sizeof(struct ferry_flow_key) == 8, "ferry_flow_key is 8 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_flow_key, remote_port) == 4, "remote_port at 4");
 _Static_assert(__builtin_offsetof(struct ferry_flow_key, local_port) == 6, "local_port at 6");
+_Static_assert(sizeof(struct ferry_flow6_key) == 20, "ferry_flow6_key is 20 bytes");
+_Static_assert(__builtin_offsetof(struct ferry_flow6_key, remote_port) == 16, "remote_port at 16");
+_Static_assert(__builtin_offsetof(struct ferry_flow6_key, local_port) == 18, "local_port at 18");
 _Static_assert(sizeof(struct ferry_capture_hdr) == 24, "ferry_capture_hdr is 24 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_capture_hdr, pkt_len) == 8, "pkt_len at 8");
 _Static_assert(__builtin_offsetof(struct ferry_capture_hdr, cap_len) == 12, "cap_len at 12");

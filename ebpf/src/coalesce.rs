@@ -17,7 +17,8 @@
 //! already holds (a retransmission: TCP resends the same bytes, often
 //! several small segments collapsed into one, and only the bytes past the
 //! run's end are new), with only ACK (and PSH) set,
-//! and no IP options or fragmentation. The joined segment takes the first
+//! and no IP options, IPv6 extension headers or fragmentation; IPv4 and
+//! IPv6 alike. The joined segment takes the first
 //! segment's sequence number and the last one's acknowledgment, window and
 //! TCP options (its timestamp is the newest, as in a segment the client
 //! could have sent itself), and PSH if any had it. Anything else (SYN, FIN,
@@ -46,26 +47,49 @@ pub struct Joined {
     pub packets: usize,
 }
 
+/// A TCP flow: its addresses (IPv4's 8 bytes, or IPv6's 32) and ports.
+type FlowKey = [u8; 36];
+
+fn flow_key(addresses: &[u8], ports: &[u8]) -> FlowKey {
+    let mut flow = [0u8; 36];
+    flow[..addresses.len()].copy_from_slice(addresses);
+    flow[32..].copy_from_slice(&ports[..4]);
+    flow
+}
+
 /// A TCP data segment that may be joined with its neighbours.
 struct Segment<'a> {
-    flow: [u8; 12],
+    flow: FlowKey,
     seq: u32,
-    /// IPv4 header (20 bytes, no options) and TCP header with options.
+    /// The IP header: IPv4's 20 bytes (no options) or IPv6's 40 (no
+    /// extension headers).
+    ip_header: &'a [u8],
+    /// The TCP header with its options.
     tcp_header: &'a [u8],
     payload: &'a [u8],
     flags: u8,
 }
 
+/// The IP header's length and the packet's, for a plain TCP packet: IPv4
+/// without options or fragmentation, IPv6 without extension headers.
+fn plain_tcp(p: &[u8]) -> Option<(usize, usize)> {
+    let (ip_len, total) = match p.first()? >> 4 {
+        4 if p.len() >= 20 && p[0] == 0x45 && p[9] == 6 => {
+            let frag = u16::from_be_bytes([p[6], p[7]]);
+            if frag & 0x3fff != 0 {
+                return None;
+            }
+            (20, usize::from(u16::from_be_bytes([p[2], p[3]])))
+        }
+        6 if p.len() >= 40 && p[6] == 6 => (40, 40 + usize::from(u16::from_be_bytes([p[4], p[5]]))),
+        _ => return None,
+    };
+    (total <= p.len() && total >= ip_len + 20).then_some((ip_len, total))
+}
+
 fn segment(p: &[u8]) -> Option<Segment<'_>> {
-    if p.len() < 40 || p[0] != 0x45 || p[9] != 6 {
-        return None;
-    }
-    let total = usize::from(u16::from_be_bytes([p[2], p[3]]));
-    let frag = u16::from_be_bytes([p[6], p[7]]);
-    if total > p.len() || total < 40 || frag & 0x3fff != 0 {
-        return None;
-    }
-    let tcp = &p[20..total];
+    let (ip_len, total) = plain_tcp(p)?;
+    let tcp = &p[ip_len..total];
     let doff = usize::from(tcp[12] >> 4) * 4;
     if doff < 20 || doff > tcp.len() {
         return None;
@@ -79,12 +103,11 @@ fn segment(p: &[u8]) -> Option<Segment<'_>> {
     if payload.is_empty() {
         return None;
     }
-    let mut flow = [0u8; 12];
-    flow[..8].copy_from_slice(&p[12..20]);
-    flow[8..].copy_from_slice(&tcp[..4]);
+    let addresses = if ip_len == 20 { &p[12..20] } else { &p[8..40] };
     Some(Segment {
-        flow,
+        flow: flow_key(addresses, tcp),
         seq: u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]),
+        ip_header: &p[..ip_len],
         tcp_header: &tcp[..doff],
         payload,
         flags,
@@ -94,7 +117,7 @@ fn segment(p: &[u8]) -> Option<Segment<'_>> {
 /// A run of joined segments being built.
 struct Run {
     /// IP header of the first segment.
-    ip_header: [u8; 20],
+    ip_header: Vec<u8>,
     first_seq: u32,
     /// TCP header (with options) of the latest segment.
     tcp_header: Vec<u8>,
@@ -104,11 +127,9 @@ struct Run {
 }
 
 impl Run {
-    fn start(p: &[u8], s: &Segment<'_>) -> Self {
-        let mut ip_header = [0u8; 20];
-        ip_header.copy_from_slice(&p[..20]);
+    fn start(s: &Segment<'_>) -> Self {
         Run {
-            ip_header,
+            ip_header: s.ip_header.to_vec(),
             first_seq: s.seq,
             tcp_header: s.tcp_header.to_vec(),
             flags: s.flags,
@@ -128,10 +149,16 @@ impl Run {
     }
 
     fn into_joined(self) -> Joined {
-        let mut packet = Vec::with_capacity(20 + self.tcp_header.len() + self.payload.len());
+        let ip_len = self.ip_header.len();
+        let l4_len = self.tcp_header.len() + self.payload.len();
+        let mut packet = Vec::with_capacity(ip_len + l4_len);
         packet.extend_from_slice(&self.ip_header);
-        let total = (20 + self.tcp_header.len() + self.payload.len()) as u16;
-        packet[2..4].copy_from_slice(&total.to_be_bytes());
+        if ip_len == 20 {
+            packet[2..4].copy_from_slice(&((ip_len + l4_len) as u16).to_be_bytes());
+        } else {
+            // IPv6's payload length leaves the fixed header out.
+            packet[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+        }
         let tcp_at = packet.len();
         packet.extend_from_slice(&self.tcp_header);
         packet[tcp_at + 4..tcp_at + 8].copy_from_slice(&self.first_seq.to_be_bytes());
@@ -157,7 +184,7 @@ pub fn coalesce<'a>(packets: impl IntoIterator<Item = &'a [u8]>) -> Vec<Joined> 
     let mut slots: Vec<Slot<'a>> = Vec::new();
     let mut runs: Vec<Run> = Vec::new();
     // The run each flow may still extend.
-    let mut open: HashMap<[u8; 12], usize> = HashMap::new();
+    let mut open: HashMap<FlowKey, usize> = HashMap::new();
     for p in packets {
         match segment(p) {
             Some(s) => {
@@ -176,7 +203,7 @@ pub fn coalesce<'a>(packets: impl IntoIterator<Item = &'a [u8]>) -> Vec<Joined> 
                 }
                 open.insert(s.flow, runs.len());
                 slots.push(Slot::Run(runs.len()));
-                runs.push(Run::start(p, &s));
+                runs.push(Run::start(&s));
             }
             None => {
                 // Whatever it is, later data of its flow must not be joined
@@ -202,19 +229,39 @@ pub fn coalesce<'a>(packets: impl IntoIterator<Item = &'a [u8]>) -> Vec<Joined> 
         .collect()
 }
 
-/// The flow key of any IPv4 TCP packet with a readable header.
-fn flow_of(p: &[u8]) -> Option<[u8; 12]> {
-    if p.len() < 24 || p[0] >> 4 != 4 || p[9] != 6 {
-        return None;
+/// The flow key of any TCP packet with a readable header: IPv4 with its
+/// options, IPv6 past its extension headers (hop-by-hop, routing,
+/// destination options, and a first fragment's header).
+fn flow_of(p: &[u8]) -> Option<FlowKey> {
+    match p.first()? >> 4 {
+        4 => {
+            if p.len() < 24 || p[9] != 6 {
+                return None;
+            }
+            let ihl = usize::from(p[0] & 0x0f) * 4;
+            Some(flow_key(&p[12..20], p.get(ihl.max(20)..ihl.max(20) + 4)?))
+        }
+        6 => {
+            let (mut next, mut at) = (*p.get(6)?, 40);
+            for _ in 0..8 {
+                match next {
+                    6 => return Some(flow_key(p.get(8..40)?, p.get(at..at + 4)?)),
+                    0 | 43 | 60 => {
+                        next = *p.get(at)?;
+                        at += (usize::from(*p.get(at + 1)?) + 1) * 8;
+                    }
+                    // A fragment header: fragment zero holds the ports.
+                    44 if u16::from_be_bytes(p.get(at + 2..at + 4)?.try_into().ok()?) >> 3 == 0 => {
+                        next = *p.get(at)?;
+                        at += 8;
+                    }
+                    _ => return None,
+                }
+            }
+            None
+        }
+        _ => None,
     }
-    let ihl = usize::from(p[0] & 0x0f) * 4;
-    if ihl < 20 || p.len() < ihl + 4 {
-        return None;
-    }
-    let mut flow = [0u8; 12];
-    flow[..8].copy_from_slice(&p[12..20]);
-    flow[8..].copy_from_slice(&p[ihl..ihl + 4]);
-    Some(flow)
 }
 
 #[cfg(test)]
@@ -321,6 +368,54 @@ mod tests {
                 (503, b"late".to_vec())
             ]
         );
+    }
+
+    /// The same TCP segment over IPv6 (2001:2::1:1 -> 2001:2::100),
+    /// behind `ext` (extension headers, the first byte of each its next
+    /// header; the last one's must be 6).
+    fn over_ipv6(p: &[u8], first: u8, ext: &[u8]) -> Vec<u8> {
+        let mut v6 = vec![0x60, 0, 0, 0, 0, 0, first, 64];
+        v6.extend_from_slice(&[0x20, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1]);
+        v6.extend_from_slice(&[0x20, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]);
+        v6.extend_from_slice(ext);
+        v6.extend_from_slice(&p[20..]);
+        let len = (v6.len() - 40) as u16;
+        v6[4..6].copy_from_slice(&len.to_be_bytes());
+        v6
+    }
+
+    #[test]
+    fn joins_ipv6_segments_apart_from_ipv4_ones_and_stops_at_extension_headers() {
+        let v4 = tcp(1, 100, 0, TCP_ACK, 1, b"ab");
+        let packets = vec![
+            over_ipv6(&tcp(1, 100, 0, TCP_ACK, 1, b"v6:"), 6, &[]),
+            v4.clone(),
+            over_ipv6(&tcp(1, 103, 0, TCP_ACK, 2, b"one"), 6, &[]),
+            // Hop-by-hop options: passed on, and the run before it ends.
+            over_ipv6(
+                &tcp(1, 106, 0, TCP_ACK, 3, b"-"),
+                0,
+                &[6, 0, 1, 4, 0, 0, 0, 0],
+            ),
+            over_ipv6(&tcp(1, 107, 0, TCP_ACK, 4, b"two"), 6, &[]),
+        ];
+        let out = run(&packets);
+        assert_eq!(out.len(), 4);
+        assert_eq!(
+            out.iter().map(|j| j.packets).collect::<Vec<_>>(),
+            [2, 1, 1, 1]
+        );
+        let j = &out[0].packet;
+        assert_eq!(j[0] >> 4, 6);
+        assert_eq!(usize::from(u16::from_be_bytes([j[4], j[5]])) + 40, j.len());
+        assert_eq!(u32::from_be_bytes([j[44], j[45], j[46], j[47]]), 100);
+        assert!(j.ends_with(b"v6:one"));
+        assert_eq!(
+            out[1].packet, v4,
+            "the IPv4 flow of the same ports is another flow"
+        );
+        assert_eq!(out[2].packet, packets[3]);
+        assert!(out[3].packet.ends_with(b"two"));
     }
 
     #[test]

@@ -62,6 +62,27 @@ const _: () = assert!(size_of::<FlowKey>() == 8);
 const _: () = assert!(offset_of!(FlowKey, remote_port) == 4);
 const _: () = assert!(offset_of!(FlowKey, local_port) == 6);
 
+/// `struct ferry_flow6_key`: one TCP connection of a shared port, over IPv6.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Flow6Key {
+    /// The client's address, network byte order (as in the IPv6 header).
+    pub remote_addr: [u8; 16],
+    /// Host byte order.
+    pub remote_port: u16,
+    /// Host byte order.
+    pub local_port: u16,
+}
+
+// SAFETY: Flow6Key is repr(C) and made only of a byte array and integers
+// with no padding (16 + 2 + 2 = 20 bytes, asserted below), so every bit
+// pattern is valid and it may be copied to and from the kernel as bytes.
+unsafe impl aya::Pod for Flow6Key {}
+
+const _: () = assert!(size_of::<Flow6Key>() == 20);
+const _: () = assert!(offset_of!(Flow6Key, remote_port) == 16);
+const _: () = assert!(offset_of!(Flow6Key, local_port) == 18);
+
 pub(crate) const CNT_CAPTURED: u32 = 5;
 pub(crate) const CNT_CAPTURE_LOST: u32 = 6;
 pub(crate) const CNT_RECORDED: u32 = 7;

@@ -20,7 +20,7 @@ use aya::{Ebpf, include_bytes_aligned};
 
 use crate::DataPlaneError;
 use crate::error::prog_err;
-use crate::maps::{self, FlowKey, PortKey};
+use crate::maps::{self, Flow6Key, FlowKey, PortKey};
 use crate::pin::{MapSpec, PinDir};
 
 static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ownership.bpf.o"));
@@ -30,6 +30,8 @@ const COUNTERS_MAP: &str = "FERRY_COUNTERS";
 const CAPTURE_MAP: &str = "FERRY_CAPTURE";
 const FRAGS_MAP: &str = "FERRY_FRAGS";
 const FLOWS_MAP: &str = "FERRY_FLOWS";
+const FRAGS6_MAP: &str = "FERRY_FRAGS6";
+const FLOWS6_MAP: &str = "FERRY_FLOWS6";
 const INGRESS: &str = "ferry_ingress";
 const EGRESS: &str = "ferry_egress";
 
@@ -50,7 +52,9 @@ const _: () = assert!(CNT_MAX == maps::CNT_RECORDED + 1);
 const CAPTURE_BYTES: u32 = 32 << 20;
 /// `struct ferry_frag_key`: saddr, daddr, id, proto, pad.
 const FRAG_KEY_SIZE: u32 = 4 + 4 + 2 + 1 + 1;
-/// `FERRY_FRAGS`' value, the datagram's port (`__u16`).
+/// `struct ferry_frag6_key`: saddr, daddr, id, proto, pad.
+const FRAG6_KEY_SIZE: u32 = 16 + 16 + 4 + 1 + 3;
+/// `FERRY_FRAGS`' and `FERRY_FRAGS6`' value, the datagram's port (`__u16`).
 const FRAG_VALUE_SIZE: u32 = 2;
 /// `FERRY_FRAGS`' max_entries.
 const FRAGS_MAX: u32 = 4096;
@@ -63,7 +67,7 @@ const FLOWS_MAX: u32 = 65536;
 /// positions), fragments in flight and counters. These sizes are the only
 /// layout check a pin gets: a change in what a map's bytes mean must
 /// change one of them.
-static MAP_SPECS: [MapSpec; 5] = [
+static MAP_SPECS: [MapSpec; 7] = [
     MapSpec {
         name: PORTS_MAP,
         map_type: MapType::Hash,
@@ -96,6 +100,22 @@ static MAP_SPECS: [MapSpec; 5] = [
         name: FLOWS_MAP,
         map_type: MapType::Hash,
         key_size: size_of::<FlowKey>() as u32,
+        value_size: 4,
+        max_entries: FLOWS_MAX,
+    },
+    // IPv6's maps are maps of their own: the four above keep the layout
+    // an earlier ferryd pinned, so an upgrade swaps the programs in place.
+    MapSpec {
+        name: FRAGS6_MAP,
+        map_type: MapType::LruHash,
+        key_size: FRAG6_KEY_SIZE,
+        value_size: FRAG_VALUE_SIZE,
+        max_entries: FRAGS_MAX,
+    },
+    MapSpec {
+        name: FLOWS6_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<Flow6Key>() as u32,
         value_size: 4,
         max_entries: FLOWS_MAX,
     },
@@ -187,10 +207,12 @@ impl PortState {
 }
 
 /// One TCP connection of a shared port, as this node's filter knows it:
-/// the client's end and the port it connected to.
+/// the client's end and the port it connected to. An IPv4 client seen
+/// through a dual-stack socket (`::ffff:a.b.c.d`) is the IPv4 client its
+/// packets come from: build flows with [`Flow::new`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Flow {
-    pub remote: std::net::SocketAddrV4,
+    pub remote: std::net::SocketAddr,
     pub local_port: u16,
 }
 
@@ -200,18 +222,47 @@ impl std::fmt::Display for Flow {
     }
 }
 
+/// A flow's key in its family's map.
+enum AnyFlowKey {
+    V4(FlowKey),
+    V6(Flow6Key),
+}
+
 impl Flow {
-    fn key(self) -> FlowKey {
-        FlowKey {
-            remote_addr: self.remote.ip().octets(),
-            remote_port: self.remote.port(),
-            local_port: self.local_port,
+    /// The connection of `remote` to `local_port`, an IPv4-mapped IPv6
+    /// address taken as the IPv4 address it maps.
+    pub fn new(remote: std::net::SocketAddr, local_port: u16) -> Self {
+        Self {
+            remote: std::net::SocketAddr::new(remote.ip().to_canonical(), remote.port()),
+            local_port,
+        }
+    }
+
+    fn key(self) -> AnyFlowKey {
+        match self.remote.ip().to_canonical() {
+            std::net::IpAddr::V4(ip) => AnyFlowKey::V4(FlowKey {
+                remote_addr: ip.octets(),
+                remote_port: self.remote.port(),
+                local_port: self.local_port,
+            }),
+            std::net::IpAddr::V6(ip) => AnyFlowKey::V6(Flow6Key {
+                remote_addr: ip.octets(),
+                remote_port: self.remote.port(),
+                local_port: self.local_port,
+            }),
         }
     }
 
     fn from_key(k: FlowKey) -> Self {
         Self {
-            remote: std::net::SocketAddrV4::new(k.remote_addr.into(), k.remote_port),
+            remote: (std::net::Ipv4Addr::from(k.remote_addr), k.remote_port).into(),
+            local_port: k.local_port,
+        }
+    }
+
+    fn from_key6(k: Flow6Key) -> Self {
+        Self {
+            remote: (std::net::Ipv6Addr::from(k.remote_addr), k.remote_port).into(),
             local_port: k.local_port,
         }
     }
@@ -301,7 +352,8 @@ pub struct CapturedPacket {
     pub port: u16,
     /// CLOCK_MONOTONIC at ingress.
     pub ktime_ns: u64,
-    /// The IPv4 packet, header included.
+    /// The IP packet, header included: IPv4 or IPv6 (its first byte's
+    /// version field tells).
     pub data: Vec<u8>,
 }
 
@@ -347,6 +399,7 @@ pub struct OwnershipFilter {
     _ebpf: Ebpf,
     ports: HashMap<MapData, PortKey, u32>,
     flows: HashMap<MapData, FlowKey, u32>,
+    flows6: HashMap<MapData, Flow6Key, u32>,
     counters: PerCpuArray<MapData, u64>,
     capture: RingBuf<MapData>,
     iface: String,
@@ -386,6 +439,13 @@ fn ports_err(source: MapError) -> DataPlaneError {
 fn flows_err(source: MapError) -> DataPlaneError {
     DataPlaneError::Map {
         name: FLOWS_MAP,
+        source,
+    }
+}
+
+fn flows6_err(source: MapError) -> DataPlaneError {
+    DataPlaneError::Map {
+        name: FLOWS6_MAP,
         source,
     }
 }
@@ -547,6 +607,7 @@ impl OwnershipFilter {
             |name: &'static str| ebpf.take_map(name).ok_or(DataPlaneError::Missing(name));
         let ports = HashMap::try_from(take(PORTS_MAP)?).map_err(ports_err)?;
         let flows = HashMap::try_from(take(FLOWS_MAP)?).map_err(flows_err)?;
+        let flows6 = HashMap::try_from(take(FLOWS6_MAP)?).map_err(flows6_err)?;
         let counters = PerCpuArray::try_from(take(COUNTERS_MAP)?).map_err(counters_err)?;
         // A reopened ring is mapped afresh: its consumer position lives in
         // the kernel's consumer page, so this reader starts at the first
@@ -560,6 +621,7 @@ impl OwnershipFilter {
             _ebpf: ebpf,
             ports,
             flows,
+            flows6,
             counters,
             capture,
             iface: iface.to_owned(),
@@ -628,9 +690,13 @@ impl OwnershipFilter {
 
     /// Puts one connection of a shared port in `state` (see [`FlowState`]).
     pub fn set_flow(&mut self, flow: Flow, state: FlowState) -> Result<(), DataPlaneError> {
-        self.flows
-            .insert(flow.key(), state.flags(), 0)
-            .map_err(flows_err)?;
+        match flow.key() {
+            AnyFlowKey::V4(k) => self.flows.insert(k, state.flags(), 0).map_err(flows_err)?,
+            AnyFlowKey::V6(k) => self
+                .flows6
+                .insert(k, state.flags(), 0)
+                .map_err(flows6_err)?,
+        }
         tracing::debug!(iface = %self.iface, %flow, ?state, "connection state");
         Ok(())
     }
@@ -638,9 +704,13 @@ impl OwnershipFilter {
     /// Forgets one connection: its port's state decides it again. Not
     /// knowing it is no error.
     pub fn remove_flow(&mut self, flow: Flow) -> Result<(), DataPlaneError> {
-        match self.flows.remove(&flow.key()) {
-            Ok(()) | Err(MapError::KeyNotFound) => {}
-            Err(e) => return Err(flows_err(e)),
+        let removed = match flow.key() {
+            AnyFlowKey::V4(k) => self.flows.remove(&k).map_err(|e| (e, FLOWS_MAP)),
+            AnyFlowKey::V6(k) => self.flows6.remove(&k).map_err(|e| (e, FLOWS6_MAP)),
+        };
+        match removed {
+            Ok(()) | Err((MapError::KeyNotFound, _)) => {}
+            Err((source, name)) => return Err(DataPlaneError::Map { name, source }),
         }
         tracing::debug!(iface = %self.iface, %flow, "connection forgotten");
         Ok(())
@@ -649,10 +719,14 @@ impl OwnershipFilter {
     /// How the filter treats one connection of a shared port (None: by its
     /// port): one map lookup.
     pub fn flow(&self, flow: Flow) -> Result<Option<FlowState>, DataPlaneError> {
-        match self.flows.get(&flow.key(), 0) {
+        let found = match flow.key() {
+            AnyFlowKey::V4(k) => self.flows.get(&k, 0).map_err(|e| (e, FLOWS_MAP)),
+            AnyFlowKey::V6(k) => self.flows6.get(&k, 0).map_err(|e| (e, FLOWS6_MAP)),
+        };
+        match found {
             Ok(flags) => Ok(FlowState::from_flags(flags)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(flows_err(e)),
+            Err((MapError::KeyNotFound, _)) => Ok(None),
+            Err((source, name)) => Err(DataPlaneError::Map { name, source }),
         }
     }
 
@@ -663,6 +737,12 @@ impl OwnershipFilter {
             let (k, flags) = item.map_err(flows_err)?;
             if let Some(state) = FlowState::from_flags(flags) {
                 out.push((Flow::from_key(k), state));
+            }
+        }
+        for item in self.flows6.iter() {
+            let (k, flags) = item.map_err(flows6_err)?;
+            if let Some(state) = FlowState::from_flags(flags) {
+                out.push((Flow::from_key6(k), state));
             }
         }
         out.sort_by_key(|&(f, _)| f);

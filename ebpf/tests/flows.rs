@@ -5,26 +5,40 @@
 //! skipped with a reason otherwise.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use ferry_ebpf::{CaptureKind, Flow, FlowState, PortState, Protocol};
 use nix::sys::socket::{
-    AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket, sockopt,
+    AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket, sockopt,
 };
 
 #[macro_use]
 mod common;
 use common::*;
 
-const CLIENT_IP: [u8; 4] = [198, 18, 1, 1];
+/// The client's address in `family`.
+fn client_ip(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => [198, 18, 1, 1].into(),
+        Family::V6 => "2001:2:0:1::1".parse().unwrap(),
+    }
+}
 
 /// A TCP connection from the client's `port` to the node's `to`, within
 /// `timeout` (set as the socket's send timeout, which bounds connect).
-fn connect_from(port: u16, to: u16, timeout: Duration) -> std::io::Result<TcpStream> {
+fn connect_from(
+    family: Family,
+    port: u16,
+    to: u16,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
     let fd: OwnedFd = socket(
-        AddressFamily::Inet,
+        match family {
+            Family::V4 => AddressFamily::Inet,
+            Family::V6 => AddressFamily::Inet6,
+        },
         SockType::Stream,
         SockFlag::empty(),
         None,
@@ -37,14 +51,11 @@ fn connect_from(port: u16, to: u16, timeout: Duration) -> std::io::Result<TcpStr
     )?;
     bind(
         std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrIn::from(SocketAddrV4::new(CLIENT_IP.into(), port)),
+        &SockaddrStorage::from(SocketAddr::new(client_ip(family), port)),
     )?;
-    let SocketAddr::V4(node) = addr(to) else {
-        unreachable!("the node's address is IPv4")
-    };
     match connect(
         std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrIn::from(node),
+        &SockaddrStorage::from(family.addr(to)),
     ) {
         Ok(()) => Ok(TcpStream::from(fd)),
         Err(nix::errno::Errno::EINPROGRESS) => Err(ErrorKind::TimedOut.into()),
@@ -52,11 +63,8 @@ fn connect_from(port: u16, to: u16, timeout: Duration) -> std::io::Result<TcpStr
     }
 }
 
-fn flow(client_port: u16, port: u16) -> Flow {
-    Flow {
-        remote: SocketAddrV4::new(CLIENT_IP.into(), client_port),
-        local_port: port,
-    }
+fn flow(family: Family, client_port: u16, port: u16) -> Flow {
+    Flow::new(SocketAddr::new(client_ip(family), client_port), port)
 }
 
 /// Sends `msg` and reads the echo back.
@@ -86,10 +94,21 @@ fn serve_echo(listener: TcpListener) {
 
 #[test]
 fn a_member_takes_only_the_connections_listed_as_its_own() {
+    a_member_takes_only_the_connections_listed_as_its_own_in(Family::V4);
+}
+
+#[test]
+fn a_member_takes_only_the_connections_listed_as_its_own_over_ipv6() {
+    a_member_takes_only_the_connections_listed_as_its_own_in(Family::V6);
+}
+
+fn a_member_takes_only_the_connections_listed_as_its_own_in(family: Family) {
     require_root!();
     let net = Net::new();
     let mut filter = net.attach();
-    let listener = net.node(|| TcpListener::bind("0.0.0.0:7010").unwrap());
+    let flow = move |client_port, port| flow(family, client_port, port);
+    let connect_from = move |port, to, timeout| connect_from(family, port, to, timeout);
+    let listener = net.node(move || TcpListener::bind(family.any(7010)).unwrap());
     serve_echo(listener);
     filter
         .set(Protocol::Tcp, 7010, PortState::SharedMember)
@@ -101,7 +120,7 @@ fn a_member_takes_only_the_connections_listed_as_its_own() {
 
     // Not listed: another node's (the contact's), not even a reset.
     let err = net
-        .client(|| connect_from(41001, 7010, Duration::from_millis(1500)))
+        .client(move || connect_from(41001, 7010, Duration::from_millis(1500)))
         .expect_err("a member must not take a new connection");
     assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
 
@@ -117,7 +136,7 @@ fn a_member_takes_only_the_connections_listed_as_its_own() {
         filter.flow(flow(41002, 7010)).unwrap(),
         Some(FlowState::Owned)
     );
-    net.client(|| {
+    net.client(move || {
         let mut s = connect_from(41002, 7010, Duration::from_secs(3)).expect("a listed connection");
         echo_once(&mut s, b"owned here");
     });
@@ -130,15 +149,28 @@ fn a_member_takes_only_the_connections_listed_as_its_own() {
 
 #[test]
 fn the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhere() {
+    the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhere_in(Family::V4);
+}
+
+#[test]
+fn the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhere_over_ipv6() {
+    the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhere_in(Family::V6);
+}
+
+fn the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhere_in(
+    family: Family,
+) {
     require_root!();
     let net = Net::new();
     let mut filter = net.attach();
-    let listener = net.node(|| TcpListener::bind("0.0.0.0:7011").unwrap());
+    let flow = move |client_port, port| flow(family, client_port, port);
+    let connect_from = move |port, to, timeout| connect_from(family, port, to, timeout);
+    let listener = net.node(move || TcpListener::bind(family.any(7011)).unwrap());
     serve_echo(listener);
     filter
         .set(Protocol::Tcp, 7011, PortState::SharedContact)
         .unwrap();
-    let mut a = net.client(|| {
+    let mut a = net.client(move || {
         let mut a = connect_from(41011, 7011, Duration::from_secs(3)).expect("a new connection");
         echo_once(&mut a, b"before");
         a.set_read_timeout(Some(Duration::from_millis(700)))
@@ -154,7 +186,7 @@ fn the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhe
     a.write_all(b"while elsewhere").unwrap();
     let mut buf = [0u8; 64];
     assert_silent(|| a.read(&mut buf), "a connection served elsewhere");
-    net.client(|| {
+    net.client(move || {
         let mut b = connect_from(41012, 7011, Duration::from_secs(3)).expect("another new one");
         echo_once(&mut b, b"new");
     });
@@ -178,7 +210,11 @@ fn the_contact_node_serves_new_connections_and_keeps_quiet_on_one_served_elsewhe
         (p.kind, p.protocol, p.port),
         (CaptureKind::Captured, Protocol::Tcp, 7011)
     );
-    assert_eq!(&p.data[12..16], &CLIENT_IP, "the client's packet");
+    let source = match family {
+        Family::V4 => IpAddr::from(<[u8; 4]>::try_from(&p.data[12..16]).unwrap()),
+        Family::V6 => IpAddr::from(<[u8; 16]>::try_from(&p.data[8..24]).unwrap()),
+    };
+    assert_eq!(source, client_ip(family), "the client's packet");
 
     // Owned again: the retransmission is delivered and answered, in order.
     filter.remove_flow(flow(41011, 7011)).unwrap();

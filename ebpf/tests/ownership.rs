@@ -25,13 +25,23 @@ use common::*;
 
 #[test]
 fn tcp_owned_port_connects_and_other_port_stays_silent() {
+    tcp_owned_port_connects_and_other_port_stays_silent_in(Family::V4);
+}
+
+#[test]
+fn tcp_owned_port_connects_and_other_port_stays_silent_over_ipv6() {
+    tcp_owned_port_connects_and_other_port_stays_silent_in(Family::V6);
+}
+
+fn tcp_owned_port_connects_and_other_port_stays_silent_in(family: Family) {
     require_root!();
     let net = Net::new();
     let mut filter = net.attach();
-    let (_owned, _other) = net.node(|| {
+    let addr = move |port| family.addr(port);
+    let (_owned, _other) = net.node(move || {
         (
-            TcpListener::bind("0.0.0.0:7001").unwrap(),
-            TcpListener::bind("0.0.0.0:7002").unwrap(),
+            TcpListener::bind(family.any(7001)).unwrap(),
+            TcpListener::bind(family.any(7002)).unwrap(),
         )
     });
     filter.set(Protocol::Tcp, 7001, PortState::Owned).unwrap();
@@ -40,7 +50,7 @@ fn tcp_owned_port_connects_and_other_port_stays_silent() {
         vec![(Protocol::Tcp, 7001, PortState::Owned)]
     );
 
-    let (owned, other) = net.client(|| {
+    let (owned, other) = net.client(move || {
         (
             TcpStream::connect_timeout(&addr(7001), Duration::from_secs(3)),
             // Long enough for a retransmitted SYN (1 s) to be dropped too.
@@ -59,12 +69,22 @@ fn tcp_owned_port_connects_and_other_port_stays_silent() {
 
 #[test]
 fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
+    udp_owned_port_receives_with_options_and_fragments_other_port_does_not_in(Family::V4);
+}
+
+#[test]
+fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not_over_ipv6() {
+    udp_owned_port_receives_with_options_and_fragments_other_port_does_not_in(Family::V6);
+}
+
+fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not_in(family: Family) {
     require_root!();
     let net = Net::new();
     let mut filter = net.attach();
-    let (owned, other) = net.node(|| {
-        let owned = UdpSocket::bind("0.0.0.0:7003").unwrap();
-        let other = UdpSocket::bind("0.0.0.0:7004").unwrap();
+    let addr = move |port| family.addr(port);
+    let (owned, other) = net.node(move || {
+        let owned = UdpSocket::bind(family.any(7003)).unwrap();
+        let other = UdpSocket::bind(family.any(7004)).unwrap();
         owned
             .set_read_timeout(Some(Duration::from_secs(2)))
             .unwrap();
@@ -74,7 +94,7 @@ fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
         (owned, other)
     });
     filter.set(Protocol::Udp, 7003, PortState::Owned).unwrap();
-    let client = net.client(|| UdpSocket::bind("0.0.0.0:0").unwrap());
+    let client = net.client(move || UdpSocket::bind(family.any(0)).unwrap());
     let mut buf = [0u8; 4096];
 
     client.send_to(b"owned", addr(7003)).unwrap();
@@ -100,20 +120,32 @@ fn udp_owned_port_receives_with_options_and_fragments_other_port_does_not() {
     assert!(filter.counters().unwrap().passed_other >= 2);
 
     // IP options (IHL 6): the ports are found after them, not at byte 20.
-    // Four NOPs are a valid option block.
+    // Four NOPs are a valid option block. Over IPv6, a hop-by-hop and a
+    // destination options header (PadN options), which the filter follows
+    // to the UDP header.
     let nops = [1u8; 4];
-    // SAFETY: the fd is the live socket `client`, and the option pointer
-    // and length describe `nops`, which outlives the call.
-    let rc = unsafe {
-        libc::setsockopt(
-            client.as_raw_fd(),
-            libc::IPPROTO_IP,
-            libc::IP_OPTIONS,
-            nops.as_ptr().cast(),
-            nops.len() as libc::socklen_t,
-        )
+    let pad_n = [0u8, 0, 1, 4, 0, 0, 0, 0];
+    let options: &[(i32, i32, &[u8])] = match family {
+        Family::V4 => &[(libc::IPPROTO_IP, libc::IP_OPTIONS, &nops)],
+        Family::V6 => &[
+            (libc::IPPROTO_IPV6, libc::IPV6_HOPOPTS, &pad_n),
+            (libc::IPPROTO_IPV6, libc::IPV6_DSTOPTS, &pad_n),
+        ],
     };
-    assert_eq!(rc, 0, "IP_OPTIONS: {}", std::io::Error::last_os_error());
+    for &(level, name, value) in options {
+        // SAFETY: the fd is the live socket `client`, and the option
+        // pointer and length describe `value`, which outlives the call.
+        let rc = unsafe {
+            libc::setsockopt(
+                client.as_raw_fd(),
+                level,
+                name,
+                value.as_ptr().cast(),
+                value.len() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "option {name}: {}", std::io::Error::last_os_error());
+    }
     client.send_to(b"options", addr(7003)).unwrap();
     let n = owned.recv(&mut buf).expect("datagram with IP options");
     assert_eq!(&buf[..n], b"options");
@@ -329,18 +361,28 @@ fn drop_detaches_both_programs() {
 /// they arrive as if just received: every byte, every datagram, once.
 #[test]
 fn captured_packets_replay_in_order_without_loss() {
+    captured_packets_replay_in_order_without_loss_in(Family::V4);
+}
+
+#[test]
+fn captured_packets_replay_in_order_without_loss_over_ipv6() {
+    captured_packets_replay_in_order_without_loss_in(Family::V6);
+}
+
+fn captured_packets_replay_in_order_without_loss_in(family: Family) {
     require_root!();
     let net = Net::new();
     let mut filter = net.attach();
-    let listener = net.node(|| TcpListener::bind("0.0.0.0:7001").unwrap());
-    let udp_server = net.node(|| UdpSocket::bind("0.0.0.0:7003").unwrap());
+    let addr = move |port| family.addr(port);
+    let listener = net.node(move || TcpListener::bind(family.any(7001)).unwrap());
+    let udp_server = net.node(move || UdpSocket::bind(family.any(7003)).unwrap());
     let mut replayer = net.node(|| Replayer::new().expect("raw socket"));
     for (proto, port) in [(Protocol::Tcp, 7001), (Protocol::Udp, 7003)] {
         filter.set(proto, port, PortState::Owned).unwrap();
     }
-    let (mut tcp, udp) = net.client(|| {
+    let (mut tcp, udp) = net.client(move || {
         let t = TcpStream::connect_timeout(&addr(7001), Duration::from_secs(3)).unwrap();
-        (t, UdpSocket::bind("0.0.0.0:0").unwrap())
+        (t, UdpSocket::bind(family.any(0)).unwrap())
     });
     let (mut srv, _) = listener.accept().unwrap();
     let ms = |n| Some(Duration::from_millis(n));
@@ -551,12 +593,14 @@ fn armed_tcp_port_serves_its_connections_and_takes_no_new_one() {
 // them over.
 
 /// Every map and link pin of the filter.
-const PINS: [&str; 7] = [
+const PINS: [&str; 9] = [
     "FERRY_PORTS",
     "FERRY_FLOWS",
     "FERRY_COUNTERS",
     "FERRY_CAPTURE",
     "FERRY_FRAGS",
+    "FERRY_FLOWS6",
+    "FERRY_FRAGS6",
     "link-ferry_ingress",
     "link-ferry_egress",
 ];
@@ -849,6 +893,11 @@ fn pinned_filter_survives_its_owner_and_unpin_removes_everything() {
     );
     let before = pinned_counters(&pins);
     assert!(before[CNT_PASSED] > first.passed, "{before:?} {first:?}");
+    // The ferryd before IPv6 pinned no IPv6 maps: the next one takes over
+    // the maps it finds and adds those.
+    for name in ["FERRY_FLOWS6", "FERRY_FRAGS6"] {
+        std::fs::remove_file(pins.path().join(name)).unwrap();
+    }
 
     // ferryd restarts while both ends stream and a client keeps sending
     // datagrams to the unowned port: not one chunk may be lost (the
@@ -898,7 +947,11 @@ fn pinned_filter_survives_its_owner_and_unpin_removes_everything() {
         "spam reached a non-owned port",
     );
 
-    // This build's programs were swapped into the same links.
+    // This build's programs were swapped into the same links, and the
+    // maps missing were pinned.
+    for name in PINS {
+        assert!(pins.path().join(name).exists(), "{name} pinned");
+    }
     assert_eq!(net.tcx_programs(TcAttachType::Ingress), ["ferry_ingress"]);
     assert_eq!(net.tcx_programs(TcAttachType::Egress), ["ferry_egress"]);
     let (egress, ingress) = Net::tcx_ids(&net.node);

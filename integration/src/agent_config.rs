@@ -35,7 +35,7 @@ mod tests {
     fn renders_the_contract() {
         let mut init = NodeInit::new(
             "node1",
-            ("pub0", Ipv4Addr::new(198, 18, 0, 100)),
+            ("pub0", Ipv4Addr::new(198, 18, 0, 100).into()),
             ("clu0", Ipv4Addr::new(198, 19, 0, 1)),
         );
         init.work_dir = "/tmp/x/node1/work".into();

@@ -1,13 +1,13 @@
 //! Watches everything a client namespace receives for the TCP RSTs and ICMP
-//! "destination unreachable" messages the cluster sends it: the answers a
-//! node that does not own a port must never give.
+//! or ICMPv6 "destination unreachable" messages the cluster sends it: the
+//! answers a node that does not own a port must never give.
 //!
 //! Node-wide counters (`nstat`'s `TcpOutRsts`) cannot tell the public side
 //! from the cluster network, where agents open and close their own gRPC
 //! connections; a packet socket on the client sees exactly what reaches
 //! the client, whoever sent it.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use crate::netns::{NetNsError, NetNsGuard};
 
-const ETH_P_IP: u16 = 0x0800;
+/// Every protocol: IPv4 and IPv6 alike (ARP and the rest are skipped by
+/// their first byte).
+const ETH_P_ALL: u16 = 0x0003;
 
 /// One unwanted answer seen by the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,19 +27,20 @@ pub enum Answer {
     /// A TCP segment with RST set, from `from:port` to the client's
     /// `to_port`, with its sequence number.
     TcpRst {
-        from: Ipv4Addr,
+        from: IpAddr,
         port: u16,
         to_port: u16,
         seq: u32,
     },
-    /// ICMP type 3 (destination unreachable) with its code.
-    IcmpUnreachable { from: Ipv4Addr, code: u8 },
+    /// ICMP type 3 or ICMPv6 type 1 (destination unreachable) with its
+    /// code.
+    IcmpUnreachable { from: IpAddr, code: u8 },
 }
 
 /// What a watch saw.
 #[derive(Debug, Default)]
 pub struct Watched {
-    /// Every IPv4 packet received: proof the watch was looking.
+    /// Every IP packet received: proof the watch was looking.
     pub packets: u64,
     /// The RSTs and ICMP unreachables among them.
     pub answers: Vec<Answer>,
@@ -50,7 +53,7 @@ pub struct AnswerWatch {
 }
 
 impl AnswerWatch {
-    /// Starts watching every IPv4 packet received in the namespace at
+    /// Starts watching every IP packet received in the namespace at
     /// `netns` (all interfaces).
     pub fn start(netns: PathBuf) -> Result<Self, NetNsError> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -113,7 +116,7 @@ impl Drop for AnswerWatch {
     }
 }
 
-/// An `AF_PACKET` datagram socket (IPv4 packets without their link header)
+/// An `AF_PACKET` datagram socket (packets without their link header)
 /// that also sees what the host sends, with a short receive timeout.
 fn packet_socket() -> std::io::Result<OwnedFd> {
     // SAFETY: socket(2) with constant arguments; the result is checked.
@@ -121,7 +124,7 @@ fn packet_socket() -> std::io::Result<OwnedFd> {
         libc::socket(
             libc::AF_PACKET,
             libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            i32::from(ETH_P_IP.to_be()),
+            i32::from(ETH_P_ALL.to_be()),
         )
     };
     if fd < 0 {
@@ -149,26 +152,40 @@ fn packet_socket() -> std::io::Result<OwnedFd> {
     Ok(socket)
 }
 
-/// An RST or ICMP unreachable in an IPv4 packet, if it is one.
+/// An RST or ICMP unreachable in an IPv4 or IPv6 packet, if it is one.
+/// An IPv6 packet's transport header is taken right after its fixed
+/// header (what the nodes' stacks send carries no extension header).
 pub fn classify(ip: &[u8]) -> Option<Answer> {
-    if ip.len() < 20 || ip[0] >> 4 != 4 {
-        return None;
-    }
-    let ihl = usize::from(ip[0] & 0x0f) * 4;
-    let from = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-    let l4 = ip.get(ihl..)?;
-    // Later fragments carry no header of their own.
-    if u16::from_be_bytes([ip[6], ip[7]]) & 0x1fff != 0 {
-        return None;
-    }
-    match ip[9] {
+    let (from, proto, l4): (IpAddr, u8, &[u8]) = match *ip.first()? >> 4 {
+        4 if ip.len() >= 20 => {
+            // Later fragments carry no header of their own.
+            if u16::from_be_bytes([ip[6], ip[7]]) & 0x1fff != 0 {
+                return None;
+            }
+            let ihl = usize::from(ip[0] & 0x0f) * 4;
+            let from = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]).into();
+            // ICMP's protocol number as ICMPv6's, to match one way below.
+            let proto = if ip[9] == 1 { 58 } else { ip[9] };
+            (from, proto, ip.get(ihl..)?)
+        }
+        6 if ip.len() >= 40 => {
+            let from = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).ok()?).into();
+            (from, ip[6], &ip[40..])
+        }
+        _ => return None,
+    };
+    // ICMP's "destination unreachable" is type 3, ICMPv6's type 1.
+    let unreachable = if from.is_ipv4() { 3 } else { 1 };
+    match proto {
         6 if l4.len() >= 14 && l4[13] & 0x04 != 0 => Some(Answer::TcpRst {
             from,
             port: u16::from_be_bytes([l4[0], l4[1]]),
             to_port: u16::from_be_bytes([l4[2], l4[3]]),
             seq: u32::from_be_bytes([l4[4], l4[5], l4[6], l4[7]]),
         }),
-        1 if l4.len() >= 2 && l4[0] == 3 => Some(Answer::IcmpUnreachable { from, code: l4[1] }),
+        58 if l4.len() >= 2 && l4[0] == unreachable => {
+            Some(Answer::IcmpUnreachable { from, code: l4[1] })
+        }
         _ => None,
     }
 }
@@ -194,7 +211,7 @@ mod tests {
         assert_eq!(
             classify(&ip(6, &tcp)),
             Some(Answer::TcpRst {
-                from: Ipv4Addr::new(198, 18, 0, 100),
+                from: Ipv4Addr::new(198, 18, 0, 100).into(),
                 port: 7000,
                 to_port: 40000,
                 seq: 7
@@ -205,10 +222,41 @@ mod tests {
         assert_eq!(
             classify(&ip(1, &[3, 3, 0, 0])),
             Some(Answer::IcmpUnreachable {
-                from: Ipv4Addr::new(198, 18, 0, 100),
+                from: Ipv4Addr::new(198, 18, 0, 100).into(),
                 code: 3
             })
         );
+        // IPv6: an RST, ICMPv6's unreachable (type 1), and neither an
+        // ICMPv6 type 3 (time exceeded) nor a neighbour solicitation.
+        let ip6 = |next: u8, l4: &[u8]| {
+            let mut p = vec![0x60, 0, 0, 0, 0, l4.len() as u8, next, 64];
+            p.extend_from_slice(&"2001:2::100".parse::<Ipv6Addr>().unwrap().octets());
+            p.extend_from_slice(&"2001:2::1:b".parse::<Ipv6Addr>().unwrap().octets());
+            p.extend_from_slice(l4);
+            p
+        };
+        let from6: IpAddr = "2001:2::100".parse().unwrap();
+        tcp[13] = 0x04;
+        assert_eq!(
+            classify(&ip6(6, &tcp)),
+            Some(Answer::TcpRst {
+                from: from6,
+                port: 7000,
+                to_port: 40000,
+                seq: 7
+            })
+        );
+        assert_eq!(
+            classify(&ip6(58, &[1, 4, 0, 0])),
+            Some(Answer::IcmpUnreachable {
+                from: from6,
+                code: 4
+            })
+        );
+        assert_eq!(classify(&ip6(58, &[3, 0, 0, 0])), None);
+        assert_eq!(classify(&ip6(58, &[135, 0, 0, 0])), None);
+        // ARP (no IP version in its first byte's high nibble).
+        assert_eq!(classify(&[0, 1, 8, 0, 6, 4, 0, 1]), None);
         assert_eq!(classify(&ip(1, &[0, 0, 0, 0])), None);
         assert_eq!(classify(&ip(17, &[0; 8])), None);
         assert_eq!(classify(&[0x45, 0, 0]), None);

@@ -1,7 +1,7 @@
 //! Looking at sockets inside a namespace, to tell which node holds a
 //! connection.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
 use crate::netns::{self, NetNsError};
@@ -10,7 +10,7 @@ use crate::netns::{self, NetNsError};
 pub enum InspectError {
     #[error(transparent)]
     NetNs(#[from] NetNsError),
-    #[error("reading /proc/thread-self/net/tcp: {0}")]
+    #[error("reading /proc/thread-self/net/tcp or tcp6: {0}")]
     Read(std::io::Error),
     #[error("unparsable line in /proc/net/tcp: {0:?}")]
     Parse(String),
@@ -26,24 +26,29 @@ pub enum InspectError {
 pub const TCP_ESTABLISHED: u8 = 1;
 pub const TCP_LISTEN: u8 = 10;
 
-/// One row of `/proc/net/tcp`.
+/// One row of `/proc/net/tcp` or `tcp6`; an IPv4-mapped IPv6 address (a
+/// dual-stack socket's IPv4 peer) as the IPv4 address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TcpEntry {
-    pub local: SocketAddrV4,
-    pub remote: SocketAddrV4,
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
     pub state: u8,
     pub inode: u64,
 }
 
-/// All IPv4 TCP sockets of the namespace at `netns_path`. Read on a thread
-/// inside the namespace: `/proc/thread-self/net` shows the reading thread's
-/// namespace.
+/// All IPv4 and IPv6 TCP sockets of the namespace at `netns_path`. Read
+/// on a thread inside the namespace: `/proc/thread-self/net` shows the
+/// reading thread's namespace.
 pub fn tcp_sockets(netns_path: &Path) -> Result<Vec<TcpEntry>, InspectError> {
-    let text = netns::run_in(netns_path, || {
-        std::fs::read_to_string("/proc/thread-self/net/tcp")
-    })?
-    .map_err(InspectError::Read)?;
-    parse_proc_net_tcp(&text)
+    let (v4, v6) = netns::run_in(netns_path, || {
+        (
+            std::fs::read_to_string("/proc/thread-self/net/tcp"),
+            std::fs::read_to_string("/proc/thread-self/net/tcp6"),
+        )
+    })?;
+    let mut all = parse_proc_net_tcp(&v4.map_err(InspectError::Read)?)?;
+    all.extend(parse_proc_net_tcp(&v6.map_err(InspectError::Read)?)?);
+    Ok(all)
 }
 
 /// The processes holding a descriptor of each socket inode in `inodes`,
@@ -93,7 +98,7 @@ pub fn socket_holders(
 pub fn established_peers(
     netns_path: &Path,
     local_port: u16,
-) -> Result<Vec<SocketAddrV4>, InspectError> {
+) -> Result<Vec<SocketAddr>, InspectError> {
     Ok(tcp_sockets(netns_path)?
         .into_iter()
         .filter(|e| e.state == TCP_ESTABLISHED && e.local.port() == local_port)
@@ -120,13 +125,21 @@ fn parse_line(line: &str) -> Option<TcpEntry> {
     })
 }
 
-/// The kernel prints the address as the `__be32` read as a host integer
-/// (`%08X`), and the port in host order.
-fn parse_addr(s: &str) -> Option<SocketAddrV4> {
+/// The kernel prints the address as `__be32` words each read as a host
+/// integer (`%08X`): one for IPv4, four for IPv6; the port in host order.
+fn parse_addr(s: &str) -> Option<SocketAddr> {
     let (ip, port) = s.split_once(':')?;
-    let ip = u32::from_str_radix(ip, 16).ok()?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    Some(SocketAddrV4::new(Ipv4Addr::from(ip.to_ne_bytes()), port))
+    let mut bytes = Vec::with_capacity(16);
+    for word in ip.as_bytes().chunks(8) {
+        let word = u32::from_str_radix(std::str::from_utf8(word).ok()?, 16).ok()?;
+        bytes.extend_from_slice(&word.to_ne_bytes());
+    }
+    let ip = match bytes.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?).to_canonical(),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, u16::from_str_radix(port, 16).ok()?))
 }
 
 /// Every socket descriptor of process `pid`, duplicated into this process

@@ -1,5 +1,6 @@
-//! A network namespace's SNMP counters (what `nstat` shows): /proc/net/snmp
-//! and /proc/net/netstat as seen from inside the namespace. Tests compare
+//! A network namespace's SNMP counters (what `nstat` shows): /proc/net/snmp,
+//! /proc/net/netstat and /proc/net/snmp6 as seen from inside the namespace.
+//! Tests compare
 //! them before and after a migration, e.g. the clients' `TcpExtTCPTimeouts`
 //! (retransmission timeouts) and the nodes' `TcpOutRsts`.
 
@@ -21,12 +22,15 @@ pub enum NstatError {
     Malformed { file: &'static str, line: String },
     /// A test or benchmark that reads a counter this kernel lacks cannot
     /// say what it claims: not a 0.
-    #[error("this kernel has no counter {name} (/proc/net/snmp, /proc/net/netstat)")]
+    #[error(
+        "this kernel has no counter {name} (/proc/net/snmp, /proc/net/netstat, /proc/net/snmp6)"
+    )]
     Missing { name: String },
 }
 
 /// Counters by `nstat` name: the table prefix and the field (`TcpOutRsts`,
-/// `TcpExtTCPTimeouts`, `UdpInDatagrams`, `IcmpOutDestUnreachs`).
+/// `TcpExtTCPTimeouts`, `UdpInDatagrams`, `IcmpOutDestUnreachs`), and
+/// IPv6's by their own (`Icmp6OutDestUnreachs`, `Udp6NoPorts`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Nstat(pub BTreeMap<String, u64>);
 
@@ -44,6 +48,13 @@ impl Nstat {
                 let text = std::fs::read_to_string(file)
                     .map_err(|source| NstatError::Read { file, source })?;
                 parse(file, &text, &mut all)?;
+            }
+            // IPv6's: absent where the namespace or kernel has no IPv6.
+            let file = "/proc/thread-self/net/snmp6";
+            match std::fs::read_to_string(file) {
+                Ok(text) => parse_snmp6(file, &text, &mut all)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => return Err(NstatError::Read { file, source }),
             }
             Ok(Self(all))
         })?
@@ -117,9 +128,44 @@ fn parse(
     Ok(())
 }
 
+/// /proc/net/snmp6: one `Name value` a line.
+fn parse_snmp6(
+    file: &'static str,
+    text: &str,
+    out: &mut BTreeMap<String, u64>,
+) -> Result<(), NstatError> {
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut f = line.split_whitespace();
+        let (Some(name), Some(value), None) = (f.next(), f.next(), f.next()) else {
+            return Err(NstatError::Malformed {
+                file,
+                line: line.to_owned(),
+            });
+        };
+        if let Ok(v) = value.parse::<u64>() {
+            out.insert(name.to_owned(), v);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_snmp6_name_value_lines() {
+        let mut m = BTreeMap::new();
+        parse_snmp6(
+            "snmp6",
+            "Ip6InReceives                   \t61\nIcmp6OutDestUnreachs            \t2\n",
+            &mut m,
+        )
+        .unwrap();
+        assert_eq!(m["Ip6InReceives"], 61);
+        assert_eq!(m["Icmp6OutDestUnreachs"], 2);
+        assert!(parse_snmp6("snmp6", "Udp6NoPorts\n", &mut m).is_err());
+    }
 
     #[test]
     fn parses_name_and_value_lines() {

@@ -2,10 +2,12 @@
 //!
 //! ```text
 //!            client1 eth0 198.18.0.11   client2 eth0 198.18.0.12 ...
+//!                         2001:2::1:b               2001:2::1:c
 //!                   |                         |
 //!   router:  [ bridge "pub" ] ------------------------------ floods frames for
 //!                   |                         |              ff:ff:ff:ff:ff:ff
 //!            node1 pub0 198.18.0.100    node2 pub0 198.18.0.100 ...
+//!                       2001:2::100                2001:2::100
 //!            node1 clu0 198.19.0.1      node2 clu0 198.19.0.2
 //!                   |                         |
 //!   router:  [ bridge "clu" ] ---------------------------------
@@ -15,11 +17,42 @@
 //! the broadcast MAC, so the bridge floods every frame for it to every node:
 //! the seed's broadcasting router. Only the owner's ownership filter lets a
 //! frame through as PACKET_HOST; without it TCP on the nodes drops them.
+//!
+//! The public side is dual-stack: the IPv6 addresses are in 2001:2::/48,
+//! the benchmarking prefix (RFC 5180), as the IPv4 ones are in
+//! 198.18.0.0/15 (RFC 2544). The cluster network is IPv4.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The address every node carries on its public interface.
 pub const PUBLIC_ADDR: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
+/// The IPv6 address every node carries on its public interface.
+pub const PUBLIC_ADDR6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0x100);
+
+/// An address family of the public side, for tests that run in both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The shared address of this family.
+    pub fn public_addr(self) -> IpAddr {
+        match self {
+            Family::V4 => PUBLIC_ADDR.into(),
+            Family::V6 => PUBLIC_ADDR6.into(),
+        }
+    }
+
+    /// Client `j`'s address of this family.
+    pub fn client_addr(self, j: usize) -> IpAddr {
+        match self {
+            Family::V4 => client_addr(j).into(),
+            Family::V6 => client_addr6(j).into(),
+        }
+    }
+}
 /// Where ferryd's Peer service listens on each node's cluster address.
 pub const PEER_PORT: u16 = 7100;
 /// Interface names inside the namespaces (the router side gets `n<i>p`,
@@ -49,6 +82,15 @@ pub fn client_addr(j: usize) -> Ipv4Addr {
         "client index {j} out of range"
     );
     Ipv4Addr::new(198, 18, 0, 10 + j as u8)
+}
+
+/// Client `j` (1-based) on the public network, IPv6: 2001:2::1:(10+j).
+pub fn client_addr6(j: usize) -> Ipv6Addr {
+    assert!(
+        (1..=MAX_CLIENTS).contains(&j),
+        "client index {j} out of range"
+    );
+    Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 1, 10 + j as u16)
 }
 
 /// Bridges and every veth pair, run inside the router namespace. Each veth
@@ -93,7 +135,7 @@ pub fn network_script() -> std::path::PathBuf {
 }
 
 /// `ferry-network node`'s arguments for node `i` (1-based), run inside its
-/// namespace: the shared address on the public interface, no ARP answered
+/// namespace: the shared addresses on the public interface, no ARP answered
 /// for it, its own address on the cluster network.
 pub fn node_network_args(i: usize) -> Vec<String> {
     [
@@ -102,6 +144,8 @@ pub fn node_network_args(i: usize) -> Vec<String> {
         PUBLIC_IFACE,
         "--shared",
         &format!("{PUBLIC_ADDR}/24"),
+        "--shared",
+        &format!("{PUBLIC_ADDR6}/64"),
         "--cluster",
         CLUSTER_IFACE,
         "--address",
@@ -116,6 +160,8 @@ pub fn client_script(j: usize) -> Vec<String> {
     vec![
         "link set lo up".to_owned(),
         format!("addr add {}/24 dev {CLIENT_IFACE}", client_addr(j)),
+        // nodad: usable at once, as the nodes' shared one.
+        format!("addr add {}/64 dev {CLIENT_IFACE} nodad", client_addr6(j)),
         format!("link set {CLIENT_IFACE} up"),
     ]
 }
@@ -131,6 +177,8 @@ pub fn gateway_network_args() -> Vec<String> {
         CLIENT_IFACE,
         "--shared",
         &PUBLIC_ADDR.to_string(),
+        "--shared",
+        &PUBLIC_ADDR6.to_string(),
     ]
     .map(str::to_owned)
     .to_vec()
@@ -147,6 +195,11 @@ mod tests {
         assert!(bench(node_cluster_addr(1)) && bench(node_cluster_addr(MAX_NODES)));
         assert!(bench(client_addr(1)) && bench(client_addr(MAX_CLIENTS)));
         assert!(client_addr(MAX_CLIENTS) < PUBLIC_ADDR);
+        // 2001:2::/48.
+        let bench6 = |a: Ipv6Addr| a.segments()[..3] == [0x2001, 2, 0];
+        assert!(bench6(PUBLIC_ADDR6));
+        assert!(bench6(client_addr6(1)) && bench6(client_addr6(MAX_CLIENTS)));
+        assert_ne!(client_addr6(MAX_CLIENTS), PUBLIC_ADDR6);
     }
 
     #[test]

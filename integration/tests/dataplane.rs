@@ -4,7 +4,7 @@
 //! by `cargo xtask test` (or `cargo xtask integration`).
 
 use std::io::ErrorKind;
-use std::net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use ferry_integration::answer_watch::AnswerWatch;
@@ -15,6 +15,7 @@ use ferry_integration::managed::{
 };
 use ferry_integration::netns::run_in;
 use ferry_integration::nstat::Nstat;
+use ferry_integration::topology::Family;
 use ferry_integration::workload::{SeqClient, UdpClients};
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{MigrateRequest, MigrationOutcome, MigrationReport, SocketMigration};
@@ -45,6 +46,20 @@ fn dve_server() -> Vec<String> {
         "--port".into(),
         PORT.to_string(),
     ]
+}
+
+/// The DVE server for clients of `family`: over IPv6 bound to `::`.
+fn dve_server_in(family: Family) -> Vec<String> {
+    let mut argv = dve_server();
+    if family == Family::V6 {
+        argv.extend(["--bind".into(), "::".into()]);
+    }
+    argv
+}
+
+/// The server's address and port for clients of `family`.
+fn target_in(family: Family, port: u16) -> SocketAddr {
+    SocketAddr::new(family.public_addr(), port)
 }
 
 /// Migrates `pid` and checks that it committed; prints the figures.
@@ -328,18 +343,30 @@ fn udp_clients_lose_no_datagram_across_a_migration() {
     if !ferry_integration::can_run("udp_clients_lose_no_datagram_across_a_migration") {
         return;
     }
+    udp_clients_lose_no_datagram_across_a_migration_in(Family::V4);
+}
+
+#[test]
+fn ipv6_udp_clients_lose_no_datagram_across_a_migration() {
+    if !ferry_integration::can_run("ipv6_udp_clients_lose_no_datagram_across_a_migration") {
+        return;
+    }
+    udp_clients_lose_no_datagram_across_a_migration_in(Family::V6);
+}
+
+fn udp_clients_lose_no_datagram_across_a_migration_in(family: Family) {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node2 = cluster.control("node2").await.expect("control node2");
-        let pid = run(&mut node1, dve_server()).await;
+        let pid = run(&mut node1, dve_server_in(family)).await;
         wait_for_process(&mut node1, pid, |p| p.udp_sockets == 1).await;
         let own_buffer = udp_receive_buffer(pid);
         assert!(own_buffer < CATCH_UP_BUFFER, "{own_buffer}");
         let players = UdpClients::start(
             cluster.netns_path("client1"),
-            SocketAddrV4::new(SHARED_IP, PORT),
+            target_in(family, PORT),
             24,
             Duration::from_millis(50),
             96,
@@ -392,14 +419,32 @@ fn datagrams_left_unread_before_the_migration_are_read_on_the_destination() {
     ) {
         return;
     }
+    datagrams_left_unread_before_the_migration_are_read_in(Family::V4);
+}
+
+#[test]
+fn ipv6_datagrams_left_unread_before_the_migration_are_read_on_the_destination() {
+    if !ferry_integration::can_run(
+        "ipv6_datagrams_left_unread_before_the_migration_are_read_on_the_destination",
+    ) {
+        return;
+    }
+    datagrams_left_unread_before_the_migration_are_read_in(Family::V6);
+}
+
+fn datagrams_left_unread_before_the_migration_are_read_in(family: Family) {
     const BEFORE: u32 = 64;
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
-    let target = SocketAddrV4::new(SHARED_IP, PORT);
+    let target = target_in(family, PORT);
     // The players' socket, in client1; it stays there when the thread that
     // made it leaves the namespace.
     let player = run_in(&cluster.netns_path("client1"), move || {
-        let s = UdpSocket::bind("0.0.0.0:0")?;
+        let s = UdpSocket::bind(if target.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        })?;
         s.connect(target)?;
         Ok::<_, std::io::Error>(s)
     })
@@ -414,7 +459,7 @@ fn datagrams_left_unread_before_the_migration_are_read_on_the_destination() {
     rt.block_on(async {
         let mut node1 = cluster.control("node1").await.expect("control node1");
         let mut node2 = cluster.control("node2").await.expect("control node2");
-        let mut argv = dve_server();
+        let mut argv = dve_server_in(family);
         argv.push("--udp-after-first-connection".into());
         let pid = run(&mut node1, argv).await;
         wait_for_process(&mut node1, pid, |p| {
@@ -466,7 +511,7 @@ fn datagrams_left_unread_before_the_migration_are_read_on_the_destination() {
 
         // The server reads its UDP port from its first connection on.
         let _tcp = run_in(&cluster.netns_path("client1"), move || {
-            TcpStream::connect_timeout(&target.into(), Duration::from_secs(5))
+            TcpStream::connect_timeout(&target, Duration::from_secs(5))
         })
         .expect("client namespace")
         .expect("TCP connection to the migrated server");
@@ -555,14 +600,19 @@ fn udp_socket_of(pid: i32) -> std::os::fd::OwnedFd {
 
 /// Sends a SYN and a datagram to a port nobody owns, from `client`: no node
 /// may answer (no SYN-ACK, no RST, no ICMP port unreachable).
-fn assert_nobody_answers(cluster: &Cluster, client: &str, port: u16) {
+fn assert_nobody_answers(cluster: &Cluster, client: &str, target: SocketAddr) {
+    let port = target.port();
     run_in(&cluster.netns_path(client), move || {
-        let target = SocketAddrV4::new(SHARED_IP, port);
-        match TcpStream::connect_timeout(&target.into(), Duration::from_millis(1500)) {
+        match TcpStream::connect_timeout(&target, Duration::from_millis(1500)) {
             Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock) => {}
             other => panic!("a SYN to unowned port {port} got an answer: {other:?}"),
         }
-        let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let udp = UdpSocket::bind(if target.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        })
+        .unwrap();
         udp.connect(target).unwrap();
         udp.set_read_timeout(Some(Duration::from_millis(700)))
             .unwrap();
@@ -584,6 +634,18 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
     if !ferry_integration::can_run("a_node_never_answers_for_a_port_it_does_not_own") {
         return;
     }
+    a_node_never_answers_for_a_port_it_does_not_own_in(Family::V4);
+}
+
+#[test]
+fn a_node_never_answers_over_ipv6_for_a_port_it_does_not_own() {
+    if !ferry_integration::can_run("a_node_never_answers_over_ipv6_for_a_port_it_does_not_own") {
+        return;
+    }
+    a_node_never_answers_for_a_port_it_does_not_own_in(Family::V6);
+}
+
+fn a_node_never_answers_for_a_port_it_does_not_own_in(family: Family) {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(3, 1)).expect("cluster");
     rt.block_on(async {
@@ -599,14 +661,14 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
         };
         let before = read(&cluster);
         let answers = AnswerWatch::start(cluster.netns_path("client1")).expect("packet socket");
-        let pid = run(&mut node1, dve_server()).await;
+        let pid = run(&mut node1, dve_server_in(family)).await;
         // Both ports claimed: until node1 owns the UDP port, no node takes
         // its datagrams.
         wait_for_process(&mut node1, pid, |p| {
             p.tcp_listening == 1 && p.udp_sockets == 1
         })
         .await;
-        let target = SocketAddrV4::new(SHARED_IP, PORT);
+        let target = target_in(family, PORT);
         let tcp = SeqClient::start(
             cluster.netns_path("client1"),
             target,
@@ -627,14 +689,14 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
         .expect("UDP clients");
         tcp.wait_until_flowing(Duration::from_secs(10)).unwrap();
         udp.wait_for_echoes(40, Duration::from_secs(10)).unwrap();
-        assert_nobody_answers(&cluster, "client1", 7999);
+        assert_nobody_answers(&cluster, "client1", target_in(family, 7999));
 
         let report = migrate_committed(&mut node1, pid, "node2", SocketMigration::Collective).await;
         wait_for_process(&mut node2, report.destination_pid, |p| p.state == "running").await;
         let seen = udp.echoed();
         udp.wait_for_echoes(seen + 40, Duration::from_secs(10))
             .unwrap();
-        assert_nobody_answers(&cluster, "client1", 7999);
+        assert_nobody_answers(&cluster, "client1", target_in(family, 7999));
         let tcp_report = tcp.stop();
         let udp_report = udp.stop().unwrap();
         tcp_report.assert_clean();
@@ -661,13 +723,17 @@ fn a_node_never_answers_for_a_port_it_does_not_own() {
             .enumerate()
         {
             eprintln!("{} during the test:\n{d}", nodes[i]);
-            assert_eq!(
-                d.get("IcmpOutDestUnreachs").unwrap(),
-                0,
-                "{}: ICMP unreachable sent\n{d}",
-                nodes[i]
-            );
-            assert_eq!(d.get("UdpNoPorts").unwrap(), 0, "{}\n{d}", nodes[i]);
+            for counter in ["IcmpOutDestUnreachs", "Icmp6OutDestUnreachs"] {
+                assert_eq!(
+                    d.get(counter).unwrap(),
+                    0,
+                    "{}: ICMP unreachable sent\n{d}",
+                    nodes[i]
+                );
+            }
+            for counter in ["UdpNoPorts", "Udp6NoPorts"] {
+                assert_eq!(d.get(counter).unwrap(), 0, "{}\n{d}", nodes[i]);
+            }
             assert_eq!(d.get("TcpExtListenDrops").unwrap(), 0, "{}\n{d}", nodes[i]);
         }
         let dp3 = data_plane(&mut node3).await;
@@ -789,7 +855,7 @@ fn restarting_an_agent_opens_and_closes_nothing() {
     clients
         .wait_until_each_passes(&before, 20, Duration::from_secs(10))
         .expect("traffic while node1 has no agent");
-    assert_nobody_answers(&cluster, "client1", 7999);
+    assert_nobody_answers(&cluster, "client1", target_in(Family::V4, 7999));
     assert_eq!(process_state(pid).map(|s| s != 'Z'), Some(true));
 
     cluster

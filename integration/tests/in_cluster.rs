@@ -193,7 +193,7 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
             let local = SocketAddrV4::new(node_ip(to), first.client_port as u16);
             assert_eq!(
                 cluster.established_tcp(to, local.port()),
-                vec![pg_addr],
+                vec![std::net::SocketAddr::from(pg_addr)],
                 "the session's socket on {to}"
             );
             let dp3 = data_plane(&mut node3).await;

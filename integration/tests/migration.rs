@@ -2,7 +2,7 @@
 //! with real CRIU and the real eBPF filter. Root only; run by
 //! `cargo xtask test` (or `cargo xtask integration`).
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
@@ -10,6 +10,7 @@ use ferry_integration::managed::{
     list, migrate, migrate_committed, migrate_with, nice_of, process_state, run, runtime,
     wait_for_process,
 };
+use ferry_integration::topology::Family;
 use ferry_integration::workload::SeqClient;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
@@ -28,9 +29,20 @@ fn echo_server_bin() -> String {
 /// until the agent lists its listening port, which means the node's filter
 /// owns it.
 async fn start_echo_server(control: &mut ControlClient<Channel>, port: u16) -> i32 {
+    start_echo_server_on(control, "0.0.0.0", port).await
+}
+
+/// [`start_echo_server`] bound to `bind` (`::`: IPv6 and IPv4 clients).
+async fn start_echo_server_on(control: &mut ControlClient<Channel>, bind: &str, port: u16) -> i32 {
     let pid = run(
         control,
-        vec![echo_server_bin(), "--port".into(), port.to_string()],
+        vec![
+            echo_server_bin(),
+            "--bind".into(),
+            bind.into(),
+            "--port".into(),
+            port.to_string(),
+        ],
     )
     .await;
     wait_for_process(control, pid, |p| p.tcp_listening == 1).await;
@@ -43,15 +55,25 @@ struct EchoSetup {
     node1: ControlClient<Channel>,
     node2: ControlClient<Channel>,
     pid: i32,
-    target: SocketAddrV4,
+    target: SocketAddr,
     client: SeqClient,
 }
 
 async fn echo_setup(cluster: &Cluster, connections: usize) -> EchoSetup {
+    echo_setup_in(cluster, connections, Family::V4).await
+}
+
+/// [`echo_setup`] with clients of `family` (the server then listens on
+/// `::` for IPv6).
+async fn echo_setup_in(cluster: &Cluster, connections: usize, family: Family) -> EchoSetup {
     let mut node1 = cluster.control("node1").await.expect("control node1");
     let node2 = cluster.control("node2").await.expect("control node2");
-    let pid = start_echo_server(&mut node1, ECHO_PORT).await;
-    let target = SocketAddrV4::new(SHARED_IP, ECHO_PORT);
+    let bind = match family {
+        Family::V4 => "0.0.0.0",
+        Family::V6 => "::",
+    };
+    let pid = start_echo_server_on(&mut node1, bind, ECHO_PORT).await;
+    let target = SocketAddr::new(family.public_addr(), ECHO_PORT);
     let client = SeqClient::dve(cluster.netns_path("client1"), target, connections)
         .expect("clients with traffic flowing");
     EchoSetup {
@@ -68,6 +90,19 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
     if !ferry_integration::can_run("echo_server_with_its_connections_migrates_to_another_node") {
         return;
     }
+    echo_server_with_its_connections_migrates_in(Family::V4);
+}
+
+#[test]
+fn echo_server_with_its_ipv6_connections_migrates_to_another_node() {
+    if !ferry_integration::can_run("echo_server_with_its_ipv6_connections_migrates_to_another_node")
+    {
+        return;
+    }
+    echo_server_with_its_connections_migrates_in(Family::V6);
+}
+
+fn echo_server_with_its_connections_migrates_in(family: Family) {
     let rt = runtime();
     let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
     rt.block_on(async {
@@ -77,7 +112,15 @@ fn echo_server_with_its_connections_migrates_to_another_node() {
             pid,
             target,
             client,
-        } = echo_setup(&cluster, 16).await;
+        } = echo_setup_in(&cluster, 16, family).await;
+        assert!(
+            client
+                .local_addrs()
+                .iter()
+                .all(|a| a.is_ipv4() == (family == Family::V4)),
+            "{:?}",
+            client.local_addrs()
+        );
         let before = wait_for_process(&mut node1, pid, |p| p.tcp_established == 16).await;
         assert_eq!(before.state, "running");
         let verified_before = client.verified_per_connection();

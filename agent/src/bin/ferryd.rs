@@ -178,17 +178,35 @@ fn check_addresses(config: &Config) -> Result<()> {
     let addresses: Vec<(String, std::net::IpAddr)> = nix::ifaddrs::getifaddrs()
         .context("listing this host's addresses")?
         .filter_map(|a| {
-            let ip = a.address.as_ref()?.as_sockaddr_in()?.ip();
-            Some((a.interface_name, std::net::IpAddr::V4(ip)))
+            let address = a.address.as_ref()?;
+            let ip = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
+                (Some(v4), _) => std::net::IpAddr::V4(v4.ip()),
+                (None, Some(v6)) => std::net::IpAddr::V6(v6.ip()),
+                (None, None) => return None,
+            };
+            Some((a.interface_name, ip))
         })
         .collect();
-    for (field, interface, address) in [
-        ("public", &config.public.interface, config.public.address),
-        ("cluster", &config.cluster.interface, config.cluster.address),
-    ] {
-        let on = |(i, a): &(String, std::net::IpAddr)| {
-            i == interface && *a == std::net::IpAddr::V4(address)
-        };
+    let public = &config.public.interface;
+    let cluster = &config.cluster.interface;
+    let wanted = [
+        ("public", "address", public, Some(config.public.address)),
+        (
+            "public",
+            "address6",
+            public,
+            config.public.address6.map(Into::into),
+        ),
+        (
+            "cluster",
+            "address",
+            cluster,
+            Some(config.cluster.address.into()),
+        ),
+    ];
+    for (section, key, interface, address) in wanted {
+        let Some(address) = address else { continue };
+        let on = |(i, a): &(String, std::net::IpAddr)| i == interface && *a == address;
         if !addresses.iter().any(on) {
             let has: Vec<String> = addresses
                 .iter()
@@ -196,9 +214,9 @@ fn check_addresses(config: &Config) -> Result<()> {
                 .map(|(_, a)| a.to_string())
                 .collect();
             anyhow::bail!(
-                "[{field}] address {address} is not on interface {interface} ({}); `ferry-network node` puts the addresses in place (docs/deploy.md)",
+                "[{section}] {key} {address} is not on interface {interface} ({}); `ferry-network node` puts the addresses in place (docs/deploy.md)",
                 if has.is_empty() {
-                    "it has no IPv4 address here, or does not exist".to_owned()
+                    "it has no address here, or does not exist".to_owned()
                 } else {
                     format!("it has {}", has.join(", "))
                 }

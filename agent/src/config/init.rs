@@ -8,7 +8,7 @@
 //! what every test cluster runs.
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use super::{Config, ConfigError};
@@ -19,9 +19,11 @@ use crate::security::certs;
 pub struct NodeInit {
     pub node: String,
     /// The interface on the clients' segment, and the cluster's shared
-    /// address (the same on every node).
+    /// address (the same on every node), IPv4 or IPv6.
     pub public_interface: String,
-    pub public_address: Ipv4Addr,
+    pub public_address: IpAddr,
+    /// A dual-stack cluster's shared IPv6 address, beside an IPv4 one.
+    pub public_address6: Option<Ipv6Addr>,
     /// The interface and this node's own address on the cluster network.
     pub cluster_interface: String,
     pub cluster_address: Ipv4Addr,
@@ -52,13 +54,14 @@ impl NodeInit {
     /// `/opt/ferry/criu/bin/criu`, `/run/ferry/control.sock`, port 7100).
     pub fn new(
         node: &str,
-        (public_interface, public_address): (&str, Ipv4Addr),
+        (public_interface, public_address): (&str, IpAddr),
         (cluster_interface, cluster_address): (&str, Ipv4Addr),
     ) -> Self {
         Self {
             node: node.to_owned(),
             public_interface: public_interface.to_owned(),
             public_address,
+            public_address6: None,
             cluster_interface: cluster_interface.to_owned(),
             cluster_address,
             peer_port: 7100,
@@ -122,6 +125,9 @@ impl NodeInit {
         );
         let _ = writeln!(t, "interface = {}", q(&self.public_interface));
         let _ = writeln!(t, "address = {}", q(&self.public_address.to_string()));
+        if let Some(v6) = self.public_address6 {
+            let _ = writeln!(t, "address6 = {}", q(&v6.to_string()));
+        }
         let _ = writeln!(
             t,
             "\n# The cluster network: this node's own address.\n[cluster]"
@@ -181,7 +187,7 @@ mod tests {
     fn node1() -> NodeInit {
         let mut n = NodeInit::new(
             "node1",
-            ("eth0", Ipv4Addr::new(198, 18, 0, 100)),
+            ("eth0", Ipv4Addr::new(198, 18, 0, 100).into()),
             ("eth1", Ipv4Addr::new(198, 19, 0, 1)),
         );
         n.peers = vec![
@@ -202,6 +208,7 @@ mod tests {
         assert_eq!(c.node, "node1");
         assert_eq!(c.public.interface, "eth0");
         assert_eq!(c.public.address, Ipv4Addr::new(198, 18, 0, 100));
+        assert_eq!(c.public.address6, None);
         assert_eq!(c.cluster.address, Ipv4Addr::new(198, 19, 0, 1));
         assert_eq!(c.cluster.peer_listen, "198.19.0.1:7100".parse().unwrap());
         assert_eq!(c.peers.len(), 2);
@@ -216,6 +223,43 @@ mod tests {
         );
         assert_eq!(c.features_off, ["soft_dirty"]);
         assert!(!c.dataplane.capture);
+    }
+
+    #[test]
+    fn a_dual_stack_or_ipv6_public_side_is_written_and_read() {
+        let v6: Ipv6Addr = "2001:db8::100".parse().unwrap();
+        let mut n = node1();
+        n.public_address6 = Some(v6);
+        let c = Config::parse(&n.render().unwrap(), Path::new("x")).unwrap();
+        assert_eq!(c.public.address6, Some(v6));
+        assert_eq!(
+            c.public.addresses().v4,
+            Some(Ipv4Addr::new(198, 18, 0, 100))
+        );
+        assert_eq!(c.public.addresses().v6, Some(v6));
+        assert!(
+            c.public
+                .addresses()
+                .contains("::ffff:198.18.0.100".parse().unwrap())
+        );
+        let mut n = node1();
+        n.public_address = v6.into();
+        let c = Config::parse(&n.render().unwrap(), Path::new("x")).unwrap();
+        assert_eq!(c.public.addresses().v4, None);
+        assert_eq!(c.public.addresses().v6, Some(v6));
+        // Two IPv6 addresses, or one that no cluster can share: refused.
+        n.public_address6 = Some(v6);
+        let err = n.render().unwrap_err().to_string();
+        assert!(err.contains("public.address6"), "{err}");
+        for bad in ["::1", "fe80::1", "ff02::1", "::", "::ffff:198.18.0.100"] {
+            let mut n = node1();
+            n.public_address = bad.parse().unwrap();
+            let err = n.render().unwrap_err().to_string();
+            assert!(
+                err.contains("public.address") && err.contains(bad),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

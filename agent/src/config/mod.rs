@@ -23,7 +23,7 @@
 //! address = "198.19.0.2:7100"
 //! ```
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -410,7 +410,61 @@ pub struct PublicConfig {
     /// Interface that carries the cluster's shared address; ferry's
     /// ownership filter is attached to it.
     pub interface: String,
-    pub address: Ipv4Addr,
+    /// The shared address, IPv4 or IPv6.
+    pub address: IpAddr,
+    /// A dual-stack cluster's shared IPv6 address, beside an IPv4
+    /// `address`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address6: Option<Ipv6Addr>,
+}
+
+impl PublicConfig {
+    /// The shared addresses, one per family at most.
+    pub fn addresses(&self) -> PublicAddresses {
+        let mut a = PublicAddresses::default();
+        match self.address {
+            IpAddr::V4(v4) => a.v4 = Some(v4),
+            IpAddr::V6(v6) => a.v6 = Some(v6),
+        }
+        if let Some(v6) = self.address6 {
+            a.v6 = Some(v6);
+        }
+        a
+    }
+}
+
+/// The cluster's shared public addresses: the same on every node, one of
+/// each family at most.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PublicAddresses {
+    pub v4: Option<Ipv4Addr>,
+    pub v6: Option<Ipv6Addr>,
+}
+
+impl PublicAddresses {
+    /// Whether `ip` is one of them (an IPv4-mapped IPv6 address, as a
+    /// dual-stack socket shows an IPv4 one, as the IPv4 address).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match ip.to_canonical() {
+            IpAddr::V4(v4) => self.v4 == Some(v4),
+            IpAddr::V6(v6) => self.v6 == Some(v6),
+        }
+    }
+
+    /// Each of them, IPv4 first.
+    pub fn iter(&self) -> impl Iterator<Item = IpAddr> + use<> {
+        self.v4
+            .map(IpAddr::V4)
+            .into_iter()
+            .chain(self.v6.map(IpAddr::V6))
+    }
+}
+
+impl std::fmt::Display for PublicAddresses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let all: Vec<String> = self.iter().map(|a| a.to_string()).collect();
+        f.write_str(&all.join(" and "))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -506,6 +560,30 @@ impl Config {
         ] {
             if !p.is_absolute() {
                 return Err(invalid(field, "must be an absolute path".into()));
+            }
+        }
+        if self.public.address.is_ipv6() && self.public.address6.is_some() {
+            return Err(invalid(
+                "public.address6",
+                "is for an IPv6 address beside an IPv4 `address`; `address` is IPv6 already".into(),
+            ));
+        }
+        for (field, ip) in [
+            ("public.address", Some(self.public.address)),
+            ("public.address6", self.public.address6.map(IpAddr::V6)),
+        ] {
+            let Some(ip) = ip else { continue };
+            let link_local = matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local());
+            if ip.is_unspecified()
+                || ip.is_multicast()
+                || ip.is_loopback()
+                || link_local
+                || ip.to_canonical() != ip
+            {
+                return Err(invalid(
+                    field,
+                    format!("{ip} is not a unicast address a cluster can share"),
+                ));
             }
         }
         if self.peer_timeout_secs == 0 {

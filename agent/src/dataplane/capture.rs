@@ -58,17 +58,26 @@ fn port_of(p: &CapturedPacket) -> PortKey {
     }
 }
 
-/// The connection a captured TCP packet belongs to, from its IPv4 and TCP
-/// headers: the sender's end and the port it is for.
+/// The connection a captured TCP packet belongs to, from its IP and TCP
+/// headers: the sender's end and the port it is for. IPv6 extension
+/// headers are not followed (TCP senders do not add them): a segment with
+/// them belongs to no flow, so a session of single connections drops it as
+/// stray, and TCP sends it again.
 fn flow_of(p: &CapturedPacket) -> Option<Flow> {
     let d = &p.data;
-    let ihl = usize::from(*d.first()? & 0x0f) * 4;
-    let src: [u8; 4] = d.get(12..16)?.try_into().ok()?;
-    let sport = u16::from_be_bytes(d.get(ihl..ihl + 2)?.try_into().ok()?);
-    Some(Flow {
-        remote: std::net::SocketAddrV4::new(src.into(), sport),
-        local_port: p.port,
-    })
+    let (src, l4): (std::net::IpAddr, usize) = match *d.first()? >> 4 {
+        4 => {
+            let src: [u8; 4] = d.get(12..16)?.try_into().ok()?;
+            (src.into(), usize::from(d[0] & 0x0f) * 4)
+        }
+        6 if d.get(6) == Some(&(libc::IPPROTO_TCP as u8)) => {
+            let src: [u8; 16] = d.get(8..24)?.try_into().ok()?;
+            (src.into(), 40)
+        }
+        _ => return None,
+    };
+    let sport = u16::from_be_bytes(d.get(l4..l4 + 2)?.try_into().ok()?);
+    Some(Flow::new((src, sport).into(), p.port))
 }
 
 impl CaptureStore {
@@ -299,18 +308,37 @@ pub(crate) mod tests {
         p
     }
 
+    /// [`tcp_ack`] over IPv6 (2001:2::2 to 2001:2::100), behind `ext`
+    /// (extension headers; the next header field then says the first).
+    pub(crate) fn tcp6_ack(src_port: u16, ack: u32, first: u8, ext: &[u8]) -> Vec<u8> {
+        let v4 = tcp_ack(src_port, ack);
+        let mut p = vec![0x60, 0, 0, 0, 0, 0, first, 64];
+        p.extend_from_slice(&[0x20, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        p.extend_from_slice(&[0x20, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]);
+        p.extend_from_slice(ext);
+        p.extend_from_slice(&v4[20..]);
+        let len = (p.len() - 40) as u16;
+        p[4..6].copy_from_slice(&len.to_be_bytes());
+        p
+    }
+
     #[test]
     fn a_connection_always_takes_the_same_lane_and_the_rest_lane_0() {
         for lanes in [2, 3, 4] {
-            let mut per_lane = vec![0usize; lanes];
-            for port in 10_000..11_000u16 {
-                let lane = lane_of(&tcp_ack(port, 1), lanes);
-                assert_eq!(lane, lane_of(&tcp_ack(port, 99), lanes), "port {port}");
-                per_lane[lane] += 1;
-            }
-            // A thousand connections spread over every lane.
-            for n in &per_lane {
-                assert!(*n > 1000 / lanes / 2, "{per_lane:?}");
+            for packet in [
+                |port, ack| tcp_ack(port, ack),
+                |port, ack| tcp6_ack(port, ack, 6, &[]),
+            ] {
+                let mut per_lane = vec![0usize; lanes];
+                for port in 10_000..11_000u16 {
+                    let lane = lane_of(&packet(port, 1), lanes);
+                    assert_eq!(lane, lane_of(&packet(port, 99), lanes), "port {port}");
+                    per_lane[lane] += 1;
+                }
+                // A thousand connections spread over every lane.
+                for n in &per_lane {
+                    assert!(*n > 1000 / lanes / 2, "{per_lane:?}");
+                }
             }
         }
         let mut udp = tcp_ack(10_000, 1);
@@ -326,12 +354,37 @@ pub(crate) mod tests {
             ("fragment", fragment),
             ("later fragment", later_fragment),
             ("IP options past the end", options),
-            ("ipv6", vec![0x60; 60]),
+            ("ipv6, not TCP", vec![0x60; 60]),
+            (
+                "ipv6 behind hop-by-hop options",
+                tcp6_ack(10_004, 1, 0, &[6, 0, 1, 4, 0, 0, 0, 0]),
+            ),
             ("short", vec![0x45; 19]),
         ] {
             assert_eq!(lane_of(&p, 4), 0, "{what}");
         }
         assert_eq!(lane_of(&tcp_ack(10_003, 1), 1), 0);
+    }
+
+    #[test]
+    fn a_captured_segment_belongs_to_its_senders_flow_in_either_family() {
+        let tcp = |data: Vec<u8>| CapturedPacket {
+            protocol: Protocol::Tcp,
+            ..pkt(CaptureKind::Captured, 7000, &data)
+        };
+        assert_eq!(
+            flow_of(&tcp(tcp_ack(40_000, 1))),
+            Some(Flow::new("198.18.0.2:40000".parse().unwrap(), 7000))
+        );
+        assert_eq!(
+            flow_of(&tcp(tcp6_ack(40_000, 1, 6, &[]))),
+            Some(Flow::new("[2001:2::2]:40000".parse().unwrap(), 7000))
+        );
+        assert_eq!(
+            flow_of(&tcp(tcp6_ack(40_000, 1, 0, &[6, 0, 1, 4, 0, 0, 0, 0]))),
+            None
+        );
+        assert_eq!(flow_of(&tcp(vec![0x60; 30])), None);
     }
 
     #[test]

@@ -59,18 +59,27 @@ impl PacketReplayer for ferry_ebpf::Replayer {
 /// carries no ports; TCP reorders the rare fragmented segment itself), other
 /// protocols and anything malformed.
 pub fn lane_of(packet: &[u8], lanes: usize) -> usize {
-    if lanes <= 1 || packet.len() < 20 || packet[0] >> 4 != 4 || packet[9] != 6 {
+    if lanes <= 1 {
         return 0;
     }
-    let ihl = usize::from(packet[0] & 0x0f) * 4;
-    let fragment = u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff != 0;
-    if ihl < 20 || fragment || packet.len() < ihl + 4 {
-        return 0;
-    }
+    let (addresses, ports) = match packet.first().map(|b| b >> 4) {
+        Some(4) if packet.len() >= 20 && packet[9] == 6 => {
+            let ihl = usize::from(packet[0] & 0x0f) * 4;
+            let fragment = u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff != 0;
+            if ihl < 20 || fragment || packet.len() < ihl + 4 {
+                return 0;
+            }
+            (&packet[12..20], &packet[ihl..ihl + 4])
+        }
+        // IPv6 with TCP right after the fixed header; behind extension
+        // headers (which TCP senders do not add) lane 0, as a fragment.
+        Some(6) if packet.len() >= 44 && packet[6] == 6 => (&packet[8..40], &packet[40..44]),
+        _ => return 0,
+    };
     // FNV-1a over the addresses and ports, then a finaliser (MurmurHash3's)
     // so that the low bits, which pick the lane, depend on every byte.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in packet[12..20].iter().chain(&packet[ihl..ihl + 4]) {
+    for &b in addresses.iter().chain(ports) {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }

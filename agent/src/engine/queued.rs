@@ -3,10 +3,10 @@
 //! CRIU does not carry UDP receive queues. The source peeks at them with
 //! the process stopped (`sockstate::queued_datagrams`); this module puts
 //! them in the Commit (whole from peer protocol 8, as keys before it) and,
-//! on the destination, turns them back into the IPv4 packets the restored
+//! on the destination, turns them back into the IP packets the restored
 //! sockets get before the captured ones (`DataPlane::replay_and_open`).
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use ferry_proto::v1 as pb;
 
@@ -59,11 +59,11 @@ pub fn for_commit(version: u32, queued: Vec<QueuedDatagram>) -> ForCommit {
 /// The node addresses a carried datagram's destination is mapped with.
 #[derive(Debug, Clone, Copy)]
 pub struct LocalAddresses {
-    /// The cluster's shared public address: the same on every node.
-    pub public: Ipv4Addr,
+    /// The cluster's shared public addresses: the same on every node.
+    pub public: crate::config::PublicAddresses,
     /// This node's cluster address, which takes the place of the source
-    /// node's own addresses.
-    pub cluster: Ipv4Addr,
+    /// node's own addresses of its family.
+    pub cluster: IpAddr,
 }
 
 /// Checks a Commit's datagrams and builds the packets to hand to the
@@ -77,28 +77,46 @@ pub fn packets_from_commit(
         .iter()
         .enumerate()
         .map(|(i, d)| {
+            let invalid = |field: &'static str, reason: String| EngineError::InvalidField {
+                field,
+                reason: format!("datagram {i}: {reason}"),
+            };
             let addr = |field: &'static str, text: &str| {
-                text.parse::<SocketAddrV4>()
-                    .map_err(|e| EngineError::InvalidField {
-                        field,
-                        reason: format!(
-                            "datagram {i}: {text:?} is not an IPv4 address and port: {e}"
-                        ),
+                text.parse::<SocketAddr>()
+                    .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
+                    .map_err(|e| {
+                        invalid(field, format!("{text:?} is not an address and port: {e}"))
                     })
             };
             let peer = addr("queued_datagrams.peer", &d.peer)?;
             let local = addr("queued_datagrams.local", &d.local)?;
-            let dst = SocketAddrV4::new(map_local(*local.ip(), here), local.port());
-            ferry_ebpf::udp_datagram(peer, dst, &d.payload).ok_or_else(|| {
-                EngineError::InvalidField {
-                    field: "queued_datagrams.payload",
-                    reason: format!(
-                        "datagram {i}: {} bytes, more than one IPv4 datagram holds ({})",
-                        d.payload.len(),
-                        ferry_ebpf::MAX_UDP_PAYLOAD
+            if peer.is_ipv4() != local.is_ipv4() {
+                return Err(invalid(
+                    "queued_datagrams.local",
+                    format!("{local} is not of the family of its sender, {peer}"),
+                ));
+            }
+            let dst = map_local(local.ip(), here).ok_or_else(|| {
+                invalid(
+                    "queued_datagrams.local",
+                    format!(
+                        "sent to {}, an address of the source node's own, and this node has no cluster address of its family to take its place (its cluster address is {})",
+                        local.ip(),
+                        here.cluster
                     ),
-                }
-            })
+                )
+            })?;
+            ferry_ebpf::udp_datagram(peer, SocketAddr::new(dst, local.port()), &d.payload)
+                .ok_or_else(|| {
+                    invalid(
+                        "queued_datagrams.payload",
+                        format!(
+                            "{} bytes, more than one datagram holds ({})",
+                            d.payload.len(),
+                            ferry_ebpf::MAX_UDP_PAYLOAD
+                        ),
+                    )
+                })
         })
         .collect()
 }
@@ -107,13 +125,14 @@ pub fn packets_from_commit(
 /// address and loopback ones exist on every node. Any other was one of the
 /// source node's own (the process's socket was bound to it, or to every
 /// address): the restored socket has this node's cluster address instead
-/// (the images' rewrite, `translation::rewrite_in_cluster`). Never an
-/// address off this node: the replay sends to the packet's destination.
-fn map_local(ip: Ipv4Addr, here: LocalAddresses) -> Ipv4Addr {
-    if ip == here.public || ip.is_loopback() {
-        ip
+/// (the images' rewrite, `translation::rewrite_in_cluster`); None if this
+/// node has no cluster address of its family. Never an address off this
+/// node: the replay sends to the packet's destination.
+fn map_local(ip: IpAddr, here: LocalAddresses) -> Option<IpAddr> {
+    if here.public.contains(ip) || ip.is_loopback() {
+        Some(ip)
     } else {
-        here.cluster
+        (here.cluster.is_ipv4() == ip.is_ipv4()).then_some(here.cluster)
     }
 }
 
@@ -121,17 +140,30 @@ fn map_local(ip: Ipv4Addr, here: LocalAddresses) -> Ipv4Addr {
 mod tests {
     use super::*;
 
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
     fn queued(peer_port: u16, len: usize) -> QueuedDatagram {
         QueuedDatagram {
-            peer: SocketAddrV4::new(Ipv4Addr::new(198, 18, 1, 2), peer_port),
-            local: SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 100), 7000),
+            peer: (Ipv4Addr::new(198, 18, 1, 2), peer_port).into(),
+            local: (Ipv4Addr::new(198, 18, 0, 100), 7000).into(),
+            payload: vec![peer_port as u8; len],
+        }
+    }
+
+    fn queued6(peer_port: u16, len: usize) -> QueuedDatagram {
+        QueuedDatagram {
+            peer: (Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 1, 2), peer_port).into(),
+            local: (Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0x100), 7000).into(),
             payload: vec![peer_port as u8; len],
         }
     }
 
     const HERE: LocalAddresses = LocalAddresses {
-        public: Ipv4Addr::new(198, 18, 0, 100),
-        cluster: Ipv4Addr::new(198, 19, 0, 2),
+        public: crate::config::PublicAddresses {
+            v4: Some(Ipv4Addr::new(198, 18, 0, 100)),
+            v6: Some(Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0x100)),
+        },
+        cluster: IpAddr::V4(Ipv4Addr::new(198, 19, 0, 2)),
     };
 
     #[test]
@@ -155,6 +187,39 @@ mod tests {
             crate::sockstate::key_of_packet(&packets[1]),
             Some(q[1].key())
         );
+    }
+
+    #[test]
+    fn ipv6_datagrams_come_back_as_the_ipv6_packets_they_arrived_as() {
+        let q = [queued6(5000, 10), queued(5001, 3), queued6(5002, 0)];
+        let new = for_commit(8, q.to_vec());
+        assert_eq!(new.datagrams[0].peer, "[2001:2::1:2]:5000");
+        assert_eq!(new.datagrams[0].local, "[2001:2::100]:7000");
+        let packets = packets_from_commit(&new.datagrams, HERE).unwrap();
+        for (p, d) in packets.iter().zip(&q) {
+            assert_eq!(
+                *p,
+                ferry_ebpf::udp_datagram(d.peer, d.local, &d.payload).unwrap()
+            );
+            assert_eq!(crate::sockstate::key_of_packet(p), Some(d.key()));
+        }
+        assert_eq!(packets[0][0] >> 4, 6);
+        assert_eq!(packets[1][0] >> 4, 4);
+        // Sent to the source node's own IPv6 address: this node has no
+        // IPv6 cluster address to put in its place.
+        let mut own = new.datagrams.clone();
+        own[2].local = "[2001:2:1::1]:7000".into();
+        match packets_from_commit(&own, HERE) {
+            Err(EngineError::InvalidField { field, reason }) => {
+                assert_eq!(field, "queued_datagrams.local");
+                assert!(reason.starts_with("datagram 2:"), "{reason}");
+                assert!(
+                    reason.contains("no cluster address of its family"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -188,10 +253,17 @@ mod tests {
         for (bad, field) in [
             (
                 pb::QueuedDatagram {
-                    peer: "[::1]:5".into(),
+                    peer: "198.18.1.2".into(),
                     ..good.clone()
                 },
                 "queued_datagrams.peer",
+            ),
+            (
+                pb::QueuedDatagram {
+                    peer: "[2001:2::1:2]:5".into(),
+                    ..good.clone()
+                },
+                "queued_datagrams.local",
             ),
             (
                 pb::QueuedDatagram {

@@ -127,8 +127,7 @@ impl Groups {
             field: "state",
             reason: e.to_string(),
         })?;
-        if state.remote != std::net::SocketAddr::V4(flow.remote)
-            || state.local.port() != flow.local_port
+        if Flow::new(state.remote, 0).remote != flow.remote || state.local.port() != flow.local_port
         {
             return Err(GroupsError::Invalid {
                 field: "state",

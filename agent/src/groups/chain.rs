@@ -26,7 +26,7 @@
 //!   it back ([`super::members`]), the seed's "please join again".
 
 use std::collections::BTreeSet;
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -531,39 +531,59 @@ impl Groups {
     }
 }
 
-/// (remote end, local port) of every IPv4 TCP socket of this network
-/// namespace, in any state but listening (a closing connection still owns
-/// its packets).
-pub(super) fn tcp_ends() -> std::io::Result<BTreeSet<(SocketAddrV4, u16)>> {
-    let text = std::fs::read_to_string("/proc/self/net/tcp")?;
-    Ok(parse_proc_net_tcp(&text))
+/// This network namespace's TCP tables, IPv4 and IPv6.
+pub(super) const TCP_TABLES: [&str; 2] = ["/proc/self/net/tcp", "/proc/self/net/tcp6"];
+
+/// (remote end, local port) of every TCP socket of this network namespace,
+/// IPv4 and IPv6, in any state but listening (a closing connection still
+/// owns its packets). An IPv4 client of a dual-stack socket is given by its
+/// IPv4 address.
+pub(super) fn tcp_ends() -> std::io::Result<BTreeSet<(SocketAddr, u16)>> {
+    let mut ends = BTreeSet::new();
+    for table in TCP_TABLES {
+        match std::fs::read_to_string(table) {
+            Ok(text) => ends.extend(parse_proc_net_tcp(&text)),
+            // No IPv6 in this kernel: no tcp6 table.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && table.ends_with('6') => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(ends)
 }
 
-fn parse_proc_net_tcp(text: &str) -> BTreeSet<(SocketAddrV4, u16)> {
+fn parse_proc_net_tcp(text: &str) -> BTreeSet<(SocketAddr, u16)> {
     tcp_entries(text)
         .filter(|e| !e.listening)
         .map(|e| (e.remote, e.local.port()))
         .collect()
 }
 
-/// One socket of a /proc/net/tcp text.
+/// One socket of a /proc/net/tcp or tcp6 text.
 pub(super) struct TcpEntry {
-    pub local: SocketAddrV4,
-    pub remote: SocketAddrV4,
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
     pub listening: bool,
     pub inode: u64,
 }
 
-/// The sockets of a /proc/net/tcp text: "sl local_address rem_address st
-/// ... inode", addresses as hex ADDR:PORT, the address in the kernel's
-/// (little-endian) order.
+/// The sockets of a /proc/net/tcp or tcp6 text: "sl local_address
+/// rem_address st ... inode", addresses as hex ADDR:PORT, the address as
+/// 32-bit words each in the kernel's (little-endian) order: one for IPv4,
+/// four for IPv6. IPv4-mapped IPv6 addresses are given as IPv4 ones.
 pub(super) fn tcp_entries(text: &str) -> impl Iterator<Item = TcpEntry> + '_ {
-    let end = |s: &str| -> Option<SocketAddrV4> {
+    let end = |s: &str| -> Option<SocketAddr> {
         let (a, p) = s.split_once(':')?;
-        Some(SocketAddrV4::new(
-            u32::from_str_radix(a, 16).ok()?.to_le_bytes().into(),
-            u16::from_str_radix(p, 16).ok()?,
-        ))
+        let mut bytes = Vec::with_capacity(16);
+        for word in a.as_bytes().chunks(8) {
+            let word = std::str::from_utf8(word).ok()?;
+            bytes.extend_from_slice(&u32::from_str_radix(word, 16).ok()?.to_le_bytes());
+        }
+        let ip = match bytes.len() {
+            4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+            16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?).to_canonical(),
+            _ => return None,
+        };
+        Some(SocketAddr::new(ip, u16::from_str_radix(p, 16).ok()?))
     };
     text.lines().skip(1).filter_map(move |l| {
         let f: Vec<&str> = l.split_whitespace().collect();

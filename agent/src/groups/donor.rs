@@ -42,10 +42,13 @@ struct Examined {
     inode: u64,
 }
 
-/// Checks that `fd` is an established TCP connection to this node's public
-/// address from an IPv4 client, and names it.
-fn examine(fd: BorrowedFd<'_>, public: std::net::Ipv4Addr) -> Result<Examined, GroupsError> {
-    use nix::sys::socket::{SockaddrIn, getpeername, getsockname};
+/// Checks that `fd` is an established TCP connection to one of the
+/// cluster's public addresses, and names it.
+fn examine(
+    fd: BorrowedFd<'_>,
+    public: crate::config::PublicAddresses,
+) -> Result<Examined, GroupsError> {
+    use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
     let not = |why: String| GroupsError::NotAConnection(why);
     let st = nix::sys::stat::fstat(fd).map_err(|e| not(format!("fstat: {e}")))?;
     if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
@@ -57,8 +60,17 @@ fn examine(fd: BorrowedFd<'_>, public: std::net::Ipv4Addr) -> Result<Examined, G
     if ty != libc::SOCK_STREAM || proto != libc::IPPROTO_TCP {
         return Err(not("the socket is not a TCP socket".into()));
     }
-    let local: SockaddrIn = getsockname(std::os::fd::AsRawFd::as_raw_fd(&fd))
-        .map_err(|_| not("the socket is not IPv4 (only IPv4 connections are handed off)".into()))?;
+    let inet = |a: SockaddrStorage| -> Option<std::net::SocketAddr> {
+        if let Some(v4) = a.as_sockaddr_in() {
+            return Some(std::net::SocketAddrV4::from(*v4).into());
+        }
+        let v6 = a.as_sockaddr_in6()?;
+        Some((v6.ip().to_canonical(), v6.port()).into())
+    };
+    let local = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+        .ok()
+        .and_then(inet)
+        .ok_or_else(|| not("the socket is neither IPv4 nor IPv6".into()))?;
     // tcp_info's first byte is the state; the kernel fills what fits.
     let mut info = [0u8; 8];
     sys::get_into(fd, libc::SOL_TCP, libc::TCP_INFO, &mut info)
@@ -70,19 +82,17 @@ fn examine(fd: BorrowedFd<'_>, public: std::net::Ipv4Addr) -> Result<Examined, G
             info[0]
         )));
     }
-    let remote: SockaddrIn = getpeername(std::os::fd::AsRawFd::as_raw_fd(&fd))
-        .map_err(|e| not(format!("getpeername: {e}")))?;
-    if local.ip() != public {
+    let remote = getpeername::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+        .map_err(|e| not(format!("getpeername: {e}")))
+        .and_then(|a| inet(a).ok_or_else(|| not("getpeername: not an IP address".into())))?;
+    if !public.contains(local.ip()) {
         return Err(not(format!(
             "its local address {} is not the cluster's public one, {public}",
             local.ip()
         )));
     }
     Ok(Examined {
-        flow: Flow {
-            remote: std::net::SocketAddrV4::new(remote.ip(), remote.port()),
-            local_port: local.port(),
-        },
+        flow: Flow::new(remote, local.port()),
         inode: st.st_ino,
     })
 }
@@ -450,7 +460,7 @@ impl Frozen {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::{Ipv4Addr, TcpListener, TcpStream, UdpSocket};
+    use std::net::{Ipv4Addr, Ipv6Addr, TcpListener, TcpStream, UdpSocket};
 
     fn refusal(r: Result<Examined, GroupsError>) -> String {
         match r {
@@ -461,7 +471,11 @@ mod tests {
 
     #[test]
     fn only_an_established_tcp_connection_to_the_public_address_is_handed_off() {
-        let lo = Ipv4Addr::LOCALHOST;
+        use crate::config::PublicAddresses;
+        let lo = PublicAddresses {
+            v4: Some(Ipv4Addr::LOCALHOST),
+            v6: Some(Ipv6Addr::LOCALHOST),
+        };
         let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
         assert!(refusal(examine(udp.as_fd(), lo)).contains("not a TCP socket"));
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -469,17 +483,33 @@ mod tests {
         let file = std::fs::File::open("/proc/self/stat").unwrap();
         assert!(refusal(examine(file.as_fd(), lo)).contains("not a socket"));
 
-        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (served, _) = listener.accept().unwrap();
-        let e = examine(served.as_fd(), lo).unwrap();
-        assert_eq!(e.flow.local_port, listener.local_addr().unwrap().port());
-        assert_eq!(
-            std::net::SocketAddr::V4(e.flow.remote),
-            client.local_addr().unwrap()
-        );
-        assert!(
-            refusal(examine(served.as_fd(), Ipv4Addr::new(198, 18, 0, 100)))
-                .contains("not the cluster's public one")
-        );
+        // IPv4, IPv6, and an IPv4 client of a dual-stack listener (given by
+        // its IPv4 address, as its packets carry it).
+        let dual = TcpListener::bind("[::]:0").unwrap();
+        for (listener, to) in [
+            (&listener, listener.local_addr().unwrap()),
+            (
+                &dual,
+                (Ipv6Addr::LOCALHOST, dual.local_addr().unwrap().port()).into(),
+            ),
+            (
+                &dual,
+                (Ipv4Addr::LOCALHOST, dual.local_addr().unwrap().port()).into(),
+            ),
+        ] {
+            let client = TcpStream::connect(to).unwrap();
+            let (served, _) = listener.accept().unwrap();
+            let e = examine(served.as_fd(), lo).unwrap();
+            assert_eq!(e.flow.local_port, to.port());
+            assert_eq!(e.flow.remote, client.local_addr().unwrap(), "to {to}");
+            let elsewhere = PublicAddresses {
+                v4: Some(Ipv4Addr::new(198, 18, 0, 100)),
+                v6: Some("2001:2::100".parse().unwrap()),
+            };
+            assert!(
+                refusal(examine(served.as_fd(), elsewhere))
+                    .contains("not the cluster's public one")
+            );
+        }
     }
 }

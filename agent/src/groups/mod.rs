@@ -47,7 +47,6 @@ mod saved;
 pub mod service;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -238,8 +237,8 @@ impl GroupState {
 #[derive(Debug)]
 pub struct Groups {
     node: String,
-    /// The cluster's public address (the connections' local address).
-    public: Ipv4Addr,
+    /// The cluster's public addresses (the connections' local address).
+    public: crate::config::PublicAddresses,
     ports: Arc<Ports>,
     dataplane: Arc<DataPlane>,
     cluster: Arc<Cluster>,
@@ -273,7 +272,7 @@ pub struct Groups {
 impl Groups {
     pub fn new(
         node: &str,
-        public: Ipv4Addr,
+        public: crate::config::PublicAddresses,
         ports: Arc<Ports>,
         dataplane: Arc<DataPlane>,
         cluster: Arc<Cluster>,
@@ -792,10 +791,7 @@ impl Groups {
             .filter(|(remote, p)| {
                 *p == port
                     && g.connections
-                        .get(&Flow {
-                            remote: *remote,
-                            local_port: port,
-                        })
+                        .get(&Flow::new(*remote, port))
                         .is_none_or(|n| *n == self.node)
             })
             .count() as u64;
@@ -868,7 +864,10 @@ pub(crate) fn flow_from_pb(c: Option<&pb::GroupConnection>) -> Result<Flow, Grou
     })?;
     let remote = c.remote.parse().map_err(|e| GroupsError::Invalid {
         field: "connection.remote",
-        reason: format!("{:?}: {e} (an IPv4 address and port)", c.remote),
+        reason: format!(
+            "{:?}: {e} (an address and port: a.b.c.d:p or [v6]:p)",
+            c.remote
+        ),
     })?;
     let local_port = u16::try_from(c.port)
         .ok()
@@ -877,7 +876,7 @@ pub(crate) fn flow_from_pb(c: Option<&pb::GroupConnection>) -> Result<Flow, Grou
             field: "connection.port",
             reason: format!("{} is not a TCP port", c.port),
         })?;
-    Ok(Flow { remote, local_port })
+    Ok(Flow::new(remote, local_port))
 }
 
 #[cfg(test)]

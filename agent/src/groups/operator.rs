@@ -43,13 +43,24 @@ impl Groups {
 
 /// The inode of the TCP socket of `flow` in this network namespace.
 fn inode_of(flow: Flow) -> Result<u64, GroupsError> {
-    let text = std::fs::read_to_string("/proc/self/net/tcp")
-        .map_err(|e| GroupsError::Internal(format!("/proc/self/net/tcp: {e}")))?;
-    find_inode(&text, flow)
-        .ok_or_else(|| GroupsError::NotAConnection(format!("no connection {flow} on this node")))
+    for table in super::chain::TCP_TABLES {
+        let text = match std::fs::read_to_string(table) {
+            Ok(text) => text,
+            // No IPv6 in this kernel: no tcp6 table.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(GroupsError::Internal(format!("{table}: {e}"))),
+        };
+        if let Some(inode) = find_inode(&text, flow) {
+            return Ok(inode);
+        }
+    }
+    Err(GroupsError::NotAConnection(format!(
+        "no connection {flow} on this node"
+    )))
 }
 
-/// `flow`'s socket inode in a /proc/net/tcp text (not a listener's).
+/// `flow`'s socket inode in a /proc/net/tcp or tcp6 text (not a
+/// listener's).
 fn find_inode(text: &str, flow: Flow) -> Option<u64> {
     super::chain::tcp_entries(text)
         .find(|e| !e.listening && e.local.port() == flow.local_port && e.remote == flow.remote)
@@ -105,12 +116,18 @@ mod tests {
         let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   \
             0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1 0000000000000000 100 0 0 10 0\n   \
             1: 640012C6:1F90 0B0012C6:9D2C 01 00000000:00000000 00:00000000 00000000     0        0 222 1 0000000000000000 20 4 30 10 -1\n";
-        let flow = |remote: &str| Flow {
-            remote: remote.parse().unwrap(),
-            local_port: 8080,
-        };
+        let flow = |remote: &str| Flow::new(remote.parse().unwrap(), 8080);
         assert_eq!(find_inode(text, flow("198.18.0.11:40236")), Some(222));
         assert_eq!(find_inode(text, flow("198.18.0.11:40237")), None);
         assert_eq!(find_inode(text, flow("0.0.0.0:0")), None);
+        // /proc/net/tcp6: an IPv6 client, and an IPv4 one of a dual-stack
+        // listener (::ffff:198.18.0.12), each found by its own address.
+        let text6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   \
+            0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 333 1 0000000000000000 100 0 0 10 0\n   \
+            1: 02000120000000000000000000010000:1F90 02000120000000000000000011000000:9D2C 01 00000000:00000000 00:00000000 00000000     0        0 444 1 0000000000000000 20 4 30 10 -1\n   \
+            2: 0000000000000000FFFF0000640012C6:1F90 0000000000000000FFFF00000C0012C6:9D2D 01 00000000:00000000 00:00000000 00000000     0        0 555 1 0000000000000000 20 4 30 10 -1\n";
+        assert_eq!(find_inode(text6, flow("[2001:2::11]:40236")), Some(444));
+        assert_eq!(find_inode(text6, flow("198.18.0.12:40237")), Some(555));
+        assert_eq!(find_inode(text6, flow("[::]:0")), None);
     }
 }

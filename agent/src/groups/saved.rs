@@ -206,10 +206,7 @@ impl Groups {
         Ok(live
             .into_iter()
             .filter(|(_, p)| *p == port)
-            .map(|(remote, _)| Flow {
-                remote,
-                local_port: port,
-            })
+            .map(|(remote, _)| Flow::new(remote, port))
             .filter(|f| match entries.get(f) {
                 Some(FlowState::Owned) => true,
                 None => port_owner,

@@ -451,7 +451,7 @@ fn a_captured_datagram_and_a_peeked_one_get_the_same_key() {
     ip.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
     ip.extend_from_slice(&[0, 0]);
     ip.extend_from_slice(payload);
-    let peer = SocketAddrV4::new(Ipv4Addr::new(198, 18, 1, 2), 40000);
+    let peer = SocketAddrV4::new(Ipv4Addr::new(198, 18, 1, 2), 40000).into();
     assert_eq!(key_of_packet(&ip), Some(datagram_key(peer, 7000, payload)));
     // Another payload, port or peer is another datagram.
     assert_ne!(key_of_packet(&ip), Some(datagram_key(peer, 7001, payload)));
@@ -463,12 +463,31 @@ fn a_captured_datagram_and_a_peeked_one_get_the_same_key() {
     let mut tcp = ip.clone();
     tcp[9] = 6;
     assert_eq!(key_of_packet(&tcp), None);
+    // IPv6: the packet the replay builds for a peeked datagram has the
+    // peeked datagram's key; another peer address is another datagram.
+    let peer6: std::net::SocketAddr = "[2001:2::1:2]:40000".parse().unwrap();
+    let local6: std::net::SocketAddr = "[2001:2::100]:7000".parse().unwrap();
+    let ip6 = ferry_ebpf::udp_datagram(peer6, local6, payload).unwrap();
+    assert_eq!(
+        key_of_packet(&ip6),
+        Some(datagram_key(peer6, 7000, payload))
+    );
+    assert_ne!(key_of_packet(&ip6), key_of_packet(&ip));
+    let mut tcp6 = ip6.clone();
+    tcp6[6] = 6;
+    assert_eq!(key_of_packet(&tcp6), None);
+    assert_eq!(key_of_packet(&ip6[..44]), None);
 }
 
 /// A child process owning `sock`, with three datagrams from `sender`
 /// queued in it: what [`queued_datagrams`] reads from the stopped tree.
 fn queued_in_a_child(sock: &std::net::UdpSocket, to: std::net::SocketAddr) -> Vec<QueuedDatagram> {
-    let sender = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let sender = if to.is_ipv4() {
+        std::net::UdpSocket::bind("127.0.0.1:0")
+    } else {
+        std::net::UdpSocket::bind("[::1]:0")
+    }
+    .unwrap();
     sock.set_nonblocking(true).unwrap();
     for i in 0..3u8 {
         sender.send_to(&[i; 5], to).unwrap();
@@ -505,10 +524,7 @@ fn queued_in_a_child(sock: &std::net::UdpSocket, to: std::net::SocketAddr) -> Ve
     let _ = child.kill();
     let _ = child.wait();
     let queued = queued.expect("peek");
-    let peer = match sender.local_addr().unwrap() {
-        std::net::SocketAddr::V4(a) => a,
-        _ => unreachable!(),
-    };
+    let peer = sender.local_addr().unwrap();
     for (i, d) in queued.iter().enumerate() {
         assert_eq!(d.peer, peer);
         assert_eq!(d.key(), datagram_key(peer, to.port(), &[i as u8; 5]));
@@ -547,7 +563,7 @@ fn unread_datagrams_are_read_whole_with_their_addresses_and_left_in_the_queue() 
     let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let to = sock.local_addr().unwrap();
     let queued = queued_in_a_child(&sock, to);
-    let local = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, to.port());
+    let local = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, to.port()));
     let payloads: Vec<_> = queued.iter().map(|d| d.payload.clone()).collect();
     assert_eq!(payloads, [[0u8; 5], [1; 5], [2; 5]]);
     assert!(queued.iter().all(|d| d.local == local), "{queued:?}");
@@ -565,7 +581,7 @@ fn unread_datagrams_are_read_whole_with_their_addresses_and_left_in_the_queue() 
     assert!(
         queued
             .iter()
-            .all(|d| d.local == std::net::SocketAddrV4::new([127, 0, 0, 2].into(), port)),
+            .all(|d| d.local == std::net::SocketAddr::from(([127, 0, 0, 2], port))),
         "{queued:?}"
     );
     still_queued(&sock, true);
@@ -580,8 +596,27 @@ fn a_dual_stack_sockets_ipv4_datagrams_are_read_as_ipv4() {
     let to = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let queued = queued_in_a_child(&sock, to);
     assert_eq!(queued.len(), 3);
-    let local = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, port);
+    let local = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
     assert!(queued.iter().all(|d| d.local == local), "{queued:?}");
+    assert!(queued.iter().all(|d| d.peer.is_ipv4()), "{queued:?}");
+    still_queued(&sock, false);
+}
+
+/// An IPv6 socket's IPv6 datagrams: read with their IPv6 addresses, and
+/// rebuilt by the replay as the IPv6 packets they arrived as.
+#[test]
+fn an_ipv6_sockets_datagrams_are_read_with_their_ipv6_addresses() {
+    let sock = std::net::UdpSocket::bind("[::]:0").expect("an IPv6 socket");
+    let port = sock.local_addr().unwrap().port();
+    let to = std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+    let queued = queued_in_a_child(&sock, to);
+    assert_eq!(queued.len(), 3);
+    assert!(queued.iter().all(|d| d.local == to), "{queued:?}");
+    for d in &queued {
+        let packet = ferry_ebpf::udp_datagram(d.peer, d.local, &d.payload).unwrap();
+        assert_eq!(packet[0] >> 4, 6);
+        assert_eq!(key_of_packet(&packet), Some(d.key()));
+    }
     still_queued(&sock, false);
 }
 

@@ -7,7 +7,7 @@
 //! a queue without consuming it; `IP_PKTINFO` gives each datagram's
 //! destination address) and sends those datagrams, whole, in the Commit
 //! (peer protocol 8). The destination hands them to the restored sockets
-//! first, rebuilt as the IPv4 packets they arrived as, then replays what it
+//! first, rebuilt as the IPv4 or IPv6 packets they arrived as, then replays what it
 //! captured and the source did not deliver: every datagram once, in the
 //! order it arrived. Nothing is consumed on the source: after an abort the
 //! process reads its queue itself.
@@ -18,7 +18,7 @@
 
 use std::collections::HashSet;
 use std::io::IoSliceMut;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use nix::sys::socket::{
@@ -36,11 +36,11 @@ const SO_PEEK_OFF: libc::c_int = 42;
 /// A datagram waiting, unread, in a stopped process's UDP socket.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueuedDatagram {
-    /// Its sender.
-    pub peer: SocketAddrV4,
-    /// The address it was sent to (from `IP_PKTINFO`: the IP header's), and
-    /// the socket's port.
-    pub local: SocketAddrV4,
+    /// Its sender (an IPv4 one as such, also in a dual-stack socket).
+    pub peer: SocketAddr,
+    /// The address it was sent to (from `IP_PKTINFO` or `IPV6_PKTINFO`:
+    /// the IP header's), and the socket's port. Of the peer's family.
+    pub local: SocketAddr,
     pub payload: Vec<u8>,
 }
 
@@ -51,44 +51,66 @@ impl QueuedDatagram {
     }
 }
 
-/// The key of a datagram from `peer` to local port `port`.
-pub fn datagram_key(peer: SocketAddrV4, port: u16, payload: &[u8]) -> u64 {
-    let mut buf = Vec::with_capacity(8 + payload.len());
-    buf.extend_from_slice(&peer.ip().octets());
+/// The key of a datagram from `peer` to local port `port`: over the peer's
+/// address (4 or 16 bytes, an IPv4 one as such), port, the local port and
+/// the payload.
+pub fn datagram_key(peer: SocketAddr, port: u16, payload: &[u8]) -> u64 {
+    let mut buf = Vec::with_capacity(20 + payload.len());
+    match peer.ip().to_canonical() {
+        IpAddr::V4(ip) => buf.extend_from_slice(&ip.octets()),
+        IpAddr::V6(ip) => buf.extend_from_slice(&ip.octets()),
+    }
     buf.extend_from_slice(&peer.port().to_be_bytes());
     buf.extend_from_slice(&port.to_be_bytes());
     buf.extend_from_slice(payload);
     crate::dataplane::capture::digest(&buf)
 }
 
-/// The key of a captured IPv4 packet, if it is a whole UDP datagram.
+/// The key of a captured IPv4 or IPv6 packet, if it is a whole UDP
+/// datagram (an IPv6 one with UDP right after the fixed header).
 pub fn key_of_packet(ip: &[u8]) -> Option<u64> {
-    if ip.len() < 20 || ip[0] >> 4 != 4 || ip[9] != libc::IPPROTO_UDP as u8 {
-        return None;
-    }
-    // A fragment is not a datagram the socket saw as such.
-    let frag = u16::from_be_bytes([ip[6], ip[7]]);
-    if frag & 0x3fff != 0 {
-        return None;
-    }
-    let ihl = usize::from(ip[0] & 0x0f) * 4;
-    let total = usize::from(u16::from_be_bytes([ip[2], ip[3]])).min(ip.len());
-    let udp = ip.get(ihl..total)?;
+    let (src, l4, end): (IpAddr, usize, usize) = match *ip.first()? >> 4 {
+        4 => {
+            if ip.len() < 20 || ip[9] != libc::IPPROTO_UDP as u8 {
+                return None;
+            }
+            // A fragment is not a datagram the socket saw as such.
+            let frag = u16::from_be_bytes([ip[6], ip[7]]);
+            if frag & 0x3fff != 0 {
+                return None;
+            }
+            let src: [u8; 4] = ip[12..16].try_into().ok()?;
+            let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+            (src.into(), usize::from(ip[0] & 0x0f) * 4, total)
+        }
+        6 => {
+            if ip.len() < 40 || ip[6] != libc::IPPROTO_UDP as u8 {
+                return None;
+            }
+            let src: [u8; 16] = ip[8..24].try_into().ok()?;
+            (
+                src.into(),
+                40,
+                40 + usize::from(u16::from_be_bytes([ip[4], ip[5]])),
+            )
+        }
+        _ => return None,
+    };
+    let udp = ip.get(l4..end.min(ip.len()))?;
     if udp.len() < 8 {
         return None;
     }
     let len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
     let payload = udp.get(8..len.max(8).min(udp.len()))?;
-    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
     let sport = u16::from_be_bytes([udp[0], udp[1]]);
     let dport = u16::from_be_bytes([udp[2], udp[3]]);
-    Some(datagram_key(SocketAddrV4::new(src, sport), dport, payload))
+    Some(datagram_key(SocketAddr::new(src, sport), dport, payload))
 }
 
 /// The datagrams waiting, unread, in the UDP sockets of a stopped process
-/// tree, oldest first per socket: IPv4 sockets, and the IPv4 datagrams of
-/// dual-stack IPv6 ones (the data plane carries IPv4 only). Nothing is
-/// consumed, and each socket's options are as they were after.
+/// tree, oldest first per socket: IPv4 and IPv6 sockets (a dual-stack
+/// one's IPv4 datagrams as IPv4). Nothing is consumed, and each socket's
+/// options are as they were after.
 pub fn queued_datagrams(sockets: &StoppedSockets) -> Result<Vec<QueuedDatagram>, SockStateError> {
     let mut queued = Vec::new();
     for (inode, fd) in sockets.udp() {
@@ -120,10 +142,9 @@ fn peek_all(
     let nix_err = |op: &'static str| move |e: nix::Error| err(op)(std::io::Error::from(e));
     let local = getsockname::<SockaddrStorage>(fd.as_raw_fd()).map_err(nix_err("getsockname"))?;
     let (family, bound) = if let Some(a) = local.as_sockaddr_in() {
-        (Family::V4, SocketAddrV4::from(*a))
+        (Family::V4, SocketAddr::from(*a))
     } else if let Some(a) = local.as_sockaddr_in6() {
-        let ip = a.ip().to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED);
-        (Family::V6, SocketAddrV4::new(ip, a.port()))
+        (Family::V6, SocketAddr::new(a.ip().to_canonical(), a.port()))
     } else {
         return Ok(());
     };
@@ -161,7 +182,7 @@ fn peek_all(
 fn peek_each(
     fd: BorrowedFd<'_>,
     family: Family,
-    bound: SocketAddrV4,
+    bound: SocketAddr,
     queued: &mut Vec<QueuedDatagram>,
 ) -> nix::Result<()> {
     let mut buf = vec![0u8; 65536];
@@ -181,39 +202,38 @@ fn peek_each(
                 Err(nix::Error::EINTR) => continue,
                 Err(e) => return Err(e),
             };
-            let peer = msg.address.as_ref().and_then(ipv4_of);
+            let peer = msg.address.as_ref().and_then(inet_of);
             let mut dst = None;
             for c in msg.cmsgs()? {
                 match c {
                     ControlMessageOwned::Ipv4PacketInfo(i) if family == Family::V4 => {
-                        dst = Some(Ipv4Addr::from(u32::from_be(i.ipi_addr.s_addr)));
+                        dst = Some(IpAddr::from(u32::from_be(i.ipi_addr.s_addr).to_be_bytes()));
                     }
                     ControlMessageOwned::Ipv6PacketInfo(i) if family == Family::V6 => {
-                        dst = std::net::Ipv6Addr::from(i.ipi6_addr.s6_addr).to_ipv4_mapped();
+                        dst = Some(IpAddr::from(i.ipi6_addr.s6_addr).to_canonical());
                     }
                     _ => {}
                 }
             }
             (msg.bytes, peer, dst)
         };
-        // An IPv6 datagram in a dual-stack socket: not the data plane's.
         let Some(peer) = peer else { continue };
-        let dst = dst.unwrap_or(*bound.ip());
+        let dst = dst.unwrap_or(bound.ip());
         queued.push(QueuedDatagram {
             peer,
-            local: SocketAddrV4::new(dst, bound.port()),
+            local: SocketAddr::new(dst, bound.port()),
             payload: buf[..len.min(buf.len())].to_vec(),
         });
     }
 }
 
-/// An IPv4 address, or an IPv4-mapped IPv6 one, as IPv4.
-fn ipv4_of(a: &SockaddrStorage) -> Option<SocketAddrV4> {
+/// An IPv4 or IPv6 address, an IPv4-mapped one as IPv4.
+fn inet_of(a: &SockaddrStorage) -> Option<SocketAddr> {
     if let Some(v4) = a.as_sockaddr_in() {
-        return Some(SocketAddrV4::from(*v4));
+        return Some(SocketAddr::from(*v4));
     }
     let v6 = a.as_sockaddr_in6()?;
-    Some(SocketAddrV4::new(v6.ip().to_ipv4_mapped()?, v6.port()))
+    Some(SocketAddr::new(v6.ip().to_canonical(), v6.port()))
 }
 
 /// Gives the UDP sockets of a restored tree their own receive buffer back

@@ -13,6 +13,38 @@ use aya::programs::{SchedClassifier, TcAttachType};
 use ferry_ebpf::OwnershipFilter;
 
 pub const NODE_IP: &str = "198.18.1.100";
+/// The node's IPv6 address, in the benchmarking prefix 2001:2::/48 (RFC
+/// 5180), IPv6's counterpart of 198.18.0.0/15.
+pub const NODE_IP6: &str = "2001:2:0:1::100";
+
+/// The address family a test runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The node's address and `port`.
+    pub fn addr(self, port: u16) -> SocketAddr {
+        match self {
+            Family::V4 => format!("{NODE_IP}:{port}"),
+            Family::V6 => format!("[{NODE_IP6}]:{port}"),
+        }
+        .parse()
+        .unwrap()
+    }
+
+    /// The wildcard address of the family and `port`, to bind to.
+    pub fn any(self, port: u16) -> SocketAddr {
+        match self {
+            Family::V4 => format!("0.0.0.0:{port}"),
+            Family::V6 => format!("[::]:{port}"),
+        }
+        .parse()
+        .unwrap()
+    }
+}
 pub const NODE_IFACE: &str = "pub0";
 
 pub fn is_root() -> bool {
@@ -76,29 +108,38 @@ impl Net {
             "netns",
             &net.node,
         ]);
-        for (ns, dev, addr) in [
-            (&net.client, "eth0", "198.18.1.1/24"),
-            (&net.node, NODE_IFACE, "198.18.1.100/24"),
+        for (ns, dev, addr, addr6) in [
+            (&net.client, "eth0", "198.18.1.1/24", "2001:2:0:1::1/64"),
+            (
+                &net.node,
+                NODE_IFACE,
+                "198.18.1.100/24",
+                "2001:2:0:1::100/64",
+            ),
         ] {
             ip(&["-n", ns, "addr", "add", addr, "dev", dev]);
+            // nodad: usable at once (no second of duplicate detection).
+            ip(&["-n", ns, "addr", "add", addr6, "dev", dev, "nodad"]);
             ip(&["-n", ns, "link", "set", dev, "up"]);
             ip(&["-n", ns, "link", "set", "lo", "up"]);
         }
         // As in the cluster: every frame for the node's address is a
         // broadcast frame, so it arrives as PACKET_BROADCAST.
-        ip(&[
-            "-n",
-            &net.client,
-            "neigh",
-            "replace",
-            NODE_IP,
-            "lladdr",
-            "ff:ff:ff:ff:ff:ff",
-            "dev",
-            "eth0",
-            "nud",
-            "permanent",
-        ]);
+        for node_ip in [NODE_IP, NODE_IP6] {
+            ip(&[
+                "-n",
+                &net.client,
+                "neigh",
+                "replace",
+                node_ip,
+                "lladdr",
+                "ff:ff:ff:ff:ff:ff",
+                "dev",
+                "eth0",
+                "nud",
+                "permanent",
+            ]);
+        }
         net
     }
 

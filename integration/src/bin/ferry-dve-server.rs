@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 use std::process::ExitCode;
 
@@ -34,9 +34,9 @@ struct Args {
     /// TCP and UDP port to serve.
     #[arg(long, default_value_t = 7000)]
     port: u16,
-    /// Address to bind.
-    #[arg(long, default_value_t = Ipv4Addr::UNSPECIFIED)]
-    bind: Ipv4Addr,
+    /// Address to bind (`::` takes IPv6 and IPv4 clients alike).
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    bind: IpAddr,
     /// Keep every Nth accepted connection open across exec (FD_CLOEXEC
     /// cleared), as a server that hands connections to the programs it
     /// runs would; 0: none. A migration must give back each descriptor's
@@ -69,7 +69,7 @@ struct Conn {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let addr = SocketAddrV4::new(args.bind, args.port);
+    let addr = SocketAddr::new(args.bind, args.port);
     let bound = TcpListener::bind(addr).and_then(|l| Ok((l, UdpSocket::bind(addr)?)));
     let (listener, udp) = match bound {
         Ok(b) => b,

@@ -8,7 +8,7 @@
 //! stderr after start (they are /dev/null under the agent, and may be gone).
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -23,9 +23,9 @@ struct Args {
     /// TCP port to listen on.
     #[arg(long, default_value_t = 7000)]
     port: u16,
-    /// Address to bind.
-    #[arg(long, default_value_t = Ipv4Addr::UNSPECIFIED)]
-    bind: Ipv4Addr,
+    /// Address to bind (`::` takes IPv6 and IPv4 clients alike).
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    bind: IpAddr,
     /// Exit with this code on SIGTERM (a handler, as real servers have;
     /// without one, SIGTERM from outside the PID namespace whose init this
     /// server is never reaches it).
@@ -73,14 +73,12 @@ fn main() -> ExitCode {
         }
     }
     // std's bind sets SO_REUSEADDR, so a restart right after a crash works.
-    let listener = match TcpListener::bind(SocketAddrV4::new(args.bind, args.port)) {
+    let addr = SocketAddr::new(args.bind, args.port);
+    let listener = match TcpListener::bind(addr) {
         Ok(l) => l,
         Err(e) => {
             // The only message this program ever prints: before serving.
-            eprintln!(
-                "ferry-echo-server: binding {}:{}: {e}",
-                args.bind, args.port
-            );
+            eprintln!("ferry-echo-server: binding {addr}: {e}");
             return ExitCode::FAILURE;
         }
     };

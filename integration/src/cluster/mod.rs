@@ -364,9 +364,10 @@ impl Cluster {
             let bpf = Tmpfs::mount_bpffs(&node.dir.join("bpf"))?;
             let mut init = NodeInit::new(
                 &node.name,
-                (topology::PUBLIC_IFACE, topology::PUBLIC_ADDR),
+                (topology::PUBLIC_IFACE, topology::PUBLIC_ADDR.into()),
                 (topology::CLUSTER_IFACE, node.cluster_addr),
             );
+            init.public_address6 = Some(topology::PUBLIC_ADDR6);
             init.peer_port = topology::PEER_PORT;
             init.work_dir = work.path().to_owned();
             init.criu_path = criu.clone();
@@ -419,18 +420,33 @@ impl Cluster {
         Ok(())
     }
 
-    /// Creates `<id>-<role>` with IPv6 off: the tests use IPv4 only, and
-    /// router solicitations and MLD reports would otherwise be flooded to
-    /// every node's public interface.
+    /// Creates `<id>-<role>`. The public side is dual-stack, so nodes and
+    /// clients keep IPv6, quiet: no router solicitations, no router
+    /// advertisements taken, no duplicate address detection (the shared
+    /// address is on every node by design), so that what crosses the
+    /// public bridge is the tests' own traffic. The router namespace, a
+    /// bridge only, has IPv6 off.
     fn create_netns(&self, role: &str) -> Result<NetNs, ClusterError> {
         let ns = NetNs::create(&format!("{}-{role}", self.id))?;
-        for key in [
-            "net.ipv6.conf.all.disable_ipv6",
-            "net.ipv6.conf.default.disable_ipv6",
-        ] {
-            if let Err(e) = netns::set_sysctl(&ns.path(), key, "1") {
-                // A kernel without IPv6 has nothing to disable.
-                tracing::debug!(netns = ns.name(), error = %e, "disabling IPv6");
+        let settings: &[(&str, &str)] = if role == "r" {
+            &[
+                ("net.ipv6.conf.all.disable_ipv6", "1"),
+                ("net.ipv6.conf.default.disable_ipv6", "1"),
+            ]
+        } else {
+            &[
+                ("net.ipv6.conf.all.accept_ra", "0"),
+                ("net.ipv6.conf.default.accept_ra", "0"),
+                ("net.ipv6.conf.all.router_solicitations", "0"),
+                ("net.ipv6.conf.default.router_solicitations", "0"),
+                ("net.ipv6.conf.all.accept_dad", "0"),
+                ("net.ipv6.conf.default.accept_dad", "0"),
+            ]
+        };
+        for (key, value) in settings {
+            if let Err(e) = netns::set_sysctl(&ns.path(), key, value) {
+                // A kernel without IPv6 has no such setting.
+                tracing::debug!(netns = ns.name(), key, error = %e, "IPv6 setting");
             }
         }
         Ok(ns)
@@ -690,7 +706,7 @@ impl Cluster {
 
     /// Peers of the ESTABLISHED TCP sockets on `local_port` in the node.
     /// Panics if the node's sockets cannot be read.
-    pub fn established_tcp(&self, node: &str, local_port: u16) -> Vec<SocketAddrV4> {
+    pub fn established_tcp(&self, node: &str, local_port: u16) -> Vec<SocketAddr> {
         inspect::established_peers(&self.node(node).netns.path(), local_port)
             .unwrap_or_else(|e| panic!("sockets of {node}: {e}"))
     }
@@ -702,7 +718,7 @@ impl Cluster {
         &self,
         node: &str,
         local_port: u16,
-    ) -> Vec<(SocketAddrV4, u8)> {
+    ) -> Vec<(SocketAddr, u8)> {
         inspect::tcp_sockets(&self.node(node).netns.path())
             .unwrap_or_else(|e| panic!("sockets of {node}: {e}"))
             .into_iter()
@@ -713,7 +729,8 @@ impl Cluster {
 
     /// The nodes holding an ESTABLISHED socket on `local_port` connected to
     /// `peer` (normally exactly one).
-    pub fn nodes_holding(&self, peer: SocketAddrV4, local_port: u16) -> Vec<String> {
+    pub fn nodes_holding(&self, peer: impl Into<SocketAddr>, local_port: u16) -> Vec<String> {
+        let peer = peer.into();
         self.nodes
             .iter()
             .filter(|n| self.established_tcp(&n.name, local_port).contains(&peer))

@@ -2,7 +2,7 @@
 //! `check`), from inside a client namespace.
 
 use std::io::{self, BufRead, BufReader, Write};
-use std::net::{SocketAddrV4, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
@@ -14,15 +14,16 @@ use crate::netns::NetNsGuard;
 /// `timeout` for the answer.
 pub fn request_line(
     netns: &Path,
-    target: SocketAddrV4,
+    target: impl Into<SocketAddr>,
     command: &str,
     timeout: Duration,
 ) -> io::Result<String> {
+    let target: SocketAddr = target.into();
     let netns = netns.to_owned();
     let command = command.to_owned();
     std::thread::spawn(move || -> io::Result<String> {
         let _in = NetNsGuard::enter(&netns).map_err(io::Error::other)?;
-        let mut stream = TcpStream::connect_timeout(&target.into(), Duration::from_secs(10))?;
+        let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(10))?;
         stream.set_read_timeout(Some(timeout))?;
         writeln!(stream, "{command}")?;
         let mut line = String::new();

@@ -2,7 +2,7 @@
 //! test can look up which node holds its server side.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -18,8 +18,8 @@ const PROBE_MESSAGE_LEN: usize = 64;
 #[derive(Debug)]
 pub struct ProbeConnection {
     stream: TcpStream,
-    local: SocketAddrV4,
-    target: SocketAddrV4,
+    local: SocketAddr,
+    target: SocketAddr,
     seq: u64,
     verifier: Verifier,
 }
@@ -27,17 +27,18 @@ pub struct ProbeConnection {
 impl ProbeConnection {
     /// Connects from the namespace at `netns` to `target` and does one
     /// checked round trip (5 s bounds on each step).
-    pub fn open(netns: &Path, target: SocketAddrV4) -> Result<Self, SeqError> {
+    pub fn open(netns: &Path, target: impl Into<SocketAddr>) -> Result<Self, SeqError> {
+        let target = target.into();
         probe_once(netns, target, Duration::from_secs(5))
     }
 
     /// The client side of the connection: the peer address the server's
     /// socket shows (see `Cluster::nodes_holding`).
-    pub fn local_addr(&self) -> SocketAddrV4 {
+    pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
-    pub fn target(&self) -> SocketAddrV4 {
+    pub fn target(&self) -> SocketAddr {
         self.target
     }
 
@@ -81,7 +82,7 @@ impl ProbeConnection {
 /// round trip, each step bounded by `timeout`.
 pub fn probe_once(
     netns: &Path,
-    target: SocketAddrV4,
+    target: SocketAddr,
     timeout: Duration,
 ) -> Result<ProbeConnection, SeqError> {
     let io = |what| {
@@ -93,10 +94,8 @@ pub fn probe_once(
     };
     // The socket is created inside the namespace and stays there; the
     // stream itself is then usable from any thread.
-    let stream = netns::run_in(netns, || {
-        TcpStream::connect_timeout(&SocketAddr::V4(target), timeout)
-    })?
-    .map_err(io("connecting"))?;
+    let stream = netns::run_in(netns, || TcpStream::connect_timeout(&target, timeout))?
+        .map_err(io("connecting"))?;
     stream
         .set_nodelay(true)
         .map_err(io("setting TCP_NODELAY"))?;
@@ -106,12 +105,7 @@ pub fn probe_once(
     stream
         .set_write_timeout(Some(timeout))
         .map_err(io("setting the write timeout"))?;
-    let local = match stream.local_addr().map_err(io("local address"))? {
-        SocketAddr::V4(a) => a,
-        SocketAddr::V6(a) => {
-            return Err(SeqError::Invalid(format!("IPv6 local address {a}")));
-        }
-    };
+    let local = stream.local_addr().map_err(io("local address"))?;
     let mut probe = ProbeConnection {
         stream,
         local,

@@ -1,7 +1,7 @@
 //! What a [`SeqClient`](super::SeqClient) observed.
 
 use std::fmt;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::pattern::Mismatch;
@@ -119,7 +119,7 @@ pub struct Gap {
 #[derive(Debug, Clone)]
 pub struct ConnReport {
     pub id: usize,
-    pub local: SocketAddrV4,
+    pub local: SocketAddr,
     pub sent_bytes: u64,
     pub verified_bytes: u64,
     pub message_len: usize,
@@ -145,7 +145,7 @@ impl ConnReport {
 /// Everything a [`SeqClient`](super::SeqClient) saw, returned by `stop`.
 #[derive(Debug, Clone)]
 pub struct SeqReport {
-    pub target: SocketAddrV4,
+    pub target: SocketAddr,
     pub started: Instant,
     pub stopped: Instant,
     pub connections: Vec<ConnReport>,

@@ -9,7 +9,7 @@
 //! those bytes can be read, so the accounting is exact.
 
 use std::cell::{Cell, RefCell};
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,29 +46,29 @@ pub enum SeqError {
     #[error("connection {conn} to {target}: {source}")]
     Connect {
         conn: usize,
-        target: SocketAddrV4,
+        target: SocketAddr,
         source: std::io::Error,
     },
     #[error("connection {conn} to {target}: no answer within {timeout:?}")]
     ConnectTimeout {
         conn: usize,
-        target: SocketAddrV4,
+        target: SocketAddr,
         timeout: Duration,
     },
     #[error("probe of {target}: {what}: {source}")]
     Probe {
-        target: SocketAddrV4,
+        target: SocketAddr,
         what: &'static str,
         source: std::io::Error,
     },
     #[error("probe of {target}: echo differs from what was sent at byte {offset}")]
-    ProbeMismatch { target: SocketAddrV4, offset: u64 },
+    ProbeMismatch { target: SocketAddr, offset: u64 },
     #[error("the client thread panicked")]
     Panicked,
     #[error("connection {conn} ({local}) failed: {error}")]
     ConnectionFailed {
         conn: usize,
-        local: SocketAddrV4,
+        local: SocketAddr,
         error: String,
     },
     #[error(
@@ -115,7 +115,7 @@ pub struct SeqSnapshot {
 #[derive(Debug, Clone)]
 struct Params {
     netns: PathBuf,
-    target: SocketAddrV4,
+    target: SocketAddr,
     connections: usize,
     interval: Duration,
     message_len: usize,
@@ -128,7 +128,7 @@ pub struct SeqClient {
     params: Params,
     phase: Arc<watch::Sender<Phase>>,
     live: Arc<Vec<Live>>,
-    locals: Vec<SocketAddrV4>,
+    locals: Vec<SocketAddr>,
     started: Instant,
     thread: Option<JoinHandle<Vec<ConnReport>>>,
 }
@@ -140,11 +140,12 @@ impl SeqClient {
     /// as fast as the connection takes them).
     pub fn start(
         netns: impl AsRef<Path>,
-        target: SocketAddrV4,
+        target: impl Into<SocketAddr>,
         connections: usize,
         interval: Duration,
         message_len: usize,
     ) -> Result<Self, SeqError> {
+        let target = target.into();
         if connections == 0 {
             return Err(SeqError::Invalid("at least one connection".into()));
         }
@@ -197,9 +198,10 @@ impl SeqClient {
     /// connection has had an answer (bounded by 10 s).
     pub fn dve(
         netns: impl AsRef<Path>,
-        target: SocketAddrV4,
+        target: impl Into<SocketAddr>,
         connections: usize,
     ) -> Result<Self, SeqError> {
+        let target = target.into();
         let client = Self::start(netns, target, connections, Duration::from_millis(50), 256)?;
         client.wait_until_flowing(Duration::from_secs(10))?;
         Ok(client)
@@ -210,17 +212,18 @@ impl SeqClient {
     /// whichever node holds it).
     pub fn probe_once(
         netns: impl AsRef<Path>,
-        target: SocketAddrV4,
+        target: impl Into<SocketAddr>,
     ) -> Result<ProbeConnection, SeqError> {
+        let target = target.into();
         probe::probe_once(netns.as_ref(), target, CONNECT_TIMEOUT)
     }
 
-    pub fn target(&self) -> SocketAddrV4 {
+    pub fn target(&self) -> SocketAddr {
         self.params.target
     }
 
     /// The client side addresses of the connections, by connection id.
-    pub fn local_addrs(&self) -> &[SocketAddrV4] {
+    pub fn local_addrs(&self) -> &[SocketAddr] {
         &self.locals
     }
 
@@ -364,7 +367,7 @@ impl Drop for SeqClient {
     }
 }
 
-type Ready = Result<Vec<SocketAddrV4>, SeqError>;
+type Ready = Result<Vec<SocketAddr>, SeqError>;
 
 /// The client thread: enter the namespace, connect, run until stopped.
 fn drive(
@@ -405,7 +408,7 @@ fn drive(
                 return Vec::new();
             }
         };
-        let locals: Vec<SocketAddrV4> = streams.iter().map(|(_, a)| *a).collect();
+        let locals: Vec<SocketAddr> = streams.iter().map(|(_, a)| *a).collect();
         if ready.send(Ok(locals.clone())).is_err() {
             return Vec::new();
         }
@@ -486,7 +489,7 @@ fn drive(
 
 /// Connects one after another: a burst of SYNs could overflow the server's
 /// accept backlog, which is not what the tests are about.
-async fn connect_all(params: &Params) -> Result<Vec<(TcpStream, SocketAddrV4)>, SeqError> {
+async fn connect_all(params: &Params) -> Result<Vec<(TcpStream, SocketAddr)>, SeqError> {
     let mut out = Vec::with_capacity(params.connections);
     for conn in 0..params.connections {
         let target = params.target;
@@ -511,10 +514,7 @@ async fn connect_all(params: &Params) -> Result<Vec<(TcpStream, SocketAddrV4)>, 
                 source,
             })?;
         let local = match stream.local_addr() {
-            Ok(SocketAddr::V4(a)) => a,
-            Ok(other) => {
-                return Err(SeqError::Invalid(format!("IPv6 local address {other}")));
-            }
+            Ok(a) => a,
             Err(source) => {
                 return Err(SeqError::Connect {
                     conn,
@@ -530,7 +530,7 @@ async fn connect_all(params: &Params) -> Result<Vec<(TcpStream, SocketAddrV4)>, 
 
 struct Conn {
     id: usize,
-    local: SocketAddrV4,
+    local: SocketAddr,
     message_len: usize,
     interval: Duration,
     /// When its first message leaves, after the writers start.

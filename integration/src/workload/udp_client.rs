@@ -6,7 +6,7 @@
 //! server's echoes reach it). All clients run on one thread inside the
 //! client's network namespace, paced by `poll(2)`.
 
-use std::net::{SocketAddrV4, UdpSocket};
+use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -56,7 +56,7 @@ pub struct UdpClientReport {
 /// What all clients saw.
 #[derive(Debug, Clone)]
 pub struct UdpReport {
-    pub target: SocketAddrV4,
+    pub target: SocketAddr,
     pub duration: Duration,
     pub clients: Vec<UdpClientReport>,
 }
@@ -136,11 +136,12 @@ impl UdpClients {
     /// `len`-byte datagram to `target` every `interval`.
     pub fn start(
         netns: impl AsRef<Path>,
-        target: SocketAddrV4,
+        target: impl Into<SocketAddr>,
         clients: usize,
         interval: Duration,
         len: usize,
     ) -> Result<Self, UdpClientError> {
+        let target = target.into();
         if clients == 0 || interval.is_zero() || !(UDP_HEADER..=1400).contains(&len) {
             return Err(UdpClientError::Invalid(format!(
                 "clients {clients} (>0), interval {interval:?} (>0), len {len} ({UDP_HEADER}..=1400)"
@@ -159,7 +160,12 @@ impl UdpClients {
                         let guard = NetNsGuard::enter(&netns).map_err(|e| e.to_string())?;
                         let mut v = Vec::new();
                         for id in 0..clients as u32 {
-                            let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+                            let any = if target.is_ipv4() {
+                                "0.0.0.0:0"
+                            } else {
+                                "[::]:0"
+                            };
+                            let s = UdpSocket::bind(any).map_err(|e| e.to_string())?;
                             s.connect(target).map_err(|e| e.to_string())?;
                             s.set_nonblocking(true).map_err(|e| e.to_string())?;
                             v.push(Client {
@@ -269,7 +275,7 @@ fn payload(id: u32, seq: u64, len: usize) -> Vec<u8> {
 
 fn run(
     mut clients: Vec<Client>,
-    target: SocketAddrV4,
+    target: SocketAddr,
     interval: Duration,
     len: usize,
     stop: &AtomicBool,

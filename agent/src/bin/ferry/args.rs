@@ -189,9 +189,14 @@ pub(crate) struct InitArgs {
     /// The interface on the clients' segment.
     #[arg(long, value_name = "IFACE")]
     pub(crate) public_interface: String,
-    /// The cluster's shared address (the same on every node).
+    /// The cluster's shared address (the same on every node), IPv4 or
+    /// IPv6.
     #[arg(long, value_name = "ADDRESS")]
-    pub(crate) public_address: std::net::Ipv4Addr,
+    pub(crate) public_address: std::net::IpAddr,
+    /// A dual-stack cluster's shared IPv6 address, beside an IPv4
+    /// --public-address.
+    #[arg(long, value_name = "ADDRESS")]
+    pub(crate) public_address6: Option<std::net::Ipv6Addr>,
     /// The interface on the cluster network.
     #[arg(long, value_name = "IFACE")]
     pub(crate) cluster_interface: String,

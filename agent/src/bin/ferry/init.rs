@@ -12,6 +12,7 @@ pub(crate) fn run(a: InitArgs) -> Result<()> {
         (&a.public_interface, a.public_address),
         (&a.cluster_interface, a.cluster_address),
     );
+    init.public_address6 = a.public_address6;
     init.peer_port = a.peer_port;
     init.peers = a
         .peers

@@ -34,8 +34,8 @@ pub async fn commit(
     let carried = crate::engine::queued::packets_from_commit(
         &req.queued_datagrams,
         crate::engine::queued::LocalAddresses {
-            public: engine.config.public.address,
-            cluster: engine.config.cluster.address,
+            public: engine.config.public.addresses(),
+            cluster: engine.config.cluster.address.into(),
         },
     )?;
     let mut slot = engine.incoming.lock().await;
