@@ -2,7 +2,7 @@
 //! `[[peers]]` and those membership found, their addresses, and Peer
 //! connections to them (mutual TLS when `[tls]` is set).
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,7 +44,7 @@ pub struct BadEndpoint(String);
 #[derive(Debug)]
 pub struct Cluster {
     node: String,
-    cluster_address: Ipv4Addr,
+    cluster_address: IpAddr,
     configured: Vec<PeerConfig>,
     /// SWIM membership, when `[membership] enabled`.
     membership: Option<Arc<Membership>>,
@@ -136,21 +136,18 @@ impl Cluster {
     }
 
     /// The cluster address of node `name` (this node's own included).
-    pub fn cluster_address_of(&self, name: &str) -> Option<Ipv4Addr> {
+    pub fn cluster_address_of(&self, name: &str) -> Option<IpAddr> {
         if name == self.node {
             return Some(self.cluster_address);
         }
-        match self.peer(name)?.address.ip() {
-            IpAddr::V4(a) => Some(a),
-            IpAddr::V6(_) => None,
-        }
+        Some(self.peer(name)?.address.ip())
     }
 
     /// The peer whose cluster address is `ip`.
-    pub fn peer_at(&self, ip: Ipv4Addr) -> Option<PeerConfig> {
+    pub fn peer_at(&self, ip: IpAddr) -> Option<PeerConfig> {
         self.known_peers()
             .into_iter()
-            .find(|p| p.address.ip() == IpAddr::V4(ip))
+            .find(|p| p.address.ip() == ip)
     }
 
     /// Where node `name`'s Peer port is reached: over mutual TLS when

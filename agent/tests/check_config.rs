@@ -247,6 +247,79 @@ fn ferryd_refuses_to_start_without_its_addresses() {
     assert!(!touched, "ferryd touched the node");
 }
 
+/// A network namespace, deleted on drop (also when the test fails).
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().unwrap();
+    assert!(out.status.success(), "ip {args:?}: {}", text(&out.stderr));
+}
+
+/// An IPv6 public address the host does not carry is refused at start as
+/// the IPv4 one is: in a namespace whose pub0 has the IPv4 shared address
+/// and clu0 the cluster one, but no IPv6 address, `[public] address6` is
+/// named with the interface and what it has. (That one on lo passes:
+/// ferryd's own unit test, as ferryd would then start.)
+#[test]
+fn ferryd_refuses_to_start_without_its_ipv6_public_address() {
+    let test = "ferryd_refuses_to_start_without_its_ipv6_public_address";
+    let root = nix::unistd::geteuid().is_root();
+    if ferry_testkit::skip(
+        test,
+        (!root).then(|| "needs root (a network namespace)".to_owned()),
+    ) {
+        return;
+    }
+    let ns = Netns(format!("fcc-{}", std::process::id()));
+    ip(&["netns", "add", &ns.0]);
+    for (dev, peer, addr) in [
+        ("pub0", "pub1", "198.18.0.100/24"),
+        ("clu0", "clu1", "198.19.0.1/24"),
+    ] {
+        ip(&[
+            "-n", &ns.0, "link", "add", dev, "type", "veth", "peer", "name", peer,
+        ]);
+        ip(&["-n", &ns.0, "addr", "add", addr, "dev", dev]);
+        ip(&["-n", &ns.0, "link", "set", dev, "up"]);
+    }
+    ip(&["-n", &ns.0, "link", "set", "lo", "up"]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = GOOD
+        .replace(
+            "work_dir = \"/run/ferry/work\"",
+            &format!(
+                "work_dir = {:?}\ncontrol_socket = {:?}",
+                dir.path().join("work").display().to_string(),
+                dir.path().join("control.sock").display().to_string()
+            ),
+        )
+        .replace(
+            "address = \"198.18.0.100\"",
+            "address = \"198.18.0.100\"\naddress6 = \"2001:2::100\"",
+        );
+    let path = dir.path().join("ferryd.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.0, FERRYD, "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[public] address6 2001:2::100 is not on interface pub0")
+            && err.contains("198.18.0.100"),
+        "{err}"
+    );
+}
+
 /// `ferryd --check --config FILE` counts the file's `features_off` as
 /// missing, as the agent does, and says where they come from.
 #[test]

@@ -36,7 +36,7 @@ mod tests {
         let mut init = NodeInit::new(
             "node1",
             ("pub0", Ipv4Addr::new(198, 18, 0, 100).into()),
-            ("clu0", Ipv4Addr::new(198, 19, 0, 1)),
+            ("clu0", Ipv4Addr::new(198, 19, 0, 1).into()),
         );
         init.work_dir = "/tmp/x/node1/work".into();
         init.control_socket = "/tmp/x/node1/control.sock".into();

@@ -4,7 +4,7 @@
 //! or an operator would.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use ferry_agent::security::certs::{self, Ca};
@@ -36,12 +36,11 @@ impl ClusterTls {
     /// A CA, a certificate per node (named and addressed as given), an
     /// observer's and an operator's client certificate (`observer.crt`,
     /// `operator.crt`) and a token per role, in `dir`.
-    pub fn generate(dir: &Path, nodes: &[(String, Ipv4Addr)]) -> Result<Self, SecurityError> {
+    pub fn generate(dir: &Path, nodes: &[(String, IpAddr)]) -> Result<Self, SecurityError> {
         let ca = Ca::generate("ferry-test", 2)?;
         ca.write(dir, false)?;
         for (name, ip) in nodes {
-            ca.node(name, &[IpAddr::V4(*ip)], 2)?
-                .write(dir, name, false)?;
+            ca.node(name, &[*ip], 2)?.write(dir, name, false)?;
         }
         for role in [Role::Observer, Role::Operator] {
             ca.client(role.as_str(), role, 2)?

@@ -69,6 +69,12 @@ pub const MAX_CLIENTS: usize = 89;
 /// Nodes are 198.19.0.i; any more than this is no longer a test of ferry.
 pub const MAX_NODES: usize = 64;
 
+/// Node `i` (1-based) on an IPv6 cluster network: 2001:2:1::i.
+pub fn node_cluster_addr6(i: usize) -> Ipv6Addr {
+    assert!((1..=MAX_NODES).contains(&i), "node index {i} out of range");
+    Ipv6Addr::new(0x2001, 2, 1, 0, 0, 0, 0, i as u16)
+}
+
 /// Node `i` (1-based) on the cluster network.
 pub fn node_cluster_addr(i: usize) -> Ipv4Addr {
     assert!((1..=MAX_NODES).contains(&i), "node index {i} out of range");
@@ -136,8 +142,12 @@ pub fn network_script() -> std::path::PathBuf {
 
 /// `ferry-network node`'s arguments for node `i` (1-based), run inside its
 /// namespace: the shared addresses on the public interface, no ARP answered
-/// for it, its own address on the cluster network.
-pub fn node_network_args(i: usize) -> Vec<String> {
+/// for it, its own address on the cluster network (of `cluster`'s family).
+pub fn node_network_args(i: usize, cluster: Family) -> Vec<String> {
+    let own = match cluster {
+        Family::V4 => format!("{}/24", node_cluster_addr(i)),
+        Family::V6 => format!("{}/64", node_cluster_addr6(i)),
+    };
     [
         "node",
         "--public",
@@ -149,7 +159,7 @@ pub fn node_network_args(i: usize) -> Vec<String> {
         "--cluster",
         CLUSTER_IFACE,
         "--address",
-        &format!("{}/24", node_cluster_addr(i)),
+        &own,
     ]
     .map(str::to_owned)
     .to_vec()

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
 use ferry_integration::managed::{list, migrate, run, runtime, wait_for_process};
+use ferry_integration::topology::Family;
 use ferry_proto::v1::control_client::ControlClient;
 use ferry_proto::v1::{
     Balancer, GetBalancerRequest, ListNodesRequest, MigrationOutcome, SetBalancerRequest,
@@ -291,10 +292,27 @@ fn nodes_found_by_membership_alone_are_listed_and_migrated_to() {
     if !ferry_integration::can_run("nodes_found_by_membership_alone_are_listed_and_migrated_to") {
         return;
     }
+    nodes_found_by_membership_alone_in(Family::V4);
+}
+
+/// The same on an IPv6 cluster network: the beacon goes to the link's
+/// all-nodes group, SWIM and the Peer API (mutual TLS) run over IPv6.
+#[test]
+fn nodes_found_by_membership_alone_on_an_ipv6_cluster_network_are_migrated_to() {
+    if !ferry_integration::can_run(
+        "nodes_found_by_membership_alone_on_an_ipv6_cluster_network_are_migrated_to",
+    ) {
+        return;
+    }
+    nodes_found_by_membership_alone_in(Family::V6);
+}
+
+fn nodes_found_by_membership_alone_in(cluster_family: Family) {
     let rt = runtime();
     let spec = ClusterSpec {
         extra_config: "[membership]\nenabled = true\nbeacon_interval_ms = 500\n".into(),
         static_peers: false,
+        cluster_family,
         ..ClusterSpec::new(2, 1)
     };
     let cluster = Cluster::start(spec).expect("cluster");
@@ -308,11 +326,14 @@ fn nodes_found_by_membership_alone_are_listed_and_migrated_to() {
                 .await
                 .expect("ListNodes")
                 .into_inner();
-            if r.nodes
+            if let Some(n) = r
+                .nodes
                 .iter()
-                .any(|n| n.name == "node2" && n.membership_state == "alive")
+                .find(|n| n.name == "node2" && n.membership_state == "alive")
             {
                 eprintln!("node1 found node2 by its beacon after {:?}", t0.elapsed());
+                let at: std::net::SocketAddr = n.peer_address.parse().expect("peer address");
+                assert_eq!(at.ip(), cluster.node_cluster_ip("node2"), "{n:?}");
                 break;
             }
             assert!(

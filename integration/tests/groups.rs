@@ -8,7 +8,7 @@
 //! (or `cargo xtask integration`).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddrV4, TcpStream};
+use std::net::{SocketAddr, SocketAddrV4, TcpStream};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -20,6 +20,7 @@ use ferry_integration::group::{
 };
 use ferry_integration::managed::{run, runtime};
 use ferry_integration::netns;
+use ferry_integration::topology::Family;
 use ferry_proto::v1 as pb;
 use ferry_proto::v1::control_client::ControlClient;
 use tonic::transport::Channel;
@@ -157,6 +158,28 @@ fn an_echo_stream_survives_a_handoff_in_both_directions() {
     let Some(cluster) = start("an_echo_stream_survives_a_handoff_in_both_directions", 2) else {
         return;
     };
+    an_echo_stream_survives_a_handoff_in(cluster, Family::V4);
+}
+
+/// The same over IPv6: the connection's entries are IPv6 ones in both
+/// nodes' filters (FERRY_FLOWS6), and its state rebuilt on node2 is an
+/// IPv6 socket's.
+#[test]
+fn an_ipv6_echo_stream_survives_a_handoff_in_both_directions() {
+    let Some(cluster) = start(
+        "an_ipv6_echo_stream_survives_a_handoff_in_both_directions",
+        2,
+    ) else {
+        return;
+    };
+    an_echo_stream_survives_a_handoff_in(cluster, Family::V6);
+}
+
+fn an_echo_stream_survives_a_handoff_in(cluster: Cluster, family: Family) {
+    let bind = match family {
+        Family::V4 => "0.0.0.0",
+        Family::V6 => "::",
+    };
     let log = cluster.dir().join("handoffs.jsonl");
     const STREAM: usize = 4 << 20;
     runtime().block_on(async {
@@ -177,20 +200,21 @@ fn an_echo_stream_survives_a_handoff_in_both_directions() {
                 "node2",
                 "--log",
                 &log_arg,
+                "--bind",
+                bind,
             ],
         )
         .await;
-        group_server(&mut c2, &["--mode", "echo"]).await;
+        group_server(&mut c2, &["--mode", "echo", "--bind", bind]).await;
         wait_server(&mut c1, "node1").await;
         wait_server(&mut c2, "node2").await;
     });
-    let addr = SocketAddrV4::new(cluster.public_addr(), PORT);
+    let addr = SocketAddr::new(family.public_addr(), PORT);
     // The client writes all the time, the handoff included, while it
     // reads the echo back: both directions are in flight when the
     // connection moves.
     let echoed = netns::run_in(&cluster.netns_path("client1"), move || {
-        let mut s =
-            TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5)).expect("connect");
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let mut w = s.try_clone().unwrap();
         let writer = std::thread::spawn(move || {

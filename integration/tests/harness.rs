@@ -17,7 +17,7 @@ use ferry_integration::cluster::{Cluster, ClusterError, ClusterSpec};
 use ferry_integration::inspect;
 use ferry_integration::netns;
 use ferry_integration::tmpfs;
-use ferry_integration::topology::{PUBLIC_ADDR, PUBLIC_IFACE};
+use ferry_integration::topology::{PUBLIC_ADDR, PUBLIC_ADDR6, PUBLIC_IFACE};
 use ferry_integration::workload::{ProbeConnection, SeqClient, StreamErrorKind};
 use nix::sys::socket::{
     AddressFamily, LinkAddr, SockFlag, SockProtocol, SockType, recvfrom, setsockopt, socket,
@@ -135,6 +135,61 @@ fn network_floods_the_shared_address_to_every_node() {
         neigh.contains("ff:ff:ff:ff:ff:ff") && neigh.contains("PERMANENT"),
         "{neigh}"
     );
+
+    // IPv6 has no arp_ignore: the shared IPv6 address is on each node's
+    // lo, where no node answers a neighbour solicitation for it. A host
+    // without the gateway's permanent entry solicits it in vain (the
+    // entry FAILs); the gateway's entry floods as IPv4's does.
+    let ip_in = |ns: &str, args: &'static [&'static str]| {
+        let out = netns::run_in(&cluster.netns_path(ns), move || {
+            std::process::Command::new("ip").args(args).output()
+        })
+        .unwrap()
+        .expect("ip");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    for n in cluster.node_names() {
+        let on_lo = ip_in(&n, &["-6", "addr", "show", "dev", "lo"]);
+        assert!(
+            on_lo.contains(&format!("{PUBLIC_ADDR6}/128")),
+            "{n}: {on_lo}"
+        );
+    }
+    let neigh6 = ip_in("client1", &["neigh", "show", "2001:2::100"]);
+    assert!(
+        neigh6.contains("ff:ff:ff:ff:ff:ff") && neigh6.contains("PERMANENT"),
+        "{neigh6}"
+    );
+    ip_in("client1", &["neigh", "del", "2001:2::100", "dev", "eth0"]);
+    netns::run_in(&cluster.netns_path("client1"), || {
+        let sock = UdpSocket::bind("[::]:0").unwrap();
+        sock.send_to(b"who has it?", (PUBLIC_ADDR6, 9997)).unwrap();
+    })
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = ip_in("client1", &["neigh", "show", "2001:2::100"]);
+        if state.contains("FAILED") {
+            break;
+        }
+        assert!(
+            !state.contains("lladdr"),
+            "a node answered a neighbour solicitation for the shared address: {state}"
+        );
+        assert!(Instant::now() < deadline, "still soliciting: {state}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let gateway: Vec<String> = ferry_integration::topology::gateway_network_args();
+    let script = ferry_integration::topology::network_script();
+    let put_back = netns::run_in(&cluster.netns_path("client1"), move || {
+        std::process::Command::new("sh")
+            .arg(script)
+            .args(gateway)
+            .status()
+    })
+    .unwrap()
+    .expect("ferry-network gateway");
+    assert!(put_back.success());
 
     let captures: Vec<_> = cluster
         .node_names()

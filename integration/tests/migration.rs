@@ -102,9 +102,25 @@ fn echo_server_with_its_ipv6_connections_migrates_to_another_node() {
     echo_server_with_its_connections_migrates_in(Family::V6);
 }
 
+/// IPv6 end to end: clients over IPv6, and the agents' Peer API (mutual
+/// TLS), the transfer and the images over an IPv6 cluster network.
+#[test]
+fn echo_server_migrates_over_an_ipv6_cluster_network() {
+    if !ferry_integration::can_run("echo_server_migrates_over_an_ipv6_cluster_network") {
+        return;
+    }
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.cluster_family = Family::V6;
+    echo_server_with_its_connections_migrates_on(spec, Family::V6);
+}
+
 fn echo_server_with_its_connections_migrates_in(family: Family) {
+    echo_server_with_its_connections_migrates_on(ClusterSpec::new(2, 1), family);
+}
+
+fn echo_server_with_its_connections_migrates_on(spec: ClusterSpec, family: Family) {
     let rt = runtime();
-    let cluster = Cluster::start(ClusterSpec::new(2, 1)).expect("cluster");
+    let cluster = Cluster::start(spec).expect("cluster");
     rt.block_on(async {
         let EchoSetup {
             mut node1,
@@ -222,6 +238,66 @@ fn echo_server_with_its_connections_migrates_in(family: Family) {
         eprintln!("{seq}");
         seq.assert_clean();
         assert_eq!(seq.connections.len(), 16);
+    });
+}
+
+/// A destination whose agent does not carry the cluster's IPv6 public
+/// address could not take the process's IPv6 clients: refused before
+/// anything stops, naming the node and the address; the process serves
+/// on at node1, every byte once and in order.
+#[test]
+fn a_destination_without_the_ipv6_public_address_is_refused_before_anything_stops() {
+    let test = "a_destination_without_the_ipv6_public_address_is_refused_before_anything_stops";
+    if !ferry_integration::can_run(test) {
+        return;
+    }
+    let rt = runtime();
+    let mut spec = ClusterSpec::new(2, 1);
+    spec.ipv4_only = vec!["node2".into()];
+    let cluster = Cluster::start(spec).expect("cluster");
+    rt.block_on(async {
+        let EchoSetup {
+            mut node1,
+            node2: _,
+            pid,
+            target: _,
+            client,
+        } = echo_setup_in(&cluster, 4, Family::V6).await;
+        wait_for_process(&mut node1, pid, |p| p.tcp_established == 4).await;
+        // ListNodes shows each node's public addresses as it carries them.
+        let nodes = node1
+            .list_nodes(ferry_proto::v1::ListNodesRequest {})
+            .await
+            .expect("ListNodes")
+            .into_inner()
+            .nodes;
+        let public = |name: &str| {
+            nodes
+                .iter()
+                .find(|n| n.name == name)
+                .map(|n| n.public_addresses.clone())
+                .unwrap_or_default()
+        };
+        assert_eq!(public("node1"), ["198.18.0.100", "2001:2::100"]);
+        assert_eq!(public("node2"), ["198.18.0.100"]);
+        let before = client.verified_per_connection();
+        let status = match migrate(&mut node1, pid, "node2").await {
+            Err(status) => status,
+            Ok((report, status)) => panic!("expected a refusal, got {status:?} {report:#?}"),
+        };
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+        assert!(
+            status.message().contains("node2") && status.message().contains("2001:2::100"),
+            "{status:?}"
+        );
+        let p = wait_for_process(&mut node1, pid, |p| p.tcp_established == 4).await;
+        assert_eq!(p.state, "running");
+        assert_eq!(cluster.established_tcp("node2", ECHO_PORT).len(), 0);
+        client
+            .wait_until_each_passes(&before, 10, Duration::from_secs(20))
+            .expect("every connection goes on at node1");
+        let seq = client.stop();
+        seq.assert_clean();
     });
 }
 

@@ -76,7 +76,11 @@ fn list_nodes_as(
 /// observer and operator clients.
 fn rogue(cluster: &Cluster, node: &str) -> ClusterTls {
     let ip = cluster.node_cluster_addr(node);
-    ClusterTls::generate(&cluster.dir().join("rogue"), &[(node.to_owned(), ip)]).expect("rogue CA")
+    ClusterTls::generate(
+        &cluster.dir().join("rogue"),
+        &[(node.to_owned(), ip.into())],
+    )
+    .expect("rogue CA")
 }
 
 /// A rogue certificate's client configuration, trusting the real CA (so

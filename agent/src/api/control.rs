@@ -198,6 +198,13 @@ impl Control for ControlService {
             kernel: host.kernel.clone(),
             features: host.to_pb(),
             peer_address: me.config.cluster.peer_listen.to_string(),
+            public_addresses: me
+                .config
+                .public
+                .addresses()
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
             is_self: true,
             reachable: true,
             peer_protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,
@@ -227,6 +234,7 @@ impl Control for ControlService {
                     node.cordoned = h.cordoned;
                     node.kernel = h.kernel;
                     node.features = h.features;
+                    node.public_addresses = h.public_addresses;
                 }
                 Err(e) => node.error = e.to_string(),
             }

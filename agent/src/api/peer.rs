@@ -71,7 +71,7 @@ fn flows_are_callers(
         // Unparsable addresses are left to the translation's own checks
         // (INVALID_ARGUMENT naming the field).
         if let Some(old) = ip(&f.old_local)
-            && old != own
+            && std::net::IpAddr::V4(old) != own
         {
             return Err(Status::permission_denied(format!(
                 "flows[{i}].old_local: {} is not {caller}'s cluster address ({own}); a node asks only for its own connections",
@@ -79,8 +79,8 @@ fn flows_are_callers(
             )));
         }
         if let Some(new) = ip(&f.new_local)
-            && engine.cluster.peer_at(new).is_none()
-            && new != engine.config.cluster.address
+            && engine.cluster.peer_at(new.into()).is_none()
+            && std::net::IpAddr::V4(new) != engine.config.cluster.address
         {
             return Err(Status::permission_denied(format!(
                 "flows[{i}].new_local: {} is no cluster node's address",
@@ -180,6 +180,14 @@ impl Peer for PeerService {
             kernel: host.kernel.clone(),
             features: host.to_pb(),
             hard_limits,
+            public_addresses: self
+                .engine
+                .config
+                .public
+                .addresses()
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
         }))
     }
 

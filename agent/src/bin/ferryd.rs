@@ -174,6 +174,8 @@ fn main_exec(args: Args) -> Result<()> {
 /// the cluster interface (`ferry-network node` puts them there): refused
 /// at start, naming both, if either is missing, before a filter is
 /// attached to an interface that would never see the address's packets.
+/// A public IPv6 address may be on `lo` instead, where `ferry-network`
+/// puts it so that no node answers neighbour solicitations for it.
 fn check_addresses(config: &Config) -> Result<()> {
     let addresses: Vec<(String, std::net::IpAddr)> = nix::ifaddrs::getifaddrs()
         .context("listing this host's addresses")?
@@ -187,6 +189,15 @@ fn check_addresses(config: &Config) -> Result<()> {
             Some((a.interface_name, ip))
         })
         .collect();
+    match address_missing(config, &addresses) {
+        Some(why) => anyhow::bail!(why),
+        None => Ok(()),
+    }
+}
+
+/// The first configured address not where it belongs among `addresses`
+/// (interface, address), said for the operator; None: all are there.
+fn address_missing(config: &Config, addresses: &[(String, std::net::IpAddr)]) -> Option<String> {
     let public = &config.public.interface;
     let cluster = &config.cluster.interface;
     let wanted = [
@@ -197,33 +208,30 @@ fn check_addresses(config: &Config) -> Result<()> {
             public,
             config.public.address6.map(Into::into),
         ),
-        (
-            "cluster",
-            "address",
-            cluster,
-            Some(config.cluster.address.into()),
-        ),
+        ("cluster", "address", cluster, Some(config.cluster.address)),
     ];
     for (section, key, interface, address) in wanted {
         let Some(address) = address else { continue };
-        let on = |(i, a): &(String, std::net::IpAddr)| i == interface && *a == address;
-        if !addresses.iter().any(on) {
+        let on = |(i, a): &&(String, std::net::IpAddr)| {
+            *a == address && (i == interface || (section == "public" && a.is_ipv6() && i == "lo"))
+        };
+        if !addresses.iter().any(|e| on(&e)) {
             let has: Vec<String> = addresses
                 .iter()
                 .filter(|(i, _)| i == interface)
                 .map(|(_, a)| a.to_string())
                 .collect();
-            anyhow::bail!(
+            return Some(format!(
                 "[{section}] {key} {address} is not on interface {interface} ({}); `ferry-network node` puts the addresses in place (docs/deploy.md)",
                 if has.is_empty() {
                     "it has no address here, or does not exist".to_owned()
                 } else {
                     format!("it has {}", has.join(", "))
                 }
-            );
+            ));
         }
     }
-    Ok(())
+    None
 }
 
 /// What this host lacks of what ferry uses, said once at start (all of it:
@@ -861,5 +869,52 @@ async fn remove_closed_translations(dataplane: &std::sync::Arc<ferry_agent::data
         }
         Ok(Err(e)) => tracing::warn!(error = %e, "removing closed translations"),
         Err(e) => tracing::warn!(error = %e, "translation cleanup task"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_public_ipv6_address_may_be_on_lo_and_nothing_else_may() {
+        let text = r#"
+node = "node1"
+work_dir = "/run/ferry/work"
+[public]
+interface = "pub0"
+address = "198.18.0.100"
+address6 = "2001:2::100"
+[cluster]
+interface = "clu0"
+address = "198.19.0.1"
+peer_listen = "198.19.0.1:7100"
+"#;
+        let config = Config::parse(text, Path::new("x")).unwrap();
+        let at = |list: &[(&str, &str)]| -> Vec<(String, std::net::IpAddr)> {
+            list.iter()
+                .map(|(i, a)| (i.to_string(), a.parse().unwrap()))
+                .collect()
+        };
+        let v4 = [("pub0", "198.18.0.100"), ("clu0", "198.19.0.1")];
+        for v6 in [("pub0", "2001:2::100"), ("lo", "2001:2::100")] {
+            let mut all = v4.to_vec();
+            all.push(v6);
+            assert_eq!(address_missing(&config, &at(&all)), None, "{v6:?}");
+        }
+        let mut all = v4.to_vec();
+        all.push(("clu0", "2001:2::100"));
+        let why = address_missing(&config, &at(&all)).unwrap();
+        assert!(
+            why.starts_with("[public] address6 2001:2::100 is not on interface pub0"),
+            "{why}"
+        );
+        // IPv4 on lo is not the public interface's.
+        let why = address_missing(
+            &config,
+            &at(&[("lo", "198.18.0.100"), ("clu0", "198.19.0.1")]),
+        )
+        .unwrap();
+        assert!(why.starts_with("[public] address 198.18.0.100"), "{why}");
     }
 }

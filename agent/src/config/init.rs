@@ -8,7 +8,7 @@
 //! what every test cluster runs.
 
 use std::fmt::Write as _;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use super::{Config, ConfigError};
@@ -24,9 +24,10 @@ pub struct NodeInit {
     pub public_address: IpAddr,
     /// A dual-stack cluster's shared IPv6 address, beside an IPv4 one.
     pub public_address6: Option<Ipv6Addr>,
-    /// The interface and this node's own address on the cluster network.
+    /// The interface and this node's own address on the cluster network,
+    /// IPv4 or IPv6.
     pub cluster_interface: String,
-    pub cluster_address: Ipv4Addr,
+    pub cluster_address: IpAddr,
     /// The Peer API's port on every node.
     pub peer_port: u16,
     /// The other nodes: name and Peer address.
@@ -55,7 +56,7 @@ impl NodeInit {
     pub fn new(
         node: &str,
         (public_interface, public_address): (&str, IpAddr),
-        (cluster_interface, cluster_address): (&str, Ipv4Addr),
+        (cluster_interface, cluster_address): (&str, IpAddr),
     ) -> Self {
         Self {
             node: node.to_owned(),
@@ -183,12 +184,13 @@ pub fn parse_peer(text: &str, default_port: u16) -> Result<(String, SocketAddr),
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
 
     fn node1() -> NodeInit {
         let mut n = NodeInit::new(
             "node1",
             ("eth0", Ipv4Addr::new(198, 18, 0, 100).into()),
-            ("eth1", Ipv4Addr::new(198, 19, 0, 1)),
+            ("eth1", Ipv4Addr::new(198, 19, 0, 1).into()),
         );
         n.peers = vec![
             ("node2".into(), "198.19.0.2:7100".parse().unwrap()),

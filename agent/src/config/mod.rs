@@ -313,8 +313,11 @@ pub struct MembershipConfig {
     /// Find the other nodes by a beacon to the cluster network's broadcast
     /// address (the `[[peers]]` are seeds either way).
     pub discovery: bool,
-    /// Broadcast address for the beacon; default: the cluster interface's
-    /// broadcast address, or 255.255.255.255 if it has none.
+    /// Broadcast address for the beacon of an IPv4 cluster network;
+    /// default: the cluster interface's broadcast address, or
+    /// 255.255.255.255 if it has none. An IPv6 cluster network's beacon
+    /// goes to the link's all-nodes group, ff02::1, on the cluster
+    /// interface.
     pub broadcast: Option<Ipv4Addr>,
     pub beacon_interval_ms: u64,
     /// SWIM probe period: a failed node is suspected within about one.
@@ -471,7 +474,8 @@ impl std::fmt::Display for PublicAddresses {
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
     pub interface: String,
-    pub address: Ipv4Addr,
+    /// IPv4 or IPv6: the whole cluster network is of one family.
+    pub address: IpAddr,
     /// Where the Peer service listens (agent to agent).
     pub peer_listen: SocketAddr,
 }
@@ -663,6 +667,7 @@ impl Config {
         {
             return Err(invalid(&field, reason));
         }
+        self.validate_families(&invalid)?;
         let mut seen = std::collections::HashSet::new();
         for (i, p) in self.peers.iter().enumerate() {
             if !valid_node_name(&p.name) {
@@ -681,6 +686,49 @@ impl Config {
                 return Err(invalid(
                     &format!("peers[{i}].name"),
                     format!("{:?} is listed twice", p.name),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One family on the cluster network: a peer of the other could
+    /// neither be dialled from the cluster address nor take part in the
+    /// in-cluster translation.
+    fn validate_families(
+        &self,
+        invalid: &dyn Fn(&str, String) -> ConfigError,
+    ) -> Result<(), ConfigError> {
+        let family = |ip: IpAddr| if ip.is_ipv4() { "IPv4" } else { "IPv6" };
+        let own = self.cluster.address;
+        if own.is_ipv6() && self.membership.broadcast.is_some() {
+            return Err(invalid(
+                "membership.broadcast",
+                "is an IPv4 broadcast address; an IPv6 cluster network's discovery beacons go to the link's all-nodes group (ff02::1) on the cluster interface".into(),
+            ));
+        }
+        if self.cluster.peer_listen.is_ipv4() != own.is_ipv4() {
+            return Err(invalid(
+                "cluster.peer_listen",
+                format!(
+                    "{} is {}, the cluster address {own} is {}",
+                    self.cluster.peer_listen,
+                    family(self.cluster.peer_listen.ip()),
+                    family(own)
+                ),
+            ));
+        }
+        for (i, p) in self.peers.iter().enumerate() {
+            if p.address.is_ipv4() != own.is_ipv4() {
+                return Err(invalid(
+                    &format!("peers[{i}].address"),
+                    format!(
+                        "{} ({}) is {}, this node's cluster address {own} is {}: every node of a cluster is on one family of the cluster network",
+                        p.address,
+                        p.name,
+                        family(p.address.ip()),
+                        family(own)
+                    ),
                 ));
             }
         }
@@ -718,6 +766,50 @@ peer_listen = "198.19.0.1:7100"
 name = "node2"
 address = "198.19.0.2:7100"
 "#;
+
+    #[test]
+    fn the_cluster_network_is_of_one_family() {
+        let base = r#"
+node = "node1"
+work_dir = "/run/ferry/work"
+[public]
+interface = "pub0"
+address = "2001:2::100"
+[cluster]
+interface = "clu0"
+address = "198.19.0.1"
+peer_listen = "198.19.0.1:7100"
+[[peers]]
+name = "node2"
+address = "198.19.0.2:7100"
+"#;
+        let c = Config::parse(base, Path::new("x")).expect("an IPv6 public side");
+        assert_eq!(c.public.addresses().v4, None);
+        let refused = |text: &str| Config::parse(text, Path::new("x")).unwrap_err().to_string();
+        let err = refused(&base.replace("198.19.0.2:7100", "[2001:2:1::2]:7100"));
+        assert!(
+            err.contains("peers[0].address") && err.contains("node2") && err.contains("IPv6"),
+            "{err}"
+        );
+        let err = refused(&base.replace(
+            "peer_listen = \"198.19.0.1:7100\"",
+            "peer_listen = \"[::]:7100\"",
+        ));
+        assert!(err.contains("cluster.peer_listen"), "{err}");
+        // An IPv6 cluster network, its peers IPv6 too.
+        let v6 = base
+            .replace("address = \"198.19.0.1\"", "address = \"2001:2:1::1\"")
+            .replace("198.19.0.1:7100", "[2001:2:1::1]:7100")
+            .replace("198.19.0.2:7100", "[2001:2:1::2]:7100");
+        let c = Config::parse(&v6, Path::new("x")).expect("an IPv6 cluster network");
+        assert_eq!(c.cluster.address, "2001:2:1::1".parse::<IpAddr>().unwrap());
+        let err = refused(&v6.replace("[2001:2:1::2]:7100", "198.19.0.2:7100"));
+        assert!(err.contains("peers[0].address"), "{err}");
+        let err = refused(&format!(
+            "{v6}\n[membership]\nbroadcast = \"198.19.0.255\"\n"
+        ));
+        assert!(err.contains("membership.broadcast"), "{err}");
+    }
 
     #[test]
     fn parses_a_full_config_with_defaults() {

@@ -54,7 +54,7 @@ impl TranslationLog {
 #[derive(Debug, Clone, Copy)]
 pub struct Here<'a> {
     pub node: &'a str,
-    pub cluster_address: std::net::Ipv4Addr,
+    pub cluster_address: std::net::IpAddr,
 }
 
 /// Parses and checks the request's flows: each must be to a socket of this
@@ -70,7 +70,7 @@ fn flows(here: Here<'_>, req: &TranslationsRequest) -> Result<Vec<InClusterFlow>
         .iter()
         .map(|pb| {
             let f = InClusterFlow::from_pb(pb)?;
-            if *f.remote.ip() != here.cluster_address {
+            if std::net::IpAddr::V4(*f.remote.ip()) != here.cluster_address {
                 return Err(FlowError::InvalidField {
                     field: "flows.remote",
                     reason: format!(

@@ -25,6 +25,14 @@ pub enum EngineError {
     },
     #[error("PID {pid} cannot be migrated: {reason}")]
     NotMigratable { pid: i32, reason: String },
+    #[error(
+        "{node} lacks the cluster's public address {missing}, which this node carries ({node} has {theirs}); every node needs the same [public] addresses"
+    )]
+    PublicAddressMissing {
+        node: String,
+        missing: String,
+        theirs: String,
+    },
     #[error("PID {pid} is already being migrated (migration {migration_id})")]
     AlreadyMigrating { pid: i32, migration_id: String },
     #[error("{node} is already receiving migration {migration_id} from {from}; one at a time")]
@@ -262,9 +270,9 @@ impl EngineError {
             }
             EngineError::Cancelled { .. } => Code::Cancelled,
             EngineError::GivenUp { .. } => Code::Aborted,
-            EngineError::Cordoned { .. } | EngineError::FeatureMissing { .. } => {
-                Code::FailedPrecondition
-            }
+            EngineError::Cordoned { .. }
+            | EngineError::FeatureMissing { .. }
+            | EngineError::PublicAddressMissing { .. } => Code::FailedPrecondition,
             EngineError::NotItsSource { .. } => Code::PermissionDenied,
             EngineError::InCluster(FlowError::BadFlow { .. }) => Code::InvalidArgument,
             EngineError::InCluster(

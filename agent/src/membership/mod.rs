@@ -9,7 +9,8 @@
 //! - **Discovery without a static list**: every `beacon_interval_ms` a node
 //!   sends a one-datagram beacon carrying its identity to the cluster
 //!   network's broadcast address (the interface's, or 255.255.255.255 if
-//!   it has none), heard on a socket bound to that address and to the
+//!   it has none; on an IPv6 cluster network the link's all-nodes group,
+//!   ff02::1), heard on a socket bound to that address and to the
 //!   cluster interface; a node that hears the beacon of a node it
 //!   does not count as alive announces itself to it through SWIM. The
 //!   static `[[peers]]` of ferryd's config are announced to at start and
@@ -30,7 +31,7 @@ pub mod auth;
 pub(crate) mod wire;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -169,9 +170,21 @@ fn beacon_address(m: &MembershipConfig, interface: &str, address: Ipv4Addr) -> I
         .unwrap_or(Ipv4Addr::BROADCAST)
 }
 
-/// A socket that hears beacons: bound to the broadcast address (a socket
-/// bound to a unicast address is never handed broadcast datagrams) and to
-/// the cluster interface, so beacons from other networks are not heard.
+/// Where discovery beacons go on an IPv6 cluster network: the link's
+/// all-nodes group on the cluster interface, which every IPv6 interface
+/// has joined (no group to join, no router passes it).
+fn beacon_address6(interface: &str, port: u16) -> Result<SocketAddr, MembershipError> {
+    let index = nix::net::if_::if_nametoindex(interface).map_err(|e| MembershipError::Bind {
+        addr: SocketAddr::new(Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1).into(), port),
+        source: std::io::Error::other(format!("the cluster interface {interface}: {e}")),
+    })?;
+    Ok(SocketAddrV6::new(Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1), port, 0, index).into())
+}
+
+/// A socket that hears beacons: bound to the broadcast address or the
+/// IPv6 all-nodes group (a socket bound to a unicast address is never
+/// handed those datagrams) and to the cluster interface, so beacons from
+/// other networks are not heard.
 /// Several agents on one host (the namespace test cluster has one per
 /// namespace, each with its own stack) or a restart may bind it again.
 fn beacon_listener(
@@ -179,14 +192,18 @@ fn beacon_listener(
     to: SocketAddr,
 ) -> Result<std::net::UdpSocket, MembershipError> {
     use nix::sys::socket::{
-        AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
     };
     let err = |e: nix::Error| MembershipError::Bind {
         addr: to,
         source: std::io::Error::from(e),
     };
     let fd = socket(
-        AddressFamily::Inet,
+        if to.is_ipv4() {
+            AddressFamily::Inet
+        } else {
+            AddressFamily::Inet6
+        },
         SockType::Datagram,
         SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
         None,
@@ -199,13 +216,11 @@ fn beacon_listener(
         &std::ffi::OsString::from(interface),
     )
     .map_err(err)?;
-    let SocketAddr::V4(v4) = to else {
-        return Err(MembershipError::Bind {
-            addr: to,
-            source: std::io::Error::other("discovery needs an IPv4 broadcast address"),
-        });
-    };
-    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(v4)).map_err(err)?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(to),
+    )
+    .map_err(err)?;
     Ok(std::net::UdpSocket::from(fd))
 }
 
@@ -219,13 +234,15 @@ impl Membership {
         shutdown: watch::Receiver<bool>,
     ) -> Result<Arc<Self>, MembershipError> {
         let m = &config.membership;
-        let bind = SocketAddr::new(IpAddr::V4(config.cluster.address), m.port);
+        let bind = SocketAddr::new(config.cluster.address, m.port);
         let socket = UdpSocket::bind(bind)
             .await
             .map_err(|source| MembershipError::Bind { addr: bind, source })?;
-        socket
-            .set_broadcast(true)
-            .map_err(MembershipError::Socket)?;
+        if bind.is_ipv4() {
+            socket
+                .set_broadcast(true)
+                .map_err(MembershipError::Socket)?;
+        }
         let local = NodeIdent {
             name: config.node.clone(),
             gossip: bind,
@@ -242,10 +259,14 @@ impl Membership {
                 bump: 0,
             })
             .collect();
-        let beacon_to = m.discovery.then(|| {
-            let ip = beacon_address(m, &config.cluster.interface, config.cluster.address);
-            SocketAddr::new(IpAddr::V4(ip), m.port)
-        });
+        let beacon_to = match (m.discovery, config.cluster.address) {
+            (false, _) => None,
+            (true, IpAddr::V4(own)) => Some(SocketAddr::new(
+                IpAddr::V4(beacon_address(m, &config.cluster.interface, own)),
+                m.port,
+            )),
+            (true, IpAddr::V6(_)) => Some(beacon_address6(&config.cluster.interface, m.port)?),
+        };
         let beacon_rx = match beacon_to {
             Some(to) => {
                 let std = beacon_listener(&config.cluster.interface, to)?;

@@ -118,8 +118,9 @@ pub(super) struct InetDiagEntry {
     /// The TCP state number (a UDP socket: 7, close, or 1 once connected).
     pub state: u8,
     pub local_port: u16,
-    /// The peer's address, for an IPv4 socket (0.0.0.0 when unconnected).
-    pub remote_v4: Option<std::net::Ipv4Addr>,
+    /// The peer's address (unspecified when unconnected; an IPv4-mapped
+    /// one as IPv4).
+    pub remote: Option<std::net::IpAddr>,
     /// A listener's accept queue; a connection's unread bytes.
     pub rqueue: u32,
     /// 0 for a handshake under way (a request socket) or a TIME_WAIT one.
@@ -157,12 +158,18 @@ pub(super) fn inet_sockets(
         }
         // inet_diag_sockid from byte 4: the ports (network order), then
         // the source and destination addresses, 16 bytes each.
-        let remote_v4 = (m[0] == libc::AF_INET as u8)
-            .then(|| std::net::Ipv4Addr::new(m[24], m[25], m[26], m[27]));
+        let remote = match i32::from(m[0]) {
+            libc::AF_INET => Some(std::net::Ipv4Addr::new(m[24], m[25], m[26], m[27]).into()),
+            libc::AF_INET6 => {
+                let ip: [u8; 16] = m[24..40].try_into().expect("16 bytes");
+                Some(std::net::IpAddr::from(ip).to_canonical())
+            }
+            _ => None,
+        };
         out.push(InetDiagEntry {
             state: m[1],
             local_port: u16::from_be_bytes([m[4], m[5]]),
-            remote_v4,
+            remote,
             rqueue: u32_at(m, 56).unwrap_or(0),
             inode: u32_at(m, 68).unwrap_or(0),
         });
@@ -199,8 +206,8 @@ mod tests {
             .find(|e| e.local_port == port)
             .unwrap_or_else(|| panic!("{established:?}"));
         assert_eq!(
-            accepted.remote_v4,
-            Some(std::net::Ipv4Addr::LOCALHOST),
+            accepted.remote,
+            Some(std::net::Ipv4Addr::LOCALHOST.into()),
             "the peer's address"
         );
     }

@@ -83,8 +83,9 @@ pub struct SocketSummary {
     /// Local ports of all of them: the ports this node must own for the
     /// process to receive its traffic.
     pub ports: BTreeSet<PortKey>,
-    /// IPv4 addresses of the peers of its connected TCP sockets.
-    pub tcp_peers: BTreeSet<std::net::Ipv4Addr>,
+    /// Addresses of the peers of its connected TCP sockets (IPv4-mapped
+    /// ones as IPv4).
+    pub tcp_peers: BTreeSet<std::net::IpAddr>,
 }
 
 const TCP_ESTABLISHED: u8 = 0x01;
@@ -248,7 +249,7 @@ impl NamespaceSockets {
                 entries.extend(found.into_iter().map(|e| {
                     let entry = TableEntry {
                         local_port: e.local_port,
-                        remote_v4: e.remote_v4,
+                        remote: e.remote,
                         state: e.state,
                         inode: u64::from(e.inode),
                         accept_queue: if transport == Transport::Tcp && e.state == TCP_LISTEN {
@@ -281,7 +282,7 @@ impl NamespaceSockets {
             }
             if *transport == Transport::Tcp
                 && entry.state != TCP_LISTEN
-                && let Some(ip) = entry.remote_v4
+                && let Some(ip) = entry.remote
                 && !ip.is_unspecified()
             {
                 summary.tcp_peers.insert(ip);
@@ -486,8 +487,8 @@ impl std::fmt::Display for PendingConnections {
 #[derive(Debug, PartialEq, Eq)]
 struct TableEntry {
     local_port: u16,
-    /// The peer's address, for the IPv4 tables.
-    remote_v4: Option<std::net::Ipv4Addr>,
+    /// The peer's address (an IPv4-mapped one as IPv4).
+    remote: Option<std::net::IpAddr>,
     state: u8,
     inode: u64,
     /// Of a listening socket: the connections in its accept queue (the
@@ -515,17 +516,26 @@ fn parse_table(text: &str) -> Vec<TableEntry> {
             } else {
                 0
             };
-            // The kernel prints the network-order address as a host-order
-            // 32-bit hex number: its bytes in memory order are the octets.
-            let remote_v4 = f
-                .get(2)
-                .and_then(|r| r.split(':').next())
-                .filter(|h| h.len() == 8)
-                .and_then(|h| u32::from_str_radix(h, 16).ok())
-                .map(|v| std::net::Ipv4Addr::from(v.to_ne_bytes()));
+            // The kernel prints the network-order address as host-order
+            // 32-bit hex numbers (one for IPv4, four for IPv6): each one's
+            // bytes in memory order are the address's.
+            let remote = f.get(2).and_then(|r| r.split(':').next()).and_then(|h| {
+                let mut bytes = Vec::with_capacity(16);
+                for word in h.as_bytes().chunks(8) {
+                    let word = u32::from_str_radix(std::str::from_utf8(word).ok()?, 16).ok()?;
+                    bytes.extend_from_slice(&word.to_ne_bytes());
+                }
+                match bytes.len() {
+                    4 => Some(std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?)),
+                    16 => Some(
+                        std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?).to_canonical(),
+                    ),
+                    _ => None,
+                }
+            });
             Some(TableEntry {
                 local_port: port,
-                remote_v4,
+                remote,
                 state,
                 inode,
                 accept_queue,
@@ -547,7 +557,7 @@ mod tests {
             vec![
                 TableEntry {
                     local_port: 7000,
-                    remote_v4: Some(std::net::Ipv4Addr::UNSPECIFIED),
+                    remote: Some(std::net::Ipv4Addr::UNSPECIFIED.into()),
                     state: TCP_LISTEN,
                     inode: 14376,
                     accept_queue: 0,
@@ -555,7 +565,7 @@ mod tests {
                 TableEntry {
                     local_port: 7000,
                     // 010012C6 as printed on a little-endian host.
-                    remote_v4: Some(std::net::Ipv4Addr::new(198, 18, 0, 1)),
+                    remote: Some(std::net::Ipv4Addr::new(198, 18, 0, 1).into()),
                     state: TCP_ESTABLISHED,
                     inode: 14380,
                     accept_queue: 0,
@@ -669,7 +679,9 @@ mod tests {
         );
         assert_eq!(
             by_diag.tcp_peers,
-            [std::net::Ipv4Addr::LOCALHOST].into_iter().collect()
+            [std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST)]
+                .into_iter()
+                .collect()
         );
         let port = |transport, port| PortKey { transport, port };
         assert!(

@@ -30,6 +30,9 @@ use ferry_integration::group::pattern;
 struct Args {
     #[arg(long)]
     port: u16,
+    /// Address to listen on (`::` takes IPv6 and IPv4 clients alike).
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: std::net::IpAddr,
     #[arg(long, value_parser = ["download", "echo"])]
     mode: String,
     /// Download size in bytes.
@@ -61,7 +64,7 @@ fn main() -> Result<()> {
     // Thousands of connections (the scale experiment): as many descriptors
     // as the hard limit allows.
     ferry_integration::group::raise_nofile();
-    let listener = TcpListener::bind(("0.0.0.0", args.port))
+    let listener = TcpListener::bind((args.bind, args.port))
         .with_context(|| format!("listening on port {}", args.port))?;
     // The group may be created after this server starts.
     let server = {

@@ -7,7 +7,7 @@
 //! agents (SIGTERM, 5 s, SIGKILL), every other process in its namespaces,
 //! the tmpfs work dirs, the namespaces, the temp dir.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Once;
@@ -28,6 +28,7 @@ use crate::peer::{PeerError, Reservation};
 use crate::reap;
 use crate::tls::ClusterTls;
 use crate::tmpfs::{MountError, Tmpfs};
+use crate::topology::Family;
 use crate::{control, paths, topology};
 
 mod agents;
@@ -101,6 +102,13 @@ pub struct ClusterSpec {
     /// Extra top-level lines for one node's `ferryd.toml` (by name), after
     /// `extra_config`: an agent configured unlike the others.
     pub node_config: Vec<(String, String)>,
+    /// Nodes (by name) whose agent's `[public]` names the IPv4 shared
+    /// address only, though their network carries both: a node configured
+    /// unlike the others.
+    pub ipv4_only: Vec<String>,
+    /// The cluster network's family (IPv4 by default; IPv6:
+    /// 2001:2:1::<i>/64, the agents' Peer API and membership over it).
+    pub cluster_family: Family,
     /// `[dataplane] capture` of every agent (false: the drop-and-retransmit
     /// baseline).
     pub capture: bool,
@@ -129,6 +137,8 @@ impl Default for ClusterSpec {
             ready_timeout: Duration::from_secs(20),
             extra_config: String::new(),
             node_config: Vec::new(),
+            ipv4_only: Vec::new(),
+            cluster_family: Family::V4,
             capture: true,
             static_peers: true,
             tls: true,
@@ -176,7 +186,7 @@ impl ClusterSpec {
 struct Node {
     name: String,
     netns: NetNs,
-    cluster_addr: Ipv4Addr,
+    cluster_addr: IpAddr,
     dir: PathBuf,
     work: Option<Tmpfs>,
     /// The node's own bpffs, for its agent's pins.
@@ -278,7 +288,10 @@ impl Cluster {
             let netns = self.create_netns(&format!("n{i}"))?;
             let dir = self.dir().join(&name);
             self.nodes.push(Node {
-                cluster_addr: topology::node_cluster_addr(i),
+                cluster_addr: match self.spec.cluster_family {
+                    Family::V4 => topology::node_cluster_addr(i).into(),
+                    Family::V6 => topology::node_cluster_addr6(i).into(),
+                },
                 config: dir.join("ferryd.toml"),
                 control_socket: dir.join("control.sock"),
                 log: dir.join("ferryd.log"),
@@ -307,7 +320,10 @@ impl Cluster {
             bridge_without_netfilter(router)?;
         }
         for (i, n) in self.nodes.iter().enumerate() {
-            ferry_network(n.netns.name(), &topology::node_network_args(i + 1))?;
+            ferry_network(
+                n.netns.name(),
+                &topology::node_network_args(i + 1, self.spec.cluster_family),
+            )?;
         }
         for (j, c) in self.clients.iter().enumerate() {
             cmd::ip_batch(Some(c.netns.name()), &topology::client_script(j + 1))?;
@@ -316,7 +332,7 @@ impl Cluster {
         }
 
         if self.spec.tls {
-            let nodes: Vec<(String, Ipv4Addr)> = self
+            let nodes: Vec<(String, IpAddr)> = self
                 .nodes
                 .iter()
                 .map(|n| (n.name.clone(), n.cluster_addr))
@@ -331,7 +347,7 @@ impl Cluster {
         }
         // The outsiders' CA knows only them.
         let outsiders = if self.spec.tls && !self.spec.tls_outsiders.is_empty() {
-            let nodes: Vec<(String, Ipv4Addr)> = self
+            let nodes: Vec<(String, IpAddr)> = self
                 .nodes
                 .iter()
                 .filter(|n| self.spec.tls_outsiders.contains(&n.name))
@@ -349,11 +365,11 @@ impl Cluster {
             None
         };
         let criu = self.spec.criu_path.clone().unwrap_or_else(paths::criu_path);
-        let peers: Vec<(String, SocketAddrV4)> = self
+        let peers: Vec<(String, SocketAddr)> = self
             .nodes
             .iter()
             .map(|n| {
-                let addr = SocketAddrV4::new(n.cluster_addr, topology::PEER_PORT);
+                let addr = SocketAddr::new(n.cluster_addr, topology::PEER_PORT);
                 (n.name.clone(), addr)
             })
             .collect();
@@ -367,7 +383,8 @@ impl Cluster {
                 (topology::PUBLIC_IFACE, topology::PUBLIC_ADDR.into()),
                 (topology::CLUSTER_IFACE, node.cluster_addr),
             );
-            init.public_address6 = Some(topology::PUBLIC_ADDR6);
+            init.public_address6 =
+                (!self.spec.ipv4_only.contains(&node.name)).then_some(topology::PUBLIC_ADDR6);
             init.peer_port = topology::PEER_PORT;
             init.work_dir = work.path().to_owned();
             init.criu_path = criu.clone();
@@ -376,7 +393,7 @@ impl Cluster {
             init.peers = peers
                 .iter()
                 .filter(|(name, _)| self.spec.static_peers && *name != node.name)
-                .map(|(name, address)| (name.clone(), SocketAddr::V4(*address)))
+                .map(|(name, address)| (name.clone(), *address))
                 .collect();
             init.extra = self
                 .spec
@@ -573,7 +590,17 @@ impl Cluster {
         topology::PUBLIC_ADDR
     }
 
+    /// The node's IPv4 cluster address; panics on an IPv6 cluster network
+    /// (see [`Self::node_cluster_ip`]).
     pub fn node_cluster_addr(&self, node: &str) -> Ipv4Addr {
+        match self.node(node).cluster_addr {
+            IpAddr::V4(v4) => v4,
+            IpAddr::V6(v6) => panic!("{node}'s cluster address {v6} is IPv6"),
+        }
+    }
+
+    /// The node's cluster address, of the cluster network's family.
+    pub fn node_cluster_ip(&self, node: &str) -> IpAddr {
         self.node(node).cluster_addr
     }
 
@@ -669,7 +696,7 @@ impl Cluster {
 
     /// The node's agent's Peer service address (`198.19.0.<i>:7100`).
     pub fn peer_addr(&self, node: &str) -> SocketAddrV4 {
-        SocketAddrV4::new(self.node(node).cluster_addr, topology::PEER_PORT)
+        SocketAddrV4::new(self.node_cluster_addr(node), topology::PEER_PORT)
     }
 
     /// Takes `to`'s single incoming-migration slot the way `from`'s agent

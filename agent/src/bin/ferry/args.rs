@@ -202,7 +202,7 @@ pub(crate) struct InitArgs {
     pub(crate) cluster_interface: String,
     /// This node's own address on the cluster network.
     #[arg(long, value_name = "ADDRESS")]
-    pub(crate) cluster_address: std::net::Ipv4Addr,
+    pub(crate) cluster_address: std::net::IpAddr,
     /// Another node, NAME=ADDRESS[:PORT] (its cluster address); repeat
     /// for each.
     #[arg(long = "peer", value_name = "NAME=ADDRESS[:PORT]")]

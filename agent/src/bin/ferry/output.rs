@@ -12,6 +12,7 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -
     if as_json {
         let v: Vec<_> = nodes.iter().map(|n| json!({
             "name": n.name, "peer_address": n.peer_address, "self": n.is_self,
+            "public_addresses": n.public_addresses,
             "reachable": n.reachable, "peer_protocol_version": n.peer_protocol_version,
             "managed_processes": n.managed_processes, "error": n.error,
             "membership_state": n.membership_state, "load": if n.has_load { json!(n.load) } else { json!(null) },
@@ -27,9 +28,25 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -
         return Ok(());
     }
     println!(
-        "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {:<20} {:<28}  NOTE",
-        "NODE", "PEER ADDRESS", "STATE", "SWIM", "LOAD", "PROTOCOL", "MANAGED", "KERNEL", "LACKS"
+        "{:<16} {:<22} {:<28} {:<10} {:<8} {:>7} {:>9} {:>9}  {:<20} {:<28}  NOTE",
+        "NODE",
+        "PEER ADDRESS",
+        "PUBLIC",
+        "STATE",
+        "SWIM",
+        "LOAD",
+        "PROTOCOL",
+        "MANAGED",
+        "KERNEL",
+        "LACKS"
     );
+    // A node whose public addresses are not this node's takes none of its
+    // processes (and gives it none it could not serve).
+    let own_public = nodes
+        .iter()
+        .find(|n| n.is_self)
+        .map(|n| n.public_addresses.clone())
+        .unwrap_or_default();
     for n in &nodes {
         let state = if n.reachable { "up" } else { "down" };
         let mut note = if n.is_self {
@@ -44,6 +61,14 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -
         if n.cordoned {
             note = format!("cordoned; {note}");
         }
+        if !n.public_addresses.is_empty() && n.public_addresses != own_public {
+            note = format!("public addresses differ from this node's; {note}");
+        }
+        let public = if n.public_addresses.is_empty() {
+            "-".to_owned()
+        } else {
+            n.public_addresses.join(",")
+        };
         let load = if n.has_load {
             format!("{:.2}", n.load)
         } else {
@@ -58,9 +83,10 @@ pub(crate) fn print_nodes(nodes: Vec<pb::Node>, features: bool, as_json: bool) -
             lacking.join(",")
         };
         println!(
-            "{:<16} {:<22} {:<10} {:<8} {:>7} {:>9} {:>9}  {:<20} {:<28}  {}",
+            "{:<16} {:<22} {:<28} {:<10} {:<8} {:>7} {:>9} {:>9}  {:<20} {:<28}  {}",
             n.name,
             n.peer_address,
+            public,
             state,
             n.membership_state,
             load,

@@ -133,7 +133,7 @@ pub async fn arm(engine: &Arc<Engine>, req: ArmRequest) -> Result<Staging, Engin
     let inc = expect(&mut slot, &req.migration_id, Step::Arm)?;
     engine.ports.refuse_owned(&ports, &inc.ports)?;
     if let Some(source) = engine.cluster.cluster_address_of(&inc.from) {
-        conns.retain(|c| c.local.ip() != std::net::IpAddr::V4(source));
+        conns.retain(|c| c.local.ip() != source);
     }
     for p in &ports {
         if !inc.ports.contains(p) {

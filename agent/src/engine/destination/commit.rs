@@ -35,7 +35,7 @@ pub async fn commit(
         &req.queued_datagrams,
         crate::engine::queued::LocalAddresses {
             public: engine.config.public.addresses(),
-            cluster: engine.config.cluster.address.into(),
+            cluster: engine.config.cluster.address,
         },
     )?;
     let mut slot = engine.incoming.lock().await;

@@ -418,7 +418,7 @@ pub(super) async fn release_holds(engine: &Arc<Engine>, flows: &[InClusterFlow])
 pub(super) fn in_cluster_addresses(
     engine: &Engine,
     from: &str,
-) -> Result<(std::net::Ipv4Addr, Vec<std::net::Ipv4Addr>), EngineError> {
+) -> Result<(std::net::IpAddr, Vec<std::net::IpAddr>), EngineError> {
     let here = engine.config.cluster.address;
     let peers = engine.cluster.known_peers();
     let source =

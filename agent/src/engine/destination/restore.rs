@@ -377,8 +377,20 @@ pub(super) fn take_in_cluster(
     images: &std::path::Path,
     from: &str,
 ) -> Result<Vec<InClusterFlow>, EngineError> {
-    let here = engine.config.cluster.address;
+    use std::net::IpAddr;
     let (source, nodes) = in_cluster_addresses(engine, from)?;
+    // In-cluster connections are translated over IPv4 cluster networks
+    // (an IPv6 one's source refuses them at Prepare).
+    let (IpAddr::V4(here), IpAddr::V4(source)) = (engine.config.cluster.address, source) else {
+        return Ok(Vec::new());
+    };
+    let nodes: Vec<std::net::Ipv4Addr> = nodes
+        .into_iter()
+        .filter_map(|ip| match ip {
+            IpAddr::V4(v4) => Some(v4),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
     let flows = translation::rewrite_in_cluster(images, source, here, &nodes)?;
     hold_in_cluster(engine, flows)
 }

@@ -52,12 +52,17 @@ pub(super) fn relocate_in_cluster(
     use std::net::{IpAddr, SocketAddr};
     let here = engine.config.cluster.address;
     let (source, nodes) = in_cluster_addresses(engine, from)?;
+    // In-cluster connections are translated over IPv4 cluster networks
+    // (an IPv6 one's source refuses them at Prepare).
+    let IpAddr::V4(here) = here else {
+        return Ok(Vec::new());
+    };
     let mut moved = Vec::new();
     for c in states {
         let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (c.local, c.remote) else {
             continue;
         };
-        if *local.ip() != source {
+        if IpAddr::V4(*local.ip()) != source {
             continue;
         }
         if *remote.ip() == here {
@@ -66,12 +71,12 @@ pub(super) fn relocate_in_cluster(
                     .into(),
             );
         }
-        if *remote.ip() == source {
+        if IpAddr::V4(*remote.ip()) == source {
             return Err(
                 crate::dataplane::translation::FlowError::PeerOnSource { local, remote }.into(),
             );
         }
-        if nodes.contains(remote.ip()) {
+        if nodes.contains(&IpAddr::V4(*remote.ip())) {
             let new_local = std::net::SocketAddrV4::new(here, local.port());
             c.local = SocketAddr::new(IpAddr::V4(here), local.port());
             moved.push(InClusterFlow {

@@ -17,7 +17,7 @@ pub(super) type PendingLink = tokio::task::JoinHandle<Result<Arc<dyn PeerLink>, 
 /// link reaches.
 pub(super) fn open_peer_links(
     engine: &Arc<Engine>,
-    tcp_peers: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+    tcp_peers: &std::collections::BTreeSet<std::net::IpAddr>,
     destination: &str,
 ) -> Vec<(String, PendingLink)> {
     tcp_peers

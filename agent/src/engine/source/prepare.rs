@@ -365,6 +365,22 @@ async fn reserve(
             ),
         });
     }
+    // In-cluster connections are translated over an IPv4 cluster network
+    // only (the peer's tc programs and the images' rewrite are IPv4's):
+    // over an IPv6 one, such a connection is refused now, naming it.
+    if let Some((ip, node)) = sockets
+        .tcp_peers
+        .iter()
+        .filter(|ip| ip.is_ipv6())
+        .find_map(|ip| engine.cluster.peer_at(*ip).map(|p| (ip, p.name)))
+    {
+        return Err(EngineError::NotMigratable {
+            pid,
+            reason: format!(
+                "it has a TCP connection to {ip}, {node}'s cluster address: this version of ferry translates connections between nodes over an IPv4 cluster network only"
+            ),
+        });
+    }
     let memory = blocking("reading the process tree's memory", {
         let tree = tree.clone();
         move || process::memory::tree_memory(&tree)
@@ -378,6 +394,11 @@ async fn reserve(
             .map_err(|_| silent(peer, "Hello", deadline))??;
     let version = hello.response.protocol_version;
     limits_fit(pid, tree.clone(), &hello.response, &peer.name).await?;
+    public_addresses_fit(
+        engine.config.public.addresses(),
+        &hello.response.public_addresses,
+        &peer.name,
+    )?;
     let prepare = link.prepare(PrepareRequest {
         protocol_version: version,
         migration_id: migration_id.to_owned(),
@@ -493,6 +514,28 @@ async fn limits_fit(
     })
     .await?;
     refuse_if_any(pid, &obstacles)
+}
+
+/// The destination carries every public address this node does: a
+/// process's clients reach it by those (a listener on `::` takes both
+/// families' clients). An older destination does not say: not checked.
+fn public_addresses_fit(
+    ours: crate::config::PublicAddresses,
+    theirs: &[String],
+    node: &str,
+) -> Result<(), EngineError> {
+    if theirs.is_empty() {
+        return Ok(());
+    }
+    let parsed: Vec<std::net::IpAddr> = theirs.iter().filter_map(|a| a.parse().ok()).collect();
+    match ours.iter().find(|a| !parsed.contains(a)) {
+        None => Ok(()),
+        Some(missing) => Err(EngineError::PublicAddressMissing {
+            node: node.to_owned(),
+            missing: missing.to_string(),
+            theirs: theirs.join(" and "),
+        }),
+    }
 }
 
 /// `Peer.Hello`: the protocol version both speak, the strategy the
@@ -617,4 +660,32 @@ fn check_migratable(engine: &Engine, pid: i32) -> Result<(), EngineError> {
         return Err(EngineError::NotMigratable { pid, reason });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::PublicAddresses;
+
+    #[test]
+    fn a_destination_lacking_a_public_address_of_ours_is_refused_naming_it() {
+        let ours = PublicAddresses {
+            v4: Some("198.18.0.100".parse().unwrap()),
+            v6: Some("2001:2::100".parse().unwrap()),
+        };
+        let both = ["198.18.0.100".to_owned(), "2001:2::100".to_owned()];
+        assert!(public_addresses_fit(ours, &both, "node2").is_ok());
+        // An older node says nothing: not checked.
+        assert!(public_addresses_fit(ours, &[], "node2").is_ok());
+        // A destination with more than ours is fine.
+        let v4_only = PublicAddresses { v6: None, ..ours };
+        assert!(public_addresses_fit(v4_only, &both, "node2").is_ok());
+        let e = public_addresses_fit(ours, &both[..1], "node2").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        let text = e.to_string();
+        assert!(
+            text.contains("node2") && text.contains("2001:2::100") && text.contains("198.18.0.100"),
+            "{text}"
+        );
+    }
 }
