@@ -85,7 +85,8 @@ pub fn summary(c: &Config) -> String {
         "public",
         format!(
             "{} on {} (ownership filter)",
-            c.public.address, c.public.interface
+            c.public.addresses(),
+            c.public.interface
         ),
     );
     line(

@@ -117,6 +117,29 @@ fn init_writes_a_config_ferryd_accepts() {
     let mut forced = init_args(tls_s, out_s);
     forced.push("--force");
     ok(&ferry(&forced));
+
+    // A dual-stack public side: the IPv6 address as address6, and what
+    // ferryd reads back.
+    let mut dual = init_args(tls_s, out_s);
+    dual.extend(["--force", "--public-address6", "2001:db8:1::10"]);
+    ok(&ferry(&dual));
+    let written = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        written.contains("address6 = \"2001:db8:1::10\""),
+        "{written}"
+    );
+    let check = Command::new(FERRYD)
+        .arg("--check-config")
+        .arg(&out)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", text(&check.stderr));
+    assert!(
+        text(&check.stdout).contains("2001:db8:1::10"),
+        "{}",
+        text(&check.stdout)
+    );
 }
 
 #[test]
