@@ -59,6 +59,9 @@ pub enum IdleReason {
     NoEligibleProcess,
     /// Overloaded, but no known node qualifies as a destination.
     NoDestination,
+    /// Underloaded, but a migration to this node is reserved already: a
+    /// pull now would only have its giver's offer refused as busy.
+    IncomingBusy,
 }
 
 /// How often each step ran, for operators and the simulator
@@ -268,6 +271,9 @@ impl Balancer {
                 if !self.gate.can_send(now) {
                     return Plan::Idle(IdleReason::CalmingDown);
                 }
+                if self.gate.incoming().is_some() {
+                    return Plan::Idle(IdleReason::IncomingBusy);
+                }
                 let query = LocationQuery {
                     direction: Direction::Pull,
                     local_load,
@@ -374,6 +380,27 @@ mod tests {
             &mut StdRng::seed_from_u64(0),
         );
         assert!(matches!(plan, Plan::Pull { ref candidates, .. } if candidates == &[NodeId(1)]));
+        // With a migration to it reserved (the giver answered an earlier
+        // pull), it waits for that one: another pull would only have its
+        // giver's offer refused as busy.
+        let offer = crate::transfer::Offer {
+            id: MigrationId(7),
+            from: NodeId(1),
+            sender_load: 0.9,
+            process_load: 0.2,
+        };
+        assert!(matches!(
+            b.gate.on_offer(&offer, 0.1, Instant::ZERO),
+            crate::transfer::Answer::Accept
+        ));
+        let plan = b.plan(
+            Instant::ZERO,
+            0.1,
+            &peers(&[0.9, 0.5]),
+            &[],
+            &mut StdRng::seed_from_u64(0),
+        );
+        assert_eq!(plan, Plan::Idle(IdleReason::IncomingBusy));
     }
 
     #[test]

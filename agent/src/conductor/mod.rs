@@ -566,6 +566,9 @@ impl Conductor {
             Plan::Idle(IdleReason::OutgoingBusy) => "a migration is under way".into(),
             Plan::Idle(IdleReason::NoEligibleProcess) => "overloaded, no eligible process".into(),
             Plan::Idle(IdleReason::NoDestination) => "overloaded, no destination".into(),
+            Plan::Idle(IdleReason::IncomingBusy) => {
+                "underloaded, a migration here is reserved".into()
+            }
             Plan::Push {
                 pid, candidates, ..
             } => format!(
