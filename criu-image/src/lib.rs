@@ -87,7 +87,7 @@ mod tests;
 
 use std::fs;
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -111,20 +111,22 @@ pub const TCP_LISTEN: u32 = 10;
 pub struct SocketMatch {
     /// IP protocol: [`IPPROTO_TCP`], [`IPPROTO_UDP`].
     pub proto: u8,
-    /// Local address and port; an AF_INET6 socket matches through its
-    /// IPv4-mapped address.
-    pub local: SocketAddrV4,
+    /// Local address and port, IPv4 or IPv6; an AF_INET6 socket talking
+    /// IPv4 matches an IPv4 address through its IPv4-mapped one.
+    pub local: SocketAddr,
     /// The peer; `None` matches any peer, and sockets without one
     /// (listening, unconnected UDP).
-    pub remote: Option<SocketAddrV4>,
+    pub remote: Option<SocketAddr>,
 }
 
 /// Give the sockets that [`SocketMatch`] selects the local address
-/// `new_local` (the port stays).
+/// `new_local` (the port stays): an IPv4 one to AF_INET sockets and to
+/// AF_INET6 ones talking IPv4 (as IPv4-mapped), an IPv6 one to AF_INET6
+/// sockets talking IPv6.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalAddressRewrite {
     pub matches: SocketMatch,
-    pub new_local: Ipv4Addr,
+    pub new_local: IpAddr,
 }
 
 /// Address family of a socket.
@@ -168,11 +170,28 @@ impl InetSocket {
         self.remote.and_then(as_v4)
     }
 
+    /// The local address, an IPv4-mapped one as IPv4.
+    pub fn local_canonical(&self) -> SocketAddr {
+        canonical(self.local)
+    }
+
+    /// The peer, an IPv4-mapped one as IPv4.
+    pub fn remote_canonical(&self) -> Option<SocketAddr> {
+        self.remote.map(canonical)
+    }
+
     fn matches(&self, m: &SocketMatch) -> bool {
         self.proto == u32::from(m.proto)
-            && self.local_v4() == Some(m.local)
-            && m.remote.is_none_or(|r| self.remote_v4() == Some(r))
+            && self.local_canonical() == canonical(m.local)
+            && m.remote
+                .is_none_or(|r| self.remote_canonical() == Some(canonical(r)))
     }
+}
+
+/// `a` with an IPv4-mapped IPv6 address as the IPv4 one (and no flow
+/// label or scope: what sockets are matched by).
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 fn as_v4(a: SocketAddr) -> Option<SocketAddrV4> {
@@ -400,25 +419,45 @@ fn edit_inet(
 ) -> Result<Option<Vec<u8>>, Fault> {
     let entry = InetEntry::parse(msg)?;
     let before = entry.to_socket();
-    let rule = rewrites
+    // The words of the local address to write: word 0 of AF_INET, word 3
+    // of an IPv4-mapped AF_INET6 address, all four of an IPv6 one.
+    let words: Option<(usize, Vec<(usize, u32)>)> = rewrites
         .iter()
         .position(|r| before.matches(&r.matches))
-        .zip(entry.local_ipv4_word());
-    let Some((rule, word)) = rule else {
+        .and_then(|rule| match rewrites[rule].new_local {
+            IpAddr::V4(v4) => entry
+                .local_ipv4_word()
+                .map(|w| (rule, vec![(w, socket::ipv4_word(v4))])),
+            IpAddr::V6(v6) => (entry.family == socket::AF_INET6
+                && entry.src_addr.len() == 4
+                && entry.local_ipv4_word().is_none())
+            .then(|| {
+                let words = v6
+                    .octets()
+                    .chunks_exact(4)
+                    .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+                    .enumerate()
+                    .collect();
+                (rule, words)
+            }),
+        });
+    let Some((rule, words)) = words else {
         visit(&before, None);
         return Ok(None);
     };
-    let new_word = socket::ipv4_word(rewrites[rule].new_local);
-    let new_msg = if entry.src_addr[word] == new_word {
-        None
-    } else {
-        Some(socket::replace_repeated_uint32(
-            msg,
+    let mut new_msg: Option<Vec<u8>> = None;
+    for (word, value) in words {
+        if entry.src_addr[word] == value {
+            continue;
+        }
+        let current = new_msg.as_deref().unwrap_or(msg);
+        new_msg = Some(socket::replace_repeated_uint32(
+            current,
             socket::SRC_ADDR_FIELD,
             word,
-            new_word,
-        )?)
-    };
+            value,
+        )?);
+    }
     let after = match &new_msg {
         Some(m) => InetEntry::parse(m)?.to_socket(),
         None => before.clone(),

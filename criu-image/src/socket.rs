@@ -42,7 +42,7 @@ const FILE_ISK: u32 = 4;
 const FD_TYPES_INETSK: u32 = 4;
 
 const AF_INET: u32 = 2;
-const AF_INET6: u32 = 10;
+pub(crate) const AF_INET6: u32 = 10;
 
 /// Why an entry cannot be used, at an offset into the message examined.
 #[derive(Debug, Clone, PartialEq, Eq)]

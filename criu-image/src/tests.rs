@@ -190,12 +190,13 @@ fn sa(s: &str) -> SocketAddrV4 {
     s.parse().unwrap()
 }
 
+/// A rewrite: addresses as `a.b.c.d:p` or `[v6]:p`, the new one bare.
 fn rule(proto: u8, local: &str, remote: Option<&str>, new: &str) -> LocalAddressRewrite {
     LocalAddressRewrite {
         matches: SocketMatch {
             proto,
-            local: sa(local),
-            remote: remote.map(sa),
+            local: local.parse().unwrap(),
+            remote: remote.map(|r| r.parse().unwrap()),
         },
         new_local: new.parse().unwrap(),
     }
@@ -516,6 +517,60 @@ fn unpacked_ipv4_mapped_and_criu_0_1_four_word_addresses() {
                 file_entry(&native6.encode(), 5),
             ]
         )
+    );
+}
+
+/// An IPv6 socket's local address is rewritten whole (four words), by an
+/// IPv6 rule only; an IPv4-mapped one is the IPv4 rules'.
+#[test]
+fn an_ipv6_socket_takes_an_ipv6_rewrite_and_a_mapped_one_does_not() {
+    let mapped = Sock::mapped6(3, sa("198.18.200.1:443"), sa("198.18.201.9:5555"));
+    let native6 = Sock {
+        id: 5,
+        src: vec![0x20010db8u32.to_be(), 0, 0, 1u32.to_be()],
+        dst: vec![0x20010db8u32.to_be(), 0, 0, 2u32.to_be()],
+        ..mapped.clone()
+    };
+    let fx = Fixture::files(vec![
+        file_entry(&mapped.encode(), 3),
+        file_entry(&native6.encode(), 5),
+    ]);
+    let s = rewrite_local_addresses(
+        fx.path(),
+        &[
+            // An IPv6 rule for the mapped socket's IPv4 address: no match.
+            rule(6, "[::ffff:198.18.200.2]:443", None, "2001:db8::7"),
+            rule(
+                6,
+                "[2001:db8::1]:443",
+                Some("[2001:db8::2]:5555"),
+                "2001:db8::9",
+            ),
+        ],
+    )
+    .unwrap();
+    assert_eq!(s.unmatched, [0]);
+    assert_eq!(s.rewritten.len(), 1);
+    let listed = inet_sockets(fx.path()).unwrap();
+    assert_eq!(
+        listed[0].local_v4(),
+        Some(sa("198.18.200.1:443")),
+        "untouched"
+    );
+    assert_eq!(
+        listed[1].local,
+        "[2001:db8::9]:443".parse::<SocketAddr>().unwrap()
+    );
+    assert_eq!(
+        listed[1].remote,
+        Some("[2001:db8::2]:5555".parse().unwrap())
+    );
+    // The mapped socket matches an IPv4 rule through its IPv4 address.
+    let s = rewrite_local_addresses(fx.path(), &[rule(6, "198.18.200.1:443", None, B)]).unwrap();
+    assert_eq!(s.rewritten.len(), 1);
+    assert_eq!(
+        s.rewritten[0].after.local_canonical(),
+        format!("{B}:443").parse().unwrap()
     );
 }
 

@@ -361,10 +361,10 @@ fn dumped_connection_is_restored_from_the_new_local_address() {
         &[LocalAddressRewrite {
             matches: SocketMatch {
                 proto: IPPROTO_TCP,
-                local: old,
-                remote: Some(PEER),
+                local: old.into(),
+                remote: Some(PEER.into()),
             },
-            new_local: NEW_LOCAL,
+            new_local: NEW_LOCAL.into(),
         }],
     )
     .expect("rewriting the local address");

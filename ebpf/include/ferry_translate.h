@@ -54,9 +54,7 @@ enum ferry_xlate_action {
  * The flag counts tell the agent when a TCP connection is over, so that
  * it can remove a translate rule: a FIN each way, or an RST either way. A
  * hold rule counts the packets it dropped, flags included. */
-struct ferry_xlate_rule {
-	__be32 new_addr; /* hold: remote_addr itself, as FERRY_XL_REV gives it */
-	__u32 action;    /* enum ferry_xlate_action */
+struct ferry_xlate_counts {
 	__u64 packets_egress;  /* translated peer -> process (hold: dropped, sent here) */
 	__u64 packets_ingress; /* translated process -> peer (hold: dropped, arrived) */
 	__u64 last_seen_ns;    /* bpf_ktime_get_ns() (CLOCK_MONOTONIC) of the last one */
@@ -64,6 +62,47 @@ struct ferry_xlate_rule {
 	__u32 fin_ingress;     /* ... received from the process */
 	__u32 rst_egress;      /* TCP segments with RST sent by the peer */
 	__u32 rst_ingress;     /* ... received from the process */
+};
+
+struct ferry_xlate_rule {
+	__be32 new_addr; /* hold: remote_addr itself, as FERRY_XL_REV gives it */
+	__u32 action;    /* enum ferry_xlate_action */
+	struct ferry_xlate_counts c;
+};
+
+/* The same over an IPv6 cluster network, in maps of their own
+ * (FERRY_XL_RULES6, FERRY_XL_REV6, FERRY_XL_FRAGS6), so that the IPv4 maps
+ * an earlier ferryd pinned keep their layout. Addresses in network byte
+ * order, as in the packet. */
+struct ferry_xlate6_key {
+	__u8 local_addr[16];
+	__u8 remote_addr[16]; /* as in ferry_xlate_key */
+	__be16 local_port;
+	__be16 remote_port;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct ferry_xlate6_rule {
+	__u8 new_addr[16];
+	__u32 action;
+	__u32 pad;
+	struct ferry_xlate_counts c;
+};
+
+struct ferry_xlate6_frag_key {
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__be32 id;  /* the fragment header's identification */
+	__u8 proto; /* the fragment header's next header */
+	__u8 dir;
+	__u8 pad[2];
+};
+
+struct ferry_xlate6_frag {
+	__u8 addr[16];
+	__u32 action;
+	__u32 pad;
 };
 
 /* Key of FERRY_XL_FRAGS: an IPv4 datagram whose first fragment was
@@ -95,9 +134,10 @@ enum ferry_xlate_counter {
 	FERRY_XL_CNT_EGRESS = 0,
 	/* Packets translated process -> peer, later fragments included. */
 	FERRY_XL_CNT_INGRESS = 1,
-	/* Left alone: no rule, not TCP/UDP, not IPv4. */
+	/* Left alone: no rule, not TCP/UDP, neither IPv4 nor IPv6. */
 	FERRY_XL_CNT_PASSED = 2,
-	/* IPv4 whose headers cannot be read or do not add up: left alone. */
+	/* IPv4 or IPv6 whose headers cannot be read or do not add up: left
+	 * alone. */
 	FERRY_XL_CNT_MALFORMED = 3,
 	/* Translated egress sent with bpf_redirect_neigh() (no usable FIB
 	 * answer: forwarding off, or no neighbour yet). Each passes tc egress
@@ -132,13 +172,23 @@ _Static_assert(__builtin_offsetof(struct ferry_xlate_key, pad) == 13, "pad at 13
 _Static_assert(sizeof(struct ferry_xlate_rule) == 48, "ferry_xlate_rule is 48 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_xlate_rule, new_addr) == 0, "new_addr at 0");
 _Static_assert(__builtin_offsetof(struct ferry_xlate_rule, action) == 4, "action at 4");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, packets_egress) == 8, "packets_egress at 8");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, packets_ingress) == 16, "packets_ingress at 16");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, last_seen_ns) == 24, "last_seen_ns at 24");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, fin_egress) == 32, "fin_egress at 32");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, fin_ingress) == 36, "fin_ingress at 36");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, rst_egress) == 40, "rst_egress at 40");
-_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, rst_ingress) == 44, "rst_ingress at 44");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.packets_egress) == 8, "packets_egress at 8");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.packets_ingress) == 16, "packets_ingress at 16");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.last_seen_ns) == 24, "last_seen_ns at 24");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.fin_egress) == 32, "fin_egress at 32");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.fin_ingress) == 36, "fin_ingress at 36");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.rst_egress) == 40, "rst_egress at 40");
+_Static_assert(__builtin_offsetof(struct ferry_xlate_rule, c.rst_ingress) == 44, "rst_ingress at 44");
+_Static_assert(sizeof(struct ferry_xlate6_key) == 40, "ferry_xlate6_key is 40 bytes");
+_Static_assert(__builtin_offsetof(struct ferry_xlate6_key, remote_addr) == 16, "remote_addr at 16");
+_Static_assert(__builtin_offsetof(struct ferry_xlate6_key, local_port) == 32, "local_port at 32");
+_Static_assert(__builtin_offsetof(struct ferry_xlate6_key, remote_port) == 34, "remote_port at 34");
+_Static_assert(__builtin_offsetof(struct ferry_xlate6_key, proto) == 36, "proto at 36");
+_Static_assert(sizeof(struct ferry_xlate6_rule) == 64, "ferry_xlate6_rule is 64 bytes");
+_Static_assert(__builtin_offsetof(struct ferry_xlate6_rule, action) == 16, "action at 16");
+_Static_assert(__builtin_offsetof(struct ferry_xlate6_rule, c) == 24, "counts at 24");
+_Static_assert(sizeof(struct ferry_xlate6_frag_key) == 40, "ferry_xlate6_frag_key is 40 bytes");
+_Static_assert(sizeof(struct ferry_xlate6_frag) == 24, "ferry_xlate6_frag is 24 bytes");
 _Static_assert(sizeof(struct ferry_xlate_frag_key) == 12, "ferry_xlate_frag_key is 12 bytes");
 _Static_assert(__builtin_offsetof(struct ferry_xlate_frag_key, id) == 8, "id at 8");
 _Static_assert(__builtin_offsetof(struct ferry_xlate_frag_key, proto) == 10, "proto at 10");

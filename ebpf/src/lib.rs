@@ -24,6 +24,7 @@ mod task_iter;
 mod tcpstate;
 mod translate;
 mod translate_maps;
+mod translate_table;
 mod vmaflags;
 
 pub use error::DataPlaneError;

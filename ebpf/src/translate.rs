@@ -23,14 +23,17 @@
 //! The rules live in two maps the agent keeps in step: `FERRY_XL_RULES`
 //! (the flow as the local socket sees it, for egress, with the action and
 //! per-rule state) and `FERRY_XL_REV` (the flow as incoming packets carry
-//! it, for ingress).
+//! it, for ingress), and for an IPv6 cluster network in their twins
+//! `FERRY_XL_RULES6` and `FERRY_XL_REV6` (`translate_table.rs` keeps
+//! either pair; the programs fix IPv6's transport checksum by the
+//! addresses' difference, as IPv6 has no header checksum).
 
 use std::fmt;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use aya::maps::{HashMap, MapData, MapError, MapType, PerCpuArray};
+use aya::maps::{HashMap, MapData, MapType, PerCpuArray};
 use aya::programs::links::FdLink;
 use aya::programs::tc::{SchedClassifierLink, TcError};
 use aya::programs::{SchedClassifier, TcAttachType, tc};
@@ -39,7 +42,8 @@ use aya::{Ebpf, include_bytes_aligned};
 
 use crate::error::{map_err, prog_err};
 use crate::pin::{MapSpec, PinDir};
-use crate::translate_maps::{self as maps, XlateKey, XlateRule};
+use crate::translate_maps::{self as maps, Xlate6Key, Xlate6Rule, XlateKey, XlateRule};
+use crate::translate_table::{Table, V4, V6};
 use crate::{DataPlaneError, Protocol};
 
 static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/translate.bpf.o"));
@@ -47,6 +51,9 @@ static OBJECT: &[u8] = include_bytes_aligned!(concat!(env!("OUT_DIR"), "/transla
 const RULES_MAP: &str = "FERRY_XL_RULES";
 const REV_MAP: &str = "FERRY_XL_REV";
 const FRAGS_MAP: &str = "FERRY_XL_FRAGS";
+const RULES6_MAP: &str = "FERRY_XL_RULES6";
+const REV6_MAP: &str = "FERRY_XL_REV6";
+const FRAGS6_MAP: &str = "FERRY_XL_FRAGS6";
 const COUNTERS_MAP: &str = "FERRY_XL_COUNT";
 const EGRESS: &str = "ferry_xlate_out";
 const INGRESS: &str = "ferry_xlate_in";
@@ -65,7 +72,7 @@ const PROGRAMS: [(&str, TcAttachType); 2] = [
 /// what a map's bytes mean must change one of them. Hold rules did
 /// (`FERRY_XL_FRAGS`' value 4 -> 8 bytes, `FERRY_XL_COUNT` 6 -> 7
 /// entries), so pins of the build before them are refused.
-static MAP_SPECS: [MapSpec; 4] = [
+static MAP_SPECS: [MapSpec; 7] = [
     MapSpec {
         name: RULES_MAP,
         map_type: MapType::Hash,
@@ -94,20 +101,44 @@ static MAP_SPECS: [MapSpec; 4] = [
         value_size: 8,
         max_entries: maps::CNT_MAX,
     },
+    // IPv6's, maps of their own: those above keep the layout an earlier
+    // ferryd pinned.
+    MapSpec {
+        name: RULES6_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<Xlate6Key>() as u32,
+        value_size: size_of::<Xlate6Rule>() as u32,
+        max_entries: maps::RULES_MAX,
+    },
+    MapSpec {
+        name: REV6_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<Xlate6Key>() as u32,
+        value_size: 16,
+        max_entries: maps::RULES_MAX,
+    },
+    MapSpec {
+        name: FRAGS6_MAP,
+        map_type: MapType::LruHash,
+        key_size: maps::FRAG6_KEY_SIZE,
+        value_size: maps::FRAG6_VALUE_SIZE,
+        max_entries: maps::FRAGS_MAX,
+    },
 ];
 
 /// One exact flow, as this node's socket sees it, and what to do with it.
-/// At most one rule per flow (protocol, `local`, `remote`).
+/// At most one rule per flow (protocol, `local`, `remote`). Its addresses
+/// are of one family: IPv4 or IPv6 (a cluster network's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TranslationRule {
     pub protocol: Protocol,
     /// The local socket's own address on this node: the peer's
     /// ([`Translate`](RuleAction::Translate)), or the restored socket's
     /// ([`Hold`](RuleAction::Hold)).
-    pub local: SocketAddrV4,
+    pub local: SocketAddr,
     /// The remote end as the local socket knows it: the migrated socket's
     /// old address (translate), or the peer's address (hold).
-    pub remote: SocketAddrV4,
+    pub remote: SocketAddr,
     pub action: RuleAction,
 }
 
@@ -117,7 +148,7 @@ pub enum RuleAction {
     /// On the peer's node: the migrated socket is now at `remote_new` (its
     /// port stays the rule's `remote`'s). Egress destination `remote` ->
     /// `remote_new`, ingress source `remote_new` -> `remote`.
-    Translate { remote_new: Ipv4Addr },
+    Translate { remote_new: IpAddr },
     /// On the migrated process's new node, while the migration is under
     /// way: drop the flow's packets both ways, and count them, until the
     /// rule is removed (see the module documentation).
@@ -141,14 +172,14 @@ impl fmt::Display for TranslationRule {
     }
 }
 
-fn ip_proto(p: Protocol) -> u8 {
+pub(crate) fn ip_proto(p: Protocol) -> u8 {
     match p {
         Protocol::Tcp => libc::IPPROTO_TCP as u8,
         Protocol::Udp => libc::IPPROTO_UDP as u8,
     }
 }
 
-fn from_ip_proto(p: u8) -> Option<Protocol> {
+pub(crate) fn from_ip_proto(p: u8) -> Option<Protocol> {
     match i32::from(p) {
         libc::IPPROTO_TCP => Some(Protocol::Tcp),
         libc::IPPROTO_UDP => Some(Protocol::Udp),
@@ -161,94 +192,65 @@ impl TranslationRule {
     /// migrated socket that was at `remote_old` goes to `remote_new`.
     pub fn translate(
         protocol: Protocol,
-        local: SocketAddrV4,
-        remote_old: SocketAddrV4,
-        remote_new: Ipv4Addr,
+        local: impl Into<SocketAddr>,
+        remote_old: impl Into<SocketAddr>,
+        remote_new: impl Into<IpAddr>,
     ) -> Self {
         Self {
             protocol,
-            local,
-            remote: remote_old,
-            action: RuleAction::Translate { remote_new },
+            local: local.into(),
+            remote: remote_old.into(),
+            action: RuleAction::Translate {
+                remote_new: remote_new.into(),
+            },
         }
     }
 
     /// On a migrated process's new node: hold (drop both ways) the
     /// `protocol` flow between the restored socket at `local` and its peer
     /// at `remote`.
-    pub fn hold(protocol: Protocol, local: SocketAddrV4, remote: SocketAddrV4) -> Self {
+    pub fn hold(
+        protocol: Protocol,
+        local: impl Into<SocketAddr>,
+        remote: impl Into<SocketAddr>,
+    ) -> Self {
         Self {
             protocol,
-            local,
-            remote,
+            local: local.into(),
+            remote: remote.into(),
             action: RuleAction::Hold,
-        }
-    }
-
-    /// The key of `FERRY_XL_RULES`: the flow as the local socket sends it.
-    fn key(&self) -> XlateKey {
-        XlateKey {
-            local_addr: self.local.ip().octets(),
-            remote_addr: self.remote.ip().octets(),
-            local_port: self.local.port().to_be_bytes(),
-            remote_port: self.remote.port().to_be_bytes(),
-            proto: ip_proto(self.protocol),
-            pad: [0; 3],
         }
     }
 
     /// The source address of the flow's incoming packets: the new address
     /// of a translate rule, the remote one of a hold rule. `new_addr` of
     /// the rule's value.
-    fn incoming_addr(&self) -> Ipv4Addr {
+    fn incoming_addr(&self) -> IpAddr {
         match self.action {
             RuleAction::Translate { remote_new } => remote_new,
-            RuleAction::Hold => *self.remote.ip(),
+            RuleAction::Hold => self.remote.ip(),
         }
-    }
-
-    fn action_code(&self) -> u32 {
-        match self.action {
-            RuleAction::Translate { .. } => maps::ACTION_TRANSLATE,
-            RuleAction::Hold => maps::ACTION_HOLD,
-        }
-    }
-
-    /// The key of `FERRY_XL_REV`: the flow as incoming packets carry it.
-    fn rev_key(&self) -> XlateKey {
-        XlateKey {
-            remote_addr: self.incoming_addr().octets(),
-            ..self.key()
-        }
-    }
-
-    fn from_entry(k: &XlateKey, v: &XlateRule) -> Option<Self> {
-        let action = match v.action {
-            maps::ACTION_TRANSLATE => RuleAction::Translate {
-                remote_new: v.new_addr.into(),
-            },
-            maps::ACTION_HOLD => RuleAction::Hold,
-            _ => return None,
-        };
-        Some(Self {
-            protocol: from_ip_proto(k.proto)?,
-            local: SocketAddrV4::new(k.local_addr.into(), u16::from_be_bytes(k.local_port)),
-            remote: SocketAddrV4::new(k.remote_addr.into(), u16::from_be_bytes(k.remote_port)),
-            action,
-        })
     }
 
     fn check(&self) -> Result<(), DataPlaneError> {
         let moved_nowhere = matches!(
             self.action,
-            RuleAction::Translate { remote_new } if remote_new == *self.remote.ip()
+            RuleAction::Translate { remote_new } if remote_new == self.remote.ip()
         );
+        let addresses = [self.incoming_addr(), self.remote.ip(), self.local.ip()];
         let reason = if moved_nowhere {
             "the new address is the old one"
-        } else if [self.incoming_addr(), *self.remote.ip(), *self.local.ip()]
+        } else if addresses
             .iter()
-            .any(|a| a.is_unspecified() || a.is_broadcast() || a.is_multicast())
+            .any(|a| a.is_ipv4() != self.local.is_ipv4())
         {
+            "addresses must be of one family"
+        } else if addresses.iter().any(|a| {
+            a.is_unspecified()
+                || a.is_multicast()
+                || a.to_canonical() != *a
+                || matches!(a, IpAddr::V4(v4) if v4.is_broadcast())
+        }) {
             "addresses must be unicast"
         } else if self.local.port() == 0 || self.remote.port() == 0 {
             "ports must not be 0"
@@ -284,18 +286,6 @@ pub struct RuleState {
 }
 
 impl RuleState {
-    fn from_value(v: &XlateRule) -> Self {
-        Self {
-            packets_egress: v.packets_egress,
-            packets_ingress: v.packets_ingress,
-            last_seen_ns: v.last_seen_ns,
-            fin_egress: v.fin_egress,
-            fin_ingress: v.fin_ingress,
-            rst_egress: v.rst_egress,
-            rst_ingress: v.rst_ingress,
-        }
-    }
-
     /// The TCP connection is over: a FIN went each way, or an RST either
     /// way. (The last ACK may still be under way: see
     /// [`Translator::remove_closed`].) Never true for UDP.
@@ -331,14 +321,14 @@ pub struct TranslationCounters {
     /// Packets (and later fragments) from a new node made to look as if
     /// from the old one.
     pub translated_ingress: u64,
-    /// Left alone: no rule, not TCP or UDP, not IPv4 (and translated
+    /// Left alone: no rule, not TCP or UDP, neither IPv4 nor IPv6 (and translated
     /// packets on their second pass after bpf_redirect_neigh()).
     pub passed: u64,
-    /// IPv4 with unreadable or inconsistent headers: left alone.
+    /// IPv4 or IPv6 with unreadable or inconsistent headers: left alone.
     pub malformed: u64,
     /// Translated egress sent with bpf_redirect_neigh(), which routes and
     /// resolves the new node's MAC in the kernel: every one on a node
-    /// without IPv4 forwarding (the FIB helper refuses there), otherwise
+    /// without forwarding (the FIB helper refuses there), otherwise
     /// those sent before the neighbour was known. Included in
     /// `translated_egress`; each passes tc egress once more and counts in
     /// `passed` then.
@@ -356,8 +346,8 @@ pub struct Translator {
     // Unpinned: owns the programs and their links, and dropping it detaches
     // them. Pinned: only descriptors; the pins keep everything attached.
     _ebpf: Ebpf,
-    rules: HashMap<MapData, XlateKey, XlateRule>,
-    reverse: HashMap<MapData, XlateKey, [u8; 4]>,
+    v4: Table<V4>,
+    v6: Table<V6>,
     counters: PerCpuArray<MapData, u64>,
     iface: String,
     pins: Option<PathBuf>,
@@ -497,13 +487,17 @@ impl Translator {
     fn new(mut ebpf: Ebpf, iface: &str, pins: Option<PathBuf>) -> Result<Self, DataPlaneError> {
         let mut take =
             |name: &'static str| ebpf.take_map(name).ok_or(DataPlaneError::Missing(name));
-        let rules = HashMap::try_from(take(RULES_MAP)?).map_err(map_err(RULES_MAP))?;
+        let rules: HashMap<MapData, XlateKey, XlateRule> =
+            HashMap::try_from(take(RULES_MAP)?).map_err(map_err(RULES_MAP))?;
         let reverse = HashMap::try_from(take(REV_MAP)?).map_err(map_err(REV_MAP))?;
+        let rules6: HashMap<MapData, Xlate6Key, Xlate6Rule> =
+            HashMap::try_from(take(RULES6_MAP)?).map_err(map_err(RULES6_MAP))?;
+        let reverse6 = HashMap::try_from(take(REV6_MAP)?).map_err(map_err(REV6_MAP))?;
         let counters = PerCpuArray::try_from(take(COUNTERS_MAP)?).map_err(map_err(COUNTERS_MAP))?;
         Ok(Self {
             _ebpf: ebpf,
-            rules,
-            reverse,
+            v4: Table::new(rules, reverse),
+            v6: Table::new(rules6, reverse6),
             counters,
             iface: iface.to_owned(),
             pins,
@@ -520,29 +514,6 @@ impl Translator {
         self.pins.as_deref()
     }
 
-    fn get_rule(&self, k: &XlateKey) -> Result<Option<XlateRule>, DataPlaneError> {
-        match self.rules.get(k, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err(RULES_MAP)(e)),
-        }
-    }
-
-    fn remove_rev(&mut self, k: &XlateKey) -> Result<(), DataPlaneError> {
-        match self.reverse.remove(k) {
-            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(map_err(REV_MAP)(e)),
-        }
-    }
-
-    /// The rule stored under `key` of `FERRY_XL_RULES`, for messages.
-    fn describe(&self, key: &XlateKey) -> Result<String, DataPlaneError> {
-        Ok(self
-            .get_rule(key)?
-            .and_then(|v| TranslationRule::from_entry(key, &v))
-            .map_or_else(|| "a rule being changed".to_owned(), |r| r.to_string()))
-    }
-
     /// Starts translating or holding `rule`'s flow. Adding a rule that is
     /// there is a no-op (its state stays); adding a translate rule for a
     /// translated flow with another new address re-targets it (a process
@@ -550,57 +521,14 @@ impl Translator {
     /// [`DataPlaneError::RuleConflict`] on a rule for a flow that has a
     /// rule of the other kind, and on one whose incoming packets would be
     /// indistinguishable from another rule's (same local socket, same
-    /// source address and port).
+    /// source address and port). IPv4 and IPv6 rules go to maps of their
+    /// own.
     pub fn add(&mut self, rule: TranslationRule) -> Result<(), DataPlaneError> {
         rule.check()?;
-        let key = rule.key();
-        let rev = rule.rev_key();
-        let remote_addr = rule.remote.ip().octets();
-        let conflict = |existing: String| DataPlaneError::RuleConflict {
-            rule: rule.to_string(),
-            existing,
-        };
-        match self.reverse.get(&rev, 0) {
-            Ok(a) if a != remote_addr => {
-                let existing = self.describe(&XlateKey {
-                    remote_addr: a,
-                    ..key
-                })?;
-                return Err(conflict(existing));
-            }
-            Ok(_) | Err(MapError::KeyNotFound) => {}
-            Err(e) => return Err(map_err(REV_MAP)(e)),
-        }
-        let existing = self.get_rule(&key)?;
-        if let Some(e) = existing.filter(|e| e.action != rule.action_code()) {
-            let existing = TranslationRule::from_entry(&key, &e).map_or_else(
-                || format!("a rule with action {}", e.action),
-                |r| r.to_string(),
-            );
-            return Err(conflict(existing));
-        }
-        let value = XlateRule {
-            new_addr: rule.incoming_addr().octets(),
-            action: rule.action_code(),
-            ..existing.unwrap_or_default()
-        };
-        if existing != Some(value) {
-            // A re-target rewrites the whole value: increments the
-            // programs make during the update may be lost; the counts are
-            // for the agent's bookkeeping, not exact accounting.
-            self.rules
-                .insert(key, value, 0)
-                .map_err(map_err(RULES_MAP))?;
-        }
-        // Egress translates (holds) from the rule on; ingress from here on.
-        self.reverse
-            .insert(rev, remote_addr, 0)
-            .map_err(map_err(REV_MAP))?;
-        if let Some(prev) = existing.filter(|e| e.new_addr != value.new_addr) {
-            self.remove_rev(&XlateKey {
-                remote_addr: prev.new_addr,
-                ..key
-            })?;
+        if Table::<V4>::holds(&rule) {
+            self.v4.add(&rule)?;
+        } else {
+            self.v6.add(&rule)?;
         }
         tracing::debug!(iface = %self.iface, %rule, "translation rule added");
         Ok(())
@@ -611,47 +539,32 @@ impl Translator {
     /// translate rule's `remote_new` does not matter). False if there was
     /// no such rule.
     pub fn remove(&mut self, rule: &TranslationRule) -> Result<bool, DataPlaneError> {
-        let key = rule.key();
-        let Some(value) = self
-            .get_rule(&key)?
-            .filter(|v| v.action == rule.action_code())
-        else {
-            return Ok(false);
+        let removed = if rule.local.is_ipv4() {
+            self.v4.remove(rule)?
+        } else {
+            self.v6.remove(rule)?
         };
-        // Ingress first, so that no answer is translated for a flow whose
-        // requests no longer are.
-        self.remove_rev(&XlateKey {
-            remote_addr: value.new_addr,
-            ..key
-        })?;
-        match self.rules.remove(&key) {
-            Ok(()) => {}
-            Err(MapError::KeyNotFound) => return Ok(false),
-            Err(e) => return Err(map_err(RULES_MAP)(e)),
+        if removed {
+            tracing::debug!(iface = %self.iface, %rule, "translation rule removed");
         }
-        tracing::debug!(iface = %self.iface, %rule, "translation rule removed");
-        Ok(true)
+        Ok(removed)
     }
 
     /// The state of `rule`'s flow, None if there is no such rule (found as
     /// by [`remove`](Self::remove)).
     pub fn state(&self, rule: &TranslationRule) -> Result<Option<RuleState>, DataPlaneError> {
-        Ok(self
-            .get_rule(&rule.key())?
-            .filter(|v| v.action == rule.action_code())
-            .map(|v| RuleState::from_value(&v)))
+        if rule.local.is_ipv4() {
+            self.v4.state(rule)
+        } else {
+            self.v6.state(rule)
+        }
     }
 
     /// Every rule with its state, sorted.
     pub fn rules(&self) -> Result<Vec<(TranslationRule, RuleState)>, DataPlaneError> {
         let mut out = Vec::new();
-        for item in self.rules.iter() {
-            let (k, v) = item.map_err(map_err(RULES_MAP))?;
-            // Only this crate writes the map, always with TCP or UDP.
-            if let Some(rule) = TranslationRule::from_entry(&k, &v) {
-                out.push((rule, RuleState::from_value(&v)));
-            }
-        }
+        self.v4.rules(&mut out)?;
+        self.v6.rules(&mut out)?;
         out.sort_by_key(|(rule, _)| *rule);
         Ok(out)
     }

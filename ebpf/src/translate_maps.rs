@@ -67,6 +67,61 @@ const _: () = assert!(offset_of!(XlateRule, fin_ingress) == 36);
 const _: () = assert!(offset_of!(XlateRule, rst_egress) == 40);
 const _: () = assert!(offset_of!(XlateRule, rst_ingress) == 44);
 
+/// `struct ferry_xlate6_key`: [`XlateKey`] with IPv6 addresses.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Xlate6Key {
+    pub local_addr: [u8; 16],
+    pub remote_addr: [u8; 16],
+    pub local_port: [u8; 2],
+    pub remote_port: [u8; 2],
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+// SAFETY: Xlate6Key is repr(C) and made only of byte arrays and a u8 (40
+// bytes, alignment 1, no padding: asserted below), so every bit pattern is
+// valid and it may be copied to and from the kernel as plain bytes.
+unsafe impl aya::Pod for Xlate6Key {}
+
+const _: () = assert!(size_of::<Xlate6Key>() == 40);
+const _: () = assert!(offset_of!(Xlate6Key, remote_addr) == 16);
+const _: () = assert!(offset_of!(Xlate6Key, local_port) == 32);
+const _: () = assert!(offset_of!(Xlate6Key, remote_port) == 34);
+const _: () = assert!(offset_of!(Xlate6Key, proto) == 36);
+
+/// `struct ferry_xlate6_rule`, the value of `FERRY_XL_RULES6`: as
+/// [`XlateRule`] with a 16-byte address (and a pad after the action).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Xlate6Rule {
+    pub new_addr: [u8; 16],
+    pub action: u32,
+    pub pad: u32,
+    pub packets_egress: u64,
+    pub packets_ingress: u64,
+    pub last_seen_ns: u64,
+    pub fin_egress: u32,
+    pub fin_ingress: u32,
+    pub rst_egress: u32,
+    pub rst_ingress: u32,
+}
+
+// SAFETY: Xlate6Rule is repr(C) and made only of integers and a byte array
+// laid out without padding (16 + 4 + 4 + 3 * 8 + 4 * 4 = 64 bytes, asserted
+// below), so every bit pattern is valid and it may be copied to and from
+// the kernel as plain bytes.
+unsafe impl aya::Pod for Xlate6Rule {}
+
+const _: () = assert!(size_of::<Xlate6Rule>() == 64);
+const _: () = assert!(offset_of!(Xlate6Rule, action) == 16);
+const _: () = assert!(offset_of!(Xlate6Rule, packets_egress) == 24);
+const _: () = assert!(offset_of!(Xlate6Rule, rst_ingress) == 60);
+
+/// Sizes of `struct ferry_xlate6_frag_key` and `struct ferry_xlate6_frag`.
+pub(crate) const FRAG6_KEY_SIZE: u32 = 40;
+pub(crate) const FRAG6_VALUE_SIZE: u32 = 24;
+
 /// `enum ferry_xlate_action`.
 pub(crate) const ACTION_TRANSLATE: u32 = 0;
 pub(crate) const ACTION_HOLD: u32 = 1;

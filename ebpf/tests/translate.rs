@@ -19,7 +19,9 @@
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::net::{
+    Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket,
+};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,6 +35,11 @@ use ferry_ebpf::{DataPlaneError, Protocol, RuleAction, TranslationRule, Translat
 const PEER_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 7, 3);
 const OLD_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 7, 1);
 const NEW_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 7, 2);
+/// The same nodes on an IPv6 cluster network (2001:2::/48, RFC 5180's
+/// benchmarking prefix), for [`Net::new6`].
+const PEER_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 7, 0, 0, 0, 3);
+const OLD_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 7, 0, 0, 0, 1);
+const NEW_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 7, 0, 0, 0, 2);
 const PEER_MAC: [u8; 6] = [0x02, 0xfe, 0, 0, 0, 3];
 const OLD_MAC: [u8; 6] = [0x02, 0xfe, 0, 0, 0, 1];
 const NEW_MAC: [u8; 6] = [0x02, 0xfe, 0, 0, 0, 2];
@@ -64,6 +71,14 @@ fn ip(args: &[&str]) {
 
 fn v4(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(ip, port)
+}
+
+/// A rule's IPv4 address (these tests' rules are all IPv4).
+fn as_v4(a: SocketAddr) -> SocketAddrV4 {
+    match a {
+        SocketAddr::V4(v4) => v4,
+        SocketAddr::V6(v6) => panic!("{v6} is not IPv4"),
+    }
 }
 
 /// Runs `f` on a thread that joined namespace `ns` (network only).
@@ -139,6 +154,16 @@ struct Net {
 
 impl Net {
     fn new(checksums: Checksums) -> Self {
+        Self::build(checksums, false)
+    }
+
+    /// [`Net::new`] with IPv6 on, each node also at its `*_IP6` address
+    /// (quiet: no duplicate address detection, no router solicitations).
+    fn new6(checksums: Checksums) -> Self {
+        Self::build(checksums, true)
+    }
+
+    fn build(checksums: Checksums, ipv6: bool) -> Self {
         // Unique per process and test: the tests run in parallel.
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let id = format!(
@@ -156,12 +181,18 @@ impl Net {
         };
         for ns in net.all() {
             ip(&["netns", "add", ns]);
-            // No IPv6: no router solicitations or MLD reports in the
-            // captures, and nothing but the test's own traffic.
-            within(ns, || {
+            // No IPv6 unless asked for: no router solicitations or MLD
+            // reports in the captures, and nothing but the test's own
+            // traffic.
+            within(ns, move || {
                 for knob in ["all", "default"] {
-                    let path = format!("/proc/sys/net/ipv6/conf/{knob}/disable_ipv6");
-                    let _ = std::fs::write(path, "1");
+                    let conf = format!("/proc/sys/net/ipv6/conf/{knob}");
+                    if ipv6 {
+                        let _ = std::fs::write(format!("{conf}/accept_dad"), "0");
+                        let _ = std::fs::write(format!("{conf}/router_solicitations"), "0");
+                    } else {
+                        let _ = std::fs::write(format!("{conf}/disable_ipv6"), "1");
+                    }
                 }
             });
             ip(&["-n", ns, "link", "set", "lo", "up"]);
@@ -177,10 +208,10 @@ impl Net {
         });
         ip(&["-n", sw, "link", "add", "br0", "type", "bridge"]);
         ip(&["-n", sw, "link", "set", "br0", "up"]);
-        for (ns, port, addr, mac) in [
-            (&net.peer, "to-peer", PEER_IP, PEER_MAC),
-            (&net.old, "to-old", OLD_IP, OLD_MAC),
-            (&net.new, "to-new", NEW_IP, NEW_MAC),
+        for (ns, port, addr, addr6, mac) in [
+            (&net.peer, "to-peer", PEER_IP, PEER_IP6, PEER_MAC),
+            (&net.old, "to-old", OLD_IP, OLD_IP6, OLD_MAC),
+            (&net.new, "to-new", NEW_IP, NEW_IP6, NEW_MAC),
         ] {
             let mac = mac
                 .iter()
@@ -193,6 +224,10 @@ impl Net {
             ip(&["-n", sw, "link", "set", port, "master", "br0", "up"]);
             ip(&["-n", ns, "link", "set", IFACE, "address", &mac]);
             ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", IFACE]);
+            if ipv6 {
+                let a = format!("{addr6}/64");
+                ip(&["-n", ns, "addr", "add", &a, "dev", IFACE, "nodad"]);
+            }
             ip(&["-n", ns, "link", "set", IFACE, "up"]);
             within(sw, move || set_tx_checksum(port, false));
             if checksums == Checksums::Software {
@@ -374,14 +409,14 @@ fn connect_translated(
     rule: TranslationRule,
 ) -> (TcpStream, TcpStream) {
     let client = net
-        .peer(move || connect_from(rule.local, rule.remote))
+        .peer(move || connect_from(as_v4(rule.local), as_v4(rule.remote)))
         .expect("connect to the old address");
     let (server, from) = accept(listener);
     // Both ends see what they expect: the peer the old node, the process
     // the peer's socket.
-    assert_eq!(client.peer_addr().unwrap(), SocketAddr::V4(rule.remote));
-    assert_eq!(client.local_addr().unwrap(), SocketAddr::V4(rule.local));
-    assert_eq!(from, SocketAddr::V4(rule.local));
+    assert_eq!(client.peer_addr().unwrap(), rule.remote);
+    assert_eq!(client.local_addr().unwrap(), rule.local);
+    assert_eq!(from, rule.local);
     assert_eq!(
         server.local_addr().unwrap(),
         SocketAddr::V4(v4(remote_new(&rule), rule.remote.port()))
@@ -452,7 +487,10 @@ fn udp_rule(local_port: u16, port: u16) -> TranslationRule {
 /// A translate rule's new address.
 fn remote_new(rule: &TranslationRule) -> Ipv4Addr {
     match rule.action {
-        RuleAction::Translate { remote_new } => remote_new,
+        RuleAction::Translate {
+            remote_new: std::net::IpAddr::V4(remote_new),
+        } => remote_new,
+        RuleAction::Translate { remote_new } => panic!("{remote_new} is not IPv4"),
         RuleAction::Hold => panic!("{rule} is a hold rule"),
     }
 }
@@ -500,6 +538,163 @@ fn tcp_connection_is_served_by_the_new_node(checksums: Checksums) {
     assert_eq!(rules.len(), 1);
     assert_eq!(rules[0].0, rule);
     net.assert_no_checksum_errors();
+}
+
+/// A TCP connection from exactly `local` to `remote`, either family, made
+/// in the calling thread's namespace.
+fn connect_from_any(local: SocketAddr, remote: SocketAddr) -> std::io::Result<TcpStream> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket,
+        sockopt,
+    };
+    let family = if local.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
+    connect(fd.as_raw_fd(), &SockaddrStorage::from(remote))?;
+    Ok(TcpStream::from(fd))
+}
+
+/// `Udp6InCsumErrors` of /proc/net/snmp6 in `ns`: IPv6's UDP checksum
+/// failures (TCP's are counted in the shared `Tcp` table).
+fn udp6_checksum_errors(ns: &str) -> u64 {
+    within(ns, || {
+        let text = std::fs::read_to_string("/proc/thread-self/net/snmp6").expect("snmp6");
+        text.lines()
+            .find_map(|l| l.strip_prefix("Udp6InCsumErrors"))
+            .map(|v| v.trim().parse().unwrap())
+            .expect("Udp6InCsumErrors")
+    })
+}
+
+/// IPv6 on the cluster network: the peer's connection to the old node's
+/// address, and its datagrams (a fragmented one among them), reach the
+/// new node, whose answers reach the peer as if from the old one; every
+/// byte checked, and no checksum failed at either receiving stack. A hold
+/// rule drops its IPv6 flow.
+fn ipv6_flows_are_served_by_the_new_node(checksums: Checksums) {
+    require_root!();
+    let net = Net::new6(checksums);
+    let mut xl = net.attach();
+    let at = |ip: Ipv6Addr, port| SocketAddr::from((ip, port));
+    let (listener, server) = net.new_node(move || {
+        (
+            TcpListener::bind(at(NEW_IP6, 7000)).unwrap(),
+            UdpSocket::bind(at(NEW_IP6, 7003)).unwrap(),
+        )
+    });
+    let tcp = TranslationRule::translate(
+        Protocol::Tcp,
+        at(PEER_IP6, 41000),
+        at(OLD_IP6, 7000),
+        NEW_IP6,
+    );
+    let udp = TranslationRule::translate(
+        Protocol::Udp,
+        at(PEER_IP6, 41001),
+        at(OLD_IP6, 7003),
+        NEW_IP6,
+    );
+    xl.add(tcp).unwrap();
+    xl.add(udp).unwrap();
+    assert_eq!(xl.rules().unwrap().len(), 2);
+
+    // TCP, both ways.
+    let mut client = net
+        .peer(move || connect_from_any(at(PEER_IP6, 41000), at(OLD_IP6, 7000)))
+        .expect("connect to the old address");
+    let (mut served, from) = listener.accept().unwrap();
+    assert_eq!(from, at(PEER_IP6, 41000));
+    assert_eq!(served.local_addr().unwrap(), at(NEW_IP6, 7000));
+    assert_eq!(client.peer_addr().unwrap(), at(OLD_IP6, 7000));
+    let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    let writer = {
+        let mut c = client.try_clone().unwrap();
+        let data = data.clone();
+        std::thread::spawn(move || c.write_all(&data).unwrap())
+    };
+    let mut got = vec![0u8; data.len()];
+    served.read_exact(&mut got).unwrap();
+    writer.join().unwrap();
+    assert!(got == data, "the peer's bytes reached the new node changed");
+    served.write_all(&data).unwrap();
+    client.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut back = vec![0u8; data.len()];
+    client.read_exact(&mut back).unwrap();
+    assert!(
+        back == data,
+        "the new node's bytes reached the peer changed"
+    );
+
+    // UDP, a fragmented datagram (3000 bytes over a 1500-byte MTU) and a
+    // small one, both ways; the peer's socket, connected to the old
+    // address, takes only what comes from there.
+    let peer_udp = net.peer(move || {
+        let s = UdpSocket::bind(at(PEER_IP6, 41001)).unwrap();
+        s.connect(at(OLD_IP6, 7003)).unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s
+    });
+    server.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut buf = vec![0u8; 4096];
+    for len in [3000usize, 40] {
+        let d: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        peer_udp.send(&d).unwrap();
+        let (n, from) = server
+            .recv_from(&mut buf)
+            .expect("the datagram at the new node");
+        assert_eq!((&buf[..n], from), (&d[..], at(PEER_IP6, 41001)));
+        server.send_to(&d, from).unwrap();
+        let n = peer_udp.recv(&mut buf).expect("the answer at the peer");
+        assert_eq!(&buf[..n], &d[..]);
+    }
+    let state = xl.state(&udp).unwrap().expect("the UDP rule");
+    assert!(
+        state.packets_egress >= 2 && state.packets_ingress >= 2,
+        "{state:?}"
+    );
+    let c = xl.counters().unwrap();
+    assert!(c.translated_egress > 0 && c.translated_ingress > 0, "{c:?}");
+    assert_eq!((c.dropped, c.malformed), (0, 0), "{c:?}");
+    net.assert_no_checksum_errors();
+    for ns in [&net.peer, &net.new] {
+        assert_eq!(udp6_checksum_errors(ns), 0, "{ns}");
+    }
+
+    // A hold rule drops its flow: the datagram never reaches the node.
+    let held = TranslationRule::hold(Protocol::Udp, at(PEER_IP6, 41002), at(NEW_IP6, 7003));
+    xl.add(held).unwrap();
+    let quiet = net.peer(move || {
+        let s = UdpSocket::bind(at(PEER_IP6, 41002)).unwrap();
+        s.send_to(b"held", at(NEW_IP6, 7003)).unwrap();
+        s
+    });
+    server
+        .set_read_timeout(Some(Duration::from_millis(400)))
+        .unwrap();
+    match server.recv_from(&mut buf) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("a held datagram arrived: {other:?}"),
+    }
+    drop(quiet);
+    assert!(xl.counters().unwrap().held >= 1);
+    assert!(xl.remove(&held).unwrap());
+    assert!(xl.remove(&tcp).unwrap() && xl.remove(&udp).unwrap());
+    assert!(xl.rules().unwrap().is_empty());
+}
+
+#[test]
+fn ipv6_flows_are_served_by_the_new_node_offloaded_checksums() {
+    ipv6_flows_are_served_by_the_new_node(Checksums::Offloaded);
+}
+
+#[test]
+fn ipv6_flows_are_served_by_the_new_node_software_checksums() {
+    ipv6_flows_are_served_by_the_new_node(Checksums::Software);
 }
 
 #[test]
@@ -568,12 +763,12 @@ fn udp_datagrams_both_ways(checksums: Checksums) {
         let data = pattern(len as u32, len);
         client.send(&data).unwrap();
         let (n, from) = server.recv_from(&mut buf).expect(what);
-        assert_eq!(from, SocketAddr::V4(rule.local), "{what}");
+        assert_eq!(from, rule.local, "{what}");
         assert!(buf[..n] == data[..], "{what}: datagram to the new node");
         let reply = pattern(!(len as u32), len);
         server.send_to(&reply, rule.local).unwrap();
         let (n, from) = client.recv_from(&mut buf).expect(what);
-        assert_eq!(from, SocketAddr::V4(rule.remote), "{what}");
+        assert_eq!(from, rule.remote, "{what}");
         assert!(buf[..n] == reply[..], "{what}: datagram from the new node");
     };
     exchange("small datagram", 100);
@@ -776,13 +971,15 @@ fn conflicting_and_invalid_rules_are_refused() {
     // Another old address moved to the same new one, for the same local
     // socket and port: its answers would look the same.
     let other = TranslationRule {
-        remote: v4(Ipv4Addr::new(198, 19, 7, 9), 5000),
+        remote: v4(Ipv4Addr::new(198, 19, 7, 9), 5000).into(),
         ..rule
     };
     let err = xl.add(other).unwrap_err();
     assert!(matches!(err, DataPlaneError::RuleConflict { .. }), "{err}");
     let same = TranslationRule {
-        action: RuleAction::Translate { remote_new: OLD_IP },
+        action: RuleAction::Translate {
+            remote_new: OLD_IP.into(),
+        },
         ..rule
     };
     let err = xl.add(same).unwrap_err();
@@ -792,7 +989,7 @@ fn conflicting_and_invalid_rules_are_refused() {
     // goes, the state stays.
     let moved = TranslationRule {
         action: RuleAction::Translate {
-            remote_new: Ipv4Addr::new(198, 19, 7, 4),
+            remote_new: Ipv4Addr::new(198, 19, 7, 4).into(),
         },
         ..rule
     };

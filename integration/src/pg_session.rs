@@ -12,7 +12,8 @@ use crate::netns::run_in;
 /// The arguments of `ferry-pg-session` after its path: one session to
 /// the PostgreSQL server at `pg` (user and database `postgres`), a query
 /// every 50 ms, its status served at `serve`.
-pub fn args(pg: SocketAddrV4, serve: SocketAddrV4) -> Vec<String> {
+pub fn args(pg: impl Into<std::net::SocketAddr>, serve: SocketAddrV4) -> Vec<String> {
+    let pg: std::net::SocketAddr = pg.into();
     [
         "--pg",
         &pg.to_string(),

@@ -19,7 +19,7 @@
 //! ```
 
 use std::fs::File;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -56,7 +56,7 @@ pub enum PostgresError {
     #[error("looking up the `{PG_USER}` OS user: {0}")]
     User(String),
     #[error("{0} is outside the test networks 198.18.0.0/15")]
-    AddrOutOfRange(Ipv4Addr),
+    AddrOutOfRange(IpAddr),
     #[error("preparing {path}: {source}")]
     Prepare {
         path: PathBuf,
@@ -73,7 +73,7 @@ pub enum PostgresError {
         "postgres on {addr} exited ({status}) before accepting connections; log tail:\n{log_tail}"
     )]
     Exited {
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         status: ExitStatus,
         log_tail: String,
     },
@@ -81,7 +81,7 @@ pub enum PostgresError {
         "postgres on {addr} did not accept connections within {timeout:?} (pg_isready: {last}); log tail:\n{log_tail}"
     )]
     NotReady {
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         timeout: Duration,
         last: String,
         log_tail: String,
@@ -103,7 +103,7 @@ pub enum PostgresError {
 #[derive(Debug)]
 pub struct PostgresServer {
     child: Option<Child>,
-    addr: SocketAddrV4,
+    addr: SocketAddr,
     netns: PathBuf,
     bin: PathBuf,
     user: User,
@@ -115,8 +115,8 @@ impl PostgresServer {
     /// Creates a data directory, starts `postgres` listening on `addr` in
     /// the network namespace at `netns` (e.g. [`crate::Cluster::netns_path`])
     /// and waits until it accepts TCP connections there.
-    pub fn start(netns: &Path, addr: SocketAddrV4) -> Result<Self, PostgresError> {
-        let mut server = Self::prepared(netns, addr)?;
+    pub fn start(netns: &Path, addr: impl Into<SocketAddr>) -> Result<Self, PostgresError> {
+        let mut server = Self::prepared(netns, addr.into())?;
         server.initdb()?;
         server.spawn()?;
         server.wait_ready()?;
@@ -124,9 +124,9 @@ impl PostgresServer {
     }
 
     /// Its temp dir, owned by `postgres`; nothing in it yet.
-    fn prepared(netns: &Path, addr: SocketAddrV4) -> Result<Self, PostgresError> {
-        if !in_test_networks(*addr.ip()) {
-            return Err(PostgresError::AddrOutOfRange(*addr.ip()));
+    fn prepared(netns: &Path, addr: SocketAddr) -> Result<Self, PostgresError> {
+        if !in_test_networks(addr.ip()) {
+            return Err(PostgresError::AddrOutOfRange(addr.ip()));
         }
         let bin = find_bin_dir(Path::new(PG_LIB_DIR)).ok_or(PostgresError::NotInstalled)?;
         let user = User::from_name(PG_USER)
@@ -163,7 +163,11 @@ impl PostgresServer {
     /// `netns`, answering on `addr` (the cluster's public address) once
     /// [`Self::wait_ready`] says so. Nothing is started here; the data
     /// directory goes on drop, the server is the test's to stop.
-    pub fn prepare_managed(netns: &Path, addr: SocketAddrV4) -> Result<Self, PostgresError> {
+    pub fn prepare_managed(
+        netns: &Path,
+        addr: impl Into<SocketAddr>,
+    ) -> Result<Self, PostgresError> {
+        let addr = addr.into();
         let server = Self::prepared(netns, addr)?;
         server.initdb()?;
         Ok(server)
@@ -191,7 +195,7 @@ impl PostgresServer {
     }
 
     /// The address the server listens on.
-    pub fn addr(&self) -> SocketAddrV4 {
+    pub fn addr(&self) -> SocketAddr {
         self.addr
     }
 
@@ -278,7 +282,8 @@ impl PostgresServer {
             &hba,
             "# ferry-integration: written by PostgresServer\n\
              local all all trust\n\
-             host all all 198.18.0.0/15 trust\n",
+             host all all 198.18.0.0/15 trust\n\
+             host all all 2001:2::/48 trust\n",
         )
         .map_err(|source| PostgresError::Prepare {
             path: hba.clone(),
@@ -494,11 +499,16 @@ fn enter_and_drop_privileges(
     Ok(())
 }
 
-/// Whether `ip` is in 198.18.0.0/15, the benchmarking range the harness's
-/// networks use.
-pub fn in_test_networks(ip: Ipv4Addr) -> bool {
-    let [a, b, _, _] = ip.octets();
-    a == 198 && b & 0xfe == 18
+/// Whether `ip` is in 198.18.0.0/15 or 2001:2::/48, the benchmarking
+/// ranges the harness's networks use.
+pub fn in_test_networks(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, _, _] = v4.octets();
+            a == 198 && b & 0xfe == 18
+        }
+        IpAddr::V6(v6) => v6.segments()[..3] == [0x2001, 2, 0],
+    }
 }
 
 /// The bin dir of the newest major version under `lib` that has a server.
@@ -518,14 +528,21 @@ fn find_bin_dir(lib: &Path) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
 
     #[test]
     fn only_test_network_addresses() {
-        assert!(in_test_networks(Ipv4Addr::new(198, 18, 0, 100)));
-        assert!(in_test_networks(Ipv4Addr::new(198, 19, 255, 1)));
-        assert!(!in_test_networks(Ipv4Addr::new(198, 20, 0, 1)));
-        assert!(!in_test_networks(Ipv4Addr::new(198, 17, 0, 1)));
-        assert!(!in_test_networks(Ipv4Addr::LOCALHOST));
+        assert!(in_test_networks(Ipv4Addr::new(198, 18, 0, 100).into()));
+        assert!(in_test_networks(Ipv4Addr::new(198, 19, 255, 1).into()));
+        assert!(!in_test_networks(Ipv4Addr::new(198, 20, 0, 1).into()));
+        assert!(!in_test_networks(Ipv4Addr::new(198, 17, 0, 1).into()));
+        assert!(!in_test_networks(Ipv4Addr::LOCALHOST.into()));
+        assert!(in_test_networks("2001:2:0:1::3".parse().unwrap()));
+        assert!(!in_test_networks("2001:db8::3".parse().unwrap()));
+        assert!(
+            !in_test_networks("2001:2:1::3".parse().unwrap()),
+            "outside the /48"
+        );
     }
 
     #[test]

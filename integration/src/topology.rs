@@ -69,10 +69,10 @@ pub const MAX_CLIENTS: usize = 89;
 /// Nodes are 198.19.0.i; any more than this is no longer a test of ferry.
 pub const MAX_NODES: usize = 64;
 
-/// Node `i` (1-based) on an IPv6 cluster network: 2001:2:1::i.
+/// Node `i` (1-based) on an IPv6 cluster network: 2001:2:0:1::i.
 pub fn node_cluster_addr6(i: usize) -> Ipv6Addr {
     assert!((1..=MAX_NODES).contains(&i), "node index {i} out of range");
-    Ipv6Addr::new(0x2001, 2, 1, 0, 0, 0, 0, i as u16)
+    Ipv6Addr::new(0x2001, 2, 0, 1, 0, 0, 0, i as u16)
 }
 
 /// Node `i` (1-based) on the cluster network.
@@ -209,6 +209,7 @@ mod tests {
         let bench6 = |a: Ipv6Addr| a.segments()[..3] == [0x2001, 2, 0];
         assert!(bench6(PUBLIC_ADDR6));
         assert!(bench6(client_addr6(1)) && bench6(client_addr6(MAX_CLIENTS)));
+        assert!(bench6(node_cluster_addr6(1)) && bench6(node_cluster_addr6(MAX_NODES)));
         assert_ne!(client_addr6(MAX_CLIENTS), PUBLIC_ADDR6);
     }
 

@@ -3,7 +3,7 @@
 //! session after each migration, with no reconnect. Root only; skipped with
 //! a reason otherwise.
 
-use std::net::SocketAddrV4;
+use std::net::{SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use ferry_integration::cluster::{Cluster, ClusterSpec};
@@ -12,6 +12,7 @@ use ferry_integration::managed::{
 };
 use ferry_integration::pg_session::{self, SessionStatus};
 use ferry_integration::postgres::{PG_PORT, PostgresServer};
+use ferry_integration::topology::Family;
 use ferry_proto::v1::{MigrationOutcome, SocketMigration};
 
 const STATUS_PORT: u16 = 7300;
@@ -37,10 +38,29 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
     if !ferry_integration::can_run("a_postgresql_session_on_another_node_survives_migrations") {
         return;
     }
+    a_postgresql_session_on_another_node_survives_migrations_on(Family::V4);
+}
+
+/// The same on an IPv6 cluster network: the session's connection is an
+/// IPv6 one, rewritten in the images and rebuilt on the new node's IPv6
+/// cluster address, and node3 translates its IPv6 flow.
+#[test]
+fn a_postgresql_session_over_an_ipv6_cluster_network_survives_migrations() {
+    if !ferry_integration::can_run(
+        "a_postgresql_session_over_an_ipv6_cluster_network_survives_migrations",
+    ) {
+        return;
+    }
+    a_postgresql_session_on_another_node_survives_migrations_on(Family::V6);
+}
+
+fn a_postgresql_session_on_another_node_survives_migrations_on(cluster_family: Family) {
     let rt = runtime();
-    let cluster = Cluster::start(ClusterSpec::new(3, 1)).expect("cluster");
-    let node_ip = |n: &str| cluster.node_cluster_addr(n);
-    let pg_addr = SocketAddrV4::new(node_ip("node3"), PG_PORT);
+    let mut spec = ClusterSpec::new(3, 1);
+    spec.cluster_family = cluster_family;
+    let cluster = Cluster::start(spec).expect("cluster");
+    let node_ip = |n: &str| cluster.node_cluster_ip(n);
+    let pg_addr = SocketAddr::new(node_ip("node3"), PG_PORT);
     let pg = PostgresServer::start(&cluster.netns_path("node3"), pg_addr).expect("PostgreSQL");
     let sessions = || {
         pg.query(
@@ -190,10 +210,10 @@ fn a_postgresql_session_on_another_node_survives_migrations() {
             // The process's end of the connection lives on `to`, on its
             // cluster address; node3 rewrites the flow only while the
             // process is away from node1.
-            let local = SocketAddrV4::new(node_ip(to), first.client_port as u16);
+            let local = SocketAddr::new(node_ip(to), first.client_port as u16);
             assert_eq!(
                 cluster.established_tcp(to, local.port()),
-                vec![std::net::SocketAddr::from(pg_addr)],
+                vec![pg_addr],
                 "the session's socket on {to}"
             );
             let dp3 = data_plane(&mut node3).await;

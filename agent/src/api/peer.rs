@@ -66,12 +66,16 @@ fn flows_are_callers(
             "{caller} has no cluster address this node knows: it cannot ask for translations"
         )));
     };
-    let ip = |s: &str| s.parse::<std::net::SocketAddrV4>().ok().map(|a| *a.ip());
+    let ip = |s: &str| {
+        s.parse::<std::net::SocketAddr>()
+            .ok()
+            .map(|a| a.ip().to_canonical())
+    };
     for (i, f) in req.flows.iter().enumerate() {
         // Unparsable addresses are left to the translation's own checks
         // (INVALID_ARGUMENT naming the field).
         if let Some(old) = ip(&f.old_local)
-            && std::net::IpAddr::V4(old) != own
+            && old != own
         {
             return Err(Status::permission_denied(format!(
                 "flows[{i}].old_local: {} is not {caller}'s cluster address ({own}); a node asks only for its own connections",
@@ -79,8 +83,8 @@ fn flows_are_callers(
             )));
         }
         if let Some(new) = ip(&f.new_local)
-            && engine.cluster.peer_at(new.into()).is_none()
-            && std::net::IpAddr::V4(new) != engine.config.cluster.address
+            && engine.cluster.peer_at(new).is_none()
+            && new != engine.config.cluster.address
         {
             return Err(Status::permission_denied(format!(
                 "flows[{i}].new_local: {} is no cluster node's address",

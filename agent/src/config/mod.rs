@@ -786,7 +786,7 @@ address = "198.19.0.2:7100"
         let c = Config::parse(base, Path::new("x")).expect("an IPv6 public side");
         assert_eq!(c.public.addresses().v4, None);
         let refused = |text: &str| Config::parse(text, Path::new("x")).unwrap_err().to_string();
-        let err = refused(&base.replace("198.19.0.2:7100", "[2001:2:1::2]:7100"));
+        let err = refused(&base.replace("198.19.0.2:7100", "[2001:2:0:1::2]:7100"));
         assert!(
             err.contains("peers[0].address") && err.contains("node2") && err.contains("IPv6"),
             "{err}"
@@ -798,12 +798,15 @@ address = "198.19.0.2:7100"
         assert!(err.contains("cluster.peer_listen"), "{err}");
         // An IPv6 cluster network, its peers IPv6 too.
         let v6 = base
-            .replace("address = \"198.19.0.1\"", "address = \"2001:2:1::1\"")
-            .replace("198.19.0.1:7100", "[2001:2:1::1]:7100")
-            .replace("198.19.0.2:7100", "[2001:2:1::2]:7100");
+            .replace("address = \"198.19.0.1\"", "address = \"2001:2:0:1::1\"")
+            .replace("198.19.0.1:7100", "[2001:2:0:1::1]:7100")
+            .replace("198.19.0.2:7100", "[2001:2:0:1::2]:7100");
         let c = Config::parse(&v6, Path::new("x")).expect("an IPv6 cluster network");
-        assert_eq!(c.cluster.address, "2001:2:1::1".parse::<IpAddr>().unwrap());
-        let err = refused(&v6.replace("[2001:2:1::2]:7100", "198.19.0.2:7100"));
+        assert_eq!(
+            c.cluster.address,
+            "2001:2:0:1::1".parse::<IpAddr>().unwrap()
+        );
+        let err = refused(&v6.replace("[2001:2:0:1::2]:7100", "198.19.0.2:7100"));
         assert!(err.contains("peers[0].address"), "{err}");
         let err = refused(&format!(
             "{v6}\n[membership]\nbroadcast = \"198.19.0.255\"\n"

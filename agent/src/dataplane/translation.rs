@@ -24,7 +24,7 @@
 //! frozen source or by the hold, and TCP retransmits them: the capture ring
 //! covers the public interface only.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
 
@@ -86,13 +86,14 @@ impl FlowRules for EbpfFlowRules {
     }
 }
 
-/// A connection of a migrating process to a peer on another node.
+/// A connection of a migrating process to a peer on another node, over
+/// the cluster network (IPv4 or IPv6: its three addresses of one family).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InClusterFlow {
     pub protocol: Protocol,
-    pub old_local: SocketAddrV4,
-    pub new_local: SocketAddrV4,
-    pub remote: SocketAddrV4,
+    pub old_local: SocketAddr,
+    pub new_local: SocketAddr,
+    pub remote: SocketAddr,
 }
 
 /// Why a migration's in-cluster connections cannot be carried over.
@@ -105,8 +106,8 @@ pub enum FlowError {
          ferry cannot turn it into a local connection"
     )]
     PeerOnDestination {
-        local: SocketAddrV4,
-        remote: SocketAddrV4,
+        local: SocketAddr,
+        remote: SocketAddr,
     },
     /// Opened after the source's check before the freeze (which refuses
     /// such a process): found in its images or socket states.
@@ -115,8 +116,8 @@ pub enum FlowError {
          crosses the cluster interface, where ferry translates connections"
     )]
     PeerOnSource {
-        local: SocketAddrV4,
-        remote: SocketAddrV4,
+        local: SocketAddr,
+        remote: SocketAddr,
     },
     #[error("in-cluster flow field `{field}`: {reason}")]
     BadFlow { field: &'static str, reason: String },
@@ -140,7 +141,7 @@ impl InClusterFlow {
             self.protocol,
             self.remote,
             self.old_local,
-            *self.new_local.ip(),
+            self.new_local.ip(),
         )
     }
 
@@ -158,10 +159,12 @@ impl InClusterFlow {
 
     pub fn from_pb(pb: &PbFlow) -> Result<Self, FlowError> {
         let addr = |field: &'static str, s: &str| {
-            s.parse::<SocketAddrV4>().map_err(|e| FlowError::BadFlow {
-                field,
-                reason: format!("{s:?} is not an IPv4 address:port ({e})"),
-            })
+            s.parse::<SocketAddr>()
+                .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
+                .map_err(|e| FlowError::BadFlow {
+                    field,
+                    reason: format!("{s:?} is not an address:port ({e})"),
+                })
         };
         let protocol = match ferry_proto::v1::Protocol::try_from(pb.protocol) {
             Ok(ferry_proto::v1::Protocol::Tcp) => Protocol::Tcp,
@@ -185,6 +188,14 @@ impl InClusterFlow {
                 reason: "a migrated socket keeps its port".into(),
             });
         }
+        for (field, a) in [("new_local", flow.new_local), ("remote", flow.remote)] {
+            if a.is_ipv4() != flow.old_local.is_ipv4() {
+                return Err(FlowError::BadFlow {
+                    field,
+                    reason: format!("{a} is not of old_local's family ({})", flow.old_local),
+                });
+            }
+        }
         Ok(flow)
     }
 }
@@ -198,32 +209,32 @@ impl InClusterFlow {
 /// peer's translator works.
 pub fn rewrite_in_cluster(
     images: &Path,
-    source: Ipv4Addr,
-    destination: Ipv4Addr,
-    other_nodes: &[Ipv4Addr],
+    source: IpAddr,
+    destination: IpAddr,
+    other_nodes: &[IpAddr],
 ) -> Result<Vec<InClusterFlow>, FlowError> {
     let tcp = libc::IPPROTO_TCP as u32;
     let mut flows = Vec::new();
     for s in ferry_criu_image::inet_sockets(images)? {
-        let (Some(local), Some(remote)) = (s.local_v4(), s.remote_v4()) else {
+        let (local, Some(remote)) = (s.local_canonical(), s.remote_canonical()) else {
             continue;
         };
-        if s.proto != tcp || *local.ip() != source || remote.port() == 0 {
+        if s.proto != tcp || local.ip() != source || remote.port() == 0 {
             continue;
         }
-        if *remote.ip() == destination {
+        if remote.ip() == destination {
             return Err(FlowError::PeerOnDestination { local, remote });
         }
-        if *remote.ip() == source {
+        if remote.ip() == source {
             return Err(FlowError::PeerOnSource { local, remote });
         }
-        if !other_nodes.contains(remote.ip()) {
+        if !other_nodes.contains(&remote.ip()) {
             continue;
         }
         flows.push(InClusterFlow {
             protocol: Protocol::Tcp,
             old_local: local,
-            new_local: SocketAddrV4::new(destination, local.port()),
+            new_local: SocketAddr::new(destination, local.port()),
             remote,
         });
     }
@@ -307,7 +318,7 @@ mod tests {
         assert_eq!(
             t.action,
             ferry_ebpf::RuleAction::Translate {
-                remote_new: *flow.new_local.ip()
+                remote_new: flow.new_local.ip()
             }
         );
         let h = flow.hold();

@@ -70,7 +70,7 @@ fn flows(here: Here<'_>, req: &TranslationsRequest) -> Result<Vec<InClusterFlow>
         .iter()
         .map(|pb| {
             let f = InClusterFlow::from_pb(pb)?;
-            if std::net::IpAddr::V4(*f.remote.ip()) != here.cluster_address {
+            if f.remote.ip() != here.cluster_address {
                 return Err(FlowError::InvalidField {
                     field: "flows.remote",
                     reason: format!(
@@ -93,7 +93,7 @@ fn change_for(rules: &dyn FlowRules, flow: &InClusterFlow) -> Result<Change, Flo
             && r.remote.port() == flow.old_local.port()
             && r.action
                 == RuleAction::Translate {
-                    remote_new: *flow.old_local.ip(),
+                    remote_new: flow.old_local.ip(),
                 }
     });
     Ok(match earlier {
@@ -112,7 +112,7 @@ fn change_for(rules: &dyn FlowRules, flow: &InClusterFlow) -> Result<Change, Flo
                 flow.protocol,
                 flow.remote,
                 r.remote,
-                *flow.new_local.ip(),
+                flow.new_local.ip(),
             )),
         },
     })

@@ -208,7 +208,7 @@ mod tests {
         // Sent to the source node's own IPv6 address: this node has no
         // IPv6 cluster address to put in its place.
         let mut own = new.datagrams.clone();
-        own[2].local = "[2001:2:1::1]:7000".into();
+        own[2].local = "[2001:2:0:1::1]:7000".into();
         match packets_from_commit(&own, HERE) {
             Err(EngineError::InvalidField { field, reason }) => {
                 assert_eq!(field, "queued_datagrams.local");

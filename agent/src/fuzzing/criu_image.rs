@@ -61,10 +61,10 @@ fn images_sockets(dir: &Path) {
             (*local.ip() != new_local).then(|| ferry_criu_image::LocalAddressRewrite {
                 matches: ferry_criu_image::SocketMatch {
                     proto: s.proto as u8,
-                    local,
-                    remote: s.remote_v4(),
+                    local: local.into(),
+                    remote: s.remote_v4().map(Into::into),
                 },
-                new_local,
+                new_local: new_local.into(),
             })
         })
         .filter(|r| u32::from(r.matches.proto) == sockets_proto(&sockets, r))
@@ -103,6 +103,9 @@ fn sockets_proto(
 ) -> u32 {
     sockets
         .iter()
-        .find(|s| s.local_v4() == Some(r.matches.local) && s.remote_v4() == r.matches.remote)
+        .find(|s| {
+            s.local_v4().map(Into::into) == Some(r.matches.local)
+                && s.remote_v4().map(Into::into) == r.matches.remote
+        })
         .map_or(0, |s| s.proto)
 }

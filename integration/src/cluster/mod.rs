@@ -107,7 +107,7 @@ pub struct ClusterSpec {
     /// unlike the others.
     pub ipv4_only: Vec<String>,
     /// The cluster network's family (IPv4 by default; IPv6:
-    /// 2001:2:1::<i>/64, the agents' Peer API and membership over it).
+    /// 2001:2:0:1::<i>/64, the agents' Peer API and membership over it).
     pub cluster_family: Family,
     /// `[dataplane] capture` of every agent (false: the drop-and-retransmit
     /// baseline).

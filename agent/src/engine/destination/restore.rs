@@ -377,20 +377,8 @@ pub(super) fn take_in_cluster(
     images: &std::path::Path,
     from: &str,
 ) -> Result<Vec<InClusterFlow>, EngineError> {
-    use std::net::IpAddr;
+    let here = engine.config.cluster.address;
     let (source, nodes) = in_cluster_addresses(engine, from)?;
-    // In-cluster connections are translated over IPv4 cluster networks
-    // (an IPv6 one's source refuses them at Prepare).
-    let (IpAddr::V4(here), IpAddr::V4(source)) = (engine.config.cluster.address, source) else {
-        return Ok(Vec::new());
-    };
-    let nodes: Vec<std::net::Ipv4Addr> = nodes
-        .into_iter()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(v4) => Some(v4),
-            IpAddr::V6(_) => None,
-        })
-        .collect();
     let flows = translation::rewrite_in_cluster(images, source, here, &nodes)?;
     hold_in_cluster(engine, flows)
 }
@@ -675,10 +663,10 @@ fn hand_over_connections(
         None => RebuiltSockets::none(&inc.migration_id, &inc.from),
     };
     for f in &inc.in_cluster {
-        let moved = sockets.relocated.iter().any(|(local, remote)| {
-            *local == std::net::SocketAddr::V4(f.new_local)
-                && *remote == std::net::SocketAddr::V4(f.remote)
-        });
+        let moved = sockets
+            .relocated
+            .iter()
+            .any(|(local, remote)| *local == f.new_local && *remote == f.remote);
         if !moved {
             return Err(EngineError::Internal(format!(
                 "in-cluster connection {} -> {} is in the images but was not rebuilt on {}",

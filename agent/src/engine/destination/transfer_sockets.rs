@@ -49,36 +49,30 @@ pub(super) fn relocate_in_cluster(
     from: &str,
     states: &mut [crate::sockstate::TcpConnectionState],
 ) -> Result<Vec<InClusterFlow>, EngineError> {
-    use std::net::{IpAddr, SocketAddr};
+    use std::net::SocketAddr;
     let here = engine.config.cluster.address;
     let (source, nodes) = in_cluster_addresses(engine, from)?;
-    // In-cluster connections are translated over IPv4 cluster networks
-    // (an IPv6 one's source refuses them at Prepare).
-    let IpAddr::V4(here) = here else {
-        return Ok(Vec::new());
-    };
     let mut moved = Vec::new();
     for c in states {
-        let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (c.local, c.remote) else {
-            continue;
-        };
-        if IpAddr::V4(*local.ip()) != source {
+        let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+        let (local, remote) = (canonical(c.local), canonical(c.remote));
+        if local.ip() != source {
             continue;
         }
-        if *remote.ip() == here {
+        if remote.ip() == here {
             return Err(
                 crate::dataplane::translation::FlowError::PeerOnDestination { local, remote }
                     .into(),
             );
         }
-        if IpAddr::V4(*remote.ip()) == source {
+        if remote.ip() == source {
             return Err(
                 crate::dataplane::translation::FlowError::PeerOnSource { local, remote }.into(),
             );
         }
-        if nodes.contains(&IpAddr::V4(*remote.ip())) {
-            let new_local = std::net::SocketAddrV4::new(here, local.port());
-            c.local = SocketAddr::new(IpAddr::V4(here), local.port());
+        if nodes.contains(&remote.ip()) {
+            let new_local = SocketAddr::new(here, local.port());
+            c.local = new_local;
             moved.push(InClusterFlow {
                 protocol: ferry_ebpf::Protocol::Tcp,
                 old_local: local,

@@ -365,22 +365,6 @@ async fn reserve(
             ),
         });
     }
-    // In-cluster connections are translated over an IPv4 cluster network
-    // only (the peer's tc programs and the images' rewrite are IPv4's):
-    // over an IPv6 one, such a connection is refused now, naming it.
-    if let Some((ip, node)) = sockets
-        .tcp_peers
-        .iter()
-        .filter(|ip| ip.is_ipv6())
-        .find_map(|ip| engine.cluster.peer_at(*ip).map(|p| (ip, p.name)))
-    {
-        return Err(EngineError::NotMigratable {
-            pid,
-            reason: format!(
-                "it has a TCP connection to {ip}, {node}'s cluster address: this version of ferry translates connections between nodes over an IPv4 cluster network only"
-            ),
-        });
-    }
     let memory = blocking("reading the process tree's memory", {
         let tree = tree.clone();
         move || process::memory::tree_memory(&tree)

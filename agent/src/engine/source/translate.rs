@@ -33,7 +33,7 @@ pub(super) async fn translate(run: &mut Run, t: Translating) -> Result<Phase, En
 /// own included), by name.
 fn node_of(run: &Run, flow: &InClusterFlow) -> Result<String, EngineError> {
     let flow = crate::dataplane::translation::InClusterFlow::from_pb(flow)?;
-    let ip = std::net::IpAddr::V4(*flow.remote.ip());
+    let ip = flow.remote.ip();
     if ip == run.engine.config.cluster.address {
         // Prepare refuses such a process, and the destination a connection
         // opened since (`FlowError::PeerOnSource`).

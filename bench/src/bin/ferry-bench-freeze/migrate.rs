@@ -66,7 +66,7 @@ pub(crate) struct Scenario {
     pub(crate) tcp: usize,
     pub(crate) udp: usize,
     /// The PostgreSQL server the DVE server holds a session to.
-    pub(crate) db: Option<SocketAddrV4>,
+    pub(crate) db: Option<std::net::SocketAddr>,
 }
 
 pub(crate) async fn migrations(
