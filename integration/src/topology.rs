@@ -99,6 +99,30 @@ pub fn client_addr6(j: usize) -> Ipv6Addr {
     Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 1, 10 + j as u16)
 }
 
+/// The IPv6 sysctls of a namespace. The public side is dual-stack, so
+/// nodes and clients keep IPv6, quiet: no router solicitations, no router
+/// advertisements taken, no duplicate address detection (the shared
+/// address is on every node by design), so that what crosses the public
+/// bridge is the tests' own traffic. The router namespace, a bridge only,
+/// has IPv6 off.
+pub fn ipv6_settings(router: bool) -> &'static [(&'static str, &'static str)] {
+    if router {
+        &[
+            ("net.ipv6.conf.all.disable_ipv6", "1"),
+            ("net.ipv6.conf.default.disable_ipv6", "1"),
+        ]
+    } else {
+        &[
+            ("net.ipv6.conf.all.accept_ra", "0"),
+            ("net.ipv6.conf.default.accept_ra", "0"),
+            ("net.ipv6.conf.all.router_solicitations", "0"),
+            ("net.ipv6.conf.default.router_solicitations", "0"),
+            ("net.ipv6.conf.all.accept_dad", "0"),
+            ("net.ipv6.conf.default.accept_dad", "0"),
+        ]
+    }
+}
+
 /// Bridges and every veth pair, run inside the router namespace. Each veth
 /// is created with its far end directly in the endpoint's namespace, so no
 /// interface ever appears in the host namespace (where concurrent clusters

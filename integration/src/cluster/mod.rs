@@ -437,30 +437,11 @@ impl Cluster {
         Ok(())
     }
 
-    /// Creates `<id>-<role>`. The public side is dual-stack, so nodes and
-    /// clients keep IPv6, quiet: no router solicitations, no router
-    /// advertisements taken, no duplicate address detection (the shared
-    /// address is on every node by design), so that what crosses the
-    /// public bridge is the tests' own traffic. The router namespace, a
-    /// bridge only, has IPv6 off.
+    /// Creates `<id>-<role>` with its IPv6 settings
+    /// ([`topology::ipv6_settings`]).
     fn create_netns(&self, role: &str) -> Result<NetNs, ClusterError> {
         let ns = NetNs::create(&format!("{}-{role}", self.id))?;
-        let settings: &[(&str, &str)] = if role == "r" {
-            &[
-                ("net.ipv6.conf.all.disable_ipv6", "1"),
-                ("net.ipv6.conf.default.disable_ipv6", "1"),
-            ]
-        } else {
-            &[
-                ("net.ipv6.conf.all.accept_ra", "0"),
-                ("net.ipv6.conf.default.accept_ra", "0"),
-                ("net.ipv6.conf.all.router_solicitations", "0"),
-                ("net.ipv6.conf.default.router_solicitations", "0"),
-                ("net.ipv6.conf.all.accept_dad", "0"),
-                ("net.ipv6.conf.default.accept_dad", "0"),
-            ]
-        };
-        for (key, value) in settings {
+        for (key, value) in topology::ipv6_settings(role == "r") {
             if let Err(e) = netns::set_sysctl(&ns.path(), key, value) {
                 // A kernel without IPv6 has no such setting.
                 tracing::debug!(netns = ns.name(), key, error = %e, "IPv6 setting");
