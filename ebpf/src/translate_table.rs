@@ -37,135 +37,116 @@ pub(crate) trait Family {
 pub(crate) struct V4;
 pub(crate) struct V6;
 
-impl Family for V4 {
-    type Key = XlateKey;
-    type Value = XlateRule;
-    type Addr = [u8; 4];
-    const RULES: &'static str = "FERRY_XL_RULES";
-    const REV: &'static str = "FERRY_XL_REV";
+/// `Family` for a marker type: its maps' names, its key and value types
+/// (`translate_maps`, alike but for the address width) and the address's
+/// `IpAddr` variant.
+macro_rules! family {
+    ($family:ident, $key:ty, $value:ty, $width:literal, $variant:ident, $rules:literal, $rev:literal) => {
+        impl Family for $family {
+            type Key = $key;
+            type Value = $value;
+            type Addr = [u8; $width];
+            const RULES: &'static str = $rules;
+            const REV: &'static str = $rev;
 
-    fn addr(ip: IpAddr) -> Option<[u8; 4]> {
-        match ip {
-            IpAddr::V4(v4) => Some(v4.octets()),
-            IpAddr::V6(_) => None,
+            fn addr(ip: IpAddr) -> Option<Self::Addr> {
+                match ip {
+                    IpAddr::$variant(a) => Some(a.octets()),
+                    _ => None,
+                }
+            }
+            fn ip(a: Self::Addr) -> IpAddr {
+                a.into()
+            }
+            fn key(local: Self::Addr, remote: Self::Addr, rule: &TranslationRule) -> $key {
+                <$key>::from_parts(local, remote, rule)
+            }
+            fn with_remote(k: $key, remote: Self::Addr) -> $key {
+                <$key>::with_remote(k, remote)
+            }
+            fn ends(k: &$key) -> (SocketAddr, SocketAddr, u8) {
+                (
+                    (Self::ip(k.local_addr), u16::from_be_bytes(k.local_port)).into(),
+                    (Self::ip(k.remote_addr), u16::from_be_bytes(k.remote_port)).into(),
+                    k.proto,
+                )
+            }
+            fn new_addr(v: &$value) -> Self::Addr {
+                v.new_addr
+            }
+            fn action(v: &$value) -> u32 {
+                v.action
+            }
+            fn value(new_addr: Self::Addr, action: u32, existing: Option<$value>) -> $value {
+                <$value>::with(new_addr, action, existing)
+            }
+            fn state(v: &$value) -> RuleState {
+                RuleState {
+                    packets_egress: v.packets_egress,
+                    packets_ingress: v.packets_ingress,
+                    last_seen_ns: v.last_seen_ns,
+                    fin_egress: v.fin_egress,
+                    fin_ingress: v.fin_ingress,
+                    rst_egress: v.rst_egress,
+                    rst_ingress: v.rst_ingress,
+                }
+            }
         }
-    }
-    fn ip(a: [u8; 4]) -> IpAddr {
-        a.into()
-    }
-    fn key(local: [u8; 4], remote: [u8; 4], rule: &TranslationRule) -> XlateKey {
-        XlateKey {
-            local_addr: local,
-            remote_addr: remote,
-            local_port: rule.local.port().to_be_bytes(),
-            remote_port: rule.remote.port().to_be_bytes(),
-            proto: ip_proto(rule.protocol),
-            pad: [0; 3],
+
+        impl $key {
+            fn from_parts(
+                local: [u8; $width],
+                remote: [u8; $width],
+                rule: &TranslationRule,
+            ) -> Self {
+                Self {
+                    local_addr: local,
+                    remote_addr: remote,
+                    local_port: rule.local.port().to_be_bytes(),
+                    remote_port: rule.remote.port().to_be_bytes(),
+                    proto: ip_proto(rule.protocol),
+                    pad: [0; 3],
+                }
+            }
+            fn with_remote(self, remote: [u8; $width]) -> Self {
+                Self {
+                    remote_addr: remote,
+                    ..self
+                }
+            }
         }
-    }
-    fn with_remote(k: XlateKey, remote: [u8; 4]) -> XlateKey {
-        XlateKey {
-            remote_addr: remote,
-            ..k
+
+        impl $value {
+            /// `existing` (its counts) with `new_addr` and `action`.
+            fn with(new_addr: [u8; $width], action: u32, existing: Option<Self>) -> Self {
+                Self {
+                    new_addr,
+                    action,
+                    ..existing.unwrap_or_default()
+                }
+            }
         }
-    }
-    fn ends(k: &XlateKey) -> (SocketAddr, SocketAddr, u8) {
-        (
-            (Self::ip(k.local_addr), u16::from_be_bytes(k.local_port)).into(),
-            (Self::ip(k.remote_addr), u16::from_be_bytes(k.remote_port)).into(),
-            k.proto,
-        )
-    }
-    fn new_addr(v: &XlateRule) -> [u8; 4] {
-        v.new_addr
-    }
-    fn action(v: &XlateRule) -> u32 {
-        v.action
-    }
-    fn value(new_addr: [u8; 4], action: u32, existing: Option<XlateRule>) -> XlateRule {
-        XlateRule {
-            new_addr,
-            action,
-            ..existing.unwrap_or_default()
-        }
-    }
-    fn state(v: &XlateRule) -> RuleState {
-        RuleState {
-            packets_egress: v.packets_egress,
-            packets_ingress: v.packets_ingress,
-            last_seen_ns: v.last_seen_ns,
-            fin_egress: v.fin_egress,
-            fin_ingress: v.fin_ingress,
-            rst_egress: v.rst_egress,
-            rst_ingress: v.rst_ingress,
-        }
-    }
+    };
 }
 
-impl Family for V6 {
-    type Key = Xlate6Key;
-    type Value = Xlate6Rule;
-    type Addr = [u8; 16];
-    const RULES: &'static str = "FERRY_XL_RULES6";
-    const REV: &'static str = "FERRY_XL_REV6";
-
-    fn addr(ip: IpAddr) -> Option<[u8; 16]> {
-        match ip {
-            IpAddr::V6(v6) => Some(v6.octets()),
-            IpAddr::V4(_) => None,
-        }
-    }
-    fn ip(a: [u8; 16]) -> IpAddr {
-        a.into()
-    }
-    fn key(local: [u8; 16], remote: [u8; 16], rule: &TranslationRule) -> Xlate6Key {
-        Xlate6Key {
-            local_addr: local,
-            remote_addr: remote,
-            local_port: rule.local.port().to_be_bytes(),
-            remote_port: rule.remote.port().to_be_bytes(),
-            proto: ip_proto(rule.protocol),
-            pad: [0; 3],
-        }
-    }
-    fn with_remote(k: Xlate6Key, remote: [u8; 16]) -> Xlate6Key {
-        Xlate6Key {
-            remote_addr: remote,
-            ..k
-        }
-    }
-    fn ends(k: &Xlate6Key) -> (SocketAddr, SocketAddr, u8) {
-        (
-            (Self::ip(k.local_addr), u16::from_be_bytes(k.local_port)).into(),
-            (Self::ip(k.remote_addr), u16::from_be_bytes(k.remote_port)).into(),
-            k.proto,
-        )
-    }
-    fn new_addr(v: &Xlate6Rule) -> [u8; 16] {
-        v.new_addr
-    }
-    fn action(v: &Xlate6Rule) -> u32 {
-        v.action
-    }
-    fn value(new_addr: [u8; 16], action: u32, existing: Option<Xlate6Rule>) -> Xlate6Rule {
-        Xlate6Rule {
-            new_addr,
-            action,
-            ..existing.unwrap_or_default()
-        }
-    }
-    fn state(v: &Xlate6Rule) -> RuleState {
-        RuleState {
-            packets_egress: v.packets_egress,
-            packets_ingress: v.packets_ingress,
-            last_seen_ns: v.last_seen_ns,
-            fin_egress: v.fin_egress,
-            fin_ingress: v.fin_ingress,
-            rst_egress: v.rst_egress,
-            rst_ingress: v.rst_ingress,
-        }
-    }
-}
+family!(
+    V4,
+    XlateKey,
+    XlateRule,
+    4,
+    V4,
+    "FERRY_XL_RULES",
+    "FERRY_XL_REV"
+);
+family!(
+    V6,
+    Xlate6Key,
+    Xlate6Rule,
+    16,
+    V6,
+    "FERRY_XL_RULES6",
+    "FERRY_XL_REV6"
+);
 
 /// A rule's action code (`enum ferry_xlate_action`).
 fn action_code(rule: &TranslationRule) -> u32 {

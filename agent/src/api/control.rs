@@ -198,13 +198,7 @@ impl Control for ControlService {
             kernel: host.kernel.clone(),
             features: host.to_pb(),
             peer_address: me.config.cluster.peer_listen.to_string(),
-            public_addresses: me
-                .config
-                .public
-                .addresses()
-                .iter()
-                .map(|a| a.to_string())
-                .collect(),
+            public_addresses: me.config.public.addresses().to_strings(),
             is_self: true,
             reachable: true,
             peer_protocol_version: ferry_proto::PEER_PROTOCOL_VERSION,

@@ -184,14 +184,7 @@ impl Peer for PeerService {
             kernel: host.kernel.clone(),
             features: host.to_pb(),
             hard_limits,
-            public_addresses: self
-                .engine
-                .config
-                .public
-                .addresses()
-                .iter()
-                .map(|a| a.to_string())
-                .collect(),
+            public_addresses: self.engine.config.public.addresses().to_strings(),
         }))
     }
 

@@ -461,6 +461,12 @@ impl PublicAddresses {
             .into_iter()
             .chain(self.v6.map(IpAddr::V6))
     }
+
+    /// Each of them as text, IPv4 first: what `Peer.Hello` and
+    /// `ListNodes` carry.
+    pub fn to_strings(&self) -> Vec<String> {
+        self.iter().map(|a| a.to_string()).collect()
+    }
 }
 
 impl std::fmt::Display for PublicAddresses {

@@ -127,8 +127,10 @@ impl Groups {
             field: "state",
             reason: e.to_string(),
         })?;
-        if Flow::new(state.remote, 0).remote != flow.remote || state.local.port() != flow.local_port
-        {
+        // A dual-stack socket's IPv4 client is the flow's IPv4 one.
+        let remote =
+            std::net::SocketAddr::new(state.remote.ip().to_canonical(), state.remote.port());
+        if remote != flow.remote || state.local.port() != flow.local_port {
             return Err(GroupsError::Invalid {
                 field: "state",
                 reason: format!(
