@@ -35,6 +35,7 @@ pub mod fill;
 pub mod fuzzing;
 pub mod groups;
 pub mod host_features;
+pub mod inet;
 pub mod managed;
 pub mod membership;
 pub mod memtrack;

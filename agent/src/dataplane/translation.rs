@@ -160,7 +160,7 @@ impl InClusterFlow {
     pub fn from_pb(pb: &PbFlow) -> Result<Self, FlowError> {
         let addr = |field: &'static str, s: &str| {
             s.parse::<SocketAddr>()
-                .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
+                .map(crate::inet::canonical)
                 .map_err(|e| FlowError::BadFlow {
                     field,
                     reason: format!("{s:?} is not an address:port ({e})"),

@@ -83,7 +83,7 @@ pub fn packets_from_commit(
             };
             let addr = |field: &'static str, text: &str| {
                 text.parse::<SocketAddr>()
-                    .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
+                    .map(crate::inet::canonical)
                     .map_err(|e| {
                         invalid(field, format!("{text:?} is not an address and port: {e}"))
                     })

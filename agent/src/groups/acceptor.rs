@@ -128,9 +128,9 @@ impl Groups {
             reason: e.to_string(),
         })?;
         // A dual-stack socket's IPv4 client is the flow's IPv4 one.
-        let remote =
-            std::net::SocketAddr::new(state.remote.ip().to_canonical(), state.remote.port());
-        if remote != flow.remote || state.local.port() != flow.local_port {
+        if crate::inet::canonical(state.remote) != flow.remote
+            || state.local.port() != flow.local_port
+        {
             return Err(GroupsError::Invalid {
                 field: "state",
                 reason: format!(

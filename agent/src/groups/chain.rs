@@ -26,7 +26,7 @@
 //!   it back ([`super::members`]), the seed's "please join again".
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -571,20 +571,7 @@ pub(super) struct TcpEntry {
 /// 32-bit words each in the kernel's (little-endian) order: one for IPv4,
 /// four for IPv6. IPv4-mapped IPv6 addresses are given as IPv4 ones.
 pub(super) fn tcp_entries(text: &str) -> impl Iterator<Item = TcpEntry> + '_ {
-    let end = |s: &str| -> Option<SocketAddr> {
-        let (a, p) = s.split_once(':')?;
-        let mut bytes = Vec::with_capacity(16);
-        for word in a.as_bytes().chunks(8) {
-            let word = std::str::from_utf8(word).ok()?;
-            bytes.extend_from_slice(&u32::from_str_radix(word, 16).ok()?.to_le_bytes());
-        }
-        let ip = match bytes.len() {
-            4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
-            16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?).to_canonical(),
-            _ => return None,
-        };
-        Some(SocketAddr::new(ip, u16::from_str_radix(p, 16).ok()?))
-    };
+    let end = crate::inet::of_proc_net;
     text.lines().skip(1).filter_map(move |l| {
         let f: Vec<&str> = l.split_whitespace().collect();
         Some(TcpEntry {

@@ -60,13 +60,7 @@ fn examine(
     if ty != libc::SOCK_STREAM || proto != libc::IPPROTO_TCP {
         return Err(not("the socket is not a TCP socket".into()));
     }
-    let inet = |a: SockaddrStorage| -> Option<std::net::SocketAddr> {
-        if let Some(v4) = a.as_sockaddr_in() {
-            return Some(std::net::SocketAddrV4::from(*v4).into());
-        }
-        let v6 = a.as_sockaddr_in6()?;
-        Some((v6.ip().to_canonical(), v6.port()).into())
-    };
+    let inet = |a: SockaddrStorage| crate::inet::of_sockaddr(&a);
     let local = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
         .ok()
         .and_then(inet)

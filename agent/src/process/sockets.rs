@@ -516,23 +516,10 @@ fn parse_table(text: &str) -> Vec<TableEntry> {
             } else {
                 0
             };
-            // The kernel prints the network-order address as host-order
-            // 32-bit hex numbers (one for IPv4, four for IPv6): each one's
-            // bytes in memory order are the address's.
-            let remote = f.get(2).and_then(|r| r.split(':').next()).and_then(|h| {
-                let mut bytes = Vec::with_capacity(16);
-                for word in h.as_bytes().chunks(8) {
-                    let word = u32::from_str_radix(std::str::from_utf8(word).ok()?, 16).ok()?;
-                    bytes.extend_from_slice(&word.to_ne_bytes());
-                }
-                match bytes.len() {
-                    4 => Some(std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?)),
-                    16 => Some(
-                        std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?).to_canonical(),
-                    ),
-                    _ => None,
-                }
-            });
+            let remote = f
+                .get(2)
+                .and_then(|r| crate::inet::of_proc_net(r))
+                .map(|a| a.ip());
             Some(TableEntry {
                 local_port: port,
                 remote,

@@ -144,7 +144,7 @@ fn peek_all(
     let (family, bound) = if let Some(a) = local.as_sockaddr_in() {
         (Family::V4, SocketAddr::from(*a))
     } else if let Some(a) = local.as_sockaddr_in6() {
-        (Family::V6, SocketAddr::new(a.ip().to_canonical(), a.port()))
+        (Family::V6, crate::inet::canonical(SocketAddr::from(*a)))
     } else {
         return Ok(());
     };
@@ -202,7 +202,7 @@ fn peek_each(
                 Err(nix::Error::EINTR) => continue,
                 Err(e) => return Err(e),
             };
-            let peer = msg.address.as_ref().and_then(inet_of);
+            let peer = msg.address.as_ref().and_then(crate::inet::of_sockaddr);
             let mut dst = None;
             for c in msg.cmsgs()? {
                 match c {
@@ -225,15 +225,6 @@ fn peek_each(
             payload: buf[..len.min(buf.len())].to_vec(),
         });
     }
-}
-
-/// An IPv4 or IPv6 address, an IPv4-mapped one as IPv4.
-fn inet_of(a: &SockaddrStorage) -> Option<SocketAddr> {
-    if let Some(v4) = a.as_sockaddr_in() {
-        return Some(SocketAddr::from(*v4));
-    }
-    let v6 = a.as_sockaddr_in6()?;
-    Some(SocketAddr::new(v6.ip().to_canonical(), v6.port()))
 }
 
 /// Gives the UDP sockets of a restored tree their own receive buffer back

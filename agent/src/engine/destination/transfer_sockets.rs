@@ -54,8 +54,10 @@ pub(super) fn relocate_in_cluster(
     let (source, nodes) = in_cluster_addresses(engine, from)?;
     let mut moved = Vec::new();
     for c in states {
-        let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
-        let (local, remote) = (canonical(c.local), canonical(c.remote));
+        let (local, remote) = (
+            crate::inet::canonical(c.local),
+            crate::inet::canonical(c.remote),
+        );
         if local.ip() != source {
             continue;
         }
