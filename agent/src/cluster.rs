@@ -209,8 +209,17 @@ impl Cluster {
         let endpoint = endpoint
             .http2_keep_alive_interval(interval)
             .keep_alive_timeout(timeout);
+        // TLS runs over a read buffer (crate::peer_io).
+        let address = peer.address;
+        let connect = tower::service_fn(move |_: http::Uri| async move {
+            let tcp = tokio::net::TcpStream::connect(address).await?;
+            tcp.set_nodelay(true)?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                crate::peer_io::BufferedTcp::new(tcp),
+            ))
+        });
         endpoint
-            .connect()
+            .connect_with_connector(connect)
             .await
             .map_err(|e| unreachable(error_chain(&e)))
     }

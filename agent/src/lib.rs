@@ -41,6 +41,7 @@ pub mod membership;
 pub mod memtrack;
 pub mod metrics;
 pub mod node;
+pub mod peer_io;
 pub mod ports;
 pub mod process;
 pub(crate) mod reaper;

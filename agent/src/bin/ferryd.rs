@@ -755,10 +755,12 @@ fn serve_peer(
             // another stream of the connection (the images) is in flight.
             tokio_stream::StreamExt::map(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),
+                // TLS over a read buffer (ferry_agent::peer_io): the pages
+                // of a post-copy and the images arrive in large reads.
                 |conn| {
                     conn.and_then(|c| {
                         c.set_nodelay(true)?;
-                        Ok(c)
+                        Ok(ferry_agent::peer_io::BufferedTcp::new(c))
                     })
                 },
             ),

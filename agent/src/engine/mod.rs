@@ -308,6 +308,7 @@ pub mod needs;
 mod pagesender;
 pub(crate) mod pagestore;
 mod pagetunnel;
+mod pagewindow;
 pub mod precopy;
 mod queued;
 mod recover;

@@ -8,25 +8,19 @@
 //! Little is in flight, so that a fault's pages do not queue behind much
 //! background traffic, here, in the connection or in a shaped link's
 //! queue: the destination acknowledges what it stored, and the background
-//! pages sent and not stored stay under a window of [`QUEUED`] at the rate
-//! the destination stores them ([`MIN_WINDOW`] at least, [`MAX_WINDOW`] at
-//! most); the pages asked for pass it. Measured here (1 GiB, release
-//! build, 2 cores): at 1 Gb/s every setting fills at 119 MB/s, and the
-//! faults' summed wait was 1.1 s with 2 ms (as with CRIU's lazy pages),
-//! 1.7 s with 4 ms, 2.6 s with 8 ms; without a link limit the fill
-//! reached 270, 385 and 405 MB/s, bound by the CPUs. A fault's wait is
-//! what the process's users see: 2 ms. Batches are half the window (64 to
-//! 256 KiB), and the first 16 KiB of an ask, from the faulted page, go on
-//! a batch of their own before the rest of it: at 1 GiB and 1 Gb/s the
-//! faults' summed wait went from 1.4-1.5 s to 0.95 s, and without a link
-//! limit the fill from ~310 to ~370-400 MB/s. While faults ask, the
-//! window shrinks to [`FAULTING_WINDOW`].
+//! pages sent and not stored stay under a window that keeps the path full
+//! with a queue of 2 ms at most, and much less while faults ask
+//! (`super::pagewindow`); the pages asked for pass it. A fault's wait is
+//! what the process's users see. Batches are half the window (64 to 256
+//! KiB), and the first 16 KiB of an ask, from the faulted page, go on a
+//! batch of their own before the rest of it: at 1 GiB and 1 Gb/s the
+//! faults' summed wait went from 1.4-1.5 s to 0.95 s.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{PageBatch, PageRun, PageWant};
 use futures::StreamExt;
@@ -34,6 +28,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::EngineError;
 use super::link::{PeerLink, peer_error};
+use super::pagewindow::Window;
 use crate::memtrack::{self, RangeSet};
 
 /// Bytes per batch: half the window, so that two batches are in flight,
@@ -47,27 +42,16 @@ const MAX_CHUNK: u64 = 256 << 10;
 const CHUNKS_IN_WINDOW: u64 = 2;
 /// The first bytes of an ask, sent as a batch of their own.
 const ASK_LEAD: u64 = 16 << 10;
-/// While faults ask (one within [`FAULTING_FOR`]), the background pages
-/// unacknowledged stay under this much, whatever the rate: the next
-/// fault's pages then queue behind less. Measured (1 GiB, release build):
-/// at 1 Gb/s the faults' summed wait went from 0.95 to 0.68-0.75 s with
-/// the fill still at the link's 119 MB/s, and a Redis client reading
-/// random keys got 24,000-28,000 answers instead of 19,500 in the 10 s
-/// window, its longest wait 59-110 ms instead of 127-170; without a link
-/// limit the summed wait went from 390 to 283-288 ms, and the fill from
-/// 372 to 312-347 MB/s: a writer that faults throughout keeps the window
-/// small.
-const FAULTING_WINDOW: u64 = 2 * MIN_CHUNK;
+/// Faults ask while one asked within this long: the window then keeps
+/// almost no queue, so that the next fault's pages wait behind little.
+/// Measured (1 GiB, release build): at 1 Gb/s the faults' summed wait
+/// went from 0.95 to 0.68-0.75 s with the fill still at the link's 119
+/// MB/s, and a Redis client reading random keys got 24,000-28,000 answers
+/// instead of 19,500 in the 10 s window, its longest wait 59-110 ms
+/// instead of 127-170.
 const FAULTING_FOR: Duration = Duration::from_millis(20);
 /// Batches queued for the stream.
 const DEPTH: usize = 4;
-/// The window: what the destination stores in this long, at least
-/// [`MIN_WINDOW`], at most [`MAX_WINDOW`].
-const QUEUED: Duration = Duration::from_millis(2);
-const MIN_WINDOW: u64 = 256 << 10;
-const MAX_WINDOW: u64 = 16 << 20;
-/// How often the rate behind the window is measured again.
-const RATE_PERIOD: Duration = Duration::from_millis(50);
 
 /// One process's pages to send.
 #[derive(Debug, Clone)]
@@ -86,6 +70,8 @@ pub struct Sent {
     /// Asks from the destination's faults, and the bytes sent for them.
     pub asks: u64,
     pub asked_bytes: u64,
+    /// The shortest round of a batch, read to stored (the path's delay).
+    pub min_rtt: Option<Duration>,
 }
 
 /// The pages the dump left out (parent runs of each pagemap image in
@@ -250,6 +236,7 @@ impl Sending {
                 mib = sent.bytes >> 20,
                 asks = sent.asks,
                 asked_kib = sent.asked_bytes >> 10,
+                min_rtt_us = sent.min_rtt.map(|d| d.as_micros() as u64),
                 "post-copy pages sent"
             ),
             Ok(Ok(Err(e))) if done => tracing::warn!(error = %e, "sending the post-copy pages"),
@@ -278,19 +265,12 @@ fn read_and_send(
 ) -> Result<Sent, EngineError> {
     let mut sent = Sent::default();
     let mut stored = 0u64;
-    let mut window = MIN_WINDOW;
-    let mut mark = (std::time::Instant::now(), 0u64);
-    let mut last_ask: Option<std::time::Instant> = None;
+    let mut window = Window::new(Instant::now());
+    let mut last_ask: Option<Instant> = None;
     let stopped = || EngineError::StreamClosed("post-copy page (stopped)");
     loop {
         loop {
-            let elapsed = mark.0.elapsed();
-            if elapsed >= RATE_PERIOD {
-                let rate = (stored - mark.1) as f64 / elapsed.as_secs_f64();
-                window = ((rate * QUEUED.as_secs_f64()) as u64).clamp(MIN_WINDOW, MAX_WINDOW);
-                mark = (std::time::Instant::now(), stored);
-            }
-            let open = sent.bytes.saturating_sub(stored) < window_now(window, last_ask);
+            let open = sent.bytes.saturating_sub(stored) < window_now(&window, last_ask);
             let w = match gate.load(Ordering::SeqCst) {
                 STOP => return Err(stopped()),
                 EVERYTHING if open => match wants.try_recv() {
@@ -308,6 +288,7 @@ fn read_and_send(
                 },
             };
             stored = stored.max(w.stored_bytes);
+            window.stored(stored, Instant::now());
             if w.length == 0 {
                 continue;
             }
@@ -316,7 +297,7 @@ fn read_and_send(
             };
             let asked = t.pages.within(w.vaddr, w.vaddr.saturating_add(w.length));
             sent.asks += 1;
-            last_ask = Some(std::time::Instant::now());
+            last_ask = Some(Instant::now());
             for (i, (s, e)) in asked.iter().enumerate() {
                 // The faulted page leads the ask: on its own small batch,
                 // it is stored and installed without waiting for the
@@ -327,26 +308,26 @@ fn read_and_send(
                     + send_range(t, lead, e, MAX_CHUNK, tx, migration_id)?;
                 sent.asked_bytes += n;
                 sent.bytes += n;
+                window.sent(sent.bytes, Instant::now());
             }
         }
         let Some(t) = left.iter_mut().find(|t| !t.pages.is_empty()) else {
+            sent.min_rtt = window.min_rtt();
             return Ok(sent);
         };
         let (s, e) = t.pages.iter().next().expect("not empty");
-        let chunk = (window_now(window, last_ask) / CHUNKS_IN_WINDOW).clamp(MIN_CHUNK, MAX_CHUNK)
+        let chunk = (window_now(&window, last_ask) / CHUNKS_IN_WINDOW).clamp(MIN_CHUNK, MAX_CHUNK)
             & !(memtrack::page_size() - 1);
+        let read_at = Instant::now();
         sent.bytes += send_range(t, s, e.min(s + chunk), chunk, tx, migration_id)?;
+        window.sent(sent.bytes, read_at);
     }
 }
 
-/// The window for the background pages: `window`, or less while faults
-/// ask (the last at `last_ask`).
-fn window_now(window: u64, last_ask: Option<std::time::Instant>) -> u64 {
-    if last_ask.is_some_and(|t| t.elapsed() < FAULTING_FOR) {
-        window.min(FAULTING_WINDOW)
-    } else {
-        window
-    }
+/// The window for the background pages: the shorter one while faults ask
+/// (the last at `last_ask`).
+fn window_now(window: &Window, last_ask: Option<Instant>) -> u64 {
+    window.limit(last_ask.is_some_and(|t| t.elapsed() < FAULTING_FOR))
 }
 
 /// Reads `[s, e)` of `t`'s stopped copy and queues it, in batches of at
