@@ -304,11 +304,12 @@ fn read_and_send(
                 // rest of the ask to cross the link (64 pages take 2 ms
                 // at 1 Gb/s).
                 let lead = if i == 0 { e.min(s + ASK_LEAD) } else { s };
+                let read_at = Instant::now();
                 let n = send_range(t, s, lead, ASK_LEAD, tx, migration_id)?
                     + send_range(t, lead, e, MAX_CHUNK, tx, migration_id)?;
                 sent.asked_bytes += n;
                 sent.bytes += n;
-                window.sent(sent.bytes, Instant::now());
+                window.sent(sent.bytes, read_at);
             }
         }
         let Some(t) = left.iter_mut().find(|t| !t.pages.is_empty()) else {
