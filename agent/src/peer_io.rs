@@ -8,9 +8,11 @@
 //! holds at once (~85 KiB a read in the same transfer), and TLS reads its
 //! records from memory. Measured with post-copy's page window
 //! (`engine::pagewindow`), 1 GiB, release build, no link limit, 3
-//! migrations each, interleaved: the fill 391-428 MB/s against 212-371
+//! migrations each, interleaved: the fill 391-448 MB/s against 212-371
 //! without the buffer (the buffer without that window: no change); at 1
-//! Gb/s the fill is the link's either way.
+//! Gb/s the fill is the link's either way. The freeze at 1024 connections
+//! (their states cross in the freeze) did not change: 22 interleaved
+//! rounds (`ferry-bench-ab`), medians 40.2-43.3 ms against 40.5-41.9.
 //!
 //! Writes pass straight through: HTTP/2 flushes after every data frame, so
 //! a write buffer would gather nothing; and larger frames, which would
