@@ -1,7 +1,7 @@
 //! Looking at sockets inside a namespace, to tell which node holds a
 //! connection.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::Path;
 
 use crate::netns::{self, NetNsError};
@@ -118,28 +118,11 @@ pub fn parse_proc_net_tcp(text: &str) -> Result<Vec<TcpEntry>, InspectError> {
 fn parse_line(line: &str) -> Option<TcpEntry> {
     let f: Vec<&str> = line.split_whitespace().collect();
     Some(TcpEntry {
-        local: parse_addr(f.get(1)?)?,
-        remote: parse_addr(f.get(2)?)?,
+        local: ferry_agent::inet::of_proc_net(f.get(1)?)?,
+        remote: ferry_agent::inet::of_proc_net(f.get(2)?)?,
         state: u8::from_str_radix(f.get(3)?, 16).ok()?,
         inode: f.get(9)?.parse().ok()?,
     })
-}
-
-/// The kernel prints the address as `__be32` words each read as a host
-/// integer (`%08X`): one for IPv4, four for IPv6; the port in host order.
-fn parse_addr(s: &str) -> Option<SocketAddr> {
-    let (ip, port) = s.split_once(':')?;
-    let mut bytes = Vec::with_capacity(16);
-    for word in ip.as_bytes().chunks(8) {
-        let word = u32::from_str_radix(std::str::from_utf8(word).ok()?, 16).ok()?;
-        bytes.extend_from_slice(&word.to_ne_bytes());
-    }
-    let ip = match bytes.len() {
-        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
-        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?).to_canonical(),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, u16::from_str_radix(port, 16).ok()?))
 }
 
 /// Every socket descriptor of process `pid`, duplicated into this process

@@ -264,13 +264,12 @@ fn read_and_send(
     gate: &AtomicU8,
 ) -> Result<Sent, EngineError> {
     let mut sent = Sent::default();
-    let mut stored = 0u64;
     let mut window = Window::new(Instant::now());
     let mut last_ask: Option<Instant> = None;
     let stopped = || EngineError::StreamClosed("post-copy page (stopped)");
     loop {
         loop {
-            let open = sent.bytes.saturating_sub(stored) < window_now(&window, last_ask);
+            let open = window.in_flight(sent.bytes) < window_now(&window, last_ask);
             let w = match gate.load(Ordering::SeqCst) {
                 STOP => return Err(stopped()),
                 EVERYTHING if open => match wants.try_recv() {
@@ -287,8 +286,7 @@ fn read_and_send(
                     }
                 },
             };
-            stored = stored.max(w.stored_bytes);
-            window.stored(stored, Instant::now());
+            window.stored(w.stored_bytes, Instant::now());
             if w.length == 0 {
                 continue;
             }

@@ -93,6 +93,11 @@ impl Window {
         }
     }
 
+    /// Of the stream's first `sent` bytes, those not acknowledged yet.
+    pub fn in_flight(&self, sent: u64) -> u64 {
+        sent.saturating_sub(self.stored)
+    }
+
     /// Bytes stored per second, as last measured.
     #[cfg(test)]
     pub fn rate(&self) -> f64 {
@@ -140,7 +145,7 @@ mod tests {
                 let (end, _) = done.pop_front().unwrap();
                 w.stored(end, now);
             }
-            while sent - w.stored < w.limit(faulting) {
+            while w.in_flight(sent) < w.limit(faulting) {
                 sent += batch;
                 w.sent(sent, now);
                 let service = Duration::from_secs_f64(batch as f64 / capacity);
